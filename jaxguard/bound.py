@@ -1,0 +1,199 @@
+"""The shared-gradient difference bound: one coordinate, one gradient cell.
+
+Both the original and the restored update see the same gradient ``g`` and parameter
+``p``.  Writing ``m1 = keep*m + a*g`` and ``m2 = keep*m~ + a*g``, ``v_i = b2f*v_i + c2*g^2``,
+``d_i = sqrt(v_i)/B + eps`` and ``s_i = -S*m_i/d_i`` (the step), the difference is
+
+    (s1 - s2)/S = -[ keep*(m - m~)/d1  -  m2 * b2f*(v - v~) / (B*(sqrt v1 + sqrt v2)*d1*d2) ]
+
+``a*g`` cancels and ``p`` cancels, so the error is proportional to ``|m-m~|`` and ``|v-v~|``.
+On a cell ``g in [gl, gh]`` with ``0 <= gl <= gh`` every factor is monotone in ``g`` or
+linear in it, so interval arithmetic on this form is tight.  Negative cells are the
+positive ones with ``m, m~`` negated (the bound is odd in ``(g, m, m~)``).
+
+Numerical contract
+------------------
+`coordinate_bound` returns, for one coordinate and every cell of a partition of
+``[-clip, clip]``, a float32 number ``>=`` the supremum over the cell of
+``|p1' - p2'|``, the difference of the two *native* float32 updates under any variant of
+the pinned operation model (lerp/addcmul fused or not, IEEE or MKL/GPU sqrt within 4 ulp,
+division or reciprocal-multiply, torch or optax op order), provided the inputs are
+*certifiable*: finite, ``v, v~ >= 0``, and every nonzero moment has magnitude
+``>= 2**-80`` (`jaxguard.guard` escapes every other coordinate).  It is computed in
+float32 without directed rounding modes: stage 1 (ideal, real arithmetic) is evaluated
+in round-to-nearest and widened by ``GAMMA = 2**-17`` relative to the magnitudes
+involved (>= twice the worst accumulated rounding of the <= 60 operations in the chain)
+plus an absolute term for float32 flush-to-zero (XLA on CPU flushes subnormals); stage
+2 adds per-op radii ``R(M) = 8*u*M + 4*n_min`` through the native op sequence, and the
+final ``p + step`` rounding.  The derivation is in docs/bound.md; the enclosure audit
+(`jaxguard audit-enclosure`) checks it against the bit-exact torch replay.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .opmodel import StepConstants
+
+U = 2.0**-24                 # unit roundoff of float32
+N_MIN = 2.0**-126            # smallest normal float32
+GAMMA = 2.0**-17             # stage-1 evaluation margin (relative)
+CONST_REL = 2.0**-20         # framework constants computed in float32 (optax pow)
+TINY_MOMENT = 2.0**-80       # smaller nonzero moments are not certified (escape)
+
+# refinement levels: (linear cells per sign, geometric sub-steps per octave)
+LEVELS = ((1, 0), (16, 1), (64, 2), (256, 4), (1024, 8))
+GEOMETRIC_OCTAVES = 40       # geometric edges down to 2**-40 * clip
+
+
+def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
+    """Cell edges on [0, 1] (multiplied by the clip); level 0 is the whole interval."""
+    n_lin, sub = LEVELS[level]
+    edges = [np.linspace(0.0, 1.0, n_lin + 1)]
+    if partition == "mixed" and sub:
+        j = np.arange(0, GEOMETRIC_OCTAVES * sub + 1)
+        edges.append(2.0 ** (-j / sub))
+    elif partition not in ("mixed", "linear"):
+        raise ValueError(f"partition={partition!r}; use 'mixed' or 'linear'")
+    e = np.unique(np.concatenate(edges + [np.array([0.0, 1.0])]).astype(np.float32))
+    return e
+
+
+def pack_constants(c: StepConstants, tau: float) -> np.ndarray:
+    thr = np.float32(np.float32(tau) * np.float32(c.lr)) * np.float32(1 - 4 * U)
+    return np.array([c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr],
+                    dtype=np.float32)
+
+
+def _shared_ideal(k, m, v, mt, vt, gl, gh):
+    """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|."""
+    keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
+    dm = m - mt
+    dv = v - vt
+    gl2, gh2 = gl * gl, gh * gh
+    s1l, s1h = jnp.sqrt(b2f * v + c2 * gl2), jnp.sqrt(b2f * v + c2 * gh2)
+    s2l, s2h = jnp.sqrt(b2f * vt + c2 * gl2), jnp.sqrt(b2f * vt + c2 * gh2)
+    d1l, d1h = s1l / B + eps, s1h / B + eps
+    d2l, d2h = s2l / B + eps, s2h / B + eps
+    A_l, A_h = keep * dm / d1l, keep * dm / d1h
+    A_lo, A_hi = jnp.minimum(A_l, A_h), jnp.maximum(A_l, A_h)
+    nz = dv != 0
+    R_l = jnp.where(nz, dv / jnp.where(nz, s1l + s2l, 1.0), 0.0)
+    R_h = jnp.where(nz, dv / jnp.where(nz, s1h + s2h, 1.0), 0.0)
+    F_l = b2f * R_l / (B * d1l * d2l)
+    F_h = b2f * R_h / (B * d1h * d2h)
+    F_lo, F_hi = jnp.minimum(F_l, F_h), jnp.maximum(F_l, F_h)
+    em2 = 4 * U * (jnp.abs(keep * mt) + a * gh) + 4 * N_MIN
+    m2_lo = keep * mt + a * gl - em2
+    m2_hi = keep * mt + a * gh + em2
+    prods = (m2_lo * F_lo, m2_lo * F_hi, m2_hi * F_lo, m2_hi * F_hi)
+    Bt_lo = functools.reduce(jnp.minimum, prods)
+    Bt_hi = functools.reduce(jnp.maximum, prods)
+    sup = jnp.maximum(jnp.abs(A_lo - Bt_hi), jnp.abs(A_hi - Bt_lo))
+    amax = jnp.maximum(jnp.abs(A_lo), jnp.abs(A_hi))
+    bmax = jnp.maximum(jnp.abs(Bt_lo), jnp.abs(Bt_hi))
+    m2max = jnp.maximum(jnp.abs(m2_lo), jnp.abs(m2_hi))
+    flush = N_MIN * (8.0 + ((4.0 * (m2max + 1.0)) * b2f / (B * d1l)) / d2l)
+    return S * (sup + GAMMA * (amax + bmax) + flush) * (1 + 4 * U)
+
+
+def _separate_ideal(k, m, v, mt, vt, gl, gh):
+    """Ablation: range each update on its own and subtract the intervals."""
+    s1_lo, s1_hi, _ = _step_range(k, m, v, gl, gh)
+    s2_lo, s2_hi, _ = _step_range(k, mt, vt, gl, gh)
+    sup = jnp.maximum(s1_hi - s2_lo, s2_hi - s1_lo)
+    mag = jnp.maximum(jnp.maximum(jnp.abs(s1_lo), jnp.abs(s1_hi)), jnp.maximum(jnp.abs(s2_lo), jnp.abs(s2_hi)))
+    return (sup + GAMMA * mag) * (1 + 4 * U)
+
+
+def _step_range(k, mm, vv, gl, gh):
+    keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
+    ml, mh = keep * mm + a * gl, keep * mm + a * gh
+    dl = jnp.sqrt(b2f * vv + c2 * gl * gl) / B + eps
+    dh = jnp.sqrt(b2f * vv + c2 * gh * gh) / B + eps
+    q = (ml / dl, ml / dh, mh / dl, mh / dh)
+    lo = S * functools.reduce(jnp.minimum, q)
+    hi = S * functools.reduce(jnp.maximum, q)
+    return lo, hi, jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+
+
+def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
+    """Stage 2 for one branch: sup over the cell of |s_native - s_ideal|, and sup|s|."""
+    keep, a, b2f, c2, S, B, eps, lr, wd = (k[i] for i in range(9))
+    Mm = 2 * jnp.abs(mm) + gh
+    e_m = 3 * (8 * U * Mm + 4 * N_MIN)
+    mmax = jnp.maximum(jnp.abs(keep * mm + a * gl), jnp.abs(keep * mm + a * gh)) + e_m
+    d_min = jnp.sqrt(b2f * vv + c2 * gl * gl) / B + eps
+    rho_d = 64 * U + CONST_REL + 4e-19 / (B * d_min)
+    inv = S / (d_min * (1 - rho_d))
+    s_max = inv * mmax
+    alloc = inv * (e_m + mmax * (rho_d + 24 * U + CONST_REL))
+    if decay_in_update:
+        alloc = alloc + 16 * U * (s_max + lr * wd * pabs)
+        s_max = s_max + lr * wd * pabs
+    return alloc * (1 + 2.0**-16), s_max
+
+
+def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_update=False):
+    """Per-cell upper bounds of |p1' - p2'| for one coordinate; shape [2, ncells].
+
+    Row 0: cells with g >= 0, row 1: g <= 0 (m, m~ negated).
+    """
+    gl = clip * edges[:-1]
+    gh = clip * edges[1:]
+    out = []
+    for sgn in (1.0, -1.0):
+        sm, smt = sgn * m, sgn * mt
+        if bound == "shared":
+            ideal = _shared_ideal(k, sm, v, smt, vt, gl, gh)
+        else:
+            ideal = _separate_ideal(k, sm, v, smt, vt, gl, gh)
+        al1, s1 = _native_allowance(k, sm, v, pabs, gl, gh, decay_in_update)
+        al2, s2 = _native_allowance(k, smt, vt, pabs, gl, gh, decay_in_update)
+        final_round = 2 * U * (pabs + N_MIN + jnp.maximum(s1, s2)) + 2.0**-148
+        out.append((ideal + al1 + al2 + final_round) * (1 + 4 * U))
+    return jnp.stack(out)
+
+
+def coordinate_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_update=False):
+    """max over all cells of `cell_bounds` (NaN -> +inf so that it never certifies)."""
+    b = jnp.max(cell_bounds(k, m, v, mt, vt, pabs, clip, edges, bound=bound,
+                            decay_in_update=decay_in_update))
+    return jnp.where(jnp.isnan(b), jnp.inf, b)
+
+
+@functools.partial(jax.jit, static_argnames=("bound", "decay_in_update"))
+def batch_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_update=False):
+    """`coordinate_bound` vmapped over coordinates (1-D arrays)."""
+    f = functools.partial(coordinate_bound, bound=bound, decay_in_update=decay_in_update)
+    return jax.vmap(f, in_axes=(None, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)
+
+
+# ---------------------------------------------------------------- early reject
+PROBE_POINTS = (0.0, 2.0**-20, 2.0**-10, 2.0**-6, 2.0**-3, 0.5, 1.0)
+
+
+def _ideal_difference_at(k, m, v, mt, vt, g):
+    """(s1 - s2) at one gradient value, evaluated in float32 (round to nearest)."""
+    keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
+    m1, m2 = keep * m + a * g, keep * mt + a * g
+    d1 = jnp.sqrt(b2f * v + c2 * g * g) / B + eps
+    d2 = jnp.sqrt(b2f * vt + c2 * g * g) / B + eps
+    return S * (m1 / d1 - m2 / d2)
+
+
+def coordinate_lower(k, m, v, mt, vt, clip):
+    """A float32 number <= sup over |g| <= clip of |s1 - s2| (ideal): if it exceeds the
+    threshold the coordinate can never be certified, so refinement is skipped."""
+    g = clip * jnp.asarray(PROBE_POINTS, jnp.float32)
+    d = jnp.concatenate([_ideal_difference_at(k, m, v, mt, vt, g), _ideal_difference_at(k, m, v, mt, vt, -g)])
+    lo = jnp.max(jnp.abs(d)) * (1 - GAMMA) - 2.0**-100
+    return jnp.where(jnp.isnan(lo), 0.0, lo)
+
+
+@jax.jit
+def batch_lower(k, m, v, mt, vt, clip):
+    return jax.vmap(coordinate_lower, in_axes=(None, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)

@@ -1,0 +1,245 @@
+"""Code families for 8-bit (and 16-bit) optimizer-state moments.
+
+Every family here is written for one block of `BLOCK` coordinates and `jax.vmap`-ed over
+blocks by `encode_blocks` / `decode_blocks`.  The guard (jaxguard.guard) and the
+training-time quantizers (jaxguard.quant) share these functions: there is one AL8.
+
+Numerical contract (all families)
+---------------------------------
+* Decode uses only correctly rounded IEEE float32 multiplies (and exact bit
+  manipulation), so JAX (any backend, any XLA flags), numpy (jaxguard.reader) and torch
+  produce bit-identical float32 values.  Golden vectors in tests/golden pin this.
+* Decode never produces a subnormal number: scales and log-range bases are clamped to at
+  least the smallest normal float32, 2**-126.  XLA on CPU flushes subnormals to zero,
+  numpy does not; staying normal keeps the three decoders identical.
+* Non-finite values and values the caller marks invalid (`valid=False`) never enter a
+  block's statistics; the guard stores them exactly as escapes.
+* Encode is free to be inexact (its choice is what the container stores): it picks the
+  nearest code in value among the neighbours of an estimate.
+
+Families
+--------
+* ``linear8``  signed, ``scale = max(absmax/127, 2**-126)``, ``x~ = f32(q) * scale``.
+* ``log`` (AL8 for bits=8, AL16 for bits=16)  non-negative, exact zero:
+  ``q == 0 <=> x == 0``; codes ``1..L`` (L = 2**bits - 1) cover ``[lo, hi]`` of the
+  block's positive values geometrically: ``x~(q) = lo * r**(q-1)``, the power formed by
+  binary powering in a fixed order (squarings ``P_j = P_{j-1}**2``, then multiplies for
+  the set bits of ``q-1``, lowest bit first).  ``lo >= max(2**-126, hi * 2**-100)``: a
+  block's range is capped at 2**100 so that no intermediate overflows; smaller positive
+  values take code 1 and are judged by the guard.
+* ``bf16``     round-to-nearest-even to bfloat16; decode is a 16-bit shift.
+* ``dynamic8`` the bitsandbytes dynamic-tree map (signed for m, unsigned for v),
+  ``x~ = map[q] * absmax``; the 256-entry map is stored in the container.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 256
+TINY_NORMAL = np.float32(2.0**-126)
+LOG_RANGE_CAP_EXP = 100  # a log block spans at most 2**100
+
+_F32 = jnp.float32
+
+
+# ---------------------------------------------------------------- bit helpers
+def f32_bits(x):
+    return jax.lax.bitcast_convert_type(x.astype(_F32), jnp.uint32)
+
+
+def is_zero_bits(x):
+    """True for +0.0 and -0.0 only (subnormals are *not* zero: XLA CPU flushes them)."""
+    return (f32_bits(x) & jnp.uint32(0x7FFFFFFF)) == 0
+
+
+def is_finite_bits(x):
+    return (f32_bits(x) & jnp.uint32(0x7F800000)) != jnp.uint32(0x7F800000)
+
+
+def is_subnormal_bits(x):
+    b = f32_bits(x)
+    return ((b & jnp.uint32(0x7F800000)) == 0) & ((b & jnp.uint32(0x007FFFFF)) != 0)
+
+
+def is_negative_bits(x):
+    """Strictly negative, including negative subnormals; -0.0 is not negative."""
+    b = f32_bits(x)
+    return (b >> 31 == 1) & ((b & jnp.uint32(0x7FFFFFFF)) != 0)
+
+
+def bitwise_equal(a, b):
+    return f32_bits(a) == f32_bits(b)
+
+
+# ---------------------------------------------------------------- blocking
+def num_blocks(n: int) -> int:
+    return max(1, -(-n // BLOCK))
+
+
+def to_blocks(x, fill=0.0):
+    """Flatten and pad to [nblocks, BLOCK]."""
+    x = jnp.ravel(x)
+    n = x.shape[0]
+    nb = num_blocks(n)
+    pad = nb * BLOCK - n
+    if pad:
+        x = jnp.concatenate([x, jnp.full((pad,), fill, x.dtype)])
+    return x.reshape(nb, BLOCK)
+
+
+def pad_mask(n: int):
+    nb = num_blocks(n)
+    return (jnp.arange(nb * BLOCK) < n).reshape(nb, BLOCK)
+
+
+# ---------------------------------------------------------------- linear8 (m)
+def linear8_scale(x, valid):
+    ok = valid & is_finite_bits(x)
+    absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
+    return jnp.maximum(absmax / _F32(127.0), _F32(TINY_NORMAL))
+
+
+def linear8_decode_block(q, scale):
+    """q: int8 codes of one block; scale: f32.  One f32 multiply per value."""
+    return q.astype(_F32) * scale
+
+
+def linear8_encode_block(x, valid):
+    scale = linear8_scale(x, valid)
+    x0 = jnp.where(valid & is_finite_bits(x), x, 0.0)
+    q0 = jnp.clip(jnp.round(x0 / scale), -127, 127)
+    cands = jnp.stack([jnp.clip(q0 + d, -127, 127) for d in (-1.0, 0.0, 1.0)])
+    err = jnp.abs(cands * scale - x0)
+    q = jnp.take_along_axis(cands, jnp.argmin(err, axis=0)[None], axis=0)[0]
+    return q.astype(jnp.int8), scale
+
+
+# ---------------------------------------------------------------- log / AL (v)
+def _log_powers(r, bits):
+    """P_j = r**(2**j) by repeated squaring, j = 0..bits-1."""
+    ps = [r]
+    for _ in range(bits - 1):
+        ps.append(ps[-1] * ps[-1])
+    return ps
+
+
+def log_decode_block(q, lo, r, bits=8):
+    """q: unsigned codes of one block (0 = exact zero); lo, r: f32 block parameters."""
+    k = q.astype(jnp.int32) - 1
+    ps = _log_powers(r, bits)
+    val = jnp.broadcast_to(lo, q.shape).astype(_F32)
+    for j in range(bits):
+        bit = ((k >> j) & 1) == 1
+        val = jnp.where(bit, val * ps[j], val)
+    return jnp.where(q == 0, _F32(0.0), val)
+
+
+def log_block_params(x, valid, bits=8):
+    """(lo, r) of one block from its positive finite valid values."""
+    levels = (1 << bits) - 1
+    pos = valid & is_finite_bits(x) & ~is_zero_bits(x) & ~is_negative_bits(x)
+    xs = jnp.where(pos, x, 0.0)
+    hi = jnp.max(xs)
+    lo = jnp.min(jnp.where(pos, x, jnp.inf))
+    hi = jnp.maximum(hi, _F32(TINY_NORMAL))
+    lo = jnp.clip(lo, _F32(TINY_NORMAL), hi)
+    lo = jnp.maximum(lo, hi * _F32(2.0**-LOG_RANGE_CAP_EXP))
+    span = jnp.log2(hi) - jnp.log2(lo)
+    r = jnp.exp2(span / _F32(levels - 1))
+    r = jnp.where(hi > lo, jnp.maximum(r, _F32(1.0)), _F32(1.0))
+    return lo.astype(_F32), r.astype(_F32)
+
+
+def log_encode_block(x, valid, bits=8):
+    levels = (1 << bits) - 1
+    lo, r = log_block_params(x, valid, bits)
+    pos = valid & is_finite_bits(x) & ~is_zero_bits(x) & ~is_negative_bits(x)
+    xs = jnp.where(pos, x, lo)
+    safe_logr = jnp.where(r > 1.0, jnp.log2(r), _F32(1.0))
+    est = jnp.round((jnp.log2(jnp.maximum(xs, _F32(TINY_NORMAL))) - jnp.log2(lo)) / safe_logr) + 1
+    est = jnp.where(r > 1.0, est, _F32(1.0))
+    best_q = jnp.clip(est, 1, levels)
+    best_err = jnp.abs(log_decode_block(best_q.astype(jnp.int32), lo, r, bits) - xs)
+    for d in (-1.0, 1.0):
+        cq = jnp.clip(est + d, 1, levels)
+        ce = jnp.abs(log_decode_block(cq.astype(jnp.int32), lo, r, bits) - xs)
+        better = ce < best_err
+        best_q = jnp.where(better, cq, best_q)
+        best_err = jnp.where(better, ce, best_err)
+    q = jnp.where(pos, best_q, 0.0)
+    dtype = jnp.uint8 if bits == 8 else jnp.uint16
+    return q.astype(dtype), lo, r
+
+
+# ---------------------------------------------------------------- bf16
+def bf16_encode(x):
+    return x.astype(jnp.bfloat16)
+
+
+def bf16_decode(q):
+    return q.astype(_F32)
+
+
+# ---------------------------------------------------------------- dynamic map (bitsandbytes)
+@functools.lru_cache(maxsize=None)
+def dynamic_map(signed: bool) -> np.ndarray:
+    """The bitsandbytes dynamic-tree quantization map (max_exponent_bits=7, 8 bits).
+
+    Same construction as `bitsandbytes.functional.create_dynamic_map`: for each decimal
+    exponent i, midpoints of a float32 linspace(0.1, 1) scaled by 10**(i-6), mirrored for
+    the signed map, plus 0 and 1.0, sorted.  Tested against the installed package when
+    present; the container stores the table, so readers never recompute it.
+    """
+    total_bits, max_exp_bits = 8, 7
+    non_sign_bits = total_bits - (1 if signed else 1)
+    data: list[float] = []
+    additional = 2 ** (non_sign_bits - max_exp_bits) - 1
+    for i in range(max_exp_bits):
+        n_items = (2 ** (i + non_sign_bits - max_exp_bits) + 1 if signed
+                   else 2 ** (i + non_sign_bits - max_exp_bits + 1) + 1)
+        bounds = np.linspace(0.1, 1, n_items, dtype=np.float32)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
+        scale = 10 ** (-(max_exp_bits - 1) + i)
+        data += (scale * means.astype(np.float64)).tolist()
+        if signed:
+            data += (-(scale * means.astype(np.float64))).tolist()
+    if additional > 0:
+        bounds = np.linspace(0.1, 1, additional + 1, dtype=np.float32)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
+        scale = 10 ** (-(max_exp_bits - 1) + i)
+        data += (scale * means.astype(np.float64)).tolist()
+        if signed:
+            data += (-(scale * means.astype(np.float64))).tolist()
+    data.append(0.0)
+    data.append(1.0)
+    data += [0.0] * (256 - len(data))
+    data.sort()
+    return np.asarray(data, dtype=np.float32)
+
+
+def dynamic8_encode_block(x, valid, table, signed: bool):
+    ok = valid & is_finite_bits(x)
+    absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
+    absmax = jnp.maximum(absmax, _F32(TINY_NORMAL))
+    xn = jnp.where(ok, x, 0.0) / absmax
+    t = jnp.asarray(table)
+    idx = jnp.clip(jnp.searchsorted(t, xn), 1, 255)
+    lo_c, hi_c = idx - 1, idx
+    dec_lo = t[lo_c] * absmax
+    dec_hi = t[hi_c] * absmax
+    x0 = jnp.where(ok, x, 0.0)
+    q = jnp.where(jnp.abs(dec_lo - x0) <= jnp.abs(dec_hi - x0), lo_c, hi_c)
+    if not signed:
+        # exact zero stays zero (q of table value 0.0)
+        zero_code = int(np.argmax(np.asarray(table) == 0.0))
+        q = jnp.where(is_zero_bits(x0), zero_code, q)
+    return q.astype(jnp.uint8), absmax
+
+
+def dynamic8_decode_block(q, absmax, table):
+    return jnp.asarray(table)[q.astype(jnp.int32)] * absmax

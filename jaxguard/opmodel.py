@@ -1,0 +1,116 @@
+"""FP32 Adam/AdamW operation models: the update the guarantee is stated against.
+
+An operation model is a named, versioned value.  It fixes the float32 constants a
+framework feeds into its kernels and which op-order family its native update follows;
+`jaxguard.bound` turns those into the per-coordinate certificate.
+
+Numerical contract
+------------------
+`step_constants` returns the constants of the *next* update after a checkpoint at step
+count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
+
+* ``torch-adam``/``torch-adamw``: Python doubles rounded once to float32 when they enter
+  a kernel: ``a = f32(1-b1)``, ``keep = 1 - a`` (lerp's real weight on m),
+  ``b2f = f32(b2)``, ``c2 = f32(1-b2)``, ``S = f32(lr / (1-b1**(t+1)))``,
+  ``B = f32(sqrt(1-b2**(t+1)))``; update ``p + (-S*m')/(sqrt(v')/B + eps)``.
+* ``optax-adam``/``optax-adamw``: ``m' = f32(1-b1) g + f32(b1) m`` so ``keep = f32(b1)``;
+  bias corrections computed in float32 by XLA's ``pow``; the update is
+  ``p + -lr * (m'/bc1) / (sqrt(v'/bc2) + eps)`` (+ ``-lr*wd*p`` inside the update for
+  adamw).  `S` and `B` here are the double-precision values; the native allowance in
+  `jaxguard.bound` covers the float32 ``pow`` (relative ``2**-20``, see docs/bound.md).
+
+`torch_reference_step` is the textbook float32 update in numpy (IEEE sqrt, no FMA);
+it is *not* bit-exact with torch (see torch_compat.replay) and exists for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .errors import ConfigError
+
+OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw")
+OP_MODEL_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConstants:
+    """Constants of one Adam step (Python floats holding float32 values)."""
+
+    op_model: str
+    lr: float
+    keep: float      # weight of m in m' (real number)
+    a: float         # weight of g in m'
+    b2f: float       # weight of v in v'
+    c2: float        # weight of g*g in v'
+    S: float         # step size lr / (1 - b1**(t+1))
+    B: float         # sqrt(1 - b2**(t+1))
+    eps: float
+    weight_decay: float
+    decay_in_update: bool   # optax-adamw: -lr*wd*p is added inside the update
+    coupled_decay: bool     # torch-adam with weight_decay: g += wd * p
+
+    def to_json(self):
+        return dataclasses.asdict(self)
+
+
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def validate_hparams(lr, betas, eps, step, weight_decay=0.0):
+    b1, b2 = betas
+    for name, val in (("lr", lr), ("eps", eps), ("beta1", b1), ("beta2", b2), ("weight_decay", weight_decay)):
+        if not isinstance(val, (int, float)) or not math.isfinite(val):
+            raise ConfigError(f"{name}={val!r} is not a finite number; pass a float")
+    if lr <= 0:
+        raise ConfigError(f"lr={lr!r} must be > 0; pass the learning rate of the next update")
+    if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0):
+        raise ConfigError(f"betas={tuple(betas)!r} must lie in [0, 1); use e.g. (0.9, 0.999)")
+    if eps <= 0:
+        raise ConfigError(f"eps={eps!r} must be > 0")
+    if weight_decay < 0:
+        raise ConfigError(f"weight_decay={weight_decay!r} must be >= 0")
+    if not isinstance(step, (int, np.integer)) or step < 0:
+        raise ConfigError(f"step={step!r} must be an integer >= 0 (the optimizer's step count at the checkpoint)")
+
+
+def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), eps=1e-8,
+                   weight_decay: float = 0.0) -> StepConstants:
+    if op_model not in OP_MODELS:
+        raise ConfigError(f"op_model={op_model!r} is unknown; use one of {', '.join(OP_MODELS)}")
+    validate_hparams(lr, betas, eps, step, weight_decay)
+    b1, b2 = float(betas[0]), float(betas[1])
+    t = int(step) + 1
+    bc1 = 1.0 - b1**t
+    bc2 = 1.0 - b2**t
+    if op_model.startswith("torch"):
+        a = f32(1.0 - b1)
+        keep = 1.0 - a
+        S = f32(lr / bc1)
+        B = f32(math.sqrt(bc2))
+    else:
+        a = f32(1.0 - b1)
+        keep = f32(b1)
+        S = lr / bc1
+        B = math.sqrt(bc2)
+    return StepConstants(
+        op_model=op_model, lr=float(lr), keep=keep, a=a, b2f=f32(b2), c2=f32(1.0 - b2),
+        S=S, B=B, eps=f32(eps), weight_decay=float(weight_decay),
+        decay_in_update=(op_model == "optax-adamw" and weight_decay > 0),
+        coupled_decay=(op_model == "torch-adam" and weight_decay > 0),
+    )
+
+
+def torch_reference_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8):
+    """Textbook float32 torch Adam step in numpy (IEEE sqrt, separate roundings)."""
+    f = np.float32
+    b1, b2 = betas
+    t = step + 1
+    m1 = (m + f(1 - b1) * (g - m)).astype(f)
+    v1 = (v * f(b2) + (f(1 - b2) * g) * g).astype(f)
+    den = np.sqrt(v1) / f(math.sqrt(1 - b2**t)) + f(eps)
+    p1 = p + (f(-(lr / (1 - b1**t))) * m1) / den
+    return p1.astype(f), m1, v1
