@@ -1,0 +1,426 @@
+"""Which FP32 operation variant the installed torch uses for single-tensor Adam on CPU.
+
+Three things vary between machines and builds (see docs/replay.md):
+
+* whether ATen fuses ``lerp_``, ``addcmul_`` and ``add(alpha=)`` into an FMA (it does on
+  the AVX2/AVX-512 ATen paths, not with ``ATEN_CPU_CAPABILITY=default``);
+* ``torch.sqrt``: MKL's ``vsSqrt`` is not correctly rounded, and its kernel depends on the
+  CPU. We model it as "IEEE sqrt, then -1/0/+1 ulp from a correction table indexed by
+  (exponent parity, mantissa)", measured from ``torch.sqrt`` itself on the 2^24 inputs
+  of [1, 4). The table is two 2 MiB bitsets, built at first use in about 0.2 s and cached
+  under ``$XDG_CACHE_HOME/jaxguard`` (default ``~/.cache/jaxguard``), keyed by torch,
+  MKL, ATen capability, CPU model and flags, and the MKL environment variables;
+* nothing else was observed to vary (division by the bias-correction scalar is a true
+  division, scalars are Python doubles rounded once to float32).
+
+``detect_variant`` calibrates each op on crafted inputs that discriminate the
+candidates, then confirms the chosen model end to end on a calibration Adam step
+(body and scalar tail). The result is cached per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from jaxguard.errors import ConfigError
+
+MANTISSA_BITS = 23
+SQRT_TABLE_SIZE = 1 << (MANTISSA_BITS + 1)  # exponent parity x 2^23 mantissas
+SQRT_TABLE_WORDS = SQRT_TABLE_SIZE // 32
+SQRT_KINDS = ("ieee", "mkl-table")
+
+
+class ReplayVariantWarning(RuntimeWarning):
+    """The installed torch matched none of the modelled operation variants."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamVariant:
+    """One FP32 operation variant of torch's single-tensor Adam; JSON-able via ``to_dict``.
+
+    ``sqrt`` is ``"ieee"`` (correctly rounded) or ``"mkl-table"`` (IEEE plus the measured
+    per-(parity, mantissa) correction; ``sqrt_ulps_below``/``sqrt_ulps_above`` count the
+    table's -1/+1 entries out of 2^24 and ``sqrt_table_sha256`` names it).
+    """
+
+    lerp_fma: bool = True
+    addcmul_fma: bool = True
+    add_alpha_fma: bool = True
+    sqrt: str = "mkl-table"
+    matched: bool = True
+    torch: str = ""
+    aten_cpu_capability: str = ""
+    mkl: str = ""
+    cpu: str = ""
+    sqrt_ulps_below: int = 0
+    sqrt_ulps_above: int = 0
+    sqrt_table_sha256: str = ""
+    detail: str = ""
+
+    def __post_init__(self):
+        if self.sqrt not in SQRT_KINDS:
+            raise ConfigError(f"AdamVariant.sqrt={self.sqrt!r} is unknown; use one of {SQRT_KINDS}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SqrtTable:
+    """Bitsets over index ``(1 - exponent_parity) << 23 | mantissa``: where torch.sqrt is
+    one ulp below (``below``) or above (``above``) the IEEE square root."""
+
+    below: np.ndarray  # uint32[SQRT_TABLE_WORDS]
+    above: np.ndarray  # uint32[SQRT_TABLE_WORDS]
+    sha256: str
+
+    @property
+    def ulps_below(self) -> int:
+        return int(np.unpackbits(self.below.view(np.uint8)).sum())
+
+    @property
+    def ulps_above(self) -> int:
+        return int(np.unpackbits(self.above.view(np.uint8)).sum())
+
+    @property
+    def is_ieee(self) -> bool:
+        return not (self.below.any() or self.above.any())
+
+
+# ---------------------------------------------------------------------------------------
+# Environment fingerprint
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        raise ConfigError("torch is not importable; install torch==2.13.0 or pass variant= explicitly") from exc
+    return torch
+
+
+def _cpu_description() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+        flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+        vendor = re.search(r"^vendor_id\s*:\s*(.*)$", text, re.M)
+        parts = [m.group(1).strip() for m in (vendor, model) if m]
+        if flags:
+            parts.append("flags-sha256:" + hashlib.sha256(flags.group(1).encode()).hexdigest()[:16])
+        return " | ".join(parts) or platform.processor()
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _mkl_version() -> str:
+    torch = _torch()
+    found = re.search(r"Math Kernel Library Version (\S+)", torch.__config__.show())
+    return found.group(1) if found else "none"
+
+
+@functools.lru_cache(maxsize=1)
+def environment_fingerprint() -> dict:
+    torch = _torch()
+    return {
+        "torch": torch.__version__,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl": _mkl_version(),
+        "cpu": _cpu_description(),
+        "env": {k: os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")},
+    }
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxguard"
+
+
+# ---------------------------------------------------------------------------------------
+# The sqrt correction table
+
+
+def float32_from_bits(bits: np.ndarray) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def sqrt_table_index(bits: np.ndarray) -> np.ndarray:
+    """Table index of normal positive float32 bit patterns: ``(1 - exponent parity) << 23 | mantissa``."""
+    bits = np.asarray(bits, dtype=np.uint32)
+    exponent_parity_flipped = ((bits >> MANTISSA_BITS) & 1) ^ 1
+    return (exponent_parity_flipped << MANTISSA_BITS) | (bits & 0x7FFFFF)
+
+
+def _one_binade_pair_inputs() -> np.ndarray:
+    """All float32 in [1, 4), ordered by table index (biased exponents 127 then 128)."""
+    mantissas = np.arange(1 << MANTISSA_BITS, dtype=np.uint32)
+    return np.concatenate([float32_from_bits((np.uint32(e) << MANTISSA_BITS) | mantissas) for e in (127, 128)])
+
+
+def _torch_sqrt(x: np.ndarray) -> np.ndarray:
+    torch = _torch()
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sqrt().numpy()
+
+
+def _pack(mask: np.ndarray) -> np.ndarray:
+    return np.packbits(mask, bitorder="little").view(np.uint32).copy()
+
+
+def measure_sqrt_table() -> SqrtTable:
+    """Call torch.sqrt on every (parity, mantissa) pattern and record its ulp offsets from IEEE."""
+    x = _one_binade_pair_inputs()
+    offset = _torch_sqrt(x).view(np.int32).astype(np.int64) - np.sqrt(x).view(np.int32)
+    if np.abs(offset).max() > 1:
+        raise ConfigError(
+            f"torch.sqrt is {int(np.abs(offset).max())} ulps from IEEE on [1,4); "
+            "the replay's sqrt model covers 1 ulp only: pass variant= with sqrt='ieee' to opt out"
+        )
+    below, above = _pack(offset == -1), _pack(offset == 1)
+    digest = hashlib.sha256(below.tobytes() + above.tobytes()).hexdigest()
+    return SqrtTable(below=below, above=above, sha256=digest)
+
+
+def _table_path() -> Path:
+    key = hashlib.sha256(json.dumps(environment_fingerprint(), sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"torch-sqrt-table-{key}.npz"
+
+
+def _load_cached_table(path: Path) -> SqrtTable | None:
+    try:
+        with np.load(path) as data:
+            below, above = data["below"], data["above"]
+            stored = str(data["sha256"])
+    except (OSError, KeyError, ValueError):
+        return None
+    if below.shape != (SQRT_TABLE_WORDS,) or above.shape != (SQRT_TABLE_WORDS,):
+        return None
+    if hashlib.sha256(below.tobytes() + above.tobytes()).hexdigest() != stored:
+        return None
+    return SqrtTable(below=below.astype(np.uint32), above=above.astype(np.uint32), sha256=stored)
+
+
+def _store_table(path: Path, table: SqrtTable) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as tmp:
+            np.savez_compressed(tmp, below=table.below, above=table.above, sha256=np.array(table.sha256))
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
+    except OSError:
+        pass  # a read-only cache only costs the 0.2 s rebuild next time
+
+
+@functools.lru_cache(maxsize=1)
+def torch_sqrt_table() -> SqrtTable:
+    """The measured table for this process's torch/MKL/CPU: from the cache or measured now."""
+    path = _table_path()
+    table = _load_cached_table(path)
+    if table is None:
+        table = measure_sqrt_table()
+        _store_table(path, table)
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def ieee_sqrt_table() -> SqrtTable:
+    zeros = np.zeros(SQRT_TABLE_WORDS, np.uint32)
+    return SqrtTable(below=zeros, above=zeros, sha256=hashlib.sha256(zeros.tobytes() * 2).hexdigest())
+
+
+def sqrt_table_for(variant: AdamVariant) -> SqrtTable:
+    if variant.sqrt == "ieee":
+        return ieee_sqrt_table()
+    table = torch_sqrt_table()
+    if variant.sqrt_table_sha256 and variant.sqrt_table_sha256 != table.sha256:
+        raise ConfigError(
+            f"variant sqrt table {variant.sqrt_table_sha256[:12]} differs from this machine's "
+            f"{table.sha256[:12]}; call detect_variant() here instead of reusing another machine's variant"
+        )
+    return table
+
+
+# ---------------------------------------------------------------------------------------
+# Calibration
+
+
+def _exact_fma32(a, b, c) -> np.ndarray:
+    from torch_compat.replay import fma_float32_numpy
+
+    return fma_float32_numpy(a, b, c)
+
+
+def _calibration_rng() -> np.random.Generator:
+    return np.random.default_rng(20240605)
+
+
+def _first_match(observed: np.ndarray, fused: np.ndarray, unfused: np.ndarray) -> bool | None:
+    same = lambda x: np.array_equal(observed.view(np.int32), x.view(np.int32))  # noqa: E731
+    fused_ok, unfused_ok = same(fused), same(unfused)
+    if fused_ok == unfused_ok:
+        return None  # neither matched (or the inputs failed to discriminate)
+    return fused_ok
+
+
+def _calibrate_fma_ops(n: int = 20_011) -> dict:
+    """Run lerp_, addcmul_ and add(alpha=) on inputs where the fused and unfused results
+    differ on thousands of coordinates; report which one torch produced."""
+    torch = _torch()
+    rng = _calibration_rng()
+    g = (rng.standard_normal(n) * 0.05).astype(np.float32)
+    m = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    v = np.abs(rng.standard_normal(n) * 1e-6).astype(np.float32)
+    p = rng.standard_normal(n).astype(np.float32)
+    weight, value, alpha, beta2 = 1 - 0.9, 1 - 0.999, 0.1, 0.999
+    f32 = np.float32
+
+    lerp = torch.from_numpy(m.copy()).lerp_(torch.from_numpy(g), weight).numpy()
+    lerp_fused = _exact_fma32(f32(weight), g - m, m)
+    lerp_unfused = m + f32(weight) * (g - m)
+
+    v1 = v * f32(beta2)
+    addcmul = torch.from_numpy(v.copy()).mul_(beta2).addcmul_(torch.from_numpy(g), torch.from_numpy(g), value=value).numpy()
+    addcmul_fused = _exact_fma32(f32(value) * g, g, v1)
+    addcmul_unfused = v1 + (f32(value) * g) * g
+
+    add = torch.from_numpy(g).add(torch.from_numpy(p), alpha=alpha).numpy()
+    add_fused = _exact_fma32(f32(alpha), p, g)
+    add_unfused = g + f32(alpha) * p
+    return {
+        "lerp_fma": _first_match(lerp, lerp_fused, lerp_unfused),
+        "addcmul_fma": _first_match(addcmul, addcmul_fused, addcmul_unfused),
+        "add_alpha_fma": _first_match(add, add_fused, add_unfused),
+    }
+
+
+def _calibrate_sqrt(table: SqrtTable) -> str | None:
+    """Check the table against torch.sqrt on inputs where it deviates from IEEE, in
+    several binades and the subnormal range; None when it does not reproduce torch."""
+    from torch_compat.replay import sqrt_float32_numpy
+
+    rng = _calibration_rng()
+    index = np.arange(SQRT_TABLE_SIZE, dtype=np.uint32)
+    bits_set = np.unpackbits((table.below | table.above).view(np.uint8), bitorder="little").astype(bool)
+    special = index[bits_set]
+    picks = [rng.choice(special, size=min(4096, special.size), replace=False)] if special.size else []
+    picks.append(rng.integers(0, SQRT_TABLE_SIZE, 8192, dtype=np.uint32))
+    chosen = np.concatenate(picks).astype(np.uint32)
+    parity_flipped, mantissa = chosen >> MANTISSA_BITS, chosen & 0x7FFFFF
+    samples = []
+    for biased_exponent in (1, 41, 100, 127, 161, 200, 253):  # odd exponents; +1 for even ones
+        exponent = np.uint32(biased_exponent) + (parity_flipped & 1)
+        samples.append((exponent << MANTISSA_BITS) | mantissa)
+    samples.append(rng.integers(1, 1 << MANTISSA_BITS, 8192, dtype=np.uint32))  # subnormals
+    x = float32_from_bits(np.concatenate(samples))
+    if not np.array_equal(_torch_sqrt(x).view(np.int32), sqrt_float32_numpy(x, table).view(np.int32)):
+        return None
+    return "ieee" if table.is_ieee else "mkl-table"
+
+
+def _calibration_problem(n_body: int = 4096 * 3, n_short: tuple = (1, 3, 7, 15, 17, 31, 33, 100, 255)):
+    rng = _calibration_rng()
+    lengths = (n_body, *n_short)
+    tensors = []
+    for n in lengths:
+        g = (rng.standard_normal(n) * 0.02).astype(np.float32)
+        g[rng.random(n) < 0.05] = 0.0
+        m = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+        v = (10.0 ** rng.uniform(-14, -2, n)).astype(np.float32)
+        p = (rng.standard_normal(n) * 0.05).astype(np.float32)
+        tensors.append((p, g, m, v))
+    return tensors
+
+
+def _confirm_end_to_end(variant: AdamVariant) -> str:
+    """Compare the replay with torch on calibration Adam/AdamW steps; '' when all equal."""
+    from torch_compat.replay import adam_step, torch_adam_step_many
+
+    problems = []
+    for kwargs in (
+        dict(step=9, lr=1e-3, weight_decay=0.0, decoupled=False),
+        dict(step=0, lr=6e-4, weight_decay=0.01, decoupled=False),
+        dict(step=999, lr=1e-3, weight_decay=0.1, decoupled=True),
+    ):
+        tensors = _calibration_problem()
+        # torch steps each tensor separately (own scalar tail); the replay is elementwise
+        want = [np.concatenate(x) for x in torch_adam_step_many(*zip(*tensors), **kwargs)]
+        got = adam_step(*(np.concatenate(x) for x in zip(*tensors)), variant=variant, **kwargs)
+        for name, a, b in zip("pmv", want, got):
+            bad = int(np.count_nonzero(a.view(np.int32) != b.view(np.int32)))
+            if bad:
+                problems.append(f"{name}: {bad}/{a.size} differ ({kwargs})")
+    return "; ".join(problems[:3])
+
+
+_DETECTED: AdamVariant | None = None
+
+
+def detect_variant(refresh: bool = False) -> AdamVariant:
+    """Calibrate the installed torch once per process and return the matching variant.
+
+    On no match: a ``ReplayVariantWarning``, ``matched=False``, and the documented default
+    model (every op fused, measured sqrt table when it is within 1 ulp, else IEEE).
+    """
+    global _DETECTED
+    if _DETECTED is not None and not refresh:
+        return _DETECTED
+    started = time.perf_counter()
+    fingerprint = environment_fingerprint()
+    about = dict(
+        torch=fingerprint["torch"],
+        aten_cpu_capability=fingerprint["aten_cpu_capability"],
+        mkl=fingerprint["mkl"],
+        cpu=fingerprint["cpu"],
+    )
+    problems = []
+    try:
+        table = torch_sqrt_table()
+    except ConfigError as exc:
+        table, problems = ieee_sqrt_table(), [str(exc)]
+    fma = _calibrate_fma_ops()
+    for op, fused in fma.items():
+        if fused is None:
+            problems.append(f"{op}: torch matched neither the fused nor the unfused model")
+    sqrt_kind = _calibrate_sqrt(table)
+    if sqrt_kind is None:
+        problems.append("sqrt: the measured table does not reproduce torch.sqrt outside [1, 4)")
+    variant = AdamVariant(
+        lerp_fma=fma["lerp_fma"] is not False,
+        addcmul_fma=fma["addcmul_fma"] is not False,
+        add_alpha_fma=fma["add_alpha_fma"] is not False,
+        sqrt=sqrt_kind or ("ieee" if table.is_ieee else "mkl-table"),
+        matched=True,
+        sqrt_ulps_below=table.ulps_below,
+        sqrt_ulps_above=table.ulps_above,
+        sqrt_table_sha256=table.sha256,
+        **about,
+    )
+    end_to_end = _confirm_end_to_end(variant)
+    if end_to_end:
+        problems.append("end-to-end: " + end_to_end)
+    seconds = time.perf_counter() - started
+    if problems:
+        detail = "; ".join(problems)
+        warnings.warn(
+            f"torch_compat replay matched no modelled torch variant ({detail}); "
+            "using the documented default model, which may not be bit-exact here",
+            ReplayVariantWarning,
+            stacklevel=2,
+        )
+        variant = dataclasses.replace(variant, matched=False, detail=detail)
+    else:
+        variant = dataclasses.replace(variant, detail=f"calibrated in {seconds:.2f} s")
+    _DETECTED = variant
+    return variant

@@ -1,0 +1,529 @@
+"""Bit-exact replay of torch's single-tensor FP32 Adam/AdamW step in jitted JAX.
+
+``adam_step(p, g, m, v, step=t, lr=...)`` returns what one
+``torch.optim.Adam(foreach=False, fused=False)`` step (``AdamW`` with
+``decoupled=True``) produces from ``state["step"] = t`` on CPU, bit for bit.
+
+Numerical contract
+------------------
+Every torch kernel is one correctly rounded float32 operation, except that ``lerp_``,
+``addcmul_`` and ``add(alpha=)`` are fused multiply-adds on the AVX2/AVX-512 ATen paths
+and ``sqrt`` is MKL's ``vsSqrt`` (not correctly rounded). ``detect_variant()`` measures
+which of these the installed torch does; the replay then evaluates, per coordinate::
+
+    g'  = fma(f32(wd), p, g)                       # Adam with weight_decay only
+    p0  = p * f32(1 - lr*wd)                       # AdamW with weight_decay only
+    m'  = fma(f32(1-b1), g' - m, m)                # lerp, weight < 0.5 branch
+    v'  = fma(f32(1-b2) * g', g', v * f32(b2))     # mul_ then addcmul_
+    den = sqrt_torch(v') / f32(sqrt(1-b2^(t+1))) + f32(eps)
+    p'  = p0 + (f32(-lr/(1-b1^(t+1))) * m') / den
+
+with Python-double scalars rounded once to float32, as torch does. XLA on CPU would
+contract products into FMAs, reassociate under fast math, turn divisions into
+reciprocal multiplies and flush subnormals to zero. So every intermediate passes a
+value-preserving barrier (bitcast, xor with a runtime zero, bitcast back), FMA is
+emulated exactly with error-free transformations and a round-to-odd sum (float32
+only; no float64, no global ``jax_enable_x64``), and ``sqrt_torch`` is the IEEE square
+root corrected by the measured per-(exponent parity, mantissa) table. Coordinates where
+any input or intermediate is zero-but-nonzero-sized in the subnormal sense or extreme
+(``0 < |x| < 2^-60``, ``|x| >= 2^60``, NaN, Inf, or ``v < 0``) are recomputed by the
+numpy model (IEEE, no flush to zero, float64 round-to-odd FMA), so the result is exact
+for every input. Bit-exact means: same float32 bits in p, m and v, NaNs compared as NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from jaxguard.errors import ConfigError, UnsupportedOptimizerError
+from torch_compat._variant import (
+    MANTISSA_BITS,
+    AdamVariant,
+    ReplayVariantWarning,
+    SqrtTable,
+    detect_variant,
+    sqrt_table_for,
+    sqrt_table_index,
+)
+
+__all__ = [
+    "AdamVariant",
+    "ReplayVariantWarning",
+    "adam_step",
+    "detect_variant",
+    "numpy_adam_step",
+    "textbook_adam_step",
+    "torch_adam_step",
+    "torch_adam_step_many",
+    "AdamScalars",
+    "adam_scalars",
+]
+
+# A coordinate is replayed by the numpy model when any of its float32 values has a
+# magnitude outside [2^-60, 2^60) (zero excepted). Inside that range every product,
+# sum and error term of the emulation is a normal float32, so flushing cannot occur.
+LOW_EXPONENT = 127 - 60
+HIGH_EXPONENT = 127 + 60
+VELTKAMP_SPLITTER = 4097.0  # 2^12 + 1 splits a 24-bit significand into two 12-bit halves
+
+
+# ---------------------------------------------------------------------------------------
+# Scalars, exactly as torch's Python code computes them
+
+
+class AdamScalars(NamedTuple):
+    """The float32 scalars the kernels see (torch's Python doubles, each rounded once)."""
+
+    lerp_weight: object
+    one_minus_lerp_weight: object
+    beta2: object
+    one_minus_beta2: object
+    bias_correction2_sqrt: object
+    eps: object
+    neg_step_size: object
+    weight_decay: object
+    decay_factor: object
+
+
+def adam_scalars(*, step, lr, betas, eps, weight_decay, decoupled) -> AdamScalars:
+    beta1, beta2 = betas
+    # torch keeps state["step"] as a float32 tensor, adds 1 in float32, then .item()
+    torch_step = float(np.float32(step) + np.float32(1.0))
+    bias_correction1 = 1 - beta1**torch_step
+    bias_correction2 = 1 - beta2**torch_step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    lerp_weight = np.float32(1 - beta1)
+    f32 = np.float32
+    return AdamScalars(*(
+        lerp_weight,
+        f32(1) - lerp_weight,  # lerp's weight >= 0.5 branch computes 1 - w in float32
+        f32(beta2),
+        f32(1 - beta2),
+        f32(bias_correction2_sqrt),
+        f32(eps),
+        f32(-step_size),
+        f32(weight_decay),
+        f32(1 - lr * weight_decay),
+    ))
+
+
+def _check_hyperparameters(step, lr, betas, eps, weight_decay):
+    if not (isinstance(step, (int, np.integer)) and step >= 0):
+        raise ConfigError(f"step={step!r} must be a non-negative int (torch state['step'] before the update)")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ConfigError(f"betas={betas!r} must be a pair (beta1, beta2)")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("beta1", betas[0]), ("beta2", betas[1])):
+        if not (isinstance(value, (float, int, np.floating)) and math.isfinite(value)):
+            raise ConfigError(f"{name}={value!r} must be a finite Python float")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ConfigError(f"betas={betas!r} must lie in [0, 1), as torch.optim.Adam requires")
+    if lr < 0 or eps < 0 or weight_decay < 0:
+        raise ConfigError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0, as torch.optim.Adam requires")
+
+
+def _as_float32_arrays(p, g, m, v):
+    arrays = []
+    for name, x in zip(("p", "g", "m", "v"), (p, g, m, v)):
+        x = np.asarray(x)
+        if x.dtype != np.float32:
+            raise UnsupportedOptimizerError(
+                f"{name} has dtype {x.dtype}; the torch-adam replay is FP32 only: pass float32 arrays"
+            )
+        arrays.append(x)
+    if len({x.shape for x in arrays}) != 1:
+        raise ConfigError(f"p, g, m, v shapes {[x.shape for x in arrays]} differ; pass one tensor's four arrays")
+    return arrays
+
+
+# ---------------------------------------------------------------------------------------
+# The op sequence, written once for both arithmetic backends
+
+
+def _adam_ops(ar, p, g, m, v, s: AdamScalars, variant: AdamVariant, *, decoupled: bool, has_weight_decay: bool):
+    if has_weight_decay and decoupled:
+        p = ar.mul(p, s.decay_factor)
+    if has_weight_decay and not decoupled:
+        g = ar.fma(s.weight_decay, p, g) if variant.add_alpha_fma else ar.add(g, ar.mul(s.weight_decay, p))
+    diff = ar.sub(g, m)
+    if ar.lerp_weight_below_half:
+        m_new = ar.fma(s.lerp_weight, diff, m) if variant.lerp_fma else ar.add(m, ar.mul(s.lerp_weight, diff))
+    else:
+        m_new = (ar.fma(ar.neg(diff), s.one_minus_lerp_weight, g) if variant.lerp_fma
+                 else ar.sub(g, ar.mul(diff, s.one_minus_lerp_weight)))
+    v_decayed = ar.mul(v, s.beta2)
+    scaled_g = ar.mul(s.one_minus_beta2, g)
+    v_new = ar.fma(scaled_g, g, v_decayed) if variant.addcmul_fma else ar.add(v_decayed, ar.mul(scaled_g, g))
+    denom = ar.add(ar.div(ar.sqrt(v_new), s.bias_correction2_sqrt), s.eps)
+    p_new = ar.add(p, ar.div(ar.mul(s.neg_step_size, m_new), denom))
+    return p_new, m_new, v_new
+
+
+# ---------------------------------------------------------------------------------------
+# numpy backend: IEEE float32 without flush-to-zero; the reference and the fallback
+
+
+def fma_float32_numpy(a, b, c) -> np.ndarray:
+    """Correctly rounded float32 fma(a, b, c): exact float64 product, TwoSum, round to odd,
+    one final rounding to float32 (53 >= 2*24 + 2 makes that double rounding innocuous)."""
+    a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
+    product = a * b
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = product + c
+        b_virtual = total - product
+        error = (product - (total - b_virtual)) + (c - b_virtual)
+        bits = total.view(np.int64)
+        inexact = (error != 0) & np.isfinite(error)
+        to_odd = inexact & ((bits & 1) == 0)
+        toward_larger_magnitude = (error > 0) == (total > 0)
+        bits = np.where(to_odd, bits + np.where(toward_larger_magnitude, 1, -1), bits)
+        return bits.view(np.float64).astype(np.float32)
+
+
+def _table_bit(table_words: np.ndarray, index: np.ndarray) -> np.ndarray:
+    return (table_words[index >> 5] >> (index & 31)) & 1
+
+
+def sqrt_float32_numpy(x, table: SqrtTable) -> np.ndarray:
+    """torch.sqrt as modelled: IEEE sqrt, then the table's -1/+1 ulp; subnormals are scaled
+    by 2^24 (exact), rooted, and scaled back by 2^-12 (exact), which is what MKL does."""
+    x = np.asarray(x, np.float32)
+    bits = x.view(np.uint32)
+    subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFFFF) != 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = np.where(subnormal, x * np.float32(2.0**24), x)
+        root = np.sqrt(scaled)
+    scaled_bits = scaled.view(np.uint32)
+    correctable = (scaled_bits > 0) & (scaled_bits < 0x7F800000)  # positive, finite, nonzero
+    index = np.where(correctable, sqrt_table_index(scaled_bits), 0)
+    delta = _table_bit(table.above, index).astype(np.int32) - _table_bit(table.below, index).astype(np.int32)
+    root = np.where(correctable, (root.view(np.int32) + delta).view(np.float32), root)
+    return np.where(subnormal, root * np.float32(2.0**-12), root)
+
+
+class _NumpyArithmetic:
+    def __init__(self, table: SqrtTable, lerp_weight_below_half: bool):
+        self.table = table
+        self.lerp_weight_below_half = lerp_weight_below_half
+
+    @staticmethod
+    def _f32(x):
+        return np.asarray(x, np.float32)
+
+    def add(self, a, b):
+        return self._f32(a) + self._f32(b)
+
+    def sub(self, a, b):
+        return self._f32(a) - self._f32(b)
+
+    def mul(self, a, b):
+        return self._f32(a) * self._f32(b)
+
+    def div(self, a, b):
+        return self._f32(a) / self._f32(b)
+
+    def neg(self, a):
+        return -self._f32(a)
+
+    def fma(self, a, b, c):
+        return fma_float32_numpy(a, b, c)
+
+    def sqrt(self, x):
+        return sqrt_float32_numpy(x, self.table)
+
+
+def numpy_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
+                    variant: AdamVariant | None = None):
+    """The same model in numpy (float32 IEEE arithmetic, no flush to zero); slower, exact."""
+    _check_hyperparameters(step, lr, betas, eps, weight_decay)
+    p, g, m, v = _as_float32_arrays(p, g, m, v)
+    variant = variant or detect_variant()
+    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+    arithmetic = _NumpyArithmetic(sqrt_table_for(variant), bool(scalars.lerp_weight < 0.5))
+    with np.errstate(all="ignore"):
+        return _adam_ops(arithmetic, p, g, m, v, scalars, variant, decoupled=decoupled,
+                         has_weight_decay=weight_decay != 0)
+
+
+# ---------------------------------------------------------------------------------------
+# JAX backend
+
+
+def _jax():
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    return jax, jnp, lax
+
+
+class _JaxArithmetic:
+    """Exact float32 arithmetic under XLA: each result passes a barrier the compiler
+    cannot see through, so no FMA contraction, reassociation or reciprocal rewrite can
+    span two operations. Every value is recorded in ``tracked`` for the range check."""
+
+    def __init__(self, zero, sqrt_below, sqrt_above, lerp_weight_below_half: bool):
+        _, self.jnp, self.lax = _jax()
+        self.zero = zero
+        self.sqrt_below, self.sqrt_above = sqrt_below, sqrt_above
+        self.lerp_weight_below_half = lerp_weight_below_half
+        self.tracked = []
+
+    def hold(self, x):
+        lax, jnp = self.lax, self.jnp
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) ^ self.zero, jnp.float32)
+
+    def _track(self, x):
+        self.tracked.append(x)
+        return x
+
+    def _result(self, x):
+        return self._track(self.hold(x))
+
+    def add(self, a, b):
+        return self._result(a + b)
+
+    def sub(self, a, b):
+        return self._result(a - b)
+
+    def mul(self, a, b):
+        return self._result(a * b)
+
+    def div(self, a, b):
+        return self._result(a / self.hold(b))
+
+    def neg(self, a):
+        return -a
+
+    def _two_sum(self, a, b):
+        h = self.hold
+        total = h(a + b)
+        b_virtual = h(total - a)
+        a_virtual = h(total - b_virtual)
+        error = h(h(a - a_virtual) + h(b - b_virtual))
+        return total, error
+
+    def _split(self, a):
+        h = self.hold
+        scaled = h(a * VELTKAMP_SPLITTER)
+        high = h(scaled - h(scaled - a))
+        return high, h(a - high)
+
+    def _two_product(self, a, b):
+        h = self.hold
+        product = h(a * b)
+        a_high, a_low = self._split(a)
+        b_high, b_low = self._split(b)
+        error = h(h(a_high * b_high) - product)
+        error = h(error + h(a_high * b_low))
+        error = h(error + h(a_low * b_high))
+        error = h(error + h(a_low * b_low))
+        return product, error
+
+    def _round_to_odd_sum(self, a, b):
+        lax, jnp = self.lax, self.jnp
+        total, error = self._two_sum(a, b)
+        total_bits = lax.bitcast_convert_type(total, jnp.int32)
+        error_bits = lax.bitcast_convert_type(error, jnp.int32)
+        to_odd = ((error_bits & 0x7FFFFFFF) != 0) & ((total_bits & 1) == 0)
+        away_from_zero = (total_bits ^ error_bits) >= 0  # error has total's sign
+        total_bits = jnp.where(to_odd, total_bits + jnp.where(away_from_zero, 1, -1), total_bits)
+        return lax.bitcast_convert_type(total_bits, jnp.float32)
+
+    def fma(self, a, b, c):
+        # Boldo & Melquiond (2008): RN(a*b + c) from an exact product (ph + pl), an exact
+        # sum (sh + sl) of c and ph, and one round-to-odd addition of the two low parts.
+        a, b, c = (self.jnp.broadcast_to(x, self.zero.shape) for x in (a, b, c))
+        product_high, product_low = self._two_product(a, b)
+        self._track(product_high)
+        sum_high, sum_low = self._two_sum(c, product_high)
+        low = self._round_to_odd_sum(sum_low, product_low)
+        return self._result(sum_high + low)
+
+    def _table_bit(self, words, index):
+        lax, jnp = self.lax, self.jnp
+        word = jnp.take(words, lax.shift_right_logical(index, 5), mode="clip", unique_indices=False)
+        return lax.shift_right_logical(word, index & 31) & 1
+
+    def sqrt(self, x):
+        lax, jnp = self.lax, self.jnp
+        root = self.hold(jnp.sqrt(x))
+        if self.sqrt_below is None and self.sqrt_above is None:
+            return self._track(root)
+        bits = lax.bitcast_convert_type(x, jnp.int32)
+        parity_flipped = (lax.shift_right_logical(bits, MANTISSA_BITS) & 1) ^ 1
+        index = (parity_flipped << MANTISSA_BITS) | (bits & 0x7FFFFF)
+        delta = jnp.zeros_like(bits)
+        if self.sqrt_below is not None:
+            delta = delta - self._table_bit(self.sqrt_below, index)
+        if self.sqrt_above is not None:
+            delta = delta + self._table_bit(self.sqrt_above, index)
+        correctable = (bits > 0) & (bits < 0x7F800000)
+        root_bits = lax.bitcast_convert_type(root, jnp.int32)
+        root = lax.bitcast_convert_type(jnp.where(correctable, root_bits + delta, root_bits), jnp.float32)
+        return self._track(root)
+
+
+def _outside_exact_range(x):
+    """0 < |x| < 2^-60, |x| >= 2^60, Inf or NaN, read from the bits (immune to flushing)."""
+    _, jnp, lax = _jax()
+    magnitude = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
+    exponent = lax.shift_right_logical(magnitude, MANTISSA_BITS)
+    return (magnitude != 0) & ((exponent < LOW_EXPONENT) | (exponent >= HIGH_EXPONENT))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, decoupled: bool,
+                     has_weight_decay: bool, lerp_weight_below_half: bool):
+    jax, jnp, lax = _jax()
+
+    def kernel(p, g, m, v, scalars, zero, sqrt_below, sqrt_above):
+        # A zero the compiler cannot know, different per element (no scalar hoisting) and
+        # never a constant: with plain iota & zero, element 0 is a known 0 once unrolled.
+        per_element_zero = (lax.iota(jnp.int32, p.shape[0]) | 1) & zero
+        arithmetic = _JaxArithmetic(per_element_zero, sqrt_below if use_below else None,
+                                    sqrt_above if use_above else None, lerp_weight_below_half)
+        named = AdamScalars(*(scalars[i] for i in range(len(AdamScalars._fields))))
+        p_new, m_new, v_new = _adam_ops(arithmetic, p, g, m, v, named, variant, decoupled=decoupled,
+                                        has_weight_decay=has_weight_decay)
+        needs_numpy = v < 0
+        for x in (p, g, m, v, *arithmetic.tracked):
+            needs_numpy = needs_numpy | _outside_exact_range(x)
+        return p_new, m_new, v_new, needs_numpy
+
+    return jax.jit(kernel)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_table(table: SqrtTable):
+    _, jnp, _ = _jax()
+    return jnp.asarray(table.below.view(np.int32)), jnp.asarray(table.above.view(np.int32))
+
+
+def _replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
+    """Run the jitted kernel on flat float32 arrays; returns jax arrays and the fallback mask."""
+    _, jnp, _ = _jax()
+    table = sqrt_table_for(variant)
+    below, above = _device_table(table)
+    kernel = _compiled_kernel(variant, bool(table.below.any()), bool(table.above.any()), bool(decoupled),
+                              bool(has_weight_decay), bool(scalars.lerp_weight < 0.5))
+    return kernel(p, g, m, v, jnp.asarray(np.array(scalars, np.float32)), jnp.int32(0), below, above)
+
+
+def bucket_length(n: int) -> int:
+    """Lengths are padded to one of four sizes per octave (at most 25% padding), so a model
+    with many tensor sizes compiles a few kernels, not one per size."""
+    if n <= 1024:
+        return 1024
+    quantum = 1 << (n.bit_length() - 3)
+    return -(-n // quantum) * quantum
+
+
+def _pad_to_bucket(x: np.ndarray) -> np.ndarray:
+    # zero padding is inert: p = g = m = v = 0 stays 0 and never needs the numpy model
+    return np.pad(x, (0, bucket_length(x.size) - x.size)) if x.size != bucket_length(x.size) else x
+
+
+def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
+              variant: AdamVariant | None = None):
+    """One torch single-tensor FP32 Adam (``decoupled=True``: AdamW) step, bit-exact.
+
+    ``step`` is torch's ``state["step"]`` before the update (bias corrections use
+    ``step + 1``). Returns ``(p_new, m_new, v_new)`` as float32 numpy arrays of p's shape.
+    ``variant`` defaults to ``detect_variant()`` (torch is run once per process).
+    """
+    _check_hyperparameters(step, lr, betas, eps, weight_decay)
+    p, g, m, v = _as_float32_arrays(p, g, m, v)
+    variant = variant or detect_variant()
+    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+    shape, size = p.shape, p.size
+    flat = [np.ascontiguousarray(x).reshape(-1) for x in (p, g, m, v)]
+    if size == 0:
+        return tuple(np.empty(shape, np.float32) for _ in range(3))
+    padded = [_pad_to_bucket(x) for x in flat]
+    *outputs, needs_numpy = _replay_flat(*padded, scalars, variant, decoupled=decoupled,
+                                         has_weight_decay=weight_decay != 0)
+    outputs = [np.array(x[:size]) for x in outputs]  # writable copies
+    fallback = np.flatnonzero(np.asarray(needs_numpy)[:size])
+    if fallback.size:
+        exact = numpy_adam_step(*(x[fallback] for x in flat), step=step, lr=lr, betas=betas, eps=eps,
+                                weight_decay=weight_decay, decoupled=decoupled, variant=variant)
+        for out, value in zip(outputs, exact):
+            out[fallback] = value
+    return tuple(x.reshape(shape) for x in outputs)
+
+
+def count_numpy_fallback(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                         decoupled=False, variant: AdamVariant | None = None) -> int:
+    """How many coordinates ``adam_step`` hands to the numpy model (subnormal/extreme range)."""
+    p, g, m, v = _as_float32_arrays(p, g, m, v)
+    variant = variant or detect_variant()
+    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+    flat = [_pad_to_bucket(np.ascontiguousarray(x).reshape(-1)) for x in (p, g, m, v)]
+    *_, needs_numpy = _replay_flat(*flat, scalars, variant, decoupled=decoupled, has_weight_decay=weight_decay != 0)
+    return int(np.count_nonzero(np.asarray(needs_numpy)))
+
+
+# ---------------------------------------------------------------------------------------
+# References
+
+
+@functools.lru_cache(maxsize=16)
+def _textbook_kernel(decoupled: bool):
+    jax, jnp, _ = _jax()
+
+    def step_fn(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2):
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr * (m / bias_correction1) / (jnp.sqrt(v / bias_correction2) + eps)
+        return p, m, v
+
+    return jax.jit(step_fn)
+
+
+def textbook_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
+    """The plain float32 formula in jnp (jnp.sqrt, XLA's own rewrites): NOT bit-exact;
+    kept as the negative control that shows the parity test can fail."""
+    p, g, m, v = _as_float32_arrays(p, g, m, v)
+    t = step + 1
+    args = [np.float32(x) for x in (lr, betas[0], betas[1], eps, weight_decay, 1 - betas[0] ** t, 1 - betas[1] ** t)]
+    return tuple(np.asarray(x) for x in _textbook_kernel(bool(decoupled))(p, g, m, v, *args))
+
+
+def torch_adam_step_many(params: Sequence, grads: Sequence, exp_avgs: Sequence, exp_avg_sqs: Sequence, *, step, lr,
+                         betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
+    """Run the real ``torch.optim.Adam``/``AdamW`` (foreach=False, fused=False) for one step
+    on separate tensors (so each keeps its own vector tail); returns lists of numpy arrays."""
+    import torch
+
+    _check_hyperparameters(step, lr, betas, eps, weight_decay)
+    tensors = [torch.from_numpy(np.array(p, np.float32, copy=True)) for p in params]
+    optimizer_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    optimizer = optimizer_cls(tensors, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                              foreach=False, fused=False)
+    for tensor, grad, m, v in zip(tensors, grads, exp_avgs, exp_avg_sqs):
+        tensor.grad = torch.from_numpy(np.array(grad, np.float32, copy=True))
+        optimizer.state[tensor] = {
+            "step": torch.tensor(float(step)),
+            "exp_avg": torch.from_numpy(np.array(m, np.float32, copy=True)),
+            "exp_avg_sq": torch.from_numpy(np.array(v, np.float32, copy=True)),
+        }
+    with torch.no_grad():
+        optimizer.step()
+    states = [optimizer.state[t] for t in tensors]
+    return ([t.detach().numpy() for t in tensors], [s["exp_avg"].numpy() for s in states],
+            [s["exp_avg_sq"].numpy() for s in states])
+
+
+def torch_adam_step(p, g, m, v, **hyperparameters):
+    """``torch_adam_step_many`` for one tensor: returns ``(p_new, m_new, v_new)``."""
+    ps, ms, vs = torch_adam_step_many([p], [g], [m], [v], **hyperparameters)
+    return ps[0], ms[0], vs[0]
