@@ -447,7 +447,7 @@ def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_deca
     padded = [_pad_to_bucket(x) for x in flat]
     *outputs, needs_numpy = _replay_flat(*padded, scalars, variant, decoupled=decoupled,
                                          has_weight_decay=weight_decay != 0)
-    outputs = [np.array(x[:size]) for x in outputs]  # writable copies
+    outputs = [np.array(x[:size]) for x in outputs]  # writable; jax buffers are read-only
     fallback = np.flatnonzero(np.asarray(needs_numpy)[:size])
     if fallback.size:
         exact = numpy_adam_step(*(x[fallback] for x in flat), step=step, lr=lr, betas=betas, eps=eps,
