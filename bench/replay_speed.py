@@ -143,7 +143,8 @@ def main(argv=None):
         "",
         f"{variant.cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}, jax {jax.__version__}; "
         f"variant sqrt={variant.sqrt}, lerp/addcmul fma={variant.lerp_fma}/{variant.addcmul_fma}. "
-        f"Median of {args.repeats} warm runs.",
+        f"Median of {args.repeats} warm runs; load average at the end "
+        f"{os.getloadavg()[0]:.1f} (other jobs shared the CPUs when this was recorded).",
         "",
         "| path | median s | x torch | p/m/v mismatches vs torch |",
         "|---|---:|---:|---|",
