@@ -42,6 +42,7 @@ parameters are ``lo = max(m, h * 2**-100, 2**-126)`` (clamped to ``<= h``) and
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -139,12 +140,17 @@ def al_encode(x, bits: int = 8, block_size: int = _codes.BLOCK) -> ALCode:
     if bits not in (8, 16):
         raise ConfigError(f"bits={bits!r} is not supported by AL; use 8 (AL8) or 16 (AL16)")
     block_size = _check_block_size(block_size)
-    x = _as_f32(x, "al_encode")
+    return _al_encode(_as_f32(x, "al_encode"), bits, block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _al_encode(x, bits, block_size):
     xb, valid = _blocks(x, block_size)
     q, lo, r = jax.vmap(lambda b, v: _codes.log_encode_block(b, v, bits))(xb, valid)
     return ALCode(_unblock(q, x.shape), lo, r)
 
 
+@jax.jit
 def al_decode(enc: ALCode) -> jax.Array:
     """Decode an :class:`ALCode` to float32 (bit-exact, never subnormal; see module)."""
     bits = 16 if enc.codes.dtype == jnp.uint16 else 8
@@ -172,12 +178,17 @@ def uf8_encode(x, block_size: int = _codes.BLOCK) -> UF8Code:
     Values below ``scale / 2`` decode to 0 (uf8 has no zero invariant for small values).
     """
     block_size = _check_block_size(block_size)
-    x = _as_f32(x, "uf8_encode")
+    return _uf8_encode(_as_f32(x, "uf8_encode"), block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _uf8_encode(x, block_size):
     xb, valid = _blocks(x, block_size)
     q, scale = jax.vmap(_codes.linear8_encode_block)(xb, valid)
     return UF8Code(_unblock(q, x.shape), scale)
 
 
+@jax.jit
 def uf8_decode(enc: UF8Code) -> jax.Array:
     shape = enc.codes.shape
     bs = _infer_block_size(math.prod(shape), enc.scale.shape[0])
@@ -198,13 +209,18 @@ def d8_encode(x, signed: bool = True, block_size: int = _codes.BLOCK) -> D8Code:
     NaN/Inf encode as 0.
     """
     block_size = _check_block_size(block_size)
-    x = _as_f32(x, "d8_encode")
+    return _d8_encode(_as_f32(x, "d8_encode"), bool(signed), block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _d8_encode(x, signed, block_size):
     table = _codes.dynamic_map(bool(signed))
     xb, valid = _blocks(x, block_size)
     q, absmax = jax.vmap(lambda b, v: _codes.dynamic8_encode_block(b, v, table, bool(signed)))(xb, valid)
     return D8Code(_unblock(q, x.shape), absmax, jnp.asarray(bool(signed)))
 
 
+@jax.jit
 def d8_decode(enc: D8Code) -> jax.Array:
     shape = enc.codes.shape
     bs = _infer_block_size(math.prod(shape), enc.absmax.shape[0])
