@@ -1,0 +1,242 @@
+"""Enclosure audit: does `jaxguard.bound.cell_bounds` enclose the real native difference?
+
+``jaxguard audit-enclosure`` draws random certifiable scalar cases (moments ``m, v``,
+decoded moments ``m~, v~`` near them as the codecs produce, parameter ``p``, step ``t``,
+learning rate, gradient clip and one cell of the mixed partition at a random level
+1-4), computes the bound for that cell, and evaluates the *actual* difference
+``|p1' - p2'|`` of the two float32 updates with the bit-exact torch replay
+(`torch_compat.replay.adam_step`) at `POINTS_PER_CASE` gradient values of the cell (both
+ends, one float32 ulp inside each end, the midpoint, 11 fixed interior points and 16
+uniformly random ones).  A failure
+is a point where the actual difference exceeds the bound.
+
+``--no-radius`` removes the stage-2 allowance (native op radii and the final ``p + step``
+rounding) and keeps only the ideal stage (`bound._shared_ideal`): the audit must then
+find failures, which shows that it can detect an under-estimate.
+
+Cases are grouped: all cases of one group share ``(step, lr)`` so that one
+`adam_step` call (one jitted kernel, its numpy fallback for the extreme range included)
+replays the whole group at once; groups differ in ``(step, lr)``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import bound as _bound
+from .opmodel import step_constants
+
+POINTS_PER_CASE = 32         # 16 fixed points of the cell + 16 random interior ones
+GROUP = 2048                 # cases sharing one (step, lr): one replay call
+CHUNK = 65536                # cases per jitted bound evaluation
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+ADAMW_WD = 0.01
+LEVEL_RANGE = (1, 4)
+_INTERIOR = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144], np.float64) / 233.0  # 11 interior fractions
+
+
+# ---------------------------------------------------------------- bound (jitted, vmapped)
+def _one_cell(k, m, v, mt, vt, pabs, clip, e, sgn, no_radius):
+    if no_radius:
+        gl, gh = clip * e[:1], clip * e[1:]
+        b = _bound._shared_ideal(k, sgn * m, v, sgn * mt, vt, gl, gh)[0]
+    else:
+        rows = _bound.cell_bounds(k, m, v, mt, vt, pabs, clip, e)
+        b = jnp.where(sgn > 0, rows[0, 0], rows[1, 0])
+    return b
+
+
+@functools.partial(jax.jit, static_argnames=("no_radius",))
+def _bounds(k, m, v, mt, vt, pabs, clip, e, sgn, *, no_radius=False):
+    f = functools.partial(_one_cell, no_radius=no_radius)
+    return jax.vmap(f)(k, m, v, mt, vt, pabs, clip, e, sgn)
+
+
+# ---------------------------------------------------------------- case generation
+def _loguniform(rng, lo, hi, n):
+    return np.exp(rng.uniform(math.log(lo), math.log(hi), n))
+
+
+def _certifiable(x):
+    """Zero moments below 2**-80 in magnitude (the contract escapes them); float32."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < np.float32(_bound.TINY_MOMENT), np.float32(0), x).astype(np.float32)
+
+
+def _draw_cases(rng, n):
+    """n certifiable scalar cases as float32 arrays + cell data."""
+    # |m|: mostly typical, some extreme small/large; v likewise, 1e-20..1e2
+    mag_m = np.where(rng.random(n) < 0.7, _loguniform(rng, 1e-8, 1e0, n), _loguniform(rng, 2.0**-79, 1e2, n))
+    m = mag_m * rng.choice([-1.0, 1.0], n)
+    v = np.where(rng.random(n) < 0.6, _loguniform(rng, 1e-12, 1e-2, n), _loguniform(rng, 1e-20, 1e2, n))
+    # m~: m plus up to ~1% of a block absmax (absmax >= |m|)
+    absmax = mag_m * _loguniform(rng, 1.0, 100.0, n)
+    mt = m + rng.uniform(-1, 1, n) * 0.01 * absmax
+    # v~: within half a log step (log step 2**(1/16)..2**1)
+    half_step = 0.5 * rng.choice([1 / 16, 1 / 8, 1 / 4, 1.0], n)
+    vt = v * np.exp2(rng.uniform(-1, 1, n) * half_step)
+    # exact-equal and zero cases
+    r = rng.random(n)
+    mt = np.where(r < 0.05, m, mt)
+    vt = np.where((r >= 0.05) & (r < 0.10), v, vt)
+    m = np.where((r >= 0.10) & (r < 0.13), 0.0, m)
+    mt = np.where((r >= 0.13) & (r < 0.16), 0.0, mt)
+    v = np.where((r >= 0.16) & (r < 0.18), 0.0, v)
+    vt = np.where((r >= 0.18) & (r < 0.20), 0.0, vt)
+    both = (r >= 0.20) & (r < 0.22)
+    m, mt, v, vt = (np.where(both, 0.0, x) for x in (m, mt, v, vt))
+    m, mt, v, vt = (_certifiable(x) for x in (m, mt, v, vt))
+    v, vt = np.abs(v), np.abs(vt)
+    # p: typical, large, zero
+    rp = rng.random(n)
+    p = np.where(rp < 0.6, _loguniform(rng, 1e-6, 1e1, n), _loguniform(rng, 1e1, 1e8, n)) * rng.choice([-1.0, 1.0], n)
+    p = np.where(rp > 0.95, 0.0, p).astype(np.float32)
+    # clip: around sqrt(v)-ish scales, some far away
+    clip = np.where(rng.random(n) < 0.5, _loguniform(rng, 1e-4, 1e1, n), _loguniform(rng, 1e-10, 1e2, n)).astype(np.float32)
+    # one cell of the mixed partition, level 1..4; emphasis on cells near zero and the top
+    level = rng.integers(LEVEL_RANGE[0], LEVEL_RANGE[1] + 1, n)
+    e = np.zeros((n, 2), np.float32)
+    rc = rng.random(n)
+    for lv in range(LEVEL_RANGE[0], LEVEL_RANGE[1] + 1):
+        sel = np.flatnonzero(level == lv)
+        edges = _bound.unit_edges(lv, "mixed")
+        nc = edges.size - 1
+        idx = rng.integers(0, nc, sel.size)
+        near0 = rc[sel] < 0.3
+        idx = np.where(near0, rng.integers(0, min(8, nc), sel.size), idx)
+        top = rc[sel] > 0.85
+        idx = np.where(top, nc - 1 - rng.integers(0, min(4, nc), sel.size), idx)
+        e[sel, 0], e[sel, 1] = edges[idx], edges[idx + 1]
+    sgn = rng.choice([-1.0, 1.0], n).astype(np.float32)
+    f = np.float32
+    return dict(m=m.astype(f), v=v.astype(f), mt=mt.astype(f), vt=vt.astype(f), p=p, clip=clip,
+                e=e, sgn=sgn, level=level)
+
+
+def _points(rng, gl, gh):
+    """[n, POINTS_PER_CASE] float32 gradient magnitudes in [gl, gh] (gl <= gh, float32)."""
+    gl64, gh64 = gl.astype(np.float64), gh.astype(np.float64)
+    inner_lo = np.minimum(np.nextafter(gl, gh), gh)
+    inner_hi = np.maximum(np.nextafter(gh, gl), gl)
+    mid = ((gl64 + gh64) / 2).astype(np.float32)
+    frac = np.concatenate([np.broadcast_to(_INTERIOR, (gl.size, _INTERIOR.size)),
+                           rng.random((gl.size, POINTS_PER_CASE - 5 - _INTERIOR.size))], 1)
+    interior = (gl64[:, None] + (gh64 - gl64)[:, None] * frac).astype(np.float32)
+    pts = np.concatenate([gl[:, None], gh[:, None], inner_lo[:, None], inner_hi[:, None], mid[:, None], interior], 1)
+    return np.clip(pts, gl[:, None], gh[:, None]).astype(np.float32)
+
+
+# ---------------------------------------------------------------- audit
+def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", keep_failures=20) -> dict:
+    from torch_compat.replay import adam_step, detect_variant
+
+    if op_model not in ("torch-adam", "torch-adamw"):
+        raise ValueError(f"op_model={op_model!r}; use torch-adam or torch-adamw")
+    decoupled = op_model == "torch-adamw"
+    wd = ADAMW_WD if decoupled else 0.0
+    variant = detect_variant()
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    cases = int(cases)
+    n_groups = -(-cases // GROUP)
+    steps = np.floor(np.exp(rng.uniform(0.0, math.log(40001.0), n_groups))).astype(np.int64) - 1
+    steps = np.clip(steps, 0, 40000)
+    lrs = _loguniform(rng, 1e-5, 1e-2, n_groups)
+    ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=BETAS, eps=EPS,
+                                                        weight_decay=wd), 0.01)
+                   for s, lr in zip(steps, lrs)])
+    failures = 0
+    max_ratio = 0.0
+    worst = None
+    examples = []
+    nan_bounds = 0
+    done = 0
+    for c0 in range(0, cases, CHUNK):
+        n = min(CHUNK, cases - c0)
+        d = _draw_cases(rng, n)
+        gid = (c0 + np.arange(n)) // GROUP
+        k = ks[gid]
+        pabs = np.abs(d["p"])
+        b = np.asarray(_bounds(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], d["e"], d["sgn"],
+                               no_radius=no_radius), np.float64)
+        gl = (d["clip"] * d["e"][:, 0]).astype(np.float32)
+        gh = (d["clip"] * d["e"][:, 1]).astype(np.float32)
+        g = _points(rng, gl, gh) * d["sgn"][:, None]
+        actual = np.empty(g.shape, np.float64)
+        P = POINTS_PER_CASE
+        for grp in np.unique(gid):
+            rows = np.flatnonzero(gid == grp)
+            nr = rows.size
+            pp = np.repeat(d["p"][rows], P)
+            gg = g[rows].reshape(-1)
+            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=BETAS, eps=EPS, weight_decay=wd,
+                        decoupled=decoupled, variant=variant)
+            # both updates in one array: first half original moments, second half decoded
+            out, _, _ = adam_step(np.concatenate([pp, pp]), np.concatenate([gg, gg]),
+                                  np.concatenate([np.repeat(d["m"][rows], P), np.repeat(d["mt"][rows], P)]),
+                                  np.concatenate([np.repeat(d["v"][rows], P), np.repeat(d["vt"][rows], P)]), **args)
+            p1, p2 = out[:nr * P].astype(np.float64), out[nr * P:].astype(np.float64)
+            actual[rows] = np.abs(p1 - p2).reshape(nr, P)
+        amax = actual.max(1)
+        nan_bounds += int(np.count_nonzero(np.isnan(b)))
+        bad = ~(amax <= b)          # NaN bound or actual > bound
+        failures += int(np.count_nonzero(bad))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(amax == 0, 0.0, amax / b)
+        ratio = np.where(np.isnan(ratio), np.inf, ratio)
+        i = int(np.argmax(ratio))
+        if ratio[i] > max_ratio or worst is None:
+            max_ratio = float(ratio[i])
+            worst = _describe(d, i, steps[gid[i]], lrs[gid[i]], b[i], actual[i], g[i])
+        for i in np.flatnonzero(bad)[: max(0, keep_failures - len(examples))]:
+            examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], b[i], actual[i], g[i]))
+        done += n
+    return {
+        "cases": done, "failures": failures, "points_per_case": POINTS_PER_CASE,
+        "evaluations": done * POINTS_PER_CASE * 2, "max_ratio": max_ratio, "nan_bounds": nan_bounds,
+        "seconds": round(time.perf_counter() - t0, 2), "no_radius": bool(no_radius), "seed": int(seed),
+        "op_model": op_model, "weight_decay": wd, "betas": list(BETAS), "eps": EPS,
+        "levels": list(LEVEL_RANGE), "partition": "mixed", "variant": variant.to_dict(),
+        "worst": worst, "failure_examples": examples,
+    }
+
+
+def _describe(d, i, step, lr, b, actual, g):
+    j = int(np.argmax(actual))
+    f = lambda x: float(np.float32(x))  # noqa: E731
+    return {"m": f(d["m"][i]), "v": f(d["v"][i]), "mt": f(d["mt"][i]), "vt": f(d["vt"][i]), "p": f(d["p"][i]),
+            "step": int(step), "lr": float(lr), "clip": f(d["clip"][i]), "level": int(d["level"][i]),
+            "cell_unit": [f(d["e"][i, 0]), f(d["e"][i, 1])], "sign": int(d["sgn"][i]),
+            "g_worst": f(g[j]), "actual": float(actual[j]), "bound": float(b)}
+
+
+# ---------------------------------------------------------------- CLI
+def add_parser(subparsers):
+    a = subparsers.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
+    a.add_argument("--cases", type=int, default=1048576)
+    a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--op-model", default="torch-adam", choices=["torch-adam", "torch-adamw"])
+    a.set_defaults(fn=run)
+    return a
+
+
+def run(args) -> int:
+    rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print(f"audit-enclosure ({rep['op_model']}{', no radius' if rep['no_radius'] else ''}): "
+              f"{rep['cases']} cases x {rep['points_per_case']} points, {rep['failures']} failures, "
+              f"max actual/bound {rep['max_ratio']:.4g}, {rep['seconds']} s")
+    if rep["no_radius"]:
+        return 0
+    return 1 if rep["failures"] else 0
