@@ -1,0 +1,62 @@
+"""The enclosure audit: the bound holds against the bit-exact replay, and the audit can fail."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxguard import bound
+from jaxguard.enclosure import POINTS_PER_CASE, _points, audit_enclosure
+
+
+def test_bound_encloses_replay():
+    rep = audit_enclosure(20000)
+    assert rep["cases"] == 20000 and rep["points_per_case"] == POINTS_PER_CASE >= 16
+    assert rep["nan_bounds"] == 0
+    assert rep["failures"] == 0, rep["failure_examples"]
+    assert 0 < rep["max_ratio"] <= 1
+
+
+def test_bound_encloses_replay_adamw():
+    rep = audit_enclosure(5000, op_model="torch-adamw", seed=1)
+    assert rep["failures"] == 0, rep["failure_examples"]
+
+
+def test_no_radius_is_detected():
+    rep = audit_enclosure(20000, no_radius=True)
+    assert rep["no_radius"] is True
+    assert rep["failures"] > 0 and rep["max_ratio"] > 1
+    ex = rep["failure_examples"][0]
+    assert ex["actual"] > ex["bound"]
+
+
+def test_points_cover_ends_ulp_and_mid():
+    rng = np.random.default_rng(0)
+    gl = np.array([0.0, 1.0, 2.0**-40], np.float32)
+    gh = np.array([2.0**-40, 1.0625, 2.0**-39], np.float32)
+    pts = _points(rng, gl, gh)
+    assert pts.shape == (3, POINTS_PER_CASE) and pts.dtype == np.float32
+    assert np.all(pts >= gl[:, None]) and np.all(pts <= gh[:, None])
+    for i in range(3):
+        for x in (gl[i], gh[i], np.nextafter(gl[i], gh[i]), np.nextafter(gh[i], gl[i])):
+            assert x in pts[i]
+
+
+def test_generated_cases_are_certifiable():
+    from jaxguard.enclosure import _draw_cases
+    d = _draw_cases(np.random.default_rng(5), 50000)
+    for name in ("m", "v", "mt", "vt"):
+        x = d[name]
+        assert x.dtype == np.float32 and np.all(np.isfinite(x))
+        assert np.all((x == 0) | (np.abs(x) >= bound.TINY_MOMENT))
+    assert np.all(d["v"] >= 0) and np.all(d["vt"] >= 0)
+    assert set(np.unique(d["level"])) == {1, 2, 3, 4}
+
+
+def test_cli_json():
+    out = subprocess.run([sys.executable, "-m", "jaxguard", "audit-enclosure", "--cases", "5000", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["cases"] == 5000 and rep["failures"] == 0
