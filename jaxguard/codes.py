@@ -155,10 +155,15 @@ def log_block_params(x, valid, bits=8):
     return lo.astype(_F32), r.astype(_F32)
 
 
-def log_encode_block(x, valid, bits=8):
+def log_encode_block(x, valid, bits=8, positive=None):
+    """`positive` (optional): host-computed mask of finite x > 0.  Inside a large jitted
+    graph XLA on CPU may rewrite the bit tests into float compares that treat subnormals
+    as zero; callers that need the invariant for subnormal inputs pass the mask."""
     levels = (1 << bits) - 1
     lo, r = log_block_params(x, valid, bits)
-    pos = valid & is_finite_bits(x) & ~is_zero_bits(x) & ~is_negative_bits(x)
+    # every positive value gets a nonzero code (q == 0 <=> x == 0), even those kept out
+    # of the block statistics (`valid=False`): they are clamped to the range.
+    pos = positive if positive is not None else (is_finite_bits(x) & ~is_zero_bits(x) & ~is_negative_bits(x))
     xs = jnp.where(pos, x, lo)
     safe_logr = jnp.where(r > 1.0, jnp.log2(r), _F32(1.0))
     est = jnp.round((jnp.log2(jnp.maximum(xs, _F32(TINY_NORMAL))) - jnp.log2(lo)) / safe_logr) + 1
@@ -171,8 +176,9 @@ def log_encode_block(x, valid, bits=8):
         better = ce < best_err
         best_q = jnp.where(better, cq, best_q)
         best_err = jnp.where(better, ce, best_err)
-    q = jnp.where(pos, best_q, 0.0)
     dtype = jnp.uint8 if bits == 8 else jnp.uint16
+    best_q = jnp.nan_to_num(best_q, nan=1.0).astype(jnp.int32)
+    q = jnp.where(pos, jnp.clip(best_q, 1, levels), 0)
     return q.astype(dtype), lo, r
 
 
@@ -225,7 +231,8 @@ def dynamic_map(signed: bool) -> np.ndarray:
 def dynamic8_encode_block(x, valid, table, signed: bool):
     ok = valid & is_finite_bits(x)
     absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
-    absmax = jnp.maximum(absmax, _F32(TINY_NORMAL))
+    # table entries reach ~1e-7: absmax >= 2**-100 keeps every decoded value normal
+    absmax = jnp.maximum(absmax, _F32(2.0**-100))
     xn = jnp.where(ok, x, 0.0) / absmax
     t = jnp.asarray(table)
     idx = jnp.clip(jnp.searchsorted(t, xn), 1, 255)
@@ -234,10 +241,9 @@ def dynamic8_encode_block(x, valid, table, signed: bool):
     dec_hi = t[hi_c] * absmax
     x0 = jnp.where(ok, x, 0.0)
     q = jnp.where(jnp.abs(dec_lo - x0) <= jnp.abs(dec_hi - x0), lo_c, hi_c)
-    if not signed:
-        # exact zero stays zero (q of table value 0.0)
-        zero_code = int(np.argmax(np.asarray(table) == 0.0))
-        q = jnp.where(is_zero_bits(x0), zero_code, q)
+    # exact zero stays zero (q of table value 0.0)
+    zero_code = int(np.argmax(np.asarray(table) == 0.0))
+    q = jnp.where(is_zero_bits(x0), zero_code, q)
     return q.astype(jnp.uint8), absmax
 
 

@@ -123,11 +123,11 @@ def _code_names(codec):
 
 
 @functools.partial(jax.jit, static_argnames=("codec",))
-def _propose(mb, vb, valid, codec):
+def _propose(mb, vb, valid, vpos, codec):
     """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked."""
     if codec == "log8":
         mq, ms = jax.vmap(codes.linear8_encode_block)(mb, valid)
-        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid)
+        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
         mt = jax.vmap(codes.linear8_decode_block)(mq, ms)
         vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
         return mq, vq, ms[:, None], jnp.stack([lo, r], axis=1), mt, vt
@@ -170,26 +170,41 @@ def decode_arrays(arrays: dict, codec: str, n: int):
     return mt.reshape(-1)[:n], vt.reshape(-1)[:n]
 
 
-# ---------------------------------------------------------------- classification
-@jax.jit
+# ---------------------------------------------------------------- classification (host, on bits)
+# Done in numpy on the raw bits: XLA on CPU flushes subnormals and may turn bit tests
+# into float compares, which would call a subnormal zero.
+def _bits(x):
+    return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.uint32)
+
+
+def _finite(x):
+    return (_bits(x) & 0x7F800000) != 0x7F800000
+
+
+def _zero(x):
+    return (_bits(x) & 0x7FFFFFFF) == 0
+
+
+def _negative(x):
+    b = _bits(x)
+    return ((b >> 31) == 1) & ((b & 0x7FFFFFFF) != 0)
+
+
+def _not_tiny(x):
+    return _zero(x) | (np.abs(np.asarray(x, np.float32)) >= _bound.TINY_MOMENT)
+
+
 def _classify(m, v, p, mt, vt):
     """(exact, certifiable) masks on flat arrays."""
-    fin = (codes.is_finite_bits(m) & codes.is_finite_bits(v) & codes.is_finite_bits(p)
-           & codes.is_finite_bits(mt) & codes.is_finite_bits(vt))
-    nonneg = ~codes.is_negative_bits(v) & ~codes.is_negative_bits(vt)
-
-    def not_tiny(x):
-        return codes.is_zero_bits(x) | (jnp.abs(x) >= _bound.TINY_MOMENT)
-
-    ok = fin & nonneg & not_tiny(m) & not_tiny(v) & not_tiny(mt) & not_tiny(vt)
-    exact = codes.bitwise_equal(m, mt) & codes.bitwise_equal(v, vt)
+    fin = _finite(m) & _finite(v) & _finite(p) & _finite(mt) & _finite(vt)
+    nonneg = ~_negative(v) & ~_negative(vt)
+    ok = fin & nonneg & _not_tiny(m) & _not_tiny(v) & _not_tiny(mt) & _not_tiny(vt)
+    exact = (_bits(m) == _bits(mt)) & (_bits(v) == _bits(vt))
     return exact, ok
 
 
-@jax.jit
 def _stats_valid(m, v, p):
-    fin = codes.is_finite_bits(m) & codes.is_finite_bits(v) & codes.is_finite_bits(p)
-    return fin & ~codes.is_negative_bits(v) & (codes.is_zero_bits(v) | (jnp.abs(v) >= _bound.TINY_MOMENT))
+    return _finite(m) & _finite(v) & _finite(p) & ~_negative(v) & _not_tiny(v)
 
 
 # ---------------------------------------------------------------- certification
@@ -207,10 +222,13 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update, level_counts
     if idx.size:
         # the ideal difference at a few gradients is a lower bound of the supremum:
         # coordinates above the threshold there can never be certified.
-        lower = np.concatenate([np.asarray(_bound.batch_lower(k, m[idx[s:s + CHUNK[0]]], v[idx[s:s + CHUNK[0]]],
-                                                              mt[idx[s:s + CHUNK[0]]], vt[idx[s:s + CHUNK[0]]],
-                                                              clip[idx[s:s + CHUNK[0]]]))
-                                for s in range(0, idx.size, CHUNK[0])])
+        parts = []
+        for s in range(0, idx.size, CHUNK[0]):
+            part = idx[s:s + CHUNK[0]]
+            take = np.concatenate([part, np.full(CHUNK[0] - part.size, part[0])])
+            lo = _bound.batch_lower(k, m[take], v[take], mt[take], vt[take], clip[take])
+            parts.append(np.asarray(lo)[:part.size])
+        lower = np.concatenate(parts)
         pending = np.flatnonzero(~(lower > thr))
     else:
         pending = np.arange(0)
@@ -223,7 +241,7 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update, level_counts
         out = np.empty(sel.shape[0], np.float32)
         for s in range(0, sel.shape[0], chunk):
             part = sel[s:s + chunk]
-            pad = chunk - part.shape[0] if sel.shape[0] > chunk or level > 0 else 0
+            pad = chunk - part.shape[0]
             take = np.concatenate([part, np.full(pad, part[0])]) if pad else part
             b = _bound.batch_bound(k, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
                                    bound=cfg.bound, decay_in_update=decay_in_update)
@@ -239,22 +257,28 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update, level_counts
 def encode(m, v, p, config: GuardConfig) -> Encoded:
     """Guarded encoding of one Adam moment pair (see the module's numerical contract)."""
     t0 = time.perf_counter()
-    m = jnp.asarray(m)
-    v = jnp.asarray(v)
-    p = jnp.asarray(p)
-    shape = tuple(m.shape)
+    shape = tuple(np.shape(m))
     for name, x in (("m", m), ("v", v), ("p", p)):
-        if x.dtype != jnp.float32:
+        if np.dtype(getattr(x, "dtype", np.asarray(x).dtype)) != np.float32:
             raise ConfigError(f"{name} has dtype {x.dtype}; jaxguard certifies float32 moments and parameters, cast with .astype(float32)")
-        if tuple(x.shape) != shape:
-            raise ConfigError(f"{name} has shape {tuple(x.shape)} but m has {shape}; pass the moments of one parameter")
+        if tuple(np.shape(x)) != shape:
+            raise ConfigError(f"{name} has shape {tuple(np.shape(x))} but m has {shape}; pass the moments of one parameter")
+    m, v, p = jnp.asarray(m), jnp.asarray(v), jnp.asarray(p)
     n = int(np.prod(shape, dtype=np.int64))
-    mf, vf, pf = m.reshape(-1), v.reshape(-1), p.reshape(-1)
-    valid = codes.pad_mask(n) & codes.to_blocks(_stats_valid(mf, vf, pf), fill=False)
-    mq, vq, mp, vp, mtb, vtb = _propose(codes.to_blocks(mf), codes.to_blocks(vf), valid, config.codec)
-    mt = mtb.reshape(-1)[:n]
-    vt = vtb.reshape(-1)[:n]
-    exact, ok = (np.asarray(x) for x in _classify(mf, vf, pf, mt, vt))
+    nb = codes.num_blocks(n)
+    # pad to a power-of-two number of blocks so that jit compiles once per size class
+    npad = _bucket(nb) * codes.BLOCK
+    mf, vf, pf = (_pad(x.reshape(-1), npad) for x in (m, v, p))
+    in_tensor = np.arange(npad) < n
+    mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
+    valid = (in_tensor & _stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
+    vpos = (_finite(vh) & ~_zero(vh) & ~_negative(vh)).reshape(-1, codes.BLOCK)
+    mq, vq, mp, vp, mtb, vtb = _propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos,
+                                        config.codec)
+    mt = mtb.reshape(-1)
+    vt = vtb.reshape(-1)
+    exact, ok = (x[:n] for x in _classify(mh, vh, ph, np.asarray(mt), np.asarray(vt)))
+    mq, vq, mp, vp = mq.reshape(-1)[:n], vq.reshape(-1)[:n], mp[:nb], vp[:nb]
     level_counts: list[int] = []
     if config.codec == "block8-unguarded":
         escape = ~exact & ~ok
@@ -262,7 +286,7 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
         c = config.constants()
         k = jnp.asarray(_bound.pack_constants(c, config.tau))
         pabs = jnp.abs(pf)
-        clip = jnp.full((n,), np.float32(config.clip), jnp.float32)
+        clip = jnp.full((npad,), np.float32(config.clip), jnp.float32)
         if c.coupled_decay:
             clip = (clip + np.float32(c.weight_decay) * pabs) * np.float32(1 + 2.0**-20)
         cand = np.flatnonzero(~exact & ok)
@@ -270,7 +294,7 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
         escape = ~exact
         escape[cand[cert]] = False
     esc_idx = np.flatnonzero(escape).astype(np.int32)
-    mf_np, vf_np = np.asarray(mf), np.asarray(vf)
+    mf_np, vf_np = mh[:n], vh[:n]
     arrays = {
         "m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
         "m_params": np.asarray(mp, np.float32), "v_params": np.asarray(vp, np.float32),
@@ -285,6 +309,14 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
         "encode_seconds": time.perf_counter() - t0,
     }
     return enc
+
+
+def _bucket(nb: int) -> int:
+    return 1 << max(0, (nb - 1).bit_length())
+
+
+def _pad(x, size):
+    return jnp.concatenate([x, jnp.zeros((size - x.shape[0],), x.dtype)]) if size > x.shape[0] else x
 
 
 def payload_bytes(enc: Encoded) -> int:

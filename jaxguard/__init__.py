@@ -1,0 +1,37 @@
+"""jaxguard: guarded compression of Adam optimizer state.
+
+Public API (imported lazily so that `python -m jaxguard.reader` needs numpy only)::
+
+    import jaxguard as jg
+    enc = jg.encode(m, v, p, jg.GuardConfig(lr=1e-3, step=t))
+    m2, v2 = jg.decode(enc)
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "GuardConfig": ("jaxguard.guard", "GuardConfig"),
+    "Encoded": ("jaxguard.guard", "Encoded"),
+    "encode": ("jaxguard.guard", "encode"),
+    "decode": ("jaxguard.guard", "decode"),
+    "CODECS": ("jaxguard.guard", "CODECS"),
+    "JaxguardError": ("jaxguard.errors", "JaxguardError"),
+    "ConfigError": ("jaxguard.errors", "ConfigError"),
+    "CheckpointError": ("jaxguard.errors", "CheckpointError"),
+    "ContainerError": ("jaxguard.errors", "ContainerError"),
+    "UnsupportedOptimizerError": ("jaxguard.errors", "UnsupportedOptimizerError"),
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxguard' has no attribute {name!r}")

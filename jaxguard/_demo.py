@@ -1,0 +1,144 @@
+"""Small models trained here, on data that ships with the machine, for the demo, tests
+and benchmarks: a byte-level transformer on the Python standard library's own source
+text, and a residual CNN with BatchNorm on scikit-learn's 8x8 digits."""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sysconfig
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
+    """Bytes of the standard library's .py files, in sorted path order (deterministic)."""
+    root = sysconfig.get_paths()["stdlib"]
+    out, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "__pycache__"))
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    b = fh.read()
+                out.append(b)
+                total += len(b)
+                if total >= max_bytes:
+                    return np.frombuffer(b"".join(out)[:max_bytes], np.uint8)
+    return np.frombuffer(b"".join(out), np.uint8)
+
+
+class ByteTransformer(nn.Module):
+    def __init__(self, d=64, layers=2, heads=4, ctx=64):
+        super().__init__()
+        self.ctx = ctx
+        self.tok = nn.Embedding(256, d)
+        self.pos = nn.Embedding(ctx, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 256)
+        self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1), persistent=False)
+
+    def forward(self, x):
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return self.head(self.norm(h))
+
+
+class ResidualCNN(nn.Module):
+    def __init__(self, width=16, classes=10):
+        super().__init__()
+        self.stem = nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(width)
+        self.c1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.c2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = F.relu(self.bn0(self.stem(x)))
+        h = F.relu(h + self.bn2(self.c2(F.relu(self.bn1(self.c1(h))))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def text_batches(seed, batch=16, ctx=64, corpus_bytes=2_000_000):
+    data = torch.from_numpy(stdlib_corpus(corpus_bytes).astype(np.int64))
+    gen = torch.Generator().manual_seed(seed)
+    split = int(0.95 * len(data))
+
+    def sample(train=True):
+        lo, hi = (0, split - ctx - 1) if train else (split, len(data) - ctx - 1)
+        i = torch.randint(lo, hi, (batch,), generator=gen)
+        x = torch.stack([data[j:j + ctx] for j in i.tolist()])
+        y = torch.stack([data[j + 1:j + ctx + 1] for j in i.tolist()])
+        return x, y
+    return sample
+
+
+def digits_batches(seed, batch=64):
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    split = int(0.9 * len(x))
+
+    def sample(train=True):
+        lo, hi = (0, split) if train else (split, len(x))
+        i = torch.randint(lo, hi, (batch,), generator=gen)
+        return x[i], y[i]
+    return sample
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def make(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "transformer":
+        return ByteTransformer(), text_batches(seed)
+    if kind == "cnn":
+        return ResidualCNN(), digits_batches(seed)
+    raise ValueError(f"model kind {kind!r}; use 'transformer' or 'cnn'")
+
+
+def train(kind="transformer", seed=0, steps=300, fractions=(0.1, 0.5, 1.0), lr=1e-3, weight_decay=0.0,
+          adamw=False, progress=None):
+    """Train with torch Adam(foreach=False); return {fraction: CKPT dict} and the model."""
+    model, sample = make(kind, seed)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = cls(model.named_parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    marks = {max(1, int(round(f * steps))): f for f in fractions}
+    ckpts = {}
+    for step in range(1, steps + 1):
+        model.train()
+        opt.zero_grad()
+        loss = loss_fn(model, sample(True))
+        loss.backward()
+        opt.step()
+        if progress is not None:
+            progress(step, float(loss))
+        if step in marks:
+            ckpts[marks[step]] = {"model": copy.deepcopy(model.state_dict()),
+                                  "optimizer": copy.deepcopy(opt.state_dict()),
+                                  "step": step, "kind": kind, "seed": seed}
+    return ckpts, model, sample
+
+
+def next_gradients(kind, ckpt, sample):
+    """The real next-batch gradient at a checkpoint: {param name: tensor}."""
+    model, _ = make(kind, 0)
+    model.load_state_dict(ckpt["model"])
+    model.train()
+    model.zero_grad()
+    loss_fn(model, sample(True)).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

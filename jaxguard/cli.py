@@ -1,0 +1,211 @@
+"""The `jaxguard` command line (also `python -m jaxguard`).
+
+Every error a user can cause prints one line, ``jaxguard: error: ...``, and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import sys
+import time
+
+from .errors import JaxguardError, CheckpointError
+
+EXIT_USAGE = 2
+
+
+def _die(msg: str) -> int:
+    print(f"jaxguard: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def load_torch_checkpoint(path):
+    """torch.load with weights_only=True: loading never runs pickled code."""
+    import torch
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file; pass a checkpoint written with torch.save")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
+        raise CheckpointError(f"{path} is not a plain tensor checkpoint and was refused without running it "
+                              f"(weights_only load: {first[:160]})") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable torch checkpoint ({first[:160]})") from None
+
+
+def _write_torch(path, obj):
+    import torch
+    from .container import atomic_write
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write(path, buf.getvalue())
+
+
+def _print_summary(s, as_json):
+    if as_json:
+        print(json.dumps(s, sort_keys=True))
+        return
+    for k in ("coordinates", "escapes", "escape_rate", "payload_bytes", "raw_fp32_bytes", "payload_ratio",
+              "container_bytes", "encode_seconds"):
+        v = s.get(k)
+        print(f"{k:>16}: {v:.6g}" if isinstance(v, float) else f"{k:>16}: {v}")
+
+
+def cmd_compress(a):
+    import torch_compat
+    from .container import atomic_write
+    ckpt = load_torch_checkpoint(a.ckpt)
+    variant = None
+    try:
+        from torch_compat import replay
+        variant = replay.detect_variant()
+        variant = variant.to_json() if hasattr(variant, "to_json") else variant
+    except Exception:  # noqa: BLE001 - the variant is informational only
+        variant = None
+    data, summary = torch_compat.compress_checkpoint(ckpt, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound,
+                                                     partition=a.partition, progress=not a.json, variant=variant)
+    atomic_write(a.output, data)
+    raw = os.path.getsize(a.ckpt)
+    summary["source_bytes"] = raw
+    summary["container_ratio"] = summary["container_bytes"] / raw
+    _print_summary(summary, a.json)
+    return 0
+
+
+def cmd_restore(a):
+    import torch_compat
+    tree, _ = torch_compat.restore_tree(a.container)
+    _write_torch(a.output, tree)
+    print(f"restored {a.container} -> {a.output}")
+    return 0
+
+
+def cmd_inspect(a):
+    from . import container
+    header, payload, tables = container.read(a.container)
+    ents = [e for e in header["entries"] if e["kind"] == "moments"]
+    n = sum(e["stats"]["coordinates"] for e in ents)
+    esc = sum(e["stats"]["escapes"] for e in ents)
+    pay = sum(e["stats"]["payload_bytes"] for e in ents)
+    info = {k: header.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "bound", "partition", "variant")}
+    info.update({"framework": header["meta"].get("framework"), "entries": len(header["entries"]),
+                 "moment_tensors": len(ents), "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
+                 "payload_bytes": pay, "raw_fp32_bytes": 8 * n, "payload_ratio": pay / max(8 * n, 1),
+                 "container_bytes": os.path.getsize(a.container), "payload_sha256": header["payload_sha256"],
+                 "decoded_sha256": header["decoded_sha256"]})
+    if a.json:
+        print(json.dumps(info, sort_keys=True))
+    else:
+        for k, v in info.items():
+            print(f"{k:>16}: {v}")
+    return 0
+
+
+def cmd_verify(a):
+    from . import reader
+    try:
+        res = reader.verify_file(a.container)
+    except reader.ReaderError as exc:
+        print(f"FAILED {a.container}: {exc}")
+        return 1
+    header, _ = reader.parse(open(a.container, "rb").read())
+    print(f"ok {a.container}: file and payload SHA-256 match, payload_sha256 {header['payload_sha256']}, "
+          f"decoded_sha256 {res['decoded_sha256']} reproduced by the numpy reader")
+    return 0
+
+
+def cmd_audit(a):
+    import torch_compat
+    ckpt = load_torch_checkpoint(a.ckpt)
+    restored, header = torch_compat.restore_tree(a.container)
+    tau = header.get("tau") or 0.01
+    clip = header.get("clip") or 0.2
+    res = torch_compat.audit(ckpt, restored, tau=tau, clip=clip, progress=not a.json)
+    res.update({"tau": tau, "clip": clip, "passed": res["violations"] == 0})
+    if a.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(f"audit: {res['coordinates']} coordinates x {res['gradients']} gradients, worst gap "
+              f"{res['max_gap_lr']:.6g} lr (tau {tau}), {res['violations']} coordinates over tau: "
+              + ("PASS" if res["passed"] else "FAIL"))
+    return 0 if res["passed"] else 1
+
+
+def cmd_demo(a):
+    from .demo import run_demo
+    return run_demo(steps=a.steps, as_json=a.json)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="jaxguard", description="Guarded compression of Adam optimizer state.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compress", help="compress a torch checkpoint's Adam moments")
+    c.add_argument("ckpt")
+    c.add_argument("-o", "--output", required=True)
+    c.add_argument("--tau", type=float, default=0.01)
+    c.add_argument("--clip", type=float, default=0.2)
+    c.add_argument("--codec", default="log8", choices=["log8", "bf16", "block8", "block8-unguarded"])
+    c.add_argument("--bound", default="shared", choices=["shared", "separate"])
+    c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_compress)
+    r = sub.add_parser("restore", help="write a torch checkpoint with the moments restored")
+    r.add_argument("container")
+    r.add_argument("-o", "--output", required=True)
+    r.set_defaults(fn=cmd_restore)
+    i = sub.add_parser("inspect", help="header and stats")
+    i.add_argument("container")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+    v = sub.add_parser("verify", help="check both hashes with the numpy-only reader")
+    v.add_argument("container")
+    v.set_defaults(fn=cmd_verify)
+    au = sub.add_parser("audit", help="first-update audit with the real torch Adam")
+    au.add_argument("ckpt")
+    au.add_argument("container")
+    au.add_argument("--json", action="store_true")
+    au.set_defaults(fn=cmd_audit)
+    d = sub.add_parser("demo", help="train a small model, compress, restore, audit")
+    d.add_argument("--steps", type=int, default=150)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    try:
+        from . import enclosure
+        enclosure.add_parser(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def _enable_compile_cache():
+    """The CLI is an application: cache XLA executables across runs (~20 s of compiles)."""
+    try:
+        import jax
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except Exception:  # noqa: BLE001 - a cache is an optimisation only
+        pass
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd != "verify":
+        _enable_compile_cache()
+    try:
+        return args.fn(args)
+    except JaxguardError as exc:
+        return _die(str(exc))
+    except (OSError, MemoryError) as exc:
+        return _die(f"{getattr(exc, 'filename', '') or ''} {exc.strerror if hasattr(exc, 'strerror') and exc.strerror else exc}".strip())
+    except KeyboardInterrupt:
+        return _die("interrupted; no output file was written")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Container v1 writer, and loading on top of the numpy-only reader.
+
+Layout (docs/format.md): ``JAXGUARD`` magic, u32 version, u32 flags, u64 header length,
+JSON header, payload, SHA-256 of everything before it.  Writes are atomic: a temporary
+file in the target directory, fsync, rename, fsync of the directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from . import reader
+from .errors import ContainerError
+
+SCHEMA = "jaxguard-container"
+
+
+class _Payload:
+    def __init__(self):
+        self.buf = io.BytesIO()
+
+    def add(self, arr) -> list:
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        b = self.buf.tell()
+        self.buf.write(arr.tobytes())
+        return [b, self.buf.tell()]
+
+
+def numpy_dtype_name(arr) -> str:
+    name = np.dtype(arr.dtype).name
+    if name not in reader.DTYPES:
+        raise ContainerError(f"dtype {name} cannot be stored; supported: {', '.join(reader.DTYPES)}")
+    return name
+
+
+def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
+    """entries: list of ("raw", name, ndarray, dtype_name|None) or ("moments", name, Encoded, dict)."""
+    pay = _Payload()
+    header_entries = []
+    tables = {}
+    decoded = hashlib.sha256()
+    if any(e[0] == "moments" and e[2].codec.startswith("block8") for e in entries):
+        from .codes import dynamic_map
+        tables = {"dynamic8s": pay.add(dynamic_map(True)), "dynamic8u": pay.add(dynamic_map(False))}
+    for kind, name, obj, info in entries:
+        if kind == "raw":
+            arr = np.asarray(obj)
+            dtype = info or numpy_dtype_name(arr)
+            header_entries.append({"name": name, "kind": "raw", "dtype": dtype, "shape": list(arr.shape),
+                                   "offsets": pay.add(arr)})
+            continue
+        enc = obj
+        a = enc.arrays
+        n = enc.n
+        mask = np.zeros(n, bool)
+        mask[a["escape_index"]] = True
+        pairs = np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32)
+        sections = {
+            "m_codes": pay.add(a["m_codes"]), "v_codes": pay.add(a["v_codes"]),
+            "m_params": pay.add(a["m_params"].astype(np.float32)), "v_params": pay.add(a["v_params"].astype(np.float32)),
+            "escape_mask": pay.add(np.packbits(mask, bitorder="little")), "escape_pairs": pay.add(pairs),
+        }
+        header_entries.append({"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
+                               "sections": sections, "config": info, "stats": _jsonable(enc.stats)})
+    payload = pay.buf.getvalue()
+    header = {"schema": SCHEMA, "version": reader.VERSION, **(extra_header or {}), "meta": meta,
+              "tables": tables, "entries": header_entries, "payload_bytes": len(payload),
+              "payload_sha256": hashlib.sha256(payload).hexdigest()}
+    # the decoded hash is computed by the numpy reader itself, so a writer/reader
+    # disagreement can never be recorded as valid.
+    header["decoded_sha256"] = reader.decoded_digest(header, memoryview(payload))
+    hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        x = float(x)
+        return x if np.isfinite(x) else str(x)
+    return x
+
+
+def atomic_write(path, data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise ContainerError(f"output directory {directory} does not exist; create it first")
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def read(path, *, verify_decoded: bool = True):
+    """Parse and check a container; returns (header, payload, tables)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise ContainerError(f"{path}: no such file; pass the path of a jaxguard container") from None
+    except OSError as exc:
+        raise ContainerError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        header, payload = reader.parse(data)
+        if verify_decoded and reader.decoded_digest(header, payload) != header.get("decoded_sha256"):
+            raise reader.ReaderError("decoded moments SHA-256 mismatch")
+        tables = reader.read_tables(header, payload)
+    except reader.ReaderError as exc:
+        raise ContainerError(f"{path}: {exc}") from None
+    return header, payload, tables
+
+
+def entries_by_name(header, payload, tables) -> dict:
+    """{name: ndarray} for raw entries and {name: (m~, v~)} for moments entries."""
+    out = {}
+    try:
+        for e in header["entries"]:
+            if e["kind"] == "raw":
+                out[e["name"]] = reader.read_raw(e, payload)
+            else:
+                out[e["name"]] = reader.read_moments(e, payload, tables)
+    except reader.ReaderError as exc:
+        raise ContainerError(str(exc)) from None
+    return out

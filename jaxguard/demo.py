@@ -1,0 +1,66 @@
+"""`jaxguard demo`: train a small byte-level transformer on the standard library's own
+source text with torch Adam, compress its Adam state every way the paper compares,
+restore, audit with the real torch Adam, and print the table."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+ROWS = (  # (label, codec, bound, partition)
+    ("separate ranges", "log8", "separate", "mixed"),
+    ("shared, linear partition", "log8", "shared", "linear"),
+    ("shared, mixed (default)", "log8", "shared", "mixed"),
+    ("bf16, guarded", "bf16", "shared", "mixed"),
+    ("block8, guarded", "block8", "shared", "mixed"),
+    ("block8, unguarded", "block8-unguarded", "shared", "mixed"),
+)
+
+
+def run_demo(steps=150, as_json=False, seed=0):
+    from tqdm import tqdm
+
+    import torch_compat
+    from . import _demo, reader
+    from .container import atomic_write
+
+    t0 = time.perf_counter()
+    bar = tqdm(total=steps, desc="train byte transformer", unit="step", disable=as_json)
+
+    def progress(step, loss):
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    ckpts, model, sample = _demo.train("transformer", seed=seed, steps=steps, fractions=(1.0,), progress=progress)
+    bar.close()
+    ckpt = ckpts[1.0]
+    grads = _demo.next_gradients("transformer", ckpt, sample)
+    grid = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "demo.jg")
+        for label, codec, bound, partition in tqdm(ROWS, desc="compress+audit", disable=as_json):
+            data, s = torch_compat.compress_checkpoint(ckpt, codec=codec, bound=bound, partition=partition)
+            atomic_write(path, data)
+            ok = reader.verify_file(path)["ok"]
+            restored, _ = torch_compat.restore_tree(path)
+            a = torch_compat.audit(ckpt, restored, grads=grads, grid=grid)
+            rows.append({"row": label, "codec": codec, "bound": bound, "partition": partition,
+                         "coordinates": s["coordinates"], "escapes": s["escapes"], "escape_rate": s["escape_rate"],
+                         "payload_ratio": s["payload_ratio"], "max_gap_lr": a["max_gap_lr"],
+                         "violations": a["violations"], "reader_ok": ok})
+    total = time.perf_counter() - t0
+    if as_json:
+        print(json.dumps({"rows": rows, "seconds": total, "steps": steps}))
+    else:
+        print(f"\nByteTransformer, {rows[0]['coordinates']:,} Adam coordinates after {steps} steps; "
+              f"tau = 0.01 lr, |g| <= 0.2; audit: real torch Adam, next-batch gradient + {len(grid) + 1} gradients\n")
+        print(f"{'certificate / codec':<26} {'escapes':>9} {'rate':>7} {'payload/FP32':>13} {'worst gap (lr)':>15} {'over tau':>9}")
+        for r in rows:
+            print(f"{r['row']:<26} {r['escapes']:>9,} {100 * r['escape_rate']:>6.2f}% {100 * r['payload_ratio']:>12.2f}% "
+                  f"{r['max_gap_lr']:>15.6f} {r['violations']:>9,}")
+        print(f"\npaper (1M OPT-125M coordinates): separate 98.9% escapes / 126.63%; shared-linear 43.9% / 71.68%; "
+              f"shared-mixed 0.53% / 28.28%\n{total:.0f} s")
+    guarded_ok = all(r["violations"] == 0 for r in rows if r["codec"] != "block8-unguarded")
+    return 0 if guarded_ok else 1

@@ -1,0 +1,262 @@
+"""Numpy-only reader for jaxguard container v1 (no JAX, torch or optax needed).
+
+    python -m jaxguard.reader FILE [--json]
+
+verifies the file and prints ``{"ok": ..., "decoded_sha256": ...}``.  The format is
+specified in docs/format.md.  Loading never unpickles: the header is JSON and every
+array is read with `numpy.frombuffer` from a declared, bounds-checked byte range.
+
+Numerical contract: decoding uses only float32 multiplies (linear8: ``q*scale``; log8:
+``lo * r**(q-1)`` by fixed-order binary powering; block8: ``table[q]*absmax``; bf16: a
+16-bit shift), which numpy, JAX and torch all round identically, so the decoded moments
+hash to the ``decoded_sha256`` the writer recorded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+
+import numpy as np
+
+MAGIC = b"JAXGUARD"
+VERSION = 1
+PREFIX = struct.Struct("<8sIIQ")   # magic, version, flags, header length
+TRAILER = 32                       # SHA-256 of everything before it
+MAX_HEADER = 1 << 30
+BLOCK = 256
+
+DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
+          "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
+CODE_DTYPES = {"log8": ("i1", "u1"), "bf16": ("<u2", "<u2"), "block8": ("u1", "u1"),
+               "block8-unguarded": ("u1", "u1")}
+PARAM_WIDTH = {"log8": (1, 2), "bf16": (0, 0), "block8": (1, 1), "block8-unguarded": (1, 1)}
+
+
+class ReaderError(ValueError):
+    """The file is not a valid jaxguard container (message says what failed)."""
+
+
+# ---------------------------------------------------------------- decoding (numpy)
+def _blocks(q, n):
+    nb = max(1, -(-n // BLOCK))
+    out = np.zeros(nb * BLOCK, q.dtype)
+    out[:n] = q
+    return out.reshape(nb, BLOCK)
+
+
+def linear8_decode(q, scale, n):
+    qb = _blocks(q, n).astype(np.float32)
+    return (qb * scale.astype(np.float32)[:, None]).reshape(-1)[:n]
+
+
+def log_decode(q, lo, r, n, bits=8):
+    qb = _blocks(q, n).astype(np.int64)
+    k = qb - 1
+    p = r.astype(np.float32)[:, None]
+    val = np.broadcast_to(lo.astype(np.float32)[:, None], qb.shape).copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j in range(bits):
+            bit = ((k >> j) & 1) == 1
+            val = np.where(bit, val * p, val).astype(np.float32)
+            p = (p * p).astype(np.float32)
+    val[qb == 0] = 0.0
+    return val.reshape(-1)[:n]
+
+
+def bf16_decode(q):
+    return (q.astype(np.uint32) << 16).view(np.float32)
+
+
+def table_decode(q, absmax, table, n):
+    qb = _blocks(q, n).astype(np.int64)
+    return (table[qb] * absmax.astype(np.float32)[:, None]).astype(np.float32).reshape(-1)[:n]
+
+
+def decode_codes(codec, n, m_codes, v_codes, m_params, v_params, tables):
+    if codec == "log8":
+        return linear8_decode(m_codes, m_params[:, 0], n), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
+    if codec == "bf16":
+        return bf16_decode(m_codes), bf16_decode(v_codes)
+    return (table_decode(m_codes, m_params[:, 0], tables["dynamic8s"], n),
+            table_decode(v_codes, v_params[:, 0], tables["dynamic8u"], n))
+
+
+# ---------------------------------------------------------------- parsing
+def _range(payload_len, rng, what):
+    if (not isinstance(rng, list) or len(rng) != 2 or not all(isinstance(x, int) for x in rng)
+            or not 0 <= rng[0] <= rng[1] <= payload_len):
+        raise ReaderError(f"{what}: byte range {rng!r} is not inside the payload of {payload_len} bytes")
+    return rng
+
+
+def parse(data: bytes):
+    """Check the envelope of `data`; return (header dict, payload memoryview)."""
+    if len(data) < PREFIX.size + TRAILER:
+        raise ReaderError(f"file is {len(data)} bytes, too short to be a jaxguard container")
+    magic, version, flags, hlen = PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ReaderError("not a jaxguard container (bad magic); pass a file written by jaxguard")
+    if version != VERSION:
+        raise ReaderError(f"container format version {version} is not supported by this reader (supports {VERSION})")
+    if flags != 0:
+        raise ReaderError(f"unknown flags {flags:#x} in the container prefix")
+    if hashlib.sha256(data[:-TRAILER]).digest() != data[-TRAILER:]:
+        raise ReaderError("file checksum mismatch: the file is corrupt or truncated (trailing SHA-256)")
+    if hlen > MAX_HEADER or PREFIX.size + hlen + TRAILER > len(data):
+        raise ReaderError(f"header length {hlen} does not fit in the file")
+    try:
+        header = json.loads(bytes(data[PREFIX.size:PREFIX.size + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReaderError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
+        raise ReaderError("header has no 'entries' list")
+    payload = memoryview(data)[PREFIX.size + hlen:len(data) - TRAILER]
+    if header.get("payload_bytes") != len(payload):
+        raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise ReaderError("payload SHA-256 mismatch")
+    _check_layout(header, len(payload))
+    return header, payload
+
+
+def _sections(entry):
+    if entry.get("kind") == "raw":
+        return {"data": entry.get("offsets")}
+    if entry.get("kind") == "moments":
+        sec = entry.get("sections")
+        if not isinstance(sec, dict):
+            raise ReaderError(f"entry {entry.get('name')!r} has no sections")
+        return sec
+    raise ReaderError(f"entry {entry.get('name')!r} has unknown kind {entry.get('kind')!r}")
+
+
+def _check_layout(header, payload_len):
+    ranges = []
+    for name, rng in (header.get("tables") or {}).items():
+        ranges.append(tuple(_range(payload_len, rng, f"table {name}")))
+    for entry in header["entries"]:
+        if not isinstance(entry, dict):
+            raise ReaderError("an entry of the header is not an object")
+        for sec, rng in _sections(entry).items():
+            ranges.append(tuple(_range(payload_len, rng, f"{entry.get('name')!r}.{sec}")))
+    ranges.sort()
+    pos = 0
+    for b, e in ranges:
+        if b != pos:
+            raise ReaderError(f"payload has a hole or overlap at byte {pos} (next section starts at {b})")
+        pos = e
+    if pos != payload_len:
+        raise ReaderError(f"payload has {payload_len - pos} trailing bytes no section claims")
+
+
+def _array(payload, rng, dtype, count, what):
+    b, e = rng
+    item = np.dtype(dtype).itemsize
+    if (e - b) != count * item:
+        raise ReaderError(f"{what}: {e - b} bytes where {count} x {item} are needed")
+    return np.frombuffer(payload[b:e], dtype=dtype, count=count)
+
+
+def _shape_size(entry):
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ReaderError(f"entry {entry.get('name')!r} has an invalid shape {shape!r}")
+    return shape, int(np.prod(shape, dtype=np.int64))
+
+
+def read_tables(header, payload):
+    tables = {}
+    for name, rng in (header.get("tables") or {}).items():
+        tables[name] = _array(payload, rng, "<f4", 256, f"table {name}").astype(np.float32)
+    return tables
+
+
+def read_raw(entry, payload):
+    shape, n = _shape_size(entry)
+    dt = DTYPES.get(entry.get("dtype"))
+    if dt is None:
+        raise ReaderError(f"entry {entry.get('name')!r} has unsupported dtype {entry.get('dtype')!r}")
+    return _array(payload, entry["offsets"], dt, n, entry["name"]).reshape(shape)
+
+
+def read_moments(entry, payload, tables):
+    """Decoded (m~, v~) float32 arrays of one moments entry."""
+    shape, n = _shape_size(entry)
+    codec = entry.get("codec")
+    if codec not in CODE_DTYPES:
+        raise ReaderError(f"entry {entry.get('name')!r} has unknown codec {codec!r}")
+    if codec.startswith("block8") and set(tables) != {"dynamic8s", "dynamic8u"}:
+        raise ReaderError("block8 entries need the dynamic8s/dynamic8u tables")
+    s = entry["sections"]
+    nb = max(1, -(-n // BLOCK))
+    mdt, vdt = CODE_DTYPES[codec]
+    wm, wv = PARAM_WIDTH[codec]
+    name = entry["name"]
+    mq = _array(payload, s["m_codes"], mdt, n, f"{name}.m_codes")
+    vq = _array(payload, s["v_codes"], vdt, n, f"{name}.v_codes")
+    mp = _array(payload, s["m_params"], "<f4", nb * wm, f"{name}.m_params").reshape(nb, wm)
+    vp = _array(payload, s["v_params"], "<f4", nb * wv, f"{name}.v_params").reshape(nb, wv)
+    mask = _array(payload, s["escape_mask"], "u1", -(-n // 8), f"{name}.escape_mask")
+    bits = np.unpackbits(mask, bitorder="little")
+    if bits[n:].any():
+        raise ReaderError(f"{name}.escape_mask has bits set past the end of the tensor")
+    idx = np.flatnonzero(bits[:n])
+    pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
+    m, v = decode_codes(codec, n, mq, vq, mp, vp, tables)
+    m, v = m.copy(), v.copy()
+    m[idx] = pairs[:, 0]
+    v[idx] = pairs[:, 1]
+    return m.reshape(shape), v.reshape(shape)
+
+
+def decoded_digest(header, payload):
+    tables = read_tables(header, payload)
+    h = hashlib.sha256()
+    for entry in header["entries"]:
+        if entry.get("kind") == "moments":
+            m, v = read_moments(entry, payload, tables)
+            h.update(np.ascontiguousarray(m, "<f4").tobytes())
+            h.update(np.ascontiguousarray(v, "<f4").tobytes())
+    return h.hexdigest()
+
+
+def verify_bytes(data: bytes) -> dict:
+    """Full check: envelope, checksums, layout, decode, decoded-moments hash."""
+    header, payload = parse(data)
+    digest = decoded_digest(header, payload)
+    if digest != header.get("decoded_sha256"):
+        raise ReaderError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
+    return {"ok": True, "decoded_sha256": digest, "entries": len(header["entries"])}
+
+
+def verify_file(path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ReaderError(f"cannot read {path}: {exc.strerror}") from None
+    return verify_bytes(data)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    files = [a for a in argv if a != "--json"]
+    if len(files) != 1:
+        print("usage: python -m jaxguard.reader FILE [--json]", file=sys.stderr)
+        return 2
+    try:
+        res = verify_file(files[0])
+    except ReaderError as exc:
+        res = {"ok": False, "error": str(exc)}
+    if as_json:
+        print(json.dumps(res))
+    else:
+        print(f"ok: decoded_sha256 {res['decoded_sha256']}" if res["ok"] else f"error: {res['error']}")
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

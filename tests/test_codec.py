@@ -1,0 +1,152 @@
+"""Codes, the guard and the container: golden vectors, invariants, bit identity across
+JAX, numpy and torch, and the numpy-only reader."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import jaxguard as jg
+import jaxguard.guard as G
+from jaxguard import container, reader
+from torch_compat import codes_torch
+
+GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_v1.npz"))
+CODECS = ("log8", "bf16", "block8")
+
+
+def _numpy_decode(codec, a, n):
+    from jaxguard.codes import dynamic_map
+    tables = {"dynamic8s": dynamic_map(True), "dynamic8u": dynamic_map(False)}
+    return reader.decode_codes(codec, n, a["m_codes"], a["v_codes"], a["m_params"], a["v_params"], tables)
+
+
+def _torch_decode(codec, a, n):
+    t = {k: torch.from_numpy(np.array(x)) for k, x in a.items()}
+    if codec == "log8":
+        return (codes_torch.linear8_decode(t["m_codes"], t["m_params"][:, 0], n),
+                codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n))
+    if codec == "bf16":
+        return codes_torch.bf16_decode(t["m_codes"].view(torch.int16)), codes_torch.bf16_decode(t["v_codes"].view(torch.int16))
+    from jaxguard.codes import dynamic_map
+    ts, tu = torch.from_numpy(dynamic_map(True)), torch.from_numpy(dynamic_map(False))
+    return (codes_torch.table_decode(t["m_codes"], t["m_params"][:, 0], ts, n),
+            codes_torch.table_decode(t["v_codes"], t["v_params"][:, 0], tu, n))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_golden_decode_bit_identical_in_jax_numpy_torch(codec):
+    n = GOLDEN["m"].size
+    a = {k: GOLDEN[f"{codec}/{k}"] for k in ("m_codes", "v_codes", "m_params", "v_params")}
+    want_m, want_v = GOLDEN[f"{codec}/m_decoded_bits"], GOLDEN[f"{codec}/v_decoded_bits"]
+    jm, jv = G.decode_arrays(a, codec, n)
+    nm, nv = _numpy_decode(codec, a, n)
+    tm, tv = _torch_decode(codec, a, n)
+    for name, (m, v) in {"jax": (jm, jv), "numpy": (nm, nv), "torch": (tm, tv)}.items():
+        m = np.asarray(m, np.float32).view(np.uint32)
+        v = np.asarray(v, np.float32).view(np.uint32)
+        assert np.array_equal(m, want_m), f"{name} m differs at {np.flatnonzero(m != want_m)[:5]}"
+        assert np.array_equal(v, want_v), f"{name} v differs at {np.flatnonzero(v != want_v)[:5]}"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_golden_encode_is_stable(codec):
+    e = G.encode(GOLDEN["m"], GOLDEN["v"], GOLDEN["p"], G.GuardConfig(lr=1e-3, step=100, codec=codec))
+    for k in ("m_codes", "v_codes", "m_params", "v_params"):
+        assert np.array_equal(np.asarray(e.arrays[k]), GOLDEN[f"{codec}/{k}"]), k
+
+
+def test_log8_exact_zero_invariant_and_range():
+    v = GOLDEN["v"]
+    q = GOLDEN["log8/v_codes"]
+    zero = (v.view(np.uint32) & 0x7FFFFFFF) == 0
+    assert np.array_equal(q == 0, zero)
+    dec = GOLDEN["log8/v_decoded_bits"].view(np.float32)
+    pos = ~zero & (v >= 2.0**-80)
+    assert np.all(dec[~zero] >= 2.0**-126)          # never subnormal
+    assert np.all(np.isfinite(dec))
+    # constant block is exact
+    assert np.array_equal(dec[512:768], v[512:768])
+
+
+def test_nonfinite_and_negative_are_escaped_exactly():
+    rng = np.random.default_rng(1)
+    n = 1000
+    v = rng.lognormal(-12, 1, n).astype(np.float32)
+    m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.2).astype(np.float32)
+    p = rng.normal(0, 0.05, n).astype(np.float32)
+    m[3], v[4], v[5], m[6], v[7] = np.nan, np.inf, -1e-3, -np.inf, -1e-42
+    e = jg.encode(m, v, p, jg.GuardConfig(lr=1e-3, step=10))
+    m2, v2 = (np.asarray(x) for x in jg.decode(e))
+    for i in (3, 4, 5, 6, 7):
+        assert m2[i].view(np.uint32) == m[i].view(np.uint32) and v2[i].view(np.uint32) == v[i].view(np.uint32)
+    assert set(e.arrays["escape_index"].tolist()) >= {3, 4, 5, 6, 7}
+
+
+@pytest.mark.parametrize("shape", [(0,), (), (1,), (255,), (257,), (3, 300)])
+def test_odd_shapes_round_trip(shape):
+    rng = np.random.default_rng(2)
+    v = rng.lognormal(-12, 1, shape).astype(np.float32)
+    m = (rng.normal(0, 1, shape) * 1e-4).astype(np.float32)
+    e = jg.encode(m, v, np.zeros(shape, np.float32), jg.GuardConfig(lr=1e-3, step=10))
+    m2, v2 = jg.decode(e)
+    assert m2.shape == shape and v2.shape == shape
+
+
+def test_bad_config_is_one_clear_error():
+    with pytest.raises(jg.ConfigError, match="codec='zip8'"):
+        jg.GuardConfig(lr=1e-3, step=1, codec="zip8")
+    with pytest.raises(jg.ConfigError, match="lr=-1"):
+        jg.GuardConfig(lr=-1, step=1)
+    with pytest.raises(jg.ConfigError, match="float32"):
+        jg.encode(np.zeros(4), np.zeros(4), np.zeros(4), jg.GuardConfig(lr=1e-3, step=1))
+
+
+def _small_container(tmp_path, codec="log8"):
+    rng = np.random.default_rng(3)
+    entries = []
+    for i, n in enumerate((700, 1000)):
+        v = rng.lognormal(-12, 1, n).astype(np.float32)
+        m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.2).astype(np.float32)
+        e = jg.encode(m, v, rng.normal(0, 0.05, n).astype(np.float32), jg.GuardConfig(lr=1e-3, step=50, codec=codec))
+        entries.append(("moments", f"t{i}", e, {}))
+    entries.append(("raw", "step", np.array(50, np.int64), None))
+    path = tmp_path / f"c_{codec}.jg"
+    container.atomic_write(path, container.build(entries, {"framework": "test"}))
+    return path, entries
+
+
+@pytest.mark.parametrize("codec", ["log8", "bf16", "block8"])
+def test_container_decodes_to_what_jax_decodes(tmp_path, codec):
+    path, entries = _small_container(tmp_path, codec)
+    header, payload, tables = container.read(path)
+    got = container.entries_by_name(header, payload, tables)
+    for kind, name, enc, _ in entries:
+        if kind == "moments":
+            m, v = (np.asarray(x) for x in jg.decode(enc))
+            assert np.array_equal(got[name][0].view(np.uint32), m.view(np.uint32))
+            assert np.array_equal(got[name][1].view(np.uint32), v.view(np.uint32))
+
+
+def test_reader_runs_with_numpy_only(tmp_path):
+    """python -m jaxguard.reader with jax, torch and optax made unimportable."""
+    path, _ = _small_container(tmp_path)
+    header, _ = reader.parse(path.read_bytes())
+    blocker = (
+        "import sys, runpy\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'jaxlib', 'torch', 'optax'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"sys.argv = ['reader', {str(path)!r}, '--json']\n"
+        "runpy.run_module('jaxguard.reader', run_name='__main__')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    import json
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["ok"] is True, out.stderr
+    assert res["decoded_sha256"] == header["decoded_sha256"]

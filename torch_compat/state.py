@@ -1,0 +1,327 @@
+"""torch state_dict <-> jaxguard container, and the first-update audit with real torch.
+
+A checkpoint ("CKPT") is a dict with the model ``state_dict`` under ``"model"`` and an
+Adam/AdamW optimizer ``state_dict`` under ``"optimizer"`` whose param groups carry
+``param_names`` (build the optimizer from ``model.named_parameters()``).  Every other
+key passes through exactly (tensors as raw arrays, numbers/strings/lists/dicts as JSON;
+nothing is pickled).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from jaxguard import container
+from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
+from jaxguard.guard import GuardConfig, encode
+
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
+            "model.named_parameters(), e.g. torch.optim.Adam(model.named_parameters(), lr=1e-3)")
+
+
+# ---------------------------------------------------------------- generic tree <-> JSON skeleton
+def tensor_to_numpy(t: torch.Tensor):
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+    arr = t.numpy()
+    return arr, container.numpy_dtype_name(arr)
+
+
+def numpy_to_tensor(arr, dtype_name):
+    arr = np.array(arr)  # writable copy
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def to_skeleton(obj, path, raws):
+    if isinstance(obj, torch.Tensor):
+        arr, dt = tensor_to_numpy(obj)
+        raws.append(("raw", path, arr, dt))
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise CheckpointError(f"key {k!r} under {path!r} is a {type(k).__name__}; only str and int keys can be stored")
+            items.append([k, to_skeleton(v, f"{path}/{k}", raws)])
+        return {"__dict__": items}
+    if isinstance(obj, (list, tuple)):
+        tag = "__list__" if isinstance(obj, list) else "__tuple__"
+        return {tag: [to_skeleton(v, f"{path}/{i}", raws) for i, v in enumerate(obj)]}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": repr(obj)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(f"{path!r} holds a {type(obj).__name__}; jaxguard stores tensors, numbers, strings, "
+                          "lists and dicts (convert it, or keep it outside the checkpoint)")
+
+
+def from_skeleton(sk, arrays, dtypes):
+    if isinstance(sk, dict):
+        if "__tensor__" in sk:
+            return numpy_to_tensor(arrays[sk["__tensor__"]], dtypes[sk["__tensor__"]])
+        if "__moment__" in sk:
+            m, v = arrays[sk["__moment__"]]
+            return torch.from_numpy(np.array(m if sk["which"] == "m" else v))
+        if "__dict__" in sk:
+            return {k: from_skeleton(v, arrays, dtypes) for k, v in sk["__dict__"]}
+        if "__list__" in sk:
+            return [from_skeleton(v, arrays, dtypes) for v in sk["__list__"]]
+        if "__tuple__" in sk:
+            return tuple(from_skeleton(v, arrays, dtypes) for v in sk["__tuple__"])
+        if "__float__" in sk:
+            return float(sk["__float__"])
+    return sk
+
+
+# ---------------------------------------------------------------- validation
+def _scalar(x, what):
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise CheckpointError(f"{what} is a tensor of {x.numel()} elements; expected a scalar")
+        return x.item()
+    return x
+
+
+def check_optimizer_state(opt_sd) -> None:
+    if not isinstance(opt_sd, dict) or "state" not in opt_sd or "param_groups" not in opt_sd:
+        raise CheckpointError("'optimizer' is not an optimizer state_dict (needs 'state' and 'param_groups'); "
+                              "save optimizer.state_dict() under 'optimizer'")
+    for gi, g in enumerate(opt_sd["param_groups"]):
+        if "betas" not in g or "eps" not in g:
+            raise UnsupportedOptimizerError(f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; "
+                                            "jaxguard compresses torch.optim.Adam and AdamW state only")
+        for flag in UNSUPPORTED_FLAGS:
+            if g.get(flag):
+                raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
+                                                f"{flag}=False only (rebuild the optimizer with {flag}=False)")
+        if "param_names" not in g:
+            raise CheckpointError(NO_NAMES)
+        if len(g["param_names"]) != len(g["params"]):
+            raise CheckpointError(f"param group {gi} has {len(g['param_names'])} param_names for {len(g['params'])} params")
+    for idx, st in opt_sd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key not in st:
+                raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st[key].dtype != torch.float32:
+                raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
+                                                "float32 moments only (keep Adam state in float32)")
+
+
+def param_index(opt_sd):
+    """{state index: (name, group dict)} from param_names."""
+    out = {}
+    for g in opt_sd["param_groups"]:
+        for name, idx in zip(g["param_names"], g["params"]):
+            out[idx] = (name, g)
+    return out
+
+
+def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed") -> GuardConfig:
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    return GuardConfig(lr=float(_scalar(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
+                       betas=tuple(float(_scalar(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
+                       weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
+                       op_model="torch-adamw" if decoupled else "torch-adam",
+                       codec=codec, bound=bound, partition=partition)
+
+
+def _step_int(st, idx):
+    s = float(_scalar(st["step"], f"state {idx}.step"))
+    if s != int(s) or s < 0:
+        raise CheckpointError(f"optimizer state {idx}.step={s} is not a non-negative integer")
+    return int(s)
+
+
+# ---------------------------------------------------------------- compress / restore
+def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec="log8", bound="shared",
+                   partition="mixed", progress=False):
+    """Encode every Adam moment pair of `opt_sd` against `params` {name: tensor}.
+
+    Returns (optimizer skeleton, moment entries, totals dict).
+    """
+    check_optimizer_state(opt_sd)
+    names = param_index(opt_sd)
+    entries = []
+    state_sk = []
+    totals = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "exact": 0,
+              "uncertifiable": 0}
+    items = list(opt_sd["state"].items())
+    it = items
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(items, desc="compress", unit="tensor", leave=False)
+    raws: list = []
+    for idx, st in it:
+        if idx not in names:
+            raise CheckpointError(f"optimizer state has parameter index {idx} that no param group lists")
+        name, group = names[idx]
+        if name not in params:
+            raise CheckpointError(f"parameter {name!r} is in the optimizer but not in the model state_dict; "
+                                  "save model.state_dict() under 'model'")
+        p = params[name]
+        if tuple(p.shape) != tuple(st["exp_avg"].shape) or tuple(p.shape) != tuple(st["exp_avg_sq"].shape):
+            raise CheckpointError(f"parameter {name!r} has shape {tuple(p.shape)} but its moments have "
+                                  f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
+        if p.dtype != torch.float32:
+            raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
+        cfg = guard_config(group, _step_int(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+        enc = encode(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
+                     p.detach().cpu().numpy(), cfg)
+        ename = f"optimizer/state/{idx}"
+        entries.append(("moments", ename, enc, {**cfg.to_json(), "param_name": name}))
+        rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
+        sk = to_skeleton(rest, f"optimizer/state/{idx}", raws)
+        sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
+                           ["exp_avg_sq", {"__moment__": ename, "which": "v"}]]
+        state_sk.append([idx, sk])
+        for key in totals:
+            totals[key] += enc.stats[key]
+    groups_sk = to_skeleton(opt_sd["param_groups"], "optimizer/param_groups", raws)
+    opt_sk = {"__dict__": [["state", {"__dict__": state_sk}], ["param_groups", groups_sk]]}
+    return opt_sk, entries + raws, totals
+
+
+def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec="log8", bound="shared", partition="mixed",
+                        progress=False, variant=None):
+    """CKPT dict -> (container bytes, summary dict)."""
+    t0 = time.perf_counter()
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"the checkpoint is a {type(ckpt).__name__}; expected a dict with 'model' and 'optimizer' keys")
+    for key in ("model", "optimizer"):
+        if key not in ckpt:
+            raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
+                                  "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
+    model = ckpt["model"]
+    opt_sk, entries, totals = compress_state(ckpt["optimizer"], model, tau=tau, clip=clip, codec=codec, bound=bound,
+                                             partition=partition, progress=progress)
+    raws: list = []
+    top = []
+    for k, v in ckpt.items():
+        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), raws)])
+    meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__}
+    extra = {"op_model": entries[0][3]["op_model"] if entries else None, "tau": tau, "clip": clip, "codec": codec,
+             "bound": bound, "partition": partition, "variant": variant}
+    data = container.build(entries + raws, meta, extra_header=extra)
+    totals["encode_seconds"] = time.perf_counter() - t0
+    return data, _summary(totals, len(data))
+
+
+def _summary(t, container_bytes):
+    n = max(t["coordinates"], 1)
+    return {**t, "escape_rate": t["escapes"] / n, "payload_ratio": t["payload_bytes"] / max(t["raw_fp32_bytes"], 1),
+            "container_bytes": container_bytes}
+
+
+def restore_tree(path):
+    header, payload, tables = container.read(path)
+    arrays = container.entries_by_name(header, payload, tables)
+    dtypes = {e["name"]: e.get("dtype") for e in header["entries"]}
+    meta = header.get("meta", {})
+    if meta.get("framework") != "torch":
+        raise CheckpointError(f"{path} holds a {meta.get('framework')!r} checkpoint; use jaxguard.load for optax state "
+                              "or `jaxguard migrate` to convert it")
+    return from_skeleton(meta["tree"], arrays, dtypes), header
+
+
+# ---------------------------------------------------------------- optimizer-level API
+def save(path, optimizer, *, tau=0.01, clip=0.2, codec="log8", progress=False):
+    """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params)."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "
+                                        "torch.optim.Adam and AdamW")
+    sd = optimizer.state_dict()
+    params = {}
+    for gi, (g, live) in enumerate(zip(sd["param_groups"], optimizer.param_groups)):
+        names = g.get("param_names") or [f"group{gi}.param{i}" for i in range(len(g["params"]))]
+        g["param_names"] = names
+        for name, p in zip(names, live["params"]):
+            params[name] = p.detach()
+    opt_sk, entries, totals = compress_state(sd, params, tau=tau, clip=clip, codec=codec, progress=progress)
+    meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
+    data = container.build(entries, meta, extra_header={"tau": tau, "clip": clip, "codec": codec})
+    container.atomic_write(path, data)
+    return _summary(totals, len(data))
+
+
+def load(path, optimizer):
+    """Load a container written by `save` (or `jaxguard compress`) into `optimizer`."""
+    tree, _ = restore_tree(path)
+    sd = tree["optimizer"]
+    live = optimizer.state_dict()
+    if len(live["param_groups"]) != len(sd["param_groups"]) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(live["param_groups"], sd["param_groups"])):
+        raise CheckpointError(f"{path} holds state for a different parameter layout than this optimizer")
+    if not any(g.get("param_names") for g in live["param_groups"]):
+        for g in sd["param_groups"]:
+            g.pop("param_names", None)
+    optimizer.load_state_dict(sd)
+    return optimizer
+
+
+# ---------------------------------------------------------------- first-update audit
+def gradient_grid(clip, n_linear=8, n_log=14):
+    lin = np.linspace(-clip, clip, 2 * n_linear + 1)
+    logs = clip * 2.0 ** -np.linspace(1, 40, n_log)
+    return np.unique(np.concatenate([lin, logs, -logs, [0.0]])).astype(np.float32)
+
+
+def _torch_step(p, m, v, g, step, group, decoupled):
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    p = torch.nn.Parameter(p.clone())
+    opt = cls([p], lr=float(_scalar(group["lr"], "lr")), betas=tuple(group["betas"]), eps=group["eps"],
+              weight_decay=group.get("weight_decay", 0.0) or 0.0, foreach=False, fused=False)
+    opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    p.grad = g
+    opt.step()
+    return p.detach()
+
+
+def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, progress=False):
+    """Run the real torch Adam/AdamW (foreach=False, fused=False) one step from the
+    original and the restored state for every gradient of a grid across [-clip, clip]
+    (the same g for every coordinate, plus one random per-coordinate draw) and for any
+    real gradients given in `grads` {name: tensor} (clamped to [-clip, clip]).
+
+    Returns {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients"}.
+    """
+    grid = gradient_grid(clip) if grid is None else grid
+    o_sd, r_sd = original["optimizer"], restored["optimizer"]
+    check_optimizer_state(o_sd)
+    names = param_index(o_sd)
+    worst, viol, coords = 0.0, 0, 0
+    gen = torch.Generator().manual_seed(0)
+    items = list(o_sd["state"].items())
+    if progress:
+        from tqdm import tqdm
+        items = tqdm(items, desc="audit", unit="tensor", leave=False)
+    for idx, st in items:
+        name, group = names[idx]
+        rst = r_sd["state"][idx]
+        p = original["model"][name].detach().float()
+        lr = float(_scalar(group["lr"], "lr"))
+        decoupled = bool(group.get("decoupled_weight_decay", False))
+        step = _step_int(st, idx)
+        gs = [torch.full_like(p, float(g)) for g in grid]
+        gs.append((torch.rand(p.shape, generator=gen) * 2 - 1) * clip)
+        if grads is not None and name in grads:
+            gs.append(grads[name].detach().float().clamp(-clip, clip))
+        bad = torch.zeros(p.shape, dtype=torch.bool)
+        for g in gs:
+            a = _torch_step(p, st["exp_avg"], st["exp_avg_sq"], g, step, group, decoupled)
+            b = _torch_step(p, rst["exp_avg"], rst["exp_avg_sq"], g, step, group, decoupled)
+            gap = (a.double() - b.double()).abs() / lr
+            same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # NaN states are stored exactly
+            gap = torch.where(same, torch.zeros_like(gap), torch.nan_to_num(gap, nan=math.inf))
+            worst = max(worst, float(gap.max()) if gap.numel() else 0.0)
+            bad |= gap > tau
+        viol += int(bad.sum())
+        coords += p.numel()
+    return {"max_gap_lr": worst, "violations": viol, "coordinates": coords, "gradients": len(grid) + 1}
