@@ -191,7 +191,7 @@ def _moments_entry(header):
     return next(e for e in header["entries"] if e["kind"] == "moments")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="reader.read_moments indexes entry['sections'][...] without checking the keys: "
+@pytest.mark.xfail(strict=True, raises=KeyError, reason="reader.read_moments indexes entry['sections'][...] without checking the keys: "
                    "a resealed header whose moments entry names its 'escape_pairs' section 'escape_pairz' raises KeyError, "
                    "so `jaxguard restore` prints a Traceback instead of one error line")
 def test_cli_restore_crafted_header_one_line(built, tmp_path):
@@ -200,8 +200,9 @@ def test_cli_restore_crafted_header_one_line(built, tmp_path):
     sec["escape_pairz"] = sec.pop("escape_pairs")       # same range, so the layout still tiles
     p = tmp_path / "crafted.jg"
     p.write_bytes(_reseal(header, payload))
-    r = _cli("restore", p, "-o", tmp_path / "out.pt")
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-400:]
+    from jaxguard import cli                              # in-process: same code path as the console script
+    assert cli.main(["restore", str(p), "-o", str(tmp_path / "out.pt")]) == 2
+    assert not (tmp_path / "out.pt").exists()
 
 
 @pytest.mark.xfail(strict=True, raises=KeyError, reason="torch_compat.state.from_skeleton indexes arrays[sk['__tensor__']] without "
@@ -491,7 +492,7 @@ def _torch_step(p, m, v, g, step, lr):
     return t.detach().numpy().copy()
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(adam_states())
 def test_guard_property_against_torch_adam(s):
     m, v, p, step, lr, seed = s
