@@ -63,10 +63,9 @@ def cmd_compress(a):
     variant = None
     try:
         from torch_compat import replay
-        variant = replay.detect_variant()
-        variant = variant.to_json() if hasattr(variant, "to_json") else variant
-    except Exception:  # noqa: BLE001 - the variant is informational only
-        variant = None
+        variant = replay.detect_variant().to_dict()
+    except Exception as exc:  # noqa: BLE001 - the variant is informational only
+        variant = {"matched": False, "detail": f"variant detection failed: {exc}"[:200]}
     data, summary = torch_compat.compress_checkpoint(ckpt, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound,
                                                      partition=a.partition, progress=not a.json, variant=variant)
     atomic_write(a.output, data)
@@ -149,7 +148,7 @@ def build_parser():
     c.add_argument("-o", "--output", required=True)
     c.add_argument("--tau", type=float, default=0.01)
     c.add_argument("--clip", type=float, default=0.2)
-    c.add_argument("--codec", default="log8", choices=["log8", "bf16", "block8", "block8-unguarded"])
+    c.add_argument("--codec", default="log8", choices=["log8", "log8-rel", "bf16", "block8", "block8-unguarded"])
     c.add_argument("--bound", default="shared", choices=["shared", "separate"])
     c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
     c.add_argument("--json", action="store_true")

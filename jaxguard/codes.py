@@ -249,3 +249,36 @@ def dynamic8_encode_block(x, valid, table, signed: bool):
 
 def dynamic8_decode_block(q, absmax, table):
     return jnp.asarray(table)[q.astype(jnp.int32)] * absmax
+
+
+# ---------------------------------------------------------------- rel8 (m relative to sqrt(v~))
+def sqrt_scale_block(qv, wlo, rr, bits=8):
+    """w(q) = wlo * rr**(q-1) ~ sqrt(v~(q)), with q = 0 (v == 0) mapped to code 1."""
+    return log_decode_block(jnp.where(qv == 0, 1, qv), wlo, rr, bits)
+
+
+def rel8_scale_floor(wlo):
+    """Smallest m-scale for which (q*scale)*w stays normal for every w >= wlo."""
+    return jnp.maximum(_F32(TINY_NORMAL), (_F32(TINY_NORMAL) / wlo) * _F32(1 + 2.0**-20))
+
+
+def rel8_encode_block(x, valid, w, wlo):
+    """Signed 8-bit codes of x / w (w > 0 per coordinate): decode is ``(f32(q)*scale)*w``.
+
+    Used for Adam's m with ``w ~ sqrt(v~)``: the reconstruction error of each coordinate is
+    then proportional to its own sqrt(v), which is what the update divides by.
+    """
+    ok = valid & is_finite_bits(x)
+    y = jnp.where(ok, x / w, 0.0)
+    absmax = jnp.max(jnp.abs(y))
+    scale = jnp.maximum(absmax / _F32(127.0), rel8_scale_floor(wlo))
+    x0 = jnp.where(ok, x, 0.0)
+    q0 = jnp.clip(jnp.round(y / scale), -127, 127)
+    cands = jnp.stack([jnp.clip(q0 + d, -127, 127) for d in (-1.0, 0.0, 1.0)])
+    err = jnp.abs((cands * scale) * w - x0)
+    q = jnp.take_along_axis(cands, jnp.argmin(err, axis=0)[None], axis=0)[0]
+    return q.astype(jnp.int8), scale
+
+
+def rel8_decode_block(q, scale, w):
+    return (q.astype(_F32) * scale) * w

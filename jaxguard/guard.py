@@ -32,7 +32,7 @@ from . import codes
 from .errors import ConfigError
 from .opmodel import OP_MODELS, step_constants
 
-CODECS = ("log8", "bf16", "block8", "block8-unguarded")
+CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded")
 BOUNDS = ("shared", "separate")
 PARTITIONS = ("mixed", "linear")
 
@@ -118,7 +118,7 @@ class Encoded:
 
 # ---------------------------------------------------------------- proposals (per block, vmapped)
 def _code_names(codec):
-    return {"log8": ("linear8", "log8"), "bf16": ("bf16", "bf16"),
+    return {"log8": ("linear8", "log8"), "log8-rel": ("rel8", "log8"), "bf16": ("bf16", "bf16"),
             "block8": ("dynamic8s", "dynamic8u"), "block8-unguarded": ("dynamic8s", "dynamic8u")}[codec]
 
 
@@ -131,6 +131,14 @@ def _propose(mb, vb, valid, vpos, codec):
         mt = jax.vmap(codes.linear8_decode_block)(mq, ms)
         vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
         return mq, vq, ms[:, None], jnp.stack([lo, r], axis=1), mt, vt
+    if codec == "log8-rel":
+        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
+        wlo, rr = jnp.sqrt(lo), jnp.sqrt(r)
+        w = jax.vmap(codes.sqrt_scale_block)(vq, wlo, rr)
+        mq, ms = jax.vmap(codes.rel8_encode_block)(mb, valid, w, wlo)
+        mt = jax.vmap(codes.rel8_decode_block)(mq, ms, w)
+        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
+        return mq, vq, ms[:, None], jnp.stack([lo, r, wlo, rr], axis=1), mt, vt
     if codec == "bf16":
         mq, vq = codes.bf16_encode(mb), codes.bf16_encode(vb)
         empty = jnp.zeros((mb.shape[0], 0), jnp.float32)
@@ -160,6 +168,11 @@ def decode_arrays(arrays: dict, codec: str, n: int):
     if codec == "log8":
         mt = jax.vmap(codes.linear8_decode_block)(blocks(mq), mp[:, 0])
         vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(blocks(vq), vp[:, 0], vp[:, 1])
+    elif codec == "log8-rel":
+        vqb = blocks(vq)
+        w = jax.vmap(codes.sqrt_scale_block)(vqb, vp[:, 2], vp[:, 3])
+        mt = jax.vmap(codes.rel8_decode_block)(blocks(mq), mp[:, 0], w)
+        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vqb, vp[:, 0], vp[:, 1])
     elif codec == "bf16":
         mt = codes.bf16_decode(jax.lax.bitcast_convert_type(blocks(mq), jnp.bfloat16))
         vt = codes.bf16_decode(jax.lax.bitcast_convert_type(blocks(vq), jnp.bfloat16))

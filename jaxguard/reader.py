@@ -7,7 +7,8 @@ specified in docs/format.md.  Loading never unpickles: the header is JSON and ev
 array is read with `numpy.frombuffer` from a declared, bounds-checked byte range.
 
 Numerical contract: decoding uses only float32 multiplies (linear8: ``q*scale``; log8:
-``lo * r**(q-1)`` by fixed-order binary powering; block8: ``table[q]*absmax``; bf16: a
+``lo * r**(q-1)`` by fixed-order binary powering; log8-rel: ``(q*scale) * w`` with
+``w = wlo * rr**(qv-1)`` formed like log8; block8: ``table[q]*absmax``; bf16: a
 16-bit shift), which numpy, JAX and torch all round identically, so the decoded moments
 hash to the ``decoded_sha256`` the writer recorded.
 """
@@ -29,9 +30,9 @@ BLOCK = 256
 
 DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
           "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
-CODE_DTYPES = {"log8": ("i1", "u1"), "bf16": ("<u2", "<u2"), "block8": ("u1", "u1"),
+CODE_DTYPES = {"log8": ("i1", "u1"), "log8-rel": ("i1", "u1"), "bf16": ("<u2", "<u2"), "block8": ("u1", "u1"),
                "block8-unguarded": ("u1", "u1")}
-PARAM_WIDTH = {"log8": (1, 2), "bf16": (0, 0), "block8": (1, 1), "block8-unguarded": (1, 1)}
+PARAM_WIDTH = {"log8": (1, 2), "log8-rel": (1, 4), "bf16": (0, 0), "block8": (1, 1), "block8-unguarded": (1, 1)}
 
 
 class ReaderError(ValueError):
@@ -77,6 +78,11 @@ def table_decode(q, absmax, table, n):
 def decode_codes(codec, n, m_codes, v_codes, m_params, v_params, tables):
     if codec == "log8":
         return linear8_decode(m_codes, m_params[:, 0], n), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
+    if codec == "log8-rel":
+        w = log_decode(np.where(v_codes == 0, 1, v_codes).astype(v_codes.dtype), v_params[:, 2], v_params[:, 3], n)
+        m = (_blocks(m_codes, n).astype(np.float32).reshape(-1)[:n]
+             * np.repeat(m_params[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
+        return (m * w).astype(np.float32), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
     if codec == "bf16":
         return bf16_decode(m_codes), bf16_decode(v_codes)
     return (table_decode(m_codes, m_params[:, 0], tables["dynamic8s"], n),
@@ -108,8 +114,8 @@ def parse(data: bytes):
         raise ReaderError(f"header length {hlen} does not fit in the file")
     try:
         header = json.loads(bytes(data[PREFIX.size:PREFIX.size + hlen]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReaderError(f"header is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
+        raise ReaderError(f"header is not valid JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
         raise ReaderError("header has no 'entries' list")
     payload = memoryview(data)[PREFIX.size + hlen:len(data) - TRAILER]
@@ -121,20 +127,34 @@ def parse(data: bytes):
     return header, payload
 
 
+MOMENT_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "escape_pairs")
+
+
 def _sections(entry):
+    if not isinstance(entry.get("name"), str):
+        raise ReaderError("an entry of the header has no string 'name'")
     if entry.get("kind") == "raw":
         return {"data": entry.get("offsets")}
     if entry.get("kind") == "moments":
         sec = entry.get("sections")
-        if not isinstance(sec, dict):
-            raise ReaderError(f"entry {entry.get('name')!r} has no sections")
+        if not isinstance(sec, dict) or sorted(sec) != sorted(MOMENT_SECTIONS):
+            raise ReaderError(f"entry {entry.get('name')!r} must have exactly the sections {', '.join(MOMENT_SECTIONS)}")
+        if not isinstance(entry.get("codec"), str):
+            raise ReaderError(f"entry {entry.get('name')!r} has a non-string codec")
         return sec
     raise ReaderError(f"entry {entry.get('name')!r} has unknown kind {entry.get('kind')!r}")
 
 
+def _tables(header):
+    tables = header.get("tables") or {}
+    if not isinstance(tables, dict) or not all(k in ("dynamic8s", "dynamic8u") for k in tables):
+        raise ReaderError("header 'tables' must be an object with keys dynamic8s/dynamic8u")
+    return tables
+
+
 def _check_layout(header, payload_len):
     ranges = []
-    for name, rng in (header.get("tables") or {}).items():
+    for name, rng in _tables(header).items():
         ranges.append(tuple(_range(payload_len, rng, f"table {name}")))
     for entry in header["entries"]:
         if not isinstance(entry, dict):
@@ -159,16 +179,25 @@ def _array(payload, rng, dtype, count, what):
     return np.frombuffer(payload[b:e], dtype=dtype, count=count)
 
 
+MAX_ELEMENTS = 1 << 40
+
+
 def _shape_size(entry):
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ReaderError(f"entry {entry.get('name')!r} has an invalid shape {shape!r}")
-    return shape, int(np.prod(shape, dtype=np.int64))
+    if (not isinstance(shape, list) or len(shape) > 32
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in shape)):
+        raise ReaderError(f"entry {entry.get('name')!r} has an invalid shape {str(shape)[:80]}")
+    n = 1
+    for d in shape:
+        n *= d
+    if n >= MAX_ELEMENTS:
+        raise ReaderError(f"entry {entry.get('name')!r} declares {n} elements, more than the reader accepts")
+    return shape, n
 
 
 def read_tables(header, payload):
     tables = {}
-    for name, rng in (header.get("tables") or {}).items():
+    for name, rng in _tables(header).items():
         tables[name] = _array(payload, rng, "<f4", 256, f"table {name}").astype(np.float32)
     return tables
 

@@ -191,9 +191,6 @@ def _moments_entry(header):
     return next(e for e in header["entries"] if e["kind"] == "moments")
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="reader.read_moments indexes entry['sections'][...] without checking the keys: "
-                   "a resealed header whose moments entry names its 'escape_pairs' section 'escape_pairz' raises KeyError, "
-                   "so `jaxguard restore` prints a Traceback instead of one error line")
 def test_cli_restore_crafted_header_one_line(built, tmp_path):
     header, payload = _split(built["data"])
     sec = _moments_entry(header)["sections"]
@@ -205,9 +202,6 @@ def test_cli_restore_crafted_header_one_line(built, tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="torch_compat.state.from_skeleton indexes arrays[sk['__tensor__']] without "
-                   "checking the name: a resealed container whose meta.tree names a missing tensor raises KeyError "
-                   "(a Traceback in `jaxguard restore`) instead of a JaxguardError")
 def test_restore_meta_tree_missing_tensor_is_jaxguard_error(built, tmp_path):
     import torch_compat
     from jaxguard.errors import JaxguardError
@@ -269,9 +263,8 @@ CRAFTED_REASON = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=CRAFTED_RAISES[c],
-                                                                          reason=CRAFTED_REASON[c]))
-                                  if c in CRAFTED_RAISES else c for c in CRAFTED])
+# CRAFTED_RAISES / CRAFTED_REASON record what each case raised before the reader was fixed.
+@pytest.mark.parametrize("case", CRAFTED)
 def test_crafted_header_raises_reader_error(built, case):
     data = _crafted_cases(built["data"])[case]
     try:
@@ -290,13 +283,9 @@ def _corpus():
 def _corpus_params():
     out = []
     for p in _corpus():
-        marks = ()
-        if p.name.startswith("crash-"):
-            exc = p.name.split("-")[1]
-            marks = pytest.mark.xfail(strict=True, raises=getattr(builtins, exc, Exception),
-                                      reason=f"fuzz finding: reader.verify_bytes raises {exc}, not ReaderError "
-                                             "(see docs/security.md and the issue 7 report)")
-        out.append(pytest.param(p, id=p.name, marks=marks))
+        # crash-* files made the reader raise a plain exception before it was fixed;
+        # every file must now raise ReaderError or verify cleanly.
+        out.append(pytest.param(p, id=p.name))
     return out
 
 

@@ -38,3 +38,8 @@ def table_decode(q, absmax, table, n):
 
 def bf16_decode(q):
     return (q.to(torch.int32) << 16).view(torch.float32)
+
+
+def rel8_decode(qm, scale, qv, wlo, rr, n):
+    w = log_decode(torch.where(qv == 0, torch.ones_like(qv), qv), wlo, rr, n)
+    return (_blocks(qm, n).to(torch.float32) * scale.to(torch.float32)[:, None]).reshape(-1)[:n] * w

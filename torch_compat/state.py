@@ -64,6 +64,10 @@ def to_skeleton(obj, path, raws):
 
 def from_skeleton(sk, arrays, dtypes):
     if isinstance(sk, dict):
+        ref = sk.get("__tensor__", sk.get("__moment__"))
+        if ref is not None and (not isinstance(ref, str) or ref not in arrays):
+            raise CheckpointError(f"the container's tree names a tensor {str(ref)[:80]!r} it does not hold; the file is "
+                                  "inconsistent (was it edited?)")
         if "__tensor__" in sk:
             return numpy_to_tensor(arrays[sk["__tensor__"]], dtypes[sk["__tensor__"]])
         if "__moment__" in sk:
