@@ -1,0 +1,454 @@
+"""optax state pytrees in and out of jaxguard containers.
+
+`save(path, opt_state, params, lr=...)` finds every `optax.ScaleByAdamState` anywhere in
+an optax state pytree (`optax.adam`, `adamw`, `chain`s with clipping, `inject_hyperparams`,
+`multi_transform`, `masked`, `named_chain`), compresses each ``mu``/``nu`` leaf pair with
+the guard against the ``optax-adam`` / ``optax-adamw`` op model and stores every other
+leaf exactly.  `load(path, like=opt_state)` rebuilds the tree of `like`: same structure,
+dtypes and (for `jax.Array` leaves) shardings.
+
+Leaves are matched by their *dotted path*: the key path of the leaf with dict keys,
+attribute names and sequence indices joined by ``"."`` (``"0.mu.dense.kernel"``).  A flat
+params dict ``{"dense.kernel": x}`` and a nested one ``{"dense": {"kernel": x}}`` give the
+same dotted paths, which is how torch names map to JAX params (torch_compat.migrate).
+
+Hyperparameters of the next update, per Adam state: ``lr`` (argument) or else the
+enclosing `inject_hyperparams` state's ``learning_rate``; ``b1``, ``b2``, ``eps`` and
+``weight_decay`` likewise from the enclosing `inject_hyperparams` state, else from the
+arguments.  The state alone cannot show an ``add_decayed_weights`` in a chain (its state
+is ``EmptyState``): for `optax.adamw` pass ``weight_decay=`` (or use
+``inject_hyperparams(optax.adamw)``, whose state carries it).  ``weight_decay > 0``
+selects the ``optax-adamw`` op model.  `nesterov=True` and ``eps_root != 0`` are outside
+the pinned op model and cannot be detected from the state: do not use them.
+
+Numerical contract
+------------------
+For every float32 ``mu``/``nu`` coordinate, the first ``tx.update`` + ``apply_updates``
+after `load` differs from the one the saved state would have produced by at most
+``tau * lr`` for every gradient ``|g| <= clip`` reaching ``scale_by_adam`` (see
+jaxguard.guard).  Every other leaf is restored bit-exactly.  With
+``mu_dtype=jnp.bfloat16`` the restored ``mu`` is exactly the saved bfloat16 ``mu`` (it is
+stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
+``tau / 1.02``, which covers optax computing ``b1 * mu`` in bfloat16 (``b1`` rounds to
+0.8984375, a relative change < 0.6% of the ``m'`` the bound assumes; the difference is
+``m' * (1/d1 - 1/d2)`` and ``m'`` is the same in both runs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from . import container
+from . import guard as _guard
+from . import bound as _bound
+from .errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from .guard import GuardConfig, encode
+
+INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
+                                  getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
+BF16_TAU_FACTOR = 1.02
+
+NO_ADAM = ("opt_state holds no optax.ScaleByAdamState; jaxguard.save compresses Adam/AdamW state "
+           "(optax.adam, optax.adamw, or a chain containing optax.scale_by_adam); save other "
+           "optimizers with orbax directly")
+NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
+         "update) or build the optimizer with optax.inject_hyperparams so the state carries it")
+
+
+# ---------------------------------------------------------------- paths
+def _key_str(k) -> str:
+    tu = jax.tree_util
+    if isinstance(k, tu.DictKey):
+        return str(k.key)
+    if isinstance(k, tu.GetAttrKey):
+        return k.name
+    if isinstance(k, tu.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, tu.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def dotted(path) -> str:
+    """Key path -> "a.b.0.c" (dict keys, attribute names and indices joined by ".")."""
+    return ".".join(_key_str(k) for k in path)
+
+
+def flat_by_dotted(tree, what="tree") -> dict:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        d = dotted(path)
+        if d in out:
+            raise CheckpointError(f"{what} has two leaves with the dotted path {d!r}; rename the keys so that "
+                                  "joining them with '.' is unique")
+        out[d] = leaf
+    return out
+
+
+# ---------------------------------------------------------------- finding Adam states
+@dataclasses.dataclass
+class AdamSite:
+    """One `ScaleByAdamState` in an optax state tree, with its enclosing hyperparameters."""
+
+    path: tuple
+    state: Any
+    hparams: dict
+
+    @property
+    def name(self) -> str:
+        return dotted(self.path) or "<root>"
+
+
+def _hparams(node) -> dict:
+    out = {}
+    for k, v in dict(node.hyperparams).items():
+        try:
+            a = np.asarray(v)
+        except Exception:  # noqa: BLE001 - non-numeric hyperparameters are ignored
+            continue
+        if a.shape == () and np.issubdtype(a.dtype, np.number):
+            out[k] = float(a)
+    return out
+
+
+def _is_stop(x):
+    return isinstance(x, (optax.ScaleByAdamState,) + INJECT_STATES)
+
+
+def find_adam_states(opt_state) -> list[AdamSite]:
+    """Every `optax.ScaleByAdamState` in `opt_state`, in flattening order."""
+    out: list[AdamSite] = []
+
+    def walk(node, prefix, hp):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_stop)[0]:
+            full = prefix + tuple(path)
+            if isinstance(leaf, optax.ScaleByAdamState):
+                out.append(AdamSite(full, leaf, hp))
+            elif isinstance(leaf, INJECT_STATES):
+                walk(leaf.inner_state, full + (jax.tree_util.GetAttrKey("inner_state"),), {**hp, **_hparams(leaf)})
+
+    walk(opt_state, (), {})
+    return out
+
+
+def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
+                codec="log8") -> GuardConfig:
+    hp = site.hparams
+    lr_ = lr if lr is not None else hp.get("learning_rate")
+    if lr_ is None:
+        raise CheckpointError(NO_LR.format(path=site.name))
+    wd = weight_decay if weight_decay is not None else hp.get("weight_decay", 0.0)
+    b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
+    e = eps if eps is not None else hp.get("eps", 1e-8)
+    if hp.get("eps_root", 0.0):
+        raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
+                                        "optax op model covers eps_root=0 only")
+    count = np.asarray(site.state.count)
+    if count.shape != () or not np.issubdtype(count.dtype, np.integer):
+        raise CheckpointError(f"{site.name}.count is {count.dtype}{list(count.shape)}; expected an integer scalar "
+                              "(the optax step count)")
+    return GuardConfig(lr=float(lr_), step=int(count), tau=tau, clip=clip, betas=b, eps=float(e),
+                       weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam", codec=codec)
+
+
+# ---------------------------------------------------------------- nu-only guard (bfloat16 mu)
+def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
+    """Code only `v`; `m` is kept exactly elsewhere (the m channel is all zeros).
+
+    Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring)."""
+    t0 = time.perf_counter()
+    cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
+    shape = tuple(np.shape(m))
+    n = int(np.prod(shape, dtype=np.int64))
+    nb = _guard.codes.num_blocks(n)
+    npad = _guard._bucket(nb) * _guard.codes.BLOCK
+    mf, vf, pf = (_guard._pad(jnp.asarray(x, jnp.float32).reshape(-1), npad) for x in (m, v, p))
+    zf = jnp.zeros_like(vf)
+    mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
+    in_tensor = np.arange(npad) < n
+    valid = (in_tensor & _guard._stats_valid(np.zeros_like(vh), vh, ph)).reshape(-1, _guard.codes.BLOCK)
+    vpos = (_guard._finite(vh) & ~_guard._zero(vh) & ~_guard._negative(vh)).reshape(-1, _guard.codes.BLOCK)
+    mq, vq, mp, vp, _, vtb = _guard._propose(zf.reshape(-1, _guard.codes.BLOCK), vf.reshape(-1, _guard.codes.BLOCK),
+                                             valid, vpos, cfg.codec)
+    vt = vtb.reshape(-1)
+    exact, ok = (x[:n] for x in _guard._classify(mh, vh, ph, mh, np.asarray(vt)))
+    c = cfg.constants()
+    k = jnp.asarray(_bound.pack_constants(c, cfg.tau))
+    pabs = jnp.abs(pf)
+    clipv = jnp.full((npad,), np.float32(cfg.clip), jnp.float32)
+    cand = np.flatnonzero(~exact & ok)
+    levels: list[int] = []
+    cert = _guard.certify(k, mf, vf, mf, vt, pabs, clipv, cand, cfg, c.decay_in_update, levels)
+    escape = ~exact
+    escape[cand[cert]] = False
+    esc = np.flatnonzero(escape).astype(np.int32)
+    arrays = {"m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
+              "m_params": np.asarray(mp[:nb], np.float32), "v_params": np.asarray(vp[:nb], np.float32),
+              "escape_index": esc, "escape_m": np.zeros(esc.size, np.float32), "escape_v": vh[:n][esc]}
+    enc = _guard.Encoded(arrays, cfg.codec, shape)
+    enc.stats = {"coordinates": n, "escapes": int(esc.size), "exact": int(exact.sum()),
+                 "uncertifiable": int((~exact & ~ok).sum()), "certified_by_level": levels,
+                 "payload_bytes": _guard.payload_bytes(enc) + 2 * n, "raw_fp32_bytes": 8 * n,
+                 "encode_seconds": time.perf_counter() - t0}
+    return enc
+
+
+# ---------------------------------------------------------------- compress
+def _dtype_name(x) -> str:
+    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).name
+
+
+def _raw_entry(name, leaf):
+    arr = np.asarray(leaf)
+    return ("raw", name, arr, container.numpy_dtype_name(arr))
+
+
+def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", weight_decay=None,
+                   betas=None, eps=None, prefix="state"):
+    """(entries, leaves meta, sites meta, totals) for `opt_state` certified against `params`."""
+    sites = find_adam_states(opt_state)
+    if not sites:
+        raise CheckpointError(NO_ADAM)
+    pflat = flat_by_dotted(params, "params")
+    roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
+    entries = []
+    sites_meta = []
+    totals = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "exact": 0,
+              "uncertifiable": 0}
+    for site in sites:
+        cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
+                          codec=codec)
+        sites_meta.append({"path": site.name, "config": cfg.to_json()})
+        mus = {dotted(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(site.state.mu)[0]}
+        nus = {dotted(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(site.state.nu)[0]}
+        if set(mus) != set(nus):
+            raise CheckpointError(f"the Adam state at {site.name!r} has mu and nu of different structures")
+        for sub, (mpath, mu) in mus.items():
+            nu = nus[sub][1]
+            if sub not in pflat:
+                raise CheckpointError(f"params has no leaf {sub!r} but the Adam state at {site.name!r} does; pass "
+                                      "the params the optimizer state belongs to (same tree)")
+            p = pflat[sub]
+            shape = tuple(np.shape(mu))
+            if tuple(np.shape(p)) != shape or tuple(np.shape(nu)) != shape:
+                raise CheckpointError(f"param {sub!r} has shape {tuple(np.shape(p))} but its Adam moments have "
+                                      f"{shape}; the params and optimizer state do not match")
+            if _dtype_name(p) != "float32" or _dtype_name(nu) != "float32":
+                raise UnsupportedOptimizerError(f"param {sub!r} is {_dtype_name(p)} with nu {_dtype_name(nu)}; the "
+                                                "guarantee covers float32 params and nu (mu may be bfloat16)")
+            mpath_full = dotted(site.path + (jax.tree_util.GetAttrKey("mu"),) + tuple(mpath))
+            npath_full = dotted(site.path + (jax.tree_util.GetAttrKey("nu"),) + tuple(nus[sub][0]))
+            ename = f"{prefix}/moments/{mpath_full}"
+            mdt = _dtype_name(mu)
+            if mdt == "float32":
+                enc = encode(np.asarray(mu), np.asarray(nu), np.asarray(p), cfg)
+                roles[mpath_full] = ("mu", ename)
+                info = {**cfg.to_json(), "mu_mode": "coded", "param": sub}
+            elif mdt == "bfloat16":
+                m32 = np.asarray(jnp.asarray(mu).astype(jnp.float32))
+                enc = encode_nu_only(m32, np.asarray(nu), np.asarray(p), cfg)
+                raw_name = f"{prefix}/{mpath_full}"
+                entries.append(_raw_entry(raw_name, mu))
+                roles[mpath_full] = ("raw", raw_name)
+                info = {**cfg.to_json(), "mu_mode": "raw-bfloat16", "param": sub}
+            else:
+                raise UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and bfloat16 mu")
+            roles[npath_full] = ("nu", ename)
+            entries.append(("moments", ename, enc, info))
+            for key in totals:
+                totals[key] += enc.stats[key]
+    leaves_meta = []
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+    seen = set()
+    for path, leaf in flat:
+        d = dotted(path)
+        if d in seen:
+            raise CheckpointError(f"opt_state has two leaves with the dotted path {d!r}")
+        seen.add(d)
+        kind, ename = roles.get(d, (None, None))
+        if kind is None:
+            ename = f"{prefix}/{d}"
+            entries.append(_raw_entry(ename, leaf))
+            kind = "raw"
+        leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": _dtype_name(leaf),
+                            "shape": list(np.shape(leaf))})
+    return entries, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}, totals
+
+
+def summary(totals, container_bytes, raw_state_bytes=None):
+    n = max(totals["coordinates"], 1)
+    s = {**totals, "escape_rate": totals["escapes"] / n,
+         "payload_ratio": totals["payload_bytes"] / max(totals["raw_fp32_bytes"], 1),
+         "container_bytes": container_bytes}
+    if raw_state_bytes:
+        s["raw_state_bytes"] = raw_state_bytes
+        s["container_ratio"] = container_bytes / raw_state_bytes
+    return s
+
+
+def state_nbytes(tree) -> int:
+    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", weight_decay=None, betas=None,
+             eps=None, include_params=False, extra_meta=None):
+    """Container bytes and a summary dict (see `save`)."""
+    t0 = time.perf_counter()
+    entries, smeta, totals = compress_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
+                                            weight_decay=weight_decay, betas=betas, eps=eps)
+    meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
+            "optax_version": optax.__version__, **(extra_meta or {})}
+    if include_params:
+        pentries = []
+        for name, leaf in flat_by_dotted(params, "params").items():
+            pentries.append(_raw_entry(f"params/{name}", leaf))
+        entries = entries + pentries
+        meta["params"] = [e[1][len("params/"):] for e in pentries]
+    cfgs = [s["config"] for s in smeta["sites"]]
+    extra = {"op_model": cfgs[0]["op_model"], "tau": tau, "clip": clip, "codec": codec}
+    data = container.build(entries, meta, extra_header=extra)
+    totals["encode_seconds"] = time.perf_counter() - t0
+    return data, summary(totals, len(data), state_nbytes(opt_state))
+
+
+def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", weight_decay=None, betas=None,
+         eps=None, include_params=False) -> dict:
+    """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
+
+    `params` is the parameter pytree the state belongs to (the next update's ``p``);
+    ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
+    Returns a summary: coordinates, escapes, payload_ratio, container_bytes, ...
+    """
+    data, s = to_bytes(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec, weight_decay=weight_decay,
+                       betas=betas, eps=eps, include_params=include_params)
+    container.atomic_write(path, data)
+    return s
+
+
+# ---------------------------------------------------------------- load
+def read(path):
+    """(header, {entry name: array or (m~, v~)}) of an optax container."""
+    header, payload, tables = container.read(path)
+    meta = header.get("meta") or {}
+    if meta.get("framework") != "optax":
+        raise CheckpointError(f"{path} holds a {meta.get('framework')!r} checkpoint, not optax state; use "
+                              "torch_compat.load, or `jaxguard migrate --to optax` to convert it")
+    return header, container.entries_by_name(header, payload, tables)
+
+
+def _as_dtype(arr, dtype_name):
+    if dtype_name == "bfloat16":
+        return np.asarray(arr).view(jnp.bfloat16)
+    return np.asarray(arr)
+
+
+def restore_state(header, arrays, like, *, source="the file"):
+    meta = header["meta"]
+    stored = {leaf["path"]: leaf for leaf in meta["state"]["leaves"]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    out = []
+    used = set()
+    for path, leaf in flat:
+        d = dotted(path)
+        if d not in stored:
+            raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
+                                  "optax transformation and params as the one saved (e.g. tx.init(params))")
+        s = stored[d]
+        used.add(d)
+        shape, dt = tuple(np.shape(leaf)), _dtype_name(leaf)
+        if tuple(s["shape"]) != shape:
+            raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
+                                  "state initialised from params of the saved shapes")
+        if s["dtype"] != dt:
+            raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
+                                  "with the same dtypes (e.g. the same mu_dtype)")
+        if s["kind"] == "raw":
+            val = _as_dtype(arrays[s["entry"]], s["dtype"])
+        else:
+            m, v = arrays[s["entry"]]
+            val = m if s["kind"] == "mu" else v
+        val = np.array(val, dtype=val.dtype).reshape(shape)
+        if isinstance(leaf, jax.Array):
+            val = jax.device_put(val, leaf.sharding)
+        elif isinstance(leaf, np.ndarray):
+            pass
+        elif isinstance(leaf, (bool, int, float)):
+            val = type(leaf)(val.item())
+        else:
+            val = jnp.asarray(val)
+        out.append(val)
+    extra = sorted(set(stored) - used)
+    if extra:
+        raise CheckpointError(f"{source} holds {len(extra)} state leaves that like lacks (first {extra[0]!r}); pass "
+                              "a state of the same optax transformation as the one saved")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def load(path, like):
+    """Restore the optax state saved at `path` into the structure, dtypes and shardings of `like`."""
+    header, arrays = read(path)
+    return restore_state(header, arrays, like, source=str(path))
+
+
+def load_params(path) -> dict:
+    """{dotted name: ndarray} of the params stored with ``include_params=True``."""
+    header, arrays = read(path)
+    names = header["meta"].get("params")
+    if not names:
+        raise CheckpointError(f"{path} holds no params; save with jaxguard.save(..., include_params=True)")
+    dts = {e["name"]: e.get("dtype") for e in header["entries"]}
+    return {n: np.array(_as_dtype(arrays[f"params/{n}"], dts[f"params/{n}"])) for n in names}
+
+
+# ---------------------------------------------------------------- first-update audit with real optax
+def gradient_grid(clip, n_linear=8, n_log=14):
+    lin = np.linspace(-clip, clip, 2 * n_linear + 1)
+    logs = clip * 2.0 ** -np.linspace(1, 40, n_log)
+    return np.unique(np.concatenate([lin, logs, -logs, [0.0]])).astype(np.float32)
+
+
+def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0):
+    """Run the real jitted ``tx.update`` + ``optax.apply_updates`` from `original` and
+    `restored` for every gradient of a grid across ``[-clip, clip]`` (the same g for every
+    coordinate) plus `random_draws` per-coordinate uniform draws.
+
+    Returns {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
+    "worst": (g, dotted param) of the largest gap}.
+    """
+    grid = gradient_grid(clip) if grid is None else np.asarray(grid, np.float32)
+
+    @jax.jit
+    def step(state, g):
+        u, _ = tx.update(g, state, params)
+        return optax.apply_updates(params, u)
+
+    names = list(flat_by_dotted(params))
+    bad = {n: np.zeros(np.shape(x), bool) for n, x in flat_by_dotted(params).items()}
+    worst, where = 0.0, None
+    key = jax.random.PRNGKey(seed)
+    gs = [(float(g), jax.tree_util.tree_map(lambda p, g=g: jnp.full(jnp.shape(p), g, jnp.float32), params))
+          for g in grid]
+    leaves, tdef = jax.tree_util.tree_flatten(params)
+    for i in range(random_draws):
+        ks = jax.random.split(jax.random.fold_in(key, i), len(leaves))
+        rnd = [jax.random.uniform(k, jnp.shape(p), jnp.float32, -clip, clip) for k, p in zip(ks, leaves)]
+        gs.append(("random", jax.tree_util.tree_unflatten(tdef, rnd)))
+    for gval, g in gs:
+        a = flat_by_dotted(step(original, g))
+        b = flat_by_dotted(step(restored, g))
+        for n in names:
+            x, y = np.asarray(a[n], np.float64), np.asarray(b[n], np.float64)
+            gap = np.abs(x - y) / lr
+            same = (np.asarray(a[n]) == np.asarray(b[n])) | (np.isnan(x) & np.isnan(y))
+            gap = np.where(same, 0.0, np.nan_to_num(gap, nan=np.inf))
+            if gap.size and gap.max() > worst:
+                worst, where = float(gap.max()), (gval, n)
+            bad[n] |= gap > tau
+    return {"max_gap_lr": worst, "violations": int(sum(b.sum() for b in bad.values())),
+            "coordinates": int(sum(b.size for b in bad.values())), "gradients": len(gs), "worst": where}
