@@ -1,0 +1,242 @@
+"""A jittable guard with fixed shapes, for a training loop's jitted save hook.
+
+`guard.encode` compacts candidates on the host; `encode_jit(m, v, p, config, capacity=K)`
+does the same work with static shapes so that it can run inside ``jax.jit`` (config,
+capacity and escape_capacity are static; a second call with arrays of the same shapes
+does not retrace).  It proposes codes with `guard._propose` (so the codes and decoded
+values are those of `guard.encode`), then certifies with `bound.batch_bound` over the
+fixed level chain (`bound.LEVELS`): level 0 gathers at most ``capacity`` candidates with
+``jnp.nonzero(size=...)``; later levels only see what level 0 gathered and could not
+certify.  Candidates beyond ``capacity`` escape (escaping is always safe).
+
+`to_encoded(je, m, v)` turns the fixed-size result into a normal `guard.Encoded` for the
+container on the host (`jaxguard.container.build`).
+
+Numerical contract
+------------------
+As `jaxguard.guard.encode`: every coordinate of ``decode_jit(je)`` (or of
+``guard.decode(to_encoded(je))``) is either the input pair bit for bit or certified to
+move the first native update by at most ``tau * lr`` for every ``|g| <= clip``.  Inside a
+big XLA graph on CPU, subnormals may be flushed and bit tests rewritten into float
+compares, so classification here is on integer bit patterns XOR-ed with an opaque zero
+(`lax.optimization_barrier`), and every coordinate with a nonzero moment of magnitude
+below ``2**-80`` (subnormals included) escapes exactly; the decoded values the bound
+sees pass the same barrier so that XLA cannot fuse their rounding into the bound.
+``to_encoded(je, m, v)`` re-checks the tiny/subnormal classification in numpy and adds
+any escape the device missed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import bound as _bound
+from . import codes
+from . import guard as _guard
+from .errors import ConfigError
+
+_TINY_BITS = int(np.float32(_bound.TINY_MOMENT).view(np.uint32))
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class JitEncoded:
+    """Fixed-shape guarded encoding: ``m_codes``, ``v_codes`` ([n]), ``m_params``,
+    ``v_params`` ([nblocks, k]), ``escape_index`` ([E] int32, sorted, filled with n),
+    ``escape_m``, ``escape_v`` ([E] float32, 0 past the count), ``escape_count`` (int32),
+    ``overflow`` (int32: escapes that did not fit in E; nonzero makes `to_encoded` raise)."""
+
+    arrays: dict
+    codec: str
+    shape: tuple
+
+    def tree_flatten(self):
+        keys = tuple(sorted(self.arrays))
+        return tuple(self.arrays[k] for k in keys), (keys, self.codec, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        keys, codec, shape = aux
+        return cls(dict(zip(keys, leaves)), codec, shape)
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _opaque_zero():
+    return jax.lax.optimization_barrier(jnp.uint32(0))
+
+
+def _bits(x, z):
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) ^ z
+
+
+def _barrier(x, z):
+    """Value-preserving: XLA cannot fold or fuse across the integer XOR."""
+    return jax.lax.bitcast_convert_type(_bits(x, z), jnp.float32)
+
+
+def _encode_impl(m, v, p, config, capacity, escape_capacity):
+    shape = tuple(m.shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    nb = codes.num_blocks(n)
+    npad = nb * codes.BLOCK
+    z = _opaque_zero()
+
+    def flat(x):
+        x = jnp.ravel(x).astype(jnp.float32)
+        return jnp.concatenate([x, jnp.zeros((npad - n,), jnp.float32)]) if npad > n else x
+
+    mf, vf, pf = flat(m), flat(v), flat(p)
+    mb, vb, pb = _bits(mf, z), _bits(vf, z), _bits(pf, z)
+    mag = jnp.uint32(0x7FFFFFFF)
+
+    def finite(b):
+        return (b & jnp.uint32(0x7F800000)) != jnp.uint32(0x7F800000)
+
+    def zero(b):
+        return (b & mag) == 0
+
+    def negative(b):
+        return ((b >> 31) == 1) & ~zero(b)
+
+    def not_tiny(b):  # zero, or magnitude >= 2**-80 (integer compare: no flush)
+        return zero(b) | ((b & mag) >= jnp.uint32(_TINY_BITS))
+
+    in_t = jnp.arange(npad) < n
+    valid = in_t & finite(mb) & finite(vb) & finite(pb) & ~negative(vb) & not_tiny(vb)
+    vpos = finite(vb) & ~zero(vb) & ~negative(vb)
+    mq, vq, mp, vp, mtb, vtb = _guard._propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
+                                               valid.reshape(-1, codes.BLOCK), vpos.reshape(-1, codes.BLOCK),
+                                               config.codec)
+    mt, vt = _barrier(mtb.reshape(-1), z), _barrier(vtb.reshape(-1), z)
+    mtbits, vtbits = _bits(mt, z), _bits(vt, z)
+    exact = (mb == mtbits) & (vb == vtbits)
+    ok = (finite(mb) & finite(vb) & finite(pb) & finite(mtbits) & finite(vtbits) & ~negative(vb)
+          & ~negative(vtbits) & not_tiny(mb) & not_tiny(vb) & not_tiny(mtbits) & not_tiny(vtbits))
+    if config.codec == "block8-unguarded":
+        escape = in_t & ~exact & ~ok
+    else:
+        c = config.constants()
+        k = jnp.asarray(_bound.pack_constants(c, config.tau))
+        thr = k[9]
+        pabs = jnp.abs(pf)
+        clip = jnp.full((npad,), np.float32(config.clip), jnp.float32)
+        if c.coupled_decay:
+            clip = (clip + np.float32(c.weight_decay) * pabs) * np.float32(1 + 2.0**-20)
+        lower = _bound.batch_lower(k, mf, vf, mt, vt, clip)
+        pending = in_t & ~exact & ok & ~(lower > thr)
+        cert = jnp.zeros((npad,), bool)
+        for level in range(len(_bound.LEVELS)):
+            edges = jnp.asarray(_bound.unit_edges(level, config.partition))
+            chunk = min(capacity, _guard.CHUNK[level])
+            size = -(-capacity // chunk) * chunk
+            idx = jnp.nonzero(pending, size=size, fill_value=npad)[0]
+            take = jnp.minimum(idx, npad - 1).reshape(-1, chunk)
+
+            def one(t, edges=edges):
+                return _bound.batch_bound(k, mf[t], vf[t], mt[t], vt[t], pabs[t], clip[t], edges,
+                                          bound=config.bound, decay_in_update=c.decay_in_update)
+
+            b = jax.lax.map(one, take).reshape(-1)
+            good = (b <= thr) & (idx < npad)
+            cert = cert.at[jnp.where(good, idx, npad)].set(True, mode="drop")
+            if level == 0:  # coordinates beyond capacity escape
+                pending = jnp.zeros((npad,), bool).at[idx].set(True, mode="drop") & pending
+            pending = pending & ~cert
+        escape = in_t & ~exact & ~cert
+    E = escape_capacity
+    count = jnp.sum(escape, dtype=jnp.int32)
+    eidx = jnp.nonzero(escape, size=E, fill_value=n)[0].astype(jnp.int32)
+    inside = eidx < n
+    safe = jnp.minimum(eidx, npad - 1)
+    arrays = {
+        "m_codes": mq.reshape(-1)[:n], "v_codes": vq.reshape(-1)[:n],
+        "m_params": mp.astype(jnp.float32), "v_params": vp.astype(jnp.float32),
+        "escape_index": eidx, "escape_m": jnp.where(inside, mf[safe], 0.0),
+        "escape_v": jnp.where(inside, vf[safe], 0.0), "escape_count": count,
+        "overflow": jnp.maximum(count - E, 0),
+    }
+    return JitEncoded(arrays, config.codec, shape)
+
+
+_encode_jitted = jax.jit(_encode_impl, static_argnums=(3, 4, 5))
+
+
+def encode_jit(m, v, p, config: _guard.GuardConfig, *, capacity: int = 4096, escape_capacity: int | None = None):
+    """Fixed-shape guarded encoding of one moment pair; jittable (config is static).
+
+    `capacity`: candidates the certificate examines (rounded up to a multiple of the
+    level's chunk); `escape_capacity`: size of the escape buffers (default: n, never
+    overflows).  Call it inside your own ``jax.jit`` or directly (it is jitted).
+    """
+    if not isinstance(config, _guard.GuardConfig):
+        raise ConfigError(f"config is a {type(config).__name__}; pass a jaxguard.GuardConfig")
+    shape = tuple(np.shape(m))
+    for name, x in (("m", m), ("v", v), ("p", p)):
+        if np.dtype(x.dtype) != np.float32:
+            raise ConfigError(f"{name} has dtype {x.dtype}; jaxguard certifies float32 moments and parameters, "
+                              "cast with .astype(float32)")
+        if tuple(np.shape(x)) != shape:
+            raise ConfigError(f"{name} has shape {tuple(np.shape(x))} but m has {shape}; pass one parameter's moments")
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ConfigError(f"capacity={capacity!r} must be an int >= 1 (candidates certified per call)")
+    n = int(np.prod(shape, dtype=np.int64))
+    E = n if escape_capacity is None else int(escape_capacity)
+    if E < 1:
+        E = 1
+    return _encode_jitted(m, v, p, config, capacity, E)
+
+
+def decode_jit(je: JitEncoded):
+    """(m~, v~) of a `JitEncoded`, jittable; equal to ``guard.decode(to_encoded(je))``."""
+    n = je.n
+    mt, vt = _guard.decode_arrays(je.arrays, je.codec, n)
+    idx = je.arrays["escape_index"]
+    mt = mt.at[idx].set(je.arrays["escape_m"], mode="drop")
+    vt = vt.at[idx].set(je.arrays["escape_v"], mode="drop")
+    return mt.reshape(je.shape), vt.reshape(je.shape)
+
+
+def _host_tiny(x):
+    x = np.ascontiguousarray(np.asarray(x, np.float32)).reshape(-1)
+    return ~_guard._zero(x) & ~_guard._not_tiny(x)
+
+
+def to_encoded(je: JitEncoded, m=None, v=None) -> _guard.Encoded:
+    """Host: fixed-size `JitEncoded` -> compact `guard.Encoded` (for `container.build`).
+
+    With the original `m`, `v` it re-checks in numpy that every nonzero moment below
+    ``2**-80`` (subnormals included) escapes, and adds the escape if the device missed it.
+    """
+    a = {k: np.asarray(x) for k, x in je.arrays.items()}
+    n = je.n
+    count, over = int(a["escape_count"]), int(a["overflow"])
+    if over:
+        raise ConfigError(f"{count} coordinates escape but escape_capacity is {a['escape_index'].size}; call "
+                          "encode_jit with a larger escape_capacity (or the default, n)")
+    idx = a["escape_index"][:count].astype(np.int32)
+    em, ev = a["escape_m"][:count].astype(np.float32), a["escape_v"][:count].astype(np.float32)
+    if m is not None and v is not None:
+        mh = np.asarray(m, np.float32).reshape(-1)
+        vh = np.asarray(v, np.float32).reshape(-1)
+        miss = np.flatnonzero(_host_tiny(mh) | _host_tiny(vh))
+        miss = np.setdiff1d(miss, idx)
+        if miss.size:
+            idx = np.concatenate([idx, miss.astype(np.int32)])
+            order = np.argsort(idx, kind="stable")
+            idx = idx[order]
+            em = np.concatenate([em, mh[miss]])[order]
+            ev = np.concatenate([ev, vh[miss]])[order]
+    arrays = {"m_codes": a["m_codes"], "v_codes": a["v_codes"], "m_params": a["m_params"],
+              "v_params": a["v_params"], "escape_index": idx, "escape_m": em, "escape_v": ev}
+    enc = _guard.Encoded(arrays, je.codec, je.shape)
+    enc.stats = {"coordinates": n, "escapes": int(idx.size), "payload_bytes": _guard.payload_bytes(enc),
+                 "raw_fp32_bytes": 8 * n, "exact": -1, "uncertifiable": -1, "certified_by_level": [],
+                 "encode_seconds": 0.0}
+    return enc
