@@ -119,7 +119,7 @@ class QuantAdamW(torch.optim.Optimizer):
                     self._put(st, "exp_avg_sq", vc, torch.zeros_like(g))
                 m = self._get(st, "exp_avg", mc, p.shape).clone()
                 v = self._get(st, "exp_avg_sq", vc, p.shape).clone()
-                st["step"] += 1
+                st["step"] = st["step"] + 1  # new tensor: load_state_dict may share it
                 t = float(st["step"])
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
