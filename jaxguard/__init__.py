@@ -18,6 +18,8 @@ _LAZY = {
     "encode": ("jaxguard.guard", "encode"),
     "decode": ("jaxguard.guard", "decode"),
     "CODECS": ("jaxguard.guard", "CODECS"),
+    "DEFAULT_CODEC": ("jaxguard.guard", "DEFAULT_CODEC"),
+    "quant": ("jaxguard.quant", None),
     "save": ("jaxguard.optax_adapter", "save"),
     "load": ("jaxguard.optax_adapter", "load"),
     "encode_jit": ("jaxguard.jit_encode", "encode_jit"),
@@ -34,7 +36,8 @@ __all__ = sorted(_LAZY) + ["__version__"]
 def __getattr__(name):
     if name in _LAZY:
         mod, attr = _LAZY[name]
-        value = getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        value = module if attr is None else getattr(module, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'jaxguard' has no attribute {name!r}")

@@ -192,6 +192,15 @@ def bf16_decode(q):
 
 
 # ---------------------------------------------------------------- dynamic map (bitsandbytes)
+def _linspace_f32(steps):
+    """float32 linspace(0.1, 1) as torch computes it (the map must match bitsandbytes)."""
+    try:
+        import torch
+        return torch.linspace(0.1, 1, steps, dtype=torch.float32).numpy()
+    except ImportError:  # numpy's float32 linspace differs from torch's in the last bit
+        return np.linspace(0.1, 1, steps, dtype=np.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def dynamic_map(signed: bool) -> np.ndarray:
     """The bitsandbytes dynamic-tree quantization map (max_exponent_bits=7, 8 bits).
@@ -208,19 +217,19 @@ def dynamic_map(signed: bool) -> np.ndarray:
     for i in range(max_exp_bits):
         n_items = (2 ** (i + non_sign_bits - max_exp_bits) + 1 if signed
                    else 2 ** (i + non_sign_bits - max_exp_bits + 1) + 1)
-        bounds = np.linspace(0.1, 1, n_items, dtype=np.float32)
+        bounds = _linspace_f32(n_items)
         means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
         scale = 10 ** (-(max_exp_bits - 1) + i)
-        data += (scale * means.astype(np.float64)).tolist()
+        data += (np.float32(scale) * means).tolist()
         if signed:
-            data += (-(scale * means.astype(np.float64))).tolist()
+            data += (-(np.float32(scale) * means)).tolist()
     if additional > 0:
-        bounds = np.linspace(0.1, 1, additional + 1, dtype=np.float32)
+        bounds = _linspace_f32(additional + 1)
         means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
         scale = 10 ** (-(max_exp_bits - 1) + i)
-        data += (scale * means.astype(np.float64)).tolist()
+        data += (np.float32(scale) * means).tolist()
         if signed:
-            data += (-(scale * means.astype(np.float64))).tolist()
+            data += (-(np.float32(scale) * means)).tolist()
     data.append(0.0)
     data.append(1.0)
     data += [0.0] * (256 - len(data))

@@ -14,7 +14,7 @@ from jaxguard import container, reader
 from torch_compat import codes_torch
 
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_v1.npz"))
-CODECS = ("log8", "bf16", "block8")
+CODECS = ("log8", "log8-rel", "bf16", "block8")
 
 
 def _numpy_decode(codec, a, n):
@@ -27,6 +27,10 @@ def _torch_decode(codec, a, n):
     t = {k: torch.from_numpy(np.array(x)) for k, x in a.items()}
     if codec == "log8":
         return (codes_torch.linear8_decode(t["m_codes"], t["m_params"][:, 0], n),
+                codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n))
+    if codec == "log8-rel":
+        return (codes_torch.rel8_decode(t["m_codes"], t["m_params"][:, 0], t["v_codes"], t["v_params"][:, 2],
+                                        t["v_params"][:, 3], n),
                 codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n))
     if codec == "bf16":
         return codes_torch.bf16_decode(t["m_codes"].view(torch.int16)), codes_torch.bf16_decode(t["v_codes"].view(torch.int16))
@@ -118,7 +122,7 @@ def _small_container(tmp_path, codec="log8"):
     return path, entries
 
 
-@pytest.mark.parametrize("codec", ["log8", "bf16", "block8"])
+@pytest.mark.parametrize("codec", ["log8", "log8-rel", "bf16", "block8"])
 def test_container_decodes_to_what_jax_decodes(tmp_path, codec):
     path, entries = _small_container(tmp_path, codec)
     header, payload, tables = container.read(path)
@@ -150,3 +154,10 @@ def test_reader_runs_with_numpy_only(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["ok"] is True, out.stderr
     assert res["decoded_sha256"] == header["decoded_sha256"]
+
+
+def test_dynamic_map_matches_bitsandbytes():
+    F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is the reference for the block8 map")
+    from jaxguard.codes import dynamic_map
+    assert np.array_equal(F.create_dynamic_map(signed=True).numpy(), dynamic_map(True))
+    assert np.array_equal(F.create_dynamic_map(signed=False).numpy(), dynamic_map(False))

@@ -16,7 +16,7 @@ import torch
 
 from jaxguard import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.guard import GuardConfig, encode
+from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
@@ -145,7 +145,7 @@ def _step_int(st, idx):
 
 
 # ---------------------------------------------------------------- compress / restore
-def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec="log8", bound="shared",
+def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
                    partition="mixed", progress=False):
     """Encode every Adam moment pair of `opt_sd` against `params` {name: tensor}.
 
@@ -193,7 +193,7 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec="log8", bo
     return opt_sk, entries + raws, totals
 
 
-def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec="log8", bound="shared", partition="mixed",
+def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
                         progress=False, variant=None):
     """CKPT dict -> (container bytes, summary dict)."""
     t0 = time.perf_counter()
@@ -236,7 +236,7 @@ def restore_tree(path):
 
 
 # ---------------------------------------------------------------- optimizer-level API
-def save(path, optimizer, *, tau=0.01, clip=0.2, codec="log8", progress=False):
+def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=False):
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params)."""
     if not isinstance(optimizer, torch.optim.Adam):
         raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "

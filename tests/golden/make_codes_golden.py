@@ -26,7 +26,7 @@ def inputs():
 def main():
     m, v, p = inputs()
     out = {"m": m, "v": v, "p": p}
-    for codec in ("log8", "bf16", "block8"):
+    for codec in ("log8", "log8-rel", "bf16", "block8"):
         e = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=codec))
         mt, vt = G.decode_arrays(e.arrays, codec, m.size)
         for k in ("m_codes", "v_codes", "m_params", "v_params"):
