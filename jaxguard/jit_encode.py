@@ -81,7 +81,7 @@ def _barrier(x, z):
     return jax.lax.bitcast_convert_type(_bits(x, z), jnp.float32)
 
 
-def _encode_impl(m, v, p, config, capacity, escape_capacity):
+def _encode_impl(m, v, p, k, config, capacity, escape_capacity):
     shape = tuple(m.shape)
     n = int(np.prod(shape, dtype=np.int64))
     nb = codes.num_blocks(n)
@@ -122,13 +122,12 @@ def _encode_impl(m, v, p, config, capacity, escape_capacity):
     if config.codec == "block8-unguarded":
         escape = in_t & ~exact & ~ok
     else:
-        c = config.constants()
-        k = jnp.asarray(_bound.pack_constants(c, config.tau))
+        c = config.constants()  # static flags only: lr, step and tau enter through `k`
         thr = k[9]
         pabs = jnp.abs(pf)
         clip = jnp.full((npad,), np.float32(config.clip), jnp.float32)
         if c.coupled_decay:
-            clip = (clip + np.float32(c.weight_decay) * pabs) * np.float32(1 + 2.0**-20)
+            clip = (clip + k[8] * pabs) * np.float32(1 + 2.0**-20)
         lower = _bound.batch_lower(k, mf, vf, mt, vt, clip)
         pending = in_t & ~exact & ok & ~(lower > thr)
         cert = jnp.zeros((npad,), bool)
@@ -165,15 +164,26 @@ def _encode_impl(m, v, p, config, capacity, escape_capacity):
     return JitEncoded(arrays, config.codec, shape)
 
 
-_encode_jitted = jax.jit(_encode_impl, static_argnums=(3, 4, 5))
+_encode_jitted = jax.jit(_encode_impl, static_argnums=(4, 5, 6))
 
 
-def encode_jit(m, v, p, config: _guard.GuardConfig, *, capacity: int = 4096, escape_capacity: int | None = None):
+def constants(config: _guard.GuardConfig):
+    """The certificate's constants (lr, step, betas, eps, weight decay, tau) as a float32
+    array: pass it to `encode_jit(..., constants=k)` as a traced argument so that a save
+    hook does not recompile when the step or the learning rate changes (the static part
+    of `config` is then its codec, bound, partition, op model and whether wd > 0)."""
+    return jnp.asarray(_bound.pack_constants(config.constants(), config.tau))
+
+
+def encode_jit(m, v, p, config: _guard.GuardConfig, *, capacity: int = 4096, escape_capacity: int | None = None,
+               constants=None):
     """Fixed-shape guarded encoding of one moment pair; jittable (config is static).
 
     `capacity`: candidates the certificate examines (rounded up to a multiple of the
     level's chunk); `escape_capacity`: size of the escape buffers (default: n, never
-    overflows).  Call it inside your own ``jax.jit`` or directly (it is jitted).
+    overflows).  `constants`: ``jit_encode.constants(cfg)`` for the step being saved,
+    passed as a traced array (see `constants`); by default it is built from `config`.
+    Call it inside your own ``jax.jit`` or directly (it is jitted).
     """
     if not isinstance(config, _guard.GuardConfig):
         raise ConfigError(f"config is a {type(config).__name__}; pass a jaxguard.GuardConfig")
@@ -190,7 +200,8 @@ def encode_jit(m, v, p, config: _guard.GuardConfig, *, capacity: int = 4096, esc
     E = n if escape_capacity is None else int(escape_capacity)
     if E < 1:
         E = 1
-    return _encode_jitted(m, v, p, config, capacity, E)
+    k = constants if constants is not None else _bound.pack_constants(config.constants(), config.tau)
+    return _encode_jitted(m, v, p, jnp.asarray(k, jnp.float32), config, capacity, E)
 
 
 def decode_jit(je: JitEncoded):
