@@ -161,32 +161,6 @@ def cmd_migrate(a):
     return 0
 
 
-def cmd_migrate(a):
-    from torch_compat import migrate
-    from .container import atomic_write
-    with open(a.ckpt, "rb") if os.path.exists(a.ckpt) else open(os.devnull, "rb") as fh:
-        is_container = fh.read(8) == b"JAXGUARD"
-    if a.to == "optax":
-        if is_container:
-            import torch_compat
-            ckpt, _ = torch_compat.restore_tree(a.ckpt)
-        else:
-            ckpt = load_torch_checkpoint(a.ckpt)
-        data, summary = migrate.torch_to_container(ckpt, tau=a.tau, clip=a.clip, codec=a.codec)
-        atomic_write(a.output, data)
-        _print_summary(summary, a.json)
-    else:
-        if not is_container:
-            raise CheckpointError(f"{a.ckpt} is not a jaxguard container; --to torch reads optax state saved with "
-                                  "jaxguard.save(..., include_params=True) or `jaxguard migrate --to optax`")
-        _write_torch(a.output, migrate.container_to_torch(a.ckpt))
-        if a.json:
-            print(json.dumps({"output": a.output, "to": "torch"}))
-        else:
-            print(f"migrated {a.ckpt} -> {a.output} (torch checkpoint: 'model' and 'optimizer')")
-    return 0
-
-
 def cmd_demo(a):
     from .demo import run_demo
     return run_demo(steps=a.steps, as_json=a.json)
@@ -225,15 +199,6 @@ def build_parser():
     d.add_argument("--steps", type=int, default=150)
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
-    mg = sub.add_parser("migrate", help="convert Adam/AdamW state between torch and optax")
-    mg.add_argument("ckpt")
-    mg.add_argument("--to", required=True, choices=["optax", "torch"])
-    mg.add_argument("-o", "--output", required=True)
-    mg.add_argument("--tau", type=float, default=0.01)
-    mg.add_argument("--clip", type=float, default=0.2)
-    mg.add_argument("--codec", default="log8", choices=["log8", "bf16", "block8"])
-    mg.add_argument("--json", action="store_true")
-    mg.set_defaults(fn=cmd_migrate)
     mg = sub.add_parser("migrate", help="convert Adam/AdamW state between torch and optax")
     mg.add_argument("ckpt")
     mg.add_argument("--to", required=True, choices=["optax", "torch"])
