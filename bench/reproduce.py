@@ -1,0 +1,790 @@
+"""Reproduce the paper's full-checkpoint figures (PAPERS.md section A) on the small models
+of jaxguard._demo: a byte-level transformer (stdlib source text) and a residual CNN with
+BatchNorm (sklearn digits), 4 seeds each, Adam checkpoints at 10/50/100% of training.
+
+Usage:
+    python bench/reproduce.py                 # full run (resumable; ~40-60 min on 2 shared cores)
+    python bench/reproduce.py --tiny --out /tmp/r --cache /tmp/c   # smoke test (1 seed, 20 steps, 2 codecs)
+    python bench/reproduce.py --fresh         # ignore cached per-condition results (checkpoints are kept)
+
+Options: --steps-transformer 400 --steps-cnn 300 --continue-steps 100 --codecs log8,bf16,...
+--no-ablation --ablation-fractions 1.0 --out bench/results --cache bench/.cache.
+
+What it does, per condition (model, seed, fraction) and per codec in jaxguard.guard.CODECS
+(read at run time):
+
+* compress with ``torch_compat.compress_checkpoint`` (tau = 0.01, C = 0.2): coordinates,
+  escapes, moment payload / FP32, whole container / ``torch.save`` bytes of the same CKPT;
+* restore with ``torch_compat.restore_tree``; encode and restore seconds beside
+  ``torch.save`` / ``torch.load`` seconds of the same CKPT in the same process (restore,
+  save and load: median of 3; encode: one run, after one untimed warm-up encode per model
+  kind and codec so that jit compilation is excluded);
+* first-update audit with the real ``torch.optim.Adam(foreach=False, fused=False)``:
+  real next-batch gradient plus ``gradient_grid(0.2)`` (45 gradients in all);
+* continuation: 100 further Adam steps from the restored state and from the FP32 state,
+  on the same batches (the sampler is reseeded identically for every branch), eval loss
+  on a fixed held-out batch set; ``continuation_loss_delta`` = restored - FP32.
+
+Then the bound/partition ablation (separate ranges vs shared difference with a linear
+partition vs shared with the mixed partition, codec log8) on the pooled moments of the
+final transformer checkpoints (--ablation-fractions; 4 seeds x 137,216 = 548,864 coordinates).
+
+Resumable: every finished condition is appended to ``<out>/guarded_reproduction.runs.jsonl``
+and skipped on the next run (key: model, seed, fraction, steps, continue steps; codecs
+must be a superset); trained checkpoints are cached under ``--cache`` (gitignored).
+Outputs: guarded_reproduction.json (rows, ablation, timing context, machine, versions,
+commit), guarded_reproduction.md (tables beside the paper's figures) and PNG plots.
+
+torch runs with one intra-op thread: on 2 contended cores two threads made a transformer
+step 20x slower (0.94 s vs 0.05 s measured).  JAX uses its default CPU client.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SEEDS = {"transformer": (701, 707, 708, 709), "cnn": (701, 702, 703, 704)}
+FRACTIONS = (0.1, 0.5, 1.0)
+LR = 1e-3
+TAU, CLIP = 0.01, 0.2
+CONT_SEED = 424242      # sampler seed of every continuation branch (and of the real next gradient)
+EVAL_SEED, EVAL_BATCHES = 999, 8
+ABLATION = (("separate ranges", "separate", "mixed"), ("shared, linear partition", "shared", "linear"),
+            ("shared, mixed partition", "shared", "mixed"))
+PAPER_ABLATION = {"separate ranges": (988_820, 1.2663), "shared, linear partition": (439_362, 0.7168),
+                  "shared, mixed partition": (5_324, 0.2828)}
+PAPER_COORDS = 1_000_000
+MODEL_NAMES = {"transformer": "ByteTransformer (stdlib source bytes)",
+               "cnn": "ResidualCNN (BatchNorm, sklearn digits)"}
+# PAPERS.md A, full checkpoints: (10%, 50%, 100%)
+PAPER = {
+    "transformer": {"name": "OPT-125M", "log8_reduction": (71.67, 69.44, 67.35), "vs_bf16": (45.08, 40.76, 36.69),
+                    "vs_block8": (27.33, 29.08, 31.49), "container_reduction": (48.77, 48.46, 47.09),
+                    "log8_escape": "0.6-4.9%", "block8_escape": "12-21%", "max_gap": 0.009992},
+    "cnn": {"name": "ResNet-18/CIFAR-10", "log8_reduction": (72.18, 71.85, 71.56), "vs_bf16": (46.05, 45.41, 44.85),
+            "vs_block8": (26.90, 42.64, 43.28), "container_reduction": (52.39, 52.22, 51.83),
+            "log8_escape": "0.08-0.7%", "block8_escape": "11-23%", "max_gap": 0.009991},
+}
+
+
+# ---------------------------------------------------------------- helpers
+def sampler(kind, seed):
+    from jaxguard import _demo
+    return _demo.text_batches(seed) if kind == "transformer" else _demo.digits_batches(seed)
+
+
+def median_seconds(fn, repeats=3):
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def checkpoints(kind, seed, steps, cache: Path):
+    """{fraction: CKPT}, trained once and cached on disk."""
+    from jaxguard import _demo
+    path = cache / f"{kind}-seed{seed}-steps{steps}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False), True
+    ckpts, _, _ = _demo.train(kind, seed=seed, steps=steps, fractions=FRACTIONS, lr=LR)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(ckpts, tmp)
+    os.replace(tmp, path)
+    return ckpts, False
+
+
+def fingerprint(ckpt) -> str:
+    """SHA-256 over every tensor of a CKPT (guards against in-place mutation)."""
+    h = hashlib.sha256()
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            h.update(o.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        else:
+            h.update(repr(o).encode())
+    walk(ckpt)
+    return h.hexdigest()
+
+
+def source_hash() -> str:
+    """SHA-256 of the library sources as imported by this run (the tree may be dirty)."""
+    h = hashlib.sha256()
+    for d in ("jaxguard", "torch_compat"):
+        for f in sorted((ROOT / d).rglob("*.py")):
+            h.update(str(f.relative_to(ROOT)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def eval_set(kind):
+    s = sampler(kind, EVAL_SEED)
+    return [s(False) for _ in range(EVAL_BATCHES)]
+
+
+def model_and_opt(kind, ckpt):
+    from jaxguard import _demo
+    # deepcopy: Optimizer.load_state_dict keeps the given tensors (same dtype and device), so
+    # the steps below would otherwise update the checkpoint's own exp_avg/exp_avg_sq in place
+    ckpt = copy.deepcopy(ckpt)
+    model, _ = _demo.make(kind, 0)
+    model.load_state_dict(ckpt["model"])
+    opt = torch.optim.Adam(model.named_parameters(), lr=LR, foreach=False)
+    opt.load_state_dict(ckpt["optimizer"])
+    return model, opt
+
+
+def continue_training(kind, ckpt, steps, evals):
+    """`steps` further Adam steps on the CONT_SEED batches; mean eval loss on `evals`."""
+    from jaxguard import _demo
+    model, opt = model_and_opt(kind, ckpt)
+    sample = sampler(kind, CONT_SEED)
+    for _ in range(steps):
+        model.train()
+        opt.zero_grad()
+        _demo.loss_fn(model, sample(True)).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        return float(np.mean([float(_demo.loss_fn(model, b)) for b in evals]))
+
+
+def real_gradient(kind, ckpt):
+    """Gradient of the first CONT_SEED batch: the batch the continuation's first update uses."""
+    from jaxguard import _demo
+    return _demo.next_gradients(kind, ckpt, sampler(kind, CONT_SEED))
+
+
+# ---------------------------------------------------------------- one condition
+def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed, tmpdir, warmup=True):
+    import torch_compat
+    from jaxguard.container import atomic_write
+    from torch_compat.state import gradient_grid
+
+    t_cond = time.perf_counter()
+    fp_before = fingerprint(ckpt)
+    buf_path = os.path.join(tmpdir, "ckpt.pt")
+
+    def tsave():
+        torch.save(ckpt, buf_path)
+    save_s, _ = median_seconds(tsave)
+    torch_bytes = os.path.getsize(buf_path)
+    load_s, _ = median_seconds(lambda: torch.load(buf_path, weights_only=True))
+    grads = real_gradient(kind, ckpt)
+    grid = gradient_grid(CLIP)
+    t0 = time.perf_counter()
+    fp32_loss = continue_training(kind, ckpt, cont_steps, evals) if cont_steps else float("nan")
+    cont_s = time.perf_counter() - t0
+    rows = []
+    for codec in codecs:
+        if warmup and (kind, codec) not in warmed:  # jit compilation excluded from encode_seconds
+            torch_compat.compress_checkpoint(ckpt, tau=TAU, clip=CLIP, codec=codec)
+            warmed.add((kind, codec))
+        data, s = torch_compat.compress_checkpoint(ckpt, tau=TAU, clip=CLIP, codec=codec)
+        path = os.path.join(tmpdir, f"{codec}.jg")
+        atomic_write(path, data)
+        restore_s, (restored, _) = median_seconds(lambda: torch_compat.restore_tree(path))
+        a = torch_compat.audit(ckpt, restored, tau=TAU, clip=CLIP, grads=grads, grid=grid)
+        same_params = all(torch.equal(restored["model"][k], v) for k, v in ckpt["model"].items())
+        loss = continue_training(kind, restored, cont_steps, evals) if cont_steps else float("nan")
+        rows.append({
+            "model": kind, "seed": seed, "fraction": fraction, "step": int(ckpt["step"]), "codec": codec,
+            "guarded": codec != "block8-unguarded",
+            "coordinates": s["coordinates"], "escapes": s["escapes"], "escape_rate": s["escape_rate"],
+            "payload_bytes": s["payload_bytes"], "raw_fp32_bytes": s["raw_fp32_bytes"],
+            "payload_ratio": s["payload_ratio"], "container_bytes": s["container_bytes"],
+            "torch_save_bytes": torch_bytes, "container_ratio": s["container_bytes"] / torch_bytes,
+            "first_update_max_gap_lr": a["max_gap_lr"], "audit_violations": a["violations"],
+            "audit_gradients": a["gradients"] + 1,
+            "encode_seconds": s["encode_seconds"], "restore_seconds": restore_s,
+            "torch_save_seconds": save_s, "torch_load_seconds": load_s,
+            "model_params_exact": same_params,
+            "continuation_steps": cont_steps, "continuation_loss_fp32": fp32_loss,
+            "continuation_loss": loss, "continuation_loss_delta": loss - fp32_loss,
+        })
+    if fingerprint(ckpt) != fp_before:
+        raise RuntimeError(f"{kind} seed {seed} {fraction}: the checkpoint changed during its condition")
+    return {"rows": rows, "seconds": time.perf_counter() - t_cond, "fp32_continuation_seconds": cont_s,
+            "ckpt_sha256": fp_before}
+
+
+# ---------------------------------------------------------------- ablation
+def run_ablation(ckpts, tmpdir):
+    import torch_compat
+    out = []
+    for label, bound, partition in ABLATION:
+        tot = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "encode_seconds": 0.0}
+        for ck in ckpts:
+            _, s = torch_compat.compress_checkpoint(ck, tau=TAU, clip=CLIP, codec="log8", bound=bound,
+                                                    partition=partition)
+            for k in tot:
+                tot[k] += s[k]
+        paper_esc, paper_ratio = PAPER_ABLATION[label]
+        out.append({"certificate": label, "bound": bound, "partition": partition, **tot,
+                    "escape_rate": tot["escapes"] / tot["coordinates"],
+                    "payload_ratio": tot["payload_bytes"] / tot["raw_fp32_bytes"],
+                    "paper_escapes": paper_esc, "paper_escape_rate": paper_esc / PAPER_COORDS,
+                    "paper_payload_ratio": paper_ratio})
+    return out
+
+
+# ---------------------------------------------------------------- JAX/optax counterpart (one model)
+def run_optax(seeds, steps, codecs, cont_steps, tmpdir):
+    """An MLP (64-128-10) on sklearn digits trained with optax.adam; jaxguard.save/load and the
+    audit with the real jitted optax update (jaxguard.optax_adapter.audit)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from sklearn.datasets import load_digits
+
+    import jaxguard as jg
+    from jaxguard import optax_adapter as oa
+    d = load_digits()
+    x = np.asarray(d.data, np.float32) / 16.0
+    y = np.asarray(d.target, np.int32)
+    split = int(0.9 * len(x))
+    xe, ye = jnp.asarray(x[split:]), jnp.asarray(y[split:])
+    tx = optax.adam(LR)
+
+    def init(key):
+        k1, k2 = jax.random.split(key)
+        return {"h": {"kernel": jax.random.normal(k1, (64, 128)) * 0.125, "bias": jnp.zeros(128)},
+                "out": {"kernel": jax.random.normal(k2, (128, 10)) * 0.09, "bias": jnp.zeros(10)}}
+
+    def loss(p, xb, yb):
+        h = jax.nn.relu(xb @ p["h"]["kernel"] + p["h"]["bias"])
+        logits = h @ p["out"]["kernel"] + p["out"]["bias"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    @jax.jit
+    def step(p, st, xb, yb):
+        g = jax.grad(loss)(p, xb, yb)
+        u, st = tx.update(g, st, p)
+        return optax.apply_updates(p, u), st
+
+    def batches(seed, n):
+        rng = np.random.default_rng(seed)
+        for _ in range(n):
+            i = rng.integers(0, split, 64)
+            yield jnp.asarray(x[i]), jnp.asarray(y[i])
+
+    def cont(p, st):
+        for xb, yb in batches(CONT_SEED, cont_steps):
+            p, st = step(p, st, xb, yb)
+        return float(loss(p, xe, ye))
+
+    rows = []
+    marks = {max(1, int(round(f * steps))): f for f in FRACTIONS}
+    for seed in seeds:
+        p = init(jax.random.PRNGKey(seed))
+        st = tx.init(p)
+        ck = {}
+        for i, (xb, yb) in enumerate(batches(seed, steps), 1):
+            p, st = step(p, st, xb, yb)
+            if i in marks:
+                ck[marks[i]] = (i, p, st)
+        for f, (t, p, st) in sorted(ck.items()):
+            fp32 = cont(p, st)
+            for codec in codecs:
+                path = os.path.join(tmpdir, f"optax-{codec}.jg")
+                s = jg.save(path, st, p, lr=LR, tau=TAU, clip=CLIP, codec=codec)
+                restored = jg.load(path, like=tx.init(p))
+                a = oa.audit(tx, st, restored, p, lr=LR, tau=TAU, clip=CLIP)
+                rows.append({"model": "mlp-optax", "seed": seed, "fraction": f, "step": t, "codec": codec,
+                             "guarded": codec != "block8-unguarded", "coordinates": s["coordinates"],
+                             "escapes": s["escapes"], "escape_rate": s["escape_rate"],
+                             "payload_ratio": s["payload_ratio"], "container_ratio_vs_raw_state": s["container_ratio"],
+                             "first_update_max_gap_lr": a["max_gap_lr"], "audit_violations": a["violations"],
+                             "encode_seconds": s["encode_seconds"],
+                             "continuation_loss_delta": cont(p, restored) - fp32})
+    return rows
+
+
+# ---------------------------------------------------------------- context
+def machine_info():
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "note": "2 CPU cores shared with other engineers' jobs (load average 5-7 during the run): "
+                    "absolute seconds are inflated and noisy; ratios measured in the same process"}
+    try:
+        info["loadavg_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def versions():
+    import jax
+    import jaxguard
+    out = {"torch": torch.__version__, "jax": jax.__version__, "numpy": np.__version__,
+           "jaxguard": jaxguard.__version__}
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                       check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxguard", "torch_compat"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        out["library_dirty"] = bool(dirty)
+    except Exception:  # noqa: BLE001 - not a git checkout
+        out["commit"] = None
+    return out
+
+
+def load_done(jsonl: Path):
+    done = {}
+    if jsonl.exists():
+        for line in jsonl.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interruption
+            done[rec["key"]] = rec
+    return done
+
+
+# ---------------------------------------------------------------- report
+def summarize(rows, codecs):
+    """{(model, fraction, codec): aggregates over seeds}."""
+    agg = {}
+    for r in rows:
+        agg.setdefault((r["model"], r["fraction"], r["codec"]), []).append(r)
+    out = {}
+    for key, rs in agg.items():
+        def mm(f):
+            vals = [f(r) for r in rs]
+            return {"mean": float(np.mean(vals)), "min": float(np.min(vals)), "max": float(np.max(vals))}
+        out[key] = {"n": len(rs), "escape_rate": mm(lambda r: r["escape_rate"]),
+                    "payload_ratio": mm(lambda r: r["payload_ratio"]),
+                    "container_ratio": mm(lambda r: r["container_ratio"]),
+                    "max_gap": max(r["first_update_max_gap_lr"] for r in rs),
+                    "violations": sum(r["audit_violations"] for r in rs),
+                    "encode_x_save": mm(lambda r: r["encode_seconds"] / r["torch_save_seconds"]),
+                    "restore_x_load": mm(lambda r: r["restore_seconds"] / r["torch_load_seconds"]),
+                    "loss_delta": mm(lambda r: r["continuation_loss_delta"]),
+                    "step": rs[0]["step"], "coordinates": rs[0]["coordinates"]}
+    return out
+
+
+def pct(d, scale=100.0, fmt="{:.2f}"):
+    return f"{fmt.format(scale * d['mean'])} ({fmt.format(scale * d['min'])}-{fmt.format(scale * d['max'])})"
+
+
+def write_markdown(path, result, codecs):
+    rows = result["rows"]
+    summ = summarize(rows, codecs)
+    models = [m for m in ("transformer", "cnn") if any(r["model"] == m for r in rows)]
+    fracs = sorted({r["fraction"] for r in rows})
+    ctx = result["settings"]
+    L = ["# Guarded compression: reproduction of the paper's full-checkpoint figures", "",
+         f"`python bench/reproduce.py` ({'tiny smoke settings' if ctx['tiny'] else 'full run'}); commit "
+         f"`{result['versions'].get('commit')}`; torch {result['versions']['torch']}, jax {result['versions']['jax']}; "
+         f"{result['machine']['cpu_count']} CPU cores shared with other jobs (contention: absolute seconds are "
+         "inflated and noisy, ratios are measured in the same process). tau = 0.01 lr, C = 0.2, "
+         "`torch.optim.Adam(foreach=False)`, lr 1e-3.", "",
+         "Models: " + "; ".join(f"{MODEL_NAMES[m]} {ctx['steps'][m]} steps, seeds "
+                                f"{', '.join(map(str, ctx['seeds'][m]))}" for m in models)
+         + f"; checkpoints at {', '.join(f'{int(100 * f)}%' for f in fracs)} of training. {len(rows)} restored conditions "
+         f"(model x seed x fraction x codec), {len({(r['model'], r['seed'], r['fraction']) for r in rows})} checkpoints.",
+         "", "## Per model, fraction and codec (mean over seeds, min-max in parentheses)", "",
+         "| model | ckpt (step) | codec | escapes % | payload / FP32 % | container / torch.save % | worst gap (lr) "
+         "| over tau | encode / torch.save | restore / torch.load | loss delta after "
+         f"{ctx['continue_steps']} steps |",
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in models:
+        for f in fracs:
+            for c in codecs:
+                s = summ.get((m, f, c))
+                if s is None:
+                    continue
+                L.append(f"| {m} | {int(100 * f)}% ({s['step']}) | {c}{'' if c != 'block8-unguarded' else ' **unguarded**'} "
+                         f"| {pct(s['escape_rate'])} | {pct(s['payload_ratio'])} | {pct(s['container_ratio'])} "
+                         f"| {s['max_gap']:.6f} | {s['violations']:,} | {s['encode_x_save']['mean']:.1f}x "
+                         f"| {s['restore_x_load']['mean']:.2f}x | {s['loss_delta']['mean']:+.2e} "
+                         f"({s['loss_delta']['min']:+.1e}..{s['loss_delta']['max']:+.1e}) |")
+    # paper comparison
+    L += ["", "## Beside the paper (PAPERS.md A; ours: mean over seeds)", "",
+          "| model (paper's) | figure | ours " + " / ".join(f"{int(100 * f)}%" for f in fracs)
+          + " | paper 10% / 50% / 100% |", "|---|---|---|---|"]
+    for m in models:
+        P = PAPER[m]
+
+        def ours(fn):
+            vals = []
+            for f in fracs:
+                try:
+                    vals.append(fn(f))
+                except KeyError:
+                    vals.append(float("nan"))
+            return " / ".join(f"{v:.2f}" for v in vals)
+
+        def red(f, c):
+            return 100 * (1 - summ[(m, f, c)]["payload_ratio"]["mean"])
+
+        def vs(f, c):
+            return 100 * (1 - summ[(m, f, "log8")]["payload_ratio"]["mean"] / summ[(m, f, c)]["payload_ratio"]["mean"])
+        name = f"{m} ({P['name']})"
+        L.append(f"| {name} | log8 payload reduction vs FP32 % | {ours(lambda f: red(f, 'log8'))} | "
+                 + " / ".join(map(str, P["log8_reduction"])) + " |")
+        if "bf16" in codecs:
+            L.append(f"| {name} | log8 smaller than guarded bf16 by % | {ours(lambda f: vs(f, 'bf16'))} | "
+                     + " / ".join(map(str, P["vs_bf16"])) + " |")
+        if "block8" in codecs:
+            L.append(f"| {name} | log8 smaller than guarded block8 by % | {ours(lambda f: vs(f, 'block8'))} | "
+                     + " / ".join(map(str, P["vs_block8"])) + " |")
+        L.append(f"| {name} | whole-container reduction % (log8) | "
+                 f"{ours(lambda f: 100 * (1 - summ[(m, f, 'log8')]['container_ratio']['mean']))} | "
+                 + " / ".join(map(str, P["container_reduction"])) + " |")
+        esc = [r["escape_rate"] for r in rows if r["model"] == m and r["codec"] == "log8"]
+        L.append(f"| {name} | escape rate, log8 (range over all) | {100 * min(esc):.2f}-{100 * max(esc):.2f}% "
+                 f"| {P['log8_escape']} |")
+        escb = [r["escape_rate"] for r in rows if r["model"] == m and r["codec"] == "block8"]
+        if escb:
+            L.append(f"| {name} | escape rate, guarded block8 | {100 * min(escb):.2f}-{100 * max(escb):.2f}% "
+                     f"| {P['block8_escape']} |")
+        gaps = [r["first_update_max_gap_lr"] for r in rows if r["model"] == m and r["guarded"]]
+        L.append(f"| {name} | largest guarded first-update gap (lr) | {max(gaps):.6f} | {P['max_gap']} |")
+    # acceptance
+    acc = result["acceptance"]
+    L += ["", "## Acceptance", "",
+          f"* Guarded rows with audit violations: **{acc['guarded_violating_rows']}** of {acc['guarded_rows']} "
+          f"(worst guarded gap {acc['worst_guarded_gap_lr']:.6f} lr <= 0.01: {acc['worst_guarded_gap_lr'] <= TAU}).",
+          f"* Unguarded block8: {acc['unguarded_rows_violating']} of {acc['unguarded_rows']} conditions violate, "
+          f"{acc['unguarded_violations_total']:,} coordinates over tau in all, worst gap {acc['unguarded_worst_gap_lr']:.4g} lr.",
+          f"* log8 smaller than guarded bf16 and guarded block8 in {acc['log8_smallest_conditions']} of "
+          f"{acc['conditions']} conditions" + (f"; not in: {', '.join(acc['log8_not_smallest'])}" if
+                                                 acc['log8_not_smallest'] else "") + ".",
+          "* Restored model parameters bit-identical to the originals in every row: "
+          f"{acc['model_params_exact']}."]
+    if result.get("ablation"):
+        ab = result["ablation"]
+        n = ab[0]["coordinates"]
+        L += ["", f"## Ablation: certificate, log8 codec, {n:,} pooled transformer coordinates "
+              f"({result['settings']['ablation_source']})", "",
+              "| certificate | escapes (ours) | rate | payload / FP32 (ours) | escapes (paper, 1M OPT-125M) | "
+              "rate | payload / FP32 (paper) | encode s (ours) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for a in ab:
+            L.append(f"| {a['certificate']} | {a['escapes']:,} | {100 * a['escape_rate']:.2f}% | "
+                     f"{100 * a['payload_ratio']:.2f}% | {a['paper_escapes']:,} | {100 * a['paper_escape_rate']:.2f}% | "
+                     f"{100 * a['paper_payload_ratio']:.2f}% | {a['encode_seconds']:.1f} |")
+    L += ["", "## Timing context", "",
+          f"* Whole run (this invocation): {result['timing']['run_seconds']:.0f} s; training "
+          f"{result['timing']['train_seconds']:.0f} s (checkpoints from cache: {result['timing']['ckpts_from_cache']}); "
+          f"ablation {result['timing'].get('ablation_seconds', 0):.0f} s. Conditions resumed from the JSON-lines "
+          f"cache: {result['timing']['conditions_resumed']}.",
+          "* Encode seconds exclude jit compilation (one untimed warm-up per model kind and codec); restore, "
+          "torch.save and torch.load are medians of 3 in the same process. Encode runs the guard in JAX on "
+          "CPU (the paper timed an H100), so encode / torch.save is much larger here than the paper's 7.2x.",
+          "", "## JAX/optax counterpart", "", result["optax"], ""]
+    orows = result.get("optax_rows") or []
+    if orows:
+        L += ["| ckpt (step) | codec | escapes % | payload / FP32 % | container / raw optax state % | worst gap (lr) "
+              "| over tau | loss delta |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for f in sorted({r["fraction"] for r in orows}):
+            for c in codecs:
+                rs = [r for r in orows if r["fraction"] == f and r["codec"] == c]
+                if not rs:
+                    continue
+
+                def mm(k, scale=100.0):
+                    v = [scale * r[k] for r in rs]
+                    return f"{np.mean(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+                L.append(f"| {int(100 * f)}% ({rs[0]['step']}) | {c} | {mm('escape_rate')} | {mm('payload_ratio')} | "
+                         f"{mm('container_ratio_vs_raw_state')} | {max(r['first_update_max_gap_lr'] for r in rs):.6g} | "
+                         f"{sum(r['audit_violations'] for r in rs):,} | "
+                         f"{np.mean([r['continuation_loss_delta'] for r in rs]):+.2e} |")
+        L.append("")
+    L += ["", "## Where our figures differ from the paper's, and why", "", result.get("discussion", ""), ""]
+    Path(path).write_text("\n".join(L))
+
+
+def plots(out: Path, rows, codecs):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    summ = summarize(rows, codecs)
+    models = [m for m in ("transformer", "cnn") if any(r["model"] == m for r in rows)]
+    fracs = sorted({r["fraction"] for r in rows})
+    files = []
+    for metric, fname, ylabel in (("payload_ratio", "guarded_reproduction_payload.png", "moment payload / FP32 (%)"),
+                                  ("escape_rate", "guarded_reproduction_escapes.png", "escape rate (%)")):
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+        for ax, m in zip(axes[0], models):
+            w = 0.8 / len(codecs)
+            for i, c in enumerate(codecs):
+                ys = [summ[(m, f, c)][metric] if (m, f, c) in summ else None for f in fracs]
+                xs = [j + (i - (len(codecs) - 1) / 2) * w for j in range(len(fracs))]
+                mean = [100 * y["mean"] if y else 0 for y in ys]
+                lo = [100 * (y["mean"] - y["min"]) if y else 0 for y in ys]
+                hi = [100 * (y["max"] - y["mean"]) if y else 0 for y in ys]
+                ax.bar(xs, mean, w, yerr=[lo, hi], capsize=2, label=c)
+            ax.set_xticks(range(len(fracs)), [f"{int(100 * f)}%" for f in fracs])
+            ax.set_xlabel("checkpoint (fraction of training)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(m)
+            if metric == "escape_rate":
+                ax.set_yscale("symlog", linthresh=0.1)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        files.append(fname)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    data, labels = [], []
+    for c in codecs:
+        gaps = [max(r["first_update_max_gap_lr"], 1e-9) for r in rows if r["codec"] == c]
+        if gaps:
+            data.append(gaps)
+            labels.append(c)
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(labels) + 1), labels)
+    for i, d in enumerate(data):
+        ax.scatter(np.full(len(d), i + 1) + np.random.default_rng(i).uniform(-0.15, 0.15, len(d)), d, s=8, alpha=0.6)
+    ax.axhline(TAU, color="red", ls="--", label="tau = 0.01 lr")
+    ax.set_yscale("log")
+    ax.set_ylabel("worst first-update gap per condition (lr)")
+    ax.set_title("first-update audit, real torch Adam (next-batch g + gradient grid)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "guarded_reproduction_gaps.png", dpi=110)
+    plt.close(fig)
+    files.append("guarded_reproduction_gaps.png")
+    return files
+
+
+def acceptance(rows):
+    guarded = [r for r in rows if r["guarded"]]
+    ung = [r for r in rows if not r["guarded"]]
+    conds = {}
+    for r in rows:
+        conds.setdefault((r["model"], r["seed"], r["fraction"]), {})[r["codec"]] = r
+    not_smallest = []
+    compared = 0
+    for key, cs in conds.items():
+        if "log8" not in cs:
+            continue
+        others = [c for c in ("bf16", "block8") if c in cs]
+        if not others:
+            continue
+        compared += 1
+        worse = [c for c in others if cs["log8"]["payload_bytes"] >= cs[c]["payload_bytes"]]
+        if worse:
+            not_smallest.append(f"{key[0]} seed {key[1]} {int(100 * key[2])}% (vs {', '.join(worse)})")
+    bad = [r for r in guarded if r["audit_violations"] or r["first_update_max_gap_lr"] > TAU]
+    return {"guarded_rows": len(guarded), "guarded_violating_rows": len(bad),
+            "guarded_violating": [f"{r['model']} seed {r['seed']} {r['fraction']} {r['codec']}" for r in bad],
+            "worst_guarded_gap_lr": max((r["first_update_max_gap_lr"] for r in guarded), default=0.0),
+            "unguarded_rows": len(ung), "unguarded_rows_violating": sum(r["audit_violations"] > 0 for r in ung),
+            "unguarded_violations_total": sum(r["audit_violations"] for r in ung),
+            "unguarded_worst_gap_lr": max((r["first_update_max_gap_lr"] for r in ung), default=0.0),
+            "conditions": compared, "log8_smallest_conditions": compared - len(not_smallest),
+            "log8_not_smallest": not_smallest,
+            "model_params_exact": all(r["model_params_exact"] for r in rows)}
+
+
+DISCUSSION = (
+    "Scale and training length: the paper's OPT-125M and ResNet-18 checkpoints sit at t = 1,250-31,250; ours sit "
+    "at t = {steps_desc}, on models of {coords_desc} Adam coordinates. At small t the bias corrections make the "
+    "restored update most sensitive to m: the update is lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), "
+    "so an m error is amplified by 1/(1 - b1^t) (10x at t = 1) relative to v's sqrt(1 - b2^t) scaling, and m has "
+    "not yet settled to a smooth average of many gradients, so linear 8-bit m codes within a 256-block leave "
+    "more coordinates whose quantization error cannot be certified. Escapes cost 8 bytes each (plus the bitmask), "
+    "so the payload ratio is driven by the escape rate: our 10% checkpoints escape far more than the paper's. "
+    "Short training also leaves wider per-block ranges of v (many near-zero second moments in embedding rows "
+    "never or rarely hit, which the byte vocabulary makes common), which block8's dynamic map handles worse than "
+    "log8. The whole-container ratio is higher than the paper's because these models are small: fixed headers, "
+    "JSON tree and per-tensor metadata are a larger share, and the model weights (stored exactly) are a third of "
+    "the checkpoint as in the paper. The CNN's BatchNorm running statistics pass through exactly. "
+    "Continuation loss deltas are over 100 steps on identical batches; they are noise-level for all guarded codecs "
+    "(the guarantee covers only the first update; later training is measured, not bounded). "
+    "Timing: encode runs the guard in JAX on 2 contended CPU cores, not on a GPU, so encode / torch.save is far "
+    "above the paper's 7.2x/7.6x, while torch.save of a 0.5-1.6 MB checkpoint takes milliseconds."
+)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
+    ap.add_argument("--tiny", action="store_true", help="smoke settings: the CNN only (unless --models), 1 seed, "
+                    "20 steps, 2 codecs, 5 continuation steps, no warm-up, no ablation, optax 1 seed 20 steps")
+    ap.add_argument("--steps-transformer", type=int, default=400)
+    ap.add_argument("--steps-cnn", type=int, default=300)
+    ap.add_argument("--continue-steps", type=int, default=100)
+    ap.add_argument("--codecs", default=None, help="comma list (default: all of jaxguard.guard.CODECS)")
+    ap.add_argument("--models", default=None, help="comma list (default transformer,cnn)")
+    ap.add_argument("--no-optax", action="store_true", help="skip the JAX/optax counterpart")
+    ap.add_argument("--optax-steps", type=int, default=300)
+    ap.add_argument("--no-ablation", action="store_true")
+    ap.add_argument("--ablation-fractions", default="1.0")
+    ap.add_argument("--fresh", action="store_true", help="ignore the per-condition JSON-lines cache")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    import jax
+    # the same persistent XLA cache as tests/conftest.py: reruns and the smoke test skip recompiling
+    jax.config.update("jax_compilation_cache_dir", os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxguard", "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    from jaxguard.guard import CODECS
+    torch.set_num_threads(args.threads)
+    t_run = time.perf_counter()
+    out, cache = Path(args.out), Path(args.cache)
+    out.mkdir(parents=True, exist_ok=True)
+    src_hash = source_hash()
+    models = [m for m in (args.models or ("cnn" if args.tiny else "transformer,cnn")).split(",") if m]
+    codecs = [c for c in (args.codecs.split(",") if args.codecs else CODECS) if c]
+    for c in codecs:
+        if c not in CODECS:
+            ap.error(f"codec {c!r} is not in jaxguard.guard.CODECS ({', '.join(CODECS)})")
+    seeds = {m: SEEDS[m] for m in models}
+    steps = {"transformer": args.steps_transformer, "cnn": args.steps_cnn}
+    cont = args.continue_steps
+    if args.tiny:
+        seeds = {m: SEEDS[m][:1] for m in models}
+        steps = {"transformer": 20, "cnn": 20}
+        codecs = codecs if args.codecs else ["log8", "block8-unguarded"]
+        cont = 5
+        args.no_ablation = True
+        args.optax_steps = 20
+    jsonl = out / "guarded_reproduction.runs.jsonl"
+    done = {} if args.fresh else load_done(jsonl)
+    conditions = [(m, s, f) for m in models for s in seeds[m] for f in FRACTIONS]
+    bar = tqdm(total=len(conditions) + (0 if args.no_ablation else 1) + (0 if args.no_optax else 1),
+               desc="reproduce", unit="cond")
+    warmed: set = set()
+    evals = {}
+    ckpt_store = {}
+    train_s, from_cache, resumed = 0.0, 0, 0
+    records = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        for m, s, f in conditions:
+            key = f"{m}/seed{s}/frac{f}/steps{steps[m]}/cont{cont}"
+            bar.set_postfix_str(key)
+            rec = done.get(key)
+            need_ckpt = (m, s) not in ckpt_store and (rec is None or (not args.no_ablation and m == "transformer"))
+            if need_ckpt:
+                t0 = time.perf_counter()
+                ckpt_store[(m, s)], cached = checkpoints(m, s, steps[m], cache)
+                train_s += time.perf_counter() - t0
+                from_cache += cached
+            if rec is not None and set(codecs) <= {r["codec"] for r in rec["rows"]}:
+                rec = {**rec, "rows": [r for r in rec["rows"] if r["codec"] in codecs]}
+                records.append(rec)
+                resumed += 1
+                bar.update(1)
+                continue
+            if m not in evals:
+                evals[m] = eval_set(m)
+            res = run_condition(m, s, f, ckpt_store[(m, s)][f], codecs, cont, evals[m], warmed, tmpdir,
+                                warmup=not args.tiny)
+            rec = {"key": key, **res}
+            with open(jsonl, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            records.append(rec)
+            bad = [r for r in res["rows"] if r["guarded"] and (r["audit_violations"] or r["first_update_max_gap_lr"] > TAU)]
+            if bad:
+                tqdm.write(f"CRITICAL: guarded audit violation in {key}: "
+                           + "; ".join(f"{r['codec']} violations={r['audit_violations']} gap={r['first_update_max_gap_lr']}"
+                                       for r in bad))
+            bar.update(1)
+        rows = [r for rec in records for r in rec["rows"]]
+        ablation, ab_s, ab_src = None, 0.0, None
+        if not args.no_ablation and "transformer" in models:
+            afr = tuple(float(x) for x in args.ablation_fractions.split(","))
+            ab_key = f"ablation/steps{steps['transformer']}/fracs{','.join(map(str, afr))}/seeds{','.join(map(str, seeds['transformer']))}"
+            bar.set_postfix_str(ab_key)
+            if ab_key in done and not args.fresh:
+                ablation, ab_s = done[ab_key]["ablation"], done[ab_key]["seconds"]
+            else:
+                t0 = time.perf_counter()
+                cks = [ckpt_store[("transformer", s)][f] for s in seeds["transformer"] for f in afr]
+                ablation = run_ablation(cks, tmpdir)
+                ab_s = time.perf_counter() - t0
+                with open(jsonl, "a") as fh:
+                    fh.write(json.dumps({"key": ab_key, "ablation": ablation, "seconds": ab_s}) + "\n")
+            ab_src = (f"log8 Adam moments of the {', '.join(f'{int(100 * f)}%' for f in afr)} checkpoints of the "
+                      f"{len(seeds['transformer'])} transformer seeds, each tensor certified at its own step")
+            bar.update(1)
+        import jaxguard
+        optax_rows, optax_s = None, 0.0
+        if args.no_optax:
+            optax_note = "Skipped (--no-optax)."
+        elif not (hasattr(jaxguard, "save") and hasattr(jaxguard, "load")):
+            optax_note = "Not done: `jaxguard.save` / `jaxguard.load` (jaxguard/optax_adapter.py) do not exist yet."
+        else:
+            oseeds = SEEDS["cnn"][:1] if args.tiny else SEEDS["cnn"]
+            okey = f"optax/steps{args.optax_steps}/cont{cont}/seeds{','.join(map(str, oseeds))}/codecs{','.join(codecs)}"
+            bar.set_postfix_str(okey)
+            if okey in done and not args.fresh:
+                optax_rows, optax_s = done[okey]["rows"], done[okey]["seconds"]
+            else:
+                t0 = time.perf_counter()
+                optax_rows = run_optax(oseeds, args.optax_steps, codecs, cont, tmpdir)
+                optax_s = time.perf_counter() - t0
+                with open(jsonl, "a") as fh:
+                    fh.write(json.dumps({"key": okey, "rows": optax_rows, "seconds": optax_s}) + "\n")
+            optax_note = (f"MLP 64-128-10 on sklearn digits, `optax.adam(1e-3)`, {args.optax_steps} steps, seeds "
+                          f"{', '.join(map(str, oseeds))}, checkpoints at 10/50/100%; `jaxguard.save` / `jaxguard.load`, "
+                          "audit with the real jitted optax update (`optax_adapter.audit`: gradient grid + one random "
+                          f"draw; no real next-batch gradient), continuation {cont} steps on identical batches.")
+        bar.close()
+    coords = sorted({(r["model"], r["coordinates"]) for r in rows})
+    step_list = sorted({(r["model"], r["step"]) for r in rows})
+    result = {
+        "machine": machine_info(), "versions": {**versions(), "library_source_sha256_at_start": src_hash},
+        "settings": {"tiny": args.tiny, "seeds": seeds, "steps": steps, "fractions": FRACTIONS, "codecs": codecs,
+                     "continue_steps": cont, "tau": TAU, "clip": CLIP, "lr": LR, "continuation_sampler_seed": CONT_SEED,
+                     "eval": f"{EVAL_BATCHES} held-out batches, sampler seed {EVAL_SEED}", "torch_threads": args.threads,
+                     "ablation_source": ab_src,
+                     "audit": "real torch.optim.Adam(foreach=False, fused=False): gradient_grid(0.2) (43 values), one "
+                              "uniform per-coordinate draw, the real next-batch gradient clamped to [-0.2, 0.2]"},
+        "rows": rows, "ablation": ablation, "optax_rows": optax_rows,
+        "timing": {"run_seconds": time.perf_counter() - t_run, "train_seconds": train_s,
+                   "ckpts_from_cache": from_cache, "conditions_resumed": resumed, "ablation_seconds": ab_s, "optax_seconds": optax_s,
+                   "condition_seconds": {rec["key"]: rec["seconds"] for rec in records},
+                   "torch_save_seconds_median": float(np.median([r["torch_save_seconds"] for r in rows])) if rows else None,
+                   "torch_load_seconds_median": float(np.median([r["torch_load_seconds"] for r in rows])) if rows else None},
+        "acceptance": acceptance(rows), "optax": optax_note, "paper": PAPER,
+        "discussion": DISCUSSION.format(
+            steps_desc=", ".join(f"{m} {s}" for m, s in step_list),
+            coords_desc=" and ".join(f"{c:,} ({m})" for m, c in coords)),
+    }
+    (out / "guarded_reproduction.json").write_text(json.dumps(result, indent=1))
+    write_markdown(out / "guarded_reproduction.md", result, codecs)
+    result["plots"] = plots(out, rows, codecs)
+    acc = result["acceptance"]
+    print(f"{len(rows)} rows; guarded violating rows: {acc['guarded_violating_rows']}; worst guarded gap "
+          f"{acc['worst_guarded_gap_lr']:.6f} lr; log8 smallest in {acc['log8_smallest_conditions']}/{acc['conditions']}; "
+          f"{result['timing']['run_seconds']:.0f} s -> {out}")
+    return 1 if acc["guarded_violating_rows"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
