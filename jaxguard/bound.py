@@ -64,8 +64,8 @@ def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
 
 def pack_constants(c: StepConstants, tau: float) -> np.ndarray:
     thr = np.float32(np.float32(tau) * np.float32(c.lr)) * np.float32(1 - 4 * U)
-    return np.array([c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr],
-                    dtype=np.float32)
+    return np.array([c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr,
+                     1.0 if c.decay_in_update else 0.0], dtype=np.float32)
 
 
 def _shared_ideal(k, m, v, mt, vt, gl, gh):
@@ -131,7 +131,11 @@ def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
     inv = S / (d_min * (1 - rho_d))
     s_max = inv * mmax
     alloc = inv * (e_m + mmax * (rho_d + 24 * U + CONST_REL))
-    if decay_in_update:
+    if decay_in_update is None:      # per-coordinate flag k[10] (batched, mixed op models)
+        flag = k[10]
+        alloc = alloc + flag * (16 * U * (s_max + lr * wd * pabs))
+        s_max = s_max + flag * (lr * wd * pabs)
+    elif decay_in_update:
         alloc = alloc + 16 * U * (s_max + lr * wd * pabs)
         s_max = s_max + lr * wd * pabs
     return alloc * (1 + 2.0**-16), s_max
@@ -197,3 +201,18 @@ def coordinate_lower(k, m, v, mt, vt, clip):
 @jax.jit
 def batch_lower(k, m, v, mt, vt, clip):
     return jax.vmap(coordinate_lower, in_axes=(None, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
+
+
+# ---------------------------------------------------------------- per-coordinate constants
+@functools.partial(jax.jit, static_argnames=("bound",))
+def batch_bound_pc(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared"):
+    """`batch_bound` with one constants row per coordinate (k: [n, 11]); the adamw
+    decay-in-update flag is read from k[:, 10], so tensors of different groups and
+    op models are certified in one call."""
+    f = functools.partial(coordinate_bound, bound=bound, decay_in_update=None)
+    return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)
+
+
+@jax.jit
+def batch_lower_pc(k, m, v, mt, vt, clip):
+    return jax.vmap(coordinate_lower, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)

@@ -98,7 +98,7 @@ class GuardedSave(checkpoint_args.CheckpointArgs):
     lr: Optional[float] = None
     tau: float = 0.01
     clip: float = 0.2
-    codec: str = "log8"
+    codec: str = "log8-rel"
     weight_decay: Optional[float] = None
     betas: Optional[tuple] = None
     eps: Optional[float] = None

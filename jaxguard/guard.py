@@ -270,61 +270,143 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update, level_counts
     return certified
 
 
-def encode(m, v, p, config: GuardConfig) -> Encoded:
-    """Guarded encoding of one Adam moment pair (see the module's numerical contract)."""
-    t0 = time.perf_counter()
+def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition):
+    """Like `certify`, with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 11].
+
+    Returns the refinement level (0..4) that certified each of `idx`, or -1 (escape).
+    """
+    level_of = np.full(idx.shape[0], -1, np.int8)
+    if idx.size == 0:
+        return level_of
+    K = np.asarray(K, np.float32)
+    m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
+    thr = K[:, 9][gidx[idx]]
+
+    def padded(sel, chunk):
+        # gathers on the host: eager jnp indexing costs more than the bound itself
+        for s in range(0, sel.shape[0], chunk):
+            part = sel[s:s + chunk]
+            take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
+            yield s, part.size, take, K[gidx[take]]
+
+    lower = np.empty(idx.size, np.float32)
+    for s, cnt, take, kc in padded(idx, CHUNK[0]):
+        lower[s:s + cnt] = np.asarray(_bound.batch_lower_pc(kc, m[take], v[take], mt[take], vt[take], clip[take]))[:cnt]
+    pending = np.flatnonzero(~(lower > thr))
+    for level in range(len(_bound.LEVELS)):
+        if pending.size == 0:
+            break
+        edges = jnp.asarray(_bound.unit_edges(level, partition))
+        sel = idx[pending]
+        out = np.empty(sel.shape[0], np.float32)
+        for s, cnt, take, kc in padded(sel, CHUNK[level]):
+            b = _bound.batch_bound_pc(kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
+                                      bound=bound)
+            out[s:s + cnt] = np.asarray(b)[:cnt]
+        ok = out <= thr[pending]
+        level_of[pending[ok]] = level
+        pending = pending[~ok]
+    return level_of
+
+
+def _check_inputs(m, v, p):
     shape = tuple(np.shape(m))
     for name, x in (("m", m), ("v", v), ("p", p)):
         if np.dtype(getattr(x, "dtype", np.asarray(x).dtype)) != np.float32:
-            raise ConfigError(f"{name} has dtype {x.dtype}; jaxguard certifies float32 moments and parameters, cast with .astype(float32)")
+            raise ConfigError(f"{name} has dtype {np.dtype(getattr(x, 'dtype', np.asarray(x).dtype))}; jaxguard "
+                              "certifies float32 moments and parameters, cast with .astype(float32)")
         if tuple(np.shape(x)) != shape:
             raise ConfigError(f"{name} has shape {tuple(np.shape(x))} but m has {shape}; pass the moments of one parameter")
-    m, v, p = jnp.asarray(m), jnp.asarray(v), jnp.asarray(p)
-    n = int(np.prod(shape, dtype=np.int64))
-    nb = codes.num_blocks(n)
-    # pad to a power-of-two number of blocks so that jit compiles once per size class
-    npad = _bucket(nb) * codes.BLOCK
-    mf, vf, pf = (_pad(x.reshape(-1), npad) for x in (m, v, p))
-    in_tensor = np.arange(npad) < n
-    mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
+    return shape
+
+
+def encode(m, v, p, config: GuardConfig) -> Encoded:
+    """Guarded encoding of one Adam moment pair (see the module's numerical contract)."""
+    return encode_many([(m, v, p, config)])[0]
+
+
+def encode_many(items) -> list:
+    """Guarded encoding of many moment pairs [(m, v, p, config), ...] in one pass.
+
+    All tensors sharing a codec, bound and partition are laid side by side (each padded
+    to whole blocks) and certified together with per-coordinate constants, so a
+    checkpoint of many small tensors costs a few large jitted calls, not many small ones.
+    """
+    items = list(items)
+    shapes = [_check_inputs(m, v, p) for m, v, p, _ in items]
+    groups: dict = {}
+    for i, (_, _, _, cfg) in enumerate(items):
+        groups.setdefault((cfg.codec, cfg.bound, cfg.partition), []).append(i)
+    out = [None] * len(items)
+    for (codec, bound, partition), idxs in groups.items():
+        encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition)
+        for i, e in zip(idxs, encs):
+            out[i] = e
+    return out
+
+
+def _encode_group(items, shapes, codec, bound, partition):
+    t0 = time.perf_counter()
+    ns = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    nbs = [codes.num_blocks(n) for n in ns]
+    offs = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
+    npad = _bucket(int(offs[-1])) * codes.BLOCK
+    mh, vh, ph = (np.zeros(npad, np.float32) for _ in range(3))
+    in_tensor = np.zeros(npad, bool)
+    gidx = np.zeros(npad, np.int32)
+    for i, ((m, v, p, _), n) in enumerate(zip(items, ns)):
+        b = int(offs[i]) * codes.BLOCK
+        mh[b:b + n] = np.asarray(m, np.float32).reshape(-1)
+        vh[b:b + n] = np.asarray(v, np.float32).reshape(-1)
+        ph[b:b + n] = np.asarray(p, np.float32).reshape(-1)
+        in_tensor[b:b + n] = True
+        gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     valid = (in_tensor & _stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
     vpos = (_finite(vh) & ~_zero(vh) & ~_negative(vh)).reshape(-1, codes.BLOCK)
-    mq, vq, mp, vp, mtb, vtb = _propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos,
-                                        config.codec)
-    mt = mtb.reshape(-1)
-    vt = vtb.reshape(-1)
-    exact, ok = (x[:n] for x in _classify(mh, vh, ph, np.asarray(mt), np.asarray(vt)))
-    mq, vq, mp, vp = mq.reshape(-1)[:n], vq.reshape(-1)[:n], mp[:nb], vp[:nb]
-    level_counts: list[int] = []
-    if config.codec == "block8-unguarded":
-        escape = ~exact & ~ok
+    mf, vf = jnp.asarray(mh), jnp.asarray(vh)
+    mq, vq, mp, vp, mtb, vtb = _propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos, codec)
+    mt, vt = mtb.reshape(-1), vtb.reshape(-1)
+    exact, ok = _classify(mh, vh, ph, np.asarray(mt), np.asarray(vt))
+    level_of = np.full(npad, -1, np.int8)
+    if codec == "block8-unguarded":
+        escape = in_tensor & ~exact & ~ok
     else:
-        c = config.constants()
-        k = jnp.asarray(_bound.pack_constants(c, config.tau))
-        pabs = jnp.abs(pf)
-        clip = jnp.full((npad,), np.float32(config.clip), jnp.float32)
-        if c.coupled_decay:
-            clip = (clip + np.float32(c.weight_decay) * pabs) * np.float32(1 + 2.0**-20)
-        cand = np.flatnonzero(~exact & ok)
-        cert = certify(k, mf, vf, mt, vt, pabs, clip, cand, config, c.decay_in_update, level_counts)
-        escape = ~exact
-        escape[cand[cert]] = False
-    esc_idx = np.flatnonzero(escape).astype(np.int32)
-    mf_np, vf_np = mh[:n], vh[:n]
-    arrays = {
-        "m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
-        "m_params": np.asarray(mp, np.float32), "v_params": np.asarray(vp, np.float32),
-        "escape_index": esc_idx, "escape_m": mf_np[esc_idx], "escape_v": vf_np[esc_idx],
-    }
-    enc = Encoded(arrays, config.codec, shape)
-    enc.stats = {
-        "coordinates": n, "escapes": int(esc_idx.size), "exact": int(exact.sum()),
-        "uncertifiable": int((~exact & ~ok).sum()),
-        "certified_by_level": level_counts,
-        "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
-        "encode_seconds": time.perf_counter() - t0,
-    }
-    return enc
+        consts = [cfg.constants() for *_, cfg in items]
+        K = np.stack([_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)])
+        pabs = np.abs(ph)
+        clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
+        wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
+            clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
+        clip = clip.astype(np.float32)
+        cand = np.flatnonzero(in_tensor & ~exact & ok)
+        level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, jnp.asarray(pabs), jnp.asarray(clip), cand, bound,
+                                    partition)
+        escape = in_tensor & ~exact & (level_of < 0)
+    mq, vq, mp, vp = (np.asarray(x) for x in (mq, vq, mp, vp))
+    mq, vq = mq.reshape(-1), vq.reshape(-1)
+    elapsed = time.perf_counter() - t0
+    total = max(sum(ns), 1)
+    encs = []
+    for i, (n, shape) in enumerate(zip(ns, shapes)):
+        b, nb = int(offs[i]) * codes.BLOCK, int(nbs[i])
+        esc = np.flatnonzero(escape[b:b + n]).astype(np.int32)
+        arrays = {"m_codes": mq[b:b + n].copy(), "v_codes": vq[b:b + n].copy(),
+                  "m_params": mp[int(offs[i]):int(offs[i]) + nb].astype(np.float32),
+                  "v_params": vp[int(offs[i]):int(offs[i]) + nb].astype(np.float32),
+                  "escape_index": esc, "escape_m": mh[b + esc], "escape_v": vh[b + esc]}
+        enc = Encoded(arrays, codec, tuple(shape))
+        lv = level_of[b:b + n]
+        ex, okk = exact[b:b + n], ok[b:b + n]
+        enc.stats = {
+            "coordinates": n, "escapes": int(esc.size), "exact": int(ex.sum()),
+            "uncertifiable": int((~ex & ~okk).sum()),
+            "certified_by_level": [int((lv == L).sum()) for L in range(len(_bound.LEVELS))],
+            "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
+            "encode_seconds": elapsed * n / total,
+        }
+        encs.append(enc)
+    return encs
 
 
 def _bucket(nb: int) -> int:

@@ -35,6 +35,7 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
+from jaxguard.guard import DEFAULT_CODEC as _DEFAULT_CODEC
 import dataclasses
 import time
 from typing import Any
@@ -138,7 +139,7 @@ def find_adam_states(opt_state) -> list[AdamSite]:
 
 
 def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
-                codec="log8") -> GuardConfig:
+                codec=_DEFAULT_CODEC) -> GuardConfig:
     hp = site.hparams
     lr_ = lr if lr is not None else hp.get("learning_rate")
     if lr_ is None:
@@ -209,7 +210,7 @@ def _raw_entry(name, leaf):
     return ("raw", name, arr, container.numpy_dtype_name(arr))
 
 
-def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", weight_decay=None,
+def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
                    betas=None, eps=None, prefix="state"):
     """(entries, leaves meta, sites meta, totals) for `opt_state` certified against `params`."""
     sites = find_adam_states(opt_state)
@@ -296,7 +297,7 @@ def state_nbytes(tree) -> int:
     return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
-def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", weight_decay=None, betas=None,
+def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
              eps=None, include_params=False, extra_meta=None):
     """Container bytes and a summary dict (see `save`)."""
     t0 = time.perf_counter()
@@ -317,7 +318,7 @@ def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", we
     return data, summary(totals, len(data), state_nbytes(opt_state))
 
 
-def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec="log8", weight_decay=None, betas=None,
+def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
          eps=None, include_params=False) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 

@@ -35,6 +35,7 @@ difference torch cannot reproduce).
 """
 from __future__ import annotations
 
+from jaxguard.guard import DEFAULT_CODEC as _DEFAULT_CODEC
 import numpy as np
 import torch
 
@@ -198,7 +199,7 @@ def container_to_torch(path):
     return _torch_ckpt(items, params)
 
 
-def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec="log8"):
+def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
     """torch checkpoint dict -> (optax container bytes, summary), moments guarded against
     the target optax op model with ``tau * MIGRATE_TAU_FACTOR``; params stored."""
     if not isinstance(ckpt, dict) or "model" not in ckpt or "optimizer" not in ckpt:

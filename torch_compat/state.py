@@ -16,7 +16,7 @@ import torch
 
 from jaxguard import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode
+from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode_many
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
@@ -159,10 +159,8 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
               "uncertifiable": 0}
     items = list(opt_sd["state"].items())
     it = items
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(items, desc="compress", unit="tensor", leave=False)
     raws: list = []
+    jobs = []
     for idx, st in it:
         if idx not in names:
             raise CheckpointError(f"optimizer state has parameter index {idx} that no param group lists")
@@ -177,8 +175,10 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
         cfg = guard_config(group, _step_int(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-        enc = encode(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
-                     p.detach().cpu().numpy(), cfg)
+        jobs.append((idx, name, st, cfg))
+    encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
+                         params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in jobs])
+    for (idx, name, st, cfg), enc in zip(jobs, encs):
         ename = f"optimizer/state/{idx}"
         entries.append(("moments", ename, enc, {**cfg.to_json(), "param_name": name}))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
