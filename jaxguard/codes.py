@@ -151,19 +151,29 @@ def log_block_params(x, valid, bits=8):
     lo = jnp.maximum(lo, hi * _F32(2.0**-LOG_RANGE_CAP_EXP))
     span = jnp.log2(hi) - jnp.log2(lo)
     r = jnp.exp2(span / _F32(levels - 1))
-    r = jnp.where(hi > lo, jnp.maximum(r, _F32(1.0)), _F32(1.0))
-    return lo.astype(_F32), r.astype(_F32)
+    r = jnp.where(hi > lo, jnp.maximum(r, _F32(1.0)), _F32(1.0)).astype(_F32)
+    # r is rounded to float32, so lo*r**(levels-1) can fall short of hi (by up to
+    # (levels-1)*2**-24 relative: 0.4% for AL16); nudge r up until the grid covers hi.
+    top_code = jnp.full((1,), levels, jnp.int32)
+    for _ in range(4 if bits > 8 else 0):   # AL8's drift (254*2**-24) is far below a step
+        top = log_decode_block(top_code, lo, r, bits)[0]
+        r = jnp.where((hi > lo) & (top < hi), jnp.nextafter(r, _F32(jnp.inf)), r)
+    return lo.astype(_F32), r
 
 
 def log_encode_block(x, valid, bits=8, positive=None):
-    """`positive` (optional): host-computed mask of finite x > 0.  Inside a large jitted
-    graph XLA on CPU may rewrite the bit tests into float compares that treat subnormals
-    as zero; callers that need the invariant for subnormal inputs pass the mask."""
+    """`positive` (optional): a precomputed mask of finite x > 0 (the guard computes it
+    on the host from the bits)."""
     levels = (1 << bits) - 1
     lo, r = log_block_params(x, valid, bits)
     # every positive value gets a nonzero code (q == 0 <=> x == 0), even those kept out
     # of the block statistics (`valid=False`): they are clamped to the range.
-    pos = positive if positive is not None else (is_finite_bits(x) & ~is_zero_bits(x) & ~is_negative_bits(x))
+    if positive is None:
+        # finite and > 0 (subnormals included) <=> 0 < int32 bits < bits(+inf); this form
+        # survives XLA's rewrites, the masked unsigned one did not (FTZ made it false)
+        b = jax.lax.bitcast_convert_type(x.astype(_F32), jnp.int32)
+        positive = (b > 0) & (b < 0x7F800000)
+    pos = positive
     xs = jnp.where(pos, x, lo)
     safe_logr = jnp.where(r > 1.0, jnp.log2(r), _F32(1.0))
     est = jnp.round((jnp.log2(jnp.maximum(xs, _F32(TINY_NORMAL))) - jnp.log2(lo)) / safe_logr) + 1
@@ -176,6 +186,21 @@ def log_encode_block(x, valid, bits=8, positive=None):
         better = ce < best_err
         best_q = jnp.where(better, cq, best_q)
         best_err = jnp.where(better, ce, best_err)
+    if bits > 8:
+        # the float32 grid drifts from the ideal one by up to (levels-1)*2**-24 relative,
+        # i.e. many codes for AL16: find the nearest code by bisection on the decoded grid
+        # (increasing in q), then compare the two neighbours.
+        q_lo = jnp.ones(xs.shape, jnp.int32)
+        q_hi = jnp.full(xs.shape, levels, jnp.int32)
+        for _ in range(bits):
+            mid = (q_lo + q_hi + 1) // 2
+            below = log_decode_block(mid, lo, r, bits) <= xs
+            q_lo = jnp.where(below, mid, q_lo)
+            q_hi = jnp.where(below, q_hi, mid - 1)
+        q_up = jnp.minimum(q_lo + 1, levels)
+        e_lo = jnp.abs(log_decode_block(q_lo, lo, r, bits) - xs)
+        e_up = jnp.abs(log_decode_block(q_up, lo, r, bits) - xs)
+        best_q = jnp.where(e_up < e_lo, q_up, q_lo).astype(_F32)
     dtype = jnp.uint8 if bits == 8 else jnp.uint16
     best_q = jnp.nan_to_num(best_q, nan=1.0).astype(jnp.int32)
     q = jnp.where(pos, jnp.clip(best_q, 1, levels), 0)
