@@ -113,7 +113,20 @@ def make(kind, seed):
 
 def train(kind="transformer", seed=0, steps=300, fractions=(0.1, 0.5, 1.0), lr=1e-3, weight_decay=0.0,
           adamw=False, progress=None):
-    """Train with torch Adam(foreach=False); return {fraction: CKPT dict} and the model."""
+    """Train with torch Adam(foreach=False); return {fraction: CKPT dict} and the model.
+
+    Runs torch on one thread: these models are too small to gain from two, and on a
+    shared 2-core machine intra-op threads fighting other work cost 20x (measured).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(kind, seed, steps, fractions, lr, weight_decay, adamw, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(kind, seed, steps, fractions, lr, weight_decay, adamw, progress):
     model, sample = make(kind, seed)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     opt = cls(model.named_parameters(), lr=lr, weight_decay=weight_decay, foreach=False)

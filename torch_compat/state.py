@@ -289,6 +289,15 @@ def _torch_step(p, m, v, g, step, group, decoupled):
 
 
 def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, progress=False):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny steps: threads only add contention
+    try:
+        return _audit(original, restored, tau=tau, clip=clip, grads=grads, grid=grid, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _audit(original, restored, *, tau, clip, grads, grid, progress):
     """Run the real torch Adam/AdamW (foreach=False, fused=False) one step from the
     original and the restored state for every gradient of a grid across [-clip, clip]
     (the same g for every coordinate, plus one random per-coordinate draw) and for any
