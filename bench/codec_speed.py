@@ -38,6 +38,7 @@ def main(argv=None):
     from jaxguard.container import atomic_write
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # tiny model on shared cores (see jaxguard/_demo.py)
     model = _demo.ByteTransformer(d=128, layers=4, heads=4, ctx=64)
     sample = _demo.text_batches(0)
     opt = torch.optim.Adam(model.named_parameters(), lr=1e-3, foreach=False)
