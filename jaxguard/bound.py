@@ -49,8 +49,14 @@ LEVELS = ((1, 0), (16, 1), (64, 2), (256, 4), (1024, 8))
 GEOMETRIC_OCTAVES = 40       # geometric edges down to 2**-40 * clip
 
 
+COARSE_EDGES = (0.0, 2.0**-30, 2.0**-20, 2.0**-14, 2.0**-10, 2.0**-7, 2.0**-5, 2.0**-3, 2.0**-2, 0.5, 1.0)
+
+
 def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
-    """Cell edges on [0, 1] (multiplied by the clip); level 0 is the whole interval."""
+    """Cell edges on [0, 1] (multiplied by the clip).  Level 0 is the cheap early accept:
+    one cell for the linear partition, ten geometric cells for the mixed one."""
+    if level == 0 and partition == "mixed":
+        return np.asarray(COARSE_EDGES, np.float32)
     n_lin, sub = LEVELS[level]
     edges = [np.linspace(0.0, 1.0, n_lin + 1)]
     if partition == "mixed" and sub:
