@@ -270,7 +270,7 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update, level_counts
     return certified
 
 
-def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition):
+def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False):
     """Like `certify`, with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 11].
 
     Returns the refinement level (0..4) that certified each of `idx`, or -1 (escape).
@@ -289,13 +289,18 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition):
             take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
             yield s, part.size, take, K[gidx[take]]
 
+    from tqdm import tqdm
+    bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
+               disable=not progress)
     lower = np.empty(idx.size, np.float32)
     for s, cnt, take, kc in padded(idx, CHUNK[0]):
         lower[s:s + cnt] = np.asarray(_bound.batch_lower_pc(kc, m[take], v[take], mt[take], vt[take], clip[take]))[:cnt]
     pending = np.flatnonzero(~(lower > thr))
+    bar.update(idx.size - pending.size)
     for level in range(len(_bound.LEVELS)):
         if pending.size == 0:
             break
+        bar.set_postfix(level=level)
         edges = jnp.asarray(_bound.unit_edges(level, partition))
         sel = idx[pending]
         out = np.empty(sel.shape[0], np.float32)
@@ -303,9 +308,14 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition):
             b = _bound.batch_bound_pc(kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
                                       bound=bound)
             out[s:s + cnt] = np.asarray(b)[:cnt]
+            if level == len(_bound.LEVELS) - 1:
+                bar.update(cnt)
         ok = out <= thr[pending]
         level_of[pending[ok]] = level
+        if level < len(_bound.LEVELS) - 1:
+            bar.update(int(ok.sum()))
         pending = pending[~ok]
+    bar.close()
     return level_of
 
 
@@ -325,7 +335,7 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
     return encode_many([(m, v, p, config)])[0]
 
 
-def encode_many(items) -> list:
+def encode_many(items, *, progress: bool = False) -> list:
     """Guarded encoding of many moment pairs [(m, v, p, config), ...] in one pass.
 
     All tensors sharing a codec, bound and partition are laid side by side (each padded
@@ -339,13 +349,13 @@ def encode_many(items) -> list:
         groups.setdefault((cfg.codec, cfg.bound, cfg.partition), []).append(i)
     out = [None] * len(items)
     for (codec, bound, partition), idxs in groups.items():
-        encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition)
+        encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition, progress)
         for i, e in zip(idxs, encs):
             out[i] = e
     return out
 
 
-def _encode_group(items, shapes, codec, bound, partition):
+def _encode_group(items, shapes, codec, bound, partition, progress=False):
     t0 = time.perf_counter()
     ns = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     nbs = [codes.num_blocks(n) for n in ns]
@@ -380,8 +390,7 @@ def _encode_group(items, shapes, codec, bound, partition):
             clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
         clip = clip.astype(np.float32)
         cand = np.flatnonzero(in_tensor & ~exact & ok)
-        level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, jnp.asarray(pabs), jnp.asarray(clip), cand, bound,
-                                    partition)
+        level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress)
         escape = in_tensor & ~exact & (level_of < 0)
     mq, vq, mp, vp = (np.asarray(x) for x in (mq, vq, mp, vp))
     mq, vq = mq.reshape(-1), vq.reshape(-1)

@@ -177,7 +177,8 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
         cfg = guard_config(group, _step_int(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         jobs.append((idx, name, st, cfg))
     encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
-                         params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in jobs])
+                         params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in jobs],
+                       progress=progress)
     for (idx, name, st, cfg), enc in zip(jobs, encs):
         ename = f"optimizer/state/{idx}"
         entries.append(("moments", ename, enc, {**cfg.to_json(), "param_name": name}))
