@@ -335,12 +335,12 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
 # ---------------------------------------------------------------- load
 def read(path):
     """(header, {entry name: array or (m~, v~)}) of an optax container."""
-    header, payload, tables = container.read(path)
+    header, payload, tables = container.read(path, verify_decoded=False)
     meta = header.get("meta") or {}
     if meta.get("framework") != "optax":
         raise CheckpointError(f"{path} holds a {meta.get('framework')!r} checkpoint, not optax state; use "
                               "torch_compat.load, or `jaxguard migrate --to optax` to convert it")
-    return header, container.entries_by_name(header, payload, tables)
+    return header, container.entries_by_name(header, payload, tables, verify_decoded=True)
 
 
 def _as_dtype(arr, dtype_name):

@@ -226,8 +226,8 @@ def _summary(t, container_bytes):
 
 
 def restore_tree(path):
-    header, payload, tables = container.read(path)
-    arrays = container.entries_by_name(header, payload, tables)
+    header, payload, tables = container.read(path, verify_decoded=False)
+    arrays = container.entries_by_name(header, payload, tables, verify_decoded=True)
     dtypes = {e["name"]: e.get("dtype") for e in header["entries"]}
     meta = header.get("meta", {})
     if meta.get("framework") != "torch":
