@@ -392,8 +392,17 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
         cand = np.flatnonzero(in_tensor & ~exact & ok)
         level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress)
         escape = in_tensor & ~exact & (level_of < 0)
-    mq, vq, mp, vp = (np.asarray(x) for x in (mq, vq, mp, vp))
+    mq, vq, mp, vp = (np.array(x) for x in (mq, vq, mp, vp))
     mq, vq = mq.reshape(-1), vq.reshape(-1)
+    rescued = np.zeros(npad, bool)
+    if codec != "block8-unguarded" and any(cfg.joint for *_, cfg in items):
+        joint_on = np.zeros(npad, bool)
+        for i, (*_, cfg) in enumerate(items):
+            if cfg.joint:
+                joint_on[int(offs[i]) * codes.BLOCK:int(offs[i] + nbs[i]) * codes.BLOCK] = True
+        rescued = _joint_search(codec, np.flatnonzero(escape & ok & joint_on), mq, vq, mp, vp, mh, vh, pabs, clip,
+                                K, gidx, bound, partition)
+        escape &= ~rescued
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
     encs = []
@@ -411,11 +420,58 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
             "coordinates": n, "escapes": int(esc.size), "exact": int(ex.sum()),
             "uncertifiable": int((~ex & ~okk).sum()),
             "certified_by_level": [int((lv == L).sum()) for L in range(len(_bound.LEVELS))],
+            "joint_rescued": int(rescued[b:b + n].sum()),
             "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
             "encode_seconds": elapsed * n / total,
         }
         encs.append(enc)
     return encs
+
+
+JOINT_MOVES = tuple((dm, dv) for dm in (-1, 0, 1) for dv in (-1, 0, 1) if (dm, dv) != (0, 0))
+
+
+def _joint_search(codec, idx, mq, vq, mp, vp, mh, vh, pabs, clip, K, gidx, bound, partition):
+    """Joint code choice: for coordinates that escaped, try the 8 neighbouring (m, v) code
+    pairs (block parameters fixed, so only that coordinate changes) and keep the first
+    pair that certifies.  Updates mq/vq in place; returns the rescued mask."""
+    rescued = np.zeros(mh.shape[0], bool)
+    if idx.size == 0:
+        return rescued
+    if codec not in ("log8", "log8-rel"):
+        raise ConfigError(f"joint=True applies to the log8 and log8-rel codecs, not {codec!r}")
+    blk = idx // codes.BLOCK
+    todo = idx
+    for dm, dv in JOINT_MOVES:
+        if todo.size == 0:
+            break
+        b = todo // codes.BLOCK
+        qm = np.clip(mq[todo].astype(np.int32) + dm, -127, 127)
+        qv0 = vq[todo].astype(np.int32)
+        qv = np.where(qv0 == 0, 0, np.clip(qv0 + dv, 1, 255))    # v == 0 keeps code 0
+        mt, vt = _decode_points(codec, qm, qv, mp[b], vp[b])
+        lv = certify_pc(K, gidx, mh[todo], vh[todo], mt, vt, pabs[todo], clip[todo],
+                        np.arange(todo.size), bound, partition)
+        ok = lv >= 0
+        hit = todo[ok]
+        mq[hit] = qm[ok].astype(mq.dtype)
+        vq[hit] = qv[ok].astype(vq.dtype)
+        rescued[hit] = True
+        todo = todo[~ok]
+    del blk
+    return rescued
+
+
+def _decode_points(codec, qm, qv, mp_rows, vp_rows):
+    """Decode individual (m, v) codes with their blocks' parameters (as the reader does)."""
+    qv_j = jnp.asarray(qv, jnp.int32)
+    vt = codes.log_decode_block(qv_j, jnp.asarray(vp_rows[:, 0]), jnp.asarray(vp_rows[:, 1]))
+    if codec == "log8":
+        mt = codes.linear8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]))
+    else:
+        w = codes.sqrt_scale_block(qv_j, jnp.asarray(vp_rows[:, 2]), jnp.asarray(vp_rows[:, 3]))
+        mt = codes.rel8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]), w)
+    return np.asarray(mt, np.float32), np.asarray(vt, np.float32)
 
 
 def _bucket(nb: int) -> int:
