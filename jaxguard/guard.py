@@ -344,6 +344,8 @@ def encode_many(items, *, progress: bool = False) -> list:
     """
     items = list(items)
     shapes = [_check_inputs(m, v, p) for m, v, p, _ in items]
+    if any(int(np.prod(s, dtype=np.int64)) > MAX_PIECE for s in shapes):
+        return _encode_in_pieces(items, shapes, progress)
     groups: dict = {}
     for i, (_, _, _, cfg) in enumerate(items):
         groups.setdefault((cfg.codec, cfg.bound, cfg.partition), []).append(i)
@@ -353,6 +355,48 @@ def encode_many(items, *, progress: bool = False) -> list:
         for i, e in zip(idxs, encs):
             out[i] = e
     return out
+
+
+# Tensors above this many elements are encoded in pieces (a multiple of the block size,
+# so blocks never straddle pieces) and reassembled with 64-bit escape indices: the
+# chunked path for tensors of 2**31 elements or more.
+MAX_PIECE = 1 << 28
+
+
+def _encode_in_pieces(items, shapes, progress):
+    flat, owner = [], []
+    for i, ((m, v, p, cfg), shape) in enumerate(zip(items, shapes)):
+        n = int(np.prod(shape, dtype=np.int64))
+        mf, vf, pf = (np.asarray(x, np.float32).reshape(-1) for x in (m, v, p))
+        step = max(codes.BLOCK, MAX_PIECE - MAX_PIECE % codes.BLOCK)
+        for s in range(0, max(n, 1), step):
+            flat.append((mf[s:s + step], vf[s:s + step], pf[s:s + step], cfg))
+            owner.append((i, s))
+    out: list = [[] for _ in items]
+    for (i, start), piece in zip(owner, flat):
+        # one piece at a time: the point is never to hold 2**31 coordinates of work at once
+        out[i].append((start, encode_many([piece], progress=progress)[0]))
+    return [_join_pieces(pieces, shape) for pieces, shape in zip(out, shapes)]
+
+
+def _join_pieces(pieces, shape):
+    if len(pieces) == 1:
+        start, enc = pieces[0]
+        return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats)
+    a = {k: np.concatenate([e.arrays[k] for _, e in pieces]) for k in
+         ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v")}
+    a["escape_index"] = np.concatenate([e.arrays["escape_index"].astype(np.int64) + s for s, e in pieces])
+    enc = Encoded(a, pieces[0][1].codec, tuple(shape))
+    stats = {}
+    for _, e in pieces:
+        for k, val in e.stats.items():
+            if isinstance(val, list):
+                stats[k] = [x + y for x, y in zip(stats.get(k, [0] * len(val)), val)]
+            else:
+                stats[k] = stats.get(k, 0) + val
+    stats["payload_bytes"] = payload_bytes(enc)
+    enc.stats = stats
+    return enc
 
 
 def _encode_group(items, shapes, codec, bound, partition, progress=False):

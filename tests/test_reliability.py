@@ -506,3 +506,30 @@ def test_guard_property_against_torch_adam(s):
         ok = same | (gap <= tau * lr)
         assert ok.all(), (f"gap {np.nanmax(np.where(same, 0, gap)) / lr:.4g} lr at "
                           f"{np.flatnonzero(~ok)[:5]} (step {step}, lr {lr})")
+
+
+def test_chunked_path_for_huge_tensors_matches_unchunked(monkeypatch, tmp_path):
+    """Tensors above guard.MAX_PIECE elements (2**28; the path that carries 2**31+) are
+    encoded in pieces and joined with 64-bit escape indices; shrinking MAX_PIECE runs that
+    path here and must give the same codes, escapes and container as one piece."""
+    import jaxguard as jg
+    from jaxguard import guard
+    rng = np.random.default_rng(11)
+    shape = (37, 1000)
+    v = rng.lognormal(-14, 2, shape).astype(np.float32)
+    m = (rng.normal(0, 1, shape) * np.sqrt(v) * 0.3).astype(np.float32)
+    p = rng.normal(0, 0.05, shape).astype(np.float32)
+    m[3, 5], v[30, 999] = np.nan, -1.0
+    cfg = jg.GuardConfig(lr=1e-3, step=100, codec="log8")
+    whole = jg.encode(m, v, p, cfg)
+    monkeypatch.setattr(guard, "MAX_PIECE", 4096)
+    pieces = jg.encode(m, v, p, cfg)
+    assert pieces.shape == shape and pieces.arrays["escape_index"].dtype == np.int64
+    for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v"):
+        np.testing.assert_array_equal(pieces.arrays[k], whole.arrays[k])
+    np.testing.assert_array_equal(pieces.arrays["escape_index"], whole.arrays["escape_index"])
+    assert pieces.stats["escapes"] == whole.stats["escapes"] and pieces.stats["coordinates"] == m.size
+    a = [np.asarray(x) for x in jg.decode(pieces)]
+    b = [np.asarray(x) for x in jg.decode(whole)]
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
