@@ -91,19 +91,9 @@ class GuardConfig:
         return cls(**{**d, "betas": tuple(d["betas"])})
 
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass
-class Encoded:
-    """One guarded moment pair: arrays only (plus static metadata), so jit/orbax see leaves.
-
-    arrays: ``m_codes``, ``v_codes`` ([n]), ``m_params``, ``v_params`` ([nblocks, k]),
-    ``escape_index`` (int32, sorted), ``escape_m``, ``escape_v`` (float32 exact pairs).
-    """
-
-    arrays: dict
-    codec: str
-    shape: tuple
-    stats: dict = dataclasses.field(default_factory=dict)
+class ArrayPytree:
+    """Base of the encoded forms: a dict of arrays (the pytree leaves) plus static codec
+    and shape, so jit, vmap, orbax and DCP see plain leaves."""
 
     def tree_flatten(self):
         keys = tuple(sorted(self.arrays))
@@ -117,6 +107,21 @@ class Encoded:
     @property
     def n(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class Encoded(ArrayPytree):
+    """One guarded moment pair: arrays only (plus static metadata), so jit/orbax see leaves.
+
+    arrays: ``m_codes``, ``v_codes`` ([n]), ``m_params``, ``v_params`` ([nblocks, k]),
+    ``escape_index`` (int32, sorted), ``escape_m``, ``escape_v`` (float32 exact pairs).
+    """
+
+    arrays: dict
+    codec: str
+    shape: tuple
+    stats: dict = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- proposals (per block, vmapped)

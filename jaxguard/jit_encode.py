@@ -44,7 +44,7 @@ _TINY_BITS = int(np.float32(_bound.TINY_MOMENT).view(np.uint32))
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
-class JitEncoded:
+class JitEncoded(_guard.ArrayPytree):
     """Fixed-shape guarded encoding: ``m_codes``, ``v_codes`` ([n]), ``m_params``,
     ``v_params`` ([nblocks, k]), ``escape_index`` ([E] int32, sorted, filled with n),
     ``escape_m``, ``escape_v`` ([E] float32, 0 past the count), ``escape_count`` (int32),
@@ -53,19 +53,6 @@ class JitEncoded:
     arrays: dict
     codec: str
     shape: tuple
-
-    def tree_flatten(self):
-        keys = tuple(sorted(self.arrays))
-        return tuple(self.arrays[k] for k in keys), (keys, self.codec, self.shape)
-
-    @classmethod
-    def tree_unflatten(cls, aux, leaves):
-        keys, codec, shape = aux
-        return cls(dict(zip(keys, leaves)), codec, shape)
-
-    @property
-    def n(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
 
 def _opaque_zero():
