@@ -41,7 +41,7 @@ from .opmodel import StepConstants
 U = 2.0**-24                 # unit roundoff of float32
 N_MIN = 2.0**-126            # smallest normal float32
 GAMMA = 2.0**-17             # stage-1 evaluation margin (relative)
-CONST_REL = 2.0**-20         # framework constants computed in float32 (optax pow)
+CONST_REL = 2.0**-20         # default gap to the framework's constants (k[11] overrides)
 TINY_MOMENT = 2.0**-80       # smaller nonzero moments are not certified (escape)
 
 # refinement levels: (linear cells per sign, geometric sub-steps per octave)
@@ -71,7 +71,7 @@ def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
 def pack_constants(c: StepConstants, tau: float) -> np.ndarray:
     thr = np.float32(np.float32(tau) * np.float32(c.lr)) * np.float32(1 - 4 * U)
     return np.array([c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr,
-                     1.0 if c.decay_in_update else 0.0], dtype=np.float32)
+                     1.0 if c.decay_in_update else 0.0, c.const_rel], dtype=np.float32)
 
 
 def _shared_ideal(k, m, v, mt, vt, gl, gh):
@@ -133,10 +133,11 @@ def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
     e_m = 3 * (8 * U * Mm + 4 * N_MIN)
     mmax = jnp.maximum(jnp.abs(keep * mm + a * gl), jnp.abs(keep * mm + a * gh)) + e_m
     d_min = jnp.sqrt(b2f * vv + c2 * gl * gl) / B + eps
-    rho_d = 64 * U + CONST_REL + 4e-19 / (B * d_min)
+    const_rel = k[11] if k.shape[0] > 11 else CONST_REL
+    rho_d = 64 * U + const_rel + 4e-19 / (B * d_min)
     inv = S / (d_min * (1 - rho_d))
     s_max = inv * mmax
-    alloc = inv * (e_m + mmax * (rho_d + 24 * U + CONST_REL))
+    alloc = inv * (e_m + mmax * (rho_d + 24 * U + const_rel))
     if decay_in_update is None:      # per-coordinate flag k[10] (batched, mixed op models)
         flag = k[10]
         alloc = alloc + flag * (16 * U * (s_max + lr * wd * pabs))
