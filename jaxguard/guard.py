@@ -232,51 +232,26 @@ def _stats_valid(m, v, p):
 CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 
 
-def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update, level_counts=None):
-    """Indices `idx` (host int array) -> boolean array, True where certified.
-
-    Runs the refinement levels on compacted candidates: each level only sees the
-    coordinates the previous one could not certify.
-    """
-    certified = np.zeros(idx.shape[0], bool)
-    thr = float(np.asarray(k)[9])
-    if idx.size:
-        # the ideal difference at a few gradients is a lower bound of the supremum:
-        # coordinates above the threshold there can never be certified.
-        parts = []
-        for s in range(0, idx.size, CHUNK[0]):
-            part = idx[s:s + CHUNK[0]]
-            take = np.concatenate([part, np.full(CHUNK[0] - part.size, part[0])])
-            lo = _bound.batch_lower(k, m[take], v[take], mt[take], vt[take], clip[take])
-            parts.append(np.asarray(lo)[:part.size])
-        lower = np.concatenate(parts)
-        pending = np.flatnonzero(~(lower > thr))
-    else:
-        pending = np.arange(0)
-    for level in range(len(_bound.LEVELS)):
-        if pending.size == 0:
-            break
-        edges = jnp.asarray(_bound.unit_edges(level, cfg.partition))
-        chunk = CHUNK[level]
-        sel = idx[pending]
-        out = np.empty(sel.shape[0], np.float32)
-        for s in range(0, sel.shape[0], chunk):
-            part = sel[s:s + chunk]
-            pad = chunk - part.shape[0]
-            take = np.concatenate([part, np.full(pad, part[0])]) if pad else part
-            b = _bound.batch_bound(k, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
-                                   bound=cfg.bound, decay_in_update=decay_in_update)
-            out[s:s + part.shape[0]] = np.asarray(b)[:part.shape[0]]
-        ok = out <= thr
-        if level_counts is not None:
-            level_counts.append(int(ok.sum()))
-        certified[pending[ok]] = True
-        pending = pending[~ok]
-    return certified
+def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
+    """Indices `idx` (host int array) -> boolean array, True where certified, for one
+    constants row `k` (from `bound.pack_constants`, which carries the adamw decay flag;
+    `decay_in_update` is accepted for compatibility and must agree with it)."""
+    K = np.asarray(k, np.float32)[None]
+    if decay_in_update is not None and bool(K[0, 10]) != bool(decay_in_update):
+        raise ConfigError("decay_in_update disagrees with the constants row; build k with bound.pack_constants")
+    level_of = certify_pc(K, np.zeros(np.shape(m)[0], np.int32), m, v, mt, vt, pabs, clip, idx, cfg.bound,
+                          cfg.partition)
+    if level_counts is not None:
+        level_counts.extend(int((level_of == L).sum()) for L in range(len(_bound.LEVELS)))
+    return level_of >= 0
 
 
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False):
-    """Like `certify`, with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 11].
+    """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 12].
+
+    Runs the refinement levels on compacted candidates: each level only sees the
+    coordinates the previous one could not certify, after an early reject of those whose
+    ideal difference at a few gradients already exceeds the threshold.
 
     Returns the refinement level (0..4) that certified each of `idx`, or -1 (escape).
     """
