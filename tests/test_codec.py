@@ -176,7 +176,7 @@ def test_joint_search_never_adds_escapes_and_keeps_the_guarantee(codec):
     if codec == "log8":  # log8-rel leaves (almost) nothing to rescue on this data
         assert joint.stats["joint_rescued"] > 0
     # the rescued coordinates hold under the real torch Adam
-    m2, v2 = (torch.from_numpy(np.asarray(x)) for x in jg.decode(joint))
+    m2, v2 = (torch.from_numpy(np.array(x)) for x in jg.decode(joint))
     for g in (0.0, 0.2, -0.2, 1e-6, -0.05):
         outs = []
         for mm, vv in ((torch.from_numpy(m), torch.from_numpy(v)), (m2, v2)):
