@@ -125,11 +125,6 @@ class Encoded(ArrayPytree):
 
 
 # ---------------------------------------------------------------- proposals (per block, vmapped)
-def _code_names(codec):
-    return {"log8": ("linear8", "log8"), "log8-rel": ("rel8", "log8"), "bf16": ("bf16", "bf16"),
-            "block8": ("dynamic8s", "dynamic8u"), "block8-unguarded": ("dynamic8s", "dynamic8u")}[codec]
-
-
 @functools.partial(jax.jit, static_argnames=("codec",))
 def _propose(mb, vb, valid, vpos, codec):
     """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked."""

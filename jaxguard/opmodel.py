@@ -20,8 +20,8 @@ count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
   ``const_rel`` bounds their relative gap to optax's float32 ``pow`` values (4 ulp
   allowed, 0.70 measured), which the native allowance in `jaxguard.bound` adds.
 
-`torch_reference_step` is the textbook float32 update in numpy (IEEE sqrt, no FMA);
-it is *not* bit-exact with torch (see torch_compat.replay) and exists for tests.
+The bit-exact replay of torch's update (and the textbook one that fails it) live in
+torch_compat.replay.
 """
 from __future__ import annotations
 
@@ -113,15 +113,3 @@ def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), e
         decay_in_update=(op_model == "optax-adamw" and weight_decay > 0),
         coupled_decay=(op_model == "torch-adam" and weight_decay > 0), const_rel=const_rel,
     )
-
-
-def torch_reference_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8):
-    """Textbook float32 torch Adam step in numpy (IEEE sqrt, separate roundings)."""
-    f = np.float32
-    b1, b2 = betas
-    t = step + 1
-    m1 = (m + f(1 - b1) * (g - m)).astype(f)
-    v1 = (v * f(b2) + (f(1 - b2) * g) * g).astype(f)
-    den = np.sqrt(v1) / f(math.sqrt(1 - b2**t)) + f(eps)
-    p1 = p + (f(-(lr / (1 - b1**t))) * m1) / den
-    return p1.astype(f), m1, v1
