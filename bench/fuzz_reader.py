@@ -37,23 +37,12 @@ from jaxguard.reader import PREFIX, TRAILER, ReaderError
 def make_seeds():
     """Valid containers from a tiny torch model (needs torch + jax; run once)."""
     import numpy as np
-    import torch
     import torch_compat
+    from jaxguard._demo import odd_values_checkpoint
 
     seeds = []
     for codec in ("log8", "block8", "bf16"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Linear(30, 3, bias=False))
-        opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(8, 20)).pow(2).sum().backward()
-            opt.step()
-        st = opt.state_dict()
-        s0 = st["state"][0]
-        s0["exp_avg"].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
-        s0["exp_avg_sq"].view(-1)[4:8] = torch.tensor([float("nan"), float("inf"), -1e-3, -1e-45])
-        data, _ = torch_compat.compress_checkpoint({"model": model.state_dict(), "optimizer": st}, codec=codec)
+        data, _ = torch_compat.compress_checkpoint(odd_values_checkpoint(), codec=codec)
         reader.verify_bytes(data)
         seeds.append(data)
     return seeds

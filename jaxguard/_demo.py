@@ -155,3 +155,21 @@ def next_gradients(kind, ckpt, sample):
     model.zero_grad()
     loss_fn(model, sample(True)).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def odd_values_checkpoint():
+    """A tiny Adam CKPT (Linear 20-30-3, 3 steps) with NaN, +-Inf, -0.0 in exp_avg and
+    NaN, +Inf, negative (incl. a negative subnormal and -Inf) in exp_avg_sq: the seed of
+    the reliability tests and the reader fuzzer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 30), nn.Linear(30, 3, bias=False))
+    opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 20)).pow(2).sum().backward()
+        opt.step()
+    sd = opt.state_dict()
+    s0 = sd["state"][0]
+    s0["exp_avg"].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    s0["exp_avg_sq"].view(-1)[4:9] = torch.tensor([float("nan"), float("inf"), -1e-3, -1e-45, -float("inf")])
+    return {"model": model.state_dict(), "optimizer": sd}

@@ -37,18 +37,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 # ---------------------------------------------------------------- fixtures
 def _tiny_checkpoint():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Linear(30, 3, bias=False))
-    opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(8, 20)).pow(2).sum().backward()
-        opt.step()
-    sd = opt.state_dict()
-    s0 = sd["state"][0]
-    s0["exp_avg"].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
-    s0["exp_avg_sq"].view(-1)[4:9] = torch.tensor([float("nan"), float("inf"), -1e-3, -1e-45, -float("inf")])
-    return {"model": model.state_dict(), "optimizer": sd}
+    from jaxguard._demo import odd_values_checkpoint
+    return odd_values_checkpoint()
 
 
 @pytest.fixture(scope="module")
