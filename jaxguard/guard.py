@@ -285,7 +285,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
             out[s:s + cnt] = np.asarray(b)[:cnt]
             if level == len(_bound.LEVELS) - 1:
                 bar.update(cnt)
-        ok = out <= thr[pending]
+        ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
         level_of[pending[ok]] = level
         if level < len(_bound.LEVELS) - 1:
             bar.update(int(ok.sum()))

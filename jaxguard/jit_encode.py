@@ -130,7 +130,7 @@ def _encode_impl(m, v, p, k, config, capacity, escape_capacity):
                                           bound=config.bound, decay_in_update=c.decay_in_update)
 
             b = jax.lax.map(one, take).reshape(-1)
-            good = (b <= thr) & (idx < npad)
+            good = (b >= 0) & (b <= thr) & (idx < npad)  # NaN and -inf never certify
             cert = cert.at[jnp.where(good, idx, npad)].set(True, mode="drop")
             if level == 0:  # coordinates beyond capacity escape
                 pending = jnp.zeros((npad,), bool).at[idx].set(True, mode="drop") & pending

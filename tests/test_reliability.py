@@ -523,3 +523,25 @@ def test_chunked_path_for_huge_tensors_matches_unchunked(monkeypatch, tmp_path):
     b = [np.asarray(x) for x in jg.decode(whole)]
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def test_overflowing_bound_never_certifies():
+    """Regression (found by the hypothesis property test): m = 3e38 with v = 0 makes every
+    cell's bound NaN; XLA's vectorised max over cells dropped the NaNs and returned -inf
+    for batches of >= 1024 coordinates, which passed `<= threshold`, and log8-rel's
+    3.0000002e38 was certified with a real gap of 1.2e33 lr."""
+    import jax.numpy as jnp
+    import jaxguard as jg
+    from jaxguard import bound as B
+    cfg = jg.GuardConfig(lr=1e-6, step=1)
+    n = 1024
+    k = np.repeat(B.pack_constants(cfg.constants(), 0.01)[None], n, 0)
+    z = np.zeros(n, np.float32)
+    b = np.asarray(B.batch_bound_pc(k, np.full(n, 3e38, np.float32), z, np.full(n, 3.0000002e38, np.float32), z, z,
+                                    np.full(n, 0.2, np.float32), jnp.asarray(B.unit_edges(0))))
+    assert np.all(b == np.inf)
+    m = np.array([0, 0, 3e38, -0.0, 0, 0, -0.0, 0, 0, 0], np.float32)
+    v = np.array([427831.2, 155845.34, 0, 490102.9, 27871.822, 93266.53, 2408.3508, 65505.89, 8421.833, 18049.332],
+                 np.float32)
+    m2, v2, enc = _enc_dec(m, v, np.zeros(10, np.float32), lr=1e-6, step=1, codec="log8-rel")
+    assert m2[2] == m[2] and 2 in enc.arrays["escape_index"]
