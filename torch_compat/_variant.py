@@ -35,10 +35,12 @@ from pathlib import Path
 import numpy as np
 
 from jaxguard.errors import ConfigError
+from torch_compat.float32 import MANTISSA_BITS, fma_float32_numpy, sqrt_float32_numpy
 
-MANTISSA_BITS = 23
 SQRT_TABLE_SIZE = 1 << (MANTISSA_BITS + 1)  # exponent parity x 2^23 mantissas
 SQRT_TABLE_WORDS = SQRT_TABLE_SIZE // 32
+BINADE_WORDS = (1 << MANTISSA_BITS) // 32
+SQRT_TABLE_FORMAT = 2  # 2: per-binade tables for binades that do not follow the shared one
 SQRT_KINDS = ("ieee", "mkl-table")
 
 
@@ -78,13 +80,25 @@ class AdamVariant:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class BinadeTable:
+    """Where torch.sqrt is one ulp below/above IEEE on the binade of biased ``exponent``
+    (0: the subnormals), as bitsets over its 2^23 mantissas."""
+
+    exponent: int
+    below: np.ndarray  # uint32[BINADE_WORDS]
+    above: np.ndarray  # uint32[BINADE_WORDS]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class SqrtTable:
     """Bitsets over index ``(1 - exponent_parity) << 23 | mantissa``: where torch.sqrt is
-    one ulp below (``below``) or above (``above``) the IEEE square root."""
+    one ulp below (``below``) or above (``above``) the IEEE square root on normal inputs;
+    ``binades`` overrides that for binades where torch does not scale (measured in full)."""
 
     below: np.ndarray  # uint32[SQRT_TABLE_WORDS]
     above: np.ndarray  # uint32[SQRT_TABLE_WORDS]
     sha256: str
+    binades: tuple = ()
 
     @property
     def ulps_below(self) -> int:
@@ -95,8 +109,20 @@ class SqrtTable:
         return int(np.unpackbits(self.above.view(np.uint8)).sum())
 
     @property
+    def own_binades(self) -> tuple:
+        """Biased exponents with a table of their own (0 stands for the subnormals)."""
+        return tuple(b.exponent for b in self.binades)
+
+    @property
     def is_ieee(self) -> bool:
-        return not (self.below.any() or self.above.any())
+        return not (self.below.any() or self.above.any() or any(b.below.any() or b.above.any() for b in self.binades))
+
+
+def _table_digest(below, above, binades) -> str:
+    h = hashlib.sha256(below.tobytes() + above.tobytes())
+    for b in binades:
+        h.update(np.int32(b.exponent).tobytes() + b.below.tobytes() + b.above.tobytes())
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,17 +182,16 @@ def float32_from_bits(bits: np.ndarray) -> np.ndarray:
     return np.asarray(bits, dtype=np.uint32).view(np.float32)
 
 
-def sqrt_table_index(bits: np.ndarray) -> np.ndarray:
-    """Table index of normal positive float32 bit patterns: ``(1 - exponent parity) << 23 | mantissa``."""
-    bits = np.asarray(bits, dtype=np.uint32)
-    exponent_parity_flipped = ((bits >> MANTISSA_BITS) & 1) ^ 1
-    return (exponent_parity_flipped << MANTISSA_BITS) | (bits & 0x7FFFFF)
-
-
 def _one_binade_pair_inputs() -> np.ndarray:
     """All float32 in [1, 4), ordered by table index (biased exponents 127 then 128)."""
     mantissas = np.arange(1 << MANTISSA_BITS, dtype=np.uint32)
     return np.concatenate([float32_from_bits((np.uint32(e) << MANTISSA_BITS) | mantissas) for e in (127, 128)])
+
+
+def _binade_inputs(exponent: int, mantissas: np.ndarray | None = None) -> np.ndarray:
+    if mantissas is None:
+        mantissas = np.arange(1 << MANTISSA_BITS, dtype=np.uint32)
+    return float32_from_bits((np.uint32(exponent) << MANTISSA_BITS) | mantissas.astype(np.uint32))
 
 
 def _torch_sqrt(x: np.ndarray) -> np.ndarray:
@@ -178,23 +203,83 @@ def _pack(mask: np.ndarray) -> np.ndarray:
     return np.packbits(mask, bitorder="little").view(np.uint32).copy()
 
 
-def measure_sqrt_table() -> SqrtTable:
-    """Call torch.sqrt on every (parity, mantissa) pattern and record its ulp offsets from IEEE."""
-    x = _one_binade_pair_inputs()
-    offset = _torch_sqrt(x).view(np.int32).astype(np.int64) - np.sqrt(x).view(np.int32)
-    if np.abs(offset).max() > 1:
+def _ulp_offsets(x: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return _torch_sqrt(x).view(np.int32).astype(np.int64) - np.sqrt(x).view(np.int32)
+
+
+def _one_ulp_or_fail(offset: np.ndarray, where: str) -> None:
+    worst = int(np.abs(offset).max()) if offset.size else 0
+    if worst > 1:
         raise ConfigError(
-            f"torch.sqrt is {int(np.abs(offset).max())} ulps from IEEE on [1,4); "
-            "the replay's sqrt model covers 1 ulp only: pass variant= with sqrt='ieee' to opt out"
+            f"torch.sqrt is {worst} ulps from IEEE on {where}; the replay's sqrt model covers 1 ulp only: "
+            "pass variant= with sqrt='ieee' to opt out"
         )
+
+
+def _binade_name(exponent: int) -> str:
+    return "the subnormals" if exponent == 0 else f"the binade [2^{exponent - 127}, 2^{exponent - 126})"
+
+
+def _binade_offsets(exponent: int, mantissas: np.ndarray) -> np.ndarray:
+    offset = _ulp_offsets(_binade_inputs(exponent, mantissas))
+    if exponent == 0:
+        offset[mantissas == 0] = 0  # +0.0 is not a subnormal
+    return offset
+
+
+def _binade_table(exponent: int, offset: np.ndarray) -> BinadeTable:
+    _one_ulp_or_fail(offset, _binade_name(exponent))
+    return BinadeTable(exponent=exponent, below=_pack(offset == -1), above=_pack(offset == 1))
+
+
+# Binades measured in full on every machine: the subnormals (MKL's slow path: IEEE on the
+# AMD EPYC measured, 2^24-scaled on the Intel Xeon) and the ends of the normal range
+# (the top binade differed on 2,048 mantissas next to FLT_MAX on AMD EPYC).
+EDGE_BINADES = (0, 1, 2, 253, 254)
+SCAN_SAMPLES = 2048  # mantissas per other binade, plus a sample of the table's +-1 entries
+
+
+def measure_sqrt_table() -> SqrtTable:
+    """Call torch.sqrt on every (parity, mantissa) pattern and record its ulp offsets from
+    IEEE; measure the edge binades in full, scan every other binade on a sample, and give
+    a binade its own table wherever torch does not follow the shared one."""
+    offset = _ulp_offsets(_one_binade_pair_inputs())
+    _one_ulp_or_fail(offset, "[1, 4)")
     below, above = _pack(offset == -1), _pack(offset == 1)
-    digest = hashlib.sha256(below.tobytes() + above.tobytes()).hexdigest()
-    return SqrtTable(below=below, above=above, sha256=digest)
+    half = 1 << MANTISSA_BITS
+    every = np.arange(half, dtype=np.uint32)
+
+    def shared_offsets(exponent, mantissas):  # what the shared table predicts for this binade
+        if exponent == 0:
+            return np.zeros(mantissas.size, np.int64)
+        return offset[(1 - (exponent & 1)) * half + mantissas.astype(np.int64)]
+
+    rng = _calibration_rng()
+    special = np.flatnonzero(offset != 0).astype(np.uint32) & 0x7FFFFF
+    sample = np.unique(np.concatenate([
+        rng.integers(0, half, SCAN_SAMPLES, dtype=np.uint32),
+        rng.choice(special, size=min(512, special.size), replace=False) if special.size else every[:0],
+        np.array([0, 1, half - 2, half - 1], np.uint32)]))
+    scanned = [e for e in range(255) if e not in EDGE_BINADES]
+    sampled = _ulp_offsets(np.concatenate([_binade_inputs(e, sample) for e in scanned])).reshape(len(scanned), -1)
+    own = []
+    for exponent in range(255):
+        if exponent in EDGE_BINADES:
+            measured = _binade_offsets(exponent, every)
+        else:
+            if np.array_equal(sampled[scanned.index(exponent)], shared_offsets(exponent, sample)):
+                continue
+            measured = _binade_offsets(exponent, every)
+        if not np.array_equal(measured, shared_offsets(exponent, every)):
+            own.append(_binade_table(exponent, measured))
+    binades = tuple(own)
+    return SqrtTable(below=below, above=above, sha256=_table_digest(below, above, binades), binades=binades)
 
 
 def _table_path() -> Path:
     key = hashlib.sha256(json.dumps(environment_fingerprint(), sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / f"torch-sqrt-table-{key}.npz"
+    return cache_dir() / f"torch-sqrt-table-v{SQRT_TABLE_FORMAT}-{key}.npz"
 
 
 def _load_cached_table(path: Path) -> SqrtTable | None:
@@ -202,20 +287,30 @@ def _load_cached_table(path: Path) -> SqrtTable | None:
         with np.load(path) as data:
             below, above = data["below"], data["above"]
             stored = str(data["sha256"])
+            exponents = data["binade_exponents"].astype(int)
+            binade_below, binade_above = data["binade_below"], data["binade_above"]
     except (OSError, KeyError, ValueError):
         return None
     if below.shape != (SQRT_TABLE_WORDS,) or above.shape != (SQRT_TABLE_WORDS,):
         return None
-    if hashlib.sha256(below.tobytes() + above.tobytes()).hexdigest() != stored:
+    if binade_below.shape != (exponents.size, BINADE_WORDS) or binade_above.shape != binade_below.shape:
         return None
-    return SqrtTable(below=below.astype(np.uint32), above=above.astype(np.uint32), sha256=stored)
+    binades = tuple(BinadeTable(int(e), b.astype(np.uint32), a.astype(np.uint32))
+                    for e, b, a in zip(exponents, binade_below, binade_above))
+    if _table_digest(below, above, binades) != stored:
+        return None
+    return SqrtTable(below=below.astype(np.uint32), above=above.astype(np.uint32), sha256=stored, binades=binades)
 
 
 def _store_table(path: Path, table: SqrtTable) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as tmp:
-            np.savez_compressed(tmp, below=table.below, above=table.above, sha256=np.array(table.sha256))
+            np.savez_compressed(
+                tmp, below=table.below, above=table.above, sha256=np.array(table.sha256),
+                binade_exponents=np.array(table.own_binades, np.int32),
+                binade_below=np.array([b.below for b in table.binades], np.uint32).reshape(-1, BINADE_WORDS),
+                binade_above=np.array([b.above for b in table.binades], np.uint32).reshape(-1, BINADE_WORDS))
             tmp.flush()
             os.fsync(tmp.fileno())
         os.replace(tmp.name, path)
@@ -237,7 +332,7 @@ def torch_sqrt_table() -> SqrtTable:
 @functools.lru_cache(maxsize=1)
 def ieee_sqrt_table() -> SqrtTable:
     zeros = np.zeros(SQRT_TABLE_WORDS, np.uint32)
-    return SqrtTable(below=zeros, above=zeros, sha256=hashlib.sha256(zeros.tobytes() * 2).hexdigest())
+    return SqrtTable(below=zeros, above=zeros, sha256=_table_digest(zeros, zeros, ()))
 
 
 def sqrt_table_for(variant: AdamVariant) -> SqrtTable:
@@ -257,8 +352,6 @@ def sqrt_table_for(variant: AdamVariant) -> SqrtTable:
 
 
 def _exact_fma32(a, b, c) -> np.ndarray:
-    from torch_compat.replay import fma_float32_numpy
-
     return fma_float32_numpy(a, b, c)
 
 
@@ -305,28 +398,36 @@ def _calibrate_fma_ops(n: int = 20_011) -> dict:
     }
 
 
-def _calibrate_sqrt(table: SqrtTable) -> str | None:
-    """Check the table against torch.sqrt on inputs where it deviates from IEEE, in
-    several binades and the subnormal range; None when it does not reproduce torch."""
-    from torch_compat.replay import sqrt_float32_numpy
-
-    rng = _calibration_rng()
+def _calibrate_sqrt(table: SqrtTable) -> tuple[str | None, str]:
+    """Check the model against torch.sqrt on fresh samples of every binade (subnormals
+    included), weighted to the inputs where the table deviates from IEEE. Returns the
+    sqrt kind, or None and the input classes it does not reproduce."""
+    rng = np.random.default_rng(20240606)  # not the measurement's samples
     index = np.arange(SQRT_TABLE_SIZE, dtype=np.uint32)
     bits_set = np.unpackbits((table.below | table.above).view(np.uint8), bitorder="little").astype(bool)
-    special = index[bits_set]
-    picks = [rng.choice(special, size=min(4096, special.size), replace=False)] if special.size else []
-    picks.append(rng.integers(0, SQRT_TABLE_SIZE, 8192, dtype=np.uint32))
-    chosen = np.concatenate(picks).astype(np.uint32)
-    parity_flipped, mantissa = chosen >> MANTISSA_BITS, chosen & 0x7FFFFF
-    samples = []
-    for biased_exponent in (1, 41, 100, 127, 161, 200, 253):  # odd exponents; +1 for even ones
-        exponent = np.uint32(biased_exponent) + (parity_flipped & 1)
-        samples.append((exponent << MANTISSA_BITS) | mantissa)
-    samples.append(rng.integers(1, 1 << MANTISSA_BITS, 8192, dtype=np.uint32))  # subnormals
-    x = float32_from_bits(np.concatenate(samples))
-    if not np.array_equal(_torch_sqrt(x).view(np.int32), sqrt_float32_numpy(x, table).view(np.int32)):
-        return None
-    return "ieee" if table.is_ieee else "mkl-table"
+    special = index[bits_set] & 0x7FFFFF
+    mantissas = rng.integers(0, 1 << MANTISSA_BITS, 512, dtype=np.uint32)
+    if special.size:
+        mantissas = np.concatenate([mantissas, rng.choice(special, size=min(256, special.size), replace=False)])
+    unmatched = []
+    for exponent in range(0, 255):
+        picked = mantissas
+        if exponent in table.own_binades or exponent in EDGE_BINADES:
+            picked = np.concatenate([mantissas, rng.integers(0, 1 << MANTISSA_BITS, 8192, dtype=np.uint32),
+                                     np.arange((1 << MANTISSA_BITS) - 2048, 1 << MANTISSA_BITS, dtype=np.uint32)])
+        x = float32_from_bits((np.uint32(exponent) << MANTISSA_BITS) | picked)
+        x = x[x != 0]
+        if not np.array_equal(_torch_sqrt(x).view(np.int32), sqrt_float32_numpy(x, table).view(np.int32)):
+            unmatched.append(_binade_name(exponent))
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -1.0, -1e-45], np.float32)
+    got, want = _torch_sqrt(specials), sqrt_float32_numpy(specials, table)
+    if not np.array_equal(np.isnan(got), np.isnan(want)) or not np.array_equal(
+            got[~np.isnan(got)].view(np.int32), want[~np.isnan(want)].view(np.int32)):
+        unmatched.append("zero/inf/nan/negative inputs")
+    if unmatched:
+        return None, "sqrt: the measured table does not reproduce torch.sqrt on " + ", ".join(unmatched[:6]) + (
+            f" (+{len(unmatched) - 6} more)" if len(unmatched) > 6 else "")
+    return ("ieee" if table.is_ieee else "mkl-table"), ""
 
 
 def _calibration_problem(n_body: int = 4096 * 3, n_short: tuple = (1, 3, 7, 15, 17, 31, 33, 100, 255)):
@@ -393,9 +494,9 @@ def detect_variant(refresh: bool = False) -> AdamVariant:
     for op, fused in fma.items():
         if fused is None:
             problems.append(f"{op}: torch matched neither the fused nor the unfused model")
-    sqrt_kind = _calibrate_sqrt(table)
+    sqrt_kind, sqrt_problem = _calibrate_sqrt(table)
     if sqrt_kind is None:
-        problems.append("sqrt: the measured table does not reproduce torch.sqrt outside [1, 4)")
+        problems.append(sqrt_problem)
     variant = AdamVariant(
         lerp_fma=fma["lerp_fma"] is not False,
         addcmul_fma=fma["addcmul_fma"] is not False,
@@ -424,3 +525,14 @@ def detect_variant(refresh: bool = False) -> AdamVariant:
         variant = dataclasses.replace(variant, detail=f"calibrated in {seconds:.2f} s")
     _DETECTED = variant
     return variant
+
+
+def variant_record() -> dict:
+    """The detected variant as a JSON-able dict for a container header or a CLI report,
+    without a Python warning: a mismatch is reported in ``matched``/``detail``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReplayVariantWarning)
+            return detect_variant().to_dict()
+    except Exception as exc:  # noqa: BLE001 - the variant is informational: the guard does not use it
+        return {"matched": False, "detail": f"variant detection failed: {exc}"[:300]}

@@ -41,14 +41,13 @@ import numpy as np
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
 from torch_compat._variant import (
-    MANTISSA_BITS,
     AdamVariant,
     ReplayVariantWarning,
     SqrtTable,
     detect_variant,
     sqrt_table_for,
-    sqrt_table_index,
 )
+from torch_compat.float32 import MANTISSA_BITS, fma_float32_numpy, sqrt_float32_numpy
 
 __all__ = [
     "AdamVariant",
@@ -167,44 +166,6 @@ def _adam_ops(ar, p, g, m, v, s: AdamScalars, variant: AdamVariant, *, decoupled
 # numpy backend: IEEE float32 without flush-to-zero; the reference and the fallback
 
 
-def fma_float32_numpy(a, b, c) -> np.ndarray:
-    """Correctly rounded float32 fma(a, b, c): exact float64 product, TwoSum, round to odd,
-    one final rounding to float32 (53 >= 2*24 + 2 makes that double rounding innocuous)."""
-    a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
-    product = a * b
-    with np.errstate(invalid="ignore", over="ignore"):
-        total = product + c
-        b_virtual = total - product
-        error = (product - (total - b_virtual)) + (c - b_virtual)
-        bits = total.view(np.int64)
-        inexact = (error != 0) & np.isfinite(error)
-        to_odd = inexact & ((bits & 1) == 0)
-        toward_larger_magnitude = (error > 0) == (total > 0)
-        bits = np.where(to_odd, bits + np.where(toward_larger_magnitude, 1, -1), bits)
-        return bits.view(np.float64).astype(np.float32)
-
-
-def _table_bit(table_words: np.ndarray, index: np.ndarray) -> np.ndarray:
-    return (table_words[index >> 5] >> (index & 31)) & 1
-
-
-def sqrt_float32_numpy(x, table: SqrtTable) -> np.ndarray:
-    """torch.sqrt as modelled: IEEE sqrt, then the table's -1/+1 ulp; subnormals are scaled
-    by 2^24 (exact), rooted, and scaled back by 2^-12 (exact), which is what MKL does."""
-    x = np.asarray(x, np.float32)
-    bits = x.view(np.uint32)
-    subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFFFF) != 0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        scaled = np.where(subnormal, x * np.float32(2.0**24), x)
-        root = np.sqrt(scaled)
-    scaled_bits = scaled.view(np.uint32)
-    correctable = (scaled_bits > 0) & (scaled_bits < 0x7F800000)  # positive, finite, nonzero
-    index = np.where(correctable, sqrt_table_index(scaled_bits), 0)
-    delta = _table_bit(table.above, index).astype(np.int32) - _table_bit(table.below, index).astype(np.int32)
-    root = np.where(correctable, (root.view(np.int32) + delta).view(np.float32), root)
-    return np.where(subnormal, root * np.float32(2.0**-12), root)
-
-
 class _NumpyArithmetic:
     def __init__(self, table: SqrtTable, lerp_weight_below_half: bool):
         self.table = table
@@ -272,6 +233,7 @@ class _JaxArithmetic:
         self.sqrt_below, self.sqrt_above = sqrt_below, sqrt_above
         self.lerp_weight_below_half = lerp_weight_below_half
         self.tracked = []
+        self.sqrt_inputs = []
 
     def hold(self, x):
         lax, jnp = self.lax, self.jnp
@@ -351,6 +313,7 @@ class _JaxArithmetic:
 
     def sqrt(self, x):
         lax, jnp = self.lax, self.jnp
+        self.sqrt_inputs.append(x)
         root = self.hold(jnp.sqrt(x))
         if self.sqrt_below is None and self.sqrt_above is None:
             return self._track(root)
@@ -378,7 +341,7 @@ def _outside_exact_range(x):
 
 @functools.lru_cache(maxsize=64)
 def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, decoupled: bool,
-                     has_weight_decay: bool, lerp_weight_below_half: bool):
+                     has_weight_decay: bool, lerp_weight_below_half: bool, own_binades: tuple = ()):
     jax, jnp, lax = _jax()
 
     def kernel(p, g, m, v, scalars, zero, sqrt_below, sqrt_above):
@@ -393,6 +356,10 @@ def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, dec
         needs_numpy = v < 0
         for x in (p, g, m, v, *arithmetic.tracked):
             needs_numpy = needs_numpy | _outside_exact_range(x)
+        for x in arithmetic.sqrt_inputs:  # binades with a table of their own: the numpy model has it
+            exponent = lax.shift_right_logical(lax.bitcast_convert_type(x, jnp.int32), MANTISSA_BITS)
+            for binade in own_binades:
+                needs_numpy = needs_numpy | (exponent == binade)
         return p_new, m_new, v_new, needs_numpy
 
     return jax.jit(kernel)
@@ -409,8 +376,9 @@ def _replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, deco
     _, jnp, _ = _jax()
     table = sqrt_table_for(variant)
     below, above = _device_table(table)
+    inner_binades = tuple(e for e in table.own_binades if LOW_EXPONENT <= e < HIGH_EXPONENT)
     kernel = _compiled_kernel(variant, bool(table.below.any()), bool(table.above.any()), bool(decoupled),
-                              bool(has_weight_decay), bool(scalars.lerp_weight < 0.5))
+                              bool(has_weight_decay), bool(scalars.lerp_weight < 0.5), inner_binades)
     return kernel(p, g, m, v, jnp.asarray(np.array(scalars, np.float32)), jnp.int32(0), below, above)
 
 
