@@ -139,7 +139,7 @@ def _train(kind, seed, steps, fractions, lr, weight_decay, adamw, progress):
         loss.backward()
         opt.step()
         if progress is not None:
-            progress(step, float(loss))
+            progress(step, loss.item())
         if step in marks:
             ckpts[marks[step]] = {"model": copy.deepcopy(model.state_dict()),
                                   "optimizer": copy.deepcopy(opt.state_dict()),

@@ -54,20 +54,18 @@ def _print_summary(s, as_json):
               "container_bytes", "encode_seconds"):
         v = s.get(k)
         print(f"{k:>16}: {v:.6g}" if isinstance(v, float) else f"{k:>16}: {v}")
+    if s.get("replay_matched") is False:  # informational: the guard's bound covers every variant
+        print(f"{'replay':>16}: no bit-exact torch replay on this machine ({s.get('replay_detail', '')})")
 
 
 def cmd_compress(a):
     import torch_compat
     from .container import atomic_write
+    from torch_compat._variant import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
-    variant = None
-    try:
-        from torch_compat import replay
-        variant = replay.detect_variant().to_dict()
-    except Exception as exc:  # noqa: BLE001 - the variant is informational only
-        variant = {"matched": False, "detail": f"variant detection failed: {exc}"[:200]}
     data, summary = torch_compat.compress_checkpoint(ckpt, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound,
-                                                     partition=a.partition, progress=not a.json, variant=variant)
+                                                     partition=a.partition, progress=not a.json,
+                                                     variant=variant_record)
     atomic_write(a.output, data)
     raw = os.path.getsize(a.ckpt)
     summary["source_bytes"] = raw
@@ -97,6 +95,9 @@ def cmd_inspect(a):
                  "payload_bytes": pay, "raw_fp32_bytes": 8 * n, "payload_ratio": pay / max(8 * n, 1),
                  "container_bytes": os.path.getsize(a.container), "payload_sha256": header["payload_sha256"],
                  "decoded_sha256": header["decoded_sha256"]})
+    variant = header.get("variant")
+    if isinstance(variant, dict):
+        info.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
     if a.json:
         print(json.dumps(info, sort_keys=True))
     else:

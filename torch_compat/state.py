@@ -196,7 +196,12 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
 
 def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
                         progress=False, variant=None):
-    """CKPT dict -> (container bytes, summary dict)."""
+    """CKPT dict -> (container bytes, summary dict).
+
+    ``variant`` is recorded in the header (informational: the guard covers every variant);
+    a callable is called only after the checkpoint has been validated and encoded, so bad
+    input fails before the slow, possibly noisy variant detection.
+    """
     t0 = time.perf_counter()
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"the checkpoint is a {type(ckpt).__name__}; expected a dict with 'model' and 'optimizer' keys")
@@ -207,6 +212,8 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
     model = ckpt["model"]
     opt_sk, entries, totals = compress_state(ckpt["optimizer"], model, tau=tau, clip=clip, codec=codec, bound=bound,
                                              partition=partition, progress=progress)
+    if callable(variant):
+        variant = variant()
     raws: list = []
     top = []
     for k, v in ckpt.items():
@@ -216,7 +223,10 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
              "bound": bound, "partition": partition, "variant": variant}
     data = container.build(entries + raws, meta, extra_header=extra)
     totals["encode_seconds"] = time.perf_counter() - t0
-    return data, _summary(totals, len(data))
+    summary = _summary(totals, len(data))
+    if isinstance(variant, dict):
+        summary.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
+    return data, summary
 
 
 def _summary(t, container_bytes):
