@@ -101,11 +101,13 @@ def test_cli_compress_inspect_verify_restore_audit(ckpt_file):
     out = d / "ckpt.jg"
     r = _cli("compress", path, "-o", out, "--json")
     assert r.returncode == 0, r.stderr
+    assert r.stderr.count("Warning") == 0, r.stderr  # a replay mismatch is a field, not a warning
     s = json.loads(r.stdout)
     for key in ("coordinates", "escapes", "escape_rate", "payload_bytes", "raw_fp32_bytes", "payload_ratio",
-                "container_bytes", "encode_seconds"):
+                "container_bytes", "encode_seconds", "replay_matched", "replay_detail"):
         assert key in s
     i = json.loads(_cli("inspect", out, "--json").stdout)
+    assert (i["replay_matched"], i["replay_detail"]) == (s["replay_matched"], s["replay_detail"])
     assert i["decoded_sha256"] == reader.verify_file(out)["decoded_sha256"]
     assert _cli("verify", out).returncode == 0
     r = _cli("restore", out, "-o", d / "back.pt")
