@@ -51,7 +51,7 @@ def quick_cells():
 
 
 SIZES = {"quick": dict(big=60_003, short=40, enclosure=2048, model_width=48),
-         "full": dict(big=1_000_003, short=1500, enclosure=131_072, model_width=160)}
+         "full": dict(big=1_100_003, short=1500, enclosure=131_072, model_width=160)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,7 +319,10 @@ def main(argv=None):
 
     started = time.perf_counter()
     rows = run_matrix(quick_cells() if mode == "quick" else full_cells(), mode)
-    meta = {"mode": mode, "cpu": cpu_name(), "machine": platform.machine(), "torch": torch.__version__,
+    flags = cpu_flags()
+    vector = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "asimd", "sve") if f in flags)
+    meta = {"mode": mode, "cpu": f"{cpu_name()} ({platform.machine()}; vector flags: {vector or 'none'})",
+            "machine": platform.machine(), "torch": torch.__version__,
             "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - started,
             "command": "python bench/portability.py" + (" --quick" if mode == "quick" else "")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
