@@ -1,8 +1,13 @@
-"""Bit-exact replay of torch's single-tensor FP32 Adam/AdamW step in jitted JAX.
+"""Bit-exact replay of torch's FP32 Adam/AdamW step on CPU in jitted JAX.
 
 ``adam_step(p, g, m, v, step=t, lr=...)`` returns what one
 ``torch.optim.Adam(foreach=False, fused=False)`` step (``AdamW`` with
-``decoupled=True``) produces from ``state["step"] = t`` on CPU, bit for bit.
+``decoupled=True``) produces from ``state["step"] = t`` on CPU, bit for bit;
+``implementation="foreach"`` (``foreach=True``) and ``implementation="fused"``
+(``fused=True``, its vector body and scalar tail each with their own measured op
+variant) replay torch's other two CPU implementations with the same op sequence,
+parameterised by the variant (docs/replay.md). The contract below is the single-tensor
+one; the others differ only in which ops are fused and in the sqrt (measured).
 
 Numerical contract
 ------------------
