@@ -155,8 +155,9 @@ def markdown(r):
         v = p["variant"]
         lines.append("")
         lines.append(f"Variant detected for {p['implementation']}: `{json.dumps(_short(v))}`")
-    lines += ["", "## Enclosure audit", "", "| op model | cases | points/case | tail cases | failures | max actual/bound | "
-              "seconds |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Enclosure audit", "",
+              "| op model | cases | points/case | tail cases | failures | max actual/bound | seconds |",
+              "|---|---|---|---|---|---|---|"]
     for e in r["enclosure"]:
         lines.append(f"| {e['op_model']}{' (no radius)' if e['no_radius'] else ''} | {e['cases']:,} | "
                      f"{e['points_per_case']} | {e['tail_cases']:,} | {e['failures']:,} | {e['max_ratio']:.6g} | "

@@ -10,7 +10,8 @@ Numerical contract
 count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
 
 * ``torch-adam``/``torch-adamw`` (and their ``-foreach``/``-fused`` implementations,
-  same constants): Python doubles rounded once to float32 when they enter a kernel: ``a = f32(1-b1)``, ``keep = 1 - a`` (lerp's real weight on m),
+  same constants): Python doubles rounded once to float32 when they enter a kernel:
+  ``a = f32(1-b1)``, ``keep = 1 - a`` (lerp's real weight on m),
   ``b2f = f32(b2)``, ``c2 = f32(1-b2)``, ``S = f32(lr / (1-b1**(t+1)))``,
   ``B = f32(sqrt(1-b2**(t+1)))``; update ``p + (-S*m')/(sqrt(v')/B + eps)``.
 * ``optax-adam``/``optax-adamw``: ``m' = f32(1-b1) g + f32(b1) m`` so ``keep = f32(b1)``;
@@ -47,7 +48,8 @@ OP_MODEL_VERSION = 1
 def torch_op_model(*, decoupled: bool, implementation: str = "single") -> str:
     """The op model name of torch's Adam (``decoupled``: AdamW) run by ``implementation``."""
     if implementation not in TORCH_IMPLEMENTATIONS:
-        raise ConfigError(f"implementation={implementation!r} is unknown; use one of {', '.join(TORCH_IMPLEMENTATIONS)}")
+        raise ConfigError(f"implementation={implementation!r} is unknown; "
+                          f"use one of {', '.join(TORCH_IMPLEMENTATIONS)}")
     return ("torch-adamw" if decoupled else "torch-adam") + TORCH_IMPLEMENTATIONS[implementation]
 
 
