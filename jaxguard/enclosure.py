@@ -5,7 +5,8 @@ decoded moments ``m~, v~`` near them as the codecs produce, parameter ``p``, ste
 learning rate, gradient clip and one cell of the mixed partition at a random level
 1-4), computes the bound for that cell, and evaluates the *actual* difference
 ``|p1' - p2'|`` of the two float32 updates with the bit-exact torch replay
-(`torch_compat.replay.adam_step`) at `POINTS_PER_CASE` gradient values of the cell (both
+(`torch_compat.replay.adam_step`, for the op model's torch implementation) at
+`POINTS_PER_CASE` gradient values of the cell (both
 ends, one float32 ulp inside each end, the midpoint, 11 fixed interior points and 16
 uniformly random ones).  A failure
 is a point where the actual difference exceeds the bound.
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import bound as _bound
-from .opmodel import step_constants
+from .opmodel import TORCH_OP_MODELS, split_torch_op_model, step_constants
 
 POINTS_PER_CASE = 32         # 16 fixed points of the cell + 16 random interior ones
 GROUP = 2048                 # cases sharing one (step, lr): one replay call
@@ -137,18 +138,25 @@ def _points(rng, gl, gh):
 def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", keep_failures=20, variant=None) -> dict:
     """Check ``cell_bounds`` against the replayed native difference on ``cases`` random cases.
 
-    ``variant`` is the torch replay's operation variant (default: the detected one); the
-    bound covers every variant, so the audit must pass whichever is given.
+    ``variant`` is the torch replay's operation variant (default: the detected one for the
+    op model's implementation); the bound covers every variant, so the audit must pass
+    whichever is given. ``op_model`` is any torch op model: ``torch-adam[w]`` replays the
+    single-tensor kernels, ``-foreach`` foreach=True, ``-fused`` the fused CPU kernel (half
+    the cases through its scalar tail, counted in ``tail_cases``).
     """
-    from torch_compat.replay import adam_step, detect_variant
+    from torch_compat.replay import adam_step, detect_implementation_variant
 
-    if op_model not in ("torch-adam", "torch-adamw"):
-        raise ValueError(f"op_model={op_model!r}; use torch-adam or torch-adamw")
-    decoupled = op_model == "torch-adamw"
+    if op_model not in TORCH_OP_MODELS:
+        raise ValueError(f"op_model={op_model!r}; use one of {', '.join(TORCH_OP_MODELS)}")
+    decoupled, implementation = split_torch_op_model(op_model)
     wd = ADAMW_WD if decoupled else 0.0
-    variant = variant or detect_variant()
+    variant = variant or detect_implementation_variant(implementation)
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
+    # fused: half the cases (drawn apart, so the other op models' cases do not change) are
+    # replayed with the kernel's scalar-tail arithmetic, the other half with its vector body
+    tail_rng = np.random.default_rng([seed, 16]) if implementation == "fused" else None
+    tail_cases = 0
     cases = int(cases)
     n_groups = -(-cases // GROUP)
     steps = np.floor(np.exp(rng.uniform(0.0, math.log(40001.0), n_groups))).astype(np.int64) - 1
@@ -182,7 +190,11 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             pp = np.repeat(d["p"][rows], P)
             gg = g[rows].reshape(-1)
             args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=BETAS, eps=EPS, weight_decay=wd,
-                        decoupled=decoupled, variant=variant)
+                        decoupled=decoupled, variant=variant, implementation=implementation)
+            if tail_rng is not None:
+                in_tail = np.repeat(tail_rng.random(nr) < 0.5, P)
+                tail_cases += int(in_tail.sum()) // P
+                args["tail_mask"] = np.concatenate([in_tail, in_tail])
             # both updates in one array: first half original moments, second half decoded
             out, _, _ = adam_step(np.concatenate([pp, pp]), np.concatenate([gg, gg]),
                                   np.concatenate([np.repeat(d["m"][rows], P), np.repeat(d["mt"][rows], P)]),
@@ -209,6 +221,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         "seconds": round(time.perf_counter() - t0, 2), "no_radius": bool(no_radius), "seed": int(seed),
         "op_model": op_model, "weight_decay": wd, "betas": list(BETAS), "eps": EPS,
         "levels": list(LEVEL_RANGE), "partition": "mixed", "variant": variant.to_dict(),
+        "implementation": implementation, "tail_cases": tail_cases,
         "worst": worst, "failure_examples": examples,
     }
 
@@ -229,7 +242,8 @@ def add_parser(subparsers):
     a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
     a.add_argument("--json", action="store_true")
     a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--op-model", default="torch-adam", choices=["torch-adam", "torch-adamw"])
+    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
+                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
     a.set_defaults(fn=run)
     return a
 

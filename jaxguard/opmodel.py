@@ -9,8 +9,9 @@ Numerical contract
 `step_constants` returns the constants of the *next* update after a checkpoint at step
 count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
 
-* ``torch-adam``/``torch-adamw``: Python doubles rounded once to float32 when they enter
-  a kernel: ``a = f32(1-b1)``, ``keep = 1 - a`` (lerp's real weight on m),
+* ``torch-adam``/``torch-adamw`` (and their ``-foreach``/``-fused`` implementations,
+  same constants): Python doubles rounded once to float32 when they enter a kernel:
+  ``a = f32(1-b1)``, ``keep = 1 - a`` (lerp's real weight on m),
   ``b2f = f32(b2)``, ``c2 = f32(1-b2)``, ``S = f32(lr / (1-b1**(t+1)))``,
   ``B = f32(sqrt(1-b2**(t+1)))``; update ``p + (-S*m')/(sqrt(v')/B + eps)``.
 * ``optax-adam``/``optax-adamw``: ``m' = f32(1-b1) g + f32(b1) m`` so ``keep = f32(b1)``;
@@ -32,8 +33,33 @@ import numpy as np
 
 from .errors import ConfigError
 
-OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw")
+# torch's three CPU implementations of one update: single-tensor (foreach=False,
+# fused=False), foreach=True and fused=True. Their float32 constants agree (the fused
+# kernel takes sqrt(1-b2**t) from std::sqrt instead of pow(., 0.5): within CONST_REL);
+# their op orders differ, and the bound's native allowance covers each (audited per
+# implementation against its own bit-exact replay, docs/replay.md).
+TORCH_IMPLEMENTATIONS = {"single": "", "foreach": "-foreach", "fused": "-fused"}
+TORCH_OP_MODELS = tuple(base + suffix for suffix in TORCH_IMPLEMENTATIONS.values()
+                        for base in ("torch-adam", "torch-adamw"))
+OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw") + TORCH_OP_MODELS[2:]
 OP_MODEL_VERSION = 1
+
+
+def torch_op_model(*, decoupled: bool, implementation: str = "single") -> str:
+    """The op model name of torch's Adam (``decoupled``: AdamW) run by ``implementation``."""
+    if implementation not in TORCH_IMPLEMENTATIONS:
+        raise ConfigError(f"implementation={implementation!r} is unknown; "
+                          f"use one of {', '.join(TORCH_IMPLEMENTATIONS)}")
+    return ("torch-adamw" if decoupled else "torch-adam") + TORCH_IMPLEMENTATIONS[implementation]
+
+
+def split_torch_op_model(op_model: str) -> tuple:
+    """``(decoupled, implementation)`` of a torch op model name, e.g. ("torch-adamw-fused")."""
+    for implementation, suffix in TORCH_IMPLEMENTATIONS.items():
+        for base in ("torch-adam", "torch-adamw"):
+            if op_model == base + suffix:
+                return base == "torch-adamw", implementation
+    raise ConfigError(f"op_model={op_model!r} is not a torch op model; use one of {', '.join(TORCH_OP_MODELS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,5 +137,6 @@ def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), e
         op_model=op_model, lr=float(lr), keep=keep, a=a, b2f=f32(b2), c2=f32(1.0 - b2),
         S=S, B=B, eps=f32(eps), weight_decay=float(weight_decay),
         decay_in_update=(op_model == "optax-adamw" and weight_decay > 0),
-        coupled_decay=(op_model == "torch-adam" and weight_decay > 0), const_rel=const_rel,
+        coupled_decay=(op_model.startswith("torch") and not split_torch_op_model(op_model)[0] and weight_decay > 0),
+        const_rel=const_rel,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -55,12 +56,16 @@ class AdamVariant:
     ``sqrt`` is ``"ieee"`` (correctly rounded) or ``"mkl-table"`` (IEEE plus the measured
     per-(parity, mantissa) correction; ``sqrt_ulps_below``/``sqrt_ulps_above`` count the
     table's -1/+1 entries out of 2^24 and ``sqrt_table_sha256`` names it).
+    ``v_decay_fma`` selects the second-moment form ``fma(v, b2, (c2*g)*g)`` (the scalar
+    tail of torch's fused CPU kernel as compiled) over ``addcmul_fma``'s
+    ``fma(c2*g, g, v*b2)``; the single-tensor kernels never use it.
     """
 
     lerp_fma: bool = True
     addcmul_fma: bool = True
     add_alpha_fma: bool = True
     sqrt: str = "mkl-table"
+    v_decay_fma: bool = False  # v' = fma(v, f32(b2), (f32(1-b2)*g)*g): the fused kernel's scalar tail
     matched: bool = True
     torch: str = ""
     aten_cpu_capability: str = ""
@@ -444,7 +449,7 @@ def _calibration_problem(n_body: int = 4096 * 3, n_short: tuple = (1, 3, 7, 15, 
     return tensors
 
 
-def _confirm_end_to_end(variant: AdamVariant) -> str:
+def _confirm_end_to_end(variant: AdamVariant, implementation: str = "single") -> str:
     """Compare the replay with torch on calibration Adam/AdamW steps; '' when all equal."""
     from torch_compat.replay import adam_step, torch_adam_step_many
 
@@ -456,7 +461,8 @@ def _confirm_end_to_end(variant: AdamVariant) -> str:
     ):
         tensors = _calibration_problem()
         # torch steps each tensor separately (own scalar tail); the replay is elementwise
-        want = [np.concatenate(x) for x in torch_adam_step_many(*zip(*tensors), **kwargs)]
+        want = [np.concatenate(x) for x in torch_adam_step_many(*zip(*tensors), implementation=implementation,
+                                                                **kwargs)]
         got = adam_step(*(np.concatenate(x) for x in zip(*tensors)), variant=variant, **kwargs)
         for name, a, b in zip("pmv", want, got):
             bad = int(np.count_nonzero(a.view(np.int32) != b.view(np.int32)))
@@ -536,3 +542,171 @@ def variant_record() -> dict:
             return detect_variant().to_dict()
     except Exception as exc:  # noqa: BLE001 - the variant is informational: the guard does not use it
         return {"matched": False, "detail": f"variant detection failed: {exc}"[:300]}
+
+
+# ---------------------------------------------------------------------------------------
+# The other torch implementations: foreach=True and fused=True (CPU)
+
+IMPLEMENTATIONS = ("single", "foreach", "fused")
+VECTOR_WIDTHS = (8, 16, 4, 32, 64)  # candidate float lanes of ATen's Vectorized<float>
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAdamVariant:
+    """torch's fused CPU Adam kernel (``torch._fused_adam_``/``_fused_adamw_``): a vector
+    body and a scalar tail (the last ``numel % vector_width`` elements of each tensor),
+    each one op variant of its own; JSON-able via ``to_dict``."""
+
+    body: AdamVariant
+    tail: AdamVariant
+    vector_width: int
+    matched: bool = True
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return {"implementation": "fused", "vector_width": self.vector_width, "matched": self.matched,
+                "detail": self.detail, "body": self.body.to_dict(), "tail": self.tail.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FusedAdamVariant":
+        return cls(body=AdamVariant(**d["body"]), tail=AdamVariant(**d["tail"]), vector_width=int(d["vector_width"]),
+                   matched=bool(d.get("matched", True)), detail=str(d.get("detail", "")))
+
+
+def check_implementation(implementation: str) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"implementation={implementation!r} is unknown; use one of {', '.join(IMPLEMENTATIONS)} "
+                          "(torch.optim.Adam's foreach=False/fused=False, foreach=True, fused=True on CPU)")
+    return implementation
+
+
+def _op_candidates(base: AdamVariant):
+    """Every op variant the fused kernel could be compiled to (FMA contraction of each
+    op, three second-moment forms, IEEE or the measured sqrt)."""
+    sqrt_kinds = ["ieee"] + (["mkl-table"] if base.sqrt == "mkl-table" else [])
+    for sqrt, lerp, add_alpha, v_form in itertools.product(
+            sqrt_kinds, (True, False), (True, False), ("addcmul-fma", "unfused", "decay-fma")):
+        yield dataclasses.replace(
+            base, sqrt=sqrt, lerp_fma=lerp, add_alpha_fma=add_alpha, addcmul_fma=v_form == "addcmul-fma",
+            v_decay_fma=v_form == "decay-fma", sqrt_table_sha256=base.sqrt_table_sha256 if sqrt != "ieee" else "",
+            sqrt_ulps_below=base.sqrt_ulps_below if sqrt != "ieee" else 0,
+            sqrt_ulps_above=base.sqrt_ulps_above if sqrt != "ieee" else 0, matched=True, detail="")
+
+
+FUSED_CALIBRATION = (
+    dict(step=9, lr=1e-3, weight_decay=0.01, decoupled=False),  # coupled decay: discriminates add(alpha) fusing
+    dict(step=999, lr=1e-3, weight_decay=0.1, decoupled=True),
+)
+
+
+def _fused_calibration_runs():
+    """Real fused torch steps on one long tensor (all vector body for every candidate
+    width) and short tensors of every length 1..127 (scalar tails)."""
+    from torch_compat.replay import torch_adam_step_many
+
+    lengths = (64 * 192,) + tuple(range(1, 128)) * 2
+    rng = _calibration_rng()
+    runs = []
+    for kwargs in FUSED_CALIBRATION:
+        tensors = []
+        for n in lengths:
+            tensors.append(((rng.standard_normal(n) * 0.05).astype(np.float32),
+                            (rng.standard_normal(n) * 0.02).astype(np.float32),
+                            (rng.standard_normal(n) * 1e-3).astype(np.float32),
+                            (10.0 ** rng.uniform(-14, -2, n)).astype(np.float32)))
+        want = torch_adam_step_many(*zip(*tensors), implementation="fused", **kwargs)
+        runs.append((kwargs, tensors, [np.concatenate(x) for x in want]))
+    return lengths, runs
+
+
+def _mismatch_mask(runs, variant: AdamVariant, select, *, implementation="fused"):
+    """Where the fused replay with ``variant`` everywhere differs from torch, within ``select``."""
+    from torch_compat.replay import numpy_adam_step
+
+    masks = []
+    for kwargs, tensors, want in runs:
+        p, g, m, v = (np.concatenate(x) for x in zip(*tensors))
+        uniform = FusedAdamVariant(body=variant, tail=variant, vector_width=VECTOR_WIDTHS[0])
+        got = numpy_adam_step(p, g, m, v, variant=uniform, implementation=implementation, **kwargs)
+        bad = np.zeros(p.size, bool)
+        for a, b in zip(want, got):
+            bad |= a.view(np.int32) != b.view(np.int32)
+        masks.append(bad & select)
+    return np.concatenate(masks)
+
+
+_DETECTED_IMPL: dict = {}
+
+
+def detect_fused_variant(refresh: bool = False) -> FusedAdamVariant:
+    """Measure torch's fused CPU kernel once per process: the body's op variant on a long
+    tensor, then the vector width and the tail's op variant on short tensors of every
+    length; confirmed on every calibration coordinate. On no match: a
+    ``ReplayVariantWarning`` and ``matched=False``."""
+    if "fused" in _DETECTED_IMPL and not refresh:
+        return _DETECTED_IMPL["fused"]
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplayVariantWarning)
+        base = detect_variant()
+    lengths, runs = _fused_calibration_runs()
+    position = np.concatenate([np.arange(n) for n in lengths])
+    size = np.concatenate([np.full(n, n) for n in lengths])
+    every = np.ones(position.size, bool)
+    long_body = size == lengths[0]
+    candidates = list(_op_candidates(base))
+    body = next((c for c in candidates if not _mismatch_mask(runs, c, long_body).any()), None)
+    found = None
+    if body is not None:
+        for width in VECTOR_WIDTHS:
+            in_tail = position >= size - size % width
+            if _mismatch_mask(runs, body, ~in_tail).any():
+                continue
+            tail = next((c for c in candidates if not _mismatch_mask(runs, c, in_tail).any()), None)
+            if tail is not None:
+                found = FusedAdamVariant(body=body, tail=tail, vector_width=width)
+                break
+    seconds = time.perf_counter() - started
+    if found is None:
+        detail = ("fused: no modelled op variant reproduces the vector body" if body is None else
+                  "fused: no vector width and tail op variant reproduces the scalar tails")
+        warnings.warn(f"torch_compat replay matched no modelled fused-kernel variant ({detail}); "
+                      "the fused replay may not be bit-exact here", ReplayVariantWarning, stacklevel=2)
+        fallback = body or base
+        found = FusedAdamVariant(body=fallback, tail=fallback, vector_width=VECTOR_WIDTHS[0], matched=False,
+                                 detail=detail)
+    else:
+        n = int(every.sum()) * len(runs)
+        found = dataclasses.replace(found, detail=f"calibrated on {n} coordinates in {seconds:.2f} s")
+    _DETECTED_IMPL["fused"] = found
+    return found
+
+
+def detect_foreach_variant(refresh: bool = False) -> AdamVariant:
+    """torch's foreach=True Adam on CPU tensors runs the per-tensor ATen kernels of the
+    single-tensor path (``_foreach_*`` slow path), in the same order; confirm that end to
+    end on this machine rather than assume it. On no match: ``matched=False``."""
+    if "foreach" in _DETECTED_IMPL and not refresh:
+        return _DETECTED_IMPL["foreach"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplayVariantWarning)
+        base = detect_variant()
+    problems = _confirm_end_to_end(base, implementation="foreach")
+    if problems:
+        warnings.warn(f"torch_compat replay does not reproduce torch's foreach Adam ({problems})",
+                      ReplayVariantWarning, stacklevel=2)
+        variant = dataclasses.replace(base, matched=False, detail="foreach: " + problems)
+    else:
+        variant = dataclasses.replace(base, detail=base.detail + "; foreach=True confirmed end to end")
+    _DETECTED_IMPL["foreach"] = variant
+    return variant
+
+
+def detect_implementation_variant(implementation: str = "single"):
+    """The measured variant of ``implementation`` ("single", "foreach" or "fused")."""
+    check_implementation(implementation)
+    if implementation == "fused":
+        return detect_fused_variant()
+    if implementation == "foreach":
+        return detect_foreach_variant()
+    return detect_variant()

@@ -1,8 +1,13 @@
-"""Bit-exact replay of torch's single-tensor FP32 Adam/AdamW step in jitted JAX.
+"""Bit-exact replay of torch's FP32 Adam/AdamW step on CPU in jitted JAX.
 
 ``adam_step(p, g, m, v, step=t, lr=...)`` returns what one
 ``torch.optim.Adam(foreach=False, fused=False)`` step (``AdamW`` with
-``decoupled=True``) produces from ``state["step"] = t`` on CPU, bit for bit.
+``decoupled=True``) produces from ``state["step"] = t`` on CPU, bit for bit;
+``implementation="foreach"`` (``foreach=True``) and ``implementation="fused"``
+(``fused=True``, its vector body and scalar tail each with their own measured op
+variant) replay torch's other two CPU implementations with the same op sequence,
+parameterised by the variant (docs/replay.md). The contract below is the single-tensor
+one; the others differ only in which ops are fused and in the sqrt (measured).
 
 Numerical contract
 ------------------
@@ -41,9 +46,13 @@ import numpy as np
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
 from torch_compat._variant import (
+    IMPLEMENTATIONS,
     AdamVariant,
+    FusedAdamVariant,
     ReplayVariantWarning,
     SqrtTable,
+    check_implementation,
+    detect_implementation_variant,
     detect_variant,
     sqrt_table_for,
 )
@@ -51,8 +60,12 @@ from torch_compat.float32 import MANTISSA_BITS, fma_float32_numpy, sqrt_float32_
 
 __all__ = [
     "AdamVariant",
+    "FusedAdamVariant",
+    "IMPLEMENTATIONS",
     "ReplayVariantWarning",
+    "TORCH_FLAGS",
     "adam_step",
+    "detect_implementation_variant",
     "detect_variant",
     "numpy_adam_step",
     "textbook_adam_step",
@@ -88,14 +101,15 @@ class AdamScalars(NamedTuple):
     decay_factor: object
 
 
-def adam_scalars(*, step, lr, betas, eps, weight_decay, decoupled) -> AdamScalars:
+def adam_scalars(*, step, lr, betas, eps, weight_decay, decoupled, implementation="single") -> AdamScalars:
     beta1, beta2 = betas
     # torch keeps state["step"] as a float32 tensor, adds 1 in float32, then .item()
     torch_step = float(np.float32(step) + np.float32(1.0))
-    bias_correction1 = 1 - beta1**torch_step
+    bias_correction1 = 1 - beta1**torch_step  # C's pow, in Python and in the fused kernel alike
     bias_correction2 = 1 - beta2**torch_step
     step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
+    # Python's ``x**0.5`` is libm pow (single, foreach); the fused kernel calls std::sqrt
+    bias_correction2_sqrt = math.sqrt(bias_correction2) if implementation == "fused" else bias_correction2**0.5
     lerp_weight = np.float32(1 - beta1)
     f32 = np.float32
     return AdamScalars(*(
@@ -154,9 +168,12 @@ def _adam_ops(ar, p, g, m, v, s: AdamScalars, variant: AdamVariant, *, decoupled
     else:
         m_new = (ar.fma(ar.neg(diff), s.one_minus_lerp_weight, g) if variant.lerp_fma
                  else ar.sub(g, ar.mul(diff, s.one_minus_lerp_weight)))
-    v_decayed = ar.mul(v, s.beta2)
     scaled_g = ar.mul(s.one_minus_beta2, g)
-    v_new = ar.fma(scaled_g, g, v_decayed) if variant.addcmul_fma else ar.add(v_decayed, ar.mul(scaled_g, g))
+    if variant.v_decay_fma:  # the fused kernel's scalar tail, as compiled: fma(v, b2, (c2*g)*g)
+        v_new = ar.fma(v, s.beta2, ar.mul(scaled_g, g))
+    else:
+        v_decayed = ar.mul(v, s.beta2)
+        v_new = ar.fma(scaled_g, g, v_decayed) if variant.addcmul_fma else ar.add(v_decayed, ar.mul(scaled_g, g))
     denom = ar.add(ar.div(ar.sqrt(v_new), s.bias_correction2_sqrt), s.eps)
     p_new = ar.add(p, ar.div(ar.mul(s.neg_step_size, m_new), denom))
     return p_new, m_new, v_new
@@ -197,17 +214,57 @@ class _NumpyArithmetic:
         return sqrt_float32_numpy(x, self.table)
 
 
-def numpy_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
-                    variant: AdamVariant | None = None):
-    """The same model in numpy (float32 IEEE arithmetic, no flush to zero); slower, exact."""
-    _check_hyperparameters(step, lr, betas, eps, weight_decay)
-    p, g, m, v = _as_float32_arrays(p, g, m, v)
-    variant = variant or detect_variant()
-    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+def _numpy_ops(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
     arithmetic = _NumpyArithmetic(sqrt_table_for(variant), bool(scalars.lerp_weight < 0.5))
     with np.errstate(all="ignore"):
         return _adam_ops(arithmetic, p, g, m, v, scalars, variant, decoupled=decoupled,
-                         has_weight_decay=weight_decay != 0)
+                         has_weight_decay=has_weight_decay)
+
+
+def _implementation_variant(implementation: str, variant):
+    """The variant to replay ``implementation`` with: the given one (checked) or the detected one."""
+    check_implementation(implementation)
+    if variant is None:
+        return detect_implementation_variant(implementation)
+    if (implementation == "fused") != isinstance(variant, FusedAdamVariant):
+        raise ConfigError(f"variant is a {type(variant).__name__} but implementation={implementation!r}; pass "
+                          "detect_implementation_variant(implementation) (a FusedAdamVariant for 'fused' only)")
+    return variant
+
+
+def _fused_tail(size: int, variant: FusedAdamVariant, tail_mask) -> np.ndarray:
+    """Flat indices the fused kernel's scalar tail computes: the last ``size % width``
+    elements of the tensor, or where ``tail_mask`` is true."""
+    if tail_mask is None:
+        return np.arange(size - size % variant.vector_width, size)
+    tail_mask = np.asarray(tail_mask, bool).reshape(-1)
+    if tail_mask.size != size:
+        raise ConfigError(f"tail_mask has {tail_mask.size} elements for a tensor of {size}; pass one bool per element")
+    return np.flatnonzero(tail_mask)
+
+
+def numpy_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
+                    variant=None, implementation: str = "single", tail_mask=None):
+    """The same model in numpy (float32 IEEE arithmetic, no flush to zero); slower, exact.
+
+    ``implementation`` and ``tail_mask`` are as in `adam_step`.
+    """
+    _check_hyperparameters(step, lr, betas, eps, weight_decay)
+    p, g, m, v = _as_float32_arrays(p, g, m, v)
+    variant = _implementation_variant(implementation, variant)
+    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                           implementation=implementation)
+    options = dict(decoupled=decoupled, has_weight_decay=weight_decay != 0)
+    if implementation != "fused":
+        return _numpy_ops(p, g, m, v, scalars, variant, **options)
+    shape = p.shape
+    flat = [np.ascontiguousarray(x).reshape(-1) for x in (p, g, m, v)]
+    outputs = [np.array(x).reshape(-1) for x in _numpy_ops(*flat, scalars, variant.body, **options)]
+    tail = _fused_tail(p.size, variant, tail_mask)
+    if tail.size:
+        for out, value in zip(outputs, _numpy_ops(*(x[tail] for x in flat), scalars, variant.tail, **options)):
+            out[tail] = value
+    return tuple(x.reshape(shape) for x in outputs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,31 +454,51 @@ def _pad_to_bucket(x: np.ndarray) -> np.ndarray:
 
 
 def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
-              variant: AdamVariant | None = None):
-    """One torch single-tensor FP32 Adam (``decoupled=True``: AdamW) step, bit-exact.
+              variant=None, implementation: str = "single", tail_mask=None):
+    """One torch FP32 Adam (``decoupled=True``: AdamW) step on CPU, bit-exact.
 
-    ``step`` is torch's ``state["step"]`` before the update (bias corrections use
-    ``step + 1``). Returns ``(p_new, m_new, v_new)`` as float32 numpy arrays of p's shape.
-    ``variant`` defaults to ``detect_variant()`` (torch is run once per process).
+    Args:
+        p, g, m, v: one tensor's float32 parameter, gradient and moments (same shape).
+        step: torch's ``state["step"]`` before the update (bias corrections use ``step + 1``).
+        lr, betas, eps, weight_decay, decoupled: the param group's hyperparameters.
+        variant: the measured op variant; default ``detect_implementation_variant(implementation)``
+            (torch is run once per process).
+        implementation: ``"single"`` (``foreach=False, fused=False``), ``"foreach"``
+            (``foreach=True``) or ``"fused"`` (``fused=True``), torch's CPU kernels.
+        tail_mask: fused only: which elements the kernel's scalar tail computes (default:
+            the last ``size % vector_width`` of the flattened tensor, as torch does for one
+            tensor); the enclosure audit uses it to replay tail arithmetic on any coordinate.
+
+    Returns:
+        ``(p_new, m_new, v_new)`` as float32 numpy arrays of p's shape.
+
+    Raises:
+        ConfigError: bad hyperparameters, an unknown implementation or a variant of another one.
+        UnsupportedOptimizerError: arrays that are not float32.
     """
     _check_hyperparameters(step, lr, betas, eps, weight_decay)
     p, g, m, v = _as_float32_arrays(p, g, m, v)
-    variant = variant or detect_variant()
-    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+    variant = _implementation_variant(implementation, variant)
+    fused = implementation == "fused"
+    body = variant.body if fused else variant
+    scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                           implementation=implementation)
     shape, size = p.shape, p.size
     flat = [np.ascontiguousarray(x).reshape(-1) for x in (p, g, m, v)]
     if size == 0:
         return tuple(np.empty(shape, np.float32) for _ in range(3))
     padded = [_pad_to_bucket(x) for x in flat]
-    *outputs, needs_numpy = _replay_flat(*padded, scalars, variant, decoupled=decoupled,
+    *outputs, needs_numpy = _replay_flat(*padded, scalars, body, decoupled=decoupled,
                                          has_weight_decay=weight_decay != 0)
     outputs = [np.array(x[:size]) for x in outputs]  # writable; jax buffers are read-only
-    fallback = np.flatnonzero(np.asarray(needs_numpy)[:size])
-    if fallback.size:
-        exact = numpy_adam_step(*(x[fallback] for x in flat), step=step, lr=lr, betas=betas, eps=eps,
-                                weight_decay=weight_decay, decoupled=decoupled, variant=variant)
-        for out, value in zip(outputs, exact):
-            out[fallback] = value
+    needs_numpy = np.array(needs_numpy[:size])
+    tail = _fused_tail(size, variant, tail_mask) if fused else np.empty(0, np.int64)
+    needs_numpy[tail] = False  # the tail is recomputed in numpy below, with its own variant
+    options = dict(decoupled=decoupled, has_weight_decay=weight_decay != 0)
+    for where, ops in ((np.flatnonzero(needs_numpy), body), (tail, variant.tail if fused else None)):
+        if where.size:
+            for out, value in zip(outputs, _numpy_ops(*(x[where] for x in flat), scalars, ops, **options)):
+                out[where] = value
     return tuple(x.reshape(shape) for x in outputs)
 
 
@@ -438,6 +515,10 @@ def count_numpy_fallback(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, 
 
 # ---------------------------------------------------------------------------------------
 # References
+
+# torch.optim.Adam/AdamW keyword arguments that select each implementation
+TORCH_FLAGS = {"single": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+               "fused": dict(foreach=False, fused=True)}
 
 
 @functools.lru_cache(maxsize=16)
@@ -467,16 +548,18 @@ def textbook_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, we
 
 
 def torch_adam_step_many(params: Sequence, grads: Sequence, exp_avgs: Sequence, exp_avg_sqs: Sequence, *, step, lr,
-                         betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
-    """Run the real ``torch.optim.Adam``/``AdamW`` (foreach=False, fused=False) for one step
-    on separate tensors (so each keeps its own vector tail); returns lists of numpy arrays."""
+                         betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
+                         implementation: str = "single"):
+    """Run the real ``torch.optim.Adam``/``AdamW`` on CPU for one step on separate tensors
+    (so each keeps its own vector tail), with the flags of ``implementation`` (`TORCH_FLAGS`);
+    returns lists of numpy arrays."""
     import torch
 
     _check_hyperparameters(step, lr, betas, eps, weight_decay)
     tensors = [torch.from_numpy(np.array(p, np.float32, copy=True)) for p in params]
     optimizer_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     optimizer = optimizer_cls(tensors, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                              foreach=False, fused=False)
+                              **TORCH_FLAGS[check_implementation(implementation)])
     for tensor, grad, m, v in zip(tensors, grads, exp_avgs, exp_avg_sqs):
         tensor.grad = torch.from_numpy(np.array(grad, np.float32, copy=True))
         optimizer.state[tensor] = {

@@ -17,8 +17,10 @@ import torch
 from jaxguard import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
 from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode_many
+from jaxguard.opmodel import torch_op_model
+from torch_compat.replay import TORCH_FLAGS
 
-UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
             "model.named_parameters(), e.g. torch.optim.Adam(model.named_parameters(), lr=1e-3)")
 
@@ -105,18 +107,40 @@ def check_optimizer_state(opt_sd) -> None:
             if g.get(flag):
                 raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
                                                 f"{flag}=False only (rebuild the optimizer with {flag}=False)")
+        implementation_of(g, gi)
         if "param_names" not in g:
             raise CheckpointError(NO_NAMES)
         if len(g["param_names"]) != len(g["params"]):
             raise CheckpointError(f"param group {gi} has {len(g['param_names'])} param_names for {len(g['params'])} params")
+    groups = {idx: (gi, g) for gi, g in enumerate(opt_sd["param_groups"]) for idx in g.get("params", ())}
     for idx, st in opt_sd["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             if key not in st:
                 raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
+        if idx in groups and isinstance(st["exp_avg"], torch.Tensor) and st["exp_avg"].device.type != "cpu":
+            gi, g = groups[idx]
+            implementation = implementation_of(g, gi)
+            if implementation != "single":
+                raise UnsupportedOptimizerError(
+                    f"param group {gi} has {implementation}=True with its state on {st['exp_avg'].device}; jaxguard "
+                    f"models torch's {implementation} Adam on CPU only (the {st['exp_avg'].device.type} kernels "
+                    "differ): load the checkpoint with map_location='cpu' only if it was trained on CPU")
         for key in ("exp_avg", "exp_avg_sq"):
             if st[key].dtype != torch.float32:
                 raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
                                                 "float32 moments only (keep Adam state in float32)")
+
+
+def implementation_of(group, gi=0) -> str:
+    """torch's Adam implementation recorded in a param group: "fused" (``fused=True``),
+    "foreach" (``foreach=True``) or "single" (both False or None: on CPU tensors torch's
+    ``_default_to_fused_or_foreach`` picks the single-tensor path, foreach being a
+    CUDA/XPU default only)."""
+    fused, foreach = group.get("fused"), group.get("foreach")
+    if fused and foreach:
+        raise UnsupportedOptimizerError(f"param group {gi} has fused=True and foreach=True, which torch rejects; "
+                                        "save the state_dict of a working optimizer")
+    return "fused" if fused else "foreach" if foreach else "single"
 
 
 def param_index(opt_sd):
@@ -133,7 +157,7 @@ def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mi
     return GuardConfig(lr=float(_scalar(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
                        betas=tuple(float(_scalar(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
                        weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
-                       op_model="torch-adamw" if decoupled else "torch-adam",
+                       op_model=torch_op_model(decoupled=decoupled, implementation=implementation_of(group)),
                        codec=codec, bound=bound, partition=partition)
 
 
@@ -292,7 +316,7 @@ def _torch_step(p, m, v, g, step, group, decoupled):
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     p = torch.nn.Parameter(p.clone())
     opt = cls([p], lr=float(_scalar(group["lr"], "lr")), betas=tuple(group["betas"]), eps=group["eps"],
-              weight_decay=group.get("weight_decay", 0.0) or 0.0, foreach=False, fused=False)
+              weight_decay=group.get("weight_decay", 0.0) or 0.0, **TORCH_FLAGS[implementation_of(group)])
     opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     p.grad = g
     opt.step()
@@ -309,7 +333,7 @@ def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, prog
 
 
 def _audit(original, restored, *, tau, clip, grads, grid, progress):
-    """Run the real torch Adam/AdamW (foreach=False, fused=False) one step from the
+    """Run the real torch Adam/AdamW (with the param group's foreach/fused flags) one step from the
     original and the restored state for every gradient of a grid across [-clip, clip]
     (the same g for every coordinate, plus one random per-coordinate draw) and for any
     real gradients given in `grads` {name: tensor} (clamped to [-clip, clip]).
