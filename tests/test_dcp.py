@@ -145,3 +145,20 @@ def test_save_refuses_moments_without_their_parameters(tmp_path):
         dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
     errs = [e for e, _ in info.value.failures.values()]
     assert isinstance(errs[0], CheckpointError) and "found no model entries for parameter '0.weight'" in str(errs[0])
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_save_refuses_optimizer_options_outside_the_op_model(tmp_path, flag):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), foreach=False, **{flag: True})
+    msd, osd = get_state_dict(model, opt)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
+    (err, _), = info.value.failures.values()
+    assert f"{flag}=True" in str(err) and "\n" not in str(err)
+
+
+def test_plain_dcp_directory_verify_says_how_to_convert(saved, capsys):
+    root, _ = saved
+    assert cli.main(["verify", f"{root}/plain"]) == 1
+    assert "jaxguard compress" in capsys.readouterr().out

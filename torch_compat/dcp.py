@@ -704,9 +704,10 @@ def _dir_bytes(path):
 def inspect_dir(path) -> dict:
     """Header-level summary of a DCP directory (guarded or not)."""
     metadata, man = read_metadata(path)
-    files = _dir_bytes(path)
-    out = {"format": man["format"] if man else "plain-dcp", "files": len(files), "bytes_on_disk": sum(files.values()),
-           "items": len(metadata.state_dict_metadata)}
+    on_disk = _dir_bytes(path)
+    files = {getattr(i, "relative_path", None) for i in (metadata.storage_data or {}).values()} | {".metadata"}
+    out = {"format": man["format"] if man else "plain-dcp", "files": len(files) - 1,
+           "bytes_on_disk": sum(on_disk.get(f, 0) for f in files), "items": len(metadata.state_dict_metadata)}
     if man:
         shards = [s for e in man["moments"].values() for s in e["shards"]]
         n = sum(s["stats"]["coordinates"] for s in shards)
