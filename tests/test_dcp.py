@@ -158,6 +158,18 @@ def test_save_refuses_optimizer_options_outside_the_op_model(tmp_path, flag):
     assert f"{flag}=True" in str(err) and "\n" not in str(err)
 
 
+def test_save_refuses_a_non_adam_optimizer(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
+    (err, _), = info.value.failures.values()
+    assert "not Adam or AdamW" in str(err) and "\n" not in str(err)
+
+
 def test_plain_dcp_directory_verify_says_how_to_convert(saved, capsys):
     root, _ = saved
     assert cli.main(["verify", f"{root}/plain"]) == 1

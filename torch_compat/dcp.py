@@ -204,6 +204,9 @@ class GuardedSavePlanner(DefaultSavePlanner):
     def _encode_local_shards(self) -> dict:
         self._blobs: dict = {}
         roots = _optimizer_roots(self._nested)
+        for root, osd in roots.items():
+            for gi, g in enumerate(osd["param_groups"]):
+                _check_group(gi, g)
         pairs: dict = {}
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
