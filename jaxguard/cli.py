@@ -56,15 +56,7 @@ def _print_summary(s, as_json):
         print(f"{k:>16}: {v:.6g}" if isinstance(v, float) else f"{k:>16}: {v}")
 
 
-def _dcp_dir(a, verb):
-    """A torch.distributed.checkpoint directory: handled by torch_compat.dcp."""
-    from torch_compat import dcp
-    return dcp.cli_command(verb, a, print_summary=_print_summary)
-
-
 def cmd_compress(a):
-    if os.path.isdir(a.ckpt):
-        return _dcp_dir(a, "compress")
     import torch_compat
     from .container import atomic_write
     ckpt = load_torch_checkpoint(a.ckpt)
@@ -85,8 +77,6 @@ def cmd_compress(a):
 
 
 def cmd_restore(a):
-    if os.path.isdir(a.container):
-        return _dcp_dir(a, "restore")
     import torch_compat
     tree, _ = torch_compat.restore_tree(a.container)
     _write_torch(a.output, tree)
@@ -95,8 +85,6 @@ def cmd_restore(a):
 
 
 def cmd_inspect(a):
-    if os.path.isdir(a.container):
-        return _dcp_dir(a, "inspect")
     from . import container
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
@@ -118,8 +106,6 @@ def cmd_inspect(a):
 
 
 def cmd_verify(a):
-    if os.path.isdir(a.container):
-        return _dcp_dir(a, "verify")
     from . import reader
     try:
         res = reader.verify_file(a.container)
