@@ -167,6 +167,25 @@ def cmd_demo(a):
     return run_demo(steps=a.steps, as_json=a.json)
 
 
+# torch.distributed.checkpoint directories: the same verbs, handled by torch_compat.dcp
+def _dcp_dir_aware(verb, attr):
+    def wrap(fn):
+        def run(a):
+            if os.path.isdir(getattr(a, attr)):
+                from torch_compat import dcp
+                return dcp.cli_command(verb, a, print_summary=_print_summary)
+            return fn(a)
+        run.__doc__, run.__name__ = fn.__doc__, fn.__name__
+        return run
+    return wrap
+
+
+cmd_compress = _dcp_dir_aware("compress", "ckpt")(cmd_compress)
+cmd_restore = _dcp_dir_aware("restore", "container")(cmd_restore)
+cmd_inspect = _dcp_dir_aware("inspect", "container")(cmd_inspect)
+cmd_verify = _dcp_dir_aware("verify", "container")(cmd_verify)
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="jaxguard", description="Guarded compression of Adam optimizer state.")
     sub = p.add_subparsers(dest="cmd", required=True)
