@@ -52,13 +52,13 @@ def local_path(path) -> str:
     return path
 
 
-def _fs(url):
+def _fs(url, storage_options=None):
     try:
         import fsspec
     except ImportError:
         raise ContainerError(f"{url}: reading and writing URLs needs fsspec; pip install 'jaxguard[remote]'") from None
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
         raise ContainerError(f"{url}: no fsspec filesystem for this URL ({str(exc).splitlines()[0][:160]}); "
                              "install the one it names (s3fs for s3://, gcsfs for gs://)") from None
@@ -69,12 +69,13 @@ def _protocols(fs) -> set:
     return {p} if isinstance(p, str) else set(p)
 
 
-def atomic_write(path, data: bytes) -> None:
+def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> None:
     """Write `data` to a local path or fsspec URL, all-or-nothing (module docstring).
 
     Args:
       path: a local path, ``file://`` URL or any fsspec URL (``s3://bucket/key``, ...).
       data: the complete bytes of the object.
+      storage_options: keyword arguments for the fsspec filesystem (``endpoint_url``, ...).
 
     Raises:
       ContainerError: the local directory does not exist, the filesystem is unknown,
@@ -83,7 +84,7 @@ def atomic_write(path, data: bytes) -> None:
     if not is_url(path):
         from .container import atomic_write as local_write
         return local_write(local_path(path), data)
-    fs, key = _fs(path)
+    fs, key = _fs(path, storage_options)
     data = bytes(data)
     if _protocols(fs) & ATOMIC_PUT:
         try:
@@ -108,7 +109,7 @@ def atomic_write(path, data: bytes) -> None:
                              "complete, retry it")
 
 
-def read_bytes(path) -> bytes:
+def read_bytes(path, *, storage_options: dict | None = None) -> bytes:
     """The complete bytes at a local path or fsspec URL.
 
     Raises:
@@ -118,7 +119,7 @@ def read_bytes(path) -> bytes:
         if not is_url(path):
             with open(local_path(path), "rb") as fh:
                 return fh.read()
-        fs, key = _fs(path)
+        fs, key = _fs(path, storage_options)
         return fs.cat_file(key)
     except FileNotFoundError:
         raise ContainerError(f"{path}: no such file; pass the path of a jaxguard container") from None
@@ -140,3 +141,16 @@ def size(path) -> int:
         return os.path.getsize(local_path(path))
     fs, key = _fs(path)
     return int(fs.size(key))
+
+
+def remove(path, *, storage_options: dict | None = None) -> None:
+    """Remove the object at a local path or fsspec URL; a missing one is not an error."""
+    if not is_url(path):
+        try:
+            os.unlink(local_path(path))
+        except FileNotFoundError:
+            pass
+        return
+    fs, key = _fs(path, storage_options)
+    if fs.exists(key):
+        fs.rm_file(key)
