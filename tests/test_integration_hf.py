@@ -165,3 +165,20 @@ def test_fused_optimizer_refused_before_training(tmp_path):
     tr = GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes())
     with pytest.raises(UnsupportedOptimizerError, match="GuardedTrainer: .*fused"):
         tr.create_optimizer()
+
+
+def test_final_checkpoint_of_linear_schedule_keeps_plain_optimizer(tmp_path, caplog):
+    """The Trainer's default linear schedule reaches lr 0 at the last step: nothing to certify
+    against (the guarantee is tau * lr), so that checkpoint keeps optimizer.pt and resumes."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, save_steps=2, optim="adamw_torch",
+                                          lr_scheduler_type="linear", learning_rate=LR, per_device_train_batch_size=8,
+                                          use_cpu=True, report_to="none", disable_tqdm=True)
+    with caplog.at_level("WARNING", logger="jaxguard.integrations.hf"):
+        GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes()).train()
+    assert (tmp_path / "checkpoint-2" / "optimizer.jg").is_file()
+    assert (tmp_path / "checkpoint-4" / "optimizer.pt").is_file()
+    assert not (tmp_path / "checkpoint-4" / "optimizer.jg").exists()
+    assert "lr is 0" in caplog.text
+    tr = GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes())
+    tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert tr.state.global_step == 4

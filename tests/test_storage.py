@@ -261,3 +261,11 @@ def test_writer_killed_mid_upload_leaves_previous_object(s3, tmp_path):
     torch_compat.load(url, opt2)
     _same_state(opt, opt2)
     assert s3["fs"].ls("jg-bucket/kill", detail=False) == ["jg-bucket/kill/opt.jg"]
+
+
+def test_import_jaxguard_imports_no_integration_or_fsspec():
+    code = ("import sys, jaxguard, jaxguard.storage, jaxguard.integrations; "
+            "bad = [m for m in ('fsspec', 's3fs', 'transformers', 'accelerate', 'lightning', 'torch', 'jax') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -36,3 +36,19 @@ def check_supported(optimizer, where: str) -> None:
         tstate.check_optimizer_state(sd)
     except UnsupportedOptimizerError as exc:
         raise UnsupportedOptimizerError(f"{where}: {exc}") from None
+
+
+def zero_lr_groups(optimizer) -> list:
+    """Indices of param groups whose learning rate is <= 0.
+
+    The guarantee is relative to the next update's lr (``tau * lr``); at lr 0 (the last
+    step of a schedule that decays to 0, the Hugging Face default) there is nothing to
+    certify against, and the integrations store that optimizer uncompressed instead.
+    """
+    import torch
+    out = []
+    for i, g in enumerate(unwrap(optimizer).param_groups):
+        lr = g["lr"].item() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+        if not lr > 0:
+            out.append(i)
+    return out

@@ -6,7 +6,8 @@ itself, so hooks registered with ``register_save_state_pre_hook`` still run) exc
 each prepared optimizer is stored as ``optimizer.jg`` (``optimizer_<i>.jg`` for the
 i-th) instead of ``optimizer.bin``; ``load_state(accelerator, input_dir)`` is the
 inverse, and falls back to ``accelerator.load_state`` for a directory holding
-``optimizer.bin``.
+``optimizer.bin``. Where a param group's lr is 0 (the end of a schedule that decays to 0)
+``save_state`` keeps the uncompressed ``optimizer.bin``: the guarantee is relative to lr.
 
 Why wrappers rather than a pre-hook alone: accelerate calls the save/load pre-hooks with
 ``(models, weights, dir)`` / ``(models, dir)`` only, and writes/reads ``optimizer.bin``
@@ -28,7 +29,7 @@ import os
 
 from ..errors import ConfigError, UnsupportedOptimizerError
 from ..guard import DEFAULT_CODEC
-from ._common import check_supported, unwrap
+from ._common import check_supported, unwrap, zero_lr_groups
 
 
 def optimizer_file(i: int) -> str:
@@ -73,6 +74,9 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float = 0.01,
     _check_backend(accelerator)
     for opt in accelerator._optimizers:
         check_supported(opt, "jaxguard accelerate integration")
+    if any(zero_lr_groups(opt) for opt in accelerator._optimizers):
+        # lr 0: nothing to certify against (the guarantee is relative to lr); keep optimizer.bin
+        return accelerator.save_state(output_dir, **kwargs)
     with _optimizers_held_out(accelerator) as opts:
         location = accelerator.save_state(output_dir, **kwargs)
     if accelerator.is_main_process:

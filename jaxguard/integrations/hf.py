@@ -7,7 +7,10 @@ container, certified against the live parameters, i.e. the weights saved beside 
 instead of ``optimizer.pt``; ``scheduler.pt``, the model, RNG and trainer state are
 written by the Trainer as usual. ``trainer.train(resume_from_checkpoint=...)`` loads
 ``optimizer.jg`` when present and falls back to the Trainer's own loader for a plain
-checkpoint (one that holds ``optimizer.pt``).
+checkpoint (one that holds ``optimizer.pt``). A checkpoint taken where a param group's lr
+is 0 (the last step of a schedule that decays to 0, the Trainer's default ``linear``)
+keeps the uncompressed ``optimizer.pt``, with a logged warning: the guarantee is relative
+to ``lr`` and there is nothing to certify against.
 
 Guarantee: for every coordinate, the first update after resuming differs from the update
 the uncompressed state would give by at most ``tau * lr`` for every gradient ``|g| <= clip``
@@ -21,6 +24,7 @@ SageMaker MP keep their own optimizer files: refused with a one-line error at th
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -28,9 +32,10 @@ from transformers import Trainer
 
 from ..errors import UnsupportedOptimizerError
 from ..guard import DEFAULT_CODEC
-from ._common import OPTIMIZER_FILE, check_supported, unwrap
+from ._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
 
 SCHEDULER_NAME = "scheduler.pt"
+log = logging.getLogger(__name__)
 
 
 class GuardedTrainer(Trainer):
@@ -73,6 +78,12 @@ class GuardedTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self._refuse_other_backends()
+        zero = zero_lr_groups(self.optimizer)
+        if zero:  # e.g. the final checkpoint of a schedule that decays to 0
+            log.warning("GuardedTrainer: lr is 0 in param group(s) %s at step %s; nothing to certify against, "
+                        "so this checkpoint keeps the uncompressed optimizer.pt", zero, self.state.global_step)
+            self.jaxguard_last_summary = None
+            return super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
             import torch_compat
             self.jaxguard_last_summary = torch_compat.save(

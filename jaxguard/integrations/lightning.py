@@ -18,10 +18,14 @@ that its state_dict carries ``param_names`` matching ``state_dict`` keys. Checkp
 values must be tensors, numbers, strings, lists or dicts (``save_hyperparameters`` of
 plain values is fine). ``LightningModule.load_from_checkpoint`` reads torch pickles only:
 load weights with ``GuardedCheckpointIO().load_checkpoint(path)["state_dict"]``.
-Paths may be fsspec URLs (``s3://...``); ``storage_options`` go to fsspec.
+Paths may be fsspec URLs (``s3://...``); ``storage_options`` go to fsspec. A checkpoint
+where a param group's lr is 0 (the end of a schedule that decays to 0) is written in
+Lightning's own uncompressed format, which `load_checkpoint` also reads: the guarantee is
+relative to lr and there is nothing to certify against.
 """
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -102,7 +106,15 @@ class GuardedCheckpointIO(CheckpointIO):
         return data, {**totals, "container_bytes": len(data)}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        data, self.last_summary = self.to_bytes(checkpoint)
+        if any(not float(g["lr"]) > 0 for sd in checkpoint.get("optimizer_states", [])
+               for g in sd.get("param_groups", [])):
+            # lr 0 (the end of a schedule that decays to 0): nothing to certify against;
+            # Lightning's own uncompressed format, which load_checkpoint also reads
+            buf = io.BytesIO()
+            torch.save(checkpoint, buf)
+            data, self.last_summary = buf.getvalue(), None
+        else:
+            data, self.last_summary = self.to_bytes(checkpoint)
         if not storage.is_url(os.fspath(path)):
             os.makedirs(os.path.dirname(os.path.abspath(storage.local_path(path))), exist_ok=True)
         storage.atomic_write(os.fspath(path), data, storage_options=storage_options)
@@ -122,6 +134,9 @@ class GuardedCheckpointIO(CheckpointIO):
         if not storage.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         from torch_compat import restore_tree
+        if storage.read_bytes(path)[:8] != b"JAXGUARD":  # an uncompressed checkpoint (lr 0, or not ours)
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         tree, _ = restore_tree(path)
         return tree
 
