@@ -154,3 +154,26 @@ def test_remove_checkpoint(runs, tmp_path):
     assert not path.exists()
     with pytest.raises(FileNotFoundError):
         io_.load_checkpoint(path)
+
+
+@pytest.mark.parametrize("lr_zero", [False, True], ids=["guarded", "lr0-uncompressed"])
+def test_checkpoint_through_memory_url(runs, lr_zero):
+    """A real Lightning checkpoint dict through an fsspec URL; at lr 0 (nothing to certify
+    against) the plugin writes Lightning's own format, which load_checkpoint also reads."""
+    ckpt = torch.load(runs["pckpt"], weights_only=False)
+    if lr_zero:
+        for g in ckpt["optimizer_states"][0]["param_groups"]:
+            g["lr"] = 0.0
+    io_ = GuardedCheckpointIO()
+    url = f"memory://pl-{int(lr_zero)}/step={N}.ckpt"
+    io_.save_checkpoint(ckpt, url)
+    from jaxguard import storage
+    assert (storage.read_bytes(url)[:8] == b"JAXGUARD") is (not lr_zero)
+    back = io_.load_checkpoint(url)
+    for k, t in ckpt["state_dict"].items():
+        assert torch.equal(back["state_dict"][k], t), k
+    st, st0 = back["optimizer_states"][0]["state"], ckpt["optimizer_states"][0]["state"]
+    assert st.keys() == st0.keys()
+    exact = all(torch.equal(st[i]["exp_avg_sq"], st0[i]["exp_avg_sq"]) for i in st0)
+    assert exact is lr_zero  # guarded moments are coded, uncompressed ones exact
+    assert back["global_step"] == ckpt["global_step"]

@@ -206,17 +206,25 @@ def test_s3_round_trip(s3):
         container.read("s3://jg-bucket/run/missing.jg")
 
 
-def test_s3_cli_inspect_and_verify(s3, tmp_path):
+def test_s3_cli_inspect_verify_restore(s3, capsys):
+    """The CLI on s3:// URLs, in-process (the console script's code path; the filesystem
+    options come from the fsspec configuration the fixture set)."""
+    from jaxguard import cli
     model, opt = _optimizer(seed=2)
     url = "s3://jg-bucket/cli/opt.jg"
     torch_compat.save(url, opt)
-    env = {**os.environ, **s3["env"], "AWS_ENDPOINT_URL": s3["endpoint"], "JAX_PLATFORMS": "cpu"}
-    runs = {cmd[0]: subprocess.run([sys.executable, "-m", "jaxguard", *cmd], capture_output=True, text=True, env=env,
-                                   timeout=120) for cmd in (["inspect", url, "--json"], ["verify", url])}
-    for r in runs.values():
-        assert r.returncode == 0, r.stderr
-    assert json.loads(runs["inspect"].stdout)["container_bytes"] == storage.size(url)
-    assert runs["verify"].stdout.startswith(f"ok {url}:")
+    capsys.readouterr()
+    assert cli.main(["inspect", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["container_bytes"] == storage.size(url)
+    assert cli.main(["verify", url]) == 0
+    assert capsys.readouterr().out.startswith(f"ok {url}:")
+    out = "s3://jg-bucket/cli/restored.pt"
+    assert cli.main(["restore", url, "-o", out]) == 0
+    import io
+    restored = torch.load(io.BytesIO(storage.read_bytes(out)), weights_only=True)
+    assert restored["optimizer"]["state"].keys() == opt.state_dict()["state"].keys()
+    assert cli.main(["verify", "s3://jg-bucket/cli/missing.jg"]) == 1
+    assert "no such file" in capsys.readouterr().out
 
 
 _WRITER = textwrap.dedent("""
