@@ -25,10 +25,12 @@ def _die(msg: str) -> int:
 def load_torch_checkpoint(path):
     """torch.load with weights_only=True: loading never runs pickled code."""
     import torch
-    if not os.path.exists(path):
+    from . import storage
+    if not storage.exists(path):
         raise CheckpointError(f"{path}: no such file; pass a checkpoint written with torch.save")
+    src = io.BytesIO(storage.read_bytes(path)) if storage.is_url(path) else storage.local_path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         raise CheckpointError(f"{path} is not a plain tensor checkpoint and was refused without running it "
@@ -60,6 +62,7 @@ def _print_summary(s, as_json):
 
 def cmd_compress(a):
     import torch_compat
+    from . import storage
     from .container import atomic_write
     from torch_compat._variant import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
@@ -67,7 +70,7 @@ def cmd_compress(a):
                                                      partition=a.partition, progress=not a.json,
                                                      variant=variant_record)
     atomic_write(a.output, data)
-    raw = os.path.getsize(a.ckpt)
+    raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
     _print_summary(summary, a.json)
@@ -83,7 +86,7 @@ def cmd_restore(a):
 
 
 def cmd_inspect(a):
-    from . import container
+    from . import container, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
     n = sum(e["stats"]["coordinates"] for e in ents)
@@ -93,7 +96,7 @@ def cmd_inspect(a):
     info.update({"framework": header["meta"].get("framework"), "entries": len(header["entries"]),
                  "moment_tensors": len(ents), "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
                  "payload_bytes": pay, "raw_fp32_bytes": 8 * n, "payload_ratio": pay / max(8 * n, 1),
-                 "container_bytes": os.path.getsize(a.container), "payload_sha256": header["payload_sha256"],
+                 "container_bytes": storage.size(a.container), "payload_sha256": header["payload_sha256"],
                  "decoded_sha256": header["decoded_sha256"]})
     variant = header.get("variant")
     if isinstance(variant, dict):
@@ -107,13 +110,14 @@ def cmd_inspect(a):
 
 
 def cmd_verify(a):
-    from . import reader
+    from . import reader, storage
     try:
-        res = reader.verify_file(a.container)
-    except reader.ReaderError as exc:
+        data = storage.read_bytes(a.container)
+        res = reader.verify_bytes(data)
+    except (reader.ReaderError, JaxguardError) as exc:
         print(f"FAILED {a.container}: {exc}")
         return 1
-    header, _ = reader.parse(open(a.container, "rb").read())
+    header, _ = reader.parse(data)
     print(f"ok {a.container}: file and payload SHA-256 match, payload_sha256 {header['payload_sha256']}, "
           f"decoded_sha256 {res['decoded_sha256']} reproduced by the numpy reader")
     return 0
@@ -138,9 +142,9 @@ def cmd_audit(a):
 
 def cmd_migrate(a):
     from torch_compat import migrate
+    from . import storage
     from .container import atomic_write
-    with open(a.ckpt, "rb") if os.path.exists(a.ckpt) else open(os.devnull, "rb") as fh:
-        is_container = fh.read(8) == b"JAXGUARD"
+    is_container = storage.exists(a.ckpt) and storage.read_bytes(a.ckpt)[:8] == b"JAXGUARD"
     if a.to == "optax":
         if is_container:
             import torch_compat

@@ -96,8 +96,13 @@ def _jsonable(x):
 
 
 def atomic_write(path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
-    path = os.fspath(path)
+    """Write `data` to `path` so that a crash leaves either the old file or the new one.
+
+    An fsspec URL (``s3://``, ``memory://``, ...) goes to `storage.atomic_write`."""
+    from . import storage
+    if storage.is_url(path):
+        return storage.atomic_write(path, data)
+    path = storage.local_path(path)
     directory = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(directory):
         raise ContainerError(f"output directory {directory} does not exist; create it first")
@@ -121,14 +126,9 @@ def atomic_write(path, data: bytes) -> None:
 
 
 def read(path, *, verify_decoded: bool = True):
-    """Parse and check a container; returns (header, payload, tables)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise ContainerError(f"{path}: no such file; pass the path of a jaxguard container") from None
-    except OSError as exc:
-        raise ContainerError(f"cannot read {path}: {exc.strerror}") from None
+    """Parse and check a container at a local path or fsspec URL; returns (header, payload, tables)."""
+    from .storage import read_bytes
+    data = read_bytes(path)  # a local path or an fsspec URL
     try:
         header, payload = reader.parse(data)
         if verify_decoded and reader.decoded_digest(header, payload) != header.get("decoded_sha256"):

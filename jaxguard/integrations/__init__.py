@@ -1,0 +1,17 @@
+"""Trainer integrations: guarded optimizer state where users already save it.
+
+Each submodule imports its framework only when it is imported itself, and
+``import jaxguard`` imports none of them:
+
+- `jaxguard.integrations.hf`: `GuardedTrainer`, a ``transformers.Trainer`` whose
+  ``checkpoint-N/`` holds ``optimizer.jg`` instead of ``optimizer.pt``
+  (``pip install 'jaxguard[hf]'``);
+- `jaxguard.integrations.accelerate`: `register(accelerator)`, save/load-state hooks for
+  ``Accelerator.save_state``/``load_state`` (``pip install 'jaxguard[hf]'``);
+- `jaxguard.integrations.lightning`: `GuardedCheckpointIO`, a Lightning ``CheckpointIO``
+  plugin (``pip install 'jaxguard[lightning]'``).
+
+All three write through `jaxguard.storage`, so directories may be fsspec URLs where the
+framework allows it, and certify the moments against the live parameters of the
+optimizer (`torch_compat.save`). See docs/integrations.md.
+"""

@@ -1,0 +1,54 @@
+"""What the trainer integrations share: the file name, unwrapping framework optimizer
+wrappers, and the early check that the optimizer is one the guard models."""
+from __future__ import annotations
+
+from ..errors import UnsupportedOptimizerError
+
+OPTIMIZER_FILE = "optimizer.jg"
+
+
+def unwrap(optimizer):
+    """The torch optimizer inside accelerate's / Lightning's wrappers (``.optimizer``)."""
+    seen = 0
+    while hasattr(optimizer, "optimizer") and seen < 8:
+        optimizer = optimizer.optimizer
+        seen += 1
+    return optimizer
+
+
+def check_supported(optimizer, where: str) -> None:
+    """Refuse, before training starts, an optimizer whose state the guard cannot certify.
+
+    Raises:
+      UnsupportedOptimizerError: not torch Adam/AdamW, or a flag outside the op models
+        (the message is `torch_compat.state.check_optimizer_state`'s, prefixed by `where`).
+    """
+    import torch
+    from torch_compat import state as tstate
+    opt = unwrap(optimizer)
+    if not isinstance(opt, torch.optim.Adam):
+        raise UnsupportedOptimizerError(f"{where}: the optimizer is {type(opt).__name__}; jaxguard guards "
+                                        "torch.optim.Adam and AdamW state only")
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g.setdefault("param_names", [str(i) for i in g["params"]])
+    try:
+        tstate.check_optimizer_state(sd)
+    except UnsupportedOptimizerError as exc:
+        raise UnsupportedOptimizerError(f"{where}: {exc}") from None
+
+
+def zero_lr_groups(optimizer) -> list:
+    """Indices of param groups whose learning rate is <= 0.
+
+    The guarantee is relative to the next update's lr (``tau * lr``); at lr 0 (the last
+    step of a schedule that decays to 0, the Hugging Face default) there is nothing to
+    certify against, and the integrations store that optimizer uncompressed instead.
+    """
+    import torch
+    out = []
+    for i, g in enumerate(unwrap(optimizer).param_groups):
+        lr = g["lr"].item() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+        if not lr > 0:
+            out.append(i)
+    return out

@@ -1,0 +1,111 @@
+"""accelerate ``Accelerator.save_state``/``load_state`` with guarded optimizer files.
+
+``save_state(accelerator, output_dir)`` writes what ``accelerator.save_state`` writes
+(weights, schedulers, RNG, dataloader samplers, custom objects, via the accelerator
+itself, so hooks registered with ``register_save_state_pre_hook`` still run) except that
+each prepared optimizer is stored as ``optimizer.jg`` (``optimizer_<i>.jg`` for the
+i-th) instead of ``optimizer.bin``; ``load_state(accelerator, input_dir)`` is the
+inverse, and falls back to ``accelerator.load_state`` for a directory holding
+``optimizer.bin``. Where a param group's lr is 0 (the end of a schedule that decays to 0)
+``save_state`` keeps the uncompressed ``optimizer.bin``: the guarantee is relative to lr.
+
+Why wrappers rather than a pre-hook alone: accelerate calls the save/load pre-hooks with
+``(models, weights, dir)`` / ``(models, dir)`` only, and writes/reads ``optimizer.bin``
+after them unconditionally; a hook can add files but cannot stop the uncompressed
+optimizer file. The wrappers hold the prepared optimizers out of the accelerator's list
+(``accelerator._optimizers``, in place, restored in a ``finally``) for the duration of the
+call.
+
+Guarantee: for every coordinate, the first update after loading differs from the update
+the uncompressed state would give by at most ``tau * lr`` for every gradient ``|g| <= clip``
+(``accelerator.clip_grad_norm_(params, clip)`` makes every coordinate obey it).
+Supported: single process and DDP (the main process writes; every process reads); FSDP,
+DeepSpeed and Megatron-LM keep their own optimizer files and are refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ..errors import ConfigError, UnsupportedOptimizerError
+from ..guard import DEFAULT_CODEC
+from ._common import check_supported, unwrap, zero_lr_groups
+
+
+def optimizer_file(i: int) -> str:
+    """The guarded optimizer file of the i-th prepared optimizer (accelerate's naming)."""
+    return "optimizer.jg" if i == 0 else f"optimizer_{i}.jg"
+
+
+def _check_backend(accelerator):
+    kind = str(getattr(accelerator, "distributed_type", "")).rsplit(".", 1)[-1]
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+        raise UnsupportedOptimizerError(f"jaxguard accelerate integration: distributed_type {kind} keeps its own "
+                                        "optimizer files; use accelerator.save_state there")
+
+
+@contextlib.contextmanager
+def _optimizers_held_out(accelerator):
+    held = list(accelerator._optimizers)
+    accelerator._optimizers.clear()
+    try:
+        yield held
+    finally:
+        accelerator._optimizers[:] = held
+
+
+def save_state(accelerator, output_dir: str | None = None, *, tau: float = 0.01, clip: float = 0.2,
+               codec: str = DEFAULT_CODEC, **kwargs) -> str:
+    """``accelerator.save_state`` with each optimizer stored guarded (module docstring).
+
+    Args:
+      accelerator: an ``accelerate.Accelerator`` whose optimizers were prepared.
+      output_dir: as for ``Accelerator.save_state`` (None: its automatic naming).
+      tau, clip, codec: the guard's tolerance (fraction of lr), gradient bound and codec.
+      **kwargs: passed to ``Accelerator.save_state``.
+
+    Returns:
+      The directory written (``Accelerator.save_state``'s return value).
+
+    Raises:
+      UnsupportedOptimizerError: an optimizer outside the op models, or FSDP/DeepSpeed/Megatron.
+    """
+    import torch_compat
+    _check_backend(accelerator)
+    for opt in accelerator._optimizers:
+        check_supported(opt, "jaxguard accelerate integration")
+    if any(zero_lr_groups(opt) for opt in accelerator._optimizers):
+        # lr 0: nothing to certify against (the guarantee is relative to lr); keep optimizer.bin
+        return accelerator.save_state(output_dir, **kwargs)
+    with _optimizers_held_out(accelerator) as opts:
+        location = accelerator.save_state(output_dir, **kwargs)
+    if accelerator.is_main_process:
+        for i, opt in enumerate(opts):
+            torch_compat.save(os.path.join(location, optimizer_file(i)), unwrap(opt), tau=tau, clip=clip,
+                              codec=codec)
+    accelerator.wait_for_everyone()
+    return location
+
+
+def load_state(accelerator, input_dir: str, **kwargs) -> None:
+    """``accelerator.load_state`` reading the guarded optimizer files `save_state` wrote.
+
+    Args:
+      accelerator: the ``accelerate.Accelerator`` with the same prepared objects as at save.
+      input_dir: the directory `save_state` returned.
+      **kwargs: passed to ``Accelerator.load_state``.
+
+    Raises:
+      ConfigError: `input_dir` is None (pass the directory explicitly).
+      CheckpointError / ContainerError: the optimizer file does not match or is corrupt.
+    """
+    import torch_compat
+    if input_dir is None:
+        raise ConfigError("load_state: input_dir is None; pass the directory save_state returned")
+    if not os.path.isfile(os.path.join(input_dir, optimizer_file(0))):
+        return accelerator.load_state(input_dir, **kwargs)  # a plain accelerate checkpoint
+    _check_backend(accelerator)
+    with _optimizers_held_out(accelerator) as opts:
+        accelerator.load_state(input_dir, **kwargs)
+    for i, opt in enumerate(opts):
+        torch_compat.load(os.path.join(input_dir, optimizer_file(i)), unwrap(opt))

@@ -1,0 +1,105 @@
+"""Hugging Face ``transformers.Trainer`` with guarded optimizer checkpoints.
+
+`GuardedTrainer` overrides the two hooks the Trainer calls for the optimizer state,
+``_save_optimizer_and_scheduler(output_dir)`` and ``_load_optimizer_and_scheduler(checkpoint)``
+(transformers 4.46 through 5.x): ``checkpoint-N/`` holds ``optimizer.jg`` (a jaxguard
+container, certified against the live parameters, i.e. the weights saved beside it)
+instead of ``optimizer.pt``; ``scheduler.pt``, the model, RNG and trainer state are
+written by the Trainer as usual. ``trainer.train(resume_from_checkpoint=...)`` loads
+``optimizer.jg`` when present and falls back to the Trainer's own loader for a plain
+checkpoint (one that holds ``optimizer.pt``). A checkpoint taken where a param group's lr
+is 0 (the last step of a schedule that decays to 0, the Trainer's default ``linear``)
+keeps the uncompressed ``optimizer.pt``, with a logged warning: the guarantee is relative
+to ``lr`` and there is nothing to certify against.
+
+Guarantee: for every coordinate, the first update after resuming differs from the update
+the uncompressed state would give by at most ``tau * lr`` for every gradient ``|g| <= clip``
+(``max_grad_norm <= clip`` makes every coordinate of the clipped gradient obey it).
+``lr`` is the param group's learning rate at save time, which the Trainer's scheduler has
+already set for the next step.
+
+Supported: single process or DDP (rank 0 writes, every rank reads) with ``optim`` one of
+``adamw_torch`` / a torch Adam/AdamW built by the caller, FP32 state. DeepSpeed, FSDP, XLA and
+SageMaker MP keep their own optimizer files: refused with a one-line error at the first save.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import Trainer
+
+from ..errors import UnsupportedOptimizerError
+from ..guard import DEFAULT_CODEC
+from ._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
+
+SCHEDULER_NAME = "scheduler.pt"
+log = logging.getLogger(__name__)
+
+
+class GuardedTrainer(Trainer):
+    """A ``transformers.Trainer`` whose checkpoints store the Adam state guarded.
+
+    Args:
+      *args, **kwargs: as for ``transformers.Trainer``.
+      jaxguard_tau: the first-update tolerance, a fraction of ``lr`` (default 0.01).
+      jaxguard_clip: the gradient bound ``C`` the guarantee covers (default 0.2).
+      jaxguard_codec: the moment codec (default ``jaxguard.DEFAULT_CODEC``).
+
+    Raises:
+      UnsupportedOptimizerError: at optimizer creation, for an optimizer or option outside
+        the op models (e.g. ``optim="adamw_torch_fused"``, the default with torch >= 2.8,
+        until the fused op model lands: pass ``optim="adamw_torch"``); at the first save,
+        for DeepSpeed/FSDP/XLA/SageMaker MP.
+    """
+
+    def __init__(self, *args, jaxguard_tau: float = 0.01, jaxguard_clip: float = 0.2,
+                 jaxguard_codec: str = DEFAULT_CODEC, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.jaxguard_tau, self.jaxguard_clip, self.jaxguard_codec = jaxguard_tau, jaxguard_clip, jaxguard_codec
+        self.jaxguard_last_summary: dict | None = None
+
+    def create_optimizer(self, *args, **kwargs):
+        opt = super().create_optimizer(*args, **kwargs)
+        check_supported(self.optimizer, "GuardedTrainer")
+        return opt
+
+    def _refuse_other_backends(self):
+        for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP"),
+                           ("is_fsdp_xla_v1_enabled", "FSDP on XLA")):
+            if getattr(self, flag, False):
+                raise UnsupportedOptimizerError(f"GuardedTrainer: {what} writes its own optimizer files; use "
+                                                "transformers.Trainer there (jaxguard guards single-process and DDP)")
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+        if is_torch_xla_available() or is_sagemaker_mp_enabled():
+            raise UnsupportedOptimizerError("GuardedTrainer: XLA / SageMaker MP optimizer saving is not supported; "
+                                            "use transformers.Trainer there")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self._refuse_other_backends()
+        zero = zero_lr_groups(self.optimizer)
+        if zero:  # e.g. the final checkpoint of a schedule that decays to 0
+            log.warning("GuardedTrainer: lr is 0 in param group(s) %s at step %s; nothing to certify against, "
+                        "so this checkpoint keeps the uncompressed optimizer.pt", zero, self.state.global_step)
+            self.jaxguard_last_summary = None
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            import torch_compat
+            self.jaxguard_last_summary = torch_compat.save(
+                os.path.join(output_dir, OPTIMIZER_FILE), unwrap(self.optimizer), tau=self.jaxguard_tau,
+                clip=self.jaxguard_clip, codec=self.jaxguard_codec)
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, OPTIMIZER_FILE)
+        if not os.path.isfile(path):  # a plain Trainer checkpoint: the Trainer's own loader
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self._refuse_other_backends()
+        import torch_compat
+        torch_compat.load(path, unwrap(self.optimizer))
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))

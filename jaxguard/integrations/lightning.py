@@ -1,0 +1,144 @@
+"""Lightning ``CheckpointIO`` plugin writing each checkpoint as one jaxguard container.
+
+``Trainer(plugins=[GuardedCheckpointIO()])``: every checkpoint Lightning writes
+(``ModelCheckpoint``, ``trainer.save_checkpoint``) becomes a container at the same path,
+with every Adam/AdamW moment pair in ``optimizer_states`` guarded against the weights in
+``state_dict`` (the next update's parameters), and everything else stored exactly
+(tensors raw, numbers/strings/lists/dicts as JSON; nothing is pickled).
+``trainer.fit(..., ckpt_path=...)`` reads it back through `load_checkpoint`.
+
+Guarantee: for every coordinate, the first update after resuming differs from the update
+the uncompressed state would give by at most ``tau * lr`` for every gradient
+``|g| <= clip`` (``gradient_clip_val=clip`` with the "norm" algorithm makes every
+coordinate obey it).
+
+Requirements: the optimizer is built from named parameters, e.g.
+``torch.optim.AdamW(self.named_parameters(), lr=...)`` in ``configure_optimizers``, so
+that its state_dict carries ``param_names`` matching ``state_dict`` keys. Checkpoint
+values must be tensors, numbers, strings, lists or dicts (``save_hyperparameters`` of
+plain values is fine). ``LightningModule.load_from_checkpoint`` reads torch pickles only:
+load weights with ``GuardedCheckpointIO().load_checkpoint(path)["state_dict"]``.
+Paths may be fsspec URLs (``s3://...``); ``storage_options`` go to fsspec. A checkpoint
+where a param group's lr is 0 (the end of a schedule that decays to 0) is written in
+Lightning's own uncompressed format, which `load_checkpoint` also reads: the guarantee is
+relative to lr and there is nothing to certify against.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from .. import container, storage
+from ..errors import CheckpointError
+from ..guard import DEFAULT_CODEC
+
+NO_NAMES = ("optimizer_states[{i}] has no 'param_names'; build the optimizer from named parameters in "
+            "configure_optimizers, e.g. torch.optim.AdamW(self.named_parameters(), lr=1e-3)")
+
+
+def _reprefix(sk, old: str, new: str):
+    """The skeleton with every tensor/moment reference under `old` moved under `new`."""
+    if isinstance(sk, dict):
+        out = {k: _reprefix(v, old, new) for k, v in sk.items()}
+        for key in ("__tensor__", "__moment__"):
+            ref = out.get(key)
+            if isinstance(ref, str) and ref.startswith(old):
+                out[key] = new + ref[len(old):]
+        return out
+    if isinstance(sk, list):
+        return [_reprefix(v, old, new) for v in sk]
+    return sk
+
+
+class GuardedCheckpointIO(CheckpointIO):
+    """Lightning checkpoints as jaxguard containers (module docstring).
+
+    Args:
+      tau: the first-update tolerance, a fraction of ``lr`` (default 0.01).
+      clip: the gradient bound ``C`` the guarantee covers (default 0.2).
+      codec: the moment codec (default ``jaxguard.DEFAULT_CODEC``).
+    """
+
+    def __init__(self, tau: float = 0.01, clip: float = 0.2, codec: str = DEFAULT_CODEC):
+        self.tau, self.clip, self.codec = tau, clip, codec
+        self.last_summary: dict | None = None
+
+    def to_bytes(self, checkpoint: dict[str, Any]) -> tuple[bytes, dict]:
+        """A Lightning checkpoint dict -> (container bytes, summary of the guarded moments).
+
+        Raises:
+          CheckpointError: no ``state_dict``, an optimizer without ``param_names``, or a
+            value that cannot be stored without pickling.
+          UnsupportedOptimizerError: an optimizer or option outside the op models.
+        """
+        from torch_compat import state as tstate
+        if "state_dict" not in checkpoint:
+            raise CheckpointError("the Lightning checkpoint has no 'state_dict'; GuardedCheckpointIO needs the "
+                                  "model weights (do not save with weights_only of the optimizer alone)")
+        params = checkpoint["state_dict"]
+        raws: list = []
+        entries: list = []
+        top = []
+        totals: dict = {}
+        for key, value in checkpoint.items():
+            if key != "optimizer_states":
+                top.append([key, tstate.to_skeleton(value, str(key), raws)])
+                continue
+            opts = []
+            for i, sd in enumerate(value):
+                if any("param_names" not in g for g in sd.get("param_groups", [])):
+                    raise CheckpointError(NO_NAMES.format(i=i))
+                opt_sk, ents, t = tstate.compress_state(sd, params, tau=self.tau, clip=self.clip, codec=self.codec)
+                new = f"optimizer_states/{i}/"
+                entries += [(k, new + n[len("optimizer/"):], o, info) for k, n, o, info in ents]
+                opts.append(_reprefix(opt_sk, "optimizer/", new))
+                for k, v in t.items():
+                    totals[k] = totals.get(k, 0) + v
+            top.append([key, {"__list__": opts}])
+        meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__,
+                "source": "lightning"}
+        extra = {"tau": self.tau, "clip": self.clip, "codec": self.codec}
+        data = container.build(entries + raws, meta, extra_header=extra)
+        return data, {**totals, "container_bytes": len(data)}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if any(not float(g["lr"]) > 0 for sd in checkpoint.get("optimizer_states", [])
+               for g in sd.get("param_groups", [])):
+            # lr 0 (the end of a schedule that decays to 0): nothing to certify against;
+            # Lightning's own uncompressed format, which load_checkpoint also reads
+            buf = io.BytesIO()
+            torch.save(checkpoint, buf)
+            data, self.last_summary = buf.getvalue(), None
+        else:
+            data, self.last_summary = self.to_bytes(checkpoint)
+        if not storage.is_url(os.fspath(path)):
+            os.makedirs(os.path.dirname(os.path.abspath(storage.local_path(path))), exist_ok=True)
+        storage.atomic_write(os.fspath(path), data, storage_options=storage_options)
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint written by `save_checkpoint` (all SHA-256 checks run).
+
+        ``map_location`` and ``weights_only`` are accepted for Lightning's signature: tensors
+        come back on the CPU (Lightning moves them when it loads the states), and nothing is
+        ever unpickled.
+
+        Raises:
+          FileNotFoundError: no object at `path` (what Lightning expects).
+          ContainerError: the file is corrupt, truncated or not a jaxguard container.
+        """
+        path = os.fspath(path)
+        if not storage.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        from torch_compat import restore_tree
+        if storage.read_bytes(path)[:8] != b"JAXGUARD":  # an uncompressed checkpoint (lr 0, or not ours)
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        tree, _ = restore_tree(path)
+        return tree
+
+    def remove_checkpoint(self, path) -> None:
+        storage.remove(os.fspath(path))
