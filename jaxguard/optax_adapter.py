@@ -433,10 +433,12 @@ def gradient_grid(clip, n_linear=8, n_log=14):
     return np.unique(np.concatenate([lin, logs, -logs, [0.0]])).astype(np.float32)
 
 
-def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0):
+def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0,
+          gradients=()):
     """Run the real jitted ``tx.update`` + ``optax.apply_updates`` from `original` and
     `restored` for every gradient of a grid across ``[-clip, clip]`` (the same g for every
-    coordinate) plus `random_draws` per-coordinate uniform draws.
+    coordinate) plus `random_draws` per-coordinate uniform draws and every gradient tree in
+    `gradients` (e.g. a real loss gradient scaled into ``[-clip, clip]``).
 
     Returns {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
     "worst": (g, dotted param) of the largest gap}.
@@ -459,6 +461,7 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
         ks = jax.random.split(jax.random.fold_in(key, i), len(leaves))
         rnd = [jax.random.uniform(k, jnp.shape(p), jnp.float32, -clip, clip) for k, p in zip(ks, leaves)]
         gs.append(("random", jax.tree_util.tree_unflatten(tdef, rnd)))
+    gs.extend((f"given {i}", g) for i, g in enumerate(gradients))
     for gval, g in gs:
         a = flat_by_dotted(step(original, g))
         b = flat_by_dotted(step(restored, g))

@@ -128,7 +128,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     pflat = _oa.flat_by_dotted(params, "params")
     oflat = _oa.flat_by_dotted(opt_state, "opt_state")
     roles, pairs, sites_meta = {}, [], []
-    for site in sites:
+    for si, site in enumerate(sites):
         cfg = _oa.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
                               codec=codec)
         sites_meta.append({"path": site.name, "config": cfg.to_json(),
@@ -159,7 +159,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
             ename = f"{prefix}/moments/{mfull}"
             mode = "coded" if mdt == "float32" else "raw-bfloat16"
             pairs.append({"entry": ename, "mu": mu, "nu": nu, "p": p, "mu_path": mfull, "nu_path": nfull,
-                          "param": sub, "config": cfg, "mu_mode": mode})
+                          "param": sub, "config": cfg, "mu_mode": mode, "site": si})
             roles[nfull] = ("nu", ename)
             roles[mfull] = ("mu", ename) if mode == "coded" else ("raw", f"{prefix}/{mfull}")
     leaves = []
@@ -349,24 +349,34 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     """
     t0 = time.perf_counter()
     d = epath.Path(path)
-    pid, n = jax.process_index(), jax.process_count()
-    if d.exists() and not d.is_dir():
-        raise CheckpointError(f"{path} is a file; a sharded checkpoint is a directory: pass a new path or remove it")
     sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
                                                     weight_decay=weight_decay, betas=betas, eps=eps)
-    if pid == primary:
+    prepare_directory(d, primary)
+    items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
+                                    primary=primary)
+    common = common_meta(sites_meta, leaves, treedef, tau=tau, clip=clip, codec=codec,
+                         params_meta=_param_leaves(params) if include_params else None)
+    return write_and_commit(d, items, totals, common, primary=primary, t0=t0)
+
+
+def prepare_directory(d: epath.Path, primary: int = 0) -> None:
+    if d.exists() and not d.is_dir():
+        raise CheckpointError(f"{d} is a file; a sharded checkpoint is a directory: pass a new path or remove it")
+    if jax.process_index() == primary:
         d.mkdir(parents=True, exist_ok=True)
         (d / MANIFEST).unlink(missing_ok=True)   # overwriting: incomplete until the new manifest lands
     barrier(f"jaxguard_save_begin:{d}")
-    items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
-                                    primary=primary)
-    extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": tau, "clip": clip, "codec": codec}
+
+
+def write_and_commit(d: epath.Path, items, totals, common, *, primary=0, t0=None) -> dict:
+    """Write this process's file and index, barrier, the primary commits the manifest, barrier."""
+    t0 = time.perf_counter() if t0 is None else t0
+    pid, n = jax.process_index(), jax.process_count()
+    extra = {k: common[k] for k in ("op_model", "tau", "clip", "codec")}
     data, index = build_local(items, totals, process=pid, extra_header=extra)
     write_process_files(d, data, index, pid)
     barrier(f"jaxguard_save_written:{d}")
     if pid == primary:
-        common = common_meta(sites_meta, leaves, treedef, tau=tau, clip=clip, codec=codec,
-                             params_meta=_param_leaves(params) if include_params else None)
         commit_manifest(d, common, n)
     barrier(f"jaxguard_save_committed:{d}")
     man = read_manifest(d)
