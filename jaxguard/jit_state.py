@@ -41,7 +41,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import jit_encode, sharded
+from . import codes, jit_encode, sharded
 from . import optax_adapter as _oa
 from .errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from .guard import DEFAULT_CODEC
@@ -168,18 +168,48 @@ def _local_size(plan: MomentPlan):
     return int(np.prod(shape, dtype=np.int64))
 
 
+def _groups(plans):
+    """Moment plans grouped by (mesh, site): one guard call per group and device."""
+    out = {}
+    for pl in plans:
+        out.setdefault((pl.mesh, pl.site), []).append(pl)
+    return list(out.items())
+
+
+def _local_shape(plan: MomentPlan):
+    if plan.mesh is None:
+        return tuple(plan.shape)
+    _local_size(plan)
+    return tuple(int(s) for s in NamedSharding(plan.mesh, plan.spec).shard_shape(plan.shape))
+
+
+def _group_offsets(plans):
+    """Offsets of each plan's local shard in the group's concatenation (whole blocks each)."""
+    offs, o = [], 0
+    for pl in plans:
+        n = int(np.prod(_local_shape(pl), dtype=np.int64))
+        offs.append((o, n))
+        o += -(-max(n, 1) // codes.BLOCK) * codes.BLOCK
+    return offs, o
+
+
 def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: int = 4096,
                      escape_capacity: int | None = None) -> EncodedState:
     """Guarded fixed-shape encoding of every Adam moment pair of `opt_state`, per shard.
 
     Call it inside your ``jax.jit`` (or eagerly) with the `StateConstants` of the step.
+    On each device the local shards of all moment leaves (of one mesh and Adam site) are
+    laid side by side, each padded to whole 256-blocks, and guarded in one call: one
+    compiled guard whatever the number of leaves, and blocks never straddle leaves, so the
+    codes are those of encoding each shard on its own.
 
     Args:
       opt_state, params: the state and params (traced or concrete), laid out as when
         `state_constants` was built.
       constants: `state_constants(...)` (its leaves are traced: no retrace per step).
-      capacity: candidates per shard the certificate examines; beyond it they escape.
-      escape_capacity: escape buffer per shard (default: the shard's size, never overflows).
+      capacity: candidates per device the certificate examines; beyond it they escape.
+      escape_capacity: escape buffer per device (default: the local coordinate count,
+        never overflows).
     Returns:
       An `EncodedState` pytree (module docstring); pass it to `write` on the host.
     Raises:
@@ -188,36 +218,46 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
     if not isinstance(constants, StateConstants):
         raise ConfigError(f"constants is a {type(constants).__name__}; pass jaxguard.state_constants(...)")
     if not isinstance(capacity, int) or capacity < 1:
-        raise ConfigError(f"capacity={capacity!r} must be an int >= 1 (candidates certified per shard)")
+        raise ConfigError(f"capacity={capacity!r} must be an int >= 1 (candidates certified per device)")
     oflat = _oa.flat_by_dotted(opt_state, "opt_state")
     pflat = _oa.flat_by_dotted(params, "params")
     moments, used = {}, set()
-    for plan in constants.plan:
-        m, v, p = oflat[plan.mu_path], oflat[plan.nu_path], pflat[plan.param]
-        k = jnp.asarray(constants.k[plan.site], jnp.float32)
-        used.update((plan.mu_path, plan.nu_path))
+    for gi, ((mesh, site), plans) in enumerate(_groups(constants.plan)):
+        offs, total = _group_offsets(plans)
+        E = max(1, total if escape_capacity is None else int(escape_capacity))
+        cfg = plans[0].config
+        args = []
+        for pl in plans:
+            args += [oflat[pl.mu_path], oflat[pl.nu_path], pflat[pl.param]]
+            used.update((pl.mu_path, pl.nu_path))
+        k = jnp.asarray(constants.k[site], jnp.float32)
 
-        def one(m, v, p, k, plan=plan, n=None):
-            n = int(np.prod(m.shape, dtype=np.int64))
-            E = max(1, n if escape_capacity is None else int(escape_capacity))
-            je = jit_encode._encode_impl(m.astype(jnp.float32), v.astype(jnp.float32), p.astype(jnp.float32), k,
-                                         plan.config, capacity, E)
+        def body(k, *xs, offs=offs, total=total, cfg=cfg, E=E):
+            cols = []
+            for j in range(3):
+                parts = []
+                for i, (o, n) in enumerate(offs):
+                    x = jnp.ravel(xs[3 * i + j]).astype(jnp.float32)
+                    nxt = offs[i + 1][0] if i + 1 < len(offs) else total
+                    parts.append(jnp.concatenate([x, jnp.zeros((nxt - o - n,), jnp.float32)]))
+                cols.append(jnp.concatenate(parts))
+            je = jit_encode._encode_impl(cols[0], cols[1], cols[2], k, cfg, capacity, E)
             return jax.tree_util.tree_map(lambda a: a[None], je)
 
-        if plan.mesh is None:
-            je = one(m, v, p, k)
+        if mesh is None:
+            je = body(k, *args)
         else:
-            _local_size(plan)
-            rows = PartitionSpec(tuple(plan.mesh.axis_names))
-            je = jax.shard_map(one, mesh=plan.mesh, in_specs=(plan.spec, plan.spec, plan.spec, PartitionSpec()),
-                               out_specs=rows, check_vma=False)(m, v, p, k)
-        moments[plan.entry] = je
+            specs = tuple(s for pl in plans for s in (pl.spec,) * 3)
+            je = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(),) + specs,
+                               out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(k, *args)
+        moments[f"group{gi}"] = je
     raw = {d: x for d, x in oflat.items() if d not in used}
     return EncodedState(moments, raw, constants.plan)
 
 
 def _writer_rows(plan: MomentPlan):
-    """{device: (row, global start)} of the devices that write a distinct shard index."""
+    """{device: (row, global start)} of the devices that write a distinct shard index
+    (the first device in mesh order holding it)."""
     devs = list(plan.mesh.devices.flat)
     idx = NamedSharding(plan.mesh, plan.spec).devices_indices_map(plan.shape)
     seen, out = set(), {}
@@ -264,24 +304,36 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
     items = []
     totals = dict.fromkeys(sharded.TOTAL_KEYS, 0)
     me = jax.process_index()
-    for plan in constants.plan:
-        je = encoded.moments[plan.entry]
-        cfg = host["configs"][plan.site]
-        info = {**cfg.to_json(), "mu_mode": "coded", "param": plan.param}
+    for gi, ((mesh, site), plans) in enumerate(_groups(constants.plan)):
+        je = encoded.moments[f"group{gi}"]
+        offs, _ = _group_offsets(plans)
+        cfg = host["configs"][site]
         shards = {k: {s.device: s.data for s in a.addressable_shards} for k, a in je.arrays.items()}
-        if plan.mesh is None:
-            dev = next(iter(shards["m_codes"]))
-            writers = {dev: (0, (0,) * len(plan.shape))} if (dev.process_index == me) else {}
-            local_shape = plan.shape
-        else:
-            writers = {d_: rs for d_, rs in _writer_rows(plan).items() if d_.process_index == me}
-            local_shape = tuple(int(s) for s in NamedSharding(plan.mesh, plan.spec).shard_shape(plan.shape))
-        for dev, (_, start) in writers.items():
-            arrays = {k: np.asarray(shards[k][dev])[0] for k in je.arrays}
-            enc = jit_encode.to_encoded(jit_encode.JitEncoded(arrays, je.codec, local_shape))
-            items.append((plan.entry, start, ("moments", enc, info)))
-            for k in ("coordinates", "escapes", "payload_bytes", "raw_fp32_bytes"):
-                totals[k] += enc.stats[k]
+        for pl, (o, n) in zip(plans, offs):
+            if mesh is None:
+                dev = next(iter(shards["m_codes"]))
+                writers = {dev: (0, (0,) * len(pl.shape))} if dev.process_index == me else {}
+            else:
+                writers = {d_: rs for d_, rs in _writer_rows(pl).items() if d_.process_index == me}
+            info = {**cfg.to_json(), "mu_mode": "coded", "param": pl.param}
+            for dev, (_, start) in writers.items():
+                a = {k: np.asarray(shards[k][dev])[0] for k in je.arrays}
+                if int(a["overflow"]):
+                    raise ConfigError(f"{int(a['escape_count'])} coordinates escape on {dev} but escape_capacity is "
+                                      f"{a['escape_index'].size}; call encode_state_jit with a larger escape_capacity "
+                                      "(or the default)")
+                idx = a["escape_index"][:int(a["escape_count"])]
+                sel = (idx >= o) & (idx < o + n)
+                b0, nb = o // codes.BLOCK, codes.num_blocks(n)
+                arrays = {"m_codes": a["m_codes"][o:o + n], "v_codes": a["v_codes"][o:o + n],
+                          "m_params": a["m_params"][b0:b0 + nb], "v_params": a["v_params"][b0:b0 + nb],
+                          "escape_index": (idx[sel] - o).astype(np.int32),
+                          "escape_m": a["escape_m"][:idx.size][sel], "escape_v": a["escape_v"][:idx.size][sel],
+                          "escape_count": np.int32(sel.sum()), "overflow": np.int32(0)}
+                enc = jit_encode.to_encoded(jit_encode.JitEncoded(arrays, je.codec, _local_shape(pl)))
+                items.append((pl.entry, start, ("moments", enc, info)))
+                for k in ("coordinates", "escapes", "payload_bytes", "raw_fp32_bytes"):
+                    totals[k] += enc.stats[k]
     for path_, leaf in encoded.raw.items():
         entry = next(lf["entry"] for lf in host["leaves"] if lf["path"] == path_)
         for _, start, data in sharded.local_shards(leaf, primary):
