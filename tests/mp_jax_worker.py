@@ -15,6 +15,9 @@ report to OUTDIR; the test asserts on them.
 import hashlib
 import json
 import os
+import time
+
+T0 = time.time()
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -107,7 +110,7 @@ def local_share(state):
 
 def log(msg):
     if os.environ.get("JG_MP_LOG"):
-        print(f"[{PID}] {msg}", file=sys.stderr, flush=True)
+        print(f"[{PID}] {time.time() - T0:.0f}s {msg}", file=sys.stderr, flush=True)
 
 
 def write_job():

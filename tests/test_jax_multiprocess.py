@@ -15,7 +15,7 @@ import sys
 import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_jax_worker.py")
-TIMEOUT = 300
+TIMEOUT = 1200
 
 
 def _free_port():
