@@ -38,6 +38,10 @@ if MODE == "write":
 else:
     PID, OUT = 0, sys.argv[2]
 
+# the same persistent XLA cache as tests/conftest.py: the guard kernels compile once per machine
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                            os.path.expanduser("~/.cache"), "jaxguard", "xla"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
