@@ -16,6 +16,15 @@ called (it reads the arrays of that step), the file is written in the commit fut
 (`enable_async_checkpointing=True` writes in the background).  The item directory holds
 one jaxguard container, ``opt_state.jaxguard`` (see jaxguard.optax_adapter for the
 numerical contract); only the primary host writes it.
+
+Multi-process jobs (or ``GuardedSave(..., sharded=True)``): the item directory holds a
+sharded checkpoint (jaxguard.sharded): every process certifies its replica-0 shards
+during `save` and writes ``process_NNNNN.jaxguard`` (through `etils.epath`, so any
+epath/fsspec URL orbax accepts) in its commit future; `finalize`, which orbax runs on the
+primary process after every process has finished writing, merges the per-process
+indexes into ``manifest.json``.  orbax renames the temporary step directory only after
+that, so a checkpoint is visible only when complete.  `GuardedRestore(like)` reads either
+layout, into `like`'s shardings (any mesh or process count).
 """
 from __future__ import annotations
 
@@ -29,7 +38,10 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
+import jax
+
 from . import container, optax_adapter
+from . import sharded as _sharded
 from .errors import CheckpointError
 
 FILENAME = "opt_state.jaxguard"
@@ -41,10 +53,13 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     def __init__(self, filename: Optional[str] = None, primary_host: Optional[int] = 0):
         self._filename = filename or FILENAME
         self._primary_host = primary_host
+        self._common = {}
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
         if not isinstance(args, GuardedSave):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
+        if args.sharded or (args.sharded is None and jax.process_count() > 1):
+            return self._async_save_sharded(directory, args)
         data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, tau=args.tau,
                                                clip=args.clip, codec=args.codec, weight_decay=args.weight_decay,
                                                betas=args.betas, eps=args.eps, include_params=args.include_params)
@@ -57,6 +72,27 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
 
+    def _async_save_sharded(self, directory, args):
+        kw = dict(lr=args.lr, tau=args.tau, clip=args.clip, codec=args.codec, weight_decay=args.weight_decay,
+                  betas=args.betas, eps=args.eps)
+        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, **kw)
+        primary = self._primary_host or 0
+        items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
+                                                 include_params=args.include_params, primary=primary)
+        extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": args.tau, "clip": args.clip,
+                 "codec": args.codec}
+        pid = jax.process_index()
+        data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
+        self._common[str(directory)] = _sharded.common_meta(
+            sites_meta, leaves, treedef, tau=args.tau, clip=args.clip, codec=args.codec,
+            params_meta=_sharded._param_leaves(args.params) if args.include_params else None)
+        self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
+
+        async def write():
+            _sharded.write_process_files(epath.Path(directory), data, index, pid)
+
+        return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]
+
     def save(self, directory: epath.Path, args: "GuardedSave" = None):
         async def run():
             for f in await self.async_save(directory, args=args) or []:
@@ -68,12 +104,17 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         if not isinstance(args, GuardedRestore) or args.like is None:
             raise CheckpointError("restoring guarded optax state needs args=jaxguard.checkpoint.GuardedRestore(like), "
                                   "with like a state of the same structure (e.g. tx.init(params))")
+        if (epath.Path(directory) / _sharded.MANIFEST).exists():
+            return _sharded.load(epath.Path(directory), args.like)
         path = epath.Path(directory) / self._filename
         if not path.exists():
             raise CheckpointError(f"{path} does not exist; was this item saved with GuardedSave?")
         return optax_adapter.load(str(path), args.like)
 
     def metadata(self, directory: epath.Path):
+        if (epath.Path(directory) / _sharded.MANIFEST).exists():
+            man = _sharded.read_manifest(epath.Path(directory))
+            return {k: man.get(k) for k in ("op_model", "tau", "clip", "codec", "process_count")}
         path = epath.Path(directory) / self._filename
         if not path.exists():
             return None
@@ -81,7 +122,13 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         return {k: header.get(k) for k in ("op_model", "tau", "clip", "codec")}
 
     def finalize(self, directory: epath.Path) -> None:
-        pass
+        # orbax calls this on the primary process once every process has written
+        common = self._common.pop(str(directory), None)
+        if common is None and len(self._common) == 1 and (epath.Path(directory) / (_sharded.file_name(0)
+                                                                                  + _sharded.INDEX_SUFFIX)).exists():
+            common = self._common.pop(next(iter(self._common)))
+        if common is not None:
+            _sharded.commit_manifest(epath.Path(directory), common, jax.process_count())
 
     def close(self):
         pass
@@ -103,6 +150,7 @@ class GuardedSave(checkpoint_args.CheckpointArgs):
     betas: Optional[tuple] = None
     eps: Optional[float] = None
     include_params: bool = False
+    sharded: Optional[bool] = None
 
     def __post_init__(self):
         if self.params is None:

@@ -319,13 +319,20 @@ def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_C
 
 
 def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
-         eps=None, include_params=False) -> dict:
+         eps=None, include_params=False, sharded=None) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
     `params` is the parameter pytree the state belongs to (the next update's ``p``);
     ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
+    ``sharded`` (default: ``jax.process_count() > 1``) writes a checkpoint *directory*
+    instead of one file: every process certifies and writes only its own shards and
+    calls `save` with the same `path` (jaxguard.sharded).
     Returns a summary: coordinates, escapes, payload_ratio, container_bytes, ...
     """
+    if sharded or (sharded is None and jax.process_count() > 1):
+        from . import sharded as _sharded
+        return _sharded.save(path, opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
+                             weight_decay=weight_decay, betas=betas, eps=eps, include_params=include_params)
     data, s = to_bytes(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec, weight_decay=weight_decay,
                        betas=betas, eps=eps, include_params=include_params)
     container.atomic_write(path, data)
@@ -392,13 +399,25 @@ def restore_state(header, arrays, like, *, source="the file"):
 
 
 def load(path, like):
-    """Restore the optax state saved at `path` into the structure, dtypes and shardings of `like`."""
+    """Restore the optax state saved at `path` into the structure, dtypes and shardings of `like`.
+
+    `path` is a file (`save`) or a sharded checkpoint directory (``save(..., sharded=True)``
+    or any multi-process save), restored in any process count or sharding."""
+    from . import sharded as _sharded
+    if _sharded.is_sharded(path):
+        return _sharded.load(path, like)
     header, arrays = read(path)
     return restore_state(header, arrays, like, source=str(path))
 
 
 def load_params(path) -> dict:
     """{dotted name: ndarray} of the params stored with ``include_params=True``."""
+    from . import sharded as _sharded
+    if _sharded.is_sharded(path):
+        man = _sharded.read_manifest(path)
+        like = {p["path"]: np.zeros(p["shape"], jnp.bfloat16 if p["dtype"] == "bfloat16" else p["dtype"])
+                for p in man.get("params") or []}
+        return dict(_sharded.load(path, like, what="params"))
     header, arrays = read(path)
     names = header["meta"].get("params")
     if not names:
@@ -414,10 +433,12 @@ def gradient_grid(clip, n_linear=8, n_log=14):
     return np.unique(np.concatenate([lin, logs, -logs, [0.0]])).astype(np.float32)
 
 
-def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0):
+def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0,
+          gradients=()):
     """Run the real jitted ``tx.update`` + ``optax.apply_updates`` from `original` and
     `restored` for every gradient of a grid across ``[-clip, clip]`` (the same g for every
-    coordinate) plus `random_draws` per-coordinate uniform draws.
+    coordinate) plus `random_draws` per-coordinate uniform draws and every gradient tree in
+    `gradients` (e.g. a real loss gradient scaled into ``[-clip, clip]``).
 
     Returns {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
     "worst": (g, dotted param) of the largest gap}.
@@ -440,6 +461,7 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
         ks = jax.random.split(jax.random.fold_in(key, i), len(leaves))
         rnd = [jax.random.uniform(k, jnp.shape(p), jnp.float32, -clip, clip) for k, p in zip(ks, leaves)]
         gs.append(("random", jax.tree_util.tree_unflatten(tdef, rnd)))
+    gs.extend((f"given {i}", g) for i, g in enumerate(gradients))
     for gval, g in gs:
         a = flat_by_dotted(step(original, g))
         b = flat_by_dotted(step(restored, g))
