@@ -25,7 +25,12 @@ in round-to-nearest and widened by ``GAMMA = 2**-17`` relative to the magnitudes
 involved (>= twice the worst accumulated rounding of the <= 60 operations in the chain)
 plus an absolute term for float32 flush-to-zero (XLA on CPU flushes subnormals); stage
 2 adds per-op radii ``R(M) = 8*u*M + 4*n_min`` through the native op sequence, and the
-final ``p + step`` rounding.  The derivation is in docs/bound.md; the enclosure audit
+final ``p + step`` rounding (of the decayed parameter for torch-adamw, whose
+``|1 - lr*wd|`` may exceed 1).  A cell's bound is ``+inf`` (the coordinate escapes)
+unless every float32 intermediate of the certificate is finite and every intermediate
+of both modelled native updates (torch's and optax's op orders, optax's ``nu/bc2``
+before its sqrt included) is bounded by ``NATIVE_LIMIT = 2**120`` over the cell; NaN
+never comes out of `cell_bounds`.  The derivation is in docs/bound.md; the enclosure audit
 (`jaxguard audit-enclosure`) checks it against the bit-exact torch replay.
 """
 from __future__ import annotations
@@ -79,7 +84,7 @@ def pack_constants(c: StepConstants, tau: float) -> np.ndarray:
 def _shared_ideal(k, m, v, mt, vt, gl, gh):
     """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|, or +inf
     where any intermediate is not finite (an overflowed divisor would silently make a
-    term 0: docs/bound.md, section 6)."""
+    term 0: docs/bound.md, section 5)."""
     keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
     dm = m - mt
     dv = v - vt
@@ -142,7 +147,7 @@ def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
 
     The allowance is +inf (the coordinate escapes) unless every float32 intermediate of
     the modelled native update, torch's or optax's op order, is bounded by
-    `NATIVE_LIMIT` over the cell (docs/bound.md, section 6)."""
+    `NATIVE_LIMIT` over the cell (docs/bound.md, section 5)."""
     keep, a, b2f, c2, S, B, eps, lr, wd = (k[i] for i in range(9))
     Mm = 2 * jnp.abs(mm) + gh
     e_m = 3 * (8 * U * Mm + 4 * N_MIN)
@@ -180,7 +185,7 @@ def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
 
     Row 0: cells with g >= 0, row 1: g <= 0 (m, m~ negated).  A cell is +inf (never
     certifies) where an intermediate of the certificate or of a modelled native update
-    could overflow (docs/bound.md, section 6).
+    could overflow (docs/bound.md, section 5).
     """
     gl = clip * edges[:-1]
     gh = clip * edges[1:]
