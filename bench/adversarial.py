@@ -204,9 +204,9 @@ def main():
     from jaxguard.errors import JaxguardError
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
-    stats = {fw: {"cases": 0, "coordinates": 0, "coded": 0, "escapes": 0, "config_errors": 0, "violations": 0,
+    stats = {fw: {"cases": 0, "coordinates": 0, "coded": 0, "escapes": 0, "config_errors": 0, "crashes": 0, "violations": 0,
                   "cases_with_violation": 0, "worst_gap_over_tau": 0.0, "by_block": {}} for fw in ("torch", "optax")}
-    errors, examples = [], []
+    errors, crashes, examples = [], [], []
     i = 0
     with tempfile.TemporaryDirectory() as tmp:
         while time.perf_counter() - t0 < 60 * args.minutes:
@@ -218,8 +218,13 @@ def main():
                 s, gap, mt, vt = (torch_case if fw == "torch" else optax_case)(c, tmp)
             except JaxguardError as e:
                 S["config_errors"] += 1
-                if len(errors) < 10:
+                if len(errors) < 10 and f"{fw}: {e}" not in errors:
                     errors.append(f"{fw}: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - anything else is a bug of the library: record it
+                S["crashes"] += 1
+                if len(crashes) < 10 and f"{fw}: {type(e).__name__}: {e}" not in crashes:
+                    crashes.append(f"{fw}: {type(e).__name__}: {e}")
                 continue
             exact = (c["m"].view(np.uint32) == mt.view(np.uint32)) & (c["v"].view(np.uint32) == vt.view(np.uint32))
             over = gap / c["tau"]
@@ -256,17 +261,18 @@ def main():
                       "engineers (contended)",
            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__,
                         "optax": optax.__version__},
-           "stats": stats, "config_error_examples": errors, "violation_examples": examples}
+           "stats": stats, "config_error_examples": errors, "crash_examples": crashes,
+           "violation_examples": examples}
     with open(args.out + ".json", "w") as f:
         json.dump(rep, f, indent=1)
     lines = [f"# Adversarial search (bench/adversarial.py, seed {args.seed}, {rep['seconds']} s)", "",
              f"Commit {commit}{' (dirty)' if dirty else ''}; {rep['machine']}; torch {torch.__version__}, "
              f"jax {jax.__version__}, optax {optax.__version__}.", "",
-             "| framework | cases | coordinates | coded (not exact) | escapes | config errors | violations | "
-             "cases with a violation | worst gap / tau |", "|---|---|---|---|---|---|---|---|---|"]
+             "| framework | cases | coordinates | coded (not exact) | escapes | config errors | crashes | violations | "
+             "cases with a violation | worst gap / tau |", "|---|---|---|---|---|---|---|---|---|---|"]
     for fw, S in stats.items():
         lines.append(f"| {fw} | {S['cases']} | {S['coordinates']:,} | {S['coded']:,} | {S['escapes']:,} | "
-                     f"{S['config_errors']} | {S['violations']} | {S['cases_with_violation']} | "
+                     f"{S['config_errors']} | {S['crashes']} | {S['violations']} | {S['cases_with_violation']} | "
                      f"{S['worst_gap_over_tau']:.4g} |")
     lines += ["", "Blocks by kind (coded coordinates, violations):", ""]
     for fw, S in stats.items():
@@ -274,12 +280,14 @@ def main():
                                              "violations" for k, v in sorted(S["by_block"].items())))
     if errors:
         lines += ["", "Config errors (first few):", ""] + [f"- {e}" for e in errors]
+    if crashes:
+        lines += ["", "Crashes (not a one-line jaxguard error; first few):", ""] + [f"- {e}" for e in crashes]
     if examples:
         lines += ["", "Violations (first few):", ""] + [f"- {json.dumps(e)}" for e in examples]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 1 if any(S["violations"] for S in stats.values()) else 0
+    return 1 if any(S["violations"] or S["crashes"] for S in stats.values()) else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ changes to the bound (issue 10: the float32-edge checks must cost nothing here).
 
 Usage:
     PYTHONPATH=$PWD python bench/edge_cost.py --out bench/results/edge_cost_after.json [--cache /tmp/c]
+    python bench/edge_cost.py --compare BEFORE.json AFTER.json --md bench/results/edge_cost.md
 
 Checkpoints (deterministic, cached with --cache): the demo's ByteTransformer after 150
 torch Adam steps (`jaxguard demo`), the same model with AdamW (wd 0.01) after 60 steps,
@@ -73,11 +74,43 @@ def _optax_states():
     return out
 
 
+def compare(before_path, after_path, md_path):
+    """Markdown table of two runs, row by row, with the differences in points."""
+    before, after = (json.load(open(p)) for p in (before_path, after_path))
+    key = lambda r: (r["checkpoint"], r["codec"], r["bound"], r["partition"])  # noqa: E731
+    b = {key(r): r for r in before["rows"]}
+    lines = [f"# Escapes and payload on ordinary trained state, before and after issue 10", "",
+             f"Before: commit {before['commit'][:7]}; after: commit {after['commit'][:7]}"
+             f"{' + working tree' if after.get('jaxguard_dirty') else ''}; {after['machine']}.", "",
+             "| checkpoint | codec | bound | partition | coordinates | escapes before | after | escape rate before % "
+             "| after % | diff (points) | payload before % | after % | diff (points) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for r in after["rows"]:
+        o = b.get(key(r))
+        if o is None:
+            continue
+        de = r["escape_rate_pct"] - o["escape_rate_pct"]
+        dp = r["payload_ratio_pct"] - o["payload_ratio_pct"]
+        worst = max(worst, abs(de), abs(dp))
+        lines.append(f"| {r['checkpoint']} | {r['codec']} | {r['bound']} | {r['partition']} | {r['coordinates']:,} | "
+                     f"{o['escapes']:,} | {r['escapes']:,} | {o['escape_rate_pct']:.4f} | {r['escape_rate_pct']:.4f} | "
+                     f"{de:+.4f} | {o['payload_ratio_pct']:.4f} | {r['payload_ratio_pct']:.4f} | {dp:+.4f} |")
+    lines += ["", f"Largest change: {worst:.4f} points (acceptance: within 0.05)."]
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--cache", default=None)
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--md")
     args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare, args.md)
     if args.cache:
         os.makedirs(args.cache, exist_ok=True)
     import jaxguard

@@ -352,9 +352,22 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
          eps=None, include_params=False) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
-    `params` is the parameter pytree the state belongs to (the next update's ``p``);
-    ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
-    Returns a summary: coordinates, escapes, payload_ratio, container_bytes, ...
+    Args:
+      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
+      params: the parameter pytree the state belongs to (the next update's ``p``);
+        ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
+      lr: the next update's learning rate, required: a number, or the optax schedule
+        (evaluated at the Adam state's ``count``).  An `inject_hyperparams` state's
+        ``learning_rate`` is the last update's and is not used.
+      tau, clip, codec, weight_decay, betas, eps: see the module docstring.
+
+    Returns:
+      A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes, ...
+
+    Raises:
+      ConfigError: no ``lr`` (one line saying what to pass) or a hyperparameter that is
+        invalid in float32 (e.g. a beta that rounds to 1.0); nothing is written.
+      CheckpointError, UnsupportedOptimizerError: see `compress_state`.
     """
     data, s = to_bytes(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec, weight_decay=weight_decay,
                        betas=betas, eps=eps, include_params=include_params)

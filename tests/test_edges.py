@@ -163,6 +163,24 @@ def test_torch_adam_overflow_inside_the_bound(tmp_path, codec, lo):
     assert viol == 0, (viol, s)
 
 
+def test_jitted_encode_escapes_the_same_edge_coordinates():
+    """encode_jit runs the same bound: on counterexample 3's magnitudes (and normal ones in
+    the same blocks) it escapes exactly the coordinates guard.encode escapes."""
+    rng = np.random.default_rng(6)
+    n = 512
+    v = np.exp(rng.uniform(np.log(1e-30), np.log(3e38), n))
+    v[::2] = np.exp(rng.uniform(np.log(1.2e37), np.log(3e38), n // 2))
+    v = v.astype(np.float32)
+    m = (np.sqrt(v.astype(np.float64)) * rng.uniform(0.05, 1.0, n) * rng.choice([-1, 1], n)).astype(np.float32)
+    p = rng.uniform(-100, 100, n).astype(np.float32)
+    cfg = jg.GuardConfig(lr=1e-3, step=0)
+    host = jg.encode(m, v, p, cfg)
+    from jaxguard import jit_encode
+    je = jit_encode.to_encoded(jg.encode_jit(jnp.asarray(m), jnp.asarray(v), jnp.asarray(p), cfg, capacity=n), m, v)
+    assert np.array_equal(np.asarray(je.arrays["escape_index"]), np.asarray(host.arrays["escape_index"]))
+    assert host.stats["escapes"] > n // 2 - 64      # the half above FLT_MAX * B escapes
+
+
 def test_ideal_stage_near_flt_max_encloses_the_exact_difference():
     """Stage 1 alone at counterexample 3's magnitudes: no longer an overflowed product
     (b2f R / (B d1 d2) is divided in turn), and >= the exact (float64) difference at 65
