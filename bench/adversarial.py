@@ -4,7 +4,8 @@ Usage:
     PYTHONPATH=$PWD python bench/adversarial.py --minutes 10 --out bench/results/adversarial
     PYTHONPATH=$PWD python bench/adversarial.py --minutes 1 --seed 1 --out /tmp/adv   # quick
 
-Each case is a state of 512 or 1024 coordinates made of 256-blocks, each block drawn from
+30% of the cases are targeted at the families of issue 10's counterexamples
+(`targeted_case`).  The others: a state of 512 or 1024 coordinates made of 256-blocks, each block drawn from
 a mixture (ordinary trained-looking moments, moments near FLT_MAX, on both sides of the
 overflow boundaries FLT_MAX*B, FLT_MAX*bc2 and bound.NATIVE_LIMIT (*bc2), subnormal and
 zero moments, huge parameters), with random hyperparameters (lr 1e-5..10, weight decay
@@ -88,7 +89,40 @@ def draw_block(rng, n, B2, bc2):
         return f(m * sgn), f(v), f(p), str(kind)
 
 
+def targeted_case(rng, framework):
+    """The families of issue 10's counterexamples, randomised: (a) torch AdamW with
+    lr*wd in 2.2..12, |p| 1e4..1e6, m ~ 1e-3, v ~ 50..100 m^2; (b) blocks with half the v
+    at an overflow boundary (FLT_MAX*B, FLT_MAX*bc2) and half down to 1e-30 (coarse log
+    codes), m ~ sqrt(v) x 0.05..5, default hyperparameters at small counts."""
+    n = 512
+    sgn = rng.choice([-1.0, 1.0], n)
+    if framework == "torch" and rng.random() < 0.5:
+        lr = float(10 ** rng.uniform(-1, 0.5))
+        m = sgn * 10 ** rng.uniform(-3.5, -2.5, n)
+        v = m**2 * rng.uniform(50, 100, n)
+        p = rng.choice([-1.0, 1.0], n) * 10 ** rng.uniform(4, 6, n)
+        c = {"lr": lr, "wd": float(rng.uniform(2.2, 12) / lr), "betas": (0.9, 0.999), "eps": 1e-8,
+             "step": int(rng.choice([10, 100, 1000])), "decoupled": True, "blocks": ["targeted-decay"] * 2}
+    else:
+        step = int(rng.choice([0, 1, 3, 30]))
+        bc2 = 1 - 0.999 ** (step + 1)
+        centre = float(rng.choice([FLT_MAX * math.sqrt(bc2), FLT_MAX * bc2]))
+        v = np.exp(rng.uniform(math.log(float(rng.choice([1e-30, 1e-10, 1e10]))), math.log(1e35), n))
+        v[::2] = centre * np.exp(rng.uniform(-0.7, 0.7, n // 2))
+        m = sgn * np.sqrt(v) * rng.uniform(0.05, 5, n)
+        p = rng.uniform(-100, 100, n)
+        c = {"lr": 1e-3, "wd": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "step": step, "decoupled": False,
+             "blocks": ["targeted-overflow"] * 2}
+    f = lambda x: np.clip(x, -FLT_MAX, FLT_MAX).astype(np.float32)  # noqa: E731
+    with np.errstate(over="ignore"):
+        c.update(framework=framework, tau=0.01, clip=0.2, codec=str(rng.choice(["log8-rel", "log8"])), m=f(m), v=f(v),
+                 p=f(p))
+    return c
+
+
 def draw_case(rng, framework):
+    if rng.random() < 0.3:
+        return targeted_case(rng, framework)
     lr = float(10 ** rng.uniform(-5, 1))
     wd = 0.0 if rng.random() < 0.4 else float(10 ** rng.uniform(-4, math.log10(30.0)) / (lr if rng.random() < 0.5 else 1))
     wd = min(wd, 1e6)
@@ -204,8 +238,9 @@ def main():
     from jaxguard.errors import JaxguardError
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
-    stats = {fw: {"cases": 0, "coordinates": 0, "coded": 0, "escapes": 0, "config_errors": 0, "crashes": 0, "violations": 0,
-                  "cases_with_violation": 0, "worst_gap_over_tau": 0.0, "by_block": {}} for fw in ("torch", "optax")}
+    stats = {fw: {"cases": 0, "coordinates": 0, "coded": 0, "escapes": 0, "config_errors": 0, "crashes": 0,
+                  "violations": 0, "cases_with_violation": 0, "worst_gap_over_tau": 0.0, "by_block": {}}
+             for fw in ("torch", "optax")}
     errors, crashes, examples = [], [], []
     i = 0
     with tempfile.TemporaryDirectory() as tmp:

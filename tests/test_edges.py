@@ -335,7 +335,7 @@ def torch_cases(draw):
                 codec=draw(st.sampled_from(["log8-rel", "log8", "bf16", "block8"])))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(torch_cases())
 def test_property_torch_edges(case):
     cfg = jg.GuardConfig(lr=case["lr"], step=case["step"], tau=TAU, clip=C, betas=case["betas"],
@@ -382,7 +382,7 @@ def optax_cases(draw):
                 betas=draw(st.sampled_from([(0.9, 0.999), (0.5, 0.9)])))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(optax_cases())
 def test_property_optax_edges(tmp_path_factory, case):
     tx, step = _optax_tx(case["betas"])
