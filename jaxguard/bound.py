@@ -25,7 +25,12 @@ in round-to-nearest and widened by ``GAMMA = 2**-17`` relative to the magnitudes
 involved (>= twice the worst accumulated rounding of the <= 60 operations in the chain)
 plus an absolute term for float32 flush-to-zero (XLA on CPU flushes subnormals); stage
 2 adds per-op radii ``R(M) = 8*u*M + 4*n_min`` through the native op sequence, and the
-final ``p + step`` rounding.  The derivation is in docs/bound.md; the enclosure audit
+final ``p + step`` rounding (of the decayed parameter for torch-adamw, whose
+``|1 - lr*wd|`` may exceed 1).  A cell's bound is ``+inf`` (the coordinate escapes)
+unless every float32 intermediate of the certificate is finite and every intermediate
+of both modelled native updates (torch's and optax's op orders, optax's ``nu/bc2``
+before its sqrt included) is bounded by ``NATIVE_LIMIT = 2**120`` over the cell; NaN
+never comes out of `cell_bounds`.  The derivation is in docs/bound.md; the enclosure audit
 (`jaxguard audit-enclosure`) checks it against the bit-exact torch replay.
 """
 from __future__ import annotations
@@ -43,6 +48,8 @@ N_MIN = 2.0**-126            # smallest normal float32
 GAMMA = 2.0**-17             # stage-1 evaluation margin (relative)
 CONST_REL = 2.0**-20         # default gap to the framework's constants (k[11] overrides)
 TINY_MOMENT = 2.0**-80       # smaller nonzero moments are not certified (escape)
+NATIVE_LIMIT = 2.0**120      # bound on every modelled native float32 intermediate (FLT_MAX ~ 2**128)
+RHO_MAX = 2.0**-8            # largest relative gap of the denominator the stage-2 algebra admits
 
 # refinement levels: (linear cells per sign, geometric sub-steps per octave)
 LEVELS = ((1, 0), (16, 1), (64, 2), (256, 4), (1024, 8))
@@ -75,7 +82,9 @@ def pack_constants(c: StepConstants, tau: float) -> np.ndarray:
 
 
 def _shared_ideal(k, m, v, mt, vt, gl, gh):
-    """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|."""
+    """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|, or +inf
+    where any intermediate is not finite (an overflowed divisor would silently make a
+    term 0: docs/bound.md, section 5)."""
     keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
     dm = m - mt
     dv = v - vt
@@ -89,8 +98,9 @@ def _shared_ideal(k, m, v, mt, vt, gl, gh):
     nz = dv != 0
     R_l = jnp.where(nz, dv / jnp.where(nz, s1l + s2l, 1.0), 0.0)
     R_h = jnp.where(nz, dv / jnp.where(nz, s1h + s2h, 1.0), 0.0)
-    F_l = b2f * R_l / (B * d1l * d2l)
-    F_h = b2f * R_h / (B * d1h * d2h)
+    # b2f R / (B d1 d2), divided in turn: the product B d1 d2 ~ v/B overflows for v > FLT_MAX B
+    F_l = ((b2f * R_l) / d1l / B) / d2l
+    F_h = ((b2f * R_h) / d1h / B) / d2h
     F_lo, F_hi = jnp.minimum(F_l, F_h), jnp.maximum(F_l, F_h)
     em2 = 4 * U * (jnp.abs(keep * mt) + a * gh) + 4 * N_MIN
     m2_lo = keep * mt + a * gl - em2
@@ -103,7 +113,11 @@ def _shared_ideal(k, m, v, mt, vt, gl, gh):
     bmax = jnp.maximum(jnp.abs(Bt_lo), jnp.abs(Bt_hi))
     m2max = jnp.maximum(jnp.abs(m2_lo), jnp.abs(m2_hi))
     flush = N_MIN * (8.0 + ((4.0 * (m2max + 1.0)) * b2f / (B * d1l)) / d2l)
-    return S * (sup + GAMMA * (amax + bmax) + flush) * (1 + 4 * U)
+    fin = jnp.isfinite
+    ok = (fin(dm) & fin(d1h) & fin(d2h) & fin(R_l) & fin(R_h) & fin(A_l) & fin(A_h) & fin(F_l) & fin(F_h)
+          & fin(em2) & fin(m2_lo) & fin(m2_hi) & functools.reduce(jnp.logical_and, [fin(x) for x in prods])
+          & fin(sup) & fin(flush))
+    return jnp.where(ok, S * (sup + GAMMA * (amax + bmax) + flush) * (1 + 4 * U), jnp.inf)
 
 
 def _separate_ideal(k, m, v, mt, vt, gl, gh):
@@ -123,11 +137,17 @@ def _step_range(k, mm, vv, gl, gh):
     q = (ml / dl, ml / dh, mh / dl, mh / dh)
     lo = S * functools.reduce(jnp.minimum, q)
     hi = S * functools.reduce(jnp.maximum, q)
+    bad = ~(jnp.isfinite(dh) & jnp.isfinite(ml) & jnp.isfinite(mh) & jnp.isfinite(lo) & jnp.isfinite(hi))
+    lo, hi = jnp.where(bad, -jnp.inf, lo), jnp.where(bad, jnp.inf, hi)   # never certifies
     return lo, hi, jnp.maximum(jnp.abs(lo), jnp.abs(hi))
 
 
 def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
-    """Stage 2 for one branch: sup over the cell of |s_native - s_ideal|, and sup|s|."""
+    """Stage 2 for one branch: sup over the cell of |s_native - s_ideal|, and sup|s|.
+
+    The allowance is +inf (the coordinate escapes) unless every float32 intermediate of
+    the modelled native update, torch's or optax's op order, is bounded by
+    `NATIVE_LIMIT` over the cell (docs/bound.md, section 5)."""
     keep, a, b2f, c2, S, B, eps, lr, wd = (k[i] for i in range(9))
     Mm = 2 * jnp.abs(mm) + gh
     e_m = 3 * (8 * U * Mm + 4 * N_MIN)
@@ -145,16 +165,34 @@ def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
     elif decay_in_update:
         alloc = alloc + 16 * U * (s_max + lr * wd * pabs)
         s_max = s_max + lr * wd * pabs
-    return alloc * (1 + 2.0**-16), s_max
+    # Native magnitudes, both op orders: g*g, v' and optax's v'/bc2 (before its sqrt);
+    # m' (and torch's g - m); m'/bc1 (optax), S m' (torch's addcdiv), over d, times lr;
+    # wd p, lr wd p, (1 - lr wd) p (torch-adamw decays first) and the new parameter.
+    vmax = b2f * vv + c2 * (gh * gh)
+    big = jnp.maximum(jnp.maximum(1.0, S), S / lr)
+    lr1 = jnp.maximum(1.0, lr)
+    dirmax = big * (mmax / jnp.minimum(1.0, d_min * (1 - rho_d)))
+    tot = (dirmax + wd * pabs * lr1) * lr1
+    pnew = pabs * jnp.maximum(1.0, jnp.abs(1 - lr * wd)) + tot
+    ok = ((Mm <= NATIVE_LIMIT) & (gh * gh <= NATIVE_LIMIT) & (vmax <= NATIVE_LIMIT)
+          & ((vmax / B) / B <= NATIVE_LIMIT) & (tot <= NATIVE_LIMIT) & (pnew <= NATIVE_LIMIT)
+          & (rho_d <= RHO_MAX) & jnp.isfinite(alloc) & jnp.isfinite(s_max))
+    return jnp.where(ok, alloc * (1 + 2.0**-16), jnp.inf), s_max
 
 
 def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_update=False):
     """Per-cell upper bounds of |p1' - p2'| for one coordinate; shape [2, ncells].
 
-    Row 0: cells with g >= 0, row 1: g <= 0 (m, m~ negated).
+    Row 0: cells with g >= 0, row 1: g <= 0 (m, m~ negated).  A cell is +inf (never
+    certifies) where an intermediate of the certificate or of a modelled native update
+    could overflow (docs/bound.md, section 5).
     """
     gl = clip * edges[:-1]
     gh = clip * edges[1:]
+    # torch-adamw rounds p + step after p *= 1 - lr*wd: |p_dec| <= |1 - lr wd| |p|, which
+    # exceeds |p| when lr*wd > 2; max(...) covers both orders of decay (and no decay)
+    lr, wd = k[7], k[8]
+    pdec = pabs * jnp.maximum(1.0, jnp.abs(1 - lr * wd) * (1 + 2.0**-16))
     out = []
     for sgn in (1.0, -1.0):
         sm, smt = sgn * m, sgn * mt
@@ -164,8 +202,9 @@ def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
             ideal = _separate_ideal(k, sm, v, smt, vt, gl, gh)
         al1, s1 = _native_allowance(k, sm, v, pabs, gl, gh, decay_in_update)
         al2, s2 = _native_allowance(k, smt, vt, pabs, gl, gh, decay_in_update)
-        final_round = 2 * U * (pabs + N_MIN + jnp.maximum(s1, s2)) + 2.0**-148
-        out.append((ideal + al1 + al2 + final_round) * (1 + 4 * U))
+        final_round = 2 * U * (pdec + N_MIN + jnp.maximum(s1, s2)) + 2.0**-148
+        cb = (ideal + al1 + al2 + final_round) * (1 + 4 * U)
+        out.append(jnp.where(cb >= 0, cb, jnp.inf))    # NaN (e.g. 0 * inf) never certifies
     return jnp.stack(out)
 
 

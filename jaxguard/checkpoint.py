@@ -142,7 +142,7 @@ class GuardedSave(checkpoint_args.CheckpointArgs):
 
     opt_state: Any
     params: Any = None
-    lr: Optional[float] = None
+    lr: Any = None          # the next update's lr (required): a number or the optax schedule
     tau: float = 0.01
     clip: float = 0.2
     codec: str = "log8-rel"

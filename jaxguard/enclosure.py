@@ -15,7 +15,15 @@ is a point where the actual difference exceeds the bound.
 rounding) and keeps only the ideal stage (`bound._shared_ideal`): the audit must then
 find failures, which shows that it can detect an under-estimate.
 
-Cases are grouped: all cases of one group share ``(step, lr)`` so that one
+Edge cases (``--edge-fraction``, default 0.25 of the cases and of the groups): moments
+near FLT_MAX and on both sides of every overflow boundary of the op models (v near
+FLT_MAX, ``FLT_MAX * B``, `bound.NATIVE_LIMIT` and ``NATIVE_LIMIT * B**2``; m near the
+limit and ``sqrt(v)`` scaled), parameters up to FLT_MAX, clips whose square crosses the
+limit, and (torch-adamw) groups with ``lr * wd`` from 0.5 to 30, across the decay factor
+``|1 - lr wd| = 1``.  A bound of +inf means the coordinate escapes: never a failure, and
+counted (``escaped``); a finite bound must enclose the replay, NaN/inf actual included.
+
+Cases are grouped: all cases of one group share ``(step, lr, wd)`` so that one
 `adam_step` call (one jitted kernel, its numpy fallback for the extreme range included)
 replays the whole group at once; groups differ in ``(step, lr)``.
 """
@@ -121,6 +129,36 @@ def _draw_cases(rng, n):
                 e=e, sgn=sgn, level=level)
 
 
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _edge_cases(rng, d, sel):
+    """Overwrite cases `sel` of draw `d` with magnitudes at float32's edges (certifiable:
+    finite, v >= 0)."""
+    n = sel.size
+    if n == 0:
+        return
+    lim = _bound.NATIVE_LIMIT
+    centers = np.array([FLT_MAX, FLT_MAX * 0.0316, FLT_MAX * 1e-3, lim, lim * 1e-3, lim * 0.1, 1e30])
+    v = centers[rng.integers(0, centers.size, n)] * np.exp(rng.uniform(-2.5, 2.5, n))
+    r = rng.random(n)
+    mag = np.where(r < 0.6, np.sqrt(v) * _loguniform(rng, 1e-3, 30.0, n),
+                   np.where(r < 0.8, lim * _loguniform(rng, 1e-3, 1e3, n), FLT_MAX * rng.uniform(0.01, 1.0, n)))
+    m = mag * rng.choice([-1.0, 1.0], n)
+    mt = m + rng.uniform(-1, 1, n) * 0.01 * mag * _loguniform(rng, 1.0, 100.0, n)
+    vt = v * np.exp2(rng.uniform(-1, 1, n) * 0.5 * rng.choice([1 / 16, 1 / 4, 1.0], n))
+    r2 = rng.random(n)
+    mt = np.where(r2 < 0.1, m, mt)
+    vt = np.where((r2 >= 0.1) & (r2 < 0.2), v, vt)
+    fin = lambda x: np.clip(x, -FLT_MAX, FLT_MAX).astype(np.float32)  # noqa: E731
+    d["m"][sel], d["mt"][sel], d["v"][sel], d["vt"][sel] = fin(m), fin(mt), fin(v), fin(vt)
+    rp = rng.random(n)
+    p = np.where(rp < 0.5, _loguniform(rng, 1e20, FLT_MAX, n), _loguniform(rng, 1e-3, 1e8, n))
+    d["p"][sel] = fin(p * rng.choice([-1.0, 1.0], n))
+    rc = rng.random(n)
+    d["clip"][sel] = np.where(rc < 0.2, _loguniform(rng, 1e10, 1e20, n), d["clip"][sel]).astype(np.float32)
+
+
 def _points(rng, gl, gh):
     """[n, POINTS_PER_CASE] float32 gradient magnitudes in [gl, gh] (gl <= gh, float32)."""
     gl64, gh64 = gl.astype(np.float64), gh.astype(np.float64)
@@ -135,8 +173,13 @@ def _points(rng, gl, gh):
 
 
 # ---------------------------------------------------------------- audit
-def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", keep_failures=20, variant=None) -> dict:
-    """Check ``cell_bounds`` against the replayed native difference on ``cases`` random cases.
+def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", keep_failures=20,
+                    edge_fraction=0.25, variant=None) -> dict:
+    """Check `bound.cell_bounds` against the bit-exact torch replay (module docstring).
+
+    Returns a dict: cases, failures (finite bound below the actual difference, or a NaN
+    bound), escaped (+inf bounds), edge_cases / edge_finite (edge draws and those with a
+    finite bound), max_ratio, worst case, failure examples, settings.
 
     ``variant`` is the torch replay's operation variant (default: the detected one for the
     op model's implementation); the bound covers every variant, so the audit must pass
@@ -162,18 +205,25 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     steps = np.floor(np.exp(rng.uniform(0.0, math.log(40001.0), n_groups))).astype(np.int64) - 1
     steps = np.clip(steps, 0, 40000)
     lrs = _loguniform(rng, 1e-5, 1e-2, n_groups)
+    wds = np.full(n_groups, wd)
+    edge_group = rng.random(n_groups) < edge_fraction
+    if decoupled:   # decay factor 1 - lr wd from 0.5 down to -29: across |1 - lr wd| = 1
+        lrs = np.where(edge_group, _loguniform(rng, 1e-2, 10.0, n_groups), lrs)
+        wds = np.where(edge_group, _loguniform(rng, 0.5, 30.0, n_groups) / lrs, wds)
     ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=BETAS, eps=EPS,
-                                                        weight_decay=wd), 0.01)
-                   for s, lr in zip(steps, lrs)])
+                                                        weight_decay=float(w)), 0.01)
+                   for s, lr, w in zip(steps, lrs, wds)])
     failures = 0
     max_ratio = 0.0
     worst = None
     examples = []
-    nan_bounds = 0
+    nan_bounds = escaped = edge_cases = edge_finite = edge_failures = 0
     done = 0
     for c0 in range(0, cases, CHUNK):
         n = min(CHUNK, cases - c0)
         d = _draw_cases(rng, n)
+        edge = rng.random(n) < edge_fraction
+        _edge_cases(rng, d, np.flatnonzero(edge))
         gid = (c0 + np.arange(n)) // GROUP
         k = ks[gid]
         pabs = np.abs(d["p"])
@@ -189,7 +239,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             nr = rows.size
             pp = np.repeat(d["p"][rows], P)
             gg = g[rows].reshape(-1)
-            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=BETAS, eps=EPS, weight_decay=wd,
+            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=BETAS, eps=EPS, weight_decay=float(wds[grp]),
                         decoupled=decoupled, variant=variant, implementation=implementation)
             if tail_rng is not None:
                 in_tail = np.repeat(tail_rng.random(nr) < 0.5, P)
@@ -200,37 +250,49 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                                   np.concatenate([np.repeat(d["m"][rows], P), np.repeat(d["mt"][rows], P)]),
                                   np.concatenate([np.repeat(d["v"][rows], P), np.repeat(d["vt"][rows], P)]), **args)
             p1, p2 = out[:nr * P].astype(np.float64), out[nr * P:].astype(np.float64)
-            actual[rows] = np.abs(p1 - p2).reshape(nr, P)
+            # a non-finite update (even the same inf on both sides) is a failure unless escaped:
+            # a finite bound claims that every native intermediate is finite
+            with np.errstate(invalid="ignore"):
+                diff = np.where(np.isfinite(p1) & np.isfinite(p2), np.abs(p1 - p2), np.inf)
+            actual[rows] = diff.reshape(nr, P)
         amax = actual.max(1)
         nan_bounds += int(np.count_nonzero(np.isnan(b)))
-        bad = ~(amax <= b)          # NaN bound or actual > bound
+        esc = b == np.inf           # the coordinate escapes: nothing is claimed
+        escaped += int(np.count_nonzero(esc))
+        bad = ~esc & ~(amax <= b)   # NaN bound, or a finite bound below the actual difference
         failures += int(np.count_nonzero(bad))
+        edge_cases += int(np.count_nonzero(edge))
+        edge_finite += int(np.count_nonzero(edge & ~esc))
+        edge_failures += int(np.count_nonzero(edge & bad))
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(amax == 0, 0.0, amax / b)
+            ratio = np.where((amax == 0) | esc, 0.0, amax / b)
         ratio = np.where(np.isnan(ratio), np.inf, ratio)
         i = int(np.argmax(ratio))
         if ratio[i] > max_ratio or worst is None:
             max_ratio = float(ratio[i])
-            worst = _describe(d, i, steps[gid[i]], lrs[gid[i]], b[i], actual[i], g[i])
+            worst = _describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], b[i], actual[i], g[i])
         for i in np.flatnonzero(bad)[: max(0, keep_failures - len(examples))]:
-            examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], b[i], actual[i], g[i]))
+            examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], b[i], actual[i], g[i]))
         done += n
     return {
         "cases": done, "failures": failures, "points_per_case": POINTS_PER_CASE,
         "evaluations": done * POINTS_PER_CASE * 2, "max_ratio": max_ratio, "nan_bounds": nan_bounds,
+        "escaped": escaped, "edge_fraction": edge_fraction, "edge_cases": edge_cases, "edge_finite": edge_finite,
+        "edge_failures": edge_failures,
         "seconds": round(time.perf_counter() - t0, 2), "no_radius": bool(no_radius), "seed": int(seed),
-        "op_model": op_model, "weight_decay": wd, "betas": list(BETAS), "eps": EPS,
+        "op_model": op_model, "weight_decay": wd if not decoupled else "0.01; edge groups lr*wd in [0.5, 30]",
+        "betas": list(BETAS), "eps": EPS,
         "levels": list(LEVEL_RANGE), "partition": "mixed", "variant": variant.to_dict(),
         "implementation": implementation, "tail_cases": tail_cases,
         "worst": worst, "failure_examples": examples,
     }
 
 
-def _describe(d, i, step, lr, b, actual, g):
+def _describe(d, i, step, lr, wd, b, actual, g):
     j = int(np.argmax(actual))
     f = lambda x: float(np.float32(x))  # noqa: E731
     return {"m": f(d["m"][i]), "v": f(d["v"][i]), "mt": f(d["mt"][i]), "vt": f(d["vt"][i]), "p": f(d["p"][i]),
-            "step": int(step), "lr": float(lr), "clip": f(d["clip"][i]), "level": int(d["level"][i]),
+            "step": int(step), "lr": float(lr), "weight_decay": float(wd), "clip": f(d["clip"][i]), "level": int(d["level"][i]),
             "cell_unit": [f(d["e"][i, 0]), f(d["e"][i, 1])], "sign": int(d["sgn"][i]),
             "g_worst": f(g[j]), "actual": float(actual[j]), "bound": float(b)}
 
@@ -244,18 +306,23 @@ def add_parser(subparsers):
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
                    help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
+    a.add_argument("--edge-fraction", type=float, default=0.25,
+                   help="share of cases (and adamw groups) drawn at float32's edges")
     a.set_defaults(fn=run)
     return a
 
 
 def run(args) -> int:
-    rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model)
+    rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model,
+                          edge_fraction=args.edge_fraction)
     if args.json:
         print(json.dumps(rep))
     else:
         print(f"audit-enclosure ({rep['op_model']}{', no radius' if rep['no_radius'] else ''}): "
               f"{rep['cases']} cases x {rep['points_per_case']} points, {rep['failures']} failures, "
-              f"max actual/bound {rep['max_ratio']:.4g}, {rep['seconds']} s")
+              f"max actual/bound {rep['max_ratio']:.4g}, {rep['escaped']} escaped (bound +inf); edge cases "
+              f"{rep['edge_cases']} ({rep['edge_finite']} with a finite bound, {rep['edge_failures']} failures), "
+              f"{rep['seconds']} s")
     if rep["no_radius"]:
         return 0
     return 1 if rep["failures"] else 0

@@ -30,7 +30,7 @@ import numpy as np
 from . import bound as _bound
 from . import codes
 from .errors import ConfigError
-from .opmodel import OP_MODELS, step_constants
+from .opmodel import OP_MODELS, f32, step_constants
 
 CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded")
 # log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
@@ -72,8 +72,9 @@ class GuardConfig:
             raise ConfigError(f"op_model={self.op_model!r} is unknown; use one of {', '.join(OP_MODELS)}")
         for name in ("tau", "clip"):
             val = getattr(self, name)
-            if not isinstance(val, (int, float)) or not np.isfinite(val) or val <= 0:
-                raise ConfigError(f"{name}={val!r} must be a finite number > 0")
+            if (isinstance(val, bool) or not isinstance(val, (int, float)) or not np.isfinite(val) or val <= 0
+                    or not 0 < f32(val) < np.inf):
+                raise ConfigError(f"{name}={val!r} must be a number > 0 that is finite and nonzero in float32")
         step_constants(self.op_model, lr=self.lr, step=self.step, betas=self.betas,
                        eps=self.eps, weight_decay=self.weight_decay)  # validates
 

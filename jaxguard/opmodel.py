@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -85,23 +86,42 @@ class StepConstants:
 
 
 def f32(x: float) -> float:
-    return float(np.float32(x))
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
-def validate_hparams(lr, betas, eps, step, weight_decay=0.0):
+def validate_hparams(lr, betas, eps, step, weight_decay=0.0, op_model=None):
+    """Check the next update's hyperparameters once, in float32 as the frameworks use them.
+
+    Raises:
+      ConfigError: (one line naming the value and the fix) for a non-number or non-finite
+        value, ``lr``/``eps`` that are not > 0 in float32, negative ``weight_decay``,
+        betas outside [0, 1) x (0, 1), for the optax op models a beta that rounds to 1.0
+        in float32 (optax's ``1 - b**t`` would be 0), or a step that is not an int >= 0.
+    """
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ConfigError(f"betas={betas!r} must be a pair (beta1, beta2); use e.g. (0.9, 0.999)")
     b1, b2 = betas
     for name, val in (("lr", lr), ("eps", eps), ("beta1", b1), ("beta2", b2), ("weight_decay", weight_decay)):
-        if not isinstance(val, (int, float)) or not math.isfinite(val):
+        if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(float(val)):
             raise ConfigError(f"{name}={val!r} is not a finite number; pass a float")
-    if lr <= 0:
-        raise ConfigError(f"lr={lr!r} must be > 0; pass the learning rate of the next update")
+        if not math.isfinite(f32(val)):
+            raise ConfigError(f"{name}={val!r} overflows float32 (the frameworks use it in float32); pass a value "
+                              "below 3.4e38")
+    if lr <= 0 or f32(lr) == 0:
+        raise ConfigError(f"lr={lr!r} must be > 0 in float32; pass the learning rate of the next update")
     if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0):
         raise ConfigError(f"betas={tuple(betas)!r} must lie in [0, 1); use e.g. (0.9, 0.999)")
-    if eps <= 0:
-        raise ConfigError(f"eps={eps!r} must be > 0")
+    if op_model is not None and op_model.startswith("optax"):
+        for name, b in (("beta1", b1), ("beta2", b2)):
+            if f32(b) == 1.0:
+                raise ConfigError(f"{name}={b!r} rounds to 1.0 in float32, so optax's 1 - {name}**t is 0 (a division "
+                                  "by zero); use a beta <= 0.99999994")
+    if eps <= 0 or f32(eps) == 0:
+        raise ConfigError(f"eps={eps!r} must be > 0 in float32 (the update divides by sqrt(v) + eps); use e.g. 1e-8")
     if weight_decay < 0:
         raise ConfigError(f"weight_decay={weight_decay!r} must be >= 0")
-    if not isinstance(step, (int, np.integer)) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ConfigError(f"step={step!r} must be an integer >= 0 (the optimizer's step count at the checkpoint)")
 
 
@@ -109,7 +129,7 @@ def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), e
                    weight_decay: float = 0.0) -> StepConstants:
     if op_model not in OP_MODELS:
         raise ConfigError(f"op_model={op_model!r} is unknown; use one of {', '.join(OP_MODELS)}")
-    validate_hparams(lr, betas, eps, step, weight_decay)
+    validate_hparams(lr, betas, eps, step, weight_decay, op_model)
     b1, b2 = float(betas[0]), float(betas[1])
     t = int(step) + 1
     bc1 = 1.0 - b1**t

@@ -12,8 +12,9 @@ attribute names and sequence indices joined by ``"."`` (``"0.mu.dense.kernel"``)
 params dict ``{"dense.kernel": x}`` and a nested one ``{"dense": {"kernel": x}}`` give the
 same dotted paths, which is how torch names map to JAX params (torch_compat.migrate).
 
-Hyperparameters of the next update, per Adam state: ``lr`` (argument) or else the
-enclosing `inject_hyperparams` state's ``learning_rate``; ``b1``, ``b2``, ``eps`` and
+Hyperparameters of the next update, per Adam state: ``lr`` (argument, required: a
+number, or the optax schedule, evaluated at the state's ``count``; an `inject_hyperparams`
+state holds the last update's rate, which a schedule may have changed); ``b1``, ``b2``, ``eps`` and
 ``weight_decay`` likewise from the enclosing `inject_hyperparams` state, else from the
 arguments.  The state alone cannot show an ``add_decayed_weights`` in a chain (its state
 is ``EmptyState``): for `optax.adamw` pass ``weight_decay=`` (or use
@@ -59,7 +60,10 @@ NO_ADAM = ("opt_state holds no optax.ScaleByAdamState; jaxguard.save compresses 
            "(optax.adam, optax.adamw, or a chain containing optax.scale_by_adam); save other "
            "optimizers with orbax directly")
 NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
-         "update) or build the optimizer with optax.inject_hyperparams so the state carries it")
+         "update, a float, or the optax schedule, evaluated at the state's count)")
+LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learning_rate {last:g} is the last "
+           "update's and a schedule may change it: pass lr= (the next update's learning rate, e.g. lr={last:g} "
+           "for a constant one, or lr=schedule, evaluated at the state's count {count})")
 
 
 # ---------------------------------------------------------------- paths
@@ -139,9 +143,39 @@ def find_adam_states(opt_state) -> list[AdamSite]:
 
 
 def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
-                codec=_DEFAULT_CODEC) -> GuardConfig:
+                codec=_DEFAULT_CODEC, lr_from_state=False) -> GuardConfig:
+    """The `GuardConfig` of one Adam site: the next update's hyperparameters.
+
+    Args:
+      lr: the next update's learning rate: a number, or a schedule (callable of the step
+        count, as given to optax) evaluated at the Adam state's ``count``, which is what
+        the next ``tx.update`` feeds it.  Required: an `inject_hyperparams` state holds the
+        *last* update's rate, which a schedule may already have changed.
+      lr_from_state: take a missing ``lr`` from the `inject_hyperparams` state anyway
+        (for conversions that certify nothing, e.g. `torch_compat.from_optax`).
+
+    Raises:
+      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`, or a bad
+        hyperparameter (`jaxguard.opmodel.validate_hparams`).
+      CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
+    """
     hp = site.hparams
-    lr_ = lr if lr is not None else hp.get("learning_rate")
+    count = np.asarray(site.state.count)
+    if count.shape != () or not np.issubdtype(count.dtype, np.integer):
+        raise CheckpointError(f"{site.name}.count is {count.dtype}{list(count.shape)}; expected an integer scalar "
+                              "(the optax step count)")
+    if callable(lr):
+        lr_ = np.asarray(lr(count))
+        if lr_.shape != () or not np.issubdtype(lr_.dtype, np.number):
+            raise ConfigError(f"lr schedule returned {lr_.dtype}{list(lr_.shape)} at count {int(count)}; pass a "
+                              "schedule that returns a scalar learning rate")
+        lr_ = float(lr_)
+    elif lr is not None:
+        lr_ = lr
+    elif "learning_rate" in hp and not lr_from_state:
+        raise ConfigError(LAST_LR.format(path=site.name, last=hp["learning_rate"], count=int(count)))
+    else:
+        lr_ = hp.get("learning_rate")
     if lr_ is None:
         raise CheckpointError(NO_LR.format(path=site.name))
     wd = weight_decay if weight_decay is not None else hp.get("weight_decay", 0.0)
@@ -150,10 +184,6 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
     if hp.get("eps_root", 0.0):
         raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
                                         "optax op model covers eps_root=0 only")
-    count = np.asarray(site.state.count)
-    if count.shape != () or not np.issubdtype(count.dtype, np.integer):
-        raise CheckpointError(f"{site.name}.count is {count.dtype}{list(count.shape)}; expected an integer scalar "
-                              "(the optax step count)")
     return GuardConfig(lr=float(lr_), step=int(count), tau=tau, clip=clip, betas=b, eps=float(e),
                        weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam", codec=codec)
 
@@ -322,12 +352,25 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
          eps=None, include_params=False, sharded=None) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
-    `params` is the parameter pytree the state belongs to (the next update's ``p``);
-    ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
-    ``sharded`` (default: ``jax.process_count() > 1``) writes a checkpoint *directory*
-    instead of one file: every process certifies and writes only its own shards and
-    calls `save` with the same `path` (jaxguard.sharded).
-    Returns a summary: coordinates, escapes, payload_ratio, container_bytes, ...
+    Args:
+      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
+      params: the parameter pytree the state belongs to (the next update's ``p``);
+        ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
+      lr: the next update's learning rate, required: a number, or the optax schedule
+        (evaluated at the Adam state's ``count``).  An `inject_hyperparams` state's
+        ``learning_rate`` is the last update's and is not used.
+      tau, clip, codec, weight_decay, betas, eps: see the module docstring.
+      sharded: write a checkpoint *directory* instead of one file (default:
+        ``jax.process_count() > 1``): every process certifies and writes only its own
+        shards and calls `save` with the same `path` (jaxguard.sharded).
+
+    Returns:
+      A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes, ...
+
+    Raises:
+      ConfigError: no ``lr`` (one line saying what to pass) or a hyperparameter that is
+        invalid in float32 (e.g. a beta that rounds to 1.0); nothing is written.
+      CheckpointError, UnsupportedOptimizerError: see `compress_state`.
     """
     if sharded or (sharded is None and jax.process_count() > 1):
         from . import sharded as _sharded

@@ -16,11 +16,16 @@ def test_bound_encloses_replay():
     assert rep["nan_bounds"] == 0
     assert rep["failures"] == 0, rep["failure_examples"]
     assert 0 < rep["max_ratio"] <= 1
+    # a quarter of the cases at float32's edges: most escape (+inf), some are bounded
+    assert rep["edge_cases"] > 0.2 * rep["cases"] and 0 < rep["edge_finite"] < rep["edge_cases"]
+    assert rep["escaped"] >= rep["edge_cases"] - rep["edge_finite"]
 
 
 def test_bound_encloses_replay_adamw():
+    """Includes groups with lr*wd in [0.5, 30]: torch decays p first, by |1 - lr wd| > 1."""
     rep = audit_enclosure(5000, op_model="torch-adamw", seed=1)
     assert rep["failures"] == 0, rep["failure_examples"]
+    assert rep["edge_finite"] > 0
 
 
 def test_no_radius_is_detected():

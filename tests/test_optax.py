@@ -109,12 +109,13 @@ def test_wrappers_found_and_roundtrip(tmp_path):
         p, st = _run(tx, params)
         sites = oa.find_adam_states(st)
         assert len(sites) == expect[name], name
-        lr = None if name == "inject" else LR
-        if name == "inject":
-            cfg = oa.site_config(sites[0])
+        if name == "inject":   # the state's learning_rate is the last update's: lr= is required
+            with pytest.raises(jg.ConfigError, match="pass lr="):
+                oa.site_config(sites[0])
+            cfg = oa.site_config(sites[0], lr=LR)
             assert cfg.lr == pytest.approx(LR) and cfg.op_model == "optax-adamw" and cfg.weight_decay == pytest.approx(1e-3)
         path = tmp_path / f"{name}.jg"
-        jg.save(path, st, p, lr=lr)
+        jg.save(path, st, p, lr=LR)
         r = jg.load(path, like=tx.init(p))
         assert jax.tree_util.tree_structure(r) == jax.tree_util.tree_structure(st)
         res = oa.audit(tx, st, r, p, lr=LR, grid=[-0.2, -1e-6, 0.0, 3e-5, 0.2])

@@ -173,7 +173,8 @@ def from_optax(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
         raise CheckpointError(optax_adapter.NO_ADAM)
     items = []
     for site in sites:
-        cfg = optax_adapter.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps).to_json()
+        cfg = optax_adapter.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                                          lr_from_state=True).to_json()
         nus = optax_adapter.flat_by_dotted(site.state.nu, "nu")
         for name, mu in optax_adapter.flat_by_dotted(site.state.mu, "mu").items():
             if name not in pflat:
