@@ -114,8 +114,8 @@ def _aw_sections(pay, enc) -> dict:
             mask = np.zeros(n, bool)
             mask[idx] = True
             esc = pay.add(np.packbits(mask, bitorder="little"))
-        return {"widths": pay.add(widths), "m_codes": pay.add(packed.pack(qm + lm, bm)),
-                "v_codes": pay.add(packed.pack(qv, bv)), "m_params": pay.add(packed.scale_to_u16(mp[:, 0])),
+        return {"widths": pay.add(widths), "m_codes": pay.add(packed.pack(qm + lm, bm, n)),
+                "v_codes": pay.add(packed.pack(qv, bv, n)), "m_params": pay.add(packed.scale_to_u16(mp[:, 0])),
                 "v_params": pay.add(np.ascontiguousarray(vp[:, 2:4])), kind: esc,
                 "escape_pairs": pay.add(np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32))}
     except packed.PackError as exc:

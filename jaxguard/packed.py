@@ -13,9 +13,10 @@ Layout of one tensor of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` blocks
 (docs/format.md):
 
 * ``widths``: nb bytes, ``(bm << 4) | bv`` with bm, bv in 4..8: the m and v code widths.
-* ``m_codes``: for each block in order, 256 codes of bm bits (``q + 2**(bm-1) - 1``, the
-  signed code offset to 0..2**bm - 2), bit j of code i at bit ``i*bm + j`` of the block's
-  32*bm bytes, little bit order.  Padding coordinates of the last block are stored too.
+* ``m_codes``: for each block in order, its codes (256, or the n - 256*(nb-1) remaining
+  ones for the last block) of bm bits (``q + 2**(bm-1) - 1``, the signed code offset to
+  0..2**bm - 2), bit j of code i at bit ``i*bm + j`` of the block's ceil(count*bm/8)
+  bytes, little bit order.
 * ``v_codes``: the same with bv bits (``q`` in 0..2**bv - 1, 0 = exact zero).
 * ``m_params``: nb u16, the high half of the float32 m-scale (a bfloat16 bit pattern).
 * ``v_params``: nb x 2 float32: ``wlo, rr``; the reader forms ``lo = wlo*wlo`` and
@@ -57,44 +58,68 @@ def check_widths(wbytes, what="widths"):
     return bm, bv
 
 
-def packed_len(widths):
-    """Bytes of a code stream whose blocks have these widths (32 bytes per bit)."""
-    return int(32 * np.asarray(widths, np.int64).sum())
+def block_bytes(widths, n):
+    """Bytes of each block of a code stream: ceil(count * width / 8), count = 256 except
+    for the last block, which holds only the tensor's remaining ``n - 256*(nb-1)`` codes."""
+    widths = np.asarray(widths, np.int64)
+    counts = np.full(widths.size, BLOCK, np.int64)
+    if widths.size:
+        counts[-1] = n - BLOCK * (widths.size - 1)
+    return -(-(counts * widths) // 8), counts
+
+
+def packed_len(widths, n):
+    """Bytes of a code stream of n codes whose blocks have these widths."""
+    return int(block_bytes(widths, n)[0].sum())
 
 
 # ---------------------------------------------------------------- bit packing (vectorised per width)
-def _offsets(widths):
-    return np.concatenate([[0], np.cumsum(32 * np.asarray(widths, np.int64))])
+def _bits_to_bytes(codes, w):
+    bits = np.unpackbits(codes[..., None], axis=-1, bitorder="little")[..., :w]
+    return np.packbits(bits.reshape(codes.shape[0], -1), axis=1, bitorder="little")
 
 
-def pack(codes, widths):
-    """codes: [nb*256] unsigned ints (< 2**width of their block) -> packed uint8 stream."""
-    codes = np.asarray(codes, np.uint8).reshape(-1, BLOCK)
+def pack(codes, widths, n):
+    """codes: the first n of [nb*256] unsigned ints (< 2**width of their block) -> packed uint8 stream.
+
+    Full blocks are packed together per width; a partial last block alone."""
     widths = np.asarray(widths, np.int64)
-    off = _offsets(widths)
+    nb = widths.size
+    codes = np.zeros(nb * BLOCK, np.uint8) if n == 0 else np.asarray(codes, np.uint8).reshape(-1)
+    codes = np.concatenate([codes[:n], np.zeros(nb * BLOCK - n, np.uint8)]).reshape(nb, BLOCK)
+    nbytes, counts = block_bytes(widths, n)
+    off = np.concatenate([[0], np.cumsum(nbytes)])
     out = np.zeros(int(off[-1]), np.uint8)
-    for w in np.unique(widths):
-        sel = np.flatnonzero(widths == w)
-        bits = np.unpackbits(codes[sel][:, :, None], axis=2, bitorder="little")[:, :, :w]
-        packed = np.packbits(bits.reshape(sel.size, -1), axis=1, bitorder="little")
-        idx = off[sel][:, None] + np.arange(32 * w)[None]
-        out[idx] = packed
+    full = counts == BLOCK
+    for w in np.unique(widths[full]):
+        sel = np.flatnonzero(full & (widths == w))
+        out[off[sel][:, None] + np.arange(32 * w)[None]] = _bits_to_bytes(codes[sel], w)
+    if nb and not full[-1]:
+        c, w = int(counts[-1]), int(widths[-1])
+        out[off[-2]:off[-1]] = _bits_to_bytes(codes[-1:, :c], w)[0]
     return out
 
 
-def unpack(stream, widths):
-    """Packed uint8 stream -> [nb*256] uint8 codes (inverse of `pack`)."""
+def unpack(stream, widths, n):
+    """Packed uint8 stream -> [nb*256] uint8 codes (inverse of `pack`; padding codes 0)."""
     stream = np.asarray(stream, np.uint8)
     widths = np.asarray(widths, np.int64)
-    off = _offsets(widths)
+    nb = widths.size
+    nbytes, counts = block_bytes(widths, n)
+    off = np.concatenate([[0], np.cumsum(nbytes)])
     if stream.size != off[-1]:
         raise PackError(f"code stream is {stream.size} bytes where the widths need {int(off[-1])}")
-    out = np.zeros((widths.size, BLOCK), np.uint8)
-    for w in np.unique(widths):
-        sel = np.flatnonzero(widths == w)
+    out = np.zeros((nb, BLOCK), np.uint8)
+    full = counts == BLOCK
+    for w in np.unique(widths[full]):
+        sel = np.flatnonzero(full & (widths == w))
         chunk = stream[off[sel][:, None] + np.arange(32 * w)[None]]
         bits = np.unpackbits(chunk, axis=1, bitorder="little").reshape(sel.size, BLOCK, w)
         out[sel] = np.packbits(bits, axis=2, bitorder="little")[:, :, 0]
+    if nb and not full[-1]:
+        c, w = int(counts[-1]), int(widths[-1])
+        bits = np.unpackbits(stream[off[-2]:off[-1]], bitorder="little")[:c * w].reshape(c, w)
+        out[-1, :c] = np.packbits(bits, axis=1, bitorder="little")[:, 0]
     return out.reshape(-1)
 
 
@@ -169,5 +194,5 @@ def payload_bytes(widths, escape_index, n):
     """Moment payload of one logrel-aw tensor: the exact container section sizes."""
     bm, bv = split_widths(widths)
     nb = bm.size
-    return int(nb + packed_len(bm) + packed_len(bv) + 2 * nb + 8 * nb
+    return int(nb + packed_len(bm, n) + packed_len(bv, n) + 2 * nb + 8 * nb
                + escape_section_bytes(escape_index, n)[1] + 8 * np.asarray(escape_index).size)

@@ -273,14 +273,16 @@ def _read_aw(name, s, payload, n, nb):
     bm, bv = packed.check_widths(wb)
     streams = []
     for key, widths in (("m_codes", bm), ("v_codes", bv)):
-        streams.append(_array(payload, s[key], "u1", packed.packed_len(widths), f"{name}.{key}"))
+        streams.append(_array(payload, s[key], "u1", packed.packed_len(widths, n), f"{name}.{key}"))
     lm = (1 << (bm - 1)) - 1
-    mc = packed.unpack(streams[0], bm).reshape(nb, BLOCK).astype(np.int16)
+    mc = packed.unpack(streams[0], bm, n).reshape(nb, BLOCK).astype(np.int16)
+    if n < nb * BLOCK:        # padding of the last block is not stored: offset code of q = 0
+        mc.reshape(-1)[n:] = lm[-1]
     if (mc > 2 * lm[:, None]).any():
         blk = int(np.flatnonzero((mc > 2 * lm[:, None]).any(1))[0])
         raise ReaderError(f"{name}.m_codes: block {blk} has code {2 ** int(bm[blk]) - 1}, outside its {int(bm[blk])}-bit range")
     mq = (mc - lm[:, None]).astype(np.int8).reshape(-1)[:n]
-    vq = packed.unpack(streams[1], bv)[:n]
+    vq = packed.unpack(streams[1], bv, n)[:n]
     scale = packed.u16_to_scale(_array(payload, s["m_params"], "<u2", nb, f"{name}.m_params"))
     wp = _array(payload, s["v_params"], "<f4", 2 * nb, f"{name}.v_params").reshape(nb, 2)
     lo, r = packed.lo_r(wp[:, 0], wp[:, 1])
