@@ -114,8 +114,16 @@ def unpack(stream, widths, n):
     for w in np.unique(widths[full]):
         sel = np.flatnonzero(full & (widths == w))
         chunk = stream[off[sel][:, None] + np.arange(32 * w)[None]]
-        bits = np.unpackbits(chunk, axis=1, bitorder="little").reshape(sel.size, BLOCK, w)
-        out[sel] = np.packbits(bits, axis=2, bitorder="little")[:, :, 0]
+        if w == 8:                   # byte-aligned fast paths (the same bit layout)
+            out[sel] = chunk
+        elif w == 4:
+            out[sel] = np.stack([chunk & 15, chunk >> 4], axis=2).reshape(sel.size, BLOCK)
+        else:                        # field i spans bytes (i*w)>>3 and the next one
+            pos = np.arange(BLOCK) * w
+            byte, shift = pos >> 3, (pos & 7).astype(np.uint16)
+            c16 = np.concatenate([chunk, np.zeros((sel.size, 1), np.uint8)], axis=1).astype(np.uint16)
+            pair = c16[:, byte] | (c16[:, byte + 1] << 8)
+            out[sel] = ((pair >> shift) & ((1 << w) - 1)).astype(np.uint8)
     if nb and not full[-1]:
         c, w = int(counts[-1]), int(widths[-1])
         bits = np.unpackbits(stream[off[-2]:off[-1]], bitorder="little")[:c * w].reshape(c, w)
