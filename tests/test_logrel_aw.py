@@ -214,3 +214,28 @@ def test_jit_paths_refuse_logrel_aw_clearly():
     x = np.ones(300, np.float32)
     with pytest.raises(ConfigError, match="logrel-aw"):
         jit_encode.encode_jit(x, x, x, G.GuardConfig(lr=1e-3, step=10, codec=AW), capacity=64)
+
+
+@pytest.mark.parametrize("mu_dtype", ["float32", "bfloat16"])
+def test_optax_adapter_logrel_aw_real_optax_audit(tmp_path, mu_dtype):
+    """jaxguard.save/load with codec logrel-aw; audit with the real jitted optax update.
+    bfloat16 mu takes the nu-only path, which codes v with log8-rel."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jaxguard as jg
+    from jaxguard import optax_adapter as oa
+    lr = 1e-3
+    key = jax.random.PRNGKey(0)
+    p = {"a": {"w": jax.random.normal(key, (24, 40)) * 0.1, "b": jnp.zeros(40)}}
+    tx = optax.adam(lr, mu_dtype=jnp.dtype(mu_dtype))
+    st = tx.init(p)
+    for i in range(4):
+        g = jax.tree_util.tree_map(lambda x: jnp.sin(x * (i + 3.0)) + 0.01 * (i + 1), p)
+        u, st = tx.update(g, st, p)
+        p = optax.apply_updates(p, u)
+    s = jg.save(tmp_path / "o.jg", st, p, lr=lr, codec=AW)
+    r = jg.load(tmp_path / "o.jg", like=tx.init(p))
+    res = oa.audit(tx, st, r, p, lr=lr)
+    assert res["violations"] == 0 and s["coordinates"] == 24 * 40 + 40, (res, s)
