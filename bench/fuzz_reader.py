@@ -3,7 +3,7 @@
     nice -n 19 python bench/fuzz_reader.py --seconds 600 [--seed 0] [--corpus tests/fuzz_corpus]
 
 Starts from valid containers (a small torch Linear model + Adam state with NaN/Inf/negative
-moments, codecs log8 and block8) and applies, at random:
+moments, codecs log8, block8, bf16 and logrel-aw) and applies, at random:
 
 * raw mutations: bit flips, byte insert/delete/overwrite, truncation, appends (these stop
   at the trailing SHA-256 almost always);
@@ -41,7 +41,7 @@ def make_seeds():
     from jaxguard._demo import odd_values_checkpoint
 
     seeds = []
-    for codec in ("log8", "block8", "bf16"):
+    for codec in ("log8", "block8", "bf16", "logrel-aw"):
         data, _ = torch_compat.compress_checkpoint(odd_values_checkpoint(), codec=codec)
         reader.verify_bytes(data)
         seeds.append(data)

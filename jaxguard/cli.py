@@ -198,7 +198,7 @@ def build_parser():
     c.add_argument("-o", "--output", required=True)
     c.add_argument("--tau", type=float, default=0.01)
     c.add_argument("--clip", type=float, default=0.2)
-    c.add_argument("--codec", default="log8-rel", choices=["log8", "log8-rel", "bf16", "block8", "block8-unguarded"])
+    c.add_argument("--codec", default="log8-rel", choices=["log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw"])
     c.add_argument("--bound", default="shared", choices=["shared", "separate"])
     c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
     c.add_argument("--json", action="store_true")

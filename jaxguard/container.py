@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 
-from . import reader
+from . import packed, reader
 from .errors import ContainerError
 
 SCHEMA = "jaxguard-container"
@@ -60,6 +60,11 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
         enc = obj
         a = enc.arrays
         n = enc.n
+        if enc.codec == packed.CODEC:
+            header_entries.append({"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
+                                   "sections": _aw_sections(pay, enc), "config": info,
+                                   "stats": _jsonable(enc.stats)})
+            continue
         mask = np.zeros(n, bool)
         mask[a["escape_index"]] = True
         pairs = np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32)
@@ -80,6 +85,41 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes + payload
     return body + hashlib.sha256(body).digest()
+
+
+def _aw_sections(pay, enc) -> dict:
+    """Sections of a logrel-aw entry (jaxguard.packed): packed codes, compact parameters, and
+    the smaller of a sparse escape index and an escape bitmask."""
+    a, n = enc.arrays, enc.n
+    widths = np.asarray(a["widths"], np.uint8)
+    nb = widths.size
+    try:
+        bm, bv = packed.check_widths(widths)
+        lm = np.repeat((1 << (bm - 1)) - 1, packed.BLOCK)
+        qm = np.zeros(nb * packed.BLOCK, np.int64)
+        qm[:n] = np.asarray(a["m_codes"], np.int64).reshape(-1)
+        qv = np.zeros(nb * packed.BLOCK, np.int64)
+        qv[:n] = np.asarray(a["v_codes"], np.int64).reshape(-1)
+        if (np.abs(qm) > lm).any() or (qv >= (1 << np.repeat(bv, packed.BLOCK))).any() or (qv < 0).any():
+            raise packed.PackError("a code does not fit its block's width")
+        mp, vp = np.asarray(a["m_params"], np.float32), np.asarray(a["v_params"], np.float32)
+        lo, r = packed.lo_r(vp[:, 2], vp[:, 3])
+        if (lo.view(np.uint32) != vp[:, 0].view(np.uint32)).any() or (r.view(np.uint32) != vp[:, 1].view(np.uint32)).any():
+            raise packed.PackError("v parameters are not of the form lo = wlo*wlo, r = rr*rr")
+        idx = np.asarray(a["escape_index"], np.int64)
+        kind, _ = packed.escape_section_bytes(idx, n)
+        if kind == "escape_index":
+            esc = pay.add(packed.varint_encode(idx))
+        else:
+            mask = np.zeros(n, bool)
+            mask[idx] = True
+            esc = pay.add(np.packbits(mask, bitorder="little"))
+        return {"widths": pay.add(widths), "m_codes": pay.add(packed.pack(qm + lm, bm, n)),
+                "v_codes": pay.add(packed.pack(qv, bv, n)), "m_params": pay.add(packed.scale_to_u16(mp[:, 0])),
+                "v_params": pay.add(np.ascontiguousarray(vp[:, 2:4])), kind: esc,
+                "escape_pairs": pay.add(np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32))}
+    except packed.PackError as exc:
+        raise ContainerError(f"cannot store {packed.CODEC} moments: {exc}") from None
 
 
 def _jsonable(x):

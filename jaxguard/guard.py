@@ -27,12 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import adaptive as _adaptive
 from . import bound as _bound
 from . import codes
+from . import packed as _packed
 from .errors import ConfigError
 from .opmodel import OP_MODELS, f32, step_constants
 
-CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded")
+CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", _packed.CODEC)
 # log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
 # trained transformers, ~100x fewer escapes at early checkpoints (see README).
 DEFAULT_CODEC = "log8-rel"
@@ -129,6 +131,9 @@ class Encoded(ArrayPytree):
 @functools.partial(jax.jit, static_argnames=("codec",))
 def _propose(mb, vb, valid, vpos, codec):
     """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked."""
+    if codec == _packed.CODEC:
+        raise ConfigError(f"codec {codec!r} chooses widths per block on the host (guard.encode); the fixed-shape "
+                          "paths (encode_jit, nu-only) take log8-rel")
     if codec == "log8":
         mq, ms = jax.vmap(codes.linear8_encode_block)(mb, valid)
         vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
@@ -172,7 +177,7 @@ def decode_arrays(arrays: dict, codec: str, n: int):
     if codec == "log8":
         mt = jax.vmap(codes.linear8_decode_block)(blocks(mq), mp[:, 0])
         vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(blocks(vq), vp[:, 0], vp[:, 1])
-    elif codec == "log8-rel":
+    elif codec in ("log8-rel", _packed.CODEC):   # logrel-aw: log8-rel's decode, narrower codes
         vqb = blocks(vq)
         w = jax.vmap(codes.sqrt_scale_block)(vqb, vp[:, 2], vp[:, 3])
         mt = jax.vmap(codes.rel8_decode_block)(blocks(mq), mp[:, 0], w)
@@ -360,7 +365,7 @@ def _join_pieces(pieces, shape):
         start, enc = pieces[0]
         return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats)
     a = {k: np.concatenate([e.arrays[k] for _, e in pieces]) for k in
-         ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v")}
+         ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v", "widths") if k in pieces[0][1].arrays}
     a["escape_index"] = np.concatenate([e.arrays["escape_index"].astype(np.int64) + s for s, e in pieces])
     enc = Encoded(a, pieces[0][1].codec, tuple(shape))
     stats = {}
@@ -373,6 +378,18 @@ def _join_pieces(pieces, shape):
     stats["payload_bytes"] = payload_bytes(enc)
     enc.stats = stats
     return enc
+
+
+def _group_constants(items, gidx, ph):
+    """(K rows, |p|, per-coordinate clip) of a group laid side by side (`gidx`: item per coordinate)."""
+    consts = [cfg.constants() for *_, cfg in items]
+    K = np.stack([_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)])
+    pabs = np.abs(ph)
+    clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
+    wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
+        clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
+    return K, pabs, clip.astype(np.float32)
 
 
 def _encode_group(items, shapes, codec, bound, partition, progress=False):
@@ -394,21 +411,25 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
     valid = (in_tensor & _stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
     vpos = (_finite(vh) & ~_zero(vh) & ~_negative(vh)).reshape(-1, codes.BLOCK)
     mf, vf = jnp.asarray(mh), jnp.asarray(vh)
-    mq, vq, mp, vp, mtb, vtb = _propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos, codec)
+    widths = None
+    if codec == _packed.CODEC:
+        # per-block widths chosen on certified escapes; the assembled codes are decoded
+        # again below exactly as the reader decodes them and certified from scratch
+        K, pabs, clip = _group_constants(items, gidx, ph)
+        mq, vq, mp, vp, widths = _adaptive.choose_and_certify(
+            mh, vh, ph, valid, vpos, in_tensor, lambda a, b: _classify(mh, vh, ph, a, b),
+            lambda a, b, idx: certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition), )
+        mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
+    else:
+        mq, vq, mp, vp, mtb, vtb = _propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos,
+                                            codec)
     mt, vt = mtb.reshape(-1), vtb.reshape(-1)
     exact, ok = _classify(mh, vh, ph, np.asarray(mt), np.asarray(vt))
     level_of = np.full(npad, -1, np.int8)
     if codec == "block8-unguarded":
         escape = in_tensor & ~exact & ~ok
     else:
-        consts = [cfg.constants() for *_, cfg in items]
-        K = np.stack([_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)])
-        pabs = np.abs(ph)
-        clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
-        wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
-        with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
-            clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
-        clip = clip.astype(np.float32)
+        K, pabs, clip = _group_constants(items, gidx, ph)
         cand = np.flatnonzero(in_tensor & ~exact & ok)
         level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress)
         escape = in_tensor & ~exact & (level_of < 0)
@@ -433,6 +454,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
                   "m_params": mp[int(offs[i]):int(offs[i]) + nb].astype(np.float32),
                   "v_params": vp[int(offs[i]):int(offs[i]) + nb].astype(np.float32),
                   "escape_index": esc, "escape_m": mh[b + esc], "escape_v": vh[b + esc]}
+        if widths is not None:
+            arrays["widths"] = widths[int(offs[i]):int(offs[i]) + nb].copy()
         enc = Encoded(arrays, codec, tuple(shape))
         lv = level_of[b:b + n]
         ex, okk = exact[b:b + n], ok[b:b + n]
@@ -505,6 +528,8 @@ def _pad(x, size):
 def payload_bytes(enc: Encoded) -> int:
     """Moment payload as in the paper: codes + block metadata + escape bitmask + 8 B/escape."""
     a = enc.arrays
+    if enc.codec == _packed.CODEC:
+        return _packed.payload_bytes(a["widths"], a["escape_index"], enc.n)
     return int(a["m_codes"].nbytes + a["v_codes"].nbytes + a["m_params"].nbytes + a["v_params"].nbytes
                + -(-enc.n // 8) + 8 * a["escape_index"].size)
 

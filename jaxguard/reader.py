@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from . import packed
+
 MAGIC = b"JAXGUARD"
 VERSION = 1
 PREFIX = struct.Struct("<8sIIQ")   # magic, version, flags, header length
@@ -33,6 +35,7 @@ DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2
 CODE_DTYPES = {"log8": ("i1", "u1"), "log8-rel": ("i1", "u1"), "bf16": ("<u2", "<u2"), "block8": ("u1", "u1"),
                "block8-unguarded": ("u1", "u1")}
 PARAM_WIDTH = {"log8": (1, 2), "log8-rel": (1, 4), "bf16": (0, 0), "block8": (1, 1), "block8-unguarded": (1, 1)}
+CODE_DTYPES[packed.CODEC] = ("i1", "u1")   # after unpacking (jaxguard.packed)
 
 
 class ReaderError(ValueError):
@@ -128,6 +131,7 @@ def parse(data: bytes):
 
 
 MOMENT_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "escape_pairs")
+AW_SECTIONS = ("widths", "m_codes", "v_codes", "m_params", "v_params", "escape_pairs")
 
 
 def _sections(entry):
@@ -137,6 +141,12 @@ def _sections(entry):
         return {"data": entry.get("offsets")}
     if entry.get("kind") == "moments":
         sec = entry.get("sections")
+        if entry.get("codec") == packed.CODEC:
+            if (not isinstance(sec, dict)
+                    or not any(sorted(sec) == sorted(AW_SECTIONS + (e,)) for e in ("escape_mask", "escape_index"))):
+                raise ReaderError(f"entry {entry.get('name')!r} ({packed.CODEC}) must have exactly the sections "
+                                  f"{', '.join(AW_SECTIONS)} and one of escape_mask, escape_index")
+            return sec
         if not isinstance(sec, dict) or sorted(sec) != sorted(MOMENT_SECTIONS):
             raise ReaderError(f"entry {entry.get('name')!r} must have exactly the sections {', '.join(MOMENT_SECTIONS)}")
         if not isinstance(entry.get("codec"), str):
@@ -220,6 +230,12 @@ def read_moments(entry, payload, tables):
         raise ReaderError("block8 entries need the dynamic8s/dynamic8u tables")
     s = entry["sections"]
     nb = max(1, -(-n // BLOCK))
+    if codec == packed.CODEC:
+        try:
+            m, v = _read_aw(entry["name"], s, payload, n, nb)
+        except packed.PackError as exc:
+            raise ReaderError(f"{entry['name']}.{exc}") from None
+        return m.reshape(shape), v.reshape(shape)
     mdt, vdt = CODE_DTYPES[codec]
     wm, wv = PARAM_WIDTH[codec]
     name = entry["name"]
@@ -238,6 +254,45 @@ def read_moments(entry, payload, tables):
     m[idx] = pairs[:, 0]
     v[idx] = pairs[:, 1]
     return m.reshape(shape), v.reshape(shape)
+
+
+def _escape_positions(name, s, payload, n):
+    if "escape_index" in s:
+        b, e = s["escape_index"]
+        return packed.varint_decode(np.frombuffer(payload[b:e], np.uint8), n, "escape_index")
+    mask = _array(payload, s["escape_mask"], "u1", -(-n // 8), f"{name}.escape_mask")
+    bits = np.unpackbits(mask, bitorder="little")
+    if bits[n:].any():
+        raise ReaderError(f"{name}.escape_mask has bits set past the end of the tensor")
+    return np.flatnonzero(bits[:n])
+
+
+def _read_aw(name, s, payload, n, nb):
+    """Decode one logrel-aw entry (layout: jaxguard.packed; decode: log8-rel's)."""
+    wb = _array(payload, s["widths"], "u1", nb, f"{name}.widths")
+    bm, bv = packed.check_widths(wb)
+    streams = []
+    for key, widths in (("m_codes", bm), ("v_codes", bv)):
+        streams.append(_array(payload, s[key], "u1", packed.packed_len(widths, n), f"{name}.{key}"))
+    lm = (1 << (bm - 1)) - 1
+    mc = packed.unpack(streams[0], bm, n).reshape(nb, BLOCK).astype(np.int16)
+    if n < nb * BLOCK:        # padding of the last block is not stored: offset code of q = 0
+        mc.reshape(-1)[n:] = lm[-1]
+    if (mc > 2 * lm[:, None]).any():
+        blk = int(np.flatnonzero((mc > 2 * lm[:, None]).any(1))[0])
+        raise ReaderError(f"{name}.m_codes: block {blk} has code {2 ** int(bm[blk]) - 1}, outside its {int(bm[blk])}-bit range")
+    mq = (mc - lm[:, None]).astype(np.int8).reshape(-1)[:n]
+    vq = packed.unpack(streams[1], bv, n)[:n]
+    scale = packed.u16_to_scale(_array(payload, s["m_params"], "<u2", nb, f"{name}.m_params"))
+    wp = _array(payload, s["v_params"], "<f4", 2 * nb, f"{name}.v_params").reshape(nb, 2)
+    lo, r = packed.lo_r(wp[:, 0], wp[:, 1])
+    idx = _escape_positions(name, s, payload, n)
+    pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
+    m, v = decode_codes("log8-rel", n, mq, vq, scale[:, None], np.stack([lo, r, wp[:, 0], wp[:, 1]], axis=1), {})
+    m, v = m.copy(), v.copy()
+    m[idx] = pairs[:, 0]
+    v[idx] = pairs[:, 1]
+    return m, v
 
 
 def decoded_digest(header, payload):

@@ -1,0 +1,206 @@
+"""Byte layout of the ``logrel-aw`` codec: bit-packed per-block-width codes, compact block
+parameters and sparse escape indices.  Numpy only (the reader imports it).
+
+Numerical contract
+------------------
+Nothing here rounds: packing and unpacking are integer bit manipulations and the block
+parameters are rebuilt from their stored bits with correctly rounded float32 multiplies
+(``lo = wlo*wlo``, ``r = rr*rr``) and a 16-bit shift (``scale``), so JAX, numpy and torch
+obtain the same float32 parameters, and from them (jaxguard.codes' log8-rel decode) the
+same moments.
+
+Layout of one tensor of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` blocks
+(docs/format.md):
+
+* ``widths``: nb bytes, ``(bm << 4) | bv`` with bm, bv in 4..8: the m and v code widths.
+* ``m_codes``: for each block in order, its codes (256, or the n - 256*(nb-1) remaining
+  ones for the last block) of bm bits (``q + 2**(bm-1) - 1``, the signed code offset to
+  0..2**bm - 2), bit j of code i at bit ``i*bm + j`` of the block's ceil(count*bm/8)
+  bytes, little bit order.
+* ``v_codes``: the same with bv bits (``q`` in 0..2**bv - 1, 0 = exact zero).
+* ``m_params``: nb u16, the high half of the float32 m-scale (a bfloat16 bit pattern).
+* ``v_params``: nb x 2 float32: ``wlo, rr``; the reader forms ``lo = wlo*wlo`` and
+  ``r = rr*rr``.
+* ``escape_index`` (sparse) *or* ``escape_mask`` (a bit per coordinate), whichever is
+  smaller: LEB128 varints of the gaps ``idx[0]``, ``idx[k] - idx[k-1] - 1``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CODEC = "logrel-aw"
+BLOCK = 256
+MIN_WIDTH, MAX_WIDTH = 4, 8
+MAX_VARINT_BYTES = 7       # 49 bits: more than any tensor the reader accepts (2**40)
+
+
+class PackError(ValueError):
+    """A packed section is malformed (the message says which and how)."""
+
+
+# ---------------------------------------------------------------- widths
+def split_widths(wbytes):
+    w = np.asarray(wbytes, np.uint8)
+    return (w >> 4).astype(np.int64), (w & 15).astype(np.int64)
+
+
+def join_widths(bm, bv):
+    return ((np.asarray(bm, np.uint8) << 4) | np.asarray(bv, np.uint8)).astype(np.uint8)
+
+
+def check_widths(wbytes, what="widths"):
+    bm, bv = split_widths(wbytes)
+    bad = (bm < MIN_WIDTH) | (bm > MAX_WIDTH) | (bv < MIN_WIDTH) | (bv > MAX_WIDTH)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PackError(f"{what}: block {i} has widths byte {int(wbytes[i]):#04x}; m and v widths must be "
+                        f"{MIN_WIDTH}..{MAX_WIDTH}")
+    return bm, bv
+
+
+def block_bytes(widths, n):
+    """Bytes of each block of a code stream: ceil(count * width / 8), count = 256 except
+    for the last block, which holds only the tensor's remaining ``n - 256*(nb-1)`` codes."""
+    widths = np.asarray(widths, np.int64)
+    counts = np.full(widths.size, BLOCK, np.int64)
+    if widths.size:
+        counts[-1] = n - BLOCK * (widths.size - 1)
+    return -(-(counts * widths) // 8), counts
+
+
+def packed_len(widths, n):
+    """Bytes of a code stream of n codes whose blocks have these widths."""
+    return int(block_bytes(widths, n)[0].sum())
+
+
+# ---------------------------------------------------------------- bit packing (vectorised per width)
+def _bits_to_bytes(codes, w):
+    bits = np.unpackbits(codes[..., None], axis=-1, bitorder="little")[..., :w]
+    return np.packbits(bits.reshape(codes.shape[0], -1), axis=1, bitorder="little")
+
+
+def pack(codes, widths, n):
+    """codes: the first n of [nb*256] unsigned ints (< 2**width of their block) -> packed uint8 stream.
+
+    Full blocks are packed together per width; a partial last block alone."""
+    widths = np.asarray(widths, np.int64)
+    nb = widths.size
+    codes = np.zeros(nb * BLOCK, np.uint8) if n == 0 else np.asarray(codes, np.uint8).reshape(-1)
+    codes = np.concatenate([codes[:n], np.zeros(nb * BLOCK - n, np.uint8)]).reshape(nb, BLOCK)
+    nbytes, counts = block_bytes(widths, n)
+    off = np.concatenate([[0], np.cumsum(nbytes)])
+    out = np.zeros(int(off[-1]), np.uint8)
+    full = counts == BLOCK
+    for w in np.unique(widths[full]):
+        sel = np.flatnonzero(full & (widths == w))
+        out[off[sel][:, None] + np.arange(32 * w)[None]] = _bits_to_bytes(codes[sel], w)
+    if nb and not full[-1]:
+        c, w = int(counts[-1]), int(widths[-1])
+        out[off[-2]:off[-1]] = _bits_to_bytes(codes[-1:, :c], w)[0]
+    return out
+
+
+def unpack(stream, widths, n):
+    """Packed uint8 stream -> [nb*256] uint8 codes (inverse of `pack`; padding codes 0)."""
+    stream = np.asarray(stream, np.uint8)
+    widths = np.asarray(widths, np.int64)
+    nb = widths.size
+    nbytes, counts = block_bytes(widths, n)
+    off = np.concatenate([[0], np.cumsum(nbytes)])
+    if stream.size != off[-1]:
+        raise PackError(f"code stream is {stream.size} bytes where the widths need {int(off[-1])}")
+    out = np.zeros((nb, BLOCK), np.uint8)
+    full = counts == BLOCK
+    for w in np.unique(widths[full]):
+        sel = np.flatnonzero(full & (widths == w))
+        chunk = stream[off[sel][:, None] + np.arange(32 * w)[None]]
+        if w == 8:                   # byte-aligned fast paths (the same bit layout)
+            out[sel] = chunk
+        elif w == 4:
+            out[sel] = np.stack([chunk & 15, chunk >> 4], axis=2).reshape(sel.size, BLOCK)
+        else:                        # field i spans bytes (i*w)>>3 and the next one
+            pos = np.arange(BLOCK) * w
+            byte, shift = pos >> 3, (pos & 7).astype(np.uint16)
+            c16 = np.concatenate([chunk, np.zeros((sel.size, 1), np.uint8)], axis=1).astype(np.uint16)
+            pair = c16[:, byte] | (c16[:, byte + 1] << 8)
+            out[sel] = ((pair >> shift) & ((1 << w) - 1)).astype(np.uint8)
+    if nb and not full[-1]:
+        c, w = int(counts[-1]), int(widths[-1])
+        bits = np.unpackbits(stream[off[-2]:off[-1]], bitorder="little")[:c * w].reshape(c, w)
+        out[-1, :c] = np.packbits(bits, axis=1, bitorder="little")[:, 0]
+    return out.reshape(-1)
+
+
+# ---------------------------------------------------------------- block parameters
+def scale_to_u16(scale):
+    b = np.ascontiguousarray(np.asarray(scale, np.float32)).view(np.uint32)
+    if (b & 0xFFFF).any():
+        raise PackError("m-scale is not a bfloat16 value (low 16 bits set); the encoder must round it")
+    return (b >> 16).astype(np.uint16)
+
+
+def u16_to_scale(u):
+    return (np.asarray(u, np.uint32) << 16).view(np.float32)
+
+
+def lo_r(wlo, rr):
+    """(lo, r) = (wlo*wlo, rr*rr), float32 (correctly rounded, identical everywhere)."""
+    wlo, rr = np.asarray(wlo, np.float32), np.asarray(rr, np.float32)
+    with np.errstate(over="ignore"):
+        return (wlo * wlo).astype(np.float32), (rr * rr).astype(np.float32)
+
+
+# ---------------------------------------------------------------- sparse escapes
+def varint_encode(idx):
+    """Sorted unique indices -> LEB128 varints of the gaps (first index, then idx[k]-idx[k-1]-1)."""
+    idx = np.asarray(idx, np.int64)
+    if idx.size == 0:
+        return np.zeros(0, np.uint8)
+    gaps = np.diff(idx, prepend=-1) - 1
+    nbytes = np.ones(gaps.size, np.int64)
+    for k in range(1, MAX_VARINT_BYTES):
+        nbytes += gaps >= (1 << (7 * k))
+    out = np.zeros(int(nbytes.sum()), np.uint8)
+    start = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
+    for k in range(MAX_VARINT_BYTES):
+        has = nbytes > k
+        byte = (gaps[has] >> (7 * k)) & 0x7F
+        cont = (nbytes[has] > k + 1).astype(np.int64) << 7
+        out[start[has] + k] = (byte | cont).astype(np.uint8)
+    return out
+
+
+def varint_decode(buf, n, what="escape_index"):
+    """LEB128 gap varints -> sorted indices, all < n; rejects malformed streams."""
+    b = np.asarray(buf, np.uint8)
+    if b.size == 0:
+        return np.zeros(0, np.int64)
+    if b[-1] & 0x80:
+        raise PackError(f"{what}: the last varint is unterminated (continuation bit set on the last byte)")
+    ends = np.flatnonzero((b & 0x80) == 0)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    if (ends - starts + 1).max() > MAX_VARINT_BYTES:
+        raise PackError(f"{what}: a varint is longer than {MAX_VARINT_BYTES} bytes")
+    group = np.repeat(np.arange(ends.size), ends - starts + 1)
+    shift = np.arange(b.size) - starts[group]
+    vals = (b & 0x7F).astype(np.int64) << (7 * shift)
+    gaps = np.add.reduceat(vals, starts)
+    idx = np.cumsum(gaps + 1) - 1
+    if idx[-1] >= n:
+        raise PackError(f"{what}: index {int(idx[-1])} is past the end of the tensor ({n} coordinates)")
+    return idx
+
+
+def escape_section_bytes(n_escapes_idx, n):
+    """(kind, bytes) of the smaller escape-position section for these indices."""
+    sparse = varint_encode(n_escapes_idx).size
+    mask = -(-n // 8)
+    return ("escape_index", sparse) if sparse < mask else ("escape_mask", mask)
+
+
+def payload_bytes(widths, escape_index, n):
+    """Moment payload of one logrel-aw tensor: the exact container section sizes."""
+    bm, bv = split_widths(widths)
+    nb = bm.size
+    return int(nb + packed_len(bm, n) + packed_len(bv, n) + 2 * nb + 8 * nb
+               + escape_section_bytes(escape_index, n)[1] + 8 * np.asarray(escape_index).size)
