@@ -62,8 +62,8 @@ def cmd_compress(a):
     ckpt = load_torch_checkpoint(a.ckpt)
     variant = None
     try:
-        from torch_compat import replay
-        variant = replay.detect_variant().to_dict()
+        from torch_compat.variant_cache import cached_detect_variant
+        variant = cached_detect_variant()[0].to_dict()   # once per environment, not per run
     except Exception as exc:  # noqa: BLE001 - the variant is informational only
         variant = {"matched": False, "detail": f"variant detection failed: {exc}"[:200]}
     data, summary = torch_compat.compress_checkpoint(ckpt, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound,
@@ -217,12 +217,19 @@ def build_parser():
 
 
 def _enable_compile_cache():
-    """The CLI is an application: cache XLA executables across runs (~20 s of compiles)."""
+    """The CLI is an application: cache XLA executables across runs (~20 s of compiles).
+
+    The directory is named by the jax/jaxlib versions and the machine (jax's own cache
+    key adds the backend, XLA flags and compile options), so another install never reads
+    a stale entry; every program is cached (min compile time 0)."""
     try:
+        import platform
         import jax
+        import jaxlib
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        tag = f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{platform.machine()}"
+        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla", tag))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     except Exception:  # noqa: BLE001 - a cache is an optimisation only
         pass
 
