@@ -130,7 +130,8 @@ def parse(data: bytes):
         raise ReaderError(f"container format version {version} is not supported by this reader (supports {VERSION})")
     if flags != 0:
         raise ReaderError(f"unknown flags {flags:#x} in the container prefix")
-    if hashlib.sha256(data[:-TRAILER]).digest() != data[-TRAILER:]:
+    view = memoryview(data)   # slices of a view do not copy the file
+    if hashlib.sha256(view[:-TRAILER]).digest() != bytes(view[-TRAILER:]):
         raise ReaderError("file checksum mismatch: the file is corrupt or truncated (trailing SHA-256)")
     if hlen > MAX_HEADER or PREFIX.size + hlen + TRAILER > len(data):
         raise ReaderError(f"header length {hlen} does not fit in the file")
