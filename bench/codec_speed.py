@@ -216,6 +216,8 @@ def main(argv=None):
     torch.save(replicate(base, a.replicas), src)
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
     whole = whole_process(src, work, a.repeats, env)
+    with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
+        json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
     sw = sweep(base, sizes)
     try:
@@ -238,6 +240,7 @@ def main(argv=None):
         json.dump(result, fh, indent=1)
     plot(result, a.out + ".png")
     write_md(result, a.out + ".md")
+    os.unlink(a.out + ".partial.json")
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
 

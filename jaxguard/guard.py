@@ -247,7 +247,7 @@ FAST_TIER = 100          # level_of value of coordinates certified by the closed
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one compiled shape)
 
 
-def fast_accept(K, gidx, m, v, mt, vt, pabs, clip):
+def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     """The closed-form tier (`jaxguard.fastbound`) over whole flat arrays, in fixed-size
     chunks (one compiled program for any checkpoint).  Returns a host bool mask, True
     where the closed form certifies; callers AND it with their candidate mask."""
@@ -258,6 +258,8 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip):
     gidx = np.asarray(gidx, np.int32)
     for s in range(0, n, FAST_CHUNK):
         e = min(n, s + FAST_CHUNK)
+        if valid is not None and not valid[s:e].any():
+            continue   # padding only
         part = [x[s:e] for x in arrays] + [gidx[s:e]]
         if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
             part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
@@ -450,7 +452,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
         clip = clip.astype(np.float32)
         cand_mask = in_tensor & ~exact & ok
         if bound == "shared":   # closed-form tier on contiguous arrays (no gathers)
-            fast = cand_mask & fast_accept(K, gidx, mh, vh, mt, vt, pabs, clip)
+            fast = cand_mask & fast_accept(K, gidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
             level_of[fast] = FAST_TIER
             cand_mask &= ~fast
         cand = np.flatnonzero(cand_mask)

@@ -16,6 +16,7 @@ import torch
 
 from jaxguard import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
+from jaxguard.codes import BLOCK
 from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode_many
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
@@ -170,7 +171,7 @@ def _new_totals():
 
 # Coordinates encoded per `encode_many` call when streaming: bounds the working memory
 # (~40 bytes per coordinate) independently of the checkpoint's size.
-SLAB = 1 << 20
+SLAB = 1 << 20           # = guard.PROPOSE_CHUNK blocks
 
 
 def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC,
@@ -213,13 +214,17 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
     slab = SLAB if slab is None else slab
 
     def stream():
+        # a slab holds at most `slab` coordinates in whole blocks (one compiled shape per
+        # step of the guard); a larger tensor is a slab of its own
+        cap = -(-slab // BLOCK)
         slabs, cur, size = [], [], 0
         for job in jobs:
-            cur.append(job)
-            size += job[2]["exp_avg"].numel()
-            if size >= slab:
+            nb = -(-job[2]["exp_avg"].numel() // BLOCK)
+            if cur and size + nb > cap:
                 slabs.append(cur)
                 cur, size = [], 0
+            cur.append(job)
+            size += nb
         if cur:
             slabs.append(cur)
         for part in slabs:
