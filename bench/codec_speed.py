@@ -12,7 +12,7 @@ and certification throughput from 1M to 100M coordinates.
    compress, restore; plain, compress, restore; ...) so that load from other jobs hits
    all three alike: ``python -c "torch.save(torch.load(src), dst)"``, ``jaxguard compress
    src -o out``, ``jaxguard restore out -o back.pt``. Wall time and the child's own peak
-   RSS (``os.wait4``). One cold compress first with an empty cache directory
+   RSS (GNU ``/usr/bin/time -f %M``). One cold compress first with an empty cache directory
    (``XDG_CACHE_HOME``): it pays the variant detection and the XLA compilations and fills
    the caches; then one compress with ``jax_log_compiles`` counts the programs compiled
    vs read from the persistent cache, and whether the variant came from its cache.
@@ -73,16 +73,20 @@ def replicate(ckpt, r):
 
 
 def run_child(argv, env):
-    """(wall seconds, peak RSS bytes of that child alone, stdout) of one process."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {err[-2000:]}")
-    return wall, usage.ru_maxrss * 1024, out, err
+    """(wall seconds, peak RSS bytes of that child alone, stdout, stderr) of one process.
+
+    The peak RSS comes from GNU time (``/usr/bin/time -f %M``): ``wait4`` on a child
+    forked from this (large) process would count the parent's pages it shared before
+    exec."""
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        cmd = ["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        peak_kib = int(rss.read().strip().splitlines()[-1])
+    return wall, peak_kib * 1024, proc.stdout, proc.stderr
 
 
 def whole_process(src, work, repeats, env):
