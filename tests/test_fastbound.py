@@ -121,7 +121,7 @@ def test_real_torch_audit_on_trained_checkpoint(tmp_path):
     import torch_compat
     from jaxguard import _demo
     torch.manual_seed(0)
-    model = _demo.ByteTransformer(d=32, layers=1, heads=2, ctx=16)
+    model = _demo.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
     sample = _demo.text_batches(0)
     opt = torch.optim.AdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     for _ in range(15):
