@@ -97,7 +97,7 @@ class _Sink:
         arr = np.ascontiguousarray(arr)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
-        return self.write(memoryview(arr).cast("B") if arr.size else b"")
+        return self.write(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")   # any dtype (bf16 too)
 
 
 COPY_CHUNK = 1 << 24
