@@ -42,7 +42,7 @@ def test_closed_form_encloses_replay_over_whole_range(op_model, wd, lr):
     gradients spanning [-clip, clip] (the closed form claims the whole range)."""
     from torch_compat.replay import adam_step
     rng = np.random.default_rng(11)
-    n = 1500
+    n = 1000
     d = _draw_cases(rng, n)
     k = _k(op_model, lr=lr, step=7, wd=wd)
     b, ok = _fast(k, d["m"], d["v"], d["mt"], d["vt"], d["p"], d["clip"])
