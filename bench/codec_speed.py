@@ -1,108 +1,303 @@
-"""Encode / restore throughput of the guarded codecs next to torch.save / torch.load of
-the same checkpoint, measured side by side in one run.
+"""What the certificate costs next to the save it replaces: whole processes, peak memory,
+and certification throughput from 1M to 100M coordinates.
 
-    python bench/codec_speed.py [--steps 60] [--repeats 5] [--out bench/results/codec_speed]
+    python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100]
+                                [--out bench/results/codec_speed] [--work DIR]
 
-A ByteTransformer (d=128, 4 layers, ~0.9M parameters) is trained for --steps Adam steps
-on the standard library's source text; its checkpoint is then compressed with every
-codec (warm: one untimed run first, so XLA compilation is excluded), restored, and
-saved/loaded with torch. Medians over --repeats. Writes JSON and a Markdown table.
+1. A ByteTransformer (d=128, 4 layers, 867,328 Adam coordinates) is trained for --steps
+   Adam steps on the standard library's source; its checkpoint is replicated --replicas
+   times (parameters renamed r{i}.*, one param group) into one torch checkpoint
+   (19 -> 16,479,232 coordinates, 199 MB).
+2. Whole processes, as a user runs them, measured side by side and interleaved (plain,
+   compress, restore; plain, compress, restore; ...) so that load from other jobs hits
+   all three alike: ``python -c "torch.save(torch.load(src), dst)"``, ``jaxguard compress
+   src -o out``, ``jaxguard restore out -o back.pt``. Wall time and the child's own peak
+   RSS (GNU ``/usr/bin/time -f %M``). One cold compress first with an empty cache directory
+   (``XDG_CACHE_HOME``): it pays the variant detection and the XLA compilations and fills
+   the caches; then one compress with ``jax_log_compiles`` counts the programs compiled
+   vs read from the persistent cache, and whether the variant came from its cache.
+3. In-process encode throughput (`torch_compat.state.compress_state_stream`, slabs as in
+   the CLI) on the trained state tiled to each --sweep size (millions of coordinates),
+   after one warm-up; the least-squares slope seconds/coordinate is reported.
+
+Writes JSON, Markdown and a PNG next to --out.
 """
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "codec_speed"))
-    a = ap.parse_args(argv)
 
-    import jax
-
-    import torch_compat
-    from jaxguard import _demo, guard
-    from jaxguard.container import atomic_write
-
+def train_checkpoint(steps):
+    from jaxguard import _demo
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny model on shared cores (see jaxguard/_demo.py)
     model = _demo.ByteTransformer(d=128, layers=4, heads=4, ctx=64)
     sample = _demo.text_batches(0)
     opt = torch.optim.Adam(model.named_parameters(), lr=1e-3, foreach=False)
-    for _ in range(a.steps):
+    for _ in range(steps):
         opt.zero_grad()
         _demo.loss_fn(model, sample(True)).backward()
         opt.step()
-    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    coords = sum(st["exp_avg"].numel() for st in ckpt["optimizer"]["state"].values())
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    def med(f):
-        f()  # warm-up (compiles)
-        ts = []
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
 
+def replicate(ckpt, r):
+    """One param group, every parameter and its Adam state repeated r times (renamed)."""
+    model, opt = ckpt["model"], ckpt["optimizer"]
+    (g0,) = opt["param_groups"]
+    new_model, new_state, names, idxs = {}, {}, [], []
+    for i in range(r):
+        for name, idx in zip(g0["param_names"], g0["params"]):
+            nm = f"r{i}.{name}"
+            new_model[nm] = model[name].clone()
+            st = opt["state"][idx]
+            new_state[len(idxs)] = {k: v.clone() for k, v in st.items()}
+            names.append(nm)
+            idxs.append(len(idxs))
+    return {"model": new_model, "optimizer": {"state": new_state,
+                                              "param_groups": [{**g0, "params": idxs, "param_names": names}]}}
+
+
+def run_child(argv, env):
+    """(wall seconds, peak RSS bytes of that child alone, stdout, stderr) of one process.
+
+    The peak RSS comes from GNU time (``/usr/bin/time -f %M``): ``wait4`` on a child
+    forked from this (large) process would count the parent's pages it shared before
+    exec."""
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        cmd = ["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        peak_kib = int(rss.read().strip().splitlines()[-1])
+    return wall, peak_kib * 1024, proc.stdout, proc.stderr
+
+
+def whole_process(src, work, repeats, env):
+    py = sys.executable
+    plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
+             src, os.path.join(work, "plain.pt")]
+    out = os.path.join(work, "c.jg")
+    compress = [py, "-m", "jaxguard", "compress", src, "-o", out, "--json"]
+    restore = [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back.pt")]
+    res = {"cold_compress": None, "plain": [], "compress": [], "restore": []}
+    w, r, text, _ = run_child(compress, env)
+    res["cold_compress"] = {"seconds": w, "peak_rss": r}
+    summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+    # a second fresh process: what does it compile, and does it detect the variant again?
+    probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
+             "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json"]
+    w, r, out_, err_ = run_child(probe, env)
+    text = out_ + err_
+    compiled = text.count("Compiling ")
+    hits = text.count("Persistent compilation cache hit")
+    res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
+                         "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
+    for _ in range(repeats):        # interleaved: the same load for all three
+        for key, argv in (("plain", plain), ("compress", compress), ("restore", restore)):
+            w, r, _, _ = run_child(argv, env)
+            res[key].append({"seconds": w, "peak_rss": r})
+            print(f"  {key:>8}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
+    med = {k: {"seconds": statistics.median(x["seconds"] for x in res[k]),
+               "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in ("plain", "compress", "restore")}
+    ratios = {"compress_time": med["compress"]["seconds"] / med["plain"]["seconds"],
+              "restore_time": med["restore"]["seconds"] / med["plain"]["seconds"],
+              "compress_rss": med["compress"]["peak_rss"] / med["plain"]["peak_rss"],
+              "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
+    per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in ("compress", "restore")}
+               for i in range(repeats)]
+    return {**res, "median": med, "ratios": ratios, "per_repeat_time_ratios": per_run, "summary": summary,
+            "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
+
+
+def sweep(base, sizes_m):
+    import torch_compat.state as S
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        pt = os.path.join(tmp, "c.pt")
-        save_s = med(lambda: torch.save(ckpt, pt))
-        load_s = med(lambda: torch.load(pt, weights_only=True))
-        torch_bytes = os.path.getsize(pt)
-        for codec in guard.CODECS:
-            path = os.path.join(tmp, f"{codec}.jg")
-            out = {}
+    per = sum(st["exp_avg"].numel() for st in base["optimizer"]["state"].values())
 
-            def enc():
-                data, s = torch_compat.compress_checkpoint(ckpt, codec=codec)
-                atomic_write(path, data)
-                out["s"] = s
-            enc_s = med(enc)
-            res_s = med(lambda: torch_compat.restore_tree(path))
-            s = out["s"]
-            rows.append({"codec": codec, "coordinates": coords, "escapes": s["escapes"],
-                         "payload_ratio": s["payload_ratio"], "container_bytes": s["container_bytes"],
-                         "torch_save_bytes": torch_bytes, "encode_seconds": enc_s, "restore_seconds": res_s,
-                         "torch_save_seconds": save_s, "torch_load_seconds": load_s,
-                         "encode_vs_save": enc_s / save_s, "restore_vs_load": res_s / load_s,
-                         "encode_coords_per_s": coords / enc_s})
-            print(f"{codec:>18}: encode {enc_s:.3f} s ({enc_s / save_s:.1f}x torch.save), restore {res_s:.3f} s "
-                  f"({res_s / load_s:.1f}x torch.load), payload {100 * s['payload_ratio']:.2f}%", flush=True)
+    def run(r):
+        ck = {"model": {}, "optimizer": {"state": {}, "param_groups": []}}
+        (g0,) = base["optimizer"]["param_groups"]
+        names, idxs = [], []
+        for i in range(r):       # the same tensors referenced r times: no copies
+            for name, idx in zip(g0["param_names"], g0["params"]):
+                ck["model"][f"r{i}.{name}"] = base["model"][name]
+                ck["optimizer"]["state"][len(idxs)] = base["optimizer"]["state"][idx]
+                names.append(f"r{i}.{name}")
+                idxs.append(len(idxs))
+        ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
+        totals = S._new_totals()
+        t = time.perf_counter()
+        _, stream = S.compress_state_stream(ck["optimizer"], ck["model"], totals)
+        fast = 0
+        for kind, _, enc, _ in stream:
+            if kind == "moments":
+                fast += enc.stats["certified_fast"]
+        return time.perf_counter() - t, totals, fast
+
+    run(2)   # warm-up: compiles every slab shape once
+    for m in sizes_m:
+        r = max(1, round(m * 1e6 / per))
+        sec, totals, fast = run(r)
+        n = totals["coordinates"]
+        rows.append({"coordinates": n, "seconds": sec, "coords_per_s": n / sec, "escapes": totals["escapes"],
+                     "exact": totals["exact"], "certified_fast": fast,
+                     "payload_ratio": totals["payload_bytes"] / totals["raw_fp32_bytes"]})
+        print(f"  sweep {n:>12,}: {sec:7.2f} s  {n / sec / 1e6:6.2f} M coords/s  fast {fast:,}", flush=True)
+    x = np.array([r["coordinates"] for r in rows], float)
+    y = np.array([r["seconds"] for r in rows], float)
+    slope, icpt = np.polyfit(x, y, 1) if len(rows) > 1 else (y[0] / x[0], 0.0)
+    resid = y - (slope * x + icpt)
+    return {"rows": rows, "slope_s_per_coord": float(slope), "intercept_s": float(icpt),
+            "max_rel_residual": float(np.max(np.abs(resid) / y))}
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    w = result["whole_process"]
+    keys = ("plain", "compress", "restore")
+    t = [w["median"][k]["seconds"] for k in keys]
+    r = [w["median"][k]["peak_rss"] / 2**20 for k in keys]
+    xs = np.arange(3)
+    ax[0].bar(xs - 0.2, t, 0.4, label="wall s")
+    ax0b = ax[0].twinx()
+    ax0b.bar(xs + 0.2, r, 0.4, color="tab:orange", label="peak RSS MiB")
+    ax[0].set_xticks(xs, ["torch load+save", "jaxguard compress", "jaxguard restore"])
+    ax[0].set_ylabel("wall seconds (blue)")
+    ax0b.set_ylabel("peak RSS MiB (orange)")
+    ax[0].set_title(f"{w['summary']['coordinates']:,} coordinates, whole processes (medians)")
+    s = result["sweep"]
+    x = np.array([q["coordinates"] for q in s["rows"]])
+    y = np.array([q["seconds"] for q in s["rows"]])
+    ax[1].plot(x / 1e6, y, "o-", label="encode (in process)")
+    ax[1].plot(x / 1e6, s["slope_s_per_coord"] * x + s["intercept_s"], "--",
+               label=f"fit: {1 / s['slope_s_per_coord'] / 1e6:.2f} M coords/s")
+    ax[1].set_xlabel("coordinates (millions)")
+    ax[1].set_ylabel("seconds")
+    ax[1].legend()
+    ax[1].set_title("certification time vs size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--replicas", type=int, default=19)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sweep", default="1,4,16,64,100")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "codec_speed"))
+    ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    a = ap.parse_args(argv)
+
+    import jax
+    work = a.work or tempfile.mkdtemp(prefix="jaxguard-speed-")
+    os.makedirs(work, exist_ok=True)
+    cache = os.path.join(work, "xdg-cache")
+    shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
+    env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    base = train_checkpoint(a.steps)
+    src = os.path.join(work, "src.pt")
+    torch.save(replicate(base, a.replicas), src)
+    print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
+    whole = whole_process(src, work, a.repeats, env)
+    with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
+        json.dump(whole, fh, indent=1)
+    sizes = [float(x) for x in a.sweep.split(",") if x]
+    sw = sweep(base, sizes)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     except OSError:
         commit = None
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                          "note": "2 shared cores; other jobs may run"},
+                          "loadavg_at_end": load,
+                          "note": "2 cores shared with 4 other engineers' jobs during the run (contended): absolute "
+                                  "seconds vary several-fold, the ratios were measured side by side, interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
-              "commit": commit, "steps": a.steps, "repeats": a.repeats, "rows": rows}
+              "commit": commit, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
+              "whole_process": whole, "sweep": sw}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
         json.dump(result, fh, indent=1)
-    with open(a.out + ".md", "w") as fh:
-        fh.write(f"# Codec speed ({coords:,} Adam coordinates, ByteTransformer d=128 x4, {a.steps} steps)\n\n"
-                 f"Medians of {a.repeats} warm runs; torch.save {save_s * 1e3:.1f} ms, torch.load {load_s * 1e3:.1f} ms "
-                 f"of the same checkpoint ({torch_bytes:,} bytes). Machine: {platform.processor() or platform.machine()}, "
-                 f"{os.cpu_count()} cores.\n\n| codec | escapes | payload/FP32 | encode s | x save | restore s | x load |\n"
-                 "|---|---:|---:|---:|---:|---:|---:|\n")
-        for r in rows:
-            fh.write(f"| {r['codec']} | {r['escapes']:,} | {100 * r['payload_ratio']:.2f}% | {r['encode_seconds']:.3f} | "
-                     f"{r['encode_vs_save']:.1f} | {r['restore_seconds']:.3f} | {r['restore_vs_load']:.1f} |\n")
+    plot(result, a.out + ".png")
+    write_md(result, a.out + ".md")
+    os.unlink(a.out + ".partial.json")
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_md(res, path):
+    w, s = res["whole_process"], res["sweep"]
+    med, rat = w["median"], w["ratios"]
+    mib = lambda b: b / 2**20  # noqa: E731
+    sm = w["summary"]
+    lines = [
+        f"# Codec speed: {sm['coordinates']:,} Adam coordinates (ByteTransformer x{res['replicas']}, log8-rel)",
+        "",
+        f"Machine: {res['machine']['processor'] or platform.machine()}, {res['machine']['cpus']} cores, "
+        f"{res['machine']['note']}; load average at the end {res['machine']['loadavg_at_end']}. "
+        f"Commit {res['commit']}, torch {res['versions']['torch']}, jax {res['versions']['jax']}.",
+        "",
+        f"## Whole processes (medians of {res['repeats']}, interleaved)",
+        "",
+        "| | wall s | x plain | peak RSS MiB | x plain |",
+        "|---|---:|---:|---:|---:|",
+        f"| `torch.save(torch.load(src))` | {med['plain']['seconds']:.2f} | 1 | {mib(med['plain']['peak_rss']):.0f} | 1 |",
+        f"| `jaxguard compress src -o out` | {med['compress']['seconds']:.2f} | {rat['compress_time']:.2f} | "
+        f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |",
+        f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
+        f"{mib(med['restore']['peak_rss']):.0f} | {rat['restore_rss']:.2f} |",
+        "",
+        "Per repeat (compress/plain, restore/plain): " + ", ".join(
+            f"{x['compress']:.2f}/{x['restore']:.2f}" for x in w["per_repeat_time_ratios"]) + ".",
+        "",
+        f"Cold first compress (empty cache: variant detection + XLA compilation): "
+        f"{w['cold_compress']['seconds']:.1f} s. Second fresh process: {w['second_run']['programs']} programs, "
+        f"{w['second_run']['persistent_cache_hits']} read from the persistent cache, "
+        f"{w['second_run']['compiled_anew']} compiled anew; variant detection warning printed: "
+        f"{w['second_run']['variant_detection_warning']}.",
+        "",
+        f"Result: {sm['escapes']:,} escapes ({100 * sm['escape_rate']:.4f}%), payload {100 * sm['payload_ratio']:.3f}% "
+        f"of FP32, container {w['container_bytes']:,} bytes ({100 * w['container_bytes'] / w['source_bytes']:.1f}% of "
+        f"the {w['source_bytes']:,}-byte torch file).",
+        "",
+        "## In-process encode throughput vs size (trained state tiled)",
+        "",
+        "| coordinates | seconds | M coords/s | closed-form tier | escapes | payload/FP32 |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in s["rows"]:
+        lines.append(f"| {r['coordinates']:,} | {r['seconds']:.2f} | {r['coords_per_s'] / 1e6:.2f} | "
+                     f"{100 * r['certified_fast'] / max(1, r['coordinates'] - r['exact']):.2f}% | {r['escapes']:,} | "
+                     f"{100 * r['payload_ratio']:.3f}% |")
+    lines += ["", f"Least-squares slope {s['slope_s_per_coord'] * 1e9:.1f} ns per coordinate "
+              f"({1 / s['slope_s_per_coord'] / 1e6:.2f} M coords/s), intercept {s['intercept_s']:.2f} s, largest "
+              f"relative residual {100 * s['max_rel_residual']:.1f}%.", ""]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines))
 
 
 if __name__ == "__main__":

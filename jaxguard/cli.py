@@ -5,7 +5,6 @@ Every error a user can cause prints one line, ``jaxguard: error: ...``, and exit
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import pickle
@@ -30,7 +29,12 @@ def load_torch_checkpoint(path):
         raise CheckpointError(f"{path}: no such file; pass a checkpoint written with torch.save")
     src = io.BytesIO(storage.read_bytes(path)) if storage.is_url(path) else storage.local_path(path)
     try:
-        return torch.load(src, map_location="cpu", weights_only=True)
+        if storage.is_url(path):
+            return torch.load(src, map_location="cpu", weights_only=True)
+        try:   # mmap: tensors are read from the page cache as they are used, not copied up front
+            return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:   # legacy (non-zip) files cannot be mapped
+            return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         raise CheckpointError(f"{path} is not a plain tensor checkpoint and was refused without running it "
@@ -42,10 +46,8 @@ def load_torch_checkpoint(path):
 
 def _write_torch(path, obj):
     import torch
-    from .container import atomic_write
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write(path, buf.getvalue())
+    from .container import atomic_write_with
+    atomic_write_with(path, lambda fh: torch.save(obj, fh))   # straight to the file, no copy in memory
 
 
 def _print_summary(s, as_json):
@@ -61,15 +63,13 @@ def _print_summary(s, as_json):
 
 
 def cmd_compress(a):
-    import torch_compat
+    import torch_compat.state
     from . import storage
-    from .container import atomic_write
     from torch_compat._variant import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
-    data, summary = torch_compat.compress_checkpoint(ckpt, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound,
-                                                     partition=a.partition, progress=not a.json,
-                                                     variant=variant_record)
-    atomic_write(a.output, data)
+    summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
+                                                       bound=a.bound, partition=a.partition, progress=not a.json,
+                                                       variant=variant_record)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
@@ -241,18 +241,37 @@ def build_parser():
 
 
 def _enable_compile_cache():
-    """The CLI is an application: cache XLA executables across runs (~20 s of compiles)."""
+    """The CLI is an application: cache XLA executables across runs (~20 s of compiles).
+
+    The directory is named by the jax/jaxlib versions and the machine (jax's own cache
+    key adds the backend, XLA flags and compile options), so another install never reads
+    a stale entry; every program is cached (min compile time 0)."""
     try:
+        import platform
         import jax
+        import jaxlib
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        tag = f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{platform.machine()}"
+        jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla", tag))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     except Exception:  # noqa: BLE001 - a cache is an optimisation only
+        pass
+
+
+def _return_freed_memory():
+    """glibc: serve allocations >= 1 MiB with mmap, so buffers freed between slabs leave
+    the process instead of staying in a fragmented heap (no effect elsewhere)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
         pass
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd in ("compress", "restore"):
+        _return_freed_memory()
     if args.cmd != "verify":
         _enable_compile_cache()
     try:

@@ -43,14 +43,81 @@ def numpy_dtype_name(arr) -> str:
 
 def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
     """entries: list of ("raw", name, ndarray, dtype_name|None) or ("moments", name, Encoded, dict)."""
-    pay = _Payload()
+    out, scratch = io.BytesIO(), io.BytesIO()
+    _write(out, scratch, entries, meta, extra_header)
+    return out.getvalue()
+
+
+def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None) -> int:
+    """Write a container to `path` atomically from an *iterable* of entries (as for
+    `build`), consuming them one at a time: each entry's sections go to a scratch file in
+    the target directory as soon as it is produced, so memory holds one entry, not the
+    payload.  The header (offsets, both SHA-256) is written first and the scratch
+    payload copied after it.  Returns the file size in bytes."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise ContainerError(f"output directory {directory} does not exist; create it first")
+    base = "." + os.path.basename(path) + "."
+    with tempfile.TemporaryFile(prefix=base, suffix=".payload", dir=directory) as scratch:
+        fd, tmp = tempfile.mkstemp(prefix=base, suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                size = _write(fh, scratch, entries, meta, extra_header)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return size
+
+
+class _Sink:
+    """Appends arrays to the scratch payload, hashing as it goes."""
+
+    def __init__(self, fh):
+        self.fh, self.pos, self.sha = fh, 0, hashlib.sha256()
+
+    def write(self, data) -> list:
+        b = self.pos
+        self.fh.write(data)
+        self.sha.update(data)
+        self.pos += len(data)
+        return [b, self.pos]
+
+    def add(self, arr) -> list:
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return self.write(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")   # any dtype (bf16 too)
+
+
+COPY_CHUNK = 1 << 24
+
+
+def _write(out, scratch, entries, meta, extra_header) -> int:
+    pay = _Sink(scratch)
     header_entries = []
-    tables = {}
+    tables, table_arrays = {}, {}
     decoded = hashlib.sha256()
-    if any(e[0] == "moments" and e[2].codec.startswith("block8") for e in entries):
-        from .codes import dynamic_map
-        tables = {"dynamic8s": pay.add(dynamic_map(True)), "dynamic8u": pay.add(dynamic_map(False))}
-    for kind, name, obj, info in entries:
+    # a list is scanned first so that the tables lead the payload (the layout `build`
+    # always wrote); a stream adds them before its first block8 entry
+    lead = isinstance(entries, (list, tuple)) and any(e[0] == "moments" and e[2].codec.startswith("block8")
+                                                      for e in entries)
+    for i, (kind, name, obj, info) in enumerate(entries):
+        if (lead and i == 0 or kind == "moments" and obj.codec.startswith("block8")) and not tables:
+            from .codes import dynamic_map
+            table_arrays = {"dynamic8s": np.asarray(dynamic_map(True), np.float32),
+                            "dynamic8u": np.asarray(dynamic_map(False), np.float32)}
+            tables = {k: pay.add(v) for k, v in table_arrays.items()}
         if kind == "raw":
             arr = np.asarray(obj)
             dtype = info or numpy_dtype_name(arr)
@@ -60,31 +127,51 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
         enc = obj
         a = enc.arrays
         n = enc.n
+        local = _Payload()     # this entry's sections, decoded by the reader before they are written
         if enc.codec == packed.CODEC:
-            header_entries.append({"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
-                                   "sections": _aw_sections(pay, enc), "config": info,
-                                   "stats": _jsonable(enc.stats)})
-            continue
-        mask = np.zeros(n, bool)
-        mask[a["escape_index"]] = True
-        pairs = np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32)
-        sections = {
-            "m_codes": pay.add(a["m_codes"]), "v_codes": pay.add(a["v_codes"]),
-            "m_params": pay.add(a["m_params"].astype(np.float32)), "v_params": pay.add(a["v_params"].astype(np.float32)),
-            "escape_mask": pay.add(np.packbits(mask, bitorder="little")), "escape_pairs": pay.add(pairs),
-        }
-        header_entries.append({"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
-                               "sections": sections, "config": info, "stats": _jsonable(enc.stats)})
-    payload = pay.buf.getvalue()
+            sections = _aw_sections(local, enc)
+        else:
+            mask = np.zeros(n, bool)
+            mask[a["escape_index"]] = True
+            pairs = np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32)
+            sections = {
+                "m_codes": local.add(a["m_codes"]), "v_codes": local.add(a["v_codes"]),
+                "m_params": local.add(a["m_params"].astype(np.float32)),
+                "v_params": local.add(a["v_params"].astype(np.float32)),
+                "escape_mask": local.add(np.packbits(mask, bitorder="little")), "escape_pairs": local.add(pairs),
+            }
+        entry = {"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
+                 "sections": sections, "config": info, "stats": _jsonable(enc.stats)}
+        body = local.buf.getbuffer()
+        # the decoded hash is computed by the numpy reader itself, so a writer/reader
+        # disagreement can never be recorded as valid.
+        try:
+            m, v = reader.read_moments(entry, body, table_arrays)
+        except reader.ReaderError as exc:
+            raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
+        decoded.update(np.ascontiguousarray(m, "<f4").tobytes())
+        decoded.update(np.ascontiguousarray(v, "<f4").tobytes())
+        b0 = pay.write(body)[0]
+        del body
+        entry["sections"] = {k: [b0 + r[0], b0 + r[1]] for k, r in sections.items()}
+        header_entries.append(entry)
     header = {"schema": SCHEMA, "version": reader.VERSION, **(extra_header or {}), "meta": meta,
-              "tables": tables, "entries": header_entries, "payload_bytes": len(payload),
-              "payload_sha256": hashlib.sha256(payload).hexdigest()}
-    # the decoded hash is computed by the numpy reader itself, so a writer/reader
-    # disagreement can never be recorded as valid.
-    header["decoded_sha256"] = reader.decoded_digest(header, memoryview(payload))
+              "tables": tables, "entries": header_entries, "payload_bytes": pay.pos,
+              "payload_sha256": pay.sha.hexdigest(), "decoded_sha256": decoded.hexdigest()}
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes + payload
-    return body + hashlib.sha256(body).digest()
+    trailer = hashlib.sha256()
+    head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
+    out.write(head)
+    trailer.update(head)
+    scratch.seek(0)
+    while True:
+        chunk = scratch.read(COPY_CHUNK)
+        if not chunk:
+            break
+        out.write(chunk)
+        trailer.update(chunk)
+    out.write(trailer.digest())
+    return len(head) + pay.pos + reader.TRAILER
 
 
 def _aw_sections(pay, enc) -> dict:
@@ -139,9 +226,19 @@ def atomic_write(path, data: bytes) -> None:
     """Write `data` to `path` so that a crash leaves either the old file or the new one.
 
     An fsspec URL (``s3://``, ``memory://``, ...) goes to `storage.atomic_write`."""
+    atomic_write_with(path, lambda fh: fh.write(data))
+
+
+def atomic_write_with(path, write) -> None:
+    """`atomic_write` for a writer: ``write(fh)`` fills a temporary file in the target
+    directory (e.g. ``torch.save(obj, fh)``: no in-memory copy of the output), which is
+    then fsynced and renamed over `path`; on any error the temporary file is removed.
+    An fsspec URL is written in memory first, then committed by `storage.atomic_write`."""
     from . import storage
     if storage.is_url(path):
-        return storage.atomic_write(path, data)
+        buf = io.BytesIO()
+        write(buf)
+        return storage.atomic_write(path, buf.getvalue())
     path = storage.local_path(path)
     directory = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(directory):
@@ -149,7 +246,7 @@ def atomic_write(path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -168,7 +265,7 @@ def atomic_write(path, data: bytes) -> None:
 def read(path, *, verify_decoded: bool = True):
     """Parse and check a container at a local path or fsspec URL; returns (header, payload, tables)."""
     from .storage import read_bytes
-    data = read_bytes(path)  # a local path or an fsspec URL
+    data = read_bytes(path)  # a writable buffer for local files: raw arrays can be used in place
     try:
         header, payload = reader.parse(data)
         if verify_decoded and reader.decoded_digest(header, payload) != header.get("decoded_sha256"):

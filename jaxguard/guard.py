@@ -29,6 +29,7 @@ import numpy as np
 
 from . import adaptive as _adaptive
 from . import bound as _bound
+from . import fastbound as _fastbound
 from . import codes
 from . import packed as _packed
 from .errors import ConfigError
@@ -231,6 +232,7 @@ def _stats_valid(m, v, p):
 
 # ---------------------------------------------------------------- certification
 CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
+SMALL_CHUNK = 1 << 10
 
 
 def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
@@ -247,24 +249,62 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_c
     return level_of >= 0
 
 
-def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False):
+FAST_TIER = 100          # level_of value of coordinates certified by the closed form
+FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one compiled shape)
+
+
+def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
+    """The closed-form tier (`jaxguard.fastbound`) over whole flat arrays, in fixed-size
+    chunks (one compiled program for any checkpoint).  Returns a host bool mask, True
+    where the closed form certifies; callers AND it with their candidate mask."""
+    n = np.shape(m)[0]
+    out = np.zeros(n, bool)
+    K = jnp.asarray(np.asarray(K, np.float32))
+    arrays = [np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip)]
+    gidx = np.asarray(gidx, np.int32)
+    for s in range(0, n, FAST_CHUNK):
+        e = min(n, s + FAST_CHUNK)
+        if valid is not None and not valid[s:e].any():
+            continue   # padding only
+        part = [x[s:e] for x in arrays] + [gidx[s:e]]
+        if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
+            part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
+        mm, vv, mmt, vvt, pp, cc, gg = part
+        out[s:e] = np.asarray(_fastbound.batch_fast_accept(K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
+    return out
+
+
+def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 12].
 
-    Runs the refinement levels on compacted candidates: each level only sees the
-    coordinates the previous one could not certify, after an early reject of those whose
-    ideal difference at a few gradients already exceeds the threshold.
+    With `fast` (and the shared bound), the closed-form tier (`jaxguard.fastbound`)
+    goes first.  Then the refinement levels run on compacted candidates: each level only
+    sees the coordinates the previous one could not certify, after an early reject of
+    those whose ideal difference at a few gradients already exceeds the threshold.
 
-    Returns the refinement level (0..4) that certified each of `idx`, or -1 (escape).
+    Returns the refinement level (0..4) that certified each of `idx`, `FAST_TIER` for
+    the closed form, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
     if idx.size == 0:
         return level_of
     K = np.asarray(K, np.float32)
     m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
+    if fast and bound == "shared":
+        ok = fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])
+        level_of[ok] = FAST_TIER
+        rest = np.flatnonzero(~ok)
+        level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
+                                    fast=False)
+        return level_of
     thr = K[:, 9][gidx[idx]]
 
     def padded(sel, chunk):
-        # gathers on the host: eager jnp indexing costs more than the bound itself
+        # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
+        # candidates (the closed form took the bulk) run in small chunks: two compiled
+        # shapes per level, and no 64x padding of a handful of coordinates.
+        if sel.shape[0] < chunk:
+            chunk = min(chunk, SMALL_CHUNK)
         for s in range(0, sel.shape[0], chunk):
             part = sel[s:s + chunk]
             take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
@@ -384,6 +424,7 @@ def _group_constants(items, gidx, ph):
     """(K rows, |p|, per-coordinate clip) of a group laid side by side (`gidx`: item per coordinate)."""
     consts = [cfg.constants() for *_, cfg in items]
     K = np.stack([_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)])
+    K = np.concatenate([K, np.repeat(K[:1], _bucket(max(16, len(K))) - len(K), 0)])  # few compiled shapes
     pabs = np.abs(ph)
     clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
     wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
@@ -397,7 +438,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
     ns = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     nbs = [codes.num_blocks(n) for n in ns]
     offs = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
-    npad = _bucket(int(offs[-1])) * codes.BLOCK
+    nblk = _bucket(int(offs[-1])) if offs[-1] <= PROPOSE_CHUNK else -(-int(offs[-1]) // PROPOSE_CHUNK) * PROPOSE_CHUNK
+    npad = nblk * codes.BLOCK
     mh, vh, ph = (np.zeros(npad, np.float32) for _ in range(3))
     in_tensor = np.zeros(npad, bool)
     gidx = np.zeros(npad, np.int32)
@@ -410,7 +452,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     valid = (in_tensor & _stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
     vpos = (_finite(vh) & ~_zero(vh) & ~_negative(vh)).reshape(-1, codes.BLOCK)
-    mf, vf = jnp.asarray(mh), jnp.asarray(vh)
+    mf, vf = mh, vh
     widths = None
     if codec == _packed.CODEC:
         # per-block widths chosen on certified escapes; the assembled codes are decoded
@@ -420,20 +462,25 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
             mh, vh, ph, valid, vpos, in_tensor, lambda a, b: _classify(mh, vh, ph, a, b),
             lambda a, b, idx: certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition), )
         mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
+        mt, vt = np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
     else:
-        mq, vq, mp, vp, mtb, vtb = _propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos,
-                                            codec)
-    mt, vt = mtb.reshape(-1), vtb.reshape(-1)
-    exact, ok = _classify(mh, vh, ph, np.asarray(mt), np.asarray(vt))
+        mq, vq, mp, vp, mt, vt = _propose_chunked(mh.reshape(-1, codes.BLOCK), vh.reshape(-1, codes.BLOCK), valid,
+                                                  vpos, codec)
+    exact, ok = _classify(mh, vh, ph, mt, vt)
     level_of = np.full(npad, -1, np.int8)
     if codec == "block8-unguarded":
         escape = in_tensor & ~exact & ~ok
     else:
         K, pabs, clip = _group_constants(items, gidx, ph)
-        cand = np.flatnonzero(in_tensor & ~exact & ok)
-        level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress)
+        cand_mask = in_tensor & ~exact & ok
+        if bound == "shared":   # closed-form tier on contiguous arrays (no gathers)
+            fast = cand_mask & fast_accept(K, gidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
+            level_of[fast] = FAST_TIER
+            cand_mask &= ~fast
+        cand = np.flatnonzero(cand_mask)
+        level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
+                                    fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
-    mq, vq, mp, vp = (np.array(x) for x in (mq, vq, mp, vp))
     mq, vq = mq.reshape(-1), vq.reshape(-1)
     rescued = np.zeros(npad, bool)
     if codec != "block8-unguarded" and any(cfg.joint for *_, cfg in items):
@@ -463,6 +510,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
             "coordinates": n, "escapes": int(esc.size), "exact": int(ex.sum()),
             "uncertifiable": int((~ex & ~okk).sum()),
             "certified_by_level": [int((lv == L).sum()) for L in range(len(_bound.LEVELS))],
+            "certified_fast": int((lv == FAST_TIER).sum()),
             "joint_rescued": int(rescued[b:b + n].sum()),
             "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
             "encode_seconds": elapsed * n / total,
@@ -515,6 +563,21 @@ def _decode_points(codec, qm, qv, mp_rows, vp_rows):
         w = codes.sqrt_scale_block(qv_j, jnp.asarray(vp_rows[:, 2]), jnp.asarray(vp_rows[:, 3]))
         mt = codes.rel8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]), w)
     return np.asarray(mt, np.float32), np.asarray(vt, np.float32)
+
+
+PROPOSE_CHUNK = 4096     # blocks per `_propose` call once a group exceeds it (one compiled shape)
+
+
+def _propose_chunked(mb, vb, valid, vpos, codec):
+    """`_propose` over host blocks in pieces of `PROPOSE_CHUNK` blocks -> host arrays
+    (codes, params, flat m~, v~); a group of <= PROPOSE_CHUNK blocks is one call."""
+    nb = mb.shape[0]
+    step = min(nb, PROPOSE_CHUNK)
+    outs = [_propose(mb[s:s + step], vb[s:s + step], valid[s:s + step], vpos[s:s + step], codec)
+            for s in range(0, nb, step)]
+    mq, vq, mp, vp, mt, vt = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
+                              else np.array(outs[0][i]) for i in range(6))
+    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1)
 
 
 def _bucket(nb: int) -> int:

@@ -117,8 +117,12 @@ def read_bytes(path, *, storage_options: dict | None = None) -> bytes:
     """
     try:
         if not is_url(path):
-            with open(local_path(path), "rb") as fh:
-                return fh.read()
+            with open(local_path(path), "rb") as fh:   # a writable buffer: arrays can be used in place
+                data = bytearray(os.fstat(fh.fileno()).st_size)
+                got = fh.readinto(data)
+                if got != len(data):
+                    del data[got:]
+                return data
         fs, key = _fs(path, storage_options)
         return fs.cat_file(key)
     except FileNotFoundError:

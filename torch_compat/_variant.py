@@ -535,11 +535,14 @@ def detect_variant(refresh: bool = False) -> AdamVariant:
 
 def variant_record() -> dict:
     """The detected variant as a JSON-able dict for a container header or a CLI report,
-    without a Python warning: a mismatch is reported in ``matched``/``detail``."""
+    without a Python warning: a mismatch is reported in ``matched``/``detail``.  Cached on
+    disk per environment (`torch_compat.variant_cache`)."""
+    from torch_compat.variant_cache import cached_detect_variant  # imports this module
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReplayVariantWarning)
-            return detect_variant().to_dict()
+            return cached_detect_variant()[0].to_dict()   # once per environment, not per run
     except Exception as exc:  # noqa: BLE001 - the variant is informational: the guard does not use it
         return {"matched": False, "detail": f"variant detection failed: {exc}"[:300]}
 

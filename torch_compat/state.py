@@ -16,6 +16,7 @@ import torch
 
 from jaxguard import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
+from jaxguard.codes import BLOCK
 from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode_many
 from jaxguard.opmodel import torch_op_model
 from torch_compat.replay import TORCH_FLAGS
@@ -34,8 +35,14 @@ def tensor_to_numpy(t: torch.Tensor):
     return arr, container.numpy_dtype_name(arr)
 
 
+def _writable(arr):
+    """`arr` itself when torch may share it (writable: e.g. read from a container into a
+    bytearray, or freshly decoded), else a copy."""
+    return arr if arr.flags.writeable else np.array(arr)
+
+
 def numpy_to_tensor(arr, dtype_name):
-    arr = np.array(arr)  # writable copy
+    arr = _writable(np.asarray(arr))
     if dtype_name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
@@ -74,7 +81,7 @@ def from_skeleton(sk, arrays, dtypes):
             return numpy_to_tensor(arrays[sk["__tensor__"]], dtypes[sk["__tensor__"]])
         if "__moment__" in sk:
             m, v = arrays[sk["__moment__"]]
-            return torch.from_numpy(np.array(m if sk["which"] == "m" else v))
+            return torch.from_numpy(_writable(m if sk["which"] == "m" else v))
         if "__dict__" in sk:
             return {k: from_skeleton(v, arrays, dtypes) for k, v in sk["__dict__"]}
         if "__list__" in sk:
@@ -175,17 +182,36 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
 
     Returns (optimizer skeleton, moment entries, totals dict).
     """
+    totals = _new_totals()
+    opt_sk, stream = compress_state_stream(opt_sd, params, totals, tau=tau, clip=clip, codec=codec, bound=bound,
+                                           partition=partition, progress=progress)
+    entries = list(stream)
+    return opt_sk, entries, totals
+
+
+def _new_totals():
+    return {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "exact": 0, "uncertifiable": 0}
+
+
+# Coordinates encoded per `encode_many` call when streaming: bounds the working memory
+# (~40 bytes per coordinate) independently of the checkpoint's size.
+SLAB = 1 << 20           # = guard.PROPOSE_CHUNK blocks
+
+
+def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC,
+                          bound="shared", partition="mixed", progress=False, slab=None):
+    """Validate `opt_sd` against `params` now; return (optimizer skeleton, entry iterator).
+
+    The iterator encodes the moments in slabs of about `slab` coordinates (tensors in
+    order, a tensor never split) and yields container entries (moments, then the raw
+    state tensors) as each slab is done, adding to `totals`; everything is validated
+    before the first yield, so a bad checkpoint fails before any work or output."""
     check_optimizer_state(opt_sd)
     names = param_index(opt_sd)
-    entries = []
     state_sk = []
-    totals = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "exact": 0,
-              "uncertifiable": 0}
-    items = list(opt_sd["state"].items())
-    it = items
     raws: list = []
     jobs = []
-    for idx, st in it:
+    for idx, st in opt_sd["state"].items():
         if idx not in names:
             raise CheckpointError(f"optimizer state has parameter index {idx} that no param group lists")
         name, group = names[idx]
@@ -200,42 +226,58 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
         cfg = guard_config(group, _step_int(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         jobs.append((idx, name, st, cfg))
-    encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
-                         params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in jobs],
-                       progress=progress)
-    for (idx, name, st, cfg), enc in zip(jobs, encs):
         ename = f"optimizer/state/{idx}"
-        entries.append(("moments", ename, enc, {**cfg.to_json(), "param_name": name}))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, f"optimizer/state/{idx}", raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
                            ["exp_avg_sq", {"__moment__": ename, "which": "v"}]]
         state_sk.append([idx, sk])
-        for key in totals:
-            totals[key] += enc.stats[key]
     groups_sk = to_skeleton(opt_sd["param_groups"], "optimizer/param_groups", raws)
     opt_sk = {"__dict__": [["state", {"__dict__": state_sk}], ["param_groups", groups_sk]]}
-    return opt_sk, entries + raws, totals
+
+    slab = SLAB if slab is None else slab
+
+    def stream():
+        # a slab holds at most `slab` coordinates in whole blocks (one compiled shape per
+        # step of the guard); a larger tensor is a slab of its own
+        cap = -(-slab // BLOCK)
+        slabs, cur, size = [], [], 0
+        for job in jobs:
+            nb = -(-job[2]["exp_avg"].numel() // BLOCK)
+            if cur and size + nb > cap:
+                slabs.append(cur)
+                cur, size = [], 0
+            cur.append(job)
+            size += nb
+        if cur:
+            slabs.append(cur)
+        for part in slabs:
+            encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
+                                 params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in part],
+                               progress=progress)
+            for (idx, name, st, cfg), enc in zip(part, encs):
+                for key in totals:
+                    totals[key] += enc.stats[key]
+                yield ("moments", f"optimizer/state/{idx}", enc, {**cfg.to_json(), "param_name": name})
+            del encs
+        yield from raws
+
+    return opt_sk, stream()
 
 
-def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                        progress=False, variant=None):
-    """CKPT dict -> (container bytes, summary dict).
-
-    ``variant`` is recorded in the header (informational: the guard covers every variant);
-    a callable is called only after the checkpoint has been validated and encoded, so bad
-    input fails before the slow, possibly noisy variant detection.
-    """
-    t0 = time.perf_counter()
+def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant):
+    """(entry iterator, meta, extra header) of a CKPT dict.  ``variant`` is recorded in the
+    header (informational: the guard covers every variant); a callable is called only
+    after the checkpoint has been validated, so bad input fails before the slow variant
+    detection."""
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"the checkpoint is a {type(ckpt).__name__}; expected a dict with 'model' and 'optimizer' keys")
     for key in ("model", "optimizer"):
         if key not in ckpt:
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
-    model = ckpt["model"]
-    opt_sk, entries, totals = compress_state(ckpt["optimizer"], model, tau=tau, clip=clip, codec=codec, bound=bound,
-                                             partition=partition, progress=progress)
+    opt_sk, moments = compress_state_stream(ckpt["optimizer"], ckpt["model"], totals, tau=tau, clip=clip, codec=codec,
+                                            bound=bound, partition=partition, progress=progress)
     if callable(variant):
         variant = variant()
     raws: list = []
@@ -243,20 +285,51 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
     for k, v in ckpt.items():
         top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), raws)])
     meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__}
-    extra = {"op_model": entries[0][3]["op_model"] if entries else None, "tau": tau, "clip": clip, "codec": codec,
+    extra = {"op_model": None, "tau": tau, "clip": clip, "codec": codec,
              "bound": bound, "partition": partition, "variant": variant}
-    data = container.build(entries + raws, meta, extra_header=extra)
+
+    def entries():
+        for e in moments:   # the header (written last) names the first moments entry's op model
+            if e[0] == "moments" and extra["op_model"] is None:
+                extra["op_model"] = e[3]["op_model"]
+            yield e
+        yield from raws
+    return entries(), meta, extra
+
+
+def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
+                        progress=False, variant=None):
+    """CKPT dict -> (container bytes, summary dict)."""
+    t0 = time.perf_counter()
+    totals = _new_totals()
+    entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
+                                              partition=partition, progress=progress, variant=variant)
+    data = container.build(list(entries), meta, extra_header=extra)
     totals["encode_seconds"] = time.perf_counter() - t0
-    summary = _summary(totals, len(data))
+    return data, _summary(totals, len(data), extra["variant"])
+
+
+def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
+                           progress=False, variant=None):
+    """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
+    are encoded in slabs and each entry is written as soon as it is ready, so memory holds
+    the checkpoint plus one slab of work, never the container.  Returns the summary."""
+    t0 = time.perf_counter()
+    totals = _new_totals()
+    entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
+                                              partition=partition, progress=progress, variant=variant)
+    size = container.write_stream(path, entries, meta, extra_header=extra)
+    totals["encode_seconds"] = time.perf_counter() - t0
+    return _summary(totals, size, extra["variant"])
+
+
+def _summary(t, container_bytes, variant=None):
+    n = max(t["coordinates"], 1)
+    summary = {**t, "escape_rate": t["escapes"] / n,
+               "payload_ratio": t["payload_bytes"] / max(t["raw_fp32_bytes"], 1), "container_bytes": container_bytes}
     if isinstance(variant, dict):
         summary.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
-    return data, summary
-
-
-def _summary(t, container_bytes):
-    n = max(t["coordinates"], 1)
-    return {**t, "escape_rate": t["escapes"] / n, "payload_ratio": t["payload_bytes"] / max(t["raw_fp32_bytes"], 1),
-            "container_bytes": container_bytes}
+    return summary
 
 
 def restore_tree(path):

@@ -1,0 +1,195 @@
+"""The closed-form tier (jaxguard.fastbound): it encloses the real native difference over
+the whole gradient range, refuses the edges, agrees with the cell partition, and the
+variant cache is keyed so that a changed environment recomputes."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jaxguard import bound, fastbound, guard
+from jaxguard.enclosure import _draw_cases, audit_enclosure
+from jaxguard.opmodel import step_constants
+
+
+def _k(op_model="torch-adam", lr=1e-3, step=100, tau=0.01, wd=0.0, betas=(0.9, 0.999), eps=1e-8):
+    c = step_constants(op_model, lr=lr, step=step, betas=betas, eps=eps, weight_decay=wd)
+    return bound.pack_constants(c, tau)
+
+
+def _fast(k, m, v, mt, vt, p, clip):
+    f = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    b, ok = fastbound.fast_bound(np.asarray(k, np.float32)[:, None], f(m), f(v), f(mt), f(vt), np.abs(f(p)), f(clip))
+    return np.asarray(b), np.asarray(ok)
+
+
+def _whole_range_points(clip, v, b2f, c2):
+    """64 gradients over [-clip, clip]: 0, +-clip, geometric down to clip*2**-40, and
+    around the peak of the coupling term (c2 g^2 ~ b2f v)."""
+    geo = clip[:, None] * 2.0 ** -np.linspace(0, 40, 21)[None]
+    peak = np.sqrt(b2f * v / c2)[:, None] * np.array([0.25, 0.5, 0.71, 1.0, 1.41, 2.0, 4.0])[None]
+    lin = clip[:, None] * np.linspace(0.05, 0.95, 3)[None]
+    pos = np.minimum(np.concatenate([geo, peak, lin], 1), clip[:, None])
+    g = np.concatenate([np.zeros((clip.size, 1)), pos, -pos], 1).astype(np.float32)
+    return g
+
+
+@pytest.mark.parametrize("op_model,wd,lr", [("torch-adam", 0.0, 1e-3), ("torch-adamw", 0.1, 3e-3),
+                                            ("torch-adamw", 1000.0, 3e-3)],   # lr*wd = 3: |1 - lr wd| > 1
+                         ids=["adam", "adamw", "adamw-lr-wd-3"])
+def test_closed_form_encloses_replay_over_whole_range(op_model, wd, lr):
+    """Every usable closed-form bound >= |p1' - p2'| of the bit-exact torch replay at 64
+    gradients spanning [-clip, clip] (the closed form claims the whole range)."""
+    from torch_compat.replay import adam_step
+    rng = np.random.default_rng(11)
+    n = 1000
+    d = _draw_cases(rng, n)
+    k = _k(op_model, lr=lr, step=7, wd=wd)
+    b, ok = _fast(k, d["m"], d["v"], d["mt"], d["vt"], d["p"], d["clip"])
+    assert ok.mean() > 0.99
+    g = _whole_range_points(d["clip"].astype(np.float64), d["v"].astype(np.float64), float(k[2]), float(k[3]))
+    P = g.shape[1]
+    rep = lambda x: np.repeat(x, P)  # noqa: E731
+    args = dict(step=7, lr=lr, weight_decay=wd, decoupled=op_model == "torch-adamw")
+    p1 = adam_step(rep(d["p"]), g.reshape(-1), rep(d["m"]), rep(d["v"]), **args)[0].astype(np.float64)
+    p2 = adam_step(rep(d["p"]), g.reshape(-1), rep(d["mt"]), rep(d["vt"]), **args)[0].astype(np.float64)
+    actual = np.abs(p1 - p2).reshape(n, P).max(1)
+    bad = ok & ~(actual <= b)
+    assert not bad.any(), [(d["m"][i], d["v"][i], d["mt"][i], d["vt"][i], actual[i], b[i]) for i in np.flatnonzero(bad)[:3]]
+    assert np.max(np.where(ok, actual / b, 0)) > 0.5   # not vacuous: some cases come close
+
+
+def test_enclosure_audit_checks_the_closed_form():
+    rep = audit_enclosure(4096, seed=3)
+    assert rep["failures"] == 0 and rep["fast"]["failures"] == 0, rep["fast"]["failure_examples"]
+    assert rep["fast"]["usable"] > 0.99 * 4096 and 0.5 < rep["fast"]["max_ratio"] <= 1
+    nr = audit_enclosure(4096, seed=3, no_radius=True)   # ideal stage only: must be caught
+    assert nr["fast"]["failures"] > 0
+
+
+def test_closed_form_subset_of_cell_partition_at_default_tau():
+    """At the default tau the closed form certifies nothing the cell partition (levels
+    0-4) rejects; on random certifiable cases it takes a large share."""
+    rng = np.random.default_rng(3)
+    n = 8192
+    d = _draw_cases(rng, n)
+    pabs = np.abs(d["p"])
+    for lr, step in ((1e-3, 100), (1e-4, 0), (3e-2, 5000)):
+        K = _k(lr=lr, step=step)[None]
+        gidx = np.zeros(n, np.int32)
+        fast = guard.fast_accept(K, gidx, d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"])
+        full = guard.certify_pc(K, gidx, d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], np.arange(n), "shared",
+                                "mixed", fast=False) >= 0
+        assert not (fast & ~full).any()
+        assert fast.sum() > 0.25 * full.sum()
+
+
+EDGE = [  # (name, m, v, mt, vt, p, constants overrides): the closed form must refuse
+    ("huge-m", 2.0**61, 1e-6, 2.0**61 * 1.01, 1e-6, 0.1, {}),
+    ("huge-v", 1e-3, 2.0**62, 1e-3, 2.0**62 * 1.1, 0.1, {}),
+    ("huge-p", 1e-3, 1e-6, 1.01e-3, 1e-6, 2.0**61, {}),
+    ("tiny-eps", 1e-3, 1e-6, 1.01e-3, 1.1e-6, 0.1, {"eps": 2.0**-70}),
+    ("tiny-difference", 2.0**-79, 1e-6, 2.0**-79 * (1 + 2.0**-22), 1e-6, 0.1, {}),   # keep*|dm| < 2**-100
+]
+
+
+@pytest.mark.parametrize("name,m,v,mt,vt,p,over", EDGE, ids=[e[0] for e in EDGE])
+def test_closed_form_refuses_edges(name, m, v, mt, vt, p, over):
+    k = _k(**over)
+    _, ok = _fast(k, [m], [v], [mt], [vt], [p], [0.2])
+    assert not ok[0]
+
+
+def test_closed_form_exact_zero_and_equal_moments_are_usable():
+    k = _k()
+    b, ok = _fast(k, [0.0, 1e-3, 1e-3], [0.0, 1e-6, 1e-6], [0.0, 1e-3, 1.001e-3], [0.0, 1e-6, 1e-6], [0.1] * 3, [0.2] * 3)
+    assert ok.all() and np.all(b > 0) and np.all(b < k[9])   # only rounding terms remain, far below tau*lr
+
+
+def test_decayed_parameter_term():
+    """torch-adamw with lr*wd > 2 scales p by |1 - lr wd| > 1 before the update: the final
+    rounding term must grow with it."""
+    args = ([1e-3], [1e-6], [1.001e-3], [1e-6], [1e4], [0.2])
+    b_small, _ = _fast(_k("torch-adamw", lr=1e-3, wd=0.0), *args)
+    b_big, _ = _fast(_k("torch-adamw", lr=1e-3, wd=5000.0), *args)   # |1 - lr wd| = 4
+    assert b_big[0] >= b_small[0] + 2 * bound.U * 3 * 1e4 * 0.99
+
+
+def test_real_torch_audit_on_trained_checkpoint(tmp_path):
+    """A small trained model: the closed form takes most coordinates, and the real
+    torch.optim.Adam audit finds no coordinate over tau."""
+    import torch_compat
+    from jaxguard import _demo
+    torch.manual_seed(0)
+    model = _demo.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
+    sample = _demo.text_batches(0)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    for _ in range(15):
+        opt.zero_grad()
+        _demo.loss_fn(model, sample(True)).backward()
+        opt.step()
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    out = tmp_path / "c.jg"
+    summary = torch_compat.state.compress_checkpoint_to(out, ckpt)
+    restored, header = torch_compat.restore_tree(out)
+    ents = [e for e in header["entries"] if e["kind"] == "moments"]
+    fast = sum(e["stats"]["certified_fast"] for e in ents)
+    assert fast > 0.5 * summary["coordinates"]
+    res = torch_compat.audit(ckpt, restored)
+    assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01
+
+
+def test_stream_writer_matches_build(tmp_path):
+    """`write_stream` (entries one at a time) writes the same bytes as `build`."""
+    from jaxguard import container
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal(5000).astype(np.float32) * 1e-3
+    v = (m * m * 3).astype(np.float32)
+    p = rng.standard_normal(5000).astype(np.float32)
+    entries = []
+    for codec in ("log8-rel", "block8"):
+        enc = guard.encode(m, v, p, guard.GuardConfig(lr=1e-3, step=10, codec=codec))
+        entries.append(("moments", f"x/{codec}", enc, {"codec": codec}))
+    entries.append(("raw", "p", p, None))
+    data = container.build(entries, {"framework": "test"})
+    size = container.write_stream(tmp_path / "s.jg", iter(entries), {"framework": "test"})
+    got = (tmp_path / "s.jg").read_bytes()
+    assert size == len(got)
+    from jaxguard import reader
+    assert reader.verify_bytes(got)["ok"] and reader.verify_bytes(data)["ok"]
+    # same entries and hashes; only the tables' position may differ (a stream meets them late)
+    hs, _ = reader.parse(got)
+    hb, _ = reader.parse(data)
+    assert hs["decoded_sha256"] == hb["decoded_sha256"]
+
+
+def test_variant_cache_is_keyed(tmp_path, monkeypatch):
+    from torch_compat import _variant, variant_cache
+    from torch_compat.replay import detect_variant
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return detect_variant()
+
+    _variant.environment_fingerprint.cache_clear()
+    v1, cached1 = variant_cache.cached_detect_variant(detect=counted)
+    v2, cached2 = variant_cache.cached_detect_variant(detect=counted)
+    assert (cached1, cached2, len(calls)) == (False, True, 1) and v1 == v2
+    path = variant_cache.cache_path()
+    assert path.exists() and json.loads(path.read_text())["variant"]["sqrt"] == v1.sqrt
+    # another kernel setting is another environment: a different key, detected again
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    _variant.environment_fingerprint.cache_clear()
+    try:
+        assert variant_cache.cache_path() != path
+        _, cached3 = variant_cache.cached_detect_variant(detect=counted)
+        assert cached3 is False and len(calls) == 2
+    finally:
+        monkeypatch.delenv("MKL_CBWR")
+        _variant.environment_fingerprint.cache_clear()
+    # a corrupt entry is ignored and rewritten
+    path.write_text("{not json")
+    _, cached4 = variant_cache.cached_detect_variant(detect=counted)
+    assert cached4 is False and len(calls) == 3 and json.loads(path.read_text())["key"]

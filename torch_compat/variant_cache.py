@@ -1,0 +1,87 @@
+"""`detect_variant` once per environment, not once per process.
+
+`torch_compat.detect_variant` calibrates torch's Adam ops and confirms the replay end to
+end (seconds: it builds optimizers and compiles a replay).  The result depends only on
+the environment, so `cached_detect_variant` stores it under ``$XDG_CACHE_HOME/jaxguard``
+in a file named by a SHA-256 of
+
+* `environment_fingerprint()` (torch version, ATen CPU capability, MKL version, CPU
+  model and flags, ``ATEN_CPU_CAPABILITY`` / ``MKL_ENABLE_INSTRUCTIONS`` / ``MKL_CBWR``),
+* the Python and numpy versions, and
+* the source of the detection code (``_variant.py`` and ``replay.py``),
+
+so that a different torch, CPU, kernel setting or detection code never reuses a stale
+entry: any change of the key is a cache miss and a fresh detection.  A cache that
+cannot be read or written only costs the detection.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from . import _variant
+
+_SOURCES = ("_variant.py", "replay.py")
+FORMAT = 1
+
+
+def cache_key() -> str:
+    """Hex key of this environment and detection code (see the module docstring)."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    doc = {"format": FORMAT, "fingerprint": _variant.environment_fingerprint(), "python": platform.python_version(),
+           "numpy": np.__version__}
+    h.update(json.dumps(doc, sort_keys=True).encode())
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:24]
+
+
+def cache_path(key: str | None = None) -> Path:
+    return _variant.cache_dir() / f"adam-variant-{key or cache_key()}.json"
+
+
+def cached_detect_variant(*, refresh: bool = False, detect=None):
+    """`detect_variant()`, from the on-disk cache when this environment was seen before.
+
+    Args:
+      refresh: ignore a cached entry and detect again (the new result is stored).
+      detect: the detection function (default `torch_compat.replay.detect_variant`).
+
+    Returns:
+      ``(variant, cached)``: the `AdamVariant` and whether it came from the cache.
+    """
+    if detect is None:
+        from .replay import detect_variant as detect
+    path = cache_path()
+    if not refresh:
+        try:
+            d = json.loads(path.read_text())
+            if d.get("key") == path.stem.rsplit("-", 1)[-1]:
+                return _variant.AdamVariant(**d["variant"]), True
+        except (OSError, ValueError, TypeError, KeyError):
+            pass   # missing, unreadable or from another AdamVariant layout: detect again
+    variant = detect()
+    _store(path, {"key": path.stem.rsplit("-", 1)[-1], "variant": dataclasses.asdict(variant)})
+    return variant, False
+
+
+def _store(path: Path, doc: dict) -> None:
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(doc, fh, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
