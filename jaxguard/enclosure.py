@@ -279,7 +279,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             fr = np.where(fu & (amax > 0), amax / fb.astype(np.float64), 0.0)
         fast_max_ratio = max(fast_max_ratio, float(np.nanmax(fr)) if fr.size else 0.0)
         for i in np.flatnonzero(fbad)[: max(0, keep_failures - len(fast_examples))]:
-            fast_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], float(fb[i]), actual[i], g[i]))
+            fast_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(fb[i]), actual[i], g[i]))
         nan_bounds += int(np.count_nonzero(np.isnan(b)))
         esc = b == np.inf           # the coordinate escapes: nothing is claimed
         escaped += int(np.count_nonzero(esc))
