@@ -62,7 +62,8 @@ def test_closed_form_encloses_replay_over_whole_range(op_model, wd, lr):
 def test_enclosure_audit_checks_the_closed_form():
     rep = audit_enclosure(4096, seed=3)
     assert rep["failures"] == 0 and rep["fast"]["failures"] == 0, rep["fast"]["failure_examples"]
-    assert rep["fast"]["usable"] > 0.99 * 4096 and 0.5 < rep["fast"]["max_ratio"] <= 1
+    # the edge draws (float32 extremes, issue 10) go to the cells; the ordinary ones use the tier
+    assert rep["fast"]["usable"] > 0.99 * (rep["cases"] - rep["edge_cases"]) and 0.5 < rep["fast"]["max_ratio"] <= 1
     nr = audit_enclosure(4096, seed=3, no_radius=True)   # ideal stage only: must be caught
     assert nr["fast"]["failures"] > 0
 

@@ -159,12 +159,22 @@ def test_next_50_losses_within_run_to_run_noise(resumes):
     assert dev <= noise
 
 
-def test_fused_optimizer_refused_before_training(tmp_path):
+def test_fused_optimizer_is_certified_against_the_fused_op_model(tmp_path):
+    """HF's default optim with torch >= 2.8 (adamw_torch_fused): the guard certifies against
+    torch's fused CPU AdamW (op model torch-adamw-fused), not the single-tensor one."""
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, optim="adamw_torch_fused",
-                                          use_cpu=True, report_to="none")
+                                          learning_rate=LR, lr_scheduler_type="constant", per_device_train_batch_size=8,
+                                          save_strategy="no",
+                                          use_cpu=True, report_to="none", disable_tqdm=True)
     tr = GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes())
-    with pytest.raises(UnsupportedOptimizerError, match="GuardedTrainer: .*fused"):
-        tr.create_optimizer()
+    tr.train()
+    assert tr.optimizer.param_groups[0]["fused"]
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    tr._save_optimizer_and_scheduler(str(out))
+    _, header = torch_compat.restore_tree(out / "optimizer.jg")
+    op_models = {e["config"]["op_model"] for e in header["entries"] if e["kind"] == "moments"}
+    assert op_models == {"torch-adamw-fused"}, op_models
 
 
 def test_final_checkpoint_of_linear_schedule_keeps_plain_optimizer(tmp_path, caplog):

@@ -49,8 +49,8 @@ class GuardedTrainer(Trainer):
 
     Raises:
       UnsupportedOptimizerError: at optimizer creation, for an optimizer or option outside
-        the op models (e.g. ``optim="adamw_torch_fused"``, the default with torch >= 2.8,
-        until the fused op model lands: pass ``optim="adamw_torch"``); at the first save,
+        the op models (e.g. amsgrad; ``optim="adamw_torch_fused"``, the default with
+        torch >= 2.8, is certified against the fused CPU op model); at the first save,
         for DeepSpeed/FSDP/XLA/SageMaker MP.
     """
 
