@@ -51,33 +51,21 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
 def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None) -> int:
     """Write a container to `path` atomically from an *iterable* of entries (as for
     `build`), consuming them one at a time: each entry's sections go to a scratch file in
-    the target directory as soon as it is produced, so memory holds one entry, not the
-    payload.  The header (offsets, both SHA-256) is written first and the scratch
-    payload copied after it.  Returns the file size in bytes."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(directory):
-        raise ContainerError(f"output directory {directory} does not exist; create it first")
-    base = "." + os.path.basename(path) + "."
-    with tempfile.TemporaryFile(prefix=base, suffix=".payload", dir=directory) as scratch:
-        fd, tmp = tempfile.mkstemp(prefix=base, suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                size = _write(fh, scratch, entries, meta, extra_header)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    with contextlib.suppress(OSError):
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    return size
+    the target directory (the temporary directory for an fsspec URL) as soon as it is
+    produced, so memory holds one entry, not the payload.  The header (offsets, both
+    SHA-256) is written first and the scratch payload copied after it.  Returns the file
+    size in bytes."""
+    from . import storage
+    directory = None
+    if not storage.is_url(path):
+        directory = os.path.dirname(os.path.abspath(storage.local_path(path))) or "."
+        if not os.path.isdir(directory):
+            raise ContainerError(f"output directory {directory} does not exist; create it first")
+    size = []
+    prefix = "." + os.path.basename(os.fspath(path)) + "."
+    with tempfile.TemporaryFile(prefix=prefix, suffix=".payload", dir=directory) as scratch:
+        atomic_write_with(path, lambda fh: size.append(_write(fh, scratch, entries, meta, extra_header)))
+    return size[0]
 
 
 class _Sink:

@@ -277,3 +277,25 @@ def test_import_jaxguard_imports_no_integration_or_fsspec():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_compress_streams_to_a_url(tmp_path, capsys):
+    """`jaxguard compress CKPT -o memory://...`: the streaming writer commits a URL the same
+    way (scratch payload in the temporary directory, one atomic put of the whole file)."""
+    from jaxguard import cli
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1))
+    opt = torch.optim.Adam(model.named_parameters(), lr=1e-3, foreach=False)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 20)).pow(2).mean().backward()
+        opt.step()
+    src = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
+    url = "memory://jg-stream/opt.jg"
+    assert cli.main(["compress", str(src), "-o", url, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["container_bytes"] == storage.size(url)
+    restored, _ = torch_compat.restore_tree(url)
+    assert restored["optimizer"]["state"].keys() == opt.state_dict()["state"].keys()
+    storage.remove(url)
