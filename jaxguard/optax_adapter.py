@@ -401,6 +401,23 @@ def _as_dtype(arr, dtype_name):
     return np.asarray(arr)
 
 
+def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
+    """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape
+    and dtype (one-line CheckpointErrors naming the fix)."""
+    if d not in stored:
+        raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
+                              "optax transformation and params as the one saved (e.g. tx.init(params))")
+    s = stored[d]
+    shape, dt = tuple(np.shape(leaf)), _dtype_name(leaf)
+    if tuple(s["shape"]) != shape:
+        raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
+                              "state initialised from params of the saved shapes")
+    if s["dtype"] != dt:
+        raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
+                              "with the same dtypes (e.g. the same mu_dtype)")
+    return s
+
+
 def restore_state(header, arrays, like, *, source="the file"):
     meta = header["meta"]
     stored = {leaf["path"]: leaf for leaf in meta["state"]["leaves"]}
@@ -409,24 +426,14 @@ def restore_state(header, arrays, like, *, source="the file"):
     used = set()
     for path, leaf in flat:
         d = dotted(path)
-        if d not in stored:
-            raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
-                                  "optax transformation and params as the one saved (e.g. tx.init(params))")
-        s = stored[d]
+        s = stored_like_leaf(stored, d, leaf, source)
         used.add(d)
-        shape, dt = tuple(np.shape(leaf)), _dtype_name(leaf)
-        if tuple(s["shape"]) != shape:
-            raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
-                                  "state initialised from params of the saved shapes")
-        if s["dtype"] != dt:
-            raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
-                                  "with the same dtypes (e.g. the same mu_dtype)")
         if s["kind"] == "raw":
             val = _as_dtype(arrays[s["entry"]], s["dtype"])
         else:
             m, v = arrays[s["entry"]]
             val = m if s["kind"] == "mu" else v
-        val = np.array(val, dtype=val.dtype).reshape(shape)
+        val = np.array(val, dtype=val.dtype).reshape(np.shape(leaf))
         if isinstance(leaf, jax.Array):
             val = jax.device_put(val, leaf.sharding)
         elif isinstance(leaf, np.ndarray):

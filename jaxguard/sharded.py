@@ -519,17 +519,7 @@ def load(path, like, *, what="state"):
     asm = _Assembler(ShardReader(path, man))
     dotted = [_oa.dotted(p) for p, _ in flat]
     for d, (_, leaf) in zip(dotted, flat):
-        if d not in stored:
-            raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
-                                  "optax transformation and params as the one saved (e.g. tx.init(params))")
-        s = stored[d]
-        shape, dt = tuple(np.shape(leaf)), _oa._dtype_name(leaf)
-        if tuple(s["shape"]) != shape:
-            raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
-                                  "state initialised from params of the saved shapes")
-        if s["dtype"] != dt:
-            raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
-                                  "with the same dtypes (e.g. the same mu_dtype)")
+        _oa.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
     extra = sorted(set(stored) - set(dotted))
     if extra:
         raise CheckpointError(f"{source} holds {len(extra)} leaves that like lacks (first {extra[0]!r}); pass a "
