@@ -277,7 +277,8 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 12].
 
-    With `fast` (and the shared bound), the closed-form tier (`jaxguard.fastbound`)
+    With `fast` (the shared bound, mixed partition: the ablations keep their own
+    certificate), the closed-form tier (`jaxguard.fastbound`)
     goes first.  Then the refinement levels run on compacted candidates: each level only
     sees the coordinates the previous one could not certify, after an early reject of
     those whose ideal difference at a few gradients already exceeds the threshold.
@@ -290,7 +291,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         return level_of
     K = np.asarray(K, np.float32)
     m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
-    if fast and bound == "shared":
+    if fast and bound == "shared" and partition == "mixed":
         ok = fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)
@@ -473,7 +474,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
     else:
         K, pabs, clip = _group_constants(items, gidx, ph)
         cand_mask = in_tensor & ~exact & ok
-        if bound == "shared":   # closed-form tier on contiguous arrays (no gathers)
+        if bound == "shared" and partition == "mixed":   # closed-form tier (the ablations keep their own)
             fast = cand_mask & fast_accept(K, gidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
             level_of[fast] = FAST_TIER
             cand_mask &= ~fast
