@@ -101,12 +101,16 @@ def cmd_inspect(a):
     variant = header.get("variant")
     if isinstance(variant, dict):
         info.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
-    if a.json:
+    _print_info(info, a.json)
+    return 0
+
+
+def _print_info(info, as_json):
+    if as_json:
         print(json.dumps(info, sort_keys=True))
     else:
         for k, v in info.items():
             print(f"{k:>16}: {v}")
-    return 0
 
 
 def cmd_verify(a):
@@ -177,7 +181,7 @@ def _dcp_dir_aware(verb, attr):
         def run(a):
             if os.path.isdir(getattr(a, attr)):
                 from torch_compat import dcp
-                return dcp.cli_command(verb, a, print_summary=_print_summary)
+                return dcp.cli_command(verb, a, print_summary=_print_summary, print_info=_print_info)
             return fn(a)
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__
         return run

@@ -781,15 +781,8 @@ def first_update_audit(ref, test, *, tau=0.01, clip=0.2, grid=None, grads=()):
     cases = [("grid", float(g)) for g in grid] + [("real", list(gs)) for gs in grads]
     for kind, g in cases:
         after = []
-        for (model, opt), ps, (psnap, ssnap) in zip(pairs, params, snaps):
-            with torch.no_grad():
-                for p, s, st in zip(ps, psnap, ssnap):
-                    p.copy_(s)
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor):
-                            opt.state[p][k].copy_(v)
-                        else:
-                            opt.state[p][k] = v
+        for (model, opt), ps, snap in zip(pairs, params, snaps):
+            _restore_snapshot(opt, ps, snap)
             for i, p in enumerate(ps):
                 if kind == "grid":
                     p.grad = torch.full_like(p, g)
@@ -807,21 +800,28 @@ def first_update_audit(ref, test, *, tau=0.01, clip=0.2, grid=None, grads=()):
             if gap.numel():
                 worst = max(worst, float(gap.max()))
             bad[i] |= gap > tau
-    for (model, opt), ps, (psnap, ssnap) in zip(pairs, params, snaps):
-        with torch.no_grad():
-            for p, s, st in zip(ps, psnap, ssnap):
-                p.copy_(s)
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        opt.state[p][k].copy_(v)
+    for (model, opt), ps, snap in zip(pairs, params, snaps):
+        _restore_snapshot(opt, ps, snap)
     return {"coordinates": sum(int(b.numel()) for b in bad), "gradients": len(cases),
             "violations": sum(int(b.sum()) for b in bad), "max_gap_lr": worst, "clamped": clamped}
 
 
 # ---------------------------------------------------------------- the CLI verbs on directories
-def cli_command(verb, a, *, print_summary) -> int:
+def _restore_snapshot(opt, ps, snap) -> None:
+    """Put parameters and optimizer state back as `first_update_audit` snapshotted them."""
+    psnap, ssnap = snap
+    with torch.no_grad():
+        for p, s, st in zip(ps, psnap, ssnap):
+            p.copy_(s)
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    opt.state[p][k].copy_(v)
+                else:
+                    opt.state[p][k] = v
+
+
+def cli_command(verb, a, *, print_summary, print_info) -> int:
     """`jaxguard compress|restore|inspect|verify` when the input is a DCP directory."""
-    import json
     if verb == "compress":
         s = compress_dir(a.ckpt, a.output, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
         src = inspect_dir(a.ckpt)["bytes_on_disk"]
@@ -834,12 +834,7 @@ def cli_command(verb, a, *, print_summary) -> int:
         print(f"restored {a.container} -> {a.output} (one torch checkpoint: {', '.join(r['keys'])})")
         return 0
     if verb == "inspect":
-        info = inspect_dir(a.container)
-        if a.json:
-            print(json.dumps(info, sort_keys=True))
-        else:
-            for k, v in info.items():
-                print(f"{k:>16}: {v}")
+        print_info(inspect_dir(a.container), a.json)
         return 0
     try:
         res = verify_dir(a.container)
