@@ -1,0 +1,31 @@
+"""Containers written by the main of 2026-12-01 (before the layout change of issue 12)
+must still read, and decode bit for bit, with every later version: through the numpy
+reader (verify + decode) and through the JAX decoder of the encoded form."""
+import os
+
+import numpy as np
+import pytest
+
+from jaxguard import reader
+
+HERE = os.path.join(os.path.dirname(__file__), "golden", "containers")
+EXPECTED = np.load(os.path.join(HERE, "expected.npz"))
+CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw")
+
+
+@pytest.mark.parametrize("codec", CODECS + ("torch-adam",))
+def test_golden_container_verifies_with_the_same_decoded_hash(codec):
+    info = reader.verify_file(os.path.join(HERE, f"{codec}.jaxguard"))
+    assert info["ok"]
+    assert info["decoded_sha256"] == str(EXPECTED[f"{codec}/decoded_sha256"])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_golden_container_decodes_to_the_same_bits(codec):
+    with open(os.path.join(HERE, f"{codec}.jaxguard"), "rb") as f:
+        header, payload = reader.parse(f.read())
+    tables = reader.read_tables(header, payload)
+    entry = next(e for e in header["entries"] if e["name"] == "layer/w")
+    m, v = reader.read_moments(entry, payload, tables)
+    np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), EXPECTED[f"{codec}/m_bits"])
+    np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), EXPECTED[f"{codec}/v_bits"])
