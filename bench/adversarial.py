@@ -55,7 +55,7 @@ def grid(clip):
 
 def draw_block(rng, n, B2, bc2):
     """One block of (m, v, p) from the mixture (float32, finite, v >= 0)."""
-    from jaxguard import bound
+    from jaxguard.core import bound
     NATIVE_LIMIT = getattr(bound, "NATIVE_LIMIT", 2.0**120)   # (also runs against the code before issue 10)
     kind = rng.choice(["ordinary", "flt_max", "boundary", "tiny", "wide", "huge_p"], p=[.3, .15, .25, .1, .1, .1])
     sgn = rng.choice([-1.0, 1.0], n)

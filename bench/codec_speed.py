@@ -42,15 +42,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_checkpoint(steps):
-    from jaxguard import _demo
+    from torch_compat import models
     torch.manual_seed(0)
-    torch.set_num_threads(1)  # tiny model on shared cores (see jaxguard/_demo.py)
-    model = _demo.ByteTransformer(d=128, layers=4, heads=4, ctx=64)
-    sample = _demo.text_batches(0)
+    torch.set_num_threads(1)  # tiny model on shared cores (see torch_compat/models.py)
+    model = models.ByteTransformer(d=128, layers=4, heads=4, ctx=64)
+    sample = models.text_batches(0)
     opt = torch.optim.Adam(model.named_parameters(), lr=1e-3, foreach=False)
     for _ in range(steps):
         opt.zero_grad()
-        _demo.loss_fn(model, sample(True)).backward()
+        models.loss_fn(model, sample(True)).backward()
         opt.step()
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 

@@ -29,7 +29,7 @@ ROWS = (("log8", "separate", "mixed"), ("log8", "shared", "linear"), ("log8", "s
 
 
 def _torch_ckpts(cache):
-    from jaxguard import _demo
+    from torch_compat import models
     out = {}
     for name, kind, steps, adamw in (("transformer-adam-150", "transformer", 150, False),
                                      ("transformer-adamw-60", "transformer", 60, True),
@@ -38,7 +38,7 @@ def _torch_ckpts(cache):
         if path and os.path.exists(path):
             out[name] = torch.load(path, weights_only=False)
             continue
-        ckpts, _, _ = _demo.train(kind, seed=0, steps=steps, fractions=(1.0,), weight_decay=0.01 if adamw else 0.0,
+        ckpts, _, _ = models.train(kind, seed=0, steps=steps, fractions=(1.0,), weight_decay=0.01 if adamw else 0.0,
                                   adamw=adamw)
         out[name] = ckpts[1.0]
         if path:

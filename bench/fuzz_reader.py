@@ -1,4 +1,4 @@
-"""Mutation fuzzer for the numpy-only container reader (`jaxguard.reader.verify_bytes`).
+"""Mutation fuzzer for the numpy-only container reader (`jaxguard.format.reader.verify_bytes`).
 
     nice -n 19 python bench/fuzz_reader.py --seconds 600 [--seed 0] [--corpus tests/fuzz_corpus]
 
@@ -30,15 +30,15 @@ import sys
 import time
 import traceback
 
-from jaxguard import reader
-from jaxguard.reader import PREFIX, TRAILER, ReaderError
+from jaxguard.format import reader
+from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
 
 
 def make_seeds():
     """Valid containers from a tiny torch model (needs torch + jax; run once)."""
     import numpy as np
     import torch_compat
-    from jaxguard._demo import odd_values_checkpoint
+    from torch_compat.models import odd_values_checkpoint
 
     seeds = []
     for codec in ("log8", "block8", "bf16", "logrel-aw"):

@@ -15,11 +15,11 @@ HERE=os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0,HERE); sys.path.insert(0,os.path.dirname(HERE))
 import numpy as np
 from fuzz_reader import split, reseal
-from jaxguard import reader
+from jaxguard.format import reader
 import torch_compat
-from jaxguard._demo import odd_values_checkpoint
-import jaxguard.guard as G
-from jaxguard import container
+from torch_compat.models import odd_values_checkpoint
+import jaxguard.core.guard as G
+from jaxguard.format import container
 seeds=[torch_compat.compress_checkpoint(odd_values_checkpoint(), codec='logrel-aw')[0]]
 rng0=np.random.default_rng(1); n=256*8
 v=rng0.lognormal(-14,1,n).astype(np.float32); m=(rng0.normal(0,1,n)*np.sqrt(v)*.3).astype(np.float32); m[::3]=np.nan

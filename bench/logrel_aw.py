@@ -48,7 +48,7 @@ def _median_s(fn, reps):
 
 def torch_row(label, ckpt, grads, codec, tau, tmpdir, timing=False):
     import torch_compat
-    from jaxguard.container import atomic_write
+    from jaxguard.format.container import atomic_write
     from torch_compat.state import gradient_grid
     if timing:
         torch_compat.compress_checkpoint(ckpt, tau=tau, clip=CLIP, codec=codec)   # warm-up (jit)
@@ -76,7 +76,7 @@ def main(argv=None):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     torch.set_num_threads(1)
     import reproduce
-    from jaxguard import _demo
+    from torch_compat import models
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_run = time.perf_counter()
@@ -86,7 +86,7 @@ def main(argv=None):
         by_frac, _ = reproduce.checkpoints(kind, 701, a.steps, Path(a.cache))
         for f in reproduce.FRACTIONS:
             ckpts.append((f"{kind} seed701 {a.steps} steps @{f:.0%}", kind, by_frac[f]))
-    demo, _, sample = _demo.train("transformer", seed=0, steps=150, fractions=(1.0,))
+    demo, _, sample = models.train("transformer", seed=0, steps=150, fractions=(1.0,))
     ckpts.append(("demo transformer seed0 150 steps", "transformer", demo[1.0]))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +115,7 @@ def main(argv=None):
                     print(json.dumps(r), flush=True)
     result = {"rows": rows, "sweep": sweep, "machine": reproduce.machine_info(), "loadavg_start": load0,
               "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - t_run,
-              "width_pairs": __import__("jaxguard.adaptive", fromlist=["x"]).WIDTH_PAIRS}
+              "width_pairs": __import__("jaxguard.core.adaptive", fromlist=["x"]).WIDTH_PAIRS}
     (out / "logrel_aw.json").write_text(json.dumps(result, indent=1))
     write_md(out / "logrel_aw.md", result)
     if sweep:

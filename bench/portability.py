@@ -210,7 +210,7 @@ def run_cell(mode: str) -> dict:
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    from jaxguard.enclosure import audit_enclosure
+    from torch_compat.enclosure import audit_enclosure
     from torch_compat._variant import variant_record
 
     sizes = SIZES[mode]

@@ -14,7 +14,7 @@ counted by position (vector body / scalar tail of the fused kernel's width). 0.1
 coordinates carry extreme values (subnormal, tiny, huge) that take the numpy path. The
 single-tensor replay on the same data is the negative control.
 
-Enclosure: ``jaxguard.enclosure.audit_enclosure(--cases, op_model=...)`` for every
+Enclosure: ``torch_compat.enclosure.audit_enclosure(--cases, op_model=...)`` for every
 ``torch-adam[w]-foreach/-fused`` op model, and once with ``no_radius`` (must fail).
 Writes replay_impls.json and replay_impls.md.
 """
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from jaxguard.enclosure import audit_enclosure  # noqa: E402
+from torch_compat.enclosure import audit_enclosure  # noqa: E402
 from torch_compat import replay  # noqa: E402
 from torch_compat._variant import detect_implementation_variant, environment_fingerprint  # noqa: E402
 

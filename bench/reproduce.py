@@ -1,5 +1,5 @@
 """Reproduce the paper's full-checkpoint figures (PAPERS.md section A) on the small models
-of jaxguard._demo: a byte-level transformer (stdlib source text) and a residual CNN with
+of torch_compat.models: a byte-level transformer (stdlib source text) and a residual CNN with
 BatchNorm (sklearn digits), 4 seeds each, Adam checkpoints at 10/50/100% of training.
 
 Usage:
@@ -10,7 +10,7 @@ Usage:
 Options: --steps-transformer 400 --steps-cnn 300 --continue-steps 100 --codecs log8,bf16,...
 --no-ablation --ablation-fractions 1.0 --out bench/results --cache bench/.cache.
 
-What it does, per condition (model, seed, fraction) and per codec in jaxguard.guard.CODECS
+What it does, per condition (model, seed, fraction) and per codec in jaxguard.core.guard.CODECS
 (read at run time):
 
 * compress with ``torch_compat.compress_checkpoint`` (tau = 0.01, C = 0.2): coordinates,
@@ -85,8 +85,8 @@ PAPER = {
 
 # ---------------------------------------------------------------- helpers
 def sampler(kind, seed):
-    from jaxguard import _demo
-    return _demo.text_batches(seed) if kind == "transformer" else _demo.digits_batches(seed)
+    from torch_compat import models
+    return models.text_batches(seed) if kind == "transformer" else models.digits_batches(seed)
 
 
 def median_seconds(fn, repeats=3):
@@ -100,11 +100,11 @@ def median_seconds(fn, repeats=3):
 
 def checkpoints(kind, seed, steps, cache: Path):
     """{fraction: CKPT}, trained once and cached on disk."""
-    from jaxguard import _demo
+    from torch_compat import models
     path = cache / f"{kind}-seed{seed}-steps{steps}.pt"
     if path.exists():
         return torch.load(path, weights_only=False), True
-    ckpts, _, _ = _demo.train(kind, seed=seed, steps=steps, fractions=FRACTIONS, lr=LR)
+    ckpts, _, _ = models.train(kind, seed=seed, steps=steps, fractions=FRACTIONS, lr=LR)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(ckpts, tmp)
@@ -148,11 +148,11 @@ def eval_set(kind):
 
 
 def model_and_opt(kind, ckpt):
-    from jaxguard import _demo
+    from torch_compat import models
     # deepcopy: Optimizer.load_state_dict keeps the given tensors (same dtype and device), so
     # the steps below would otherwise update the checkpoint's own exp_avg/exp_avg_sq in place
     ckpt = copy.deepcopy(ckpt)
-    model, _ = _demo.make(kind, 0)
+    model, _ = models.make(kind, 0)
     model.load_state_dict(ckpt["model"])
     opt = torch.optim.Adam(model.named_parameters(), lr=LR, foreach=False)
     opt.load_state_dict(ckpt["optimizer"])
@@ -161,29 +161,29 @@ def model_and_opt(kind, ckpt):
 
 def continue_training(kind, ckpt, steps, evals):
     """`steps` further Adam steps on the CONT_SEED batches; mean eval loss on `evals`."""
-    from jaxguard import _demo
+    from torch_compat import models
     model, opt = model_and_opt(kind, ckpt)
     sample = sampler(kind, CONT_SEED)
     for _ in range(steps):
         model.train()
         opt.zero_grad()
-        _demo.loss_fn(model, sample(True)).backward()
+        models.loss_fn(model, sample(True)).backward()
         opt.step()
     model.eval()
     with torch.no_grad():
-        return float(np.mean([float(_demo.loss_fn(model, b)) for b in evals]))
+        return float(np.mean([float(models.loss_fn(model, b)) for b in evals]))
 
 
 def real_gradient(kind, ckpt):
     """Gradient of the first CONT_SEED batch: the batch the continuation's first update uses."""
-    from jaxguard import _demo
-    return _demo.next_gradients(kind, ckpt, sampler(kind, CONT_SEED))
+    from torch_compat import models
+    return models.next_gradients(kind, ckpt, sampler(kind, CONT_SEED))
 
 
 # ---------------------------------------------------------------- one condition
 def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed, tmpdir, warmup=True):
     import torch_compat
-    from jaxguard.container import atomic_write
+    from jaxguard.format.container import atomic_write
     from torch_compat.state import gradient_grid
 
     t_cond = time.perf_counter()
@@ -638,7 +638,7 @@ transformer's 54-56% of torch.save is near the paper's 51-53%; the CNN's 62-68% 
 coordinates make the fixed header, JSON tree and per-tensor block metadata (and BatchNorm buffers, stored
 exactly) a large share. (4) *Ablation.* Separate ranges escape 90.8% (paper 98.9%) and the mixed partition
 1.74% (paper 0.53%, our moments are less trained), but the linear partition escapes only 2.00% against the
-paper's 43.9%: in this library "linear" still refines to 1,024 linear cells (jaxguard/bound.py LEVELS) and
+paper's 43.9%: in this library "linear" still refines to 1,024 linear cells (jaxguard/core/bound.py LEVELS) and
 differs from "mixed" only by the geometric cells near g = 0. 20.6% of the pooled coordinates have
 0 < v < (C/1024)^2, so tiny second moments alone do not explain the gap; we have not established whether the
 paper's linear ablation used a coarser partition. This figure is **not** reproduced. (5) *Timing.* Encode runs
@@ -683,7 +683,7 @@ def main(argv=None):
     ap.add_argument("--steps-transformer", type=int, default=400)
     ap.add_argument("--steps-cnn", type=int, default=300)
     ap.add_argument("--continue-steps", type=int, default=100)
-    ap.add_argument("--codecs", default=None, help="comma list (default: all of jaxguard.guard.CODECS)")
+    ap.add_argument("--codecs", default=None, help="comma list (default: all of jaxguard.core.guard.CODECS)")
     ap.add_argument("--models", default=None, help="comma list (default transformer,cnn)")
     ap.add_argument("--no-optax", action="store_true", help="skip the JAX/optax counterpart")
     ap.add_argument("--optax-steps", type=int, default=300)
@@ -701,7 +701,7 @@ def main(argv=None):
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxguard", "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    from jaxguard.guard import CODECS
+    from jaxguard.core.guard import CODECS
     torch.set_num_threads(args.threads)
     t_run = time.perf_counter()
     out, cache = Path(args.out), Path(args.cache)
@@ -712,7 +712,7 @@ def main(argv=None):
     codecs = [c for c in (args.codecs.split(",") if args.codecs else CODECS) if c]
     for c in codecs:
         if c not in CODECS:
-            ap.error(f"codec {c!r} is not in jaxguard.guard.CODECS ({', '.join(CODECS)})")
+            ap.error(f"codec {c!r} is not in jaxguard.core.guard.CODECS ({', '.join(CODECS)})")
     seeds = {m: SEEDS[m] for m in models}
     steps = {"transformer": args.steps_transformer, "cnn": args.steps_cnn}
     cont = args.continue_steps

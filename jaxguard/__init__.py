@@ -13,16 +13,16 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "GuardConfig": ("jaxguard.guard", "GuardConfig"),
-    "Encoded": ("jaxguard.guard", "Encoded"),
-    "encode": ("jaxguard.guard", "encode"),
-    "decode": ("jaxguard.guard", "decode"),
-    "CODECS": ("jaxguard.guard", "CODECS"),
-    "DEFAULT_CODEC": ("jaxguard.guard", "DEFAULT_CODEC"),
+    "GuardConfig": ("jaxguard.core.guard", "GuardConfig"),
+    "Encoded": ("jaxguard.core.guard", "Encoded"),
+    "encode": ("jaxguard.core.guard", "encode"),
+    "decode": ("jaxguard.core.guard", "decode"),
+    "CODECS": ("jaxguard.core.guard", "CODECS"),
+    "DEFAULT_CODEC": ("jaxguard.core.guard", "DEFAULT_CODEC"),
     "quant": ("jaxguard.quant", None),
     "save": ("jaxguard.optax_adapter", "save"),
     "load": ("jaxguard.optax_adapter", "load"),
-    "encode_jit": ("jaxguard.jit_encode", "encode_jit"),
+    "encode_jit": ("jaxguard.core.jit_encode", "encode_jit"),
     "state_constants": ("jaxguard.jit_state", "state_constants"),
     "encode_state_jit": ("jaxguard.jit_state", "encode_state_jit"),
     "write": ("jaxguard.jit_state", "write"),

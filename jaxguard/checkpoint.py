@@ -40,9 +40,10 @@ from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
 import jax
 
-from . import container, optax_adapter
-from . import sharded as _sharded
-from .errors import CheckpointError
+from jaxguard.format import container
+from jaxguard import optax_adapter
+from jaxguard import sharded as _sharded
+from jaxguard.errors import CheckpointError
 
 FILENAME = "opt_state.jaxguard"
 

@@ -26,7 +26,7 @@ and shardings (both propose with `guard._propose` and certify per shard).
 
 Numerical contract
 ------------------
-As `jaxguard.jit_encode.encode_jit`, per shard: every coordinate is the saved pair bit
+As `jaxguard.core.jit_encode.encode_jit`, per shard: every coordinate is the saved pair bit
 for bit or certified for the next update (``tau * lr`` for every ``|g| <= clip``) with
 the constants of the step passed in; `write` refuses a state whose ``count`` is not the
 step the constants were built for.
@@ -41,10 +41,11 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import codes, jit_encode, sharded
-from . import optax_adapter as _oa
-from .errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from .guard import DEFAULT_CODEC
+from jaxguard.core import codes, jit_encode
+from jaxguard import sharded
+from jaxguard import optax_adapter as _oa
+from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.core.guard import DEFAULT_CODEC
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ Numerical contract
 For every float32 ``mu``/``nu`` coordinate, the first ``tx.update`` + ``apply_updates``
 after `load` differs from the one the saved state would have produced by at most
 ``tau * lr`` for every gradient ``|g| <= clip`` reaching ``scale_by_adam`` (see
-jaxguard.guard).  Every other leaf is restored bit-exactly.  With
+jaxguard.core.guard).  Every other leaf is restored bit-exactly.  With
 ``mu_dtype=jnp.bfloat16`` the restored ``mu`` is exactly the saved bfloat16 ``mu`` (it is
 stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 ``tau / 1.02``, which covers optax computing ``b1 * mu`` in bfloat16 (``b1`` rounds to
@@ -36,7 +36,7 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
-from jaxguard.guard import DEFAULT_CODEC as _DEFAULT_CODEC
+from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
 import dataclasses
 import time
 from typing import Any
@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import container
-from . import guard as _guard
-from . import bound as _bound
-from .errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from .guard import GuardConfig, encode
+from jaxguard.format import container
+from jaxguard.core import guard as _guard
+from jaxguard.core import bound as _bound
+from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.core.guard import GuardConfig, encode
 
 INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
                                   getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
@@ -156,7 +156,7 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
 
     Raises:
       ConfigError: no ``lr`` although the state is inside `inject_hyperparams`, or a bad
-        hyperparameter (`jaxguard.opmodel.validate_hparams`).
+        hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
       CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
     """
     hp = site.hparams
@@ -375,7 +375,7 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
       CheckpointError, UnsupportedOptimizerError: see `compress_state`.
     """
     if sharded or (sharded is None and jax.process_count() > 1):
-        from . import sharded as _sharded
+        from jaxguard import sharded as _sharded
         return _sharded.save(path, opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
                              weight_decay=weight_decay, betas=betas, eps=eps, include_params=include_params)
     data, s = to_bytes(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec, weight_decay=weight_decay,
@@ -455,7 +455,7 @@ def load(path, like):
 
     `path` is a file (`save`) or a sharded checkpoint directory (``save(..., sharded=True)``
     or any multi-process save), restored in any process count or sharding."""
-    from . import sharded as _sharded
+    from jaxguard import sharded as _sharded
     if _sharded.is_sharded(path):
         return _sharded.load(path, like)
     header, arrays = read(path)
@@ -464,7 +464,7 @@ def load(path, like):
 
 def load_params(path) -> dict:
     """{dotted name: ndarray} of the params stored with ``include_params=True``."""
-    from . import sharded as _sharded
+    from jaxguard import sharded as _sharded
     if _sharded.is_sharded(path):
         man = _sharded.read_manifest(path)
         like = {p["path"]: np.zeros(p["shape"], jnp.bfloat16 if p["dtype"] == "bfloat16" else p["dtype"])

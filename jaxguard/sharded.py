@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from . import container, reader
-from . import optax_adapter as _oa
-from .errors import CheckpointError, ContainerError
-from .guard import DEFAULT_CODEC, encode_many
+from jaxguard.format import container, reader
+from jaxguard import optax_adapter as _oa
+from jaxguard.errors import CheckpointError, ContainerError
+from jaxguard.core.guard import DEFAULT_CODEC, encode_many
 
 MANIFEST = "manifest.json"
 SCHEMA = "jaxguard-sharded"

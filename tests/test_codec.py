@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import jaxguard as jg
-import jaxguard.guard as G
-from jaxguard import container, reader
+import jaxguard.core.guard as G
+from jaxguard.format import container, reader
 from torch_compat import codes_torch
 
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_v1.npz"))
@@ -18,7 +18,7 @@ CODECS = ("log8", "log8-rel", "bf16", "block8")
 
 
 def _numpy_decode(codec, a, n):
-    from jaxguard.codes import dynamic_map
+    from jaxguard.core.codes import dynamic_map
     tables = {"dynamic8s": dynamic_map(True), "dynamic8u": dynamic_map(False)}
     return reader.decode_codes(codec, n, a["m_codes"], a["v_codes"], a["m_params"], a["v_params"], tables)
 
@@ -34,7 +34,7 @@ def _torch_decode(codec, a, n):
                 codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n))
     if codec == "bf16":
         return codes_torch.bf16_decode(t["m_codes"].view(torch.int16)), codes_torch.bf16_decode(t["v_codes"].view(torch.int16))
-    from jaxguard.codes import dynamic_map
+    from jaxguard.core.codes import dynamic_map
     ts, tu = torch.from_numpy(dynamic_map(True)), torch.from_numpy(dynamic_map(False))
     return (codes_torch.table_decode(t["m_codes"], t["m_params"][:, 0], ts, n),
             codes_torch.table_decode(t["v_codes"], t["v_params"][:, 0], tu, n))
@@ -158,7 +158,7 @@ def test_reader_runs_with_numpy_only(tmp_path):
 
 def test_dynamic_map_matches_bitsandbytes():
     F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is the reference for the block8 map")
-    from jaxguard.codes import dynamic_map
+    from jaxguard.core.codes import dynamic_map
     assert np.array_equal(F.create_dynamic_map(signed=True).numpy(), dynamic_map(True))
     assert np.array_equal(F.create_dynamic_map(signed=False).numpy(), dynamic_map(False))
 

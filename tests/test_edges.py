@@ -175,7 +175,7 @@ def test_jitted_encode_escapes_the_same_edge_coordinates():
     p = rng.uniform(-100, 100, n).astype(np.float32)
     cfg = jg.GuardConfig(lr=1e-3, step=0)
     host = jg.encode(m, v, p, cfg)
-    from jaxguard import jit_encode
+    from jaxguard.core import jit_encode
     je = jit_encode.to_encoded(jg.encode_jit(jnp.asarray(m), jnp.asarray(v), jnp.asarray(p), cfg, capacity=n), m, v)
     assert np.array_equal(np.asarray(je.arrays["escape_index"]), np.asarray(host.arrays["escape_index"]))
     assert host.stats["escapes"] > n // 2 - 64      # the half above FLT_MAX * B escapes
@@ -186,7 +186,7 @@ def test_ideal_stage_near_flt_max_encloses_the_exact_difference():
     (b2f R / (B d1 d2) is divided in turn), and >= the exact (float64) difference at 65
     gradients of every cell; an intermediate that does overflow (m - m~ here) gives +inf,
     and the whole coordinate escapes (v' above the native limit)."""
-    from jaxguard import bound
+    from jaxguard.core import bound
     cfg = jg.GuardConfig(lr=1e-3, step=0)
     c = cfg.constants()
     k = jnp.asarray(bound.pack_constants(c, TAU))

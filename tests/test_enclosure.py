@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxguard import bound
-from jaxguard.enclosure import POINTS_PER_CASE, _points, audit_enclosure
+from jaxguard.core import bound
+from torch_compat.enclosure import POINTS_PER_CASE, _points, audit_enclosure
 
 
 def test_bound_encloses_replay():
@@ -49,7 +49,7 @@ def test_points_cover_ends_ulp_and_mid():
 
 
 def test_generated_cases_are_certifiable():
-    from jaxguard.enclosure import _draw_cases
+    from torch_compat.enclosure import _draw_cases
     d = _draw_cases(np.random.default_rng(5), 50000)
     for name in ("m", "v", "mt", "vt"):
         x = d[name]

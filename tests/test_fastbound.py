@@ -1,4 +1,4 @@
-"""The closed-form tier (jaxguard.fastbound): it encloses the real native difference over
+"""The closed-form tier (jaxguard.core.fastbound): it encloses the real native difference over
 the whole gradient range, refuses the edges, agrees with the cell partition, and the
 variant cache is keyed so that a changed environment recomputes."""
 import json
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxguard import bound, fastbound, guard
-from jaxguard.enclosure import _draw_cases, audit_enclosure
-from jaxguard.opmodel import step_constants
+from jaxguard.core import bound, fastbound, guard
+from torch_compat.enclosure import _draw_cases, audit_enclosure
+from jaxguard.core.opmodel import step_constants
 
 
 def _k(op_model="torch-adam", lr=1e-3, step=100, tau=0.01, wd=0.0, betas=(0.9, 0.999), eps=1e-8):
@@ -120,14 +120,14 @@ def test_real_torch_audit_on_trained_checkpoint(tmp_path):
     """A small trained model: the closed form takes most coordinates, and the real
     torch.optim.Adam audit finds no coordinate over tau."""
     import torch_compat
-    from jaxguard import _demo
+    from torch_compat import models
     torch.manual_seed(0)
-    model = _demo.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
-    sample = _demo.text_batches(0)
+    model = models.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
+    sample = models.text_batches(0)
     opt = torch.optim.AdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     for _ in range(15):
         opt.zero_grad()
-        _demo.loss_fn(model, sample(True)).backward()
+        models.loss_fn(model, sample(True)).backward()
         opt.step()
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     out = tmp_path / "c.jg"
@@ -142,7 +142,7 @@ def test_real_torch_audit_on_trained_checkpoint(tmp_path):
 
 def test_stream_writer_matches_build(tmp_path):
     """`write_stream` (entries one at a time) writes the same bytes as `build`."""
-    from jaxguard import container
+    from jaxguard.format import container
     rng = np.random.default_rng(0)
     m = rng.standard_normal(5000).astype(np.float32) * 1e-3
     v = (m * m * 3).astype(np.float32)
@@ -156,7 +156,7 @@ def test_stream_writer_matches_build(tmp_path):
     size = container.write_stream(tmp_path / "s.jg", iter(entries), {"framework": "test"})
     got = (tmp_path / "s.jg").read_bytes()
     assert size == len(got)
-    from jaxguard import reader
+    from jaxguard.format import reader
     assert reader.verify_bytes(got)["ok"] and reader.verify_bytes(data)["ok"]
     # same entries and hashes; only the tables' position may differ (a stream meets them late)
     hs, _ = reader.parse(got)

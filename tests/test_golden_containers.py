@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxguard import reader
+from jaxguard.format import reader
 
 HERE = os.path.join(os.path.dirname(__file__), "golden", "containers")
 EXPECTED = np.load(os.path.join(HERE, "expected.npz"))

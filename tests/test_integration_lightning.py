@@ -20,7 +20,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from jaxguard import container  # noqa: E402
+from jaxguard.format import container  # noqa: E402
 from jaxguard.errors import CheckpointError  # noqa: E402
 from jaxguard.integrations.lightning import GuardedCheckpointIO  # noqa: E402
 
@@ -167,7 +167,7 @@ def test_checkpoint_through_memory_url(runs, lr_zero):
     io_ = GuardedCheckpointIO()
     url = f"memory://pl-{int(lr_zero)}/step={N}.ckpt"
     io_.save_checkpoint(ckpt, url)
-    from jaxguard import storage
+    from jaxguard.format import storage
     assert (storage.read_bytes(url)[:8] == b"JAXGUARD") is (not lr_zero)
     back = io_.load_checkpoint(url)
     for k, t in ckpt["state_dict"].items():

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import jaxguard.guard as G
+import jaxguard.core.guard as G
 import torch_compat
-from jaxguard import container, packed, reader
+from jaxguard.format import container, packed, reader
 from jaxguard.errors import ConfigError, ContainerError
 from torch_compat import codes_torch
 
@@ -93,7 +93,7 @@ def test_pack_and_varint_round_trip():
 
 @pytest.fixture(scope="module")
 def odd():
-    from jaxguard._demo import odd_values_checkpoint
+    from torch_compat.models import odd_values_checkpoint
     ck = odd_values_checkpoint()
     data, s = torch_compat.compress_checkpoint(ck, codec=AW)
     return ck, data, s
@@ -210,7 +210,7 @@ def test_wrong_section_set_and_bad_params_refused():
 
 
 def test_jit_paths_refuse_logrel_aw_clearly():
-    from jaxguard import jit_encode
+    from jaxguard.core import jit_encode
     x = np.ones(300, np.float32)
     with pytest.raises(ConfigError, match="logrel-aw"):
         jit_encode.encode_jit(x, x, x, G.GuardConfig(lr=1e-3, step=10, codec=AW), capacity=64)

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 
 import jaxguard as jg
-from jaxguard import container, guard, jit_encode
+from jaxguard.format import container
+from jaxguard.core import guard, jit_encode
 
 CFG = jg.GuardConfig(lr=1e-3, step=10, op_model="optax-adam", codec="log8")
 

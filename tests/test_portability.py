@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import portability  # noqa: E402
 
 import torch_compat  # noqa: E402
-from jaxguard.enclosure import audit_enclosure  # noqa: E402
+from torch_compat.enclosure import audit_enclosure  # noqa: E402
 from jaxguard.errors import CheckpointError  # noqa: E402
 from torch_compat.replay import AdamVariant, adam_step, detect_variant, torch_adam_step  # noqa: E402
 

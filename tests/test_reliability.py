@@ -25,8 +25,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from jaxguard import reader
-from jaxguard.reader import PREFIX, TRAILER, ReaderError
+from jaxguard.format import reader
+from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -37,7 +37,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 # ---------------------------------------------------------------- fixtures
 def _tiny_checkpoint():
-    from jaxguard._demo import odd_values_checkpoint
+    from torch_compat.models import odd_values_checkpoint
     return odd_values_checkpoint()
 
 
@@ -291,7 +291,7 @@ def test_fuzz_corpus_replay(path):
 # ---------------------------------------------------------------- (f) atomic writes under SIGKILL
 WRITER = textwrap.dedent("""
     import sys, numpy as np
-    from jaxguard import container
+    from jaxguard.format import container
     path, a, b = sys.argv[1:4]
     blobs = [open(a, 'rb').read(), open(b, 'rb').read()]
     i = 0
@@ -304,7 +304,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_atomic_write_survives_sigkill(tmp_path):
-    from jaxguard import container
+    from jaxguard.format import container
     rng = np.random.default_rng(3)
     blobs = []
     for k in range(2):
@@ -503,7 +503,7 @@ def test_chunked_path_for_huge_tensors_matches_unchunked(monkeypatch, tmp_path):
     encoded in pieces and joined with 64-bit escape indices; shrinking MAX_PIECE runs that
     path here and must give the same codes, escapes and container as one piece."""
     import jaxguard as jg
-    from jaxguard import guard
+    from jaxguard.core import guard
     rng = np.random.default_rng(11)
     shape = (37, 1000)
     v = rng.lognormal(-14, 2, shape).astype(np.float32)
@@ -532,7 +532,7 @@ def test_overflowing_bound_never_certifies():
     3.0000002e38 was certified with a real gap of 1.2e33 lr."""
     import jax.numpy as jnp
     import jaxguard as jg
-    from jaxguard import bound as B
+    from jaxguard.core import bound as B
     cfg = jg.GuardConfig(lr=1e-6, step=1)
     n = 1024
     k = np.repeat(B.pack_constants(cfg.constants(), 0.01)[None], n, 0)

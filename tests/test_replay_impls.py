@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_compat
-from jaxguard.enclosure import audit_enclosure
+from torch_compat.enclosure import audit_enclosure
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
 from torch_compat import replay
 from torch_compat.state import check_optimizer_state, implementation_of

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import torch_compat
-from jaxguard import container, storage
+from jaxguard.format import container, storage
 from jaxguard.errors import ContainerError
 
 fsspec = pytest.importorskip("fsspec")
@@ -65,7 +65,7 @@ def test_torch_round_trip_through_url(url, tmp_path):
     torch_compat.save(local, opt)
     (h_url, _, _), (h_loc, _, _) = container.read(url), container.read(local)
     assert (h_url["payload_sha256"], h_url["decoded_sha256"]) == (h_loc["payload_sha256"], h_loc["decoded_sha256"])
-    from jaxguard import reader
+    from jaxguard.format import reader
     assert reader.verify_bytes(storage.read_bytes(url))["ok"]
 
 
@@ -231,7 +231,7 @@ _WRITER = textwrap.dedent("""
     import os, sys
     import fsspec
     fsspec.config.conf["s3"] = {"endpoint_url": sys.argv[1]}
-    from jaxguard import storage
+    from jaxguard.format import storage
     data = open(sys.argv[3], "rb").read()
     print("start", flush=True)
     storage.atomic_write(sys.argv[2], data)
@@ -272,7 +272,7 @@ def test_writer_killed_mid_upload_leaves_previous_object(s3, tmp_path):
 
 
 def test_import_jaxguard_imports_no_integration_or_fsspec():
-    code = ("import sys, jaxguard, jaxguard.storage, jaxguard.integrations; "
+    code = ("import sys, jaxguard, jaxguard.format.storage, jaxguard.integrations; "
             "bad = [m for m in ('fsspec', 's3fs', 'transformers', 'accelerate', 'lightning', 'torch', 'jax') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

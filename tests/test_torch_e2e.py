@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import torch_compat
-from jaxguard import _demo, reader
+from torch_compat import models
+from jaxguard.format import reader
 
 TAU = 0.01
 GRID = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
@@ -17,7 +18,7 @@ GRID = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
 
 @pytest.fixture(scope="module", params=["transformer", "cnn"])
 def trained(request):
-    ckpts, model, sample = _demo.train(request.param, seed=1, steps=40, fractions=(0.1, 0.5, 1.0))
+    ckpts, model, sample = models.train(request.param, seed=1, steps=40, fractions=(0.1, 0.5, 1.0))
     return request.param, ckpts, sample
 
 
@@ -29,7 +30,7 @@ def test_guarded_log8_passes_audit_at_every_fraction(trained, tmp_path):
         path.write_bytes(data)
         assert reader.verify_file(path)["ok"]
         restored, _ = torch_compat.restore_tree(path)
-        grads = _demo.next_gradients(kind, ckpt, sample)
+        grads = models.next_gradients(kind, ckpt, sample)
         a = torch_compat.audit(ckpt, restored, tau=TAU, grads=grads, grid=GRID)
         assert a["violations"] == 0, (kind, frac, a)
         assert a["max_gap_lr"] <= TAU
@@ -44,7 +45,7 @@ def test_separate_ranges_ablation_escapes_most():
     """The separate-range certificate cannot cancel a*g: it escapes most coordinates
     (paper: 98.9% on OPT; on this small digits CNN, whose v is large next to C^2, 46%;
     on the byte transformer >= 90%: see bench/results)."""
-    ckpts, _, _ = _demo.train("cnn", seed=2, steps=40, fractions=(1.0,))
+    ckpts, _, _ = models.train("cnn", seed=2, steps=40, fractions=(1.0,))
     _, sep = torch_compat.compress_checkpoint(ckpts[1.0], codec="log8", bound="separate")
     _, shared = torch_compat.compress_checkpoint(ckpts[1.0], codec="log8")
     assert sep["escape_rate"] >= 0.4, sep

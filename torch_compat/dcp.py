@@ -29,7 +29,7 @@ Numerical contract: for every coordinate the loaded moments equal the saved ones
 or the first native update after resume (op model ``torch-adam``/``torch-adamw``,
 ``torch.optim.Adam(foreach=False, fused=False)``, bias corrections at ``step + 1``)
 differs from the uncompressed resume by at most ``tau * lr`` for every gradient
-``|g| <= clip`` (`jaxguard.guard`). The certificate is per coordinate, so it does not
+``|g| <= clip`` (`jaxguard.core.guard`). The certificate is per coordinate, so it does not
 depend on the world size the checkpoint is loaded at. Weights, steps and param groups
 load bit-identically to a plain DCP save.
 """
@@ -60,11 +60,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
-from jaxguard import container, reader
+from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
-from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode_many
+from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig, encode_many
 
-from . import state as _state
+from torch_compat import state as _state
 
 FORMAT = "jaxguard-dcp/1"
 MANIFEST_KEY = "__jaxguard__"
@@ -662,7 +662,7 @@ def to_torch_checkpoint(state: dict) -> dict:
 
 def restore_dir(path, output) -> dict:
     """``jaxguard restore DIR -o full.pt``: consolidate into one torch checkpoint."""
-    from jaxguard.cli import _write_torch
+    from jaxguard.cli.main import _write_torch
     t0 = time.perf_counter()
     ckpt = to_torch_checkpoint(load_full(path))
     _write_torch(output, ckpt)

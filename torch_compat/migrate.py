@@ -35,7 +35,7 @@ difference torch cannot reproduce).
 """
 from __future__ import annotations
 
-from jaxguard.guard import DEFAULT_CODEC as _DEFAULT_CODEC
+from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
 import numpy as np
 import torch
 
@@ -46,7 +46,7 @@ import optax
 from jaxguard import optax_adapter
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
 
-from .state import _scalar, _step_int, check_optimizer_state, param_index, tensor_to_numpy
+from torch_compat.state import _scalar, _step_int, check_optimizer_state, param_index, tensor_to_numpy
 
 MIGRATE_TAU_FACTOR = 0.99
 

@@ -1,7 +1,7 @@
 """AdamW for torch with AL8 second moment and uf8 (or d8) first moment between steps.
 
 The state codes are *the same* as :func:`jaxguard.quant.quantized` with ``policy="al8"``:
-encoding calls the one implementation in :mod:`jaxguard.codes` (through
+encoding calls the one implementation in :mod:`jaxguard.core.codes` (through
 :mod:`jaxguard.quant.codecs`, on CPU via numpy), decoding uses the bit-identical torch
 decoders in :mod:`torch_compat.codes_torch` (float32 multiplies only).  So a state written
 here decodes to the same float32 values in JAX, numpy and torch.

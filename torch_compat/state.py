@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
-from jaxguard import container
+from jaxguard.format import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.codes import BLOCK
-from jaxguard.guard import DEFAULT_CODEC, GuardConfig, encode_many
-from jaxguard.opmodel import torch_op_model
+from jaxguard.core.codes import BLOCK
+from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig, encode_many
+from jaxguard.core.opmodel import torch_op_model
 from torch_compat.replay import TORCH_FLAGS
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _variant
+from torch_compat import _variant
 
 _SOURCES = ("_variant.py", "replay.py")
 FORMAT = 1
@@ -60,7 +60,7 @@ def cached_detect_variant(*, refresh: bool = False, detect=None):
       ``(variant, cached)``: the `AdamVariant` and whether it came from the cache.
     """
     if detect is None:
-        from .replay import detect_variant as detect
+        from torch_compat.replay import detect_variant as detect
     path = cache_path()
     if not refresh:
         try:

@@ -11,7 +11,7 @@ Each submodule imports its framework only when it is imported itself, and
 - `jaxguard.integrations.lightning`: `GuardedCheckpointIO`, a Lightning ``CheckpointIO``
   plugin (``pip install 'jaxguard[lightning]'``).
 
-All three write through `jaxguard.storage`, so directories may be fsspec URLs where the
+All three write through `jaxguard.format.storage`, so directories may be fsspec URLs where the
 framework allows it, and certify the moments against the live parameters of the
 optimizer (`torch_compat.save`). See docs/integrations.md.
 """

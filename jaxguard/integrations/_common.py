@@ -2,7 +2,7 @@
 wrappers, and the early check that the optimizer is one the guard models."""
 from __future__ import annotations
 
-from ..errors import UnsupportedOptimizerError
+from jaxguard.errors import UnsupportedOptimizerError
 
 OPTIMIZER_FILE = "optimizer.jg"
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ..errors import ConfigError, UnsupportedOptimizerError
-from ..guard import DEFAULT_CODEC
-from ._common import check_supported, unwrap, zero_lr_groups
+from jaxguard.errors import ConfigError, UnsupportedOptimizerError
+from jaxguard.core.guard import DEFAULT_CODEC
+from jaxguard.integrations._common import check_supported, unwrap, zero_lr_groups
 
 
 def optimizer_file(i: int) -> str:

@@ -30,9 +30,9 @@ import os
 import torch
 from transformers import Trainer
 
-from ..errors import UnsupportedOptimizerError
-from ..guard import DEFAULT_CODEC
-from ._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
+from jaxguard.errors import UnsupportedOptimizerError
+from jaxguard.core.guard import DEFAULT_CODEC
+from jaxguard.integrations._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
 
 SCHEDULER_NAME = "scheduler.pt"
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from .. import container, storage
-from ..errors import CheckpointError
-from ..guard import DEFAULT_CODEC
+from jaxguard.format import container, storage
+from jaxguard.errors import CheckpointError
+from jaxguard.core.guard import DEFAULT_CODEC
 
 NO_NAMES = ("optimizer_states[{i}] has no 'param_names'; build the optimizer from named parameters in "
             "configure_optimizers, e.g. torch.optim.AdamW(self.named_parameters(), lr=1e-3)")

@@ -1,7 +1,7 @@
 """Training-time quantized optimizer state (arXiv 2608.22322, "AL quantization").
 
 * :mod:`~jaxguard.quant.codecs`: AL8/AL16 for non-negative states, uf8/d8 for signed ones;
-  encodings are NamedTuples of arrays built on :mod:`jaxguard.codes` (one AL implementation,
+  encodings are NamedTuples of arrays built on :mod:`jaxguard.core.codes` (one AL implementation,
   shared with the checkpoint guard).
 * :func:`quantized`: an optax wrapper keeping any optimizer's state encoded between steps,
   with a per-state precision policy and topology-aware protection; :func:`state_bytes`.

@@ -1,7 +1,7 @@
 """Training-time state codecs: AL8/AL16 (non-negative), uf8 and d8 (signed or not).
 
 These are thin, jittable array-in/array-out wrappers around the one implementation of each
-code family in :mod:`jaxguard.codes` (shared with the checkpoint guard): the per-block
+code family in :mod:`jaxguard.core.codes` (shared with the checkpoint guard): the per-block
 functions there are ``jax.vmap``-ed over blocks here, nothing is re-derived.
 
 An encoded tensor is a ``NamedTuple`` of arrays (so it is a pytree that lives inside optax
@@ -18,7 +18,7 @@ Numerical contract (AL, ``al_encode``/``al_decode``; L = 2**bits - 1 codes for p
 Let a block's positive finite values have minimum ``m`` and maximum ``h``.  Its
 parameters are ``lo = max(m, h * 2**-100, 2**-126)`` (clamped to ``<= h``) and
 ``r = 2**((log2 h - log2 lo) / (L - 1))`` in float32; code ``q >= 1`` decodes to
-``lo * r**(q-1)`` (binary powering, :func:`jaxguard.codes.log_decode_block`).
+``lo * r**(q-1)`` (binary powering, :func:`jaxguard.core.codes.log_decode_block`).
 
 * Exact zero: ``q == 0`` iff ``x == +0.0`` or ``-0.0``; zeros decode to ``+0.0`` exactly.
 * All-zero blocks and constant blocks (``m == h``, ``r == 1``) round-trip bit-exactly.
@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxguard import codes as _codes
+from jaxguard.core import codes as _codes
 from jaxguard.errors import ConfigError
 
 __all__ = [
@@ -201,7 +201,7 @@ def d8_encode(x, signed: bool = True, block_size: int = _codes.BLOCK) -> D8Code:
     """bitsandbytes dynamic-tree 8-bit ("d8") encoding, signed map or unsigned map.
 
     Numerical contract: per block ``absmax = max(max|x|, 2**-126)``; the code is the map
-    entry nearest in value to ``x`` (``map`` = :func:`jaxguard.codes.dynamic_map`, equal to
+    entry nearest in value to ``x`` (``map`` = :func:`jaxguard.core.codes.dynamic_map`, equal to
     ``bitsandbytes.functional.create_dynamic_map``), ``x~ = map[q] * absmax`` (one float32
     multiply).  Relative error is that of the map (~0.5% near absmax, growing to 100% below
     ``1e-6 * absmax`` where the map has no entries: such values may decode to 0).  With

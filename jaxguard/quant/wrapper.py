@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxguard import codes as _codes
+from jaxguard.core import codes as _codes
 from jaxguard.errors import ConfigError
 from jaxguard.quant import codecs
 

@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-import jaxguard.guard as G
-from jaxguard import packed
+import jaxguard.core.guard as G
+from jaxguard.format import packed
 
 sys.path.insert(0, os.path.dirname(__file__))
 from make_codes_golden import inputs  # noqa: E402

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-import jaxguard.guard as G
+import jaxguard.core.guard as G
 
 
 def inputs():

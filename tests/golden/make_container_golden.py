@@ -11,9 +11,9 @@ import os
 
 import numpy as np
 
-import jaxguard.container as C
-import jaxguard.guard as G
-import jaxguard.reader as R
+import jaxguard.format.container as C
+import jaxguard.core.guard as G
+import jaxguard.format.reader as R
 
 HERE = os.path.join(os.path.dirname(__file__), "containers")
 CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw")

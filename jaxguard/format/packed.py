@@ -6,7 +6,7 @@ Numerical contract
 Nothing here rounds: packing and unpacking are integer bit manipulations and the block
 parameters are rebuilt from their stored bits with correctly rounded float32 multiplies
 (``lo = wlo*wlo``, ``r = rr*rr``) and a 16-bit shift (``scale``), so JAX, numpy and torch
-obtain the same float32 parameters, and from them (jaxguard.codes' log8-rel decode) the
+obtain the same float32 parameters, and from them (jaxguard.core.codes' log8-rel decode) the
 same moments.
 
 Layout of one tensor of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` blocks

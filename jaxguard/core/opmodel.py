@@ -2,7 +2,7 @@
 
 An operation model is a named, versioned value.  It fixes the float32 constants a
 framework feeds into its kernels and which op-order family its native update follows;
-`jaxguard.bound` turns those into the per-coordinate certificate.
+`jaxguard.core.bound` turns those into the per-coordinate certificate.
 
 Numerical contract
 ------------------
@@ -19,7 +19,7 @@ count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
   ``p + -lr * (m'/bc1) / (sqrt(v'/bc2) + eps)`` (+ ``-lr*wd*p`` inside the update for
   adamw).  `S` and `B` here are computed in double from the float32 betas;
   ``const_rel`` bounds their relative gap to optax's float32 ``pow`` values (4 ulp
-  allowed, 0.70 measured), which the native allowance in `jaxguard.bound` adds.
+  allowed, 0.70 measured), which the native allowance in `jaxguard.core.bound` adds.
 
 The bit-exact replay of torch's update (and the textbook one that fails it) live in
 torch_compat.replay.
@@ -32,7 +32,7 @@ import numbers
 
 import numpy as np
 
-from .errors import ConfigError
+from jaxguard.errors import ConfigError
 
 # torch's three CPU implementations of one update: single-tensor (foreach=False,
 # fused=False), foreach=True and fused=True. Their float32 constants agree (the fused

@@ -23,8 +23,9 @@ def run_demo(steps=150, as_json=False, seed=0):
     from tqdm import tqdm
 
     import torch_compat
-    from . import _demo, reader
-    from .container import atomic_write
+    from torch_compat import models
+    from jaxguard.format import reader
+    from jaxguard.format.container import atomic_write
 
     t0 = time.perf_counter()
     bar = tqdm(total=steps, desc="train byte transformer", unit="step", disable=as_json)
@@ -33,10 +34,10 @@ def run_demo(steps=150, as_json=False, seed=0):
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
-    ckpts, model, sample = _demo.train("transformer", seed=seed, steps=steps, fractions=(1.0,), progress=progress)
+    ckpts, model, sample = models.train("transformer", seed=seed, steps=steps, fractions=(1.0,), progress=progress)
     bar.close()
     ckpt = ckpts[1.0]
-    grads = _demo.next_gradients("transformer", ckpt, sample)
+    grads = models.next_gradients("transformer", ckpt, sample)
     grid = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,8 +15,8 @@ import tempfile
 
 import numpy as np
 
-from . import packed, reader
-from .errors import ContainerError
+from jaxguard.format import packed, reader
+from jaxguard.errors import ContainerError
 
 SCHEMA = "jaxguard-container"
 
@@ -55,7 +55,7 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None)
     produced, so memory holds one entry, not the payload.  The header (offsets, both
     SHA-256) is written first and the scratch payload copied after it.  Returns the file
     size in bytes."""
-    from . import storage
+    from jaxguard.format import storage
     directory = None
     if not storage.is_url(path):
         directory = os.path.dirname(os.path.abspath(storage.local_path(path))) or "."
@@ -102,7 +102,7 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
                                                       for e in entries)
     for i, (kind, name, obj, info) in enumerate(entries):
         if (lead and i == 0 or kind == "moments" and obj.codec.startswith("block8")) and not tables:
-            from .codes import dynamic_map
+            from jaxguard.core.codes import dynamic_map
             table_arrays = {"dynamic8s": np.asarray(dynamic_map(True), np.float32),
                             "dynamic8u": np.asarray(dynamic_map(False), np.float32)}
             tables = {k: pay.add(v) for k, v in table_arrays.items()}
@@ -163,7 +163,7 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
 
 
 def _aw_sections(pay, enc) -> dict:
-    """Sections of a logrel-aw entry (jaxguard.packed): packed codes, compact parameters, and
+    """Sections of a logrel-aw entry (jaxguard.format.packed): packed codes, compact parameters, and
     the smaller of a sparse escape index and an escape bitmask."""
     a, n = enc.arrays, enc.n
     widths = np.asarray(a["widths"], np.uint8)
@@ -222,7 +222,7 @@ def atomic_write_with(path, write) -> None:
     directory (e.g. ``torch.save(obj, fh)``: no in-memory copy of the output), which is
     then fsynced and renamed over `path`; on any error the temporary file is removed.
     An fsspec URL is written in memory first, then committed by `storage.atomic_write`."""
-    from . import storage
+    from jaxguard.format import storage
     if storage.is_url(path):
         buf = io.BytesIO()
         write(buf)
@@ -252,7 +252,7 @@ def atomic_write_with(path, write) -> None:
 
 def read(path, *, verify_decoded: bool = True):
     """Parse and check a container at a local path or fsspec URL; returns (header, payload, tables)."""
-    from .storage import read_bytes
+    from jaxguard.format.storage import read_bytes
     data = read_bytes(path)  # a writable buffer for local files: raw arrays can be used in place
     try:
         header, payload = reader.parse(data)

@@ -1,9 +1,9 @@
 """Propose codes -> decode exactly as the reader will -> certify -> escape.
 
 `encode(m, v, p, config)` is the public entry point for one moment pair.  Codes are
-proposed per 256-block (jaxguard.codes), decoded with the reader's exact arithmetic, and
+proposed per 256-block (jaxguard.core.codes), decoded with the reader's exact arithmetic, and
 each coordinate whose decoded moments are not bitwise equal to the originals is
-certified with `jaxguard.bound`: first one cell over ``[0, clip]`` per sign (the cheap
+certified with `jaxguard.core.bound`: first one cell over ``[0, clip]`` per sign (the cheap
 early accept), then the mixed linear-logarithmic partition, re-checked with 64, 256 and
 1024 linear cells.  Whatever is not certified escapes: its FP32 pair is stored exactly.
 
@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import adaptive as _adaptive
-from . import bound as _bound
-from . import fastbound as _fastbound
-from . import codes
-from . import packed as _packed
-from .errors import ConfigError
-from .opmodel import OP_MODELS, f32, step_constants
+from jaxguard.core import adaptive as _adaptive
+from jaxguard.core import bound as _bound
+from jaxguard.core import fastbound as _fastbound
+from jaxguard.core import codes
+from jaxguard.format import packed as _packed
+from jaxguard.errors import ConfigError
+from jaxguard.core.opmodel import OP_MODELS, f32, step_constants
 
 CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", _packed.CODEC)
 # log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
@@ -163,7 +163,7 @@ def _propose(mb, vb, valid, vpos, codec):
 
 
 def decode_arrays(arrays: dict, codec: str, n: int):
-    """Codes -> float32 flat (m~, v~) before escapes; identical to jaxguard.reader."""
+    """Codes -> float32 flat (m~, v~) before escapes; identical to jaxguard.format.reader."""
     mq, vq = jnp.asarray(arrays["m_codes"]), jnp.asarray(arrays["v_codes"])
     nb = codes.num_blocks(n)
     pad = nb * codes.BLOCK - n
@@ -254,7 +254,7 @@ FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one com
 
 
 def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
-    """The closed-form tier (`jaxguard.fastbound`) over whole flat arrays, in fixed-size
+    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
     chunks (one compiled program for any checkpoint).  Returns a host bool mask, True
     where the closed form certifies; callers AND it with their candidate mask."""
     n = np.shape(m)[0]
@@ -278,7 +278,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 12].
 
     With `fast` (the shared bound, mixed partition: the ablations keep their own
-    certificate), the closed-form tier (`jaxguard.fastbound`)
+    certificate), the closed-form tier (`jaxguard.core.fastbound`)
     goes first.  Then the refinement levels run on compacted candidates: each level only
     sees the coordinates the previous one could not certify, after an early reject of
     those whose ideal difference at a few gradients already exceeds the threshold.

@@ -10,11 +10,11 @@ fixed level chain (`bound.LEVELS`): level 0 gathers at most ``capacity`` candida
 certify.  Candidates beyond ``capacity`` escape (escaping is always safe).
 
 `to_encoded(je, m, v)` turns the fixed-size result into a normal `guard.Encoded` for the
-container on the host (`jaxguard.container.build`).
+container on the host (`jaxguard.format.container.build`).
 
 Numerical contract
 ------------------
-As `jaxguard.guard.encode`: every coordinate of ``decode_jit(je)`` (or of
+As `jaxguard.core.guard.encode`: every coordinate of ``decode_jit(je)`` (or of
 ``guard.decode(to_encoded(je))``) is either the input pair bit for bit or certified to
 move the first native update by at most ``tau * lr`` for every ``|g| <= clip``.  Inside a
 big XLA graph on CPU, subnormals may be flushed and bit tests rewritten into float
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bound as _bound
-from . import codes
-from . import guard as _guard
-from .errors import ConfigError
+from jaxguard.core import bound as _bound
+from jaxguard.core import codes
+from jaxguard.core import guard as _guard
+from jaxguard.errors import ConfigError
 
 _TINY_BITS = int(np.float32(_bound.TINY_MOMENT).view(np.uint32))
 

@@ -19,7 +19,7 @@ Numerical contract
 the pinned operation model (lerp/addcmul fused or not, IEEE or MKL/GPU sqrt within 4 ulp,
 division or reciprocal-multiply, torch or optax op order), provided the inputs are
 *certifiable*: finite, ``v, v~ >= 0``, and every nonzero moment has magnitude
-``>= 2**-80`` (`jaxguard.guard` escapes every other coordinate).  It is computed in
+``>= 2**-80`` (`jaxguard.core.guard` escapes every other coordinate).  It is computed in
 float32 without directed rounding modes: stage 1 (ideal, real arithmetic) is evaluated
 in round-to-nearest and widened by ``GAMMA = 2**-17`` relative to the magnitudes
 involved (>= twice the worst accumulated rounding of the <= 60 operations in the chain)
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .opmodel import StepConstants
+from jaxguard.core.opmodel import StepConstants
 
 U = 2.0**-24                 # unit roundoff of float32
 N_MIN = 2.0**-126            # smallest normal float32

@@ -1,4 +1,4 @@
-"""Enclosure audit: does `jaxguard.bound.cell_bounds` enclose the real native difference?
+"""Enclosure audit: does `jaxguard.core.bound.cell_bounds` enclose the real native difference?
 
 ``jaxguard audit-enclosure`` draws random certifiable scalar cases (moments ``m, v``,
 decoded moments ``m~, v~`` near them as the codecs produce, parameter ``p``, step ``t``,
@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bound as _bound
-from . import fastbound as _fastbound
-from .opmodel import TORCH_OP_MODELS, split_torch_op_model, step_constants
+from jaxguard.core import bound as _bound
+from jaxguard.core import fastbound as _fastbound
+from jaxguard.core.opmodel import TORCH_OP_MODELS, split_torch_op_model, step_constants
 
 POINTS_PER_CASE = 32         # 16 fixed points of the cell + 16 random interior ones
 GROUP = 2048                 # cases sharing one (step, lr): one replay call
@@ -65,7 +65,7 @@ def _one_cell(k, m, v, mt, vt, pabs, clip, e, sgn, no_radius):
 
 @functools.partial(jax.jit, static_argnames=("no_radius",))
 def _fast_bounds(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
-    """The closed-form tier (`jaxguard.fastbound`): one bound for all |g| <= clip."""
+    """The closed-form tier (`jaxguard.core.fastbound`): one bound for all |g| <= clip."""
     b, usable = _fastbound.fast_bound(k.T, m, v, mt, vt, pabs, clip, no_radius=no_radius)
     return jnp.where(usable, b, jnp.nan), usable
 

@@ -28,7 +28,7 @@ import os
 import re
 import uuid
 
-from .errors import ContainerError
+from jaxguard.errors import ContainerError
 
 ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -82,7 +82,7 @@ def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> N
         or the store reports a size different from ``len(data)`` after the write.
     """
     if not is_url(path):
-        from .container import atomic_write as local_write
+        from jaxguard.format.container import atomic_write as local_write
         return local_write(local_path(path), data)
     fs, key = _fs(path, storage_options)
     data = bytes(data)

@@ -11,7 +11,7 @@ import pickle
 import sys
 import time
 
-from .errors import JaxguardError, CheckpointError
+from jaxguard.errors import JaxguardError, CheckpointError
 
 EXIT_USAGE = 2
 
@@ -24,7 +24,7 @@ def _die(msg: str) -> int:
 def load_torch_checkpoint(path):
     """torch.load with weights_only=True: loading never runs pickled code."""
     import torch
-    from . import storage
+    from jaxguard.format import storage
     if not storage.exists(path):
         raise CheckpointError(f"{path}: no such file; pass a checkpoint written with torch.save")
     src = io.BytesIO(storage.read_bytes(path)) if storage.is_url(path) else storage.local_path(path)
@@ -46,7 +46,7 @@ def load_torch_checkpoint(path):
 
 def _write_torch(path, obj):
     import torch
-    from .container import atomic_write_with
+    from jaxguard.format.container import atomic_write_with
     atomic_write_with(path, lambda fh: torch.save(obj, fh))   # straight to the file, no copy in memory
 
 
@@ -64,7 +64,7 @@ def _print_summary(s, as_json):
 
 def cmd_compress(a):
     import torch_compat.state
-    from . import storage
+    from jaxguard.format import storage
     from torch_compat._variant import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
@@ -86,7 +86,7 @@ def cmd_restore(a):
 
 
 def cmd_inspect(a):
-    from . import container, storage
+    from jaxguard.format import container, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
     n = sum(e["stats"]["coordinates"] for e in ents)
@@ -114,7 +114,7 @@ def _print_info(info, as_json):
 
 
 def cmd_verify(a):
-    from . import reader, storage
+    from jaxguard.format import reader, storage
     try:
         data = storage.read_bytes(a.container)
         res = reader.verify_bytes(data)
@@ -146,8 +146,8 @@ def cmd_audit(a):
 
 def cmd_migrate(a):
     from torch_compat import migrate
-    from . import storage
-    from .container import atomic_write
+    from jaxguard.format import storage
+    from jaxguard.format.container import atomic_write
     is_container = storage.exists(a.ckpt) and storage.read_bytes(a.ckpt)[:8] == b"JAXGUARD"
     if a.to == "optax":
         if is_container:
@@ -171,7 +171,7 @@ def cmd_migrate(a):
 
 
 def cmd_demo(a):
-    from .demo import run_demo
+    from jaxguard.cli.demo import run_demo
     return run_demo(steps=a.steps, as_json=a.json)
 
 
@@ -237,7 +237,7 @@ def build_parser():
     mg.add_argument("--json", action="store_true")
     mg.set_defaults(fn=cmd_migrate)
     try:
-        from . import enclosure
+        from torch_compat import enclosure
         enclosure.add_parser(sub)
     except ImportError:
         pass

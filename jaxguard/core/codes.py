@@ -1,13 +1,13 @@
 """Code families for 8-bit (and 16-bit) optimizer-state moments.
 
 Every family here is written for one block of `BLOCK` coordinates and `jax.vmap`-ed over
-blocks by `encode_blocks` / `decode_blocks`.  The guard (jaxguard.guard) and the
+blocks by `encode_blocks` / `decode_blocks`.  The guard (jaxguard.core.guard) and the
 training-time quantizers (jaxguard.quant) share these functions: there is one AL8.
 
 Numerical contract (all families)
 ---------------------------------
 * Decode uses only correctly rounded IEEE float32 multiplies (and exact bit
-  manipulation), so JAX (any backend, any XLA flags), numpy (jaxguard.reader) and torch
+  manipulation), so JAX (any backend, any XLA flags), numpy (jaxguard.format.reader) and torch
   produce bit-identical float32 values.  Golden vectors in tests/golden pin this.
 * Decode never produces a subnormal number: scales and log-range bases are clamped to at
   least the smallest normal float32, 2**-126.  XLA on CPU flushes subnormals to zero,

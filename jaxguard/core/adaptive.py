@@ -14,8 +14,8 @@ Decode is log8-rel's (``v~ = lo * r**(q-1)``, ``m~ = (f32(q)*scale) * w``,
 ``w = wlo * rr**(max(qv,1)-1)``), with the narrower codes simply not using the high
 bits, and block parameters that are exact in the stored form: ``lo = wlo*wlo``,
 ``r = rr*rr`` (float32 multiplies) and ``scale`` a bfloat16 value.  So JAX, numpy
-(jaxguard.reader) and torch decode bit-identically, and the guard's contract
-(jaxguard.guard) holds for every coordinate: exact, or certified within ``tau*lr``.
+(jaxguard.format.reader) and torch decode bit-identically, and the guard's contract
+(jaxguard.core.guard) holds for every coordinate: exact, or certified within ``tau*lr``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import codes, packed
+from jaxguard.core import codes
+from jaxguard.format import packed
 
 CODEC = packed.CODEC
 # (bm, bv) pairs tried per block.  Measured on a 100-step ByteTransformer (137,216
@@ -96,7 +97,7 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
     """Try every width pair, keep per block the cheapest; return the assembled proposal.
 
     `classify(mt, vt) -> (exact, ok)` and `certify_fn(mt, vt, idx) -> level per idx` are the
-    guard's (jaxguard.guard), bound to this group's constants.
+    guard's (jaxguard.core.guard), bound to this group's constants.
 
     Returns (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group.
     """
@@ -128,7 +129,7 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
 
 @jax.jit
 def decode_blocks(mq, vq, mp, vp):
-    """Blocked codes and parameters -> (m~, v~) blocked, as jaxguard.reader decodes them."""
+    """Blocked codes and parameters -> (m~, v~) blocked, as jaxguard.format.reader decodes them."""
     w = jax.vmap(codes.sqrt_scale_block)(vq, vp[:, 2], vp[:, 3])
     mt = jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w)
     vt = jax.vmap(codes.log_decode_block)(vq, vp[:, 0], vp[:, 1])

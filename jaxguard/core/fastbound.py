@@ -1,15 +1,15 @@
 """A closed-form sufficient test: the first tier of the guard, before the cell partition.
 
 `fast_bound` bounds, for one coordinate and *all* gradients ``|g| <= clip`` at once,
-the same quantity as `jaxguard.bound.coordinate_bound`: ``sup |p1' - p2'|``, the
+the same quantity as `jaxguard.core.bound.coordinate_bound`: ``sup |p1' - p2'|``, the
 difference of the two native float32 updates (original and decoded moments) under any
 variant of the pinned operation model.  It costs a few dozen float32 operations per
 coordinate (no partition, no per-cell loop), so it certifies the bulk of a trained
-state; whatever it does not certify goes on to the cell partition (`jaxguard.guard`),
+state; whatever it does not certify goes on to the cell partition (`jaxguard.core.guard`),
 which remains the reference.  Derivation: docs/bound.md section 7.
 
 Stage 1 (ideal).  With ``r_i(g) = sqrt(b2f v_i + c2 g^2)``, ``d_i = r_i/B + eps`` and the
-difference form of `jaxguard.bound`, ``|s1 - s2|/S <= |A| + |m2| |F|``, every factor
+difference form of `jaxguard.core.bound`, ``|s1 - s2|/S <= |A| + |m2| |F|``, every factor
 evaluated at ``g = 0`` except ``|m2| <= keep|m~| + a|g|``, whose ``a|g|`` part is
 absorbed by ``a|g|/d2 <= a B/sqrt(c2)`` or by ``a|g|/(r1 + r2) <= a/(2 sqrt(c2))``
 (the smaller of the two is taken):
@@ -18,7 +18,7 @@ absorbed by ``a|g|/d2 <= a B/sqrt(c2)`` or by ``a|g|/(r1 + r2) <= a/(2 sqrt(c2))
     T2 = keep|m~| b2f|dv| / (B (r1+r2)(0) d1(0) d2(0))
     T3 = min( a b2f|dv| / (sqrt(c2) (r1+r2)(0) d1(0)),  a b2f|dv| / (2 sqrt(c2) B d1(0) d2(0)) )
 
-Stage 2 (native) is `jaxguard.bound._native_allowance` on the single cell ``[0, clip]``
+Stage 2 (native) is `jaxguard.core.bound._native_allowance` on the single cell ``[0, clip]``
 with ``|m|`` (which covers both signs of ``g``), plus the final ``p + step`` rounding
 with the decayed parameter ``max(|p|, |1 - lr wd| |p|)``.
 
@@ -34,7 +34,7 @@ so no intermediate is subnormal or flushed, each operation has relative error ``
 (sqrt ``<= 8u``; division or reciprocal-multiply ``<= 2u``), and the widening by
 ``bound.GAMMA`` (> 40u accumulated on the longest chain) makes the computed stage 1
 an upper bound of the exact one.  Inputs are the guard's candidates: finite, ``v, v~ >=
-0``, nonzero moments ``>= 2**-80`` (`jaxguard.guard` escapes every other coordinate).
+0``, nonzero moments ``>= 2**-80`` (`jaxguard.core.guard` escapes every other coordinate).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import bound as _bound
+from jaxguard.core import bound as _bound
 
 U = _bound.U
 SAFE_HI = 2.0**60            # inputs above this go to the cell partition
@@ -117,7 +117,7 @@ def fast_bound(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
 def _native_sup(k, mabs, d0, bs, const_rel, pabs):
     """Stage 2 for one branch over all ``|g| <= clip``: (allowance, sup|s|).
 
-    `jaxguard.bound._native_allowance` at a single gradient ``g`` (a degenerate cell),
+    `jaxguard.core.bound._native_allowance` at a single gradient ``g`` (a degenerate cell),
     with its ``g``-dependent factors bounded over the whole range: ``rho_d(g) <=
     rho_d(0)``, ``1/d(g) <= 1/d(0)`` and ``|g|/d(g) <= B/sqrt(c2)`` (``bs``), so that
     ``e_m(g)/d(g) <= E`` and ``|m'(g)|/d(g) <= Mq`` (docs/bound.md section 7)."""

@@ -1,0 +1,369 @@
+"""Numpy-only reader for jaxguard container v1 (no JAX, torch or optax needed).
+
+    python -m jaxguard.reader FILE [--json]
+
+verifies the file and prints ``{"ok": ..., "decoded_sha256": ...}``.  The format is
+specified in docs/format.md.  Loading never unpickles: the header is JSON and every
+array is read with `numpy.frombuffer` from a declared, bounds-checked byte range.
+
+Numerical contract: decoding uses only float32 multiplies (linear8: ``q*scale``; log8:
+``lo * r**(q-1)`` by fixed-order binary powering; log8-rel: ``(q*scale) * w`` with
+``w = wlo * rr**(qv-1)`` formed like log8; block8: ``table[q]*absmax``; bf16: a
+16-bit shift), which numpy, JAX and torch all round identically, so the decoded moments
+hash to the ``decoded_sha256`` the writer recorded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+
+import numpy as np
+
+from jaxguard.format import packed
+
+MAGIC = b"JAXGUARD"
+VERSION = 1
+PREFIX = struct.Struct("<8sIIQ")   # magic, version, flags, header length
+TRAILER = 32                       # SHA-256 of everything before it
+MAX_HEADER = 1 << 30
+BLOCK = 256
+
+DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
+          "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
+CODE_DTYPES = {"log8": ("i1", "u1"), "log8-rel": ("i1", "u1"), "bf16": ("<u2", "<u2"), "block8": ("u1", "u1"),
+               "block8-unguarded": ("u1", "u1")}
+PARAM_WIDTH = {"log8": (1, 2), "log8-rel": (1, 4), "bf16": (0, 0), "block8": (1, 1), "block8-unguarded": (1, 1)}
+CODE_DTYPES[packed.CODEC] = ("i1", "u1")   # after unpacking (jaxguard.format.packed)
+
+
+class ReaderError(ValueError):
+    """The file is not a valid jaxguard container (message says what failed)."""
+
+
+# ---------------------------------------------------------------- decoding (numpy)
+def _blocks(q, n):
+    nb = max(1, -(-n // BLOCK))
+    out = np.zeros(nb * BLOCK, q.dtype)
+    out[:n] = q
+    return out.reshape(nb, BLOCK)
+
+
+def linear8_decode(q, scale, n):
+    qb = _blocks(q, n).astype(np.float32)
+    return (qb * scale.astype(np.float32)[:, None]).reshape(-1)[:n]
+
+
+def log_decode(q, lo, r, n, bits=8):
+    """``lo * r**(q-1)`` per block (0 for q == 0) by binary powering: bits of ``q-1`` from
+    the lowest, ``val *= r**(2**j)`` where bit j is set, squares formed by repeated
+    float32 squaring.  For 8-bit codes the 256 values of each block are tabulated with
+    exactly that sequence of roundings (``T[k + 2**j] = T[k] * r**(2**j)`` for
+    ``k < 2**j``) and gathered: bit-identical, a few passes instead of 8x4."""
+    qb = _blocks(q, n)
+    if bits > 8:
+        return _log_decode_bitwise(qb, lo, r, n, bits)
+    nb = qb.shape[0]
+    table = np.empty((nb, 257), np.float32)       # column q holds the value of code q
+    table[:, 0] = 0.0
+    table[:, 1] = lo.astype(np.float32)
+    p = r.astype(np.float32)[:, None]
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        for j in range(8):
+            w = 1 << j
+            np.multiply(table[:, 1:1 + w], p, out=table[:, 1 + w:1 + 2 * w])
+            p = (p * p).astype(np.float32)
+    val = np.take_along_axis(table, qb.astype(np.intp), axis=1)
+    return val.reshape(-1)[:n]
+
+
+def _log_decode_bitwise(qb, lo, r, n, bits):
+    k = qb.astype(np.int64) - 1
+    p = r.astype(np.float32)[:, None]
+    val = np.broadcast_to(lo.astype(np.float32)[:, None], qb.shape).copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j in range(bits):
+            bit = ((k >> j) & 1) == 1
+            val = np.where(bit, val * p, val).astype(np.float32)
+            p = (p * p).astype(np.float32)
+    val[qb == 0] = 0.0
+    return val.reshape(-1)[:n]
+
+
+def bf16_decode(q):
+    return (q.astype(np.uint32) << 16).view(np.float32)
+
+
+def table_decode(q, absmax, table, n):
+    qb = _blocks(q, n).astype(np.int64)
+    return (table[qb] * absmax.astype(np.float32)[:, None]).astype(np.float32).reshape(-1)[:n]
+
+
+def decode_codes(codec, n, m_codes, v_codes, m_params, v_params, tables):
+    if codec == "log8":
+        return linear8_decode(m_codes, m_params[:, 0], n), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
+    if codec == "log8-rel":
+        w = log_decode(np.where(v_codes == 0, 1, v_codes).astype(v_codes.dtype), v_params[:, 2], v_params[:, 3], n)
+        m = (_blocks(m_codes, n).astype(np.float32).reshape(-1)[:n]
+             * np.repeat(m_params[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
+        return (m * w).astype(np.float32), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
+    if codec == "bf16":
+        return bf16_decode(m_codes), bf16_decode(v_codes)
+    return (table_decode(m_codes, m_params[:, 0], tables["dynamic8s"], n),
+            table_decode(v_codes, v_params[:, 0], tables["dynamic8u"], n))
+
+
+# ---------------------------------------------------------------- parsing
+def _range(payload_len, rng, what):
+    if (not isinstance(rng, list) or len(rng) != 2 or not all(isinstance(x, int) for x in rng)
+            or not 0 <= rng[0] <= rng[1] <= payload_len):
+        raise ReaderError(f"{what}: byte range {rng!r} is not inside the payload of {payload_len} bytes")
+    return rng
+
+
+def parse(data: bytes):
+    """Check the envelope of `data`; return (header dict, payload memoryview)."""
+    if len(data) < PREFIX.size + TRAILER:
+        raise ReaderError(f"file is {len(data)} bytes, too short to be a jaxguard container")
+    magic, version, flags, hlen = PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ReaderError("not a jaxguard container (bad magic); pass a file written by jaxguard")
+    if version != VERSION:
+        raise ReaderError(f"container format version {version} is not supported by this reader (supports {VERSION})")
+    if flags != 0:
+        raise ReaderError(f"unknown flags {flags:#x} in the container prefix")
+    view = memoryview(data)   # slices of a view do not copy the file
+    if hashlib.sha256(view[:-TRAILER]).digest() != bytes(view[-TRAILER:]):
+        raise ReaderError("file checksum mismatch: the file is corrupt or truncated (trailing SHA-256)")
+    if hlen > MAX_HEADER or PREFIX.size + hlen + TRAILER > len(data):
+        raise ReaderError(f"header length {hlen} does not fit in the file")
+    try:
+        header = json.loads(bytes(data[PREFIX.size:PREFIX.size + hlen]).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge ints, deep nesting
+        raise ReaderError(f"header is not valid JSON: {str(exc)[:120]}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
+        raise ReaderError("header has no 'entries' list")
+    payload = memoryview(data)[PREFIX.size + hlen:len(data) - TRAILER]
+    if header.get("payload_bytes") != len(payload):
+        raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise ReaderError("payload SHA-256 mismatch")
+    _check_layout(header, len(payload))
+    return header, payload
+
+
+MOMENT_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "escape_pairs")
+AW_SECTIONS = ("widths", "m_codes", "v_codes", "m_params", "v_params", "escape_pairs")
+
+
+def _sections(entry):
+    if not isinstance(entry.get("name"), str):
+        raise ReaderError("an entry of the header has no string 'name'")
+    if entry.get("kind") == "raw":
+        return {"data": entry.get("offsets")}
+    if entry.get("kind") == "moments":
+        sec = entry.get("sections")
+        if entry.get("codec") == packed.CODEC:
+            if (not isinstance(sec, dict)
+                    or not any(sorted(sec) == sorted(AW_SECTIONS + (e,)) for e in ("escape_mask", "escape_index"))):
+                raise ReaderError(f"entry {entry.get('name')!r} ({packed.CODEC}) must have exactly the sections "
+                                  f"{', '.join(AW_SECTIONS)} and one of escape_mask, escape_index")
+            return sec
+        if not isinstance(sec, dict) or sorted(sec) != sorted(MOMENT_SECTIONS):
+            raise ReaderError(f"entry {entry.get('name')!r} must have exactly the sections {', '.join(MOMENT_SECTIONS)}")
+        if not isinstance(entry.get("codec"), str):
+            raise ReaderError(f"entry {entry.get('name')!r} has a non-string codec")
+        return sec
+    raise ReaderError(f"entry {entry.get('name')!r} has unknown kind {entry.get('kind')!r}")
+
+
+def _tables(header):
+    tables = header.get("tables") or {}
+    if not isinstance(tables, dict) or not all(k in ("dynamic8s", "dynamic8u") for k in tables):
+        raise ReaderError("header 'tables' must be an object with keys dynamic8s/dynamic8u")
+    return tables
+
+
+def _check_layout(header, payload_len):
+    ranges = []
+    for name, rng in _tables(header).items():
+        ranges.append(tuple(_range(payload_len, rng, f"table {name}")))
+    for entry in header["entries"]:
+        if not isinstance(entry, dict):
+            raise ReaderError("an entry of the header is not an object")
+        for sec, rng in _sections(entry).items():
+            ranges.append(tuple(_range(payload_len, rng, f"{entry.get('name')!r}.{sec}")))
+    ranges.sort()
+    pos = 0
+    for b, e in ranges:
+        if b != pos:
+            raise ReaderError(f"payload has a hole or overlap at byte {pos} (next section starts at {b})")
+        pos = e
+    if pos != payload_len:
+        raise ReaderError(f"payload has {payload_len - pos} trailing bytes no section claims")
+
+
+def _array(payload, rng, dtype, count, what):
+    b, e = rng
+    item = np.dtype(dtype).itemsize
+    if (e - b) != count * item:
+        raise ReaderError(f"{what}: {e - b} bytes where {count} x {item} are needed")
+    return np.frombuffer(payload[b:e], dtype=dtype, count=count)
+
+
+MAX_ELEMENTS = 1 << 40
+
+
+def _shape_size(entry):
+    shape = entry.get("shape")
+    if (not isinstance(shape, list) or len(shape) > 32
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in shape)):
+        raise ReaderError(f"entry {entry.get('name')!r} has an invalid shape {str(shape)[:80]}")
+    n = 1
+    for d in shape:
+        n *= d
+    if n >= MAX_ELEMENTS:
+        raise ReaderError(f"entry {entry.get('name')!r} declares {n} elements, more than the reader accepts")
+    return shape, n
+
+
+def read_tables(header, payload):
+    tables = {}
+    for name, rng in _tables(header).items():
+        tables[name] = _array(payload, rng, "<f4", 256, f"table {name}").astype(np.float32)
+    return tables
+
+
+def read_raw(entry, payload):
+    shape, n = _shape_size(entry)
+    dt = DTYPES.get(entry.get("dtype"))
+    if dt is None:
+        raise ReaderError(f"entry {entry.get('name')!r} has unsupported dtype {entry.get('dtype')!r}")
+    return _array(payload, entry["offsets"], dt, n, entry["name"]).reshape(shape)
+
+
+def read_moments(entry, payload, tables):
+    """Decoded (m~, v~) float32 arrays of one moments entry."""
+    shape, n = _shape_size(entry)
+    codec = entry.get("codec")
+    if codec not in CODE_DTYPES:
+        raise ReaderError(f"entry {entry.get('name')!r} has unknown codec {codec!r}")
+    if codec.startswith("block8") and set(tables) != {"dynamic8s", "dynamic8u"}:
+        raise ReaderError("block8 entries need the dynamic8s/dynamic8u tables")
+    s = entry["sections"]
+    nb = max(1, -(-n // BLOCK))
+    if codec == packed.CODEC:
+        try:
+            m, v = _read_aw(entry["name"], s, payload, n, nb)
+        except packed.PackError as exc:
+            raise ReaderError(f"{entry['name']}.{exc}") from None
+        return m.reshape(shape), v.reshape(shape)
+    mdt, vdt = CODE_DTYPES[codec]
+    wm, wv = PARAM_WIDTH[codec]
+    name = entry["name"]
+    mq = _array(payload, s["m_codes"], mdt, n, f"{name}.m_codes")
+    vq = _array(payload, s["v_codes"], vdt, n, f"{name}.v_codes")
+    mp = _array(payload, s["m_params"], "<f4", nb * wm, f"{name}.m_params").reshape(nb, wm)
+    vp = _array(payload, s["v_params"], "<f4", nb * wv, f"{name}.v_params").reshape(nb, wv)
+    mask = _array(payload, s["escape_mask"], "u1", -(-n // 8), f"{name}.escape_mask")
+    bits = np.unpackbits(mask, bitorder="little")
+    if bits[n:].any():
+        raise ReaderError(f"{name}.escape_mask has bits set past the end of the tensor")
+    idx = np.flatnonzero(bits[:n])
+    pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
+    m, v = decode_codes(codec, n, mq, vq, mp, vp, tables)
+    m, v = m.copy(), v.copy()
+    m[idx] = pairs[:, 0]
+    v[idx] = pairs[:, 1]
+    return m.reshape(shape), v.reshape(shape)
+
+
+def _escape_positions(name, s, payload, n):
+    if "escape_index" in s:
+        b, e = s["escape_index"]
+        return packed.varint_decode(np.frombuffer(payload[b:e], np.uint8), n, "escape_index")
+    mask = _array(payload, s["escape_mask"], "u1", -(-n // 8), f"{name}.escape_mask")
+    bits = np.unpackbits(mask, bitorder="little")
+    if bits[n:].any():
+        raise ReaderError(f"{name}.escape_mask has bits set past the end of the tensor")
+    return np.flatnonzero(bits[:n])
+
+
+def _read_aw(name, s, payload, n, nb):
+    """Decode one logrel-aw entry (layout: jaxguard.format.packed; decode: log8-rel's)."""
+    wb = _array(payload, s["widths"], "u1", nb, f"{name}.widths")
+    bm, bv = packed.check_widths(wb)
+    streams = []
+    for key, widths in (("m_codes", bm), ("v_codes", bv)):
+        streams.append(_array(payload, s[key], "u1", packed.packed_len(widths, n), f"{name}.{key}"))
+    lm = (1 << (bm - 1)) - 1
+    mc = packed.unpack(streams[0], bm, n).reshape(nb, BLOCK).astype(np.int16)
+    if n < nb * BLOCK:        # padding of the last block is not stored: offset code of q = 0
+        mc.reshape(-1)[n:] = lm[-1]
+    if (mc > 2 * lm[:, None]).any():
+        blk = int(np.flatnonzero((mc > 2 * lm[:, None]).any(1))[0])
+        raise ReaderError(f"{name}.m_codes: block {blk} has code {2 ** int(bm[blk]) - 1}, outside its {int(bm[blk])}-bit range")
+    mq = (mc - lm[:, None]).astype(np.int8).reshape(-1)[:n]
+    vq = packed.unpack(streams[1], bv, n)[:n]
+    scale = packed.u16_to_scale(_array(payload, s["m_params"], "<u2", nb, f"{name}.m_params"))
+    wp = _array(payload, s["v_params"], "<f4", 2 * nb, f"{name}.v_params").reshape(nb, 2)
+    lo, r = packed.lo_r(wp[:, 0], wp[:, 1])
+    idx = _escape_positions(name, s, payload, n)
+    pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
+    m, v = decode_codes("log8-rel", n, mq, vq, scale[:, None], np.stack([lo, r, wp[:, 0], wp[:, 1]], axis=1), {})
+    m, v = m.copy(), v.copy()
+    m[idx] = pairs[:, 0]
+    v[idx] = pairs[:, 1]
+    return m, v
+
+
+def decoded_digest(header, payload):
+    tables = read_tables(header, payload)
+    h = hashlib.sha256()
+    for entry in header["entries"]:
+        if entry.get("kind") == "moments":
+            m, v = read_moments(entry, payload, tables)
+            h.update(np.ascontiguousarray(m, "<f4").tobytes())
+            h.update(np.ascontiguousarray(v, "<f4").tobytes())
+    return h.hexdigest()
+
+
+def verify_bytes(data: bytes) -> dict:
+    """Full check: envelope, checksums, layout, decode, decoded-moments hash."""
+    header, payload = parse(data)
+    digest = decoded_digest(header, payload)
+    if digest != header.get("decoded_sha256"):
+        raise ReaderError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
+    return {"ok": True, "decoded_sha256": digest, "entries": len(header["entries"])}
+
+
+def verify_file(path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ReaderError(f"cannot read {path}: {exc.strerror}") from None
+    return verify_bytes(data)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    files = [a for a in argv if a != "--json"]
+    if len(files) != 1:
+        print("usage: python -m jaxguard.reader FILE [--json]", file=sys.stderr)
+        return 2
+    try:
+        res = verify_file(files[0])
+    except ReaderError as exc:
+        res = {"ok": False, "error": str(exc)}
+    if as_json:
+        print(json.dumps(res))
+    else:
+        print(f"ok: decoded_sha256 {res['decoded_sha256']}" if res["ok"] else f"error: {res['error']}")
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
