@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
+from jaxguard import audit as jg_audit
 from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
 from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig, encode_many
@@ -112,16 +113,6 @@ def _group_of(osd, fqn, root):
             return gi, g
     raise CheckpointError(f"optimizer state {'.'.join(map(str, root))}.state[{fqn!r}] belongs to no param group; "
                           "save the optimizer state_dict from get_state_dict(model, optimizer)")
-
-
-def _check_group(gi, g):
-    if "betas" not in g or "eps" not in g:
-        raise UnsupportedOptimizerError(f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; "
-                                        "GuardedSavePlanner compresses torch.optim.Adam and AdamW state only")
-    for flag in _state.UNSUPPORTED_FLAGS:
-        if g.get(flag):
-            raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
-                                            f"{flag}=False only (rebuild the optimizer with {flag}=False)")
 
 
 def _chunk_items(fqn, obj):
@@ -206,7 +197,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         roots = _optimizer_roots(self._nested)
         for root, osd in roots.items():
             for gi, g in enumerate(osd["param_groups"]):
-                _check_group(gi, g)
+                _state.check_param_group(gi, g, who="GuardedSavePlanner")
         pairs: dict = {}
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
@@ -217,8 +208,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
             osd = roots[root]
             gi, group = _group_of(osd, fqn, root)
-            _check_group(gi, group)
-            step = _state._step_int(osd["state"][fqn], fqn)
+            _state.check_param_group(gi, group, who="GuardedSavePlanner")
+            step = _state.step_count(osd["state"][fqn], fqn)
             cfg = _state.guard_config(group, step, tau=self.tau, clip=self.clip, codec=self.codec, bound=self.bound,
                                       partition=self.partition)
             m_key, v_key = keys["exp_avg"], keys["exp_avg_sq"]
@@ -478,6 +469,11 @@ def _overlap(a_off, a_size, b_off, b_size):
     return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
 
 
+def _window(lo, hi, origin):
+    """The slices of the region [lo, hi) inside an array whose first element sits at `origin`."""
+    return tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))
+
+
 class GuardedLoadPlanner(DefaultLoadPlanner):
     """Load a checkpoint written with `GuardedSavePlanner` at any world size, all or nothing.
 
@@ -562,9 +558,8 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             for s in hits:
                 lo, hi = _overlap(off, size, s["offsets"], s["sizes"])
                 arr = shards[s["key"]][which]
-                src = torch.from_numpy(np.ascontiguousarray(
-                    arr[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offsets"]))]))
-                dst = dst_all[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, off))]
+                src = torch.from_numpy(np.ascontiguousarray(arr[_window(lo, hi, s["offsets"])]))
+                dst = dst_all[_window(lo, hi, off)]
                 apply.append(("copy", dst, src))
                 covered += math.prod(h - l for l, h in zip(lo, hi))
             if covered != math.prod(size):
@@ -692,10 +687,8 @@ def compress_dir(src, dst, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="sh
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    s = dict(planner.summary)
-    n = max(s.get("raw_fp32_bytes", 0), 1)
-    s.update(escape_rate=s["escapes"] / max(s["coordinates"], 1), payload_ratio=s["payload_bytes"] / n,
-             encode_seconds=time.perf_counter() - t0, output=os.fspath(dst))
+    s = jg_audit.compression_summary(planner.summary, planner.summary["container_bytes"])
+    s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst))
     return s
 
 
@@ -754,7 +747,7 @@ def first_update_audit(ref, test, *, tau=0.01, clip=0.2, grid=None, grads=()):
         guarded checkpoint, identically built and sharded (FSDP2 DTensors or plain).
       tau, clip: the contract to check: ``|p_ref - p_test| <= tau * lr`` after one step.
       grid: gradient values; each is applied to every coordinate (default:
-        `torch_compat.state.gradient_grid(clip)`).
+        `jaxguard.audit.gradient_grid(clip)`).
       grads: real gradients, a sequence of lists (one tensor per parameter, in
         ``model.parameters()`` order, local or DTensor like the parameter), clamped to
         ``[-clip, clip]`` (the range the guarantee covers; the count clamped is reported).
@@ -764,20 +757,20 @@ def first_update_audit(ref, test, *, tau=0.01, clip=0.2, grid=None, grads=()):
       this rank over tau for some gradient), "max_gap_lr", "clamped"}; both pairs are
       left in their resumed state.
     """
-    grid = _state.gradient_grid(clip) if grid is None else grid
+    grid = jg_audit.gradient_grid(clip) if grid is None else grid
     pairs = [ref, test]
     params = [list(m.parameters()) for m, _ in pairs]
     lrs = {}
     for g in ref[1].param_groups:
         for p in g["params"]:
-            lrs[id(p)] = float(_state._scalar(g["lr"], "lr"))
+            lrs[id(p)] = float(_state.scalar_value(g["lr"], "lr"))
     snaps = []
     for (model, opt), ps in zip(pairs, params):
         snaps.append(([p.detach().clone() for p in ps],
                       [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
                        for p in ps]))
-    bad = [torch.zeros(_local(p).shape, dtype=torch.bool) for p in params[0]]
-    worst, clamped = 0.0, 0
+    tally = jg_audit.AuditTally(tau)
+    clamped = 0
     cases = [("grid", float(g)) for g in grid] + [("real", list(gs)) for gs in grads]
     for kind, g in cases:
         after = []
@@ -794,16 +787,10 @@ def first_update_audit(ref, test, *, tau=0.01, clip=0.2, grid=None, grads=()):
         if kind == "real":
             clamped += sum(int((_local(x.detach()).abs() > clip).sum()) for x in g)
         for i, (a, b) in enumerate(zip(*after)):
-            gap = (a.double() - b.double()).abs() / lrs[id(params[0][i])]
-            same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-            gap = torch.where(same, torch.zeros_like(gap), torch.nan_to_num(gap, nan=math.inf))
-            if gap.numel():
-                worst = max(worst, float(gap.max()))
-            bad[i] |= gap > tau
+            tally.add(i, a.cpu().numpy(), b.cpu().numpy(), lrs[id(params[0][i])], label=kind)
     for (model, opt), ps, snap in zip(pairs, params, snaps):
         _restore_snapshot(opt, ps, snap)
-    return {"coordinates": sum(int(b.numel()) for b in bad), "gradients": len(cases),
-            "violations": sum(int(b.sum()) for b in bad), "max_gap_lr": worst, "clamped": clamped}
+    return tally.summary(len(cases), clamped=clamped).to_json(with_clamped=True)
 
 
 # ---------------------------------------------------------------- the CLI verbs on directories

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from jaxguard import audit as jg_audit
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
 from jaxguard.core.codes import BLOCK
@@ -94,7 +95,19 @@ def from_skeleton(sk, arrays, dtypes):
 
 
 # ---------------------------------------------------------------- validation
-def _scalar(x, what):
+def scalar_value(x, what):
+    """A hyperparameter or step held as a Python number or a one-element tensor, as a number.
+
+    Args:
+      x: the value (``group["lr"]``, a beta, ``state["step"]``).
+      what: its name, for the error.
+
+    Returns:
+      ``x.item()`` for a tensor, else `x`.
+
+    Raises:
+      CheckpointError: a tensor of more than one element.
+    """
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise CheckpointError(f"{what} is a tensor of {x.numel()} elements; expected a scalar")
@@ -102,18 +115,44 @@ def _scalar(x, what):
     return x
 
 
+def check_param_group(gi, g, *, who="jaxguard") -> None:
+    """Check that one param group is Adam/AdamW without the flags the guarantee excludes.
+
+    Args:
+      gi: the group's index, for the error.
+      g: the param group (a dict of an optimizer state_dict's ``param_groups``).
+      who: what refuses it, for the error (``"jaxguard"``, ``"GuardedSavePlanner"``).
+
+    Raises:
+      UnsupportedOptimizerError: no ``betas``/``eps`` (not Adam), or one of
+        `UNSUPPORTED_FLAGS` (amsgrad, maximize, ...) set.
+    """
+    if "betas" not in g or "eps" not in g:
+        raise UnsupportedOptimizerError(f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; "
+                                        f"{who} compresses torch.optim.Adam and AdamW state only")
+    for flag in UNSUPPORTED_FLAGS:
+        if g.get(flag):
+            raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
+                                            f"{flag}=False only (rebuild the optimizer with {flag}=False)")
+
+
 def check_optimizer_state(opt_sd) -> None:
+    """Check that `opt_sd` is a torch Adam/AdamW state_dict jaxguard can certify.
+
+    Args:
+      opt_sd: ``optimizer.state_dict()`` (with ``param_names`` in its groups, torch >= 2.6).
+
+    Raises:
+      CheckpointError: not an optimizer state_dict, no ``param_names``, a state without
+        ``exp_avg``/``exp_avg_sq``/``step``.
+      UnsupportedOptimizerError: not Adam/AdamW, an unsupported flag, foreach/fused state
+        off the CPU, moments that are not float32.
+    """
     if not isinstance(opt_sd, dict) or "state" not in opt_sd or "param_groups" not in opt_sd:
         raise CheckpointError("'optimizer' is not an optimizer state_dict (needs 'state' and 'param_groups'); "
                               "save optimizer.state_dict() under 'optimizer'")
     for gi, g in enumerate(opt_sd["param_groups"]):
-        if "betas" not in g or "eps" not in g:
-            raise UnsupportedOptimizerError(f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; "
-                                            "jaxguard compresses torch.optim.Adam and AdamW state only")
-        for flag in UNSUPPORTED_FLAGS:
-            if g.get(flag):
-                raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
-                                                f"{flag}=False only (rebuild the optimizer with {flag}=False)")
+        check_param_group(gi, g)
         implementation_of(g, gi)
         if "param_names" not in g:
             raise CheckpointError(NO_NAMES)
@@ -161,18 +200,33 @@ def param_index(opt_sd):
 
 def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed") -> GuardConfig:
     decoupled = bool(group.get("decoupled_weight_decay", False))
-    return GuardConfig(lr=float(_scalar(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
-                       betas=tuple(float(_scalar(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
+    return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
+                       betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
                        weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
                        op_model=torch_op_model(decoupled=decoupled, implementation=implementation_of(group)),
                        codec=codec, bound=bound, partition=partition)
 
 
-def _step_int(st, idx):
-    s = float(_scalar(st["step"], f"state {idx}.step"))
+def step_count(st, idx):
+    """The ``step`` of one parameter's Adam state as an int.
+
+    Args:
+      st: the parameter's optimizer state (``opt_sd["state"][idx]``).
+      idx: its key, for the error.
+
+    Returns:
+      The step count (steps already taken).
+
+    Raises:
+      CheckpointError: a step that is not a non-negative integer.
+    """
+    s = float(scalar_value(st["step"], f"state {idx}.step"))
     if s != int(s) or s < 0:
         raise CheckpointError(f"optimizer state {idx}.step={s} is not a non-negative integer")
     return int(s)
+
+
+_scalar, _step_int = scalar_value, step_count   # the old names, still imported by torch_compat.migrate
 
 
 # ---------------------------------------------------------------- compress / restore
@@ -182,15 +236,11 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
 
     Returns (optimizer skeleton, moment entries, totals dict).
     """
-    totals = _new_totals()
+    totals = jg_audit.new_totals()
     opt_sk, stream = compress_state_stream(opt_sd, params, totals, tau=tau, clip=clip, codec=codec, bound=bound,
                                            partition=partition, progress=progress)
     entries = list(stream)
     return opt_sk, entries, totals
-
-
-def _new_totals():
-    return {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "exact": 0, "uncertifiable": 0}
 
 
 # Coordinates encoded per `encode_many` call when streaming: bounds the working memory
@@ -224,7 +274,7 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
                                   f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
-        cfg = guard_config(group, _step_int(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+        cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         jobs.append((idx, name, st, cfg))
         ename = f"optimizer/state/{idx}"
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
@@ -301,7 +351,7 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
                         progress=False, variant=None):
     """CKPT dict -> (container bytes, summary dict)."""
     t0 = time.perf_counter()
-    totals = _new_totals()
+    totals = jg_audit.new_totals()
     entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
                                               partition=partition, progress=progress, variant=variant)
     data = container.build(list(entries), meta, extra_header=extra)
@@ -315,7 +365,7 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.  Returns the summary."""
     t0 = time.perf_counter()
-    totals = _new_totals()
+    totals = jg_audit.new_totals()
     entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
                                               partition=partition, progress=progress, variant=variant)
     size = container.write_stream(path, entries, meta, extra_header=extra)
@@ -324,9 +374,7 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
 
 
 def _summary(t, container_bytes, variant=None):
-    n = max(t["coordinates"], 1)
-    summary = {**t, "escape_rate": t["escapes"] / n,
-               "payload_ratio": t["payload_bytes"] / max(t["raw_fp32_bytes"], 1), "container_bytes": container_bytes}
+    summary = jg_audit.compression_summary(t, container_bytes)
     if isinstance(variant, dict):
         summary.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
     return summary
@@ -379,16 +427,26 @@ def load(path, optimizer):
 
 
 # ---------------------------------------------------------------- first-update audit
-def gradient_grid(clip, n_linear=8, n_log=14):
-    lin = np.linspace(-clip, clip, 2 * n_linear + 1)
-    logs = clip * 2.0 ** -np.linspace(1, 40, n_log)
-    return np.unique(np.concatenate([lin, logs, -logs, [0.0]])).astype(np.float32)
+gradient_grid = jg_audit.gradient_grid
 
 
-def _torch_step(p, m, v, g, step, group, decoupled):
+def torch_step(p, m, v, g, step, group, decoupled):
+    """One real torch Adam/AdamW step of one parameter, with the param group's flags.
+
+    Args:
+      p: the parameter (a float32 tensor; not modified).
+      m, v: its ``exp_avg`` and ``exp_avg_sq`` (not modified).
+      g: the gradient (a tensor of p's shape).
+      step: the steps already taken (the state's ``step``).
+      group: the param group (lr, betas, eps, weight_decay, foreach/fused flags).
+      decoupled: AdamW's decoupled weight decay (``torch.optim.AdamW``).
+
+    Returns:
+      The parameter after the step (a detached tensor).
+    """
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     p = torch.nn.Parameter(p.clone())
-    opt = cls([p], lr=float(_scalar(group["lr"], "lr")), betas=tuple(group["betas"]), eps=group["eps"],
+    opt = cls([p], lr=float(scalar_value(group["lr"], "lr")), betas=tuple(group["betas"]), eps=group["eps"],
               weight_decay=group.get("weight_decay", 0.0) or 0.0, **TORCH_FLAGS[implementation_of(group)])
     opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     p.grad = g
@@ -397,6 +455,27 @@ def _torch_step(p, m, v, g, step, group, decoupled):
 
 
 def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, progress=False):
+    """Run the real torch Adam/AdamW (with the param group's foreach/fused flags) one step from the
+    original and the restored state for every gradient of a grid across [-clip, clip]
+    (the same g for every coordinate, plus one random per-coordinate draw) and for any
+    real gradients given in `grads` {name: tensor} (clamped to [-clip, clip]).
+
+    Args:
+      original, restored: torch checkpoints ``{"model": state_dict, "optimizer": state_dict}``,
+        the saved one and the one restored from the container (`restore_tree`).
+      tau, clip: the contract: ``|p_original - p_restored| <= tau * lr`` for ``|g| <= clip``.
+      grads: real gradients {param name: tensor}, optional.
+      grid: gradient values (default `jaxguard.audit.gradient_grid(clip)`).
+      progress: show a tqdm bar over the tensors.
+
+    Returns:
+      {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients"}
+      (`jaxguard.audit.AuditSummary`).
+
+    Raises:
+      UnsupportedOptimizerError, CheckpointError: an optimizer state_dict that is not a
+        single-tensor FP32 Adam/AdamW one (`check_optimizer_state`).
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many tiny steps: threads only add contention
     try:
@@ -406,18 +485,11 @@ def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, prog
 
 
 def _audit(original, restored, *, tau, clip, grads, grid, progress):
-    """Run the real torch Adam/AdamW (with the param group's foreach/fused flags) one step from the
-    original and the restored state for every gradient of a grid across [-clip, clip]
-    (the same g for every coordinate, plus one random per-coordinate draw) and for any
-    real gradients given in `grads` {name: tensor} (clamped to [-clip, clip]).
-
-    Returns {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients"}.
-    """
     grid = gradient_grid(clip) if grid is None else grid
     o_sd, r_sd = original["optimizer"], restored["optimizer"]
     check_optimizer_state(o_sd)
     names = param_index(o_sd)
-    worst, viol, coords = 0.0, 0, 0
+    tally = jg_audit.AuditTally(tau)
     gen = torch.Generator().manual_seed(0)
     items = list(o_sd["state"].items())
     if progress:
@@ -427,22 +499,15 @@ def _audit(original, restored, *, tau, clip, grads, grid, progress):
         name, group = names[idx]
         rst = r_sd["state"][idx]
         p = original["model"][name].detach().float()
-        lr = float(_scalar(group["lr"], "lr"))
+        lr = float(scalar_value(group["lr"], "lr"))
         decoupled = bool(group.get("decoupled_weight_decay", False))
-        step = _step_int(st, idx)
+        step = step_count(st, idx)
         gs = [torch.full_like(p, float(g)) for g in grid]
         gs.append((torch.rand(p.shape, generator=gen) * 2 - 1) * clip)
         if grads is not None and name in grads:
             gs.append(grads[name].detach().float().clamp(-clip, clip))
-        bad = torch.zeros(p.shape, dtype=torch.bool)
         for g in gs:
-            a = _torch_step(p, st["exp_avg"], st["exp_avg_sq"], g, step, group, decoupled)
-            b = _torch_step(p, rst["exp_avg"], rst["exp_avg_sq"], g, step, group, decoupled)
-            gap = (a.double() - b.double()).abs() / lr
-            same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # NaN states are stored exactly
-            gap = torch.where(same, torch.zeros_like(gap), torch.nan_to_num(gap, nan=math.inf))
-            worst = max(worst, float(gap.max()) if gap.numel() else 0.0)
-            bad |= gap > tau
-        viol += int(bad.sum())
-        coords += p.numel()
-    return {"max_gap_lr": worst, "violations": viol, "coordinates": coords, "gradients": len(grid) + 1}
+            a = torch_step(p, st["exp_avg"], st["exp_avg_sq"], g, step, group, decoupled)
+            b = torch_step(p, rst["exp_avg"], rst["exp_avg_sq"], g, step, group, decoupled)
+            tally.add(idx, a.numpy(), b.numpy(), lr)
+    return tally.summary(len(grid) + 1).to_json()

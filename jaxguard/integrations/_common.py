@@ -45,10 +45,9 @@ def zero_lr_groups(optimizer) -> list:
     step of a schedule that decays to 0, the Hugging Face default) there is nothing to
     certify against, and the integrations store that optimizer uncompressed instead.
     """
-    import torch
+    from torch_compat.state import scalar_value
     out = []
     for i, g in enumerate(unwrap(optimizer).param_groups):
-        lr = g["lr"].item() if isinstance(g["lr"], torch.Tensor) else g["lr"]
-        if not lr > 0:
+        if not scalar_value(g["lr"], f"param group {i} lr") > 0:
             out.append(i)
     return out
