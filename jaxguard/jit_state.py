@@ -43,9 +43,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxguard.core import codes, jit_encode
 from jaxguard import sharded
-from jaxguard import optax_adapter as _oa
+from jaxguard import audit
+from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC
+from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
                                                             eps=eps)
     ks, configs = [], []
     for i, sm in enumerate(sites_meta):
-        cfg = _oa.GuardConfig.from_json(sm["config"])
+        cfg = GuardConfig.from_json(sm["config"])
         if step is not None:
             cfg = dataclasses.replace(cfg, step=int(step))
             sm["config"] = cfg.to_json()
@@ -220,8 +221,8 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
         raise ConfigError(f"constants is a {type(constants).__name__}; pass jaxguard.state_constants(...)")
     if not isinstance(capacity, int) or capacity < 1:
         raise ConfigError(f"capacity={capacity!r} must be an int >= 1 (candidates certified per device)")
-    oflat = _oa.flat_by_dotted(opt_state, "opt_state")
-    pflat = _oa.flat_by_dotted(params, "params")
+    oflat = flat_by_dotted(opt_state, "opt_state")
+    pflat = flat_by_dotted(params, "params")
     moments, used = {}, set()
     for gi, ((mesh, site), plans) in enumerate(_groups(constants.plan)):
         offs, total = _group_offsets(plans)
@@ -303,7 +304,7 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
     d = epath.Path(path)
     sharded.prepare_directory(d, primary)
     items = []
-    totals = dict.fromkeys(sharded.TOTAL_KEYS, 0)
+    totals = audit.new_totals()
     me = jax.process_index()
     for gi, ((mesh, site), plans) in enumerate(_groups(constants.plan)):
         je = encoded.moments[f"group{gi}"]

@@ -39,7 +39,6 @@ from __future__ import annotations
 from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
 import dataclasses
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,95 +50,17 @@ from jaxguard.core import guard as _guard
 from jaxguard.core import bound as _bound
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.guard import GuardConfig, encode
+from jaxguard import audit as _audit
+from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted, dtype_name,  # noqa: F401
+                                  find_adam_states, flat_by_dotted, key_str, moment_pairs)
 
-INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
-                                  getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
 BF16_TAU_FACTOR = 1.02
 
-NO_ADAM = ("opt_state holds no optax.ScaleByAdamState; jaxguard.save compresses Adam/AdamW state "
-           "(optax.adam, optax.adamw, or a chain containing optax.scale_by_adam); save other "
-           "optimizers with orbax directly")
 NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
          "update, a float, or the optax schedule, evaluated at the state's count)")
 LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learning_rate {last:g} is the last "
            "update's and a schedule may change it: pass lr= (the next update's learning rate, e.g. lr={last:g} "
            "for a constant one, or lr=schedule, evaluated at the state's count {count})")
-
-
-# ---------------------------------------------------------------- paths
-def _key_str(k) -> str:
-    tu = jax.tree_util
-    if isinstance(k, tu.DictKey):
-        return str(k.key)
-    if isinstance(k, tu.GetAttrKey):
-        return k.name
-    if isinstance(k, tu.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, tu.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
-
-
-def dotted(path) -> str:
-    """Key path -> "a.b.0.c" (dict keys, attribute names and indices joined by ".")."""
-    return ".".join(_key_str(k) for k in path)
-
-
-def flat_by_dotted(tree, what="tree") -> dict:
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        d = dotted(path)
-        if d in out:
-            raise CheckpointError(f"{what} has two leaves with the dotted path {d!r}; rename the keys so that "
-                                  "joining them with '.' is unique")
-        out[d] = leaf
-    return out
-
-
-# ---------------------------------------------------------------- finding Adam states
-@dataclasses.dataclass
-class AdamSite:
-    """One `ScaleByAdamState` in an optax state tree, with its enclosing hyperparameters."""
-
-    path: tuple
-    state: Any
-    hparams: dict
-
-    @property
-    def name(self) -> str:
-        return dotted(self.path) or "<root>"
-
-
-def _hparams(node) -> dict:
-    out = {}
-    for k, v in dict(node.hyperparams).items():
-        try:
-            a = np.asarray(v)
-        except Exception:  # noqa: BLE001 - non-numeric hyperparameters are ignored
-            continue
-        if a.shape == () and np.issubdtype(a.dtype, np.number):
-            out[k] = float(a)
-    return out
-
-
-def _is_stop(x):
-    return isinstance(x, (optax.ScaleByAdamState,) + INJECT_STATES)
-
-
-def find_adam_states(opt_state) -> list[AdamSite]:
-    """Every `optax.ScaleByAdamState` in `opt_state`, in flattening order."""
-    out: list[AdamSite] = []
-
-    def walk(node, prefix, hp):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_stop)[0]:
-            full = prefix + tuple(path)
-            if isinstance(leaf, optax.ScaleByAdamState):
-                out.append(AdamSite(full, leaf, hp))
-            elif isinstance(leaf, INJECT_STATES):
-                walk(leaf.inner_state, full + (jax.tree_util.GetAttrKey("inner_state"),), {**hp, **_hparams(leaf)})
-
-    walk(opt_state, (), {})
-    return out
 
 
 def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
@@ -233,10 +154,6 @@ def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
 
 
 # ---------------------------------------------------------------- compress
-def _dtype_name(x) -> str:
-    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).name
-
-
 def _raw_entry(name, leaf):
     arr = np.asarray(leaf)
     return ("raw", name, arr, container.numpy_dtype_name(arr))
@@ -244,7 +161,26 @@ def _raw_entry(name, leaf):
 
 def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
                    betas=None, eps=None, prefix="state"):
-    """(entries, leaves meta, sites meta, totals) for `opt_state` certified against `params`."""
+    """Certify and encode every Adam moment pair of `opt_state`; every other leaf raw.
+
+    Args:
+      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
+      params: the parameter pytree the state belongs to.
+      lr, tau, clip, codec, weight_decay, betas, eps: see `save` and `site_config`.
+      prefix: the entry-name prefix of the state's leaves in the container.
+
+    Returns:
+      ``(entries, state meta, totals)``: the container entries, the meta that `restore_state`
+      reads (``leaves``, ``sites``, ``treedef``) and the summed guard stats
+      (`jaxguard.audit.TOTAL_KEYS`).
+
+    Raises:
+      CheckpointError: no Adam state, moments without a matching param, shapes that differ,
+        two leaves with one dotted path.
+      UnsupportedOptimizerError: a param or nu that is not float32, a mu that is neither
+        float32 nor bfloat16, ``eps_root != 0``.
+      ConfigError: see `site_config`.
+    """
     sites = find_adam_states(opt_state)
     if not sites:
         raise CheckpointError(NO_ADAM)
@@ -252,50 +188,27 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
     roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
     entries = []
     sites_meta = []
-    totals = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "exact": 0,
-              "uncertifiable": 0}
+    totals = _audit.new_totals()
     for site in sites:
         cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
                           codec=codec)
         sites_meta.append({"path": site.name, "config": cfg.to_json()})
-        mus = {dotted(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(site.state.mu)[0]}
-        nus = {dotted(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(site.state.nu)[0]}
-        if set(mus) != set(nus):
-            raise CheckpointError(f"the Adam state at {site.name!r} has mu and nu of different structures")
-        for sub, (mpath, mu) in mus.items():
-            nu = nus[sub][1]
-            if sub not in pflat:
-                raise CheckpointError(f"params has no leaf {sub!r} but the Adam state at {site.name!r} does; pass "
-                                      "the params the optimizer state belongs to (same tree)")
-            p = pflat[sub]
-            shape = tuple(np.shape(mu))
-            if tuple(np.shape(p)) != shape or tuple(np.shape(nu)) != shape:
-                raise CheckpointError(f"param {sub!r} has shape {tuple(np.shape(p))} but its Adam moments have "
-                                      f"{shape}; the params and optimizer state do not match")
-            if _dtype_name(p) != "float32" or _dtype_name(nu) != "float32":
-                raise UnsupportedOptimizerError(f"param {sub!r} is {_dtype_name(p)} with nu {_dtype_name(nu)}; the "
-                                                "guarantee covers float32 params and nu (mu may be bfloat16)")
-            mpath_full = dotted(site.path + (jax.tree_util.GetAttrKey("mu"),) + tuple(mpath))
-            npath_full = dotted(site.path + (jax.tree_util.GetAttrKey("nu"),) + tuple(nus[sub][0]))
-            ename = f"{prefix}/moments/{mpath_full}"
-            mdt = _dtype_name(mu)
-            if mdt == "float32":
-                enc = encode(np.asarray(mu), np.asarray(nu), np.asarray(p), cfg)
-                roles[mpath_full] = ("mu", ename)
-                info = {**cfg.to_json(), "mu_mode": "coded", "param": sub}
-            elif mdt == "bfloat16":
-                m32 = np.asarray(jnp.asarray(mu).astype(jnp.float32))
-                enc = encode_nu_only(m32, np.asarray(nu), np.asarray(p), cfg)
-                raw_name = f"{prefix}/{mpath_full}"
-                entries.append(_raw_entry(raw_name, mu))
-                roles[mpath_full] = ("raw", raw_name)
-                info = {**cfg.to_json(), "mu_mode": "raw-bfloat16", "param": sub}
+        for pair in moment_pairs(site, pflat):
+            ename = f"{prefix}/moments/{pair.mu_path}"
+            if pair.mu_dtype == "float32":
+                enc = encode(np.asarray(pair.mu), np.asarray(pair.nu), np.asarray(pair.p), cfg)
+                roles[pair.mu_path] = ("mu", ename)
+                info = {**cfg.to_json(), "mu_mode": "coded", "param": pair.param}
             else:
-                raise UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and bfloat16 mu")
-            roles[npath_full] = ("nu", ename)
+                m32 = np.asarray(jnp.asarray(pair.mu).astype(jnp.float32))
+                enc = encode_nu_only(m32, np.asarray(pair.nu), np.asarray(pair.p), cfg)
+                raw_name = f"{prefix}/{pair.mu_path}"
+                entries.append(_raw_entry(raw_name, pair.mu))
+                roles[pair.mu_path] = ("raw", raw_name)
+                info = {**cfg.to_json(), "mu_mode": "raw-bfloat16", "param": pair.param}
+            roles[pair.nu_path] = ("nu", ename)
             entries.append(("moments", ename, enc, info))
-            for key in totals:
-                totals[key] += enc.stats[key]
+            _audit.add_stats(totals, enc.stats)
     leaves_meta = []
     flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     seen = set()
@@ -309,23 +222,35 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
             ename = f"{prefix}/{d}"
             entries.append(_raw_entry(ename, leaf))
             kind = "raw"
-        leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": _dtype_name(leaf),
+        leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
                             "shape": list(np.shape(leaf))})
     return entries, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}, totals
 
 
 def summary(totals, container_bytes, raw_state_bytes=None):
-    n = max(totals["coordinates"], 1)
-    s = {**totals, "escape_rate": totals["escapes"] / n,
-         "payload_ratio": totals["payload_bytes"] / max(totals["raw_fp32_bytes"], 1),
-         "container_bytes": container_bytes}
-    if raw_state_bytes:
-        s["raw_state_bytes"] = raw_state_bytes
-        s["container_ratio"] = container_bytes / raw_state_bytes
-    return s
+    """The save summary from the totals (`jaxguard.audit.compression_summary`).
+
+    Args:
+      totals: the summed guard stats from `compress_state`.
+      container_bytes: the size written.
+      raw_state_bytes: the uncompressed state's size (`state_nbytes`), when known.
+
+    Returns:
+      `totals` plus ``escape_rate``, ``payload_ratio``, ``container_bytes`` (and
+      ``raw_state_bytes``, ``container_ratio``).
+    """
+    return _audit.compression_summary(totals, container_bytes, raw_state_bytes)
 
 
 def state_nbytes(tree) -> int:
+    """Bytes of all leaves of `tree` held as numpy arrays.
+
+    Args:
+      tree: any pytree of arrays or scalars.
+
+    Returns:
+      The sum of ``np.asarray(leaf).nbytes``.
+    """
     return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
@@ -408,7 +333,7 @@ def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
         raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
                               "optax transformation and params as the one saved (e.g. tx.init(params))")
     s = stored[d]
-    shape, dt = tuple(np.shape(leaf)), _dtype_name(leaf)
+    shape, dt = tuple(np.shape(leaf)), dtype_name(leaf)
     if tuple(s["shape"]) != shape:
         raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
                               "state initialised from params of the saved shapes")
@@ -479,10 +404,7 @@ def load_params(path) -> dict:
 
 
 # ---------------------------------------------------------------- first-update audit with real optax
-def gradient_grid(clip, n_linear=8, n_log=14):
-    lin = np.linspace(-clip, clip, 2 * n_linear + 1)
-    logs = clip * 2.0 ** -np.linspace(1, 40, n_log)
-    return np.unique(np.concatenate([lin, logs, -logs, [0.0]])).astype(np.float32)
+gradient_grid = _audit.gradient_grid
 
 
 def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0,
@@ -492,8 +414,19 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
     coordinate) plus `random_draws` per-coordinate uniform draws and every gradient tree in
     `gradients` (e.g. a real loss gradient scaled into ``[-clip, clip]``).
 
-    Returns {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
-    "worst": (g, dotted param) of the largest gap}.
+    Args:
+      tx: the optax transformation both states belong to.
+      original, restored: the saved state and the one `load` gave back.
+      params: the params of the next update.
+      lr: that update's learning rate (the gap is measured in its units).
+      tau, clip: the contract: ``|p_original - p_restored| <= tau * lr`` for ``|g| <= clip``.
+      grid: gradient values (default `jaxguard.audit.gradient_grid(clip)`).
+      random_draws: per-coordinate uniform draws in ``[-clip, clip]``, seeded by `seed`.
+      gradients: further gradient trees (same structure as `params`), applied as given.
+
+    Returns:
+      {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
+      "worst": (g, dotted param) of the largest gap} (`jaxguard.audit.AuditSummary`).
     """
     grid = gradient_grid(clip) if grid is None else np.asarray(grid, np.float32)
 
@@ -503,8 +436,7 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
         return optax.apply_updates(params, u)
 
     names = list(flat_by_dotted(params))
-    bad = {n: np.zeros(np.shape(x), bool) for n, x in flat_by_dotted(params).items()}
-    worst, where = 0.0, None
+    tally = _audit.AuditTally(tau)
     key = jax.random.PRNGKey(seed)
     gs = [(float(g), jax.tree_util.tree_map(lambda p, g=g: jnp.full(jnp.shape(p), g, jnp.float32), params))
           for g in grid]
@@ -518,12 +450,5 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
         a = flat_by_dotted(step(original, g))
         b = flat_by_dotted(step(restored, g))
         for n in names:
-            x, y = np.asarray(a[n], np.float64), np.asarray(b[n], np.float64)
-            gap = np.abs(x - y) / lr
-            same = (np.asarray(a[n]) == np.asarray(b[n])) | (np.isnan(x) & np.isnan(y))
-            gap = np.where(same, 0.0, np.nan_to_num(gap, nan=np.inf))
-            if gap.size and gap.max() > worst:
-                worst, where = float(gap.max()), (gval, n)
-            bad[n] |= gap > tau
-    return {"max_gap_lr": worst, "violations": int(sum(b.sum() for b in bad.values())),
-            "coordinates": int(sum(b.size for b in bad.values())), "gradients": len(gs), "worst": where}
+            tally.add(n, a[n], b[n], lr, label=gval)
+    return tally.summary(len(gs)).to_json(with_worst=True)

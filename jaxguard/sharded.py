@@ -41,7 +41,8 @@ import numpy as np
 from etils import epath
 
 from jaxguard.format import container, reader
-from jaxguard import optax_adapter as _oa
+from jaxguard import audit, optax_adapter, optax_state
+from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted, moment_pairs
 from jaxguard.errors import CheckpointError, ContainerError
 from jaxguard.core.guard import DEFAULT_CODEC, encode_many
 
@@ -49,7 +50,7 @@ MANIFEST = "manifest.json"
 SCHEMA = "jaxguard-sharded"
 VERSION = 1
 INDEX_SUFFIX = ".index.json"
-TOTAL_KEYS = ("coordinates", "escapes", "payload_bytes", "raw_fp32_bytes", "exact", "uncertifiable")
+TOTAL_KEYS = audit.TOTAL_KEYS
 
 
 def file_name(process: int) -> str:
@@ -122,50 +123,28 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
     name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16")."""
     hstate = host_scalars(opt_state)
-    sites = _oa.find_adam_states(hstate)
+    sites = find_adam_states(hstate)
     if not sites:
-        raise CheckpointError(_oa.NO_ADAM)
-    pflat = _oa.flat_by_dotted(params, "params")
-    oflat = _oa.flat_by_dotted(opt_state, "opt_state")
+        raise CheckpointError(NO_ADAM)
+    pflat = flat_by_dotted(params, "params")
+    oflat = flat_by_dotted(opt_state, "opt_state")
     roles, pairs, sites_meta = {}, [], []
     for si, site in enumerate(sites):
-        cfg = _oa.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
-                              codec=codec)
-        sites_meta.append({"path": site.name, "config": cfg.to_json(),
-                           "count_path": _oa.dotted(site.path + (jax.tree_util.GetAttrKey("count"),))})
-        mus = {_oa.dotted(p): p for p, _ in jax.tree_util.tree_flatten_with_path(site.state.mu)[0]}
-        nus = {_oa.dotted(p): p for p, _ in jax.tree_util.tree_flatten_with_path(site.state.nu)[0]}
-        if set(mus) != set(nus):
-            raise CheckpointError(f"the Adam state at {site.name!r} has mu and nu of different structures")
-        for sub, mpath in mus.items():
-            if sub not in pflat:
-                raise CheckpointError(f"params has no leaf {sub!r} but the Adam state at {site.name!r} does; pass "
-                                      "the params the optimizer state belongs to (same tree)")
-            mfull = _oa.dotted(site.path + (jax.tree_util.GetAttrKey("mu"),) + tuple(mpath))
-            nfull = _oa.dotted(site.path + (jax.tree_util.GetAttrKey("nu"),) + tuple(nus[sub]))
-            mu, nu, p = oflat[mfull], oflat[nfull], pflat[sub]
-            shape = tuple(np.shape(mu))
-            if tuple(np.shape(p)) != shape or tuple(np.shape(nu)) != shape:
-                raise CheckpointError(f"param {sub!r} has shape {tuple(np.shape(p))} but its Adam moments have "
-                                      f"{shape}; the params and optimizer state do not match")
-            if _oa._dtype_name(p) != "float32" or _oa._dtype_name(nu) != "float32":
-                raise _oa.UnsupportedOptimizerError(
-                    f"param {sub!r} is {_oa._dtype_name(p)} with nu {_oa._dtype_name(nu)}; the guarantee covers "
-                    "float32 params and nu (mu may be bfloat16)")
-            mdt = _oa._dtype_name(mu)
-            if mdt not in ("float32", "bfloat16"):
-                raise _oa.UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and "
-                                                    "bfloat16 mu")
+        cfg = optax_adapter.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau,
+                                        clip=clip, codec=codec)
+        sites_meta.append({"path": site.name, "config": cfg.to_json(), "count_path": site.leaf_path("count")})
+        for pair in moment_pairs(site, pflat):
+            mfull, nfull = pair.mu_path, pair.nu_path
             ename = f"{prefix}/moments/{mfull}"
-            mode = "coded" if mdt == "float32" else "raw-bfloat16"
-            pairs.append({"entry": ename, "mu": mu, "nu": nu, "p": p, "mu_path": mfull, "nu_path": nfull,
-                          "param": sub, "config": cfg, "mu_mode": mode, "site": si})
+            mode = "coded" if pair.mu_dtype == "float32" else "raw-bfloat16"
+            pairs.append({"entry": ename, "mu": oflat[mfull], "nu": oflat[nfull], "p": pair.p, "mu_path": mfull,
+                          "nu_path": nfull, "param": pair.param, "config": cfg, "mu_mode": mode, "site": si})
             roles[nfull] = ("nu", ename)
             roles[mfull] = ("mu", ename) if mode == "coded" else ("raw", f"{prefix}/{mfull}")
     leaves = []
     for d, leaf in oflat.items():
         kind, ename = roles.get(d, ("raw", f"{prefix}/{d}"))
-        leaves.append({"path": d, "kind": kind, "entry": ename, "dtype": _oa._dtype_name(leaf),
+        leaves.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
                        "shape": list(np.shape(leaf))})
     treedef = jax.tree_util.tree_structure(opt_state)
     return sites_meta, pairs, leaves, str(treedef)
@@ -237,9 +216,9 @@ def write_bytes_atomic(path: epath.Path, data) -> None:
 
 def encode_local(pairs, leaves, opt_state, params, *, include_params=False, primary=0):
     """This process's shard items and totals: every replica-0 shard it holds, certified."""
-    oflat = _oa.flat_by_dotted(opt_state, "opt_state")
+    oflat = flat_by_dotted(opt_state, "opt_state")
     items, coded = [], []
-    totals = dict.fromkeys(TOTAL_KEYS, 0)
+    totals = audit.new_totals()
     done = set()
     for pr in pairs:
         mu = pr["mu"]
@@ -255,17 +234,15 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
                 coded.append((pr["entry"], start, m, v, p, pr["config"], info))
             else:
                 items.append((f"state/{pr['mu_path']}", start, ("raw", m, "bfloat16")))
-                enc = _oa.encode_nu_only(np.asarray(jnp.asarray(m).astype(jnp.float32)), v, p, pr["config"])
+                enc = optax_adapter.encode_nu_only(np.asarray(jnp.asarray(m).astype(jnp.float32)), v, p, pr["config"])
                 items.append((pr["entry"], start, ("moments", enc, info)))
-                for k in TOTAL_KEYS:
-                    totals[k] += enc.stats[k]
+                audit.add_stats(totals, enc.stats)
         done.update({pr["mu_path"], pr["nu_path"]})
     if coded:
         encs = encode_many([(m, v, p, cfg) for _, _, m, v, p, cfg, _ in coded])
         for (entry, start, *_rest, info), enc in zip(coded, encs):
             items.append((entry, start, ("moments", enc, info)))
-            for k in TOTAL_KEYS:
-                totals[k] += enc.stats[k]
+            audit.add_stats(totals, enc.stats)
     for leaf in leaves:
         if leaf["path"] in done:
             continue
@@ -274,7 +251,7 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
             items.append((leaf["entry"], start, ("raw", arr, container.numpy_dtype_name(arr))))
     param_names = []
     if include_params:
-        for name, x in _oa.flat_by_dotted(params, "params").items():
+        for name, x in flat_by_dotted(params, "params").items():
             param_names.append(name)
             for _, start, data in local_shards(x, primary):
                 arr = np.asarray(data)
@@ -283,14 +260,14 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
 
 
 def _param_leaves(params):
-    return [{"path": n, "entry": f"params/{n}", "dtype": _oa._dtype_name(x), "shape": list(np.shape(x))}
-            for n, x in _oa.flat_by_dotted(params, "params").items()]
+    return [{"path": n, "entry": f"params/{n}", "dtype": dtype_name(x), "shape": list(np.shape(x))}
+            for n, x in flat_by_dotted(params, "params").items()]
 
 
 # ---------------------------------------------------------------- manifest
 def make_manifest(directory: epath.Path, common: dict, process_count: int) -> dict:
     """Merge every process's index (``process_*.index.json``) into the manifest dict."""
-    files, shards, totals = {}, {}, dict.fromkeys(TOTAL_KEYS, 0)
+    files, shards, totals = {}, {}, audit.new_totals()
     for pid in range(process_count):
         ipath = directory / (file_name(pid) + INDEX_SUFFIX)
         if not ipath.exists():
@@ -299,8 +276,7 @@ def make_manifest(directory: epath.Path, common: dict, process_count: int) -> di
         files[idx["file"]] = {"bytes": idx["bytes"], "sha256": idx["sha256"], "tables": idx["tables"]}
         for s in idx["shards"]:
             shards.setdefault(s.pop("entry"), []).append({"file": idx["file"], **s})
-        for k in TOTAL_KEYS:
-            totals[k] += idx["totals"].get(k, 0)
+        audit.add_stats(totals, {k: idx["totals"].get(k, 0) for k in totals})
     return {"schema": SCHEMA, "version": VERSION, **common, "process_count": process_count, "files": files,
             "shards": shards, "summary": totals}
 
@@ -381,7 +357,7 @@ def write_and_commit(d: epath.Path, items, totals, common, *, primary=0, t0=None
     barrier(f"jaxguard_save_committed:{d}")
     man = read_manifest(d)
     totals["encode_seconds"] = time.perf_counter() - t0
-    s = _oa.summary(totals, len(data))
+    s = optax_adapter.summary(totals, len(data))
     s.update(process_index=pid, process_count=n, total=man["summary"],
              checkpoint_bytes=sum(f["bytes"] for f in man["files"].values()))
     return s
@@ -517,9 +493,9 @@ def load(path, like, *, what="state"):
     source = str(path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     asm = _Assembler(ShardReader(path, man))
-    dotted = [_oa.dotted(p) for p, _ in flat]
+    dotted = [optax_state.dotted(p) for p, _ in flat]
     for d, (_, leaf) in zip(dotted, flat):
-        _oa.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
+        optax_adapter.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
     extra = sorted(set(stored) - set(dotted))
     if extra:
         raise CheckpointError(f"{source} holds {len(extra)} leaves that like lacks (first {extra[0]!r}); pass a "

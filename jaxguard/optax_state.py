@@ -1,0 +1,220 @@
+"""Finding Adam states in any optax state pytree, and naming its leaves.
+
+Shared by every optax adapter (`jaxguard.optax_adapter` for one file,
+`jaxguard.sharded` for a directory written by many processes, `jaxguard.jit_state` for
+the jitted hook).  Nothing here reads an array's data: it walks trees and checks shapes
+and dtypes.
+
+A leaf is named by its *dotted path*: the key path with dict keys, attribute names and
+sequence indices joined by ``"."`` (``"0.mu.dense.kernel"``).  A flat params dict
+``{"dense.kernel": x}`` and a nested one ``{"dense": {"kernel": x}}`` give the same dotted
+paths, which is how torch names map to JAX params (torch_compat.migrate).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
+
+INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
+                                  getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
+NO_ADAM = ("opt_state holds no optax.ScaleByAdamState; jaxguard.save compresses Adam/AdamW state "
+           "(optax.adam, optax.adamw, or a chain containing optax.scale_by_adam); save other "
+           "optimizers with orbax directly")
+MU_DTYPES = ("float32", "bfloat16")
+
+
+# ---------------------------------------------------------------- paths and dtypes
+def key_str(k) -> str:
+    """One key of a JAX key path as it appears in a dotted path.
+
+    Args:
+      k: a `jax.tree_util` key (DictKey, GetAttrKey, SequenceKey, FlattenedIndexKey) or
+        anything else (its ``str``).
+
+    Returns:
+      The dict key, attribute name or index as a string.
+    """
+    tu = jax.tree_util
+    if isinstance(k, tu.DictKey):
+        return str(k.key)
+    if isinstance(k, tu.GetAttrKey):
+        return k.name
+    if isinstance(k, tu.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, tu.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def dotted(path) -> str:
+    """A key path as its dotted name.
+
+    Args:
+      path: a JAX key path (a sequence of keys).
+
+    Returns:
+      ``"a.b.0.c"``: dict keys, attribute names and indices joined by ``"."``.
+    """
+    return ".".join(key_str(k) for k in path)
+
+
+def flat_by_dotted(tree, what="tree") -> dict:
+    """The leaves of `tree` by dotted path.
+
+    Args:
+      tree: any pytree.
+      what: how to name the tree in the error (``"params"``, ``"opt_state"``).
+
+    Returns:
+      {dotted path: leaf}, in flattening order.
+
+    Raises:
+      CheckpointError: two leaves with the same dotted path.
+    """
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        d = dotted(path)
+        if d in out:
+            raise CheckpointError(f"{what} has two leaves with the dotted path {d!r}; rename the keys so that "
+                                  "joining them with '.' is unique")
+        out[d] = leaf
+    return out
+
+
+def dtype_name(x) -> str:
+    """The numpy dtype name of an array-like leaf (``"float32"``, ``"bfloat16"``, ...).
+
+    Args:
+      x: a jax/numpy array, or a Python or numpy scalar.
+
+    Returns:
+      ``np.dtype(x.dtype).name``, or that of ``np.asarray(x)`` when `x` has no dtype.
+    """
+    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).name
+
+
+# ---------------------------------------------------------------- finding Adam states
+@dataclasses.dataclass
+class AdamSite:
+    """One `ScaleByAdamState` in an optax state tree, with its enclosing hyperparameters."""
+
+    path: tuple
+    state: Any
+    hparams: dict
+
+    @property
+    def name(self) -> str:
+        """The dotted path of the state (``"<root>"`` for a bare `ScaleByAdamState`)."""
+        return dotted(self.path) or "<root>"
+
+    def leaf_path(self, field: str, sub=()) -> str:
+        """The dotted path in the whole state of a leaf of this site.
+
+        Args:
+          field: ``"mu"``, ``"nu"`` or ``"count"``.
+          sub: the key path inside that field (the param's path), empty for ``count``.
+
+        Returns:
+          The dotted path from the root of the optax state.
+        """
+        return dotted(self.path + (jax.tree_util.GetAttrKey(field),) + tuple(sub))
+
+
+def _hparams(node) -> dict:
+    out = {}
+    for k, v in dict(node.hyperparams).items():
+        try:
+            a = np.asarray(v)
+        except Exception:  # noqa: BLE001 - non-numeric hyperparameters are ignored
+            continue
+        if a.shape == () and np.issubdtype(a.dtype, np.number):
+            out[k] = float(a)
+    return out
+
+
+def _is_stop(x):
+    return isinstance(x, (optax.ScaleByAdamState,) + INJECT_STATES)
+
+
+def find_adam_states(opt_state) -> list[AdamSite]:
+    """Every `optax.ScaleByAdamState` in `opt_state`, in flattening order.
+
+    Args:
+      opt_state: any optax state pytree (`adam`, `adamw`, `chain`, `inject_hyperparams`,
+        `multi_transform`, `masked`, `named_chain`, ...).
+
+    Returns:
+      One `AdamSite` per Adam state, with the numeric scalar hyperparameters of the
+      `inject_hyperparams` states enclosing it (inner ones win).
+    """
+    out: list[AdamSite] = []
+
+    def walk(node, prefix, hp):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_stop)[0]:
+            full = prefix + tuple(path)
+            if isinstance(leaf, optax.ScaleByAdamState):
+                out.append(AdamSite(full, leaf, hp))
+            elif isinstance(leaf, INJECT_STATES):
+                walk(leaf.inner_state, full + (jax.tree_util.GetAttrKey("inner_state"),), {**hp, **_hparams(leaf)})
+
+    walk(opt_state, (), {})
+    return out
+
+
+class MomentPair(NamedTuple):
+    """The ``mu``/``nu`` leaves of one parameter in one Adam site, checked against it."""
+
+    param: str       # the param's dotted name (its path inside mu, nu and params)
+    mu_path: str     # dotted path of mu's leaf in the whole optax state
+    nu_path: str
+    mu: Any
+    nu: Any
+    p: Any
+    mu_dtype: str    # "float32" (coded) or "bfloat16" (stored raw, only nu coded)
+
+
+def moment_pairs(site: AdamSite, params_by_dotted: dict) -> list[MomentPair]:
+    """The moment pairs of `site`, each matched to its parameter and checked.
+
+    Args:
+      site: from `find_adam_states`.
+      params_by_dotted: ``flat_by_dotted(params, "params")``.
+
+    Returns:
+      One `MomentPair` per leaf of ``site.state.mu``, in flattening order.
+
+    Raises:
+      CheckpointError: mu and nu of different structures, a moment without a param, or
+        shapes that differ.
+      UnsupportedOptimizerError: a param or nu that is not float32, a mu that is neither
+        float32 nor bfloat16 (the guarantee covers those).
+    """
+    mus = {dotted(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(site.state.mu)[0]}
+    nus = {dotted(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(site.state.nu)[0]}
+    if set(mus) != set(nus):
+        raise CheckpointError(f"the Adam state at {site.name!r} has mu and nu of different structures")
+    out = []
+    for sub, (mpath, mu) in mus.items():
+        npath, nu = nus[sub]
+        if sub not in params_by_dotted:
+            raise CheckpointError(f"params has no leaf {sub!r} but the Adam state at {site.name!r} does; pass "
+                                  "the params the optimizer state belongs to (same tree)")
+        p = params_by_dotted[sub]
+        shape = tuple(np.shape(mu))
+        if tuple(np.shape(p)) != shape or tuple(np.shape(nu)) != shape:
+            raise CheckpointError(f"param {sub!r} has shape {tuple(np.shape(p))} but its Adam moments have "
+                                  f"{shape}; the params and optimizer state do not match")
+        if dtype_name(p) != "float32" or dtype_name(nu) != "float32":
+            raise UnsupportedOptimizerError(f"param {sub!r} is {dtype_name(p)} with nu {dtype_name(nu)}; the "
+                                            "guarantee covers float32 params and nu (mu may be bfloat16)")
+        mdt = dtype_name(mu)
+        if mdt not in MU_DTYPES:
+            raise UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and bfloat16 mu")
+        out.append(MomentPair(sub, site.leaf_path("mu", mpath), site.leaf_path("nu", npath), mu, nu, p, mdt))
+    return out
