@@ -120,7 +120,7 @@ def run(rank, world, port, root):
     res["async_equals_sync"] = same(gs, As)
     res["moments_changed"] = sum(int((a[1] != b[1]).sum() + (a[2] != b[2]).sum()) for a, b in zip(ps, gs))
     res["lr_betas"] = [guarded[1].param_groups[0]["lr"], list(guarded[1].param_groups[0]["betas"])]
-    from torch_compat.state import gradient_grid
+    from jaxguard.audit import gradient_grid
     grid = gradient_grid(CLIP, n_linear=4, n_log=8)
     res["audit"] = first_update_audit(plain, guarded, tau=TAU, clip=CLIP, grid=grid,
                                       grads=[next_grads(plain[0], rank, world)])

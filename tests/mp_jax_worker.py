@@ -51,7 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxguard as jg  # noqa: E402
 import jaxguard.checkpoint as jgc  # noqa: E402
-from jaxguard.optax_adapter import audit, dotted  # noqa: E402
+from jaxguard.optax_adapter import audit  # noqa: E402
+from jaxguard.optax_state import dotted, flat_by_dotted  # noqa: E402
 
 LR, WD, CLIP = 1e-3, 1e-2, 0.2
 TX = optax.adamw(LR, weight_decay=WD)
@@ -176,10 +177,7 @@ def write_job():
         jax.tree_util.tree_leaves(r_jg), jax.tree_util.tree_leaves(like)))
     rep["digest_jg"], rep["digest_orb"] = digest(r_jg), digest(r_orb)
     log('orig = gathered(')
-    orig = gathered({"params": params, "state": state})
-    if PID == 0:
-        np.savez(f"{OUT}/orig.npz", **{dotted(p): np.asarray(x) for p, x in
-                                       jax.tree_util.tree_flatten_with_path(orig)[0]})
+    save_gathered(f"{OUT}/orig.npz", {"params": params, "state": state})
 
     log('# whole-state jitted')
     # whole-state jitted save hook: 3 steps, one trace
@@ -204,11 +202,15 @@ def write_job():
     log('rep["digest_jit"]')
     rep["digest_jit"] = digest(jg.load(f"{OUT}/jit", like))
     rep["digest_jg9"] = digest(jg.load(f"{OUT}/jg9", like))
-    orig9 = gathered({"params": params, "state": state})
-    if PID == 0:
-        np.savez(f"{OUT}/orig9.npz", **{dotted(p): np.asarray(x) for p, x in
-                                        jax.tree_util.tree_flatten_with_path(orig9)[0]})
+    save_gathered(f"{OUT}/orig9.npz", {"params": params, "state": state})
     json.dump(rep, open(f"{OUT}/write_{PID}.json", "w"))
+
+
+def save_gathered(path, tree):
+    """Gather `tree` (a collective: every process calls it) and let process 0 write it, by dotted path."""
+    full = gathered(tree)
+    if PID == 0:
+        np.savez(path, **{d: np.asarray(x) for d, x in flat_by_dotted(full).items()})
 
 
 def from_npz(path, mesh, specs, template):

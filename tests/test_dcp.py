@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import _dcp_worker as W
 import torch_compat
 from jaxguard import cli
+from jaxguard.audit import gradient_grid
 from jaxguard.errors import CheckpointError
 from torch_compat import dcp as tdcp
 
@@ -42,7 +43,7 @@ def test_same_size_resume_is_within_tau_and_weights_are_bit_identical(saved):
         assert res["lr_betas"] == [W.LR, [0.9, 0.999]]
         a = res["audit"]
         assert a["violations"] == 0 and a["max_gap_lr"] <= W.TAU, (r, a)
-        assert a["gradients"] == len(torch_compat.state.gradient_grid(W.CLIP, n_linear=4, n_log=8)) + 1
+        assert a["gradients"] == len(gradient_grid(W.CLIP, n_linear=4, n_log=8)) + 1
         assert res["real_step_gap_lr"] <= W.TAU, (r, res["real_step_gap_lr"])
 
 
@@ -59,18 +60,16 @@ def test_bad_rank_file_is_one_line_error_and_nothing_is_loaded(saved, case):
         assert "\n" not in e and "__1_0.distcp" in e, e
 
 
-def _plain_process():
-    model, opt = W.build(None, seed=5)
-    return model, opt
-
-
 def _load_plain(path, planner):
-    model, opt = _plain_process()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path, planner=planner)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return model, opt
+    return W.load_into(path, None, planner)   # one process, no mesh
+
+
+def _guarded_save_error(tmp_path, state):
+    """The one error a GuardedSavePlanner save of `state` fails with (DCP wraps it)."""
+    with pytest.raises(BaseException) as info:
+        dcp.save(state, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
+    (err, _), = info.value.failures.values()
+    return err
 
 
 def test_resharded_load_into_one_plain_process(saved):
@@ -84,7 +83,7 @@ def test_resharded_load_into_one_plain_process(saved):
     torch.nn.functional.mse_loss(ref[0](x), y).backward()
     grads = [p.grad.clone() for p in ref[0].parameters()]
     ref[1].zero_grad(set_to_none=True)
-    grid = torch_compat.state.gradient_grid(W.CLIP, n_linear=4, n_log=8)
+    grid = gradient_grid(W.CLIP, n_linear=4, n_log=8)
     a = tdcp.first_update_audit(ref, test, tau=W.TAU, clip=W.CLIP, grid=grid, grads=[grads])
     assert a["violations"] == 0 and a["max_gap_lr"] <= W.TAU, a
     assert a["coordinates"] == sum(p.numel() for p in ref[0].parameters())
@@ -106,7 +105,7 @@ def test_cli_restore_compress_inspect_verify(saved, tmp_path, capsys):
     for g in plain_ckpt["optimizer"]["param_groups"]:
         g["param_names"] = names
     a = torch_compat.audit(plain_ckpt, ckpt, tau=W.TAU, clip=W.CLIP,
-                           grid=torch_compat.state.gradient_grid(W.CLIP, n_linear=4, n_log=8))
+                           grid=gradient_grid(W.CLIP, n_linear=4, n_log=8))
     assert a["violations"] == 0, a
 
     out = tmp_path / "converted"
@@ -139,12 +138,10 @@ def test_cli_restore_compress_inspect_verify(saved, tmp_path, capsys):
 
 
 def test_save_refuses_moments_without_their_parameters(tmp_path):
-    model, opt = _plain_process()
+    model, opt = W.build(None, seed=5)
     msd, osd = get_state_dict(model, opt)
-    with pytest.raises(BaseException) as info:
-        dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
-    errs = [e for e, _ in info.value.failures.values()]
-    assert isinstance(errs[0], CheckpointError) and "found no model entries for parameter '0.weight'" in str(errs[0])
+    err = _guarded_save_error(tmp_path, {"optim": osd})
+    assert isinstance(err, CheckpointError) and "found no model entries for parameter '0.weight'" in str(err)
 
 
 @pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
@@ -152,9 +149,7 @@ def test_save_refuses_optimizer_options_outside_the_op_model(tmp_path, flag):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), foreach=False, **{flag: True})
     msd, osd = get_state_dict(model, opt)
-    with pytest.raises(BaseException) as info:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
-    (err, _), = info.value.failures.values()
+    err = _guarded_save_error(tmp_path, {"model": msd, "optim": osd})
     assert f"{flag}=True" in str(err) and "\n" not in str(err)
 
 
@@ -164,9 +159,7 @@ def test_save_refuses_a_non_adam_optimizer(tmp_path):
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    with pytest.raises(BaseException) as info:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
-    (err, _), = info.value.failures.values()
+    err = _guarded_save_error(tmp_path, {"model": msd, "optim": osd})
     assert "not Adam or AdamW" in str(err) and "\n" not in str(err)
 
 

@@ -12,13 +12,9 @@ Tolerances (reason):
 """
 from __future__ import annotations
 
-import inspect
-import json
-import shutil
-import textwrap
-
 import pytest
 import torch
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2, torch_threads
 
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
@@ -31,29 +27,18 @@ N, NEXT, SEQ, BATCH = 30, 50, 32, 8
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model on a shared machine: threads only add contention
-    yield
-    torch.set_num_threads(threads)
-
-
-def _tokens():
-    text = "".join(inspect.getsource(m) for m in (json.decoder, textwrap, shutil)).encode()
-    t = torch.tensor(list(text), dtype=torch.long)
-    return t[: len(t) // SEQ * SEQ].view(-1, SEQ)
+    with torch_threads(1):
+        yield
 
 
 def _batches(seed, n):
-    x = _tokens()
+    x = byte_tokens(SEQ)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     return [x[order[i * BATCH:(i + 1) * BATCH]] for i in range(n)]
 
 
 def _setup():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=SEQ, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = tiny_gpt2(SEQ)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False, fused=False)
     acc = accelerate.Accelerator(cpu=True)
     model, opt = acc.prepare(model, opt)
@@ -104,20 +89,11 @@ def test_guarded_directory_holds_optimizer_jg_not_bin(runs):
 
 
 def test_first_update_after_resume_within_tau_lr(runs):
-    pg, pu = runs["guarded"][0], runs["plain"][0]
-    worst = max(float((pg[k].double() - pu[k].double()).abs().max()) for k in pg)
-    print(f"first update after resume: max |p_guarded - p_plain| = {worst / LR:.4g} lr (tau {TAU})")
-    assert worst <= TAU * LR
-    assert max(float((pu[k] - runs["p0"][k]).abs().max()) for k in pu) > 10 * TAU * LR  # the step happened
+    assert_first_update_within_tau(runs["guarded"][0], runs["plain"][0], runs["p0"], tau=TAU, lr=LR)
 
 
 def test_next_50_losses_within_run_to_run_noise(runs):
-    lg, lu, ln = (runs[k][1] for k in ("guarded", "plain", "noise"))
-    dev = sum(abs(a - b) for a, b in zip(lg, lu)) / NEXT
-    noise = sum(abs(a - b) for a, b in zip(ln, lu)) / NEXT
-    print(f"next {NEXT} losses: guarded vs plain {dev:.3g}, run-to-run noise {noise:.3g}")
-    assert noise > 0
-    assert dev <= noise
+    assert_losses_within_noise(*(runs[k][1] for k in ("guarded", "plain", "noise")), NEXT)
 
 
 def test_optimizers_restored_after_save_and_load(runs, tmp_path):

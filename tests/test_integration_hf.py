@@ -12,19 +12,17 @@ Tolerances (reason):
 """
 from __future__ import annotations
 
-import inspect
-import json
-import os
 import shutil
-import textwrap
 
 import pytest
 import torch
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2, torch_threads
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch_compat  # noqa: E402
+from jaxguard.audit import gradient_grid  # noqa: E402
 from jaxguard.integrations.hf import GuardedTrainer  # noqa: E402
 from jaxguard.errors import UnsupportedOptimizerError  # noqa: E402
 
@@ -34,32 +32,19 @@ N, NEXT, SEQ = 30, 50, 32
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """Tiny models: torch's intra-op threads only add contention (2 s/step -> 0.07 s/step
-    measured on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 class _Bytes(torch.utils.data.Dataset):
     def __init__(self):
-        text = "".join(inspect.getsource(m) for m in (json.decoder, textwrap, shutil)).encode()
-        t = torch.tensor(list(text), dtype=torch.long)
-        self.x = t[: len(t) // SEQ * SEQ].view(-1, SEQ)
+        self.x = byte_tokens(SEQ)
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
         return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
-def _model():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=SEQ,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 def _args(out, max_steps, *, save=False, data_seed=0, **kw):
@@ -83,7 +68,7 @@ class _FirstStep(transformers.TrainerCallback):
 
 def _resume(cls, ckpt, out, steps, data_seed=0):
     snap = _FirstStep()
-    tr = cls(model=_model(), args=_args(out, N + steps, data_seed=data_seed), train_dataset=_Bytes(),
+    tr = cls(model=tiny_gpt2(SEQ), args=_args(out, N + steps, data_seed=data_seed), train_dataset=_Bytes(),
              callbacks=[snap])
     tr.train(resume_from_checkpoint=str(ckpt))
     losses = [h["loss"] for h in tr.state.log_history if "loss" in h and h["step"] > N]
@@ -93,7 +78,7 @@ def _resume(cls, ckpt, out, steps, data_seed=0):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    tr = GuardedTrainer(model=_model(), args=_args(root / "run", N, save=True), train_dataset=_Bytes())
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=_args(root / "run", N, save=True), train_dataset=_Bytes())
     tr.train()
     guarded = root / "run" / f"checkpoint-{N}"
     assert (guarded / "optimizer.jg").is_file() and not (guarded / "optimizer.pt").exists()
@@ -123,13 +108,9 @@ def resumes(checkpoints):
 
 
 def test_first_update_after_resume_within_tau_lr(checkpoints, resumes):
-    pg, pu = resumes["guarded"][0], resumes["plain"][0]
-    worst = max(float((pg[k].double() - pu[k].double()).abs().max()) for k in pg)
-    print(f"first update after resume: max |p_guarded - p_plain| = {worst / LR:.4g} lr (tau {TAU})")
-    assert worst <= TAU * LR
-    # both resumes started from the same weights, so a zero gap would mean the step was skipped
+    # both resumes started from the checkpointed weights
     p0 = {k: p.detach() for k, p in checkpoints["trainer"].model.named_parameters()}
-    assert max(float((pu[k] - p0[k]).abs().max()) for k in pu) > 10 * TAU * LR
+    assert_first_update_within_tau(resumes["guarded"][0], resumes["plain"][0], p0, tau=TAU, lr=LR)
 
 
 def test_restored_state_passes_gradient_grid_audit(checkpoints):
@@ -142,7 +123,7 @@ def test_restored_state_passes_gradient_grid_audit(checkpoints):
         g["param_names"] = [f"group{gi}.param{i}" for i in range(len(g["params"]))]  # torch_compat.save's names
         params.update({n: p.detach().clone() for n, p in zip(g["param_names"], live["params"])})
     restored, _ = torch_compat.restore_tree(str(checkpoints["guarded"] / "optimizer.jg"))
-    grid = torch_compat.state.gradient_grid(CLIP, n_linear=3, n_log=6)
+    grid = gradient_grid(CLIP, n_linear=3, n_log=6)
     a = torch_compat.audit({"model": params, "optimizer": sd}, {"model": params, **restored}, tau=TAU, clip=CLIP,
                            grid=grid)
     print("audit", a)
@@ -150,13 +131,7 @@ def test_restored_state_passes_gradient_grid_audit(checkpoints):
 
 
 def test_next_50_losses_within_run_to_run_noise(resumes):
-    lg, lu, ln = (resumes[k][1] for k in ("guarded", "plain", "noise"))
-    assert len(lg) == len(lu) == len(ln) == NEXT
-    dev = sum(abs(a - b) for a, b in zip(lg, lu)) / NEXT
-    noise = sum(abs(a - b) for a, b in zip(ln, lu)) / NEXT
-    print(f"next {NEXT} losses: guarded vs plain {dev:.3g}, run-to-run noise {noise:.3g}")
-    assert noise > 0, "the data seed did not change the resumed run; the noise measurement is void"
-    assert dev <= noise
+    assert_losses_within_noise(*(resumes[k][1] for k in ("guarded", "plain", "noise")), NEXT)
 
 
 def test_fused_optimizer_is_certified_against_the_fused_op_model(tmp_path):
@@ -166,7 +141,7 @@ def test_fused_optimizer_is_certified_against_the_fused_op_model(tmp_path):
                                           learning_rate=LR, lr_scheduler_type="constant", per_device_train_batch_size=8,
                                           save_strategy="no",
                                           use_cpu=True, report_to="none", disable_tqdm=True)
-    tr = GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes())
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes())
     tr.train()
     assert tr.optimizer.param_groups[0]["fused"]
     out = tmp_path / "ckpt"
@@ -184,11 +159,11 @@ def test_final_checkpoint_of_linear_schedule_keeps_plain_optimizer(tmp_path, cap
                                           lr_scheduler_type="linear", learning_rate=LR, per_device_train_batch_size=8,
                                           use_cpu=True, report_to="none", disable_tqdm=True)
     with caplog.at_level("WARNING", logger="jaxguard.integrations.hf"):
-        GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes()).train()
+        GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes()).train()
     assert (tmp_path / "checkpoint-2" / "optimizer.jg").is_file()
     assert (tmp_path / "checkpoint-4" / "optimizer.pt").is_file()
     assert not (tmp_path / "checkpoint-4" / "optimizer.jg").exists()
     assert "lr is 0" in caplog.text
-    tr = GuardedTrainer(model=_model(), args=args, train_dataset=_Bytes())
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes())
     tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert tr.state.global_step == 4

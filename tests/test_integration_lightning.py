@@ -17,6 +17,7 @@ import io
 
 import pytest
 import torch
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, torch_threads
 
 L = pytest.importorskip("lightning")
 
@@ -30,10 +31,8 @@ N, NEXT, DIM, HID = 30, 50, 16, 96
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model on a shared machine: threads only add contention
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 class MLP(L.LightningModule):
@@ -119,22 +118,12 @@ def test_optimizer_bytes_at_most_32_percent(runs):
 
 
 def test_first_update_after_resume_within_tau_lr(runs):
-    pg, pu = runs["guarded"].first, runs["plain"].first
-    worst = max(float((pg[k].double() - pu[k].double()).abs().max()) for k in pg)
-    print(f"first update after resume: max |p_guarded - p_plain| = {worst / LR:.4g} lr (tau {TAU})")
-    assert worst <= TAU * LR
     p0 = torch.load(runs["pckpt"], weights_only=False)["state_dict"]
-    assert max(float((pu[k] - p0[k]).abs().max()) for k in pu) > 10 * TAU * LR  # the step happened
+    assert_first_update_within_tau(runs["guarded"].first, runs["plain"].first, p0, tau=TAU, lr=LR)
 
 
 def test_next_50_losses_within_run_to_run_noise(runs):
-    lg, lu, ln = (runs[k].losses for k in ("guarded", "plain", "noise"))
-    assert len(lg) == len(lu) == len(ln) == NEXT
-    dev = sum(abs(a - b) for a, b in zip(lg, lu)) / NEXT
-    noise = sum(abs(a - b) for a, b in zip(ln, lu)) / NEXT
-    print(f"next {NEXT} losses: guarded vs plain {dev:.3g}, run-to-run noise {noise:.3g}")
-    assert noise > 0, "the shuffle seed did not change the resumed run; the noise measurement is void"
-    assert dev <= noise
+    assert_losses_within_noise(*(runs[k].losses for k in ("guarded", "plain", "noise")), NEXT)
 
 
 def test_unnamed_optimizer_refused_one_line(tmp_path):

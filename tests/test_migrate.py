@@ -35,8 +35,8 @@ def torch_first_update(ckpt, g):
         st = sd["state"][idx]
         p = ckpt["model"][name].float()
         grad = g[name] if isinstance(g, dict) else torch.full_like(p, g)
-        out[name] = torch_compat.state._torch_step(p, st["exp_avg"], st["exp_avg_sq"], grad, int(st["step"]),
-                                                   group, bool(group.get("decoupled_weight_decay", False))).numpy()
+        out[name] = torch_compat.state.torch_step(p, st["exp_avg"], st["exp_avg_sq"], grad, int(st["step"]),
+                                                  group, bool(group.get("decoupled_weight_decay", False))).numpy()
     return out
 
 
