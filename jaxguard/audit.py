@@ -90,7 +90,7 @@ class AuditSummary:
 
     @property
     def passed(self) -> bool:
-        """True when no coordinate is over tau."""
+        """Returns: True when no coordinate is over tau."""
         return self.violations == 0
 
     def to_json(self, *, with_worst=False, with_clamped=False) -> dict:

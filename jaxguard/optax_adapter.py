@@ -74,6 +74,13 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
         *last* update's rate, which a schedule may already have changed.
       lr_from_state: take a missing ``lr`` from the `inject_hyperparams` state anyway
         (for conversions that certify nothing, e.g. `torch_compat.from_optax`).
+      site: from `jaxguard.optax_state.find_adam_states`.
+      weight_decay, betas, eps: override the `inject_hyperparams` values (defaults
+        0, (0.9, 0.999), 1e-8 when neither gives them).
+      tau, clip, codec: the contract and the codec id.
+
+    Returns:
+      The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
 
     Raises:
       ConfigError: no ``lr`` although the state is inside `inject_hyperparams`, or a bad
@@ -256,7 +263,18 @@ def state_nbytes(tree) -> int:
 
 def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
              eps=None, include_params=False, extra_meta=None):
-    """Container bytes and a summary dict (see `save`)."""
+    """Container bytes and a summary dict (see `save`).
+
+    Args:
+      opt_state, params, lr, tau, clip, codec, weight_decay, betas, eps, include_params: as `save`.
+      extra_meta: more keys for the container's meta (e.g. ``{"source": ...}``).
+
+    Returns:
+      ``(bytes, summary)``: the whole container and `summary`'s dict (plus ``encode_seconds``).
+
+    Raises:
+      ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
+    """
     t0 = time.perf_counter()
     entries, smeta, totals = compress_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
                                             weight_decay=weight_decay, betas=betas, eps=eps)
@@ -311,7 +329,19 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
 
 # ---------------------------------------------------------------- load
 def read(path):
-    """(header, {entry name: array or (m~, v~)}) of an optax container."""
+    """Read and verify an optax container.
+
+    Args:
+      path: a file or URL written by `save` (one process).
+
+    Returns:
+      ``(header, {entry name: array or (m~, v~)})``, every moment entry decoded and its
+      decoded hash checked.
+
+    Raises:
+      CheckpointError: the container holds another framework's checkpoint.
+      ContainerError, ReaderError: the file is not a valid container.
+    """
     header, payload, tables = container.read(path, verify_decoded=False)
     meta = header.get("meta") or {}
     if meta.get("framework") != "optax":
@@ -327,8 +357,20 @@ def _as_dtype(arr, dtype_name):
 
 
 def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
-    """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape
-    and dtype (one-line CheckpointErrors naming the fix)."""
+    """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape and dtype.
+
+    Args:
+      stored: {dotted path: leaf record} of the saved state (``meta["state"]["leaves"]``).
+      d: the leaf's dotted path.
+      leaf: `like`'s leaf there.
+      source: how to name the checkpoint in the error.
+
+    Returns:
+      The record (``path``, ``kind``, ``entry``, ``dtype``, ``shape``).
+
+    Raises:
+      CheckpointError: one line naming the fix when the leaf is missing or its shape or dtype differs.
+    """
     if d not in stored:
         raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
                               "optax transformation and params as the one saved (e.g. tx.init(params))")
@@ -344,6 +386,21 @@ def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
 
 
 def restore_state(header, arrays, like, *, source="the file"):
+    """Rebuild the optax state of `like` from a read container.
+
+    Args:
+      header, arrays: from `read`.
+      like: a state of the same transformation and params (e.g. ``tx.init(params)``):
+        its structure, dtypes and, for `jax.Array` leaves, shardings are used.
+      source: how to name the checkpoint in errors.
+
+    Returns:
+      The restored state (a pytree like `like`).
+
+    Raises:
+      CheckpointError: `like` has leaves, shapes or dtypes the container does not hold,
+        or lacks leaves it holds.
+    """
     meta = header["meta"]
     stored = {leaf["path"]: leaf for leaf in meta["state"]["leaves"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
@@ -379,7 +436,19 @@ def load(path, like):
     """Restore the optax state saved at `path` into the structure, dtypes and shardings of `like`.
 
     `path` is a file (`save`) or a sharded checkpoint directory (``save(..., sharded=True)``
-    or any multi-process save), restored in any process count or sharding."""
+    or any multi-process save), restored in any process count or sharding.
+
+    Args:
+      path: the file or directory written by `save`.
+      like: a state of the same optax transformation and params (``tx.init(params)``).
+
+    Returns:
+      The restored optax state, with `like`'s structure, dtypes and shardings.
+
+    Raises:
+      CheckpointError: `like` does not match what was saved, or the file is not optax state.
+      ContainerError, ReaderError: the file is damaged.
+    """
     from jaxguard import sharded as _sharded
     if _sharded.is_sharded(path):
         return _sharded.load(path, like)
@@ -388,7 +457,17 @@ def load(path, like):
 
 
 def load_params(path) -> dict:
-    """{dotted name: ndarray} of the params stored with ``include_params=True``."""
+    """The params stored with ``save(..., include_params=True)``.
+
+    Args:
+      path: the file or sharded directory.
+
+    Returns:
+      {dotted name: ndarray}.
+
+    Raises:
+      CheckpointError: the checkpoint holds no params.
+    """
     from jaxguard import sharded as _sharded
     if _sharded.is_sharded(path):
         man = _sharded.read_manifest(path)

@@ -110,7 +110,7 @@ class AdamSite:
 
     @property
     def name(self) -> str:
-        """The dotted path of the state (``"<root>"`` for a bare `ScaleByAdamState`)."""
+        """Returns: the dotted path of the state (``"<root>"`` for a bare `ScaleByAdamState`)."""
         return dotted(self.path) or "<root>"
 
     def leaf_path(self, field: str, sub=()) -> str:

@@ -54,11 +54,20 @@ TOTAL_KEYS = audit.TOTAL_KEYS
 
 
 def file_name(process: int) -> str:
+    """Args: process: a process index.  Returns: the name of that process's container file."""
     return f"process_{process:05d}.jaxguard"
 
 
 def is_sharded(path) -> bool:
-    """True when `path` is a directory (a sharded checkpoint, complete or not)."""
+    """Whether `path` is a sharded checkpoint.
+
+    Args:
+      path: a local path or an epath URL.
+
+    Returns:
+      True when `path` is a directory (a sharded checkpoint, complete or not); False for a
+      file, a missing path or an unreachable URL.
+    """
     try:
         return epath.Path(path).is_dir()
     except Exception:  # noqa: BLE001 - an unreachable URL is not a directory
@@ -66,6 +75,11 @@ def is_sharded(path) -> bool:
 
 
 def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (nothing with one process).
+
+    Args:
+      name: the barrier's name, the same on every process.
+    """
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
@@ -73,13 +87,21 @@ def barrier(name: str) -> None:
 
 # ---------------------------------------------------------------- host views of global arrays
 def host_scalar(x):
-    """A 0-d leaf as a host value; a global (non fully addressable) scalar reads its local copy."""
+    """A 0-d leaf as a host value; a global (non fully addressable) scalar reads its local copy.
+
+    Args:
+      x: any leaf.
+
+    Returns:
+      A numpy scalar array for a global 0-d `jax.Array`, else `x` unchanged.
+    """
     if isinstance(x, jax.Array) and x.ndim == 0 and not x.is_fully_addressable:
         return np.asarray(x.addressable_data(0))
     return x
 
 
 def host_scalars(tree):
+    """Args: tree: any pytree.  Returns: `tree` with `host_scalar` applied to every leaf."""
     return jax.tree_util.tree_map(host_scalar, tree)
 
 
@@ -88,9 +110,15 @@ def _start(index, ndim):
 
 
 def local_shards(x, primary=0):
-    """[(device or None, global start, host array)] of the replica-0 shards of `x` held here.
+    """The replica-0 shards of `x` this process holds.
 
-    A host (numpy / Python) leaf is one shard, written by the primary process."""
+    Args:
+      x: a `jax.Array`, or a host (numpy / Python) leaf: one shard, written by the primary.
+      primary: the process that writes host leaves.
+
+    Returns:
+      [(device or None, global start index, host array)].
+    """
     if isinstance(x, jax.Array):
         return [(s.device, _start(s.index, x.ndim), s.data) for s in x.addressable_shards if s.replica_id == 0]
     if jax.process_index() == primary:
@@ -103,7 +131,15 @@ def aligned(x, like):
     """`x` laid out like `like` ({device: shard array}), or a host array when `like` is one.
 
     Differently sharded inputs are copied to `like`'s sharding with a jitted identity (a
-    collective: every process reaches it in the same order, as it walks the same tree)."""
+    collective: every process reaches it in the same order, as it walks the same tree).
+
+    Args:
+      x: the array to lay out (a `jax.Array` or host array of `like`'s shape).
+      like: the reference layout (a `jax.Array`, or a host leaf).
+
+    Returns:
+      {device: shard data} of `x` in `like`'s sharding, or a numpy array when `like` is on the host.
+    """
     if not isinstance(like, jax.Array):
         return np.asarray(host_scalar(x)) if isinstance(x, jax.Array) and x.ndim == 0 else np.asarray(x)
     if not isinstance(x, jax.Array):
@@ -121,7 +157,19 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     names as `optax_adapter.compress_state`, without touching any array's data.
 
     A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
-    name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16")."""
+    name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16").
+
+    Args:
+      opt_state, params, lr, tau, clip, codec, weight_decay, betas, eps: as `jaxguard.save`.
+      prefix: the entry-name prefix of the state's leaves.
+
+    Returns:
+      ``(sites meta, moment pairs, leaves meta, treedef string)``.
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError, ConfigError: as
+        `optax_adapter.compress_state` (no Adam state, mismatched params, dtypes, lr).
+    """
     hstate = host_scalars(opt_state)
     sites = find_adam_states(hstate)
     if not sites:
@@ -171,8 +219,17 @@ def _rebased(e, b):
 
 def build_local(items, totals, *, process, extra_header):
     """Container bytes and the index (per shard: global placement, byte range, SHA-256)
-    of one process's shards.  items: [(entry, start, ("raw", array, dtype) | ("moments",
-    Encoded, info))]."""
+    of one process's shards.
+
+    Args:
+      items: [(entry, start, ("raw", array, dtype) | ("moments", Encoded, info))].
+      totals: this process's summed guard stats (stored in the index).
+      process: this process's index (names the file).
+      extra_header: top-level header fields (op_model, tau, clip, codec).
+
+    Returns:
+      ``(container bytes, index dict)``.
+    """
     entries, placement = [], {}
     for entry, start, obj in items:
         name = _shard_name(entry, start)
@@ -204,8 +261,15 @@ def build_local(items, totals, *, process, extra_header):
 
 
 def write_bytes_atomic(path: epath.Path, data) -> None:
-    """Local paths: temp file + fsync + rename (container.atomic_write); other epath
-    backends: write a temporary name, then rename."""
+    """Write `data` to `path` so that a reader sees the old file or the whole new one.
+
+    Local paths: temp file + fsync + rename (container.atomic_write); other epath
+    backends: write a temporary name, then rename.
+
+    Args:
+      path: the destination.
+      data: bytes-like.
+    """
     if "://" in str(path):
         tmp = path.parent / f".{path.name}.tmp"
         tmp.write_bytes(bytes(data))
@@ -215,7 +279,17 @@ def write_bytes_atomic(path: epath.Path, data) -> None:
 
 
 def encode_local(pairs, leaves, opt_state, params, *, include_params=False, primary=0):
-    """This process's shard items and totals: every replica-0 shard it holds, certified."""
+    """This process's shard items and totals: every replica-0 shard it holds, certified.
+
+    Args:
+      pairs, leaves: from `plan_state`.
+      opt_state, params: the trees `plan_state` was given.
+      include_params: also store the params' shards.
+      primary: the process that writes host leaves.
+
+    Returns:
+      ``(items for build_local, totals, param names)``.
+    """
     oflat = flat_by_dotted(opt_state, "opt_state")
     items, coded = [], []
     totals = audit.new_totals()
@@ -266,7 +340,19 @@ def _param_leaves(params):
 
 # ---------------------------------------------------------------- manifest
 def make_manifest(directory: epath.Path, common: dict, process_count: int) -> dict:
-    """Merge every process's index (``process_*.index.json``) into the manifest dict."""
+    """Merge every process's index (``process_*.index.json``) into the manifest dict.
+
+    Args:
+      directory: the checkpoint directory.
+      common: the shared meta (`common_meta`).
+      process_count: how many processes wrote.
+
+    Returns:
+      The manifest (files, shards by entry, summed totals under ``"summary"``).
+
+    Raises:
+      CheckpointError: a process's index is missing (it did not finish).
+    """
     files, shards, totals = {}, {}, audit.new_totals()
     for pid in range(process_count):
         ipath = directory / (file_name(pid) + INDEX_SUFFIX)
@@ -282,6 +368,17 @@ def make_manifest(directory: epath.Path, common: dict, process_count: int) -> di
 
 
 def commit_manifest(directory: epath.Path, common: dict, process_count: int) -> dict:
+    """Write the manifest (the commit point of a sharded save) and remove the per-process indexes.
+
+    Args:
+      directory, common, process_count: as `make_manifest`.
+
+    Returns:
+      The manifest written.
+
+    Raises:
+      CheckpointError: an index is missing, or the shards do not tile every leaf exactly.
+    """
     man = make_manifest(directory, common, process_count)
     _check_coverage(man, str(directory))
     write_bytes_atomic(directory / MANIFEST, json.dumps(man, separators=(",", ":")).encode())
@@ -293,16 +390,25 @@ def commit_manifest(directory: epath.Path, common: dict, process_count: int) -> 
 def _check_coverage(man, source):
     """Every stored leaf is tiled exactly by its shards (sizes add up, nothing outside)."""
     for leaf in man["state"]["leaves"] + (man.get("params") or []):
-        if True:
-            recs = man["shards"].get(leaf["entry"], [])
-            total = int(np.prod(leaf["shape"], dtype=np.int64))
-            got = sum(int(np.prod(r["shape"], dtype=np.int64)) for r in recs)
-            if got != total or (total == 0 and not recs):
-                raise CheckpointError(f"{source}: the shards of {leaf['path']!r} hold {got} of its {total} elements; "
-                                      "the checkpoint is incomplete or two processes wrote the same shard")
+        recs = man["shards"].get(leaf["entry"], [])
+        total = int(np.prod(leaf["shape"], dtype=np.int64))
+        got = sum(int(np.prod(r["shape"], dtype=np.int64)) for r in recs)
+        if got != total or (total == 0 and not recs):
+            raise CheckpointError(f"{source}: the shards of {leaf['path']!r} hold {got} of its {total} elements; "
+                                  "the checkpoint is incomplete or two processes wrote the same shard")
 
 
 def common_meta(sites_meta, leaves, treedef, *, tau, clip, codec, params_meta=None):
+    """The meta every process's file and the manifest share.
+
+    Args:
+      sites_meta, leaves, treedef: from `plan_state`.
+      tau, clip, codec: the save's contract and codec.
+      params_meta: the params' leaf records, when they are stored.
+
+    Returns:
+      {"framework": "optax", "state", "op_model", "tau", "clip", "codec", "jax_version"[, "params"]}.
+    """
     c = {"framework": "optax", "state": {"leaves": leaves, "sites": sites_meta, "treedef": treedef},
          "op_model": sites_meta[0]["config"]["op_model"], "tau": tau, "clip": clip, "codec": codec,
          "jax_version": jax.__version__}
@@ -312,6 +418,13 @@ def common_meta(sites_meta, leaves, treedef, *, tau, clip, codec, params_meta=No
 
 
 def write_process_files(directory: epath.Path, data: bytes, index: dict, process: int) -> None:
+    """Write one process's container and its index, each atomically.
+
+    Args:
+      directory: the checkpoint directory.
+      data, index: from `build_local`.
+      process: the process index.
+    """
     write_bytes_atomic(directory / file_name(process), data)
     write_bytes_atomic(directory / (file_name(process) + INDEX_SUFFIX), json.dumps(index).encode())
 
@@ -320,8 +433,18 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
          betas=None, eps=None, include_params=False, primary=0) -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
-    Returns this process's summary (its share: coordinates, escapes, container_bytes of
-    its file, ...) with the whole checkpoint's totals under ``"total"``.
+    Args:
+      path: the checkpoint directory (the same on every process).
+      opt_state, params, lr, tau, clip, codec, weight_decay, betas, eps, include_params: as `jaxguard.save`.
+      primary: the process that writes host leaves and commits the manifest.
+
+    Returns:
+      This process's summary (its share: coordinates, escapes, container_bytes of its
+      file, ...) with the whole checkpoint's totals under ``"total"``.
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError, ConfigError: as `jaxguard.save`; a
+        file at `path`.
     """
     t0 = time.perf_counter()
     d = epath.Path(path)
@@ -336,6 +459,16 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
 
 
 def prepare_directory(d: epath.Path, primary: int = 0) -> None:
+    """Create the directory and remove an old manifest (the checkpoint is incomplete until
+    the new one lands), then wait for every process.
+
+    Args:
+      d: the checkpoint directory.
+      primary: the process that creates it.
+
+    Raises:
+      CheckpointError: `d` is a file.
+    """
     if d.exists() and not d.is_dir():
         raise CheckpointError(f"{d} is a file; a sharded checkpoint is a directory: pass a new path or remove it")
     if jax.process_index() == primary:
@@ -345,7 +478,18 @@ def prepare_directory(d: epath.Path, primary: int = 0) -> None:
 
 
 def write_and_commit(d: epath.Path, items, totals, common, *, primary=0, t0=None) -> dict:
-    """Write this process's file and index, barrier, the primary commits the manifest, barrier."""
+    """Write this process's file and index, barrier, the primary commits the manifest, barrier.
+
+    Args:
+      d: the checkpoint directory.
+      items, totals: from `encode_local` (or the jitted hook).
+      common: from `common_meta`.
+      primary: the process that commits.
+      t0: when the save started (for ``encode_seconds``).
+
+    Returns:
+      As `save`.
+    """
     t0 = time.perf_counter() if t0 is None else t0
     pid, n = jax.process_index(), jax.process_count()
     extra = {k: common[k] for k in ("op_model", "tau", "clip", "codec")}
@@ -365,6 +509,18 @@ def write_and_commit(d: epath.Path, items, totals, common, *, primary=0, t0=None
 
 # ---------------------------------------------------------------- reading
 def read_manifest(path) -> dict:
+    """The manifest of a sharded checkpoint.
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The manifest dict.
+
+    Raises:
+      CheckpointError: no manifest (the save did not complete).
+      ContainerError: the manifest is not valid JSON or not of this schema and version.
+    """
     d = epath.Path(path)
     mpath = d / MANIFEST
     if not mpath.exists():
@@ -402,6 +558,7 @@ class ShardReader:
         return data
 
     def tables(self, fname):
+        """Args: fname: a process file.  Returns: its decode tables {name: float32 array}, read once."""
         if fname not in self._tables:
             t = self.man["files"][fname].get("tables") or {}
             self._tables[fname] = {k: np.frombuffer(self._read(fname, r["range"], r["sha256"], f"table {k}"),
@@ -409,7 +566,17 @@ class ShardReader:
         return self._tables[fname]
 
     def decode(self, rec):
-        """The shard's array (raw) or (m~, v~) (moments), as the numpy reader decodes it."""
+        """The shard's array (raw) or (m~, v~) (moments), as the numpy reader decodes it.
+
+        Args:
+          rec: the shard's manifest record.
+
+        Returns:
+          An array, or the pair ``(m~, v~)``.
+
+        Raises:
+          ContainerError: the bytes do not match the manifest or do not decode.
+        """
         data = self._read(rec["file"], rec["range"], rec["sha256"], f"shard {rec['name']!r}")
         h = rec["header"]
         try:
@@ -484,7 +651,20 @@ def load(path, like, *, what="state"):
 
     `like` leaves may be `jax.Array`s or `jax.ShapeDtypeStruct`s with a sharding (each
     process reads only the shards overlapping its addressable devices' slices), numpy
-    arrays or Python scalars (read whole).  Returns the restored tree."""
+    arrays or Python scalars (read whole).
+
+    Args:
+      path: the checkpoint directory.
+      like: the tree to restore into.
+      what: ``"state"`` or ``"params"`` (stored with ``include_params=True``).
+
+    Returns:
+      The restored tree.
+
+    Raises:
+      CheckpointError: `like` does not match what was stored, or no params were stored.
+      ContainerError: a file or shard is damaged.
+    """
     man = read_manifest(path)
     stored = {leaf["path"]: leaf for leaf in man["state"]["leaves"]} if what == "state" else \
         {leaf["path"]: {**leaf, "kind": "raw"} for leaf in man.get("params") or []}
@@ -493,18 +673,18 @@ def load(path, like, *, what="state"):
     source = str(path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     asm = _Assembler(ShardReader(path, man))
-    dotted = [optax_state.dotted(p) for p, _ in flat]
-    for d, (_, leaf) in zip(dotted, flat):
+    paths = [optax_state.dotted(p) for p, _ in flat]
+    for d, (_, leaf) in zip(paths, flat):
         optax_adapter.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
-    extra = sorted(set(stored) - set(dotted))
+    extra = sorted(set(stored) - set(paths))
     if extra:
         raise CheckpointError(f"{source} holds {len(extra)} leaves that like lacks (first {extra[0]!r}); pass a "
                               "state of the same optax transformation as the one saved")
     # mu and nu of one entry are restored one after the other, so one decode serves both
-    order = sorted(range(len(flat)), key=lambda i: (stored[dotted[i]]["entry"], i))
+    order = sorted(range(len(flat)), key=lambda i: (stored[paths[i]]["entry"], i))
     out = [None] * len(flat)
     for pos, i in enumerate(order):
-        leaf, s = flat[i][1], stored[dotted[i]]
+        leaf, s = flat[i][1], stored[paths[i]]
         sh = _sharding_of(leaf)
         if sh is not None:
             val = jax.make_array_from_callback(tuple(s["shape"]), sh, lambda idx, s=s: asm.slice(s, idx))
@@ -517,14 +697,25 @@ def load(path, like, *, what="state"):
             else:
                 val = jnp.asarray(full)
         out[i] = val
-        if pos + 1 == len(order) or stored[dotted[order[pos + 1]]]["entry"] != s["entry"]:
+        if pos + 1 == len(order) or stored[paths[order[pos + 1]]]["entry"] != s["entry"]:
             asm.drop(s["entry"])
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def verify(path) -> dict:
     """Full check of a sharded checkpoint: every file's trailing SHA-256 against the manifest
-    (`reader.verify_bytes`: envelope, checksums, layout, decoded hash), every shard's range."""
+    (`reader.verify_bytes`: envelope, checksums, layout, decoded hash), every shard's range.
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      {"ok": True, "files", "shards"}.
+
+    Raises:
+      ContainerError: a file or shard does not match the manifest.
+      CheckpointError: the shards do not tile every leaf, or no manifest.
+    """
     man = read_manifest(path)
     d = epath.Path(path)
     for fname, f in man["files"].items():

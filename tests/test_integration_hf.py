@@ -24,7 +24,6 @@ pytest.importorskip("accelerate")
 import torch_compat  # noqa: E402
 from jaxguard.audit import gradient_grid  # noqa: E402
 from jaxguard.integrations.hf import GuardedTrainer  # noqa: E402
-from jaxguard.errors import UnsupportedOptimizerError  # noqa: E402
 
 TAU, CLIP, LR = 0.01, 0.2, 1e-3
 N, NEXT, SEQ = 30, 50, 32

@@ -1,6 +1,5 @@
 """torch <-> optax migration: Python functions and the `jaxguard migrate` verb; the first
 update after migration matches the source framework's within tau * lr."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

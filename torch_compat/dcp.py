@@ -53,7 +53,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items, _create_write_items
 from torch.distributed.checkpoint.storage import StorageReader
@@ -122,7 +122,17 @@ def _chunk_items(fqn, obj):
 
 
 def manifest_of(metadata):
-    """The jaxguard manifest recorded in DCP `metadata`, or None for a plain DCP checkpoint."""
+    """The jaxguard manifest recorded in DCP `metadata`.
+
+    Args:
+      metadata: a DCP `Metadata`.
+
+    Returns:
+      The manifest dict, or None for a plain DCP checkpoint.
+
+    Raises:
+      CheckpointError: a manifest of another format version.
+    """
     pd = getattr(metadata, "planner_data", None)
     man = pd.get(MANIFEST_KEY) if isinstance(pd, dict) else None
     if man is None:
@@ -167,10 +177,23 @@ class GuardedSavePlanner(DefaultSavePlanner):
         self.summary: dict = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        """`DefaultSavePlanner.set_up_planner`, keeping the nested state_dict to find the optimizer in.
+
+        Args:
+          state_dict, storage_meta, is_coordinator: as `DefaultSavePlanner.set_up_planner`.
+        """
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self._nested = state_dict
 
     def create_local_plan(self):
+        """Certify and encode this rank's moment shards, then plan the rest as DCP would.
+
+        Returns:
+          The local `SavePlan` (the encoded shards as bytes items, the moment tensors dropped).
+
+        Raises:
+          CheckpointError, UnsupportedOptimizerError: see the class docstring.
+        """
         t0 = time.perf_counter()
         local = self._encode_local_shards()
         plan = super().create_local_plan()
@@ -275,6 +298,17 @@ class GuardedSavePlanner(DefaultSavePlanner):
         return hits[0]
 
     def create_global_plan(self, all_plans):
+        """The coordinator's plan: DCP's, plus the manifest (hashes, shards, totals) in its metadata.
+
+        Args:
+          all_plans: every rank's local plan.
+
+        Returns:
+          ``(global plans, metadata)``.
+
+        Raises:
+          CheckpointError: the ranks' shards do not cover a moment tensor exactly once.
+        """
         locals_ = [p.planner_data["jaxguard"] for p in all_plans]
         plans = [dataclasses.replace(p, planner_data=p.planner_data["mappings"]) for p in all_plans]
         global_plan, metadata = super().create_global_plan(plans)
@@ -310,6 +344,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         return global_plan, metadata
 
     def resolve_data(self, write_item):
+        """Args: write_item: a planned item.  Returns: its bytes (a guarded shard's container) or tensor."""
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._blob(write_item.index.fqn))
         return super().resolve_data(write_item)
@@ -498,11 +533,27 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         self._apply: list = []
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        """`DefaultLoadPlanner.set_up_planner`, finding the storage reader and the manifest.
+
+        Args:
+          state_dict, metadata, is_coordinator: as `DefaultLoadPlanner.set_up_planner`.
+
+        Raises:
+          CheckpointError: the checkpoint's manifest is of another format version.
+        """
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._reader = self._given_reader or _find_storage_reader()
         self.manifest = manifest_of(metadata)
 
     def create_local_plan(self):
+        """Read and verify everything this rank's targets need, before anything is written.
+
+        Returns:
+          An empty `LoadPlan` (`finish_plan` copies the verified data into the targets).
+
+        Raises:
+          CheckpointError: see the class docstring.
+        """
         if self._reader is None:
             raise CheckpointError("GuardedLoadPlanner could not find the storage reader of this dcp.load call; pass "
                                   "GuardedLoadPlanner(storage_reader=FileSystemReader(path))")
@@ -569,6 +620,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         return LoadPlan([])   # everything is read and verified already; finish_plan writes it
 
     def finish_plan(self, new_plan):
+        """Copy the verified data into the state_dict.  Args: new_plan: DCP's.  Returns: `new_plan`."""
         for kind, a, b in self._apply:
             if kind == "copy":
                 a.copy_(b)
@@ -582,11 +634,22 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
 
 # ---------------------------------------------------------------- offline: whole directories in one process
 def is_dcp_dir(path) -> bool:
+    """Args: path: a path.  Returns: True when it is a directory with a DCP ``.metadata`` file."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
 def read_metadata(path):
-    """(DCP metadata, jaxguard manifest or None) of a DCP directory."""
+    """The metadata of a DCP directory.
+
+    Args:
+      path: the directory.
+
+    Returns:
+      ``(DCP metadata, jaxguard manifest or None)``.
+
+    Raises:
+      CheckpointError: not a directory, no ``.metadata``, or unreadable metadata.
+    """
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory; pass a torch.distributed.checkpoint directory")
     if not os.path.isfile(os.path.join(path, ".metadata")):
@@ -601,7 +664,17 @@ def read_metadata(path):
 
 def load_full(path) -> dict:
     """Load a (guarded or plain) DCP directory into one process as a nested state_dict
-    of full tensors, verified as `GuardedLoadPlanner` does (like torch's dcp_to_torch_save)."""
+    of full tensors, verified as `GuardedLoadPlanner` does (like torch's dcp_to_torch_save).
+
+    Args:
+      path: the DCP directory.
+
+    Returns:
+      The nested state_dict (``get_state_dict`` layout).
+
+    Raises:
+      CheckpointError: as `read_metadata` and `GuardedLoadPlanner` (one line).
+    """
     metadata, man = read_metadata(path)
     state: dict = {}
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -635,7 +708,14 @@ def _unwrapped():
 
 def to_torch_checkpoint(state: dict) -> dict:
     """Nested DCP state (get_state_dict layout) -> the CKPT layout of `jaxguard compress`:
-    the optimizer state_dict with integer indices and ``param_names`` under "optimizer"."""
+    the optimizer state_dict with integer indices and ``param_names`` under "optimizer".
+
+    Args:
+      state: from `load_full`.
+
+    Returns:
+      The CKPT dict, or `state` unchanged when it holds no single top-level optimizer.
+    """
     roots = _optimizer_roots(state)
     top = [r for r in roots if len(r) == 1]
     if len(top) != 1:
@@ -656,7 +736,18 @@ def to_torch_checkpoint(state: dict) -> dict:
 
 
 def restore_dir(path, output) -> dict:
-    """``jaxguard restore DIR -o full.pt``: consolidate into one torch checkpoint."""
+    """``jaxguard restore DIR -o full.pt``: consolidate into one torch checkpoint.
+
+    Args:
+      path: the DCP directory.
+      output: the torch file to write.
+
+    Returns:
+      {"output", "keys", "seconds"}.
+
+    Raises:
+      CheckpointError: as `load_full`.
+    """
     from jaxguard.cli.main import _write_torch
     t0 = time.perf_counter()
     ckpt = to_torch_checkpoint(load_full(path))
@@ -665,7 +756,20 @@ def restore_dir(path, output) -> dict:
 
 
 def compress_dir(src, dst, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed") -> dict:
-    """``jaxguard compress DIR -o DIR2``: a plain DCP directory -> a guarded one (one rank file)."""
+    """``jaxguard compress DIR -o DIR2``: a plain DCP directory -> a guarded one (one rank file).
+
+    Args:
+      src: the plain DCP directory.
+      dst: a new (or empty) output directory.
+      tau, clip, codec, bound, partition: as `GuardedSavePlanner`.
+
+    Returns:
+      The save summary (totals, ``escape_rate``, ``payload_ratio``, ``encode_seconds``, ``output``).
+
+    Raises:
+      CheckpointError: `src` already guarded, `dst` not empty or its parent missing, or
+        as `GuardedSavePlanner`.
+    """
     _, man = read_metadata(src)
     if man is not None:
         raise CheckpointError(f"{src} is already a guarded checkpoint; restore it first or copy it as is")
@@ -698,7 +802,18 @@ def _dir_bytes(path):
 
 
 def inspect_dir(path) -> dict:
-    """Header-level summary of a DCP directory (guarded or not)."""
+    """Header-level summary of a DCP directory (guarded or not).
+
+    Args:
+      path: the directory.
+
+    Returns:
+      {"format", "files", "bytes_on_disk", "items"} and, when guarded, the contract, the
+      shard count and the coordinates/escapes/payload totals.
+
+    Raises:
+      CheckpointError: as `read_metadata`.
+    """
     metadata, man = read_metadata(path)
     on_disk = _dir_bytes(path)
     files = {getattr(i, "relative_path", None) for i in (metadata.storage_data or {}).values()} | {".metadata"}
@@ -717,7 +832,17 @@ def inspect_dir(path) -> dict:
 
 
 def verify_dir(path) -> dict:
-    """Read every item of every rank file and check it against the manifest."""
+    """Read every item of every rank file and check it against the manifest.
+
+    Args:
+      path: a guarded DCP directory.
+
+    Returns:
+      {"ok": True, "files", "tensor_chunks", "bytes_items", "guarded_shards"}.
+
+    Raises:
+      CheckpointError: not guarded, or an item that is missing or does not match (one line).
+    """
     metadata, man = read_metadata(path)
     if man is None:
         raise CheckpointError(NOT_GUARDED.format(path=path))
@@ -808,7 +933,16 @@ def _restore_snapshot(opt, ps, snap) -> None:
 
 
 def cli_command(verb, a, *, print_summary, print_info) -> int:
-    """`jaxguard compress|restore|inspect|verify` when the input is a DCP directory."""
+    """`jaxguard compress|restore|inspect|verify` when the input is a DCP directory.
+
+    Args:
+      verb: ``"compress"``, ``"restore"``, ``"inspect"`` or ``"verify"``.
+      a: the parsed CLI arguments.
+      print_summary, print_info: the CLI's printers (text or ``--json``).
+
+    Returns:
+      The exit status (0, or 1 when verify fails).
+    """
     if verb == "compress":
         s = compress_dir(a.ckpt, a.output, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
         src = inspect_dir(a.ckpt)["bytes_on_disk"]

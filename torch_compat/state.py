@@ -29,6 +29,14 @@ NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer 
 
 # ---------------------------------------------------------------- generic tree <-> JSON skeleton
 def tensor_to_numpy(t: torch.Tensor):
+    """A tensor's bits as a numpy array and the container dtype name.
+
+    Args:
+      t: any tensor (detached and copied to the CPU).
+
+    Returns:
+      ``(array, dtype name)``; bfloat16 travels as its uint16 bits with the name ``"bfloat16"``.
+    """
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
@@ -43,6 +51,15 @@ def _writable(arr):
 
 
 def numpy_to_tensor(arr, dtype_name):
+    """The inverse of `tensor_to_numpy`.
+
+    Args:
+      arr: the stored array (shared with the tensor when writable, else copied).
+      dtype_name: its container dtype name (``"bfloat16"`` reinterprets uint16 bits).
+
+    Returns:
+      A CPU tensor with the same bits.
+    """
     arr = _writable(np.asarray(arr))
     if dtype_name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
@@ -50,6 +67,19 @@ def numpy_to_tensor(arr, dtype_name):
 
 
 def to_skeleton(obj, path, raws):
+    """A checkpoint object as a JSON skeleton, its tensors appended to `raws` as raw entries.
+
+    Args:
+      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None.
+      path: the entry-name prefix of `obj` (``"model"``, ``"optimizer/state/0"``).
+      raws: the list the ``("raw", name, array, dtype)`` entries are appended to.
+
+    Returns:
+      The skeleton (``{"__tensor__": name}``, ``{"__dict__": [[k, v], ...]}``, ...).
+
+    Raises:
+      CheckpointError: a key or value of a type the container cannot hold.
+    """
     if isinstance(obj, torch.Tensor):
         arr, dt = tensor_to_numpy(obj)
         raws.append(("raw", path, arr, dt))
@@ -73,6 +103,19 @@ def to_skeleton(obj, path, raws):
 
 
 def from_skeleton(sk, arrays, dtypes):
+    """Rebuild the object of a `to_skeleton` skeleton.
+
+    Args:
+      sk: the skeleton (from the container's meta).
+      arrays: {entry name: array or (m~, v~)} (`container.entries_by_name`).
+      dtypes: {entry name: dtype name}.
+
+    Returns:
+      The object, tensors as CPU tensors.
+
+    Raises:
+      CheckpointError: the skeleton names an entry the container does not hold.
+    """
     if isinstance(sk, dict):
         ref = sk.get("__tensor__", sk.get("__moment__"))
         if ref is not None and (not isinstance(ref, str) or ref not in arrays):
@@ -181,7 +224,18 @@ def implementation_of(group, gi=0) -> str:
     """torch's Adam implementation recorded in a param group: "fused" (``fused=True``),
     "foreach" (``foreach=True``) or "single" (both False or None: on CPU tensors torch's
     ``_default_to_fused_or_foreach`` picks the single-tensor path, foreach being a
-    CUDA/XPU default only)."""
+    CUDA/XPU default only).
+
+    Args:
+      group: a param group dict.
+      gi: its index, for the error.
+
+    Returns:
+      ``"fused"``, ``"foreach"`` or ``"single"``.
+
+    Raises:
+      UnsupportedOptimizerError: both fused and foreach set.
+    """
     fused, foreach = group.get("fused"), group.get("foreach")
     if fused and foreach:
         raise UnsupportedOptimizerError(f"param group {gi} has fused=True and foreach=True, which torch rejects; "
@@ -190,7 +244,14 @@ def implementation_of(group, gi=0) -> str:
 
 
 def param_index(opt_sd):
-    """{state index: (name, group dict)} from param_names."""
+    """The name and group of every parameter of an optimizer state_dict.
+
+    Args:
+      opt_sd: an optimizer state_dict whose groups have ``param_names``.
+
+    Returns:
+      {state index: (name, group dict)}.
+    """
     out = {}
     for g in opt_sd["param_groups"]:
         for name, idx in zip(g["param_names"], g["params"]):
@@ -199,6 +260,20 @@ def param_index(opt_sd):
 
 
 def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed") -> GuardConfig:
+    """The `GuardConfig` of one param group's next step.
+
+    Args:
+      group: the param group (lr, betas, eps, weight_decay, decoupled_weight_decay, flags).
+      step: the steps already taken.
+      tau, clip, codec, bound, partition: the contract and the guard's options.
+
+    Returns:
+      The config, with the torch op model of the group's implementation.
+
+    Raises:
+      CheckpointError: a tensor lr or beta of more than one element.
+      UnsupportedOptimizerError: fused and foreach both set.
+    """
     decoupled = bool(group.get("decoupled_weight_decay", False))
     return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
                        betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
@@ -234,7 +309,17 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
                    partition="mixed", progress=False):
     """Encode every Adam moment pair of `opt_sd` against `params` {name: tensor}.
 
-    Returns (optimizer skeleton, moment entries, totals dict).
+    Args:
+      opt_sd: the optimizer state_dict (with ``param_names``).
+      params: {name: tensor} of the live parameters.
+      tau, clip, codec, bound, partition: the contract and the guard's options.
+      progress: show a tqdm bar.
+
+    Returns:
+      ``(optimizer skeleton, container entries, totals dict)``.
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
     """
     totals = jg_audit.new_totals()
     opt_sk, stream = compress_state_stream(opt_sd, params, totals, tau=tau, clip=clip, codec=codec, bound=bound,
@@ -255,7 +340,21 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
     The iterator encodes the moments in slabs of about `slab` coordinates (tensors in
     order, a tensor never split) and yields container entries (moments, then the raw
     state tensors) as each slab is done, adding to `totals`; everything is validated
-    before the first yield, so a bad checkpoint fails before any work or output."""
+    before the first yield, so a bad checkpoint fails before any work or output.
+
+    Args:
+      opt_sd, params, tau, clip, codec, bound, partition, progress: as `compress_state`.
+      totals: the dict the guard stats are added to (`jaxguard.audit.new_totals`).
+      slab: coordinates per encode call (default `SLAB`).
+
+    Returns:
+      ``(optimizer skeleton, iterator of container entries)``.
+
+    Raises:
+      CheckpointError: parameters missing from `params` or of other shapes, bad steps,
+        not an optimizer state_dict (`check_optimizer_state`).
+      UnsupportedOptimizerError: not float32, not Adam/AdamW, an unsupported flag.
+    """
     check_optimizer_state(opt_sd)
     names = param_index(opt_sd)
     state_sk = []
@@ -349,7 +448,19 @@ def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, prog
 
 def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
                         progress=False, variant=None):
-    """CKPT dict -> (container bytes, summary dict)."""
+    """Compress a torch checkpoint dict in memory.
+
+    Args:
+      ckpt: ``{"model": state_dict, "optimizer": state_dict, ...}`` (other keys stored exactly).
+      tau, clip, codec, bound, partition, progress: as `compress_state`.
+      variant: the replay variant report stored in the header (``jaxguard compress``).
+
+    Returns:
+      ``(container bytes, summary dict)`` (the `compress --json` fields).
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
+    """
     t0 = time.perf_counter()
     totals = jg_audit.new_totals()
     entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
@@ -363,7 +474,18 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
                            progress=False, variant=None):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
-    the checkpoint plus one slab of work, never the container.  Returns the summary."""
+    the checkpoint plus one slab of work, never the container.
+
+    Args:
+      path: the output file or URL.
+      ckpt, tau, clip, codec, bound, partition, progress, variant: as `compress_checkpoint`.
+
+    Returns:
+      The summary dict.
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
+    """
     t0 = time.perf_counter()
     totals = jg_audit.new_totals()
     entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
@@ -381,6 +503,18 @@ def _summary(t, container_bytes, variant=None):
 
 
 def restore_tree(path):
+    """Read a torch container back into the checkpoint it was written from.
+
+    Args:
+      path: a file or URL written by `compress_checkpoint(_to)` or `save`.
+
+    Returns:
+      ``(checkpoint dict, header)``; moments are the decoded ``m~``, ``v~``.
+
+    Raises:
+      CheckpointError: the container holds another framework's checkpoint, or is inconsistent.
+      ContainerError, ReaderError: the file is damaged.
+    """
     header, payload, tables = container.read(path, verify_decoded=False)
     arrays = container.entries_by_name(header, payload, tables, verify_decoded=True)
     dtypes = {e["name"]: e.get("dtype") for e in header["entries"]}
@@ -393,7 +527,20 @@ def restore_tree(path):
 
 # ---------------------------------------------------------------- optimizer-level API
 def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=False):
-    """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params)."""
+    """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
+
+    Args:
+      path: the output file.
+      optimizer: a `torch.optim.Adam` or `AdamW` (unnamed params get ``group{g}.param{i}`` names).
+      tau, clip, codec, progress: as `compress_state`.
+
+    Returns:
+      The summary dict.
+
+    Raises:
+      UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover.
+      CheckpointError: as `compress_state_stream`.
+    """
     if not isinstance(optimizer, torch.optim.Adam):
         raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "
                                         "torch.optim.Adam and AdamW")
@@ -412,7 +559,18 @@ def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=F
 
 
 def load(path, optimizer):
-    """Load a container written by `save` (or `jaxguard compress`) into `optimizer`."""
+    """Load a container written by `save` (or `jaxguard compress`) into `optimizer`.
+
+    Args:
+      path: the container.
+      optimizer: an optimizer over the same parameter layout.
+
+    Returns:
+      `optimizer`, its state loaded.
+
+    Raises:
+      CheckpointError: another parameter layout, or not a torch container.
+    """
     tree, _ = restore_tree(path)
     sd = tree["optimizer"]
     live = optimizer.state_dict()

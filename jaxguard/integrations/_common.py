@@ -8,7 +8,14 @@ OPTIMIZER_FILE = "optimizer.jg"
 
 
 def unwrap(optimizer):
-    """The torch optimizer inside accelerate's / Lightning's wrappers (``.optimizer``)."""
+    """The torch optimizer inside accelerate's / Lightning's wrappers (``.optimizer``).
+
+    Args:
+      optimizer: a torch optimizer or a wrapper of one (up to 8 levels).
+
+    Returns:
+      The innermost optimizer.
+    """
     seen = 0
     while hasattr(optimizer, "optimizer") and seen < 8:
         optimizer = optimizer.optimizer
@@ -18,6 +25,10 @@ def unwrap(optimizer):
 
 def check_supported(optimizer, where: str) -> None:
     """Refuse, before training starts, an optimizer whose state the guard cannot certify.
+
+    Args:
+      optimizer: the optimizer (or a wrapper of one).
+      where: what is checking, prefixed to the message (``"GuardedTrainer"``).
 
     Raises:
       UnsupportedOptimizerError: not torch Adam/AdamW, or a flag outside the op models
@@ -44,6 +55,15 @@ def zero_lr_groups(optimizer) -> list:
     The guarantee is relative to the next update's lr (``tau * lr``); at lr 0 (the last
     step of a schedule that decays to 0, the Hugging Face default) there is nothing to
     certify against, and the integrations store that optimizer uncompressed instead.
+
+    Args:
+      optimizer: the optimizer (or a wrapper of one).
+
+    Returns:
+      The indices of those groups (empty when every lr is > 0).
+
+    Raises:
+      CheckpointError: a tensor lr of more than one element.
     """
     from torch_compat.state import scalar_value
     out = []
