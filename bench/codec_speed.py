@@ -128,6 +128,7 @@ def whole_process(src, work, repeats, env):
 
 def sweep(base, sizes_m):
     import torch_compat.state as S
+    from jaxguard.audit import new_totals
     rows = []
     per = sum(st["exp_avg"].numel() for st in base["optimizer"]["state"].values())
 
@@ -142,7 +143,7 @@ def sweep(base, sizes_m):
                 names.append(f"r{i}.{name}")
                 idxs.append(len(idxs))
         ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
-        totals = S._new_totals()
+        totals = new_totals()
         t = time.perf_counter()
         _, stream = S.compress_state_stream(ck["optimizer"], ck["model"], totals)
         fast = 0
