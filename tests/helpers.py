@@ -13,19 +13,27 @@ import json
 import shutil
 import textwrap
 
+import pytest
 import torch
 
 
 @contextlib.contextmanager
 def torch_threads(n: int):
-    """Run the block with `n` torch intra-op threads (tiny models on a shared machine: more
-    threads only add contention, 2 s/step -> 0.07 s/step measured on 2 cores)."""
+    """Run the block with `n` torch intra-op threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Autouse in a module that imports it: tiny models on a shared machine, where more
+    threads only add contention (2 s/step -> 0.07 s/step measured on 2 cores)."""
+    with torch_threads(1):
+        yield
 
 
 def byte_tokens(seq: int) -> torch.Tensor:

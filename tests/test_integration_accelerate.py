@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2, torch_threads
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2
+from helpers import one_torch_thread  # noqa: F401 - an autouse fixture
 
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
@@ -23,12 +24,6 @@ from jaxguard.integrations import accelerate as jg_acc  # noqa: E402
 
 TAU, CLIP, LR = 0.01, 0.2, 1e-3
 N, NEXT, SEQ, BATCH = 30, 50, 32, 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 def _batches(seed, n):

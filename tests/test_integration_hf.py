@@ -16,7 +16,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2, torch_threads
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2
+from helpers import one_torch_thread  # noqa: F401 - an autouse fixture
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -27,12 +28,6 @@ from jaxguard.integrations.hf import GuardedTrainer  # noqa: E402
 
 TAU, CLIP, LR = 0.01, 0.2, 1e-3
 N, NEXT, SEQ = 30, 50, 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 class _Bytes(torch.utils.data.Dataset):

@@ -17,7 +17,8 @@ import io
 
 import pytest
 import torch
-from helpers import assert_first_update_within_tau, assert_losses_within_noise, torch_threads
+from helpers import assert_first_update_within_tau, assert_losses_within_noise
+from helpers import one_torch_thread  # noqa: F401 - an autouse fixture
 
 L = pytest.importorskip("lightning")
 
@@ -27,12 +28,6 @@ from jaxguard.integrations.lightning import GuardedCheckpointIO  # noqa: E402
 
 TAU, CLIP, LR = 0.01, 0.2, 1e-3
 N, NEXT, DIM, HID = 30, 50, 16, 96
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with torch_threads(1):
-        yield
 
 
 class MLP(L.LightningModule):

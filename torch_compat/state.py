@@ -373,7 +373,8 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
                                   f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
-        cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+        cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound,
+                           partition=partition)
         jobs.append((idx, name, st, cfg))
         ename = f"optimizer/state/{idx}"
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
@@ -461,13 +462,11 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
     """
-    t0 = time.perf_counter()
-    totals = jg_audit.new_totals()
-    entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
-                                              partition=partition, progress=progress, variant=variant)
-    data = container.build(list(entries), meta, extra_header=extra)
-    totals["encode_seconds"] = time.perf_counter() - t0
-    return data, _summary(totals, len(data), extra["variant"])
+    def build(entries, meta, extra):
+        data = container.build(list(entries), meta, extra_header=extra)
+        return data, len(data)
+    return _compress_checkpoint(ckpt, build, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                                progress=progress, variant=variant)
 
 
 def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
@@ -486,13 +485,20 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
     """
+    def write(entries, meta, extra):
+        return None, container.write_stream(path, entries, meta, extra_header=extra)
+    return _compress_checkpoint(ckpt, write, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                                progress=progress, variant=variant)[1]
+
+
+def _compress_checkpoint(ckpt, emit, *, variant, **guard):
+    """Stream `ckpt`'s entries into `emit(entries, meta, extra) -> (data, size)`; (data, summary)."""
     t0 = time.perf_counter()
     totals = jg_audit.new_totals()
-    entries, meta, extra = _checkpoint_stream(ckpt, totals, tau=tau, clip=clip, codec=codec, bound=bound,
-                                              partition=partition, progress=progress, variant=variant)
-    size = container.write_stream(path, entries, meta, extra_header=extra)
+    entries, meta, extra = _checkpoint_stream(ckpt, totals, variant=variant, **guard)
+    data, size = emit(entries, meta, extra)
     totals["encode_seconds"] = time.perf_counter() - t0
-    return _summary(totals, size, extra["variant"])
+    return data, _summary(totals, size, extra["variant"])
 
 
 def _summary(t, container_bytes, variant=None):
