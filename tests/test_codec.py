@@ -10,34 +10,22 @@ import torch
 
 import jaxguard as jg
 import jaxguard.core.guard as G
-from jaxguard.format import container, reader
+from jaxguard.format import container, reader, spec
 from torch_compat import codes_torch
 
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_v1.npz"))
 CODECS = ("log8", "log8-rel", "bf16", "block8")
 
 
+TABLES = {name: make() for name, make in spec.TABLES.items()}
+
+
 def _numpy_decode(codec, a, n):
-    from jaxguard.core.codes import dynamic_map
-    tables = {"dynamic8s": dynamic_map(True), "dynamic8u": dynamic_map(False)}
-    return reader.decode_codes(codec, n, a["m_codes"], a["v_codes"], a["m_params"], a["v_params"], tables)
+    return reader.decode_codes(codec, n, a["m_codes"], a["v_codes"], a["m_params"], a["v_params"], TABLES)
 
 
 def _torch_decode(codec, a, n):
-    t = {k: torch.from_numpy(np.array(x)) for k, x in a.items()}
-    if codec == "log8":
-        return (codes_torch.linear8_decode(t["m_codes"], t["m_params"][:, 0], n),
-                codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n))
-    if codec == "log8-rel":
-        return (codes_torch.rel8_decode(t["m_codes"], t["m_params"][:, 0], t["v_codes"], t["v_params"][:, 2],
-                                        t["v_params"][:, 3], n),
-                codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n))
-    if codec == "bf16":
-        return codes_torch.bf16_decode(t["m_codes"].view(torch.int16)), codes_torch.bf16_decode(t["v_codes"].view(torch.int16))
-    from jaxguard.core.codes import dynamic_map
-    ts, tu = torch.from_numpy(dynamic_map(True)), torch.from_numpy(dynamic_map(False))
-    return (codes_torch.table_decode(t["m_codes"], t["m_params"][:, 0], ts, n),
-            codes_torch.table_decode(t["v_codes"], t["v_params"][:, 0], tu, n))
+    return codes_torch.decode_codes(codec, n, a["m_codes"], a["v_codes"], a["m_params"], a["v_params"], TABLES)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -122,16 +110,21 @@ def _small_container(tmp_path, codec="log8"):
     return path, entries
 
 
-@pytest.mark.parametrize("codec", ["log8", "log8-rel", "bf16", "block8"])
+@pytest.mark.parametrize("codec", spec.codec_ids())
 def test_container_decodes_to_what_jax_decodes(tmp_path, codec):
+    """Every registered codec: the numpy reader and the torch decoder (dispatched by the
+    registry) read back exactly what JAX decodes."""
     path, entries = _small_container(tmp_path, codec)
     header, payload, tables = container.read(path)
     got = container.entries_by_name(header, payload, tables)
+    by_name = {e["name"]: e for e in header["entries"]}
     for kind, name, enc, _ in entries:
         if kind == "moments":
             m, v = (np.asarray(x) for x in jg.decode(enc))
-            assert np.array_equal(got[name][0].view(np.uint32), m.view(np.uint32))
-            assert np.array_equal(got[name][1].view(np.uint32), v.view(np.uint32))
+            tm, tv = (x.numpy() for x in codes_torch.read_moments(by_name[name], payload, tables))
+            for got_m, got_v in ((got[name][0], got[name][1]), (tm, tv)):
+                assert np.array_equal(got_m.view(np.uint32), m.view(np.uint32))
+                assert np.array_equal(got_v.view(np.uint32), v.view(np.uint32))
 
 
 def test_reader_runs_with_numpy_only(tmp_path):
@@ -156,11 +149,21 @@ def test_reader_runs_with_numpy_only(tmp_path):
     assert res["decoded_sha256"] == header["decoded_sha256"]
 
 
-def test_dynamic_map_matches_bitsandbytes():
+def test_dynamic_map_matches_bitsandbytes_bit_for_bit():
+    """The one dynamic8 map (format spec, stored as bits) is bitsandbytes' map, and the JAX
+    core, quant's d8 and the container writer all use it."""
     F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is the reference for the block8 map")
-    from jaxguard.core.codes import dynamic_map
-    assert np.array_equal(F.create_dynamic_map(signed=True).numpy(), dynamic_map(True))
-    assert np.array_equal(F.create_dynamic_map(signed=False).numpy(), dynamic_map(False))
+    from jaxguard.core import codes
+    from jaxguard.quant import codecs as qc
+    for signed, table in ((True, "dynamic8s"), (False, "dynamic8u")):
+        ref = F.create_dynamic_map(signed=signed).numpy().astype(np.float32).view(np.uint32)
+        assert np.array_equal(spec.dynamic_map(signed).view(np.uint32), ref), signed
+        assert np.array_equal(spec.TABLES[table]().view(np.uint32), ref), table
+    assert codes.dynamic_map is spec.dynamic_map
+    x = np.linspace(-1, 1, 512, dtype=np.float32)
+    enc = qc.d8_encode(x)
+    want = spec.dynamic_map(True)[np.asarray(enc.codes).astype(np.int64)] * np.repeat(np.asarray(enc.absmax), 256)
+    assert np.array_equal(np.asarray(qc.d8_decode(enc)).view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
 @pytest.mark.parametrize("codec", ["log8", "log8-rel"])

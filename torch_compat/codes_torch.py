@@ -1,10 +1,18 @@
 """Decoding of jaxguard codes with torch tensor ops (float32 multiplies only), for
-bit-identity checks against JAX and the numpy reader."""
+bit-identity checks against JAX and the numpy reader.
+
+Which decode a codec id uses comes from the registry (`jaxguard.format.spec`, the
+``decode`` field): `DECODERS` holds one torch function per base decode, `decode_codes`
+dispatches, `read_moments` decodes a container entry read by the numpy reader.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-BLOCK = 256
+from jaxguard.errors import ConfigError
+from jaxguard.format import reader, spec
+from jaxguard.format.spec import BLOCK
 
 
 def _blocks(q, n):
@@ -43,3 +51,85 @@ def bf16_decode(q):
 def rel8_decode(qm, scale, qv, wlo, rr, n):
     w = log_decode(torch.where(qv == 0, torch.ones_like(qv), qv), wlo, rr, n)
     return (_blocks(qm, n).to(torch.float32) * scale.to(torch.float32)[:, None]).reshape(-1)[:n] * w
+
+
+def _decode_log8(n, mq, vq, mp, vp, tables):
+    return linear8_decode(mq, mp[:, 0], n), log_decode(vq, vp[:, 0], vp[:, 1], n)
+
+
+def _decode_log8_rel(n, mq, vq, mp, vp, tables):
+    return rel8_decode(mq, mp[:, 0], vq, vp[:, 2], vp[:, 3], n), log_decode(vq, vp[:, 0], vp[:, 1], n)
+
+
+def _decode_bf16(n, mq, vq, mp, vp, tables):
+    return bf16_decode(mq.view(torch.int16)), bf16_decode(vq.view(torch.int16))
+
+
+def _decode_block8(n, mq, vq, mp, vp, tables):
+    return (table_decode(mq, mp[:, 0], tables["dynamic8s"], n),
+            table_decode(vq, vp[:, 0], tables["dynamic8u"], n))
+
+
+DECODERS = {"log8": _decode_log8, "log8-rel": _decode_log8_rel, "bf16": _decode_bf16, "block8": _decode_block8}
+"""The torch decode of each base decode id (a registry entry's ``decode`` field)."""
+
+
+def _tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    x = np.asarray(x)
+    if x.dtype == np.uint16:          # bf16 bits: torch has no uint16 view for shifts
+        x = x.view(np.int16)
+    return torch.from_numpy(np.array(x))
+
+
+def decode_codes(codec, n, m_codes, v_codes, m_params, v_params, tables):
+    """Decoded (m~, v~) float32 tensors from a codec's fixed-layout codes (as the numpy reader's).
+
+    Args:
+      codec: a registered codec id; its registry ``decode`` field picks the function.
+      n: number of coordinates.
+      m_codes, v_codes, m_params, v_params: numpy arrays or tensors, as
+        `jaxguard.format.reader.decode_codes` takes them.
+      tables: the stored tables by name (arrays or tensors), for codecs that use them.
+
+    Returns:
+      (m~, v~), float32 tensors of `n` values (escapes not applied).
+
+    Raises:
+      ConfigError: the id is not registered, or its decode has no torch implementation.
+    """
+    base = spec.get(codec).decode
+    if base not in DECODERS:
+        raise ConfigError(f"codec {codec!r} decodes as {base!r}, which has no torch decode; "
+                          f"torch decodes {', '.join(DECODERS)}")
+    t = [_tensor(x) for x in (m_codes, v_codes, m_params, v_params)]
+    return DECODERS[base](n, *t, {k: _tensor(v) for k, v in tables.items()})
+
+
+def read_moments(entry, payload, tables):
+    """Decoded (m~, v~) float32 tensors of one container moments entry, decoded by torch.
+
+    The sections are read (and checked) by the numpy reader (`reader.read_codes`); the
+    arithmetic is torch's, so the result must equal `reader.read_moments` bit for bit.
+
+    Args:
+      entry, payload, tables: as for `jaxguard.format.reader.read_moments`.
+
+    Returns:
+      (m~, v~), float32 tensors of the entry's shape, escapes applied.
+
+    Raises:
+      ReaderError: the entry does not match the format.
+    """
+    codes = reader.read_codes(entry, payload, tables)
+    n = int(codes["m_codes"].size)
+    shape = tuple(entry["shape"])
+    m, v = decode_codes(entry["codec"], n, codes["m_codes"], codes["v_codes"], codes["m_params"],
+                        codes["v_params"], tables)
+    m, v = m.clone(), v.clone()
+    idx = torch.from_numpy(np.asarray(codes["escape_index"], np.int64))
+    pairs = torch.from_numpy(np.array(codes["escape_pairs"], np.float32))
+    m[idx] = pairs[:, 0]
+    v[idx] = pairs[:, 1]
+    return m.reshape(shape), v.reshape(shape)

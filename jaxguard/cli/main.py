@@ -86,15 +86,17 @@ def cmd_restore(a):
 
 
 def cmd_inspect(a):
-    from jaxguard.format import container, storage
+    from jaxguard.format import container, spec, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
+    uncertified = sum(not spec.entry_certified(e) for e in ents)   # codec registered uncertified, or certify: false
     n = sum(e["stats"]["coordinates"] for e in ents)
     esc = sum(e["stats"]["escapes"] for e in ents)
     pay = sum(e["stats"]["payload_bytes"] for e in ents)
     info = {k: header.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "bound", "partition", "variant")}
     info.update({"framework": header["meta"].get("framework"), "entries": len(header["entries"]),
-                 "moment_tensors": len(ents), "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
+                 "moment_tensors": len(ents), "certified": uncertified == 0,
+                 "uncertified": uncertified, "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
                  "payload_bytes": pay, "raw_fp32_bytes": 8 * n, "payload_ratio": pay / max(8 * n, 1),
                  "container_bytes": storage.size(a.container), "payload_sha256": header["payload_sha256"],
                  "decoded_sha256": header["decoded_sha256"]})
@@ -195,6 +197,7 @@ cmd_verify = _dcp_dir_aware("verify", "container")(cmd_verify)
 
 
 def build_parser():
+    from jaxguard.format import spec
     p = argparse.ArgumentParser(prog="jaxguard", description="Guarded compression of Adam optimizer state.")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compress", help="compress a torch checkpoint's Adam moments")
@@ -202,7 +205,7 @@ def build_parser():
     c.add_argument("-o", "--output", required=True)
     c.add_argument("--tau", type=float, default=0.01)
     c.add_argument("--clip", type=float, default=0.2)
-    c.add_argument("--codec", default="log8-rel", choices=["log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw"])
+    c.add_argument("--codec", default=spec.DEFAULT_CODEC, choices=spec.codec_ids())
     c.add_argument("--bound", default="shared", choices=["shared", "separate"])
     c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
     c.add_argument("--json", action="store_true")
@@ -233,7 +236,7 @@ def build_parser():
     mg.add_argument("-o", "--output", required=True)
     mg.add_argument("--tau", type=float, default=0.01)
     mg.add_argument("--clip", type=float, default=0.2)
-    mg.add_argument("--codec", default="log8", choices=["log8", "bf16", "block8"])
+    mg.add_argument("--codec", default="log8", choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
     mg.set_defaults(fn=cmd_migrate)
     try:

@@ -29,18 +29,18 @@ Families
   values take code 1 and are judged by the guard.
 * ``bf16``     round-to-nearest-even to bfloat16; decode is a 16-bit shift.
 * ``dynamic8`` the bitsandbytes dynamic-tree map (signed for m, unsigned for v),
-  ``x~ = map[q] * absmax``; the 256-entry map is stored in the container.
+  ``x~ = map[q] * absmax``; the 256-entry map (`jaxguard.format.spec.dynamic_map`) is
+  stored in the container.  Codec ids ``block8``/``block8-unguarded`` and the quant
+  policy ``d8`` are this family.
 """
 from __future__ import annotations
-
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 256
+from jaxguard.format import spec as _spec
+from jaxguard.format.spec import BLOCK
 TINY_NORMAL = np.float32(2.0**-126)
 LOG_RANGE_CAP_EXP = 100  # a log block spans at most 2**100
 
@@ -217,49 +217,9 @@ def bf16_decode(q):
 
 
 # ---------------------------------------------------------------- dynamic map (bitsandbytes)
-def _linspace_f32(steps):
-    """float32 linspace(0.1, 1) as torch computes it (the map must match bitsandbytes)."""
-    try:
-        import torch
-        return torch.linspace(0.1, 1, steps, dtype=torch.float32).numpy()
-    except ImportError:  # numpy's float32 linspace differs from torch's in the last bit
-        return np.linspace(0.1, 1, steps, dtype=np.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def dynamic_map(signed: bool) -> np.ndarray:
-    """The bitsandbytes dynamic-tree quantization map (max_exponent_bits=7, 8 bits).
-
-    Same construction as `bitsandbytes.functional.create_dynamic_map`: for each decimal
-    exponent i, midpoints of a float32 linspace(0.1, 1) scaled by 10**(i-6), mirrored for
-    the signed map, plus 0 and 1.0, sorted.  Tested against the installed package when
-    present; the container stores the table, so readers never recompute it.
-    """
-    total_bits, max_exp_bits = 8, 7
-    non_sign_bits = total_bits - (1 if signed else 1)
-    data: list[float] = []
-    additional = 2 ** (non_sign_bits - max_exp_bits) - 1
-    for i in range(max_exp_bits):
-        n_items = (2 ** (i + non_sign_bits - max_exp_bits) + 1 if signed
-                   else 2 ** (i + non_sign_bits - max_exp_bits + 1) + 1)
-        bounds = _linspace_f32(n_items)
-        means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
-        scale = 10 ** (-(max_exp_bits - 1) + i)
-        data += (np.float32(scale) * means).tolist()
-        if signed:
-            data += (-(np.float32(scale) * means)).tolist()
-    if additional > 0:
-        bounds = _linspace_f32(additional + 1)
-        means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
-        scale = 10 ** (-(max_exp_bits - 1) + i)
-        data += (np.float32(scale) * means).tolist()
-        if signed:
-            data += (-(np.float32(scale) * means)).tolist()
-    data.append(0.0)
-    data.append(1.0)
-    data += [0.0] * (256 - len(data))
-    data.sort()
-    return np.asarray(data, dtype=np.float32)
+# the map is stored as bits in the format's spec (one implementation, numpy only): its
+# construction depends on torch's float32 linspace, which numpy does not reproduce.
+dynamic_map = _spec.dynamic_map
 
 
 def dynamic8_encode_block(x, valid, table, signed: bool):

@@ -3,6 +3,10 @@
 Layout (docs/format.md): ``JAXGUARD`` magic, u32 version, u32 flags, u64 header length,
 JSON header, payload, SHA-256 of everything before it.  Writes are atomic: a temporary
 file in the target directory, fsync, rename, fsync of the directory.
+
+Which sections an entry gets (its layout) and which stored tables it needs come from the
+codec registry, `jaxguard.format.spec`.  Like the whole format layer, this module imports
+only the standard library, numpy, `jaxguard.errors` and `jaxguard.format`.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-from jaxguard.format import packed, reader
+from jaxguard.format import packed, reader, spec
 from jaxguard.errors import ContainerError
 
 SCHEMA = "jaxguard-container"
@@ -97,15 +101,12 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
     tables, table_arrays = {}, {}
     decoded = hashlib.sha256()
     # a list is scanned first so that the tables lead the payload (the layout `build`
-    # always wrote); a stream adds them before its first block8 entry
-    lead = isinstance(entries, (list, tuple)) and any(e[0] == "moments" and e[2].codec.startswith("block8")
-                                                      for e in entries)
-    for i, (kind, name, obj, info) in enumerate(entries):
-        if (lead and i == 0 or kind == "moments" and obj.codec.startswith("block8")) and not tables:
-            from jaxguard.core.codes import dynamic_map
-            table_arrays = {"dynamic8s": np.asarray(dynamic_map(True), np.float32),
-                            "dynamic8u": np.asarray(dynamic_map(False), np.float32)}
-            tables = {k: pay.add(v) for k, v in table_arrays.items()}
+    # always wrote); a stream adds them before its first entry that uses them
+    if isinstance(entries, (list, tuple)):
+        for e in entries:
+            if e[0] == "moments":
+                _add_tables(pay, tables, table_arrays, _codec_spec(e[2].codec, e[1]).tables)
+    for kind, name, obj, info in entries:
         if kind == "raw":
             arr = np.asarray(obj)
             dtype = info or numpy_dtype_name(arr)
@@ -115,8 +116,10 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
         enc = obj
         a = enc.arrays
         n = enc.n
+        cs = _codec_spec(enc.codec, name)
+        _add_tables(pay, tables, table_arrays, cs.tables)
         local = _Payload()     # this entry's sections, decoded by the reader before they are written
-        if enc.codec == packed.CODEC:
+        if cs.layout == "packed":
             sections = _aw_sections(local, enc)
         else:
             mask = np.zeros(n, bool)
@@ -162,6 +165,21 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
     return len(head) + pay.pos + reader.TRAILER
 
 
+def _codec_spec(codec, name):
+    try:
+        return spec.get(codec)
+    except spec.UnknownCodecError as exc:
+        raise ContainerError(f"entry {name!r}: {exc}") from None
+
+
+def _add_tables(pay, tables, table_arrays, names):
+    """Append the stored tables `names` not yet in the payload (in the registry's order)."""
+    for t in names:
+        if t not in tables:
+            table_arrays[t] = np.asarray(spec.TABLES[t](), np.float32)
+            tables[t] = pay.add(table_arrays[t])
+
+
 def _aw_sections(pay, enc) -> dict:
     """Sections of a logrel-aw entry (jaxguard.format.packed): packed codes, compact parameters, and
     the smaller of a sparse escape index and an escape bitmask."""
@@ -170,12 +188,12 @@ def _aw_sections(pay, enc) -> dict:
     nb = widths.size
     try:
         bm, bv = packed.check_widths(widths)
-        lm = np.repeat((1 << (bm - 1)) - 1, packed.BLOCK)
-        qm = np.zeros(nb * packed.BLOCK, np.int64)
+        lm = np.repeat((1 << (bm - 1)) - 1, spec.BLOCK)
+        qm = np.zeros(nb * spec.BLOCK, np.int64)
         qm[:n] = np.asarray(a["m_codes"], np.int64).reshape(-1)
-        qv = np.zeros(nb * packed.BLOCK, np.int64)
+        qv = np.zeros(nb * spec.BLOCK, np.int64)
         qv[:n] = np.asarray(a["v_codes"], np.int64).reshape(-1)
-        if (np.abs(qm) > lm).any() or (qv >= (1 << np.repeat(bv, packed.BLOCK))).any() or (qv < 0).any():
+        if (np.abs(qm) > lm).any() or (qv >= (1 << np.repeat(bv, spec.BLOCK))).any() or (qv < 0).any():
             raise packed.PackError("a code does not fit its block's width")
         mp, vp = np.asarray(a["m_params"], np.float32), np.asarray(a["v_params"], np.float32)
         lo, r = packed.lo_r(vp[:, 2], vp[:, 3])

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-CODEC = "logrel-aw"
-BLOCK = 256
+from jaxguard.format.spec import BLOCK
+
+CODEC = "logrel-aw"        # the codec of the "packed" layout (its entry: jaxguard.format.spec)
 MIN_WIDTH, MAX_WIDTH = 4, 8
 MAX_VARINT_BYTES = 7       # 49 bits: more than any tensor the reader accepts (2**40)
 

@@ -11,6 +11,10 @@ Numerical contract: decoding uses only float32 multiplies (linear8: ``q*scale``;
 ``w = wlo * rr**(qv-1)`` formed like log8; block8: ``table[q]*absmax``; bf16: a
 16-bit shift), which numpy, JAX and torch all round identically, so the decoded moments
 hash to the ``decoded_sha256`` the writer recorded.
+
+What each codec id means (code dtypes, block parameters, layout, decode, tables) comes
+from the registry, `jaxguard.format.spec`; this module holds the numpy decodes
+(`DECODERS`, keyed by the registry's ``decode`` field) and the layout readers.
 """
 from __future__ import annotations
 
@@ -18,24 +22,42 @@ import hashlib
 import json
 import struct
 import sys
+from collections.abc import Mapping
 
 import numpy as np
 
-from jaxguard.format import packed
+from jaxguard.format import packed, spec
 
 MAGIC = b"JAXGUARD"
 VERSION = 1
 PREFIX = struct.Struct("<8sIIQ")   # magic, version, flags, header length
 TRAILER = 32                       # SHA-256 of everything before it
 MAX_HEADER = 1 << 30
-BLOCK = 256
+BLOCK = spec.BLOCK
 
 DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
           "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
-CODE_DTYPES = {"log8": ("i1", "u1"), "log8-rel": ("i1", "u1"), "bf16": ("<u2", "<u2"), "block8": ("u1", "u1"),
-               "block8-unguarded": ("u1", "u1")}
-PARAM_WIDTH = {"log8": (1, 2), "log8-rel": (1, 4), "bf16": (0, 0), "block8": (1, 1), "block8-unguarded": (1, 1)}
-CODE_DTYPES[packed.CODEC] = ("i1", "u1")   # after unpacking (jaxguard.format.packed)
+
+
+class _RegistryView(Mapping):
+    """A read-only, live view of one field of every registry entry (`jaxguard.format.spec`)."""
+
+    def __init__(self, field):
+        self._field = field
+
+    def __getitem__(self, codec):
+        return self._field(spec.get(codec))
+
+    def __iter__(self):
+        return iter(spec.CODECS)
+
+    def __len__(self):
+        return len(spec.CODECS)
+
+
+# the first release's module attributes, now views of the registry (which is the source)
+CODE_DTYPES = _RegistryView(lambda s: (s.m_code_dtype, s.v_code_dtype))
+PARAM_WIDTH = _RegistryView(lambda s: (s.m_params, s.v_params))
 
 
 class ReaderError(ValueError):
@@ -100,18 +122,68 @@ def table_decode(q, absmax, table, n):
     return (table[qb] * absmax.astype(np.float32)[:, None]).astype(np.float32).reshape(-1)[:n]
 
 
+def _decode_log8(n, mq, vq, mp, vp, tables):
+    return linear8_decode(mq, mp[:, 0], n), log_decode(vq, vp[:, 0], vp[:, 1], n)
+
+
+def _decode_log8_rel(n, mq, vq, mp, vp, tables):
+    w = log_decode(np.where(vq == 0, 1, vq).astype(vq.dtype), vp[:, 2], vp[:, 3], n)
+    m = (_blocks(mq, n).astype(np.float32).reshape(-1)[:n]
+         * np.repeat(mp[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
+    return (m * w).astype(np.float32), log_decode(vq, vp[:, 0], vp[:, 1], n)
+
+
+def _decode_bf16(n, mq, vq, mp, vp, tables):
+    return bf16_decode(mq), bf16_decode(vq)
+
+
+def _decode_block8(n, mq, vq, mp, vp, tables):
+    return table_decode(mq, mp[:, 0], tables["dynamic8s"], n), table_decode(vq, vp[:, 0], tables["dynamic8u"], n)
+
+
+DECODERS = {"log8": _decode_log8, "log8-rel": _decode_log8_rel, "bf16": _decode_bf16, "block8": _decode_block8}
+"""The numpy decode of each base decode id (a registry entry's ``decode`` field)."""
+
+
+def decoder(codec):
+    """The numpy decode function of a registered codec id.
+
+    Args:
+      codec: a codec id; its registry entry's ``decode`` field picks the function.
+
+    Returns:
+      ``fn(n, m_codes, v_codes, m_params, v_params, tables) -> (m~, v~)``.
+
+    Raises:
+      ReaderError: the id is not registered, or its decode has no numpy implementation.
+    """
+    try:
+        base = spec.get(codec).decode
+    except spec.UnknownCodecError as exc:
+        raise ReaderError(str(exc)) from None
+    if base not in DECODERS:
+        raise ReaderError(f"codec {codec!r} decodes as {base!r}, which this reader cannot decode "
+                          f"(it decodes {', '.join(DECODERS)})")
+    return DECODERS[base]
+
+
 def decode_codes(codec, n, m_codes, v_codes, m_params, v_params, tables):
-    if codec == "log8":
-        return linear8_decode(m_codes, m_params[:, 0], n), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
-    if codec == "log8-rel":
-        w = log_decode(np.where(v_codes == 0, 1, v_codes).astype(v_codes.dtype), v_params[:, 2], v_params[:, 3], n)
-        m = (_blocks(m_codes, n).astype(np.float32).reshape(-1)[:n]
-             * np.repeat(m_params[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
-        return (m * w).astype(np.float32), log_decode(v_codes, v_params[:, 0], v_params[:, 1], n)
-    if codec == "bf16":
-        return bf16_decode(m_codes), bf16_decode(v_codes)
-    return (table_decode(m_codes, m_params[:, 0], tables["dynamic8s"], n),
-            table_decode(v_codes, v_params[:, 0], tables["dynamic8u"], n))
+    """Decoded (m~, v~) float32 of `n` coordinates from a codec's fixed-layout codes.
+
+    Args:
+      codec: a registered codec id (its registry ``decode`` picks the arithmetic).
+      n: number of coordinates.
+      m_codes, v_codes: per-coordinate codes (dtypes as in the registry).
+      m_params, v_params: float32 block parameters, ``[nb, m_params]`` / ``[nb, v_params]``.
+      tables: the stored tables by name (`read_tables`), for codecs that use them.
+
+    Returns:
+      (m~, v~), float32 arrays of `n` values each (escapes not yet applied).
+
+    Raises:
+      ReaderError: the codec is not registered or has no numpy decode.
+    """
+    return decoder(codec)(n, m_codes, v_codes, m_params, v_params, tables)
 
 
 # ---------------------------------------------------------------- parsing
@@ -153,8 +225,30 @@ def parse(data: bytes):
     return header, payload
 
 
-MOMENT_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "escape_pairs")
-AW_SECTIONS = ("widths", "m_codes", "v_codes", "m_params", "v_params", "escape_pairs")
+MOMENT_SECTIONS = spec.FIXED_SECTIONS
+AW_SECTIONS = spec.PACKED_SECTIONS
+
+
+def codec_spec(entry):
+    """The registry entry of a moments entry's codec.
+
+    Args:
+      entry: a moments entry of a container header.
+
+    Returns:
+      Its `jaxguard.format.spec.CodecSpec`.
+
+    Raises:
+      ReaderError: the codec is not a string or not registered (naming the registered ids).
+    """
+    codec = entry.get("codec")
+    if not isinstance(codec, str):
+        raise ReaderError(f"entry {entry.get('name')!r} has a non-string codec")
+    try:
+        return spec.get(codec)
+    except spec.UnknownCodecError:
+        raise ReaderError(f"entry {entry.get('name')!r} has unknown codec {codec[:80]!r}; "
+                          f"registered: {', '.join(spec.CODECS)}") from None
 
 
 def _sections(entry):
@@ -164,24 +258,23 @@ def _sections(entry):
         return {"data": entry.get("offsets")}
     if entry.get("kind") == "moments":
         sec = entry.get("sections")
-        if entry.get("codec") == packed.CODEC:
-            if (not isinstance(sec, dict)
-                    or not any(sorted(sec) == sorted(AW_SECTIONS + (e,)) for e in ("escape_mask", "escape_index"))):
-                raise ReaderError(f"entry {entry.get('name')!r} ({packed.CODEC}) must have exactly the sections "
-                                  f"{', '.join(AW_SECTIONS)} and one of escape_mask, escape_index")
-            return sec
-        if not isinstance(sec, dict) or sorted(sec) != sorted(MOMENT_SECTIONS):
-            raise ReaderError(f"entry {entry.get('name')!r} must have exactly the sections {', '.join(MOMENT_SECTIONS)}")
-        if not isinstance(entry.get("codec"), str):
-            raise ReaderError(f"entry {entry.get('name')!r} has a non-string codec")
+        cs = codec_spec(entry)
+        allowed = spec.LAYOUTS[cs.layout]
+        if not isinstance(sec, dict) or not any(sorted(sec) == sorted(names) for names in allowed):
+            if len(allowed) == 1:
+                raise ReaderError(f"entry {entry.get('name')!r} must have exactly the sections {', '.join(allowed[0])}")
+            common = [k for k in allowed[0] if all(k in names for names in allowed)]
+            alts = [k for names in allowed for k in names if k not in common]
+            raise ReaderError(f"entry {entry.get('name')!r} ({cs.id}) must have exactly the sections "
+                              f"{', '.join(common)} and one of {', '.join(alts)}")
         return sec
     raise ReaderError(f"entry {entry.get('name')!r} has unknown kind {entry.get('kind')!r}")
 
 
 def _tables(header):
     tables = header.get("tables") or {}
-    if not isinstance(tables, dict) or not all(k in ("dynamic8s", "dynamic8u") for k in tables):
-        raise ReaderError("header 'tables' must be an object with keys dynamic8s/dynamic8u")
+    if not isinstance(tables, dict) or not all(k in spec.TABLES for k in tables):
+        raise ReaderError(f"header 'tables' must be an object with keys {'/'.join(spec.TABLES)}")
     return tables
 
 
@@ -231,7 +324,7 @@ def _shape_size(entry):
 def read_tables(header, payload):
     tables = {}
     for name, rng in _tables(header).items():
-        tables[name] = _array(payload, rng, "<f4", 256, f"table {name}").astype(np.float32)
+        tables[name] = _array(payload, rng, "<f4", spec.TABLE_SIZE, f"table {name}").astype(np.float32)
     return tables
 
 
@@ -244,39 +337,74 @@ def read_raw(entry, payload):
 
 
 def read_moments(entry, payload, tables):
-    """Decoded (m~, v~) float32 arrays of one moments entry."""
+    """Decoded (m~, v~) float32 arrays of one moments entry.
+
+    Args:
+      entry: a moments entry of a header checked by `parse`.
+      payload: the payload (`parse`).
+      tables: the stored tables (`read_tables`).
+
+    Returns:
+      (m~, v~), float32 arrays of the entry's shape, escapes applied.
+
+    Raises:
+      ReaderError: anything in the entry that does not match the format.
+    """
     shape, n = _shape_size(entry)
-    codec = entry.get("codec")
-    if codec not in CODE_DTYPES:
-        raise ReaderError(f"entry {entry.get('name')!r} has unknown codec {codec!r}")
-    if codec.startswith("block8") and set(tables) != {"dynamic8s", "dynamic8u"}:
-        raise ReaderError("block8 entries need the dynamic8s/dynamic8u tables")
-    s = entry["sections"]
-    nb = max(1, -(-n // BLOCK))
-    if codec == packed.CODEC:
-        try:
-            m, v = _read_aw(entry["name"], s, payload, n, nb)
-        except packed.PackError as exc:
-            raise ReaderError(f"{entry['name']}.{exc}") from None
-        return m.reshape(shape), v.reshape(shape)
-    mdt, vdt = CODE_DTYPES[codec]
-    wm, wv = PARAM_WIDTH[codec]
-    name = entry["name"]
-    mq = _array(payload, s["m_codes"], mdt, n, f"{name}.m_codes")
-    vq = _array(payload, s["v_codes"], vdt, n, f"{name}.v_codes")
-    mp = _array(payload, s["m_params"], "<f4", nb * wm, f"{name}.m_params").reshape(nb, wm)
-    vp = _array(payload, s["v_params"], "<f4", nb * wv, f"{name}.v_params").reshape(nb, wv)
-    mask = _array(payload, s["escape_mask"], "u1", -(-n // 8), f"{name}.escape_mask")
-    bits = np.unpackbits(mask, bitorder="little")
-    if bits[n:].any():
-        raise ReaderError(f"{name}.escape_mask has bits set past the end of the tensor")
-    idx = np.flatnonzero(bits[:n])
-    pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
-    m, v = decode_codes(codec, n, mq, vq, mp, vp, tables)
+    codes = read_codes(entry, payload, tables)
+    m, v = decode_codes(entry["codec"], n, codes["m_codes"], codes["v_codes"], codes["m_params"],
+                        codes["v_params"], tables)
     m, v = m.copy(), v.copy()
+    idx, pairs = codes["escape_index"], codes["escape_pairs"]
     m[idx] = pairs[:, 0]
     v[idx] = pairs[:, 1]
     return m.reshape(shape), v.reshape(shape)
+
+
+def read_codes(entry, payload, tables):
+    """The codes of one moments entry in the fixed form every decode takes.
+
+    A packed entry (``logrel-aw``) is unpacked to the fixed form of its decode
+    (``log8-rel``): codes per coordinate, parameters ``[nb, k]`` float32.
+
+    Args:
+      entry: a moments entry of a header checked by `parse`.
+      payload: the payload (`parse`).
+      tables: the stored tables (`read_tables`); checked against the codec's needs.
+
+    Returns:
+      dict with ``m_codes``, ``v_codes`` (n each), ``m_params``, ``v_params`` ([nb, k]),
+      ``escape_index`` (int positions) and ``escape_pairs`` ([e, 2] float32).
+
+    Raises:
+      ReaderError: anything in the entry that does not match the format.
+    """
+    _, n = _shape_size(entry)
+    cs = codec_spec(entry)
+    missing = [t for t in cs.tables if t not in tables]
+    if missing:
+        raise ReaderError(f"{cs.id} entries need the {'/'.join(cs.tables)} tables")
+    nb = max(1, -(-n // BLOCK))
+    name = entry["name"]
+    if cs.layout == "packed":
+        try:
+            return _read_packed(name, entry["sections"], payload, n, nb)
+        except packed.PackError as exc:
+            raise ReaderError(f"{name}.{exc}") from None
+    return _read_fixed(cs, name, entry["sections"], payload, n, nb)
+
+
+def _read_fixed(cs, name, s, payload, n, nb):
+    wm, wv = cs.m_params, cs.v_params
+    codes = {"m_codes": _array(payload, s["m_codes"], cs.m_code_dtype, n, f"{name}.m_codes"),
+             "v_codes": _array(payload, s["v_codes"], cs.v_code_dtype, n, f"{name}.v_codes"),
+             "m_params": _array(payload, s["m_params"], "<f4", nb * wm, f"{name}.m_params").reshape(nb, wm),
+             "v_params": _array(payload, s["v_params"], "<f4", nb * wv, f"{name}.v_params").reshape(nb, wv)}
+    idx = _escape_positions(name, s, payload, n)
+    codes["escape_index"] = idx
+    codes["escape_pairs"] = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size,
+                                   f"{name}.escape_pairs").reshape(-1, 2)
+    return codes
 
 
 def _escape_positions(name, s, payload, n):
@@ -290,8 +418,8 @@ def _escape_positions(name, s, payload, n):
     return np.flatnonzero(bits[:n])
 
 
-def _read_aw(name, s, payload, n, nb):
-    """Decode one logrel-aw entry (layout: jaxguard.format.packed; decode: log8-rel's)."""
+def _read_packed(name, s, payload, n, nb):
+    """Unpack one logrel-aw entry (layout: jaxguard.format.packed) to log8-rel's fixed form."""
     wb = _array(payload, s["widths"], "u1", nb, f"{name}.widths")
     bm, bv = packed.check_widths(wb)
     streams = []
@@ -311,11 +439,8 @@ def _read_aw(name, s, payload, n, nb):
     lo, r = packed.lo_r(wp[:, 0], wp[:, 1])
     idx = _escape_positions(name, s, payload, n)
     pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
-    m, v = decode_codes("log8-rel", n, mq, vq, scale[:, None], np.stack([lo, r, wp[:, 0], wp[:, 1]], axis=1), {})
-    m, v = m.copy(), v.copy()
-    m[idx] = pairs[:, 0]
-    v[idx] = pairs[:, 1]
-    return m, v
+    return {"m_codes": mq, "v_codes": vq, "m_params": scale[:, None],
+            "v_params": np.stack([lo, r, wp[:, 0], wp[:, 1]], axis=1), "escape_index": idx, "escape_pairs": pairs}
 
 
 def decoded_digest(header, payload):

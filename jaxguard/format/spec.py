@@ -10,6 +10,17 @@ registry; none of them keeps its own list of codec names.
 Adding a codec: one `CodecSpec` entry here, its numpy decode in the reader, its JAX
 encode/decode in the core, golden vectors (docs/architecture.md has the steps).
 
+One algorithm, one name: the bitsandbytes dynamic-tree map is called ``dynamic8``
+everywhere in the code (`dynamic_map` here, the stored tables ``dynamic8s``/``dynamic8u``,
+`jaxguard.core.codes.dynamic8_encode_block`/``dynamic8_decode_block``, the readers'
+``table_decode``).  The ids users type keep their names: the codec ids ``block8`` and
+``block8-unguarded`` (decode ``"block8"``) and the training-time quant policy ``d8``
+(`jaxguard.quant.codecs.D8Code`) all use that one map and those functions.
+
+Certification is an option, not a codec: ``block8-unguarded`` (``certified=False``) is
+the ``block8`` decode written without the guard, kept readable; an entry's ``config``
+may also carry ``"certify": false`` for any codec (`entry_certified`).
+
 Numerical contract
 ------------------
 The tables below are stored bit for bit (float32 bit patterns), so every reader and
@@ -22,8 +33,28 @@ import dataclasses
 
 import numpy as np
 
+from jaxguard.errors import ConfigError
+
 BLOCK = 256
 """Coordinates per block: every codec's block parameters cover this many coordinates."""
+
+TABLE_SIZE = 256
+"""Entries of every stored table (one per 8-bit code)."""
+
+FIXED_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "escape_pairs")
+PACKED_SECTIONS = ("widths", "m_codes", "v_codes", "m_params", "v_params", "escape_pairs")
+LAYOUTS = {
+    "fixed": (FIXED_SECTIONS,),
+    # jaxguard.format.packed: per-block widths, and exactly one of the two escape forms
+    "packed": tuple(PACKED_SECTIONS + (e,) for e in ("escape_mask", "escape_index")),
+}
+"""The section-name sets a moments entry of each layout may have (docs/format.md)."""
+
+
+class UnknownCodecError(ConfigError, KeyError):
+    """A codec id that is not registered (a `ConfigError`; also a `KeyError` for lookups)."""
+
+    __str__ = Exception.__str__   # one line, not KeyError's quoted repr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,28 +91,47 @@ class CodecSpec:
     def __post_init__(self):
         if not self.decode:
             object.__setattr__(self, "decode", self.id)
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"codec {self.id!r}: layout={self.layout!r} is unknown; use one of {', '.join(LAYOUTS)}")
+        unknown = [t for t in self.tables if t not in TABLES]
+        if unknown:
+            raise ConfigError(f"codec {self.id!r}: tables {unknown} are unknown; use names from {', '.join(TABLES)}")
 
 
 CODECS: dict = {}
 
 
 def register(spec: CodecSpec) -> CodecSpec:
-    """Add `spec` to the registry (ids are unique)."""
+    """Add `spec` to the registry.
+
+    Args:
+      spec: the codec's `CodecSpec`; its `decode` must be a registered id that decodes
+        as itself (or its own id), so that every reader can resolve it.
+
+    Returns:
+      `spec`.
+
+    Raises:
+      ConfigError: the id is already registered, or `decode` names an unknown id.
+    """
     if spec.id in CODECS:
-        raise ValueError(f"codec id {spec.id!r} is already registered")
+        raise ConfigError(f"codec id {spec.id!r} is already registered; pick another id")
+    if spec.decode != spec.id and (spec.decode not in CODECS or CODECS[spec.decode].decode != spec.decode):
+        raise ConfigError(f"codec {spec.id!r}: decode={spec.decode!r} is not a registered base decode; "
+                          f"use one of {', '.join(decode_ids())}")
     CODECS[spec.id] = spec
     return spec
 
 
-register(CodecSpec("log8", "linear8 m, AL8 v (the paper's codec)", "i1", "u1", 1, 2))
-register(CodecSpec("log8-rel", "m relative to sqrt(v~), AL8 v (the default)", "i1", "u1", 1, 4))
-register(CodecSpec("bf16", "bfloat16 m and v", "<u2", "<u2", 0, 0))
-register(CodecSpec("block8", "bitsandbytes dynamic map, absmax per block", "u1", "u1", 1, 1,
-                   tables=("dynamic8s", "dynamic8u")))
-register(CodecSpec("block8-unguarded", "block8 without the guard (negative control)", "u1", "u1", 1, 1,
-                   decode="block8", tables=("dynamic8s", "dynamic8u"), certified=False))
-register(CodecSpec("logrel-aw", "log8-rel decode, 4..8-bit widths per block, compact parameters", "i1", "u1",
-                   1, 4, layout="packed", decode="log8-rel"))
+def unregister(codec_id: str) -> None:
+    """Remove `codec_id` from the registry (for codecs registered at run time, e.g. tests).
+
+    Raises:
+      UnknownCodecError: `codec_id` is not registered.
+    """
+    get(codec_id)
+    del CODECS[codec_id]
+
 
 DEFAULT_CODEC = "log8-rel"
 
@@ -89,18 +139,57 @@ DEFAULT_CODEC = "log8-rel"
 def get(codec_id: str) -> CodecSpec:
     """The spec of `codec_id`.
 
+    Args:
+      codec_id: a codec id as stored in a container entry or passed as ``codec=``.
+
+    Returns:
+      Its `CodecSpec`.
+
     Raises:
-      KeyError: with a message naming the registered ids.
+      UnknownCodecError: (a `ConfigError` and a `KeyError`) with a one-line message
+        naming the registered ids.
     """
     try:
         return CODECS[codec_id]
-    except (KeyError, TypeError):
-        raise KeyError(f"codec {codec_id!r} is unknown; registered: {', '.join(CODECS)}") from None
+    except (KeyError, TypeError):   # TypeError: an unhashable id read from a header
+        raise UnknownCodecError(f"codec {str(codec_id)[:80]!r} is unknown; registered: {', '.join(CODECS)}") from None
 
 
 def codec_ids(*, writable: bool = True) -> tuple:
-    """Registered ids in registration order (without legacy ids when `writable`)."""
+    """Registered ids in registration order.
+
+    Args:
+      writable: leave out legacy ids (read, but no longer offered for writing).
+
+    Returns:
+      A tuple of ids (the CLI's ``--codec`` choices when `writable`).
+    """
     return tuple(k for k, s in CODECS.items() if not (writable and s.legacy))
+
+
+def decode_ids() -> tuple:
+    """The base decodes: registered ids whose `decode` is their own id."""
+    return tuple(k for k, s in CODECS.items() if s.decode == k)
+
+
+def entry_certified(entry: dict) -> bool:
+    """Whether a container's moments entry was written under the guard.
+
+    False when its codec is registered with ``certified=False`` (``block8-unguarded``)
+    or its ``config`` has ``"certify": false`` (`GuardConfig(certify=False)`).
+
+    Args:
+      entry: a moments entry of a container header.
+
+    Returns:
+      True if the entry's coordinates were certified (or stored exactly as escapes).
+
+    Raises:
+      UnknownCodecError: the entry's codec is not registered.
+    """
+    config = entry.get("config")
+    opted_out = isinstance(config, dict) and config.get("certify") is False
+    return get(entry.get("codec")).certified and not opted_out
 
 
 # ---------------------------------------------------------------- tables
@@ -188,10 +277,33 @@ _DYNAMIC8_UNSIGNED_BITS = (
 
 
 def dynamic_map(signed: bool) -> np.ndarray:
-    """The 256-entry bitsandbytes dynamic map (signed for m, unsigned for v), float32."""
+    """The 256-entry bitsandbytes dynamic map, ``dynamic8`` (the one implementation).
+
+    Bit-equal to ``bitsandbytes.functional.create_dynamic_map(signed=signed)``
+    (tests/test_codec.py checks it when bitsandbytes is installed).
+
+    Args:
+      signed: the signed map (for m, table ``dynamic8s``) or the unsigned one (for v,
+        ``dynamic8u``).
+
+    Returns:
+      A new float32 array of `TABLE_SIZE` sorted entries.
+    """
     bits = _DYNAMIC8_SIGNED_BITS if signed else _DYNAMIC8_UNSIGNED_BITS
     return np.asarray(bits, np.uint32).view(np.float32).copy()
 
 
 TABLES = {"dynamic8s": lambda: dynamic_map(True), "dynamic8u": lambda: dynamic_map(False)}
 """Stored tables by name (a container that uses one carries it in its payload)."""
+
+
+# ---------------------------------------------------------------- the registered codecs
+register(CodecSpec("log8", "linear8 m, AL8 v (the paper's codec)", "i1", "u1", 1, 2))
+register(CodecSpec("log8-rel", "m relative to sqrt(v~), AL8 v (the default)", "i1", "u1", 1, 4))
+register(CodecSpec("bf16", "bfloat16 m and v", "<u2", "<u2", 0, 0))
+register(CodecSpec("block8", "bitsandbytes dynamic map, absmax per block", "u1", "u1", 1, 1,
+                   tables=("dynamic8s", "dynamic8u")))
+register(CodecSpec("block8-unguarded", "block8 without the guard (negative control)", "u1", "u1", 1, 1,
+                   decode="block8", tables=("dynamic8s", "dynamic8u"), certified=False))
+register(CodecSpec("logrel-aw", "log8-rel decode, 4..8-bit widths per block, compact parameters", "i1", "u1",
+                   1, 4, layout="packed", decode="log8-rel"))

@@ -52,6 +52,7 @@ import numpy as np
 
 from jaxguard.core import codes as _codes
 from jaxguard.errors import ConfigError
+from jaxguard.format.spec import dynamic_map as _dynamic_map
 
 __all__ = [
     "ALCode", "UF8Code", "D8Code",
@@ -201,8 +202,9 @@ def d8_encode(x, signed: bool = True, block_size: int = _codes.BLOCK) -> D8Code:
     """bitsandbytes dynamic-tree 8-bit ("d8") encoding, signed map or unsigned map.
 
     Numerical contract: per block ``absmax = max(max|x|, 2**-126)``; the code is the map
-    entry nearest in value to ``x`` (``map`` = :func:`jaxguard.core.codes.dynamic_map`, equal to
-    ``bitsandbytes.functional.create_dynamic_map``), ``x~ = map[q] * absmax`` (one float32
+    entry nearest in value to ``x`` (``map`` = :func:`jaxguard.format.spec.dynamic_map`, equal to
+    ``bitsandbytes.functional.create_dynamic_map``; the codec ``block8`` uses the same map and
+    the same `dynamic8` functions), ``x~ = map[q] * absmax`` (one float32
     multiply).  Relative error is that of the map (~0.5% near absmax, growing to 100% below
     ``1e-6 * absmax`` where the map has no entries: such values may decode to 0).  With
     ``signed=False`` exact zeros keep the zero code; negative values must not be passed.
@@ -214,7 +216,7 @@ def d8_encode(x, signed: bool = True, block_size: int = _codes.BLOCK) -> D8Code:
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _d8_encode(x, signed, block_size):
-    table = _codes.dynamic_map(bool(signed))
+    table = _dynamic_map(bool(signed))
     xb, valid = _blocks(x, block_size)
     q, absmax = jax.vmap(lambda b, v: _codes.dynamic8_encode_block(b, v, table, bool(signed)))(xb, valid)
     return D8Code(_unblock(q, x.shape), absmax, jnp.asarray(bool(signed)))
@@ -225,8 +227,8 @@ def d8_decode(enc: D8Code) -> jax.Array:
     shape = enc.codes.shape
     bs = _infer_block_size(math.prod(shape), enc.absmax.shape[0])
     qb, _ = _blocks(enc.codes, bs)
-    ts = jnp.asarray(_codes.dynamic_map(True))
-    tu = jnp.asarray(_codes.dynamic_map(False))
+    ts = jnp.asarray(_dynamic_map(True))
+    tu = jnp.asarray(_dynamic_map(False))
     table = jnp.where(enc.signed, ts, tu)
     out = jax.vmap(lambda q, a: _codes.dynamic8_decode_block(q, a, table))(qb, enc.absmax)
     return _unblock(out, shape)
