@@ -223,3 +223,44 @@ def test_sizes_checked_before_allocating():
     wide = np.tile(bits, (1, big // 256 // bits.shape[1]))
     with pytest.raises(rans.RansError, match="cannot hold 65536 lane states"):
         rans.decode(buf, wide, big)
+
+
+def test_lane_tails_ride_free():
+    sym, bits, n, buf = _sample()
+    models = rans.decode_models(buf, 2, 1)[0]
+    tails = np.array([0, 1, 0xBEEF, 0xFFFF])
+    tb = rans.encode(sym, bits, n, models, lane_tails=tails)
+    assert len(tb) == len(buf)
+    out, got = rans.decode(tb, bits, n, lane_tails=True)
+    np.testing.assert_array_equal(out, sym)
+    np.testing.assert_array_equal(got, tails)
+    with pytest.raises(rans.RansError, match="pass lane_tails=True"):
+        rans.decode(tb, bits, n)
+    with pytest.raises(rans.RansError, match="pass lane_tails=False"):
+        rans.decode(buf, bits, n, lane_tails=True)
+    with pytest.raises(rans.RansError, match="0..65535"):
+        rans.encode(sym, bits, n, lane_tails=[0, 1, 2, 1 << 16])
+
+
+def test_decode_many_is_decode_per_buffer():
+    rng = np.random.default_rng(5)
+    items, want = [], []
+    for k, n in enumerate([1, 256, 700, 0, 256 * 6 + 9]):
+        nb = max(1, -(-n // 256))
+        bits = rng.integers(0, 9, size=(2, nb))
+        sym = _case(rng, n, bits, "skewed")
+        if k == 2:       # one buffer with external models
+            models = rans.fit_models(sym, bits, n)
+            items.append((rans.encode(sym, bits, n, models, inline_models=False), bits, n, models))
+        else:
+            items.append((rans.encode(sym, bits, n), bits, n))
+        want.append(sym)
+    got = rans.decode_many(items)
+    for g, w, it in zip(got, want, items):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(rans.decode(*it[:3], models=it[3] if len(it) > 3 else None), w)
+    bad = list(items)
+    bad[1] = (bad[1][0][:-2],) + bad[1][1:]          # truncate the second buffer only
+    with pytest.raises(rans.RansError, match=r"rans\[1\]"):
+        rans.decode_many(bad)
+    assert rans.decode_many([]) == []

@@ -16,7 +16,8 @@ sharing halves the per-lane state cost (4 bytes per lane, not per stream).
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
-    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them)
+    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them);
+         + 0x10 if the lanes carry tails (below)
     models (kind 1 only), per stream s = 0..S-1:
       u8   number of models K_s (one per alphabet width present in the stream)
       per model, widths ascending and distinct:
@@ -24,6 +25,9 @@ Byte layout of an encoded buffer (all integers little-endian)::
         ceil(2**width / 2) bytes   a 4-bit level per symbol, low nibble first (0 = absent);
                                    frequencies from levels: `model_freqs`
     nb x u32  the lanes' initial decoder states (the encoder's final states), each >= L
+              (the encoder starts each lane at L, or at L + tail: 16 bits the caller
+              stores for free in the otherwise wasted low half of the initial state, e.g.
+              the block's bfloat16 m-scale; the decoder ends each lane there and returns it)
     u16*      the renormalization words in decoding order: for each position i, for each
               stream s, one word for each lane (ascending) whose state fell below L
 
@@ -41,7 +45,9 @@ P max(1, width)..15, widths ascending, none missing for a coded block), no level
 alphabet, at least one symbol per model; the buffer holds the lane states and whole
 words; every state in ``[L, 2**32)``; at most one word per symbol; no word read past the
 end; every word consumed; and every lane ending in the encoder's initial state ``L`` (a
-check on the whole lane: a flipped bit in the words or states almost surely breaks it).
+check on the whole lane: a flipped bit in the words or states almost surely breaks it;
+with tails, only ``[L, 2L)`` is checked and the caller must check the tails, e.g. by the
+container's decoded-moments hash).
 Memory is bounded by the sizes the caller passes (``n``, the widths) and ``2**15`` slots
 per model, checked before allocating; the loop has a fixed trip count (256 x streams).
 """
@@ -51,6 +57,7 @@ import numpy as np
 
 BLOCK = 256
 KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
+TAILS_FLAG = 0x10                    # first byte: each lane's initial state carries 16 caller bits
 STATE_LOW = 1 << 16              # L
 MAX_WIDTH = 8
 MAX_PROB_BITS = 15
@@ -229,7 +236,7 @@ def _lane_tables(models, bits):
 
 
 # ---------------------------------------------------------------- encode
-def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True) -> bytes:
+def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True, lane_tails=None) -> bytes:
     """Code streams of blocked symbols -> one rANS buffer (layout: module docstring).
 
     Args:
@@ -241,6 +248,8 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
       prob_bits: passed to `fit_models`.
       inline_models: store the models in the buffer (kind byte 1); False: kind byte 2 and
         no models, the decoder is given them (e.g. one table shared by many tensors).
+      lane_tails: optional [nb] ints 0..65535 stored in the lanes' initial states (free:
+        the buffer is as long as without them); `decode` with ``lane_tails=True`` returns them.
 
     Returns:
       bytes.
@@ -266,6 +275,11 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
         if idx.size and (tabs[st]["freq"][idx] == 0).any():
             raise RansError(f"stream {st}: a symbol has frequency 0 in its model (fit the models on these symbols)")
     x = np.full(nb, STATE_LOW, np.uint64)
+    if lane_tails is not None:
+        tails = np.asarray(lane_tails).astype(np.int64).reshape(-1)
+        if tails.shape != (nb,) or (tails < 0).any() or (tails >= STATE_LOW).any():
+            raise RansError(f"lane_tails must be {nb} ints in 0..65535 (got shape {np.shape(lane_tails)})")
+        x += tails.astype(np.uint64)
     chunks = []
     clast = int(counts[-1]) if nb else 0
     for i in range(BLOCK - 1, -1, -1):
@@ -283,7 +297,8 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
             xs[:] = ((xs // f) << p) + xs % f + c
     chunks.sort(key=lambda k: (k[0], k[1]))
     words = np.concatenate([k[2] for k in chunks]) if chunks else np.zeros(0, "<u2")
-    head = bytes([KIND_INLINE]) + encode_models(models) if inline_models else bytes([KIND_EXTERNAL])
+    flag = TAILS_FLAG if lane_tails is not None else 0
+    head = bytes([KIND_INLINE | flag]) + encode_models(models) if inline_models else bytes([KIND_EXTERNAL | flag])
     return head + x.astype("<u4").tobytes() + words.tobytes()
 
 
@@ -370,27 +385,16 @@ def decode_models(buf, streams, pos=0, what="rans"):
     return models, pos
 
 
-def decode(buf, alphabet_bits, n, models=None, what="rans"):
-    """One rANS buffer -> the blocked symbols `encode` was given (exactly).
-
-    Args:
-      buf: bytes-like (or uint8 array).
-      alphabet_bits: [nb] (or [streams, nb]) widths, as passed to `encode` (stored
-        elsewhere: the buffer does not repeat them).
-      n: symbols per stream.
-      models: required for a buffer written with ``inline_models=False`` (refused otherwise).
-      what: name used in error messages (e.g. ``"layer.m_codes"``).
-
-    Returns:
-      [nb, 256] (or [streams, nb, 256]) uint8 symbols; positions past n are 0.
-
-    Raises:
-      RansError: any malformed buffer (see the numerical contract), or bad widths / n.
-    """
+def _parse(buf, alphabet_bits, n, models, what, lane_tails):
+    """Check one buffer's head and sizes -> (bits [S, nb], counts, single, tables, states, words)."""
     bits, counts, single = _shapes(alphabet_bits, n)
     S, nb = bits.shape
     b = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else np.asarray(buf, np.uint8).reshape(-1)
     kind = int(b[0]) if b.size else None
+    if kind is not None and bool(kind & TAILS_FLAG) != bool(lane_tails):
+        raise RansError(f"{what}: the buffer {'carries' if kind & TAILS_FLAG else 'has no'} lane tails; "
+                        f"pass lane_tails={not lane_tails}")
+    kind = kind & ~TAILS_FLAG if kind is not None else None
     if kind == KIND_INLINE:
         if models is not None:
             raise RansError(f"{what}: the buffer carries its models; do not pass models")
@@ -416,32 +420,145 @@ def decode(buf, alphabet_bits, n, models=None, what="rans"):
         raise RansError(f"{what}: lane {int(np.flatnonzero(x < STATE_LOW)[0])} starts in state below 2**16")
     if words.size > S * int(counts.sum()):
         raise RansError(f"{what}: {words.size} words for {S * int(counts.sum())} symbols (at most one each)")
-    tabs = _lane_tables(models, bits)
-    out = np.zeros((S, nb, BLOCK), np.uint8)
-    ptr = 0
-    clast = int(counts[-1]) if nb else 0
+    return bits, counts, single, _lane_tables(models, bits), x, words
+
+
+def _decode_lanes(parts, what):
+    """The lane loop over one or more parsed buffers (their lanes side by side): 256 x S
+    steps of numpy operations across every lane; each buffer reads its own words."""
+    S = parts[0][0].shape[0]
+    nbs = [p[0].shape[1] for p in parts]
+    G = len(parts)
+    group = np.repeat(np.arange(G), nbs)
+    counts = np.concatenate([p[1] for p in parts])
+    x = np.concatenate([p[4] for p in parts])
+    words = np.concatenate([p[5] for p in parts]) if G > 1 else parts[0][5]
+    wend = np.cumsum([p[5].size for p in parts])
+    ptr = np.concatenate([[0], wend[:-1]]).astype(np.int64)     # next word of each buffer
+    first = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64)
+    tabs = []
+    for st in range(S):                # one table per stream over all buffers' models
+        ts = [p[3][st] for p in parts]
+        sb = np.cumsum([0] + [t["freq"].size for t in ts[:-1]]).astype(np.uint64)
+        lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
+        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]),
+                     "freq": np.concatenate([t["freq"] for t in ts]),
+                     "start": np.concatenate([t["start"] for t in ts]),
+                     "slot_base": np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)]),
+                     "sym_base": np.concatenate([t["sym_base"] + sb[g] for g, t in enumerate(ts)]),
+                     "p": np.concatenate([t["p"] for t in ts])})
+        tabs[-1]["mask"] = (np.uint64(1) << tabs[-1]["p"]) - np.uint64(1)
+    nl_all = x.size
+    out = np.zeros((S, nl_all, BLOCK), np.uint8)
     low = np.uint64(STATE_LOW)
-    for i in range(BLOCK if nb else 0):
-        nl = nb if i < clast else nb - 1
-        if nl <= 0:
+    lanes_at = [None] * BLOCK          # lanes still coding at position i (all but partial ones)
+    for i in range(BLOCK):
+        act = counts > i
+        lanes_at[i] = None if act.all() else np.flatnonzero(act)
+    for i in range(BLOCK if nl_all else 0):
+        sel = lanes_at[i]
+        if sel is not None and sel.size == 0:
             break
-        xs = x[:nl]
+        xs = x if sel is None else x[sel]
+        g = group if sel is None else group[sel]
         for st in range(S):
             t = tabs[st]
-            p = t["p"][:nl]
-            slot = xs & ((np.uint64(1) << p) - np.uint64(1))
-            sym = t["slot_sym"][t["slot_base"][:nl] + slot]
-            idx = t["sym_base"][:nl] + sym
-            xs[:] = t["freq"][idx] * (xs >> p) + slot - t["start"][idx]
-            out[st, :nl, i] = sym
-            need = np.flatnonzero(xs < low)
-            if ptr + need.size > words.size:
-                raise RansError(f"{what}: the words end at position {i} of stream {st} (truncated buffer)")
-            xs[need] = (xs[need] << np.uint64(16)) | words[ptr:ptr + need.size]
-            ptr += need.size
-    if ptr != words.size:
-        raise RansError(f"{what}: {words.size - ptr} of {words.size} words left over after decoding")
-    if (x != STATE_LOW).any():
-        raise RansError(f"{what}: lane {int(np.flatnonzero(x != STATE_LOW)[0])} does not end in the initial state "
-                        f"(corrupt words or states)")
-    return out[0] if single else out
+            pick = (lambda k: t[k]) if sel is None else (lambda k: t[k][sel])   # noqa: E731
+            p = pick("p")
+            slot = xs & pick("mask")
+            sym = t["sym"][pick("slot_base") + slot]
+            idx = pick("sym_base") + sym
+            xs = t["freq"][idx] * (xs >> p) + slot - t["start"][idx]
+            if sel is None:
+                out[st, :, i] = sym
+            else:
+                out[st, sel, i] = sym
+            need = xs < low
+            k = np.flatnonzero(need)
+            if G == 1:
+                pos = ptr[0] + np.arange(k.size)
+                ptr[0] += k.size
+            else:                      # rank of each needing lane within its buffer
+                gk = g[k]
+                per = np.bincount(gk, minlength=G)
+                excl = np.arange(k.size) - np.concatenate([[0], np.cumsum(per)[:-1]])[gk]
+                pos = ptr[gk] + excl
+                ptr += per
+            if k.size and (pos >= wend[g[k]]).any():
+                bad = int(g[k][np.flatnonzero(pos >= wend[g[k]])[0]])
+                name = f"{what}[{bad}]" if G > 1 else what
+                raise RansError(f"{name}: the words end at position {i} of stream {st} (truncated buffer)")
+            xs[k] = (xs[k] << np.uint64(16)) | words[pos]
+        if sel is None:
+            x = xs
+        else:
+            x[sel] = xs
+    return out, x, ptr, wend, first
+
+
+def _finish(parts, out, x, ptr, wend, first, what, lane_tails):
+    res = []
+    for g, (bits, counts, single, _, _, words) in enumerate(parts):
+        name = what if len(parts) == 1 else f"{what}[{g}]"
+        if ptr[g] != wend[g]:
+            raise RansError(f"{name}: {int(wend[g] - ptr[g])} of {words.size} words left over after decoding")
+        nb = bits.shape[1]
+        xg = x[first[g]:first[g] + nb]
+        end_bad = (xg >> np.uint64(16)) != 1 if lane_tails else xg != STATE_LOW
+        if end_bad.any():
+            raise RansError(f"{name}: lane {int(np.flatnonzero(end_bad)[0])} does not end in the initial state "
+                            f"(corrupt words or states)")
+        sym = out[:, first[g]:first[g] + nb]
+        sym = sym[0] if single else sym
+        res.append((sym, (xg - np.uint64(STATE_LOW)).astype(np.uint16)) if lane_tails else sym)
+    return res
+
+
+def decode(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
+    """One rANS buffer -> the blocked symbols `encode` was given (exactly).
+
+    Args:
+      buf: bytes-like (or uint8 array).
+      alphabet_bits: [nb] (or [streams, nb]) widths, as passed to `encode` (stored
+        elsewhere: the buffer does not repeat them).
+      n: symbols per stream.
+      models: required for a buffer written with ``inline_models=False`` (refused otherwise).
+      what: name used in error messages (e.g. ``"layer.m_codes"``).
+      lane_tails: True for a buffer written with ``lane_tails`` (refused otherwise).
+
+    Returns:
+      [nb, 256] (or [streams, nb, 256]) uint8 symbols; positions past n are 0.  With
+      ``lane_tails=True``: (symbols, tails [nb] uint16).
+
+    Raises:
+      RansError: any malformed buffer (see the numerical contract), or bad widths / n.
+    """
+    parts = [_parse(buf, alphabet_bits, n, models, what, lane_tails)]
+    return _finish(parts, *_decode_lanes(parts, what), what, lane_tails)[0]
+
+
+def decode_many(items, what="rans", lane_tails=False):
+    """Several buffers (e.g. every tensor of a container) decoded in ONE lane loop: 256 x S
+    numpy steps in all instead of per buffer, which is what makes small tensors cheap.
+
+    Args:
+      items: sequence of (buf, alphabet_bits, n) or (buf, alphabet_bits, n, models), all
+        with the same number of streams; models as in `decode`.
+      what: name used in error messages (``what[k]`` names the k-th buffer).
+      lane_tails: as in `decode`, for every buffer.
+
+    Returns:
+      list of what `decode` returns for each item.
+
+    Raises:
+      RansError: as `decode`, naming the buffer; or a different number of streams.
+    """
+    parts = []
+    for k, it in enumerate(items):
+        buf, ab, n = it[:3]
+        parts.append(_parse(buf, ab, n, it[3] if len(it) > 3 else None, f"{what}[{k}]", lane_tails))
+    if not parts:
+        return []
+    if len({p[0].shape[0] for p in parts}) > 1:
+        raise RansError(f"{what}: the buffers code different numbers of streams; decode them in separate calls")
+    return _finish(parts, *_decode_lanes(parts, what), what, lane_tails)
