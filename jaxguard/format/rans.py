@@ -216,7 +216,7 @@ def _lane_tables(models, bits):
     """Flat per-stream tables: freq/start by (model base + symbol), slot -> symbol by (slot base + slot)."""
     tabs = []
     for st, mods in enumerate(models):
-        freq, start, slot_sym, sym_base, slot_base, pb = [], [], [], {}, {}, {}
+        freq, start, slot_sym, slot_freq, slot_bias, sym_base, slot_base, pb = [], [], [], [], [], {}, {}, {}
         nsym = nslot = 0
         for w in sorted(mods):
             p, lv = mods[w]
@@ -225,12 +225,15 @@ def _lane_tables(models, bits):
             freq.append(f)
             start.append(np.concatenate([[0], np.cumsum(f)[:-1]]))
             slot_sym.append(np.repeat(np.arange(f.size), f))
+            slot_freq.append(np.repeat(f, f))
+            slot_bias.append(np.arange(1 << p) - np.repeat(start[-1], f))     # slot - start of its symbol
             nsym += f.size
             nslot += 1 << p
         cat = (lambda a: np.concatenate(a).astype(np.uint64)) if freq else (lambda a: np.zeros(0, np.uint64))
         b = bits[st]
         lane = lambda d: np.array([d.get(int(w), 0) for w in b], np.uint64)   # noqa: E731
         tabs.append({"freq": cat(freq), "start": cat(start), "slot_sym": cat(slot_sym),
+                     "slot_freq": cat(slot_freq), "slot_bias": cat(slot_bias),
                      "sym_base": lane(sym_base), "slot_base": lane(slot_base), "p": lane(pb)})
     return tabs
 
@@ -439,13 +442,11 @@ def _decode_lanes(parts, what):
     tabs = []
     for st in range(S):                # one table per stream over all buffers' models
         ts = [p[3][st] for p in parts]
-        sb = np.cumsum([0] + [t["freq"].size for t in ts[:-1]]).astype(np.uint64)
         lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
-        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]),
-                     "freq": np.concatenate([t["freq"] for t in ts]),
-                     "start": np.concatenate([t["start"] for t in ts]),
+        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]).astype(np.uint8),
+                     "freq": np.concatenate([t["slot_freq"] for t in ts]),
+                     "bias": np.concatenate([t["slot_bias"] for t in ts]),
                      "slot_base": np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)]),
-                     "sym_base": np.concatenate([t["sym_base"] + sb[g] for g, t in enumerate(ts)]),
                      "p": np.concatenate([t["p"] for t in ts])})
         tabs[-1]["mask"] = (np.uint64(1) << tabs[-1]["p"]) - np.uint64(1)
     nl_all = x.size
@@ -465,10 +466,9 @@ def _decode_lanes(parts, what):
             t = tabs[st]
             pick = (lambda k: t[k]) if sel is None else (lambda k: t[k][sel])   # noqa: E731
             p = pick("p")
-            slot = xs & pick("mask")
-            sym = t["sym"][pick("slot_base") + slot]
-            idx = pick("sym_base") + sym
-            xs = t["freq"][idx] * (xs >> p) + slot - t["start"][idx]
+            si = pick("slot_base") + (xs & pick("mask"))
+            sym = t["sym"][si]
+            xs = t["freq"][si] * (xs >> p) + t["bias"][si]
             if sel is None:
                 out[st, :, i] = sym
             else:
