@@ -12,7 +12,8 @@ together, so decoding is a loop over the 256 positions (times the number of stre
 share the lanes) of numpy operations across all blocks, never a loop over coordinates.
 Several streams of the same blocks (e.g. the m and the v codes) may share the lanes: lane
 ``b`` codes position ``i`` of stream 0, then of stream 1, ..., then position ``i + 1``;
-sharing halves the per-lane state cost (4 bytes per lane, not per stream).
+sharing halves the per-lane state cost (4 bytes per lane, not per stream).  `decode_many`
+runs the same loop over the lanes of many buffers at once (every tensor of a container).
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
@@ -26,8 +27,9 @@ Byte layout of an encoded buffer (all integers little-endian)::
                                    frequencies from levels: `model_freqs`
     nb x u32  the lanes' initial decoder states (the encoder's final states), each >= L
               (the encoder starts each lane at L, or at L + tail: 16 bits the caller
-              stores for free in the otherwise wasted low half of the initial state, e.g.
-              the block's bfloat16 m-scale; the decoder ends each lane there and returns it)
+              stores in the otherwise wasted low half of the initial state for at most one
+              more bit of output, e.g. the block's bfloat16 m-scale; the decoder ends each
+              lane there and returns it)
     u16*      the renormalization words in decoding order: for each position i, for each
               stream s, one word for each lane (ascending) whose state fell below L
 
@@ -62,7 +64,6 @@ STATE_LOW = 1 << 16              # L
 MAX_WIDTH = 8
 MAX_PROB_BITS = 15
 PROB_BITS = tuple(range(8, 16))   # totals 2**P the encoder tries per model (fewest coded bits wins)
-_U32 = (1 << 32) - 1
 
 
 class RansError(ValueError):
@@ -251,8 +252,9 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
       prob_bits: passed to `fit_models`.
       inline_models: store the models in the buffer (kind byte 1); False: kind byte 2 and
         no models, the decoder is given them (e.g. one table shared by many tensors).
-      lane_tails: optional [nb] ints 0..65535 stored in the lanes' initial states (free:
-        the buffer is as long as without them); `decode` with ``lane_tails=True`` returns them.
+      lane_tails: optional [nb] ints 0..65535 stored in the lanes' initial states (nearly
+        free: the output grows by at most one bit per lane, i.e. now and then a word);
+        `decode` with ``lane_tails=True`` returns them.
 
     Returns:
       bytes.
