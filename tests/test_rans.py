@@ -264,3 +264,5 @@ def test_decode_many_is_decode_per_buffer():
     with pytest.raises(rans.RansError, match=r"rans\[1\]"):
         rans.decode_many(bad)
     assert rans.decode_many([]) == []
+    tail_empty = rans.decode_many(items[:2] + [items[3]])          # an empty tensor last
+    np.testing.assert_array_equal(tail_empty[2], want[3])

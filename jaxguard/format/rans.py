@@ -451,50 +451,38 @@ def _decode_lanes(parts, what):
                      "slot_base": np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)]),
                      "p": np.concatenate([t["p"] for t in ts])})
         tabs[-1]["mask"] = (np.uint64(1) << tabs[-1]["p"]) - np.uint64(1)
+        idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
+        tabs[-1]["slot_base"][idle], tabs[-1]["mask"][idle] = 0, 0
     nl_all = x.size
     out = np.zeros((S, nl_all, BLOCK), np.uint8)
     low = np.uint64(STATE_LOW)
-    lanes_at = [None] * BLOCK          # lanes still coding at position i (all but partial ones)
-    for i in range(BLOCK):
-        act = counts > i
-        lanes_at[i] = None if act.all() else np.flatnonzero(act)
-    for i in range(BLOCK if nl_all else 0):
-        sel = lanes_at[i]
-        if sel is not None and sel.size == 0:
-            break
-        xs = x if sel is None else x[sel]
-        g = group if sel is None else group[sel]
+    cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
+    for i in range(cmax):
+        act = None if i < cmin else counts > i      # a partial last block stops early: keep its state
         for st in range(S):
             t = tabs[st]
-            pick = (lambda k: t[k]) if sel is None else (lambda k: t[k][sel])   # noqa: E731
-            p = pick("p")
-            si = pick("slot_base") + (xs & pick("mask"))
-            sym = t["sym"][si]
-            xs = t["freq"][si] * (xs >> p) + t["bias"][si]
-            if sel is None:
-                out[st, :, i] = sym
-            else:
-                out[st, sel, i] = sym
-            need = xs < low
-            k = np.flatnonzero(need)
+            si = t["slot_base"] + (x & t["mask"])
+            out[st, :, i] = t["sym"][si]
+            xn = t["freq"][si] * (x >> t["p"]) + t["bias"][si]
+            x = xn if act is None else np.where(act, xn, x)    # an idle lane stays >= L: reads nothing
+            k = np.flatnonzero(x < low)
             if G == 1:
                 pos = ptr[0] + np.arange(k.size)
                 ptr[0] += k.size
+                over = pos >= wend[0]
             else:                      # rank of each needing lane within its buffer
-                gk = g[k]
+                gk = group[k]
                 per = np.bincount(gk, minlength=G)
-                excl = np.arange(k.size) - np.concatenate([[0], np.cumsum(per)[:-1]])[gk]
-                pos = ptr[gk] + excl
+                pos = ptr[gk] + np.arange(k.size) - np.concatenate([[0], np.cumsum(per)[:-1]])[gk]
                 ptr += per
-            if k.size and (pos >= wend[g[k]]).any():
-                bad = int(g[k][np.flatnonzero(pos >= wend[g[k]])[0]])
+                over = pos >= wend[gk]
+            if over.any():
+                bad = int(group[k[np.flatnonzero(over)[0]]])
                 name = f"{what}[{bad}]" if G > 1 else what
                 raise RansError(f"{name}: the words end at position {i} of stream {st} (truncated buffer)")
-            xs[k] = (xs[k] << np.uint64(16)) | words[pos]
-        if sel is None:
-            x = xs
-        else:
-            x[sel] = xs
+            x[k] = (x[k] << np.uint64(16)) | words[pos]
+    if cmin < BLOCK:
+        out[:, np.arange(BLOCK)[None] >= counts[:, None]] = 0
     return out, x, ptr, wend, first
 
 
