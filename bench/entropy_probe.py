@@ -101,7 +101,7 @@ def measure(streams):
             mp = np.frombuffer(t["m_params"], "<u2")
             r["tail_saved"] += joint + t["size"]["m_params"] - len(rans.encode(sym, bits, t["n"], models, lane_tails=mp))
             r["tensors_rans"] += 1
-            r["model_bytes"] += len(rans._model_bytes(models))
+            r["model_bytes"] += len(rans.encode_models(models))
             r["state_bytes"] += 4 * bits.shape[1]
     aw = [t for t in streams if t["aw"]]
     if aw:                      # one model set for the whole checkpoint, stored once

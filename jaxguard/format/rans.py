@@ -152,7 +152,15 @@ def _cost_bits(hist, freqs, prob_bits):
 
 def quantize_levels(hist, shift=0):
     """Histogram -> levels: nearest 2**0.75 step below the most frequent symbol (at level
-    15 + shift, saturating), present symbols >= 1."""
+    15 + shift, saturating), present symbols >= 1.
+
+    Args:
+      hist: symbol counts, at least one > 0.
+      shift: levels added before saturating at 15 (`fit_models` tries 0..3).
+
+    Returns:
+      int64 levels 0..15, 0 exactly where the count is 0.
+    """
     h = np.asarray(hist, np.float64)
     with np.errstate(divide="ignore"):
         k = np.round(np.log2(h / h.max()) / 0.75) + 15 + shift
@@ -197,7 +205,14 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None):
 
 
 def encode_models(models) -> bytes:
-    """Models (from `fit_models`) -> their bytes (the layout's model part)."""
+    """Models -> their bytes (the layout's model part; `decode_models` reads them back).
+
+    Args:
+      models: per stream, dict width -> (P, levels), e.g. from `fit_models`.
+
+    Returns:
+      bytes.
+    """
     out = bytearray()
     for mods in models:
         out.append(len(mods))
@@ -208,9 +223,6 @@ def encode_models(models) -> bytes:
             lv = np.concatenate([lv, np.zeros(lv.size % 2, np.uint8)])
             out += (lv[0::2] | (lv[1::2] << 4)).astype(np.uint8).tobytes()
     return bytes(out)
-
-
-_model_bytes = encode_models
 
 
 def _lane_tables(models, bits):
