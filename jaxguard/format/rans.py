@@ -1,0 +1,566 @@
+"""Interleaved rANS for code streams: one lane per 256-block, a static model per stream and
+alphabet width.  Numpy only (the reader imports it).
+
+The coder is range-ANS with a 32-bit state ``x`` in ``[L, 2**32)``, ``L = 2**16``, and
+16-bit renormalization (Duda 2013; the word-renormalized variant of Giesen's ryg_rans):
+encoding symbol ``s`` of frequency ``f``, cumulative start ``c`` under a total ``M = 2**P``
+first emits ``x & 0xFFFF`` and shifts ``x >>= 16`` while ``x >= f << (32 - P)`` (at most
+once), then sets ``x = (x // f) * M + x % f + c``; decoding takes ``slot = x % M``, the
+symbol whose ``[c, c + f)`` holds the slot, ``x = f * (x >> P) + slot - c``, then reads
+one 16-bit word if ``x < L``.  Every block of 256 positions is one lane; the lanes advance
+together, so decoding is a loop over the 256 positions (times the number of streams that
+share the lanes) of numpy operations across all blocks, never a loop over coordinates.
+Several streams of the same blocks (e.g. the m and the v codes) may share the lanes: lane
+``b`` codes position ``i`` of stream 0, then of stream 1, ..., then position ``i + 1``;
+sharing halves the per-lane state cost (4 bytes per lane, not per stream).  `decode_many`
+runs the same loop over the lanes of many buffers at once (every tensor of a container).
+
+Byte layout of an encoded buffer (all integers little-endian)::
+
+    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them);
+         + 0x10 if the lanes carry tails (below)
+    models (kind 1 only), per stream s = 0..S-1:
+      u8   number of models K_s (one per alphabet width present in the stream)
+      per model, widths ascending and distinct:
+        u8   (width << 4) | P      width 0..8, P max(1, width)..15: frequencies sum to 2**P
+        ceil(2**width / 2) bytes   a 4-bit level per symbol, low nibble first (0 = absent);
+                                   frequencies from levels: `model_freqs`
+    nb x u32  the lanes' initial decoder states (the encoder's final states), each >= L
+              (the encoder starts each lane at L, or at L + tail: 16 bits the caller
+              stores in the otherwise wasted low half of the initial state for at most one
+              more bit of output, e.g. the block's bfloat16 m-scale; the decoder ends each
+              lane there and returns it)
+    u16*      the renormalization words in decoding order: for each position i, for each
+              stream s, one word for each lane (ascending) whose state fell below L
+
+A block of width ``b`` holds symbols ``0 .. 2**b - 1``; only the first ``n - 256*(nb-1)``
+positions of the last block are coded (the rest decode as 0).  The widths and n are not
+in the buffer: the caller stores them (logrel-aw's ``widths`` section).
+
+Numerical contract
+------------------
+Integer arithmetic only (uint64 numpy, no floats on the decode path): ``decode(encode(s))``
+returns ``s`` exactly, for every stream, width, model and size, on every platform.  The
+decoder checks, and raises `RansError` (a ValueError, one line) instead of returning
+wrong symbols or reading out of range: the kind byte; every model byte (width 0..8,
+P max(1, width)..15, widths ascending, none missing for a coded block), no level past the
+alphabet, at least one symbol per model; the buffer holds the lane states and whole
+words; every state in ``[L, 2**32)``; at most one word per symbol; no word read past the
+end; every word consumed; and every lane ending in the encoder's initial state ``L`` (a
+check on the whole lane: a flipped bit in the words or states almost surely breaks it;
+with tails, only ``[L, 2L)`` is checked and the caller must check the tails, e.g. by the
+container's decoded-moments hash).
+Memory is bounded by the sizes the caller passes (``n``, the widths) and ``2**15`` slots
+per model, checked before allocating; the loop has a fixed trip count (256 x streams).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 256
+KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
+TAILS_FLAG = 0x10                    # first byte: each lane's initial state carries 16 caller bits
+STATE_LOW = 1 << 16              # L
+MAX_WIDTH = 8
+MAX_PROB_BITS = 15
+PROB_BITS = tuple(range(8, 16))   # totals 2**P the encoder tries per model (fewest coded bits wins)
+
+
+class RansError(ValueError):
+    """An rANS buffer or its arguments are malformed (the message says which and how)."""
+
+
+# ---------------------------------------------------------------- shapes
+def _shapes(alphabet_bits, n):
+    """alphabet_bits [nb] or [S, nb] -> (bits [S, nb] int64, counts [nb], single-stream?)."""
+    bits = np.asarray(alphabet_bits)
+    single = bits.ndim == 1
+    bits = np.atleast_2d(bits).astype(np.int64)
+    if bits.ndim != 2:
+        raise RansError(f"alphabet_bits has shape {np.shape(alphabet_bits)}; pass [nb] or [streams, nb]")
+    n = int(n)
+    nb = bits.shape[1]
+    if n < 0 or nb != -(-n // BLOCK) and not (n == 0 and nb <= 1):
+        raise RansError(f"{nb} blocks cannot hold n = {n} symbols; pass ceil(n / {BLOCK}) widths per stream")
+    if ((bits < 0) | (bits > MAX_WIDTH)).any():
+        bad = int(bits[(bits < 0) | (bits > MAX_WIDTH)][0])
+        raise RansError(f"alphabet width {bad} is outside 0..{MAX_WIDTH}")
+    counts = np.full(nb, BLOCK, np.int64)
+    if nb:
+        counts[-1] = n - BLOCK * (nb - 1)
+    return bits, counts, single
+
+
+def _blocked(symbols, bits, counts, single):
+    s = np.asarray(symbols)
+    s = s[None] if single else s
+    S, nb = bits.shape
+    if s.shape[:2] != (S, nb) or s.ndim != 3 or s.shape[2] != BLOCK:
+        raise RansError(f"symbols have shape {np.shape(symbols)}; pass [{nb}, {BLOCK}] (or [streams, nb, {BLOCK}]) "
+                        f"matching alphabet_bits {tuple(bits.shape) if not single else (nb,)}")
+    s = s.astype(np.int64)
+    coded = np.broadcast_to(np.arange(BLOCK)[None, None, :] < counts[None, :, None], s.shape)
+    bad = coded & ((s < 0) | (s >= (1 << bits)[:, :, None]))
+    if bad.any():
+        st, b, i = (int(k[0]) for k in np.nonzero(bad))
+        raise RansError(f"stream {st} block {b} position {i}: symbol {int(s[st, b, i])} does not fit "
+                        f"{int(bits[st, b])} bits")
+    coded = coded[0]
+    return np.where(coded[None], s, 0), coded
+
+
+# ---------------------------------------------------------------- models
+# A model is (P, levels): levels[symbol] in 0..15 (0 = absent), stored as 4-bit nibbles; the
+# frequencies follow from them by `model_freqs` (integers only), so the table of a width-w
+# model is ceil(2**w / 2) bytes whatever P is.  Level k > 0 weighs round(2**(0.75*(k-1))):
+# steps of 2**0.75 cost ~0.02 bits per symbol against exact frequencies (measured:
+# bench/results/entropy_probe.md), over a 2**10.5 range.
+LEVEL_WEIGHTS = (0, 1, 2, 3, 5, 8, 13, 23, 38, 64, 108, 181, 304, 512, 861, 1448)
+_W = np.array(LEVEL_WEIGHTS, np.int64)
+
+
+def model_freqs(levels, prob_bits):
+    """Frequencies of a model: present symbols get ``1 + W*(M - K) // sum(W)`` (``M = 2**P``,
+    K present symbols, W their level weights); the remainder goes to the first symbol of
+    the highest level.  Sums to exactly M; every present symbol >= 1.
+
+    Args:
+      levels: [2**width] ints 0..15, at least one > 0 and at most 2**prob_bits of them.
+      prob_bits: P.
+
+    Returns:
+      int64 frequencies.
+
+    Raises:
+      RansError: no present symbol, or more present symbols than slots.
+    """
+    lv = np.asarray(levels, np.int64)
+    M = 1 << int(prob_bits)
+    k = int((lv > 0).sum())
+    if k == 0 or k > M:
+        raise RansError(f"a model with {k} present symbols cannot fill 2**{prob_bits} slots (need 1..2**P)")
+    w = _W[lv]
+    f = np.where(lv > 0, 1 + w * (M - k) // int(w.sum()), 0)
+    f[int(np.argmax(lv))] += M - int(f.sum())
+    return f
+
+
+def _cost_bits(hist, freqs, prob_bits):
+    nz = hist > 0
+    return float((hist[nz] * (prob_bits - np.log2(freqs[nz]))).sum())
+
+
+def quantize_levels(hist, shift=0):
+    """Histogram -> levels: nearest 2**0.75 step below the most frequent symbol (at level
+    15 + shift, saturating), present symbols >= 1.
+
+    Args:
+      hist: symbol counts, at least one > 0.
+      shift: levels added before saturating at 15 (`fit_models` tries 0..3).
+
+    Returns:
+      int64 levels 0..15, 0 exactly where the count is 0.
+    """
+    h = np.asarray(hist, np.float64)
+    with np.errstate(divide="ignore"):
+        k = np.round(np.log2(h / h.max()) / 0.75) + 15 + shift
+    return np.where(h > 0, np.clip(np.nan_to_num(k, nan=1, neginf=1), 1, 15), 0).astype(np.int64)
+
+
+def fit_models(symbols, alphabet_bits, n, prob_bits=None):
+    """Static models of each stream: one per alphabet width present, P chosen per model.
+
+    Args:
+      symbols: [nb, 256] (or [streams, nb, 256]) ints, symbol < 2**width of its block.
+      alphabet_bits: [nb] (or [streams, nb]) widths 0..8.
+      n: symbols per stream (the last block codes n - 256*(nb-1)).
+      prob_bits: force this P for every model; default: per model the P in `PROB_BITS`
+        (and level shift 0..3) of fewest coded bits.
+
+    Returns:
+      per stream, a dict width -> (P, levels [2**width] int64).
+
+    Raises:
+      RansError: shapes or symbols that do not match the widths.
+    """
+    bits, counts, single = _shapes(alphabet_bits, n)
+    s, coded = _blocked(symbols, bits, counts, single)
+    models = []
+    for st in range(bits.shape[0]):
+        mods = {}
+        for w in np.unique(bits[st][counts > 0]).tolist():
+            lanes = (bits[st] == w) & (counts > 0)
+            hist = np.bincount(s[st][lanes][coded[lanes]], minlength=1 << w)
+            cands = [prob_bits] if prob_bits is not None else [p for p in PROB_BITS if p >= w]
+            best = None
+            for p in cands:
+                for shift in range(4):
+                    lv = quantize_levels(hist, shift)
+                    cost = _cost_bits(hist, model_freqs(lv, p), p)
+                    if best is None or cost < best[0]:
+                        best = (cost, p, lv)
+            mods[w] = (best[1], best[2])
+        models.append(mods)
+    return models
+
+
+def encode_models(models) -> bytes:
+    """Models -> their bytes (the layout's model part; `decode_models` reads them back).
+
+    Args:
+      models: per stream, dict width -> (P, levels), e.g. from `fit_models`.
+
+    Returns:
+      bytes.
+    """
+    out = bytearray()
+    for mods in models:
+        out.append(len(mods))
+        for w in sorted(mods):
+            p, lv = mods[w]
+            out.append((w << 4) | p)
+            lv = np.asarray(lv, np.uint8)
+            lv = np.concatenate([lv, np.zeros(lv.size % 2, np.uint8)])
+            out += (lv[0::2] | (lv[1::2] << 4)).astype(np.uint8).tobytes()
+    return bytes(out)
+
+
+def _lane_tables(models, bits):
+    """Flat per-stream tables: freq/start by (model base + symbol), slot -> symbol by (slot base + slot)."""
+    tabs = []
+    for st, mods in enumerate(models):
+        freq, start, slot_sym, slot_freq, slot_bias, sym_base, slot_base, pb = [], [], [], [], [], {}, {}, {}
+        nsym = nslot = 0
+        for w in sorted(mods):
+            p, lv = mods[w]
+            f = model_freqs(lv, p)
+            sym_base[w], slot_base[w], pb[w] = nsym, nslot, p
+            freq.append(f)
+            start.append(np.concatenate([[0], np.cumsum(f)[:-1]]))
+            slot_sym.append(np.repeat(np.arange(f.size), f))
+            slot_freq.append(np.repeat(f, f))
+            slot_bias.append(np.arange(1 << p) - np.repeat(start[-1], f))     # slot - start of its symbol
+            nsym += f.size
+            nslot += 1 << p
+        cat = (lambda a: np.concatenate(a).astype(np.uint64)) if freq else (lambda a: np.zeros(0, np.uint64))
+        b = bits[st]
+        lane = lambda d: np.array([d.get(int(w), 0) for w in b], np.uint64)   # noqa: E731
+        tabs.append({"freq": cat(freq), "start": cat(start), "slot_sym": cat(slot_sym),
+                     "slot_freq": cat(slot_freq), "slot_bias": cat(slot_bias),
+                     "sym_base": lane(sym_base), "slot_base": lane(slot_base), "p": lane(pb)})
+    return tabs
+
+
+# ---------------------------------------------------------------- encode
+def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True, lane_tails=None) -> bytes:
+    """Code streams of blocked symbols -> one rANS buffer (layout: module docstring).
+
+    Args:
+      symbols: [nb, 256] ints (or [streams, nb, 256]: the streams share the lanes).
+        Positions past n in the last block are ignored.
+      alphabet_bits: [nb] (or [streams, nb]) ints 0..8: block b's symbols are < 2**width.
+      n: symbols per stream.
+      models: from `fit_models` (default: fitted here on these symbols).
+      prob_bits: passed to `fit_models`.
+      inline_models: store the models in the buffer (kind byte 1); False: kind byte 2 and
+        no models, the decoder is given them (e.g. one table shared by many tensors).
+      lane_tails: optional [nb] ints 0..65535 stored in the lanes' initial states (nearly
+        free: the output grows by at most one bit per lane, i.e. now and then a word);
+        `decode` with ``lane_tails=True`` returns them.
+
+    Returns:
+      bytes.
+
+    Raises:
+      RansError: shapes, widths or symbols that do not fit, or a symbol its model lacks.
+    """
+    bits, counts, single = _shapes(alphabet_bits, n)
+    s, _ = _blocked(symbols, bits, counts, single)
+    models = fit_models(s if not single else s[0], bits if not single else bits[0], n, prob_bits) \
+        if models is None else models
+    S, nb = bits.shape
+    if len(models) != S:
+        raise RansError(f"{len(models)} model sets for {S} streams")
+    for st in range(S):
+        for w in np.unique(bits[st][counts > 0]).tolist():
+            if w not in models[st]:
+                raise RansError(f"stream {st} has no model for width {w}")
+    tabs = _lane_tables(models, bits)
+    lane_ok = np.arange(BLOCK)[None] < counts[:, None]
+    for st in range(S):
+        idx = (tabs[st]["sym_base"][:, None] + s[st].astype(np.uint64))[lane_ok]
+        if idx.size and (tabs[st]["freq"][idx] == 0).any():
+            raise RansError(f"stream {st}: a symbol has frequency 0 in its model (fit the models on these symbols)")
+    x = np.full(nb, STATE_LOW, np.uint64)
+    if lane_tails is not None:
+        tails = np.asarray(lane_tails).astype(np.int64).reshape(-1)
+        if tails.shape != (nb,) or (tails < 0).any() or (tails >= STATE_LOW).any():
+            raise RansError(f"lane_tails must be {nb} ints in 0..65535 (got shape {np.shape(lane_tails)})")
+        x += tails.astype(np.uint64)
+    chunks = []
+    clast = int(counts[-1]) if nb else 0
+    for i in range(BLOCK - 1, -1, -1):
+        nl = nb if i < clast else nb - 1
+        if nl <= 0:
+            continue
+        xs = x[:nl]
+        for st in range(S - 1, -1, -1):
+            t = tabs[st]
+            idx = t["sym_base"][:nl] + s[st, :nl, i].astype(np.uint64)
+            f, c, p = t["freq"][idx], t["start"][idx], t["p"][:nl]
+            emit = xs >= (f << (np.uint64(32) - p))
+            chunks.append((i, st, (xs[emit] & np.uint64(0xFFFF)).astype("<u2")))
+            xs[emit] >>= np.uint64(16)
+            xs[:] = ((xs // f) << p) + xs % f + c
+    chunks.sort(key=lambda k: (k[0], k[1]))
+    words = np.concatenate([k[2] for k in chunks]) if chunks else np.zeros(0, "<u2")
+    flag = TAILS_FLAG if lane_tails is not None else 0
+    head = bytes([KIND_INLINE | flag]) + encode_models(models) if inline_models else bytes([KIND_EXTERNAL | flag])
+    return head + x.astype("<u4").tobytes() + words.tobytes()
+
+
+def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True) -> int:
+    """Exact bytes `encode` returns (it encodes: ~10 M symbols/s).
+
+    Args/Raises: as `encode`.
+
+    Returns:
+      int.
+    """
+    return len(encode(symbols, alphabet_bits, n, models, prob_bits, inline_models))
+
+
+def symbol_cost_bits(models):
+    """Per stream, width -> [2**width] float64 bits a symbol costs under its model (inf if
+    absent): the width chooser's price of a block is the sum over its symbols, plus the
+    32 bits of the lane state (shared by the streams of the block).
+
+    Args:
+      models: from `fit_models`.
+
+    Returns:
+      list (per stream) of dict width -> cost array.
+    """
+    out = []
+    for mods in models:
+        d = {}
+        for w, (p, lv) in mods.items():
+            f = model_freqs(lv, p).astype(np.float64)
+            with np.errstate(divide="ignore"):
+                d[w] = np.where(f > 0, p - np.log2(np.maximum(f, 1)), np.inf)
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------- decode
+def decode_models(buf, streams, pos=0, what="rans"):
+    """Model bytes (from `encode_models`) -> (models, end offset).
+
+    Args:
+      buf: bytes.
+      streams: S, the number of streams.
+      pos: offset of the model part in buf.
+      what: name used in error messages.
+
+    Returns:
+      (list per stream of dict width -> (P, levels), offset just past the models).
+
+    Raises:
+      RansError: truncated, a bad model byte (width 0..8 ascending and distinct, P
+        max(1, width)..15), or levels past the alphabet.
+    """
+    buf = bytes(buf)
+    models = []
+    for st in range(streams):
+        if pos >= len(buf):
+            raise RansError(f"{what}: truncated before the models of stream {st}")
+        k = buf[pos]
+        pos += 1
+        if k > MAX_WIDTH + 1:
+            raise RansError(f"{what}: stream {st} declares {k} models; at most {MAX_WIDTH + 1} widths exist")
+        mods = {}
+        for _ in range(k):
+            if pos >= len(buf):
+                raise RansError(f"{what}: truncated inside the models of stream {st}")
+            w, p = buf[pos] >> 4, buf[pos] & 15
+            if w > MAX_WIDTH or not max(1, w) <= p <= MAX_PROB_BITS or (mods and w <= max(mods)):
+                raise RansError(f"{what}: stream {st} model byte {buf[pos]:#04x}: width must be 0..{MAX_WIDTH}, "
+                                f"ascending and distinct, P max(1, width)..{MAX_PROB_BITS}")
+            nbytes = -(-(1 << w) // 2)
+            if pos + 1 + nbytes > len(buf):
+                raise RansError(f"{what}: truncated inside the levels of stream {st} width {w}")
+            nib = np.frombuffer(buf, np.uint8, nbytes, pos + 1)
+            lv = np.stack([nib & 15, nib >> 4], axis=1).reshape(-1).astype(np.int64)
+            if (lv[1 << w:] != 0).any():
+                raise RansError(f"{what}: stream {st} width {w} has a level on a symbol past 2**{w}")
+            lv = lv[:1 << w]
+            if not lv.any():
+                raise RansError(f"{what}: stream {st} width {w} model has no symbol")
+            mods[w] = (p, lv)
+            pos += 1 + nbytes
+        models.append(mods)
+    return models, pos
+
+
+def _parse(buf, alphabet_bits, n, models, what, lane_tails):
+    """Check one buffer's head and sizes -> (bits [S, nb], counts, single, tables, states, words)."""
+    bits, counts, single = _shapes(alphabet_bits, n)
+    S, nb = bits.shape
+    b = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else np.asarray(buf, np.uint8).reshape(-1)
+    kind = int(b[0]) if b.size else None
+    if kind is not None and bool(kind & TAILS_FLAG) != bool(lane_tails):
+        raise RansError(f"{what}: the buffer {'carries' if kind & TAILS_FLAG else 'has no'} lane tails; "
+                        f"pass lane_tails={not lane_tails}")
+    kind = kind & ~TAILS_FLAG if kind is not None else None
+    if kind == KIND_INLINE:
+        if models is not None:
+            raise RansError(f"{what}: the buffer carries its models; do not pass models")
+        head = b[:1 + S * (1 + (MAX_WIDTH + 1) * (1 + (1 << MAX_WIDTH) // 2))].tobytes()
+        models, pos = decode_models(head, S, 1, what)
+    elif kind == KIND_EXTERNAL:
+        if models is None:
+            raise RansError(f"{what}: the buffer was written without models; pass the shared models")
+        models = decode_models(encode_models(models), S, 0, what)[0]     # the same checks as stored ones
+        pos = 1
+    else:
+        raise RansError(f"{what}: kind byte {kind} is not {KIND_INLINE} or {KIND_EXTERNAL} (empty or not an rANS buffer)")
+    for st in range(S):
+        missing = sorted(set(np.unique(bits[st][counts > 0]).tolist()) - set(models[st]))
+        if missing:
+            raise RansError(f"{what}: stream {st} has no model for width {missing[0]}, which a block uses")
+    if b.size < pos + 4 * nb or (b.size - pos - 4 * nb) % 2:
+        raise RansError(f"{what}: {b.size - pos} bytes after the models cannot hold {nb} lane states and whole "
+                        f"16-bit words")
+    x = b[pos:pos + 4 * nb].view("<u4").astype(np.uint64)
+    words = b[pos + 4 * nb:].view("<u2").astype(np.uint64)
+    if (x < STATE_LOW).any():
+        raise RansError(f"{what}: lane {int(np.flatnonzero(x < STATE_LOW)[0])} starts in state below 2**16")
+    if words.size > S * int(counts.sum()):
+        raise RansError(f"{what}: {words.size} words for {S * int(counts.sum())} symbols (at most one each)")
+    return bits, counts, single, _lane_tables(models, bits), x, words
+
+
+def _decode_lanes(parts, what):
+    """The lane loop over one or more parsed buffers (their lanes side by side): 256 x S
+    steps of numpy operations across every lane; each buffer reads its own words."""
+    S = parts[0][0].shape[0]
+    nbs = [p[0].shape[1] for p in parts]
+    G = len(parts)
+    group = np.repeat(np.arange(G), nbs)
+    counts = np.concatenate([p[1] for p in parts])
+    x = np.concatenate([p[4] for p in parts])
+    words = np.concatenate([p[5] for p in parts]) if G > 1 else parts[0][5]
+    wend = np.cumsum([p[5].size for p in parts])
+    ptr = np.concatenate([[0], wend[:-1]]).astype(np.int64)     # next word of each buffer
+    first = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64)
+    tabs = []
+    for st in range(S):                # one table per stream over all buffers' models
+        ts = [p[3][st] for p in parts]
+        lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
+        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]).astype(np.uint8),
+                     "freq": np.concatenate([t["slot_freq"] for t in ts]),
+                     "bias": np.concatenate([t["slot_bias"] for t in ts]),
+                     "slot_base": np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)]),
+                     "p": np.concatenate([t["p"] for t in ts])})
+        tabs[-1]["mask"] = (np.uint64(1) << tabs[-1]["p"]) - np.uint64(1)
+        idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
+        tabs[-1]["slot_base"][idle], tabs[-1]["mask"][idle] = 0, 0
+    nl_all = x.size
+    out = np.zeros((S, nl_all, BLOCK), np.uint8)
+    low = np.uint64(STATE_LOW)
+    cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
+    for i in range(cmax):
+        act = None if i < cmin else counts > i      # a partial last block stops early: keep its state
+        for st in range(S):
+            t = tabs[st]
+            si = t["slot_base"] + (x & t["mask"])
+            out[st, :, i] = t["sym"][si]
+            xn = t["freq"][si] * (x >> t["p"]) + t["bias"][si]
+            x = xn if act is None else np.where(act, xn, x)    # an idle lane stays >= L: reads nothing
+            k = np.flatnonzero(x < low)
+            if G == 1:
+                pos = ptr[0] + np.arange(k.size)
+                ptr[0] += k.size
+                over = pos >= wend[0]
+            else:                      # rank of each needing lane within its buffer
+                gk = group[k]
+                per = np.bincount(gk, minlength=G)
+                pos = ptr[gk] + np.arange(k.size) - np.concatenate([[0], np.cumsum(per)[:-1]])[gk]
+                ptr += per
+                over = pos >= wend[gk]
+            if over.any():
+                bad = int(group[k[np.flatnonzero(over)[0]]])
+                name = f"{what}[{bad}]" if G > 1 else what
+                raise RansError(f"{name}: the words end at position {i} of stream {st} (truncated buffer)")
+            x[k] = (x[k] << np.uint64(16)) | words[pos]
+    if cmin < BLOCK:
+        out[:, np.arange(BLOCK)[None] >= counts[:, None]] = 0
+    return out, x, ptr, wend, first
+
+
+def _finish(parts, out, x, ptr, wend, first, what, lane_tails):
+    res = []
+    for g, (bits, counts, single, _, _, words) in enumerate(parts):
+        name = what if len(parts) == 1 else f"{what}[{g}]"
+        if ptr[g] != wend[g]:
+            raise RansError(f"{name}: {int(wend[g] - ptr[g])} of {words.size} words left over after decoding")
+        nb = bits.shape[1]
+        xg = x[first[g]:first[g] + nb]
+        end_bad = (xg >> np.uint64(16)) != 1 if lane_tails else xg != STATE_LOW
+        if end_bad.any():
+            raise RansError(f"{name}: lane {int(np.flatnonzero(end_bad)[0])} does not end in the initial state "
+                            f"(corrupt words or states)")
+        sym = out[:, first[g]:first[g] + nb]
+        sym = sym[0] if single else sym
+        res.append((sym, (xg - np.uint64(STATE_LOW)).astype(np.uint16)) if lane_tails else sym)
+    return res
+
+
+def decode(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
+    """One rANS buffer -> the blocked symbols `encode` was given (exactly).
+
+    Args:
+      buf: bytes-like (or uint8 array).
+      alphabet_bits: [nb] (or [streams, nb]) widths, as passed to `encode` (stored
+        elsewhere: the buffer does not repeat them).
+      n: symbols per stream.
+      models: required for a buffer written with ``inline_models=False`` (refused otherwise).
+      what: name used in error messages (e.g. ``"layer.m_codes"``).
+      lane_tails: True for a buffer written with ``lane_tails`` (refused otherwise).
+
+    Returns:
+      [nb, 256] (or [streams, nb, 256]) uint8 symbols; positions past n are 0.  With
+      ``lane_tails=True``: (symbols, tails [nb] uint16).
+
+    Raises:
+      RansError: any malformed buffer (see the numerical contract), or bad widths / n.
+    """
+    parts = [_parse(buf, alphabet_bits, n, models, what, lane_tails)]
+    return _finish(parts, *_decode_lanes(parts, what), what, lane_tails)[0]
+
+
+def decode_many(items, what="rans", lane_tails=False):
+    """Several buffers (e.g. every tensor of a container) decoded in ONE lane loop: 256 x S
+    numpy steps in all instead of per buffer, which is what makes small tensors cheap.
+
+    Args:
+      items: sequence of (buf, alphabet_bits, n) or (buf, alphabet_bits, n, models), all
+        with the same number of streams; models as in `decode`.
+      what: name used in error messages (``what[k]`` names the k-th buffer).
+      lane_tails: as in `decode`, for every buffer.
+
+    Returns:
+      list of what `decode` returns for each item.
+
+    Raises:
+      RansError: as `decode`, naming the buffer; or a different number of streams.
+    """
+    parts = []
+    for k, it in enumerate(items):
+        buf, ab, n = it[:3]
+        parts.append(_parse(buf, ab, n, it[3] if len(it) > 3 else None, f"{what}[{k}]", lane_tails))
+    if not parts:
+        return []
+    if len({p[0].shape[0] for p in parts}) > 1:
+        raise RansError(f"{what}: the buffers code different numbers of streams; decode them in separate calls")
+    return _finish(parts, *_decode_lanes(parts, what), what, lane_tails)
