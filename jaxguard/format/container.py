@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-from jaxguard.format import packed, reader, spec
+from jaxguard.format import packed, rans, reader, spec
 from jaxguard.errors import ContainerError
 
 SCHEMA = "jaxguard-container"
@@ -119,8 +119,8 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
         cs = _codec_spec(enc.codec, name)
         _add_tables(pay, tables, table_arrays, cs.tables)
         local = _Payload()     # this entry's sections, decoded by the reader before they are written
-        if cs.layout == "packed":
-            sections = _aw_sections(local, enc)
+        if cs.layout in ("packed", "ans"):
+            sections = _aw_sections(local, enc, entropy=cs.layout == "ans")
         else:
             mask = np.zeros(n, bool)
             mask[a["escape_index"]] = True
@@ -180,9 +180,12 @@ def _add_tables(pay, tables, table_arrays, names):
             tables[t] = pay.add(table_arrays[t])
 
 
-def _aw_sections(pay, enc) -> dict:
+def _aw_sections(pay, enc, entropy=False) -> dict:
     """Sections of a logrel-aw entry (jaxguard.format.packed): packed codes, compact parameters, and
-    the smaller of a sparse escape index and an escape bitmask."""
+    the smaller of a sparse escape index and an escape bitmask.  With `entropy` (logrel-ans), the
+    packed m_codes, v_codes and m_params are replaced by one ``mv_rans`` buffer (jaxguard.format.rans:
+    both code streams in one lane per block, models inline, the bf16 m-scales in the lane tails)
+    when that buffer is smaller."""
     a, n = enc.arrays, enc.n
     widths = np.asarray(a["widths"], np.uint8)
     nb = widths.size
@@ -207,12 +210,23 @@ def _aw_sections(pay, enc) -> dict:
             mask = np.zeros(n, bool)
             mask[idx] = True
             esc = pay.add(np.packbits(mask, bitorder="little"))
-        return {"widths": pay.add(widths), "m_codes": pay.add(packed.pack(qm + lm, bm, n)),
-                "v_codes": pay.add(packed.pack(qv, bv, n)), "m_params": pay.add(packed.scale_to_u16(mp[:, 0])),
-                "v_params": pay.add(np.ascontiguousarray(vp[:, 2:4])), kind: esc,
-                "escape_pairs": pay.add(np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32))}
-    except packed.PackError as exc:
-        raise ContainerError(f"cannot store {packed.CODEC} moments: {exc}") from None
+        mcodes, vcodes, scale = packed.pack(qm + lm, bm, n), packed.pack(qv, bv, n), packed.scale_to_u16(mp[:, 0])
+        sections = {"widths": pay.add(widths)}
+        mv = None
+        if entropy and n:
+            mv = rans.encode(np.stack([(qm + lm).reshape(nb, spec.BLOCK), qv.reshape(nb, spec.BLOCK)]),
+                             np.stack([bm, bv]), n, lane_tails=scale)
+            if len(mv) >= mcodes.size + vcodes.size + 2 * scale.size:   # ties: the packed form decodes faster
+                mv = None
+        if mv is None:
+            sections.update({"m_codes": pay.add(mcodes), "v_codes": pay.add(vcodes), "m_params": pay.add(scale)})
+        else:
+            sections["mv_rans"] = pay.add(np.frombuffer(mv, np.uint8))
+        sections.update({"v_params": pay.add(np.ascontiguousarray(vp[:, 2:4])), kind: esc,
+                         "escape_pairs": pay.add(np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32))})
+        return sections
+    except (packed.PackError, rans.RansError) as exc:
+        raise ContainerError(f"cannot store {enc.codec} moments: {exc}") from None
 
 
 def _jsonable(x):
@@ -290,11 +304,12 @@ def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) ->
     out = {}
     digest = hashlib.sha256()
     try:
-        for e in header["entries"]:
+        pre = reader.decode_rans_entries(header["entries"], payload)   # every rANS section in one lane loop
+        for k, e in enumerate(header["entries"]):
             if e["kind"] == "raw":
                 out[e["name"]] = reader.read_raw(e, payload)
             else:
-                m, v = reader.read_moments(e, payload, tables)
+                m, v = reader.read_moments(e, payload, tables, pre.get(k))
                 out[e["name"]] = (m, v)
                 if verify_decoded:
                     digest.update(np.ascontiguousarray(m, "<f4").tobytes())

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxguard.format import packed, spec
+from jaxguard.format import packed, rans, spec
 
 MAGIC = b"JAXGUARD"
 VERSION = 1
@@ -264,9 +264,11 @@ def _sections(entry):
             if len(allowed) == 1:
                 raise ReaderError(f"entry {entry.get('name')!r} must have exactly the sections {', '.join(allowed[0])}")
             common = [k for k in allowed[0] if all(k in names for names in allowed)]
-            alts = [k for names in allowed for k in names if k not in common]
+            alts = list(dict.fromkeys(k for names in allowed for k in names if k not in common))
             raise ReaderError(f"entry {entry.get('name')!r} ({cs.id}) must have exactly the sections "
-                              f"{', '.join(common)} and one of {', '.join(alts)}")
+                              f"{', '.join(common)} and one of {', '.join(alts)}"
+                              + (f" ({' or '.join('+'.join(k for k in names if k not in common) for names in allowed)})"
+                                 if len(alts) > 2 else ""))
         return sec
     raise ReaderError(f"entry {entry.get('name')!r} has unknown kind {entry.get('kind')!r}")
 
@@ -336,13 +338,15 @@ def read_raw(entry, payload):
     return _array(payload, entry["offsets"], dt, n, entry["name"]).reshape(shape)
 
 
-def read_moments(entry, payload, tables):
+def read_moments(entry, payload, tables, rans_symbols=None):
     """Decoded (m~, v~) float32 arrays of one moments entry.
 
     Args:
       entry: a moments entry of a header checked by `parse`.
       payload: the payload (`parse`).
       tables: the stored tables (`read_tables`).
+      rans_symbols: this entry's item of `decode_rans_entries` (its ``mv_rans`` section
+        already decoded with the container's other rANS sections), or None to decode here.
 
     Returns:
       (m~, v~), float32 arrays of the entry's shape, escapes applied.
@@ -351,7 +355,7 @@ def read_moments(entry, payload, tables):
       ReaderError: anything in the entry that does not match the format.
     """
     shape, n = _shape_size(entry)
-    codes = read_codes(entry, payload, tables)
+    codes = read_codes(entry, payload, tables, rans_symbols)
     m, v = decode_codes(entry["codec"], n, codes["m_codes"], codes["v_codes"], codes["m_params"],
                         codes["v_params"], tables)
     m, v = m.copy(), v.copy()
@@ -361,16 +365,18 @@ def read_moments(entry, payload, tables):
     return m.reshape(shape), v.reshape(shape)
 
 
-def read_codes(entry, payload, tables):
+def read_codes(entry, payload, tables, rans_symbols=None):
     """The codes of one moments entry in the fixed form every decode takes.
 
-    A packed entry (``logrel-aw``) is unpacked to the fixed form of its decode
-    (``log8-rel``): codes per coordinate, parameters ``[nb, k]`` float32.
+    A packed entry (``logrel-aw``, or ``logrel-ans`` in either of its forms) is unpacked
+    to the fixed form of its decode (``log8-rel``): codes per coordinate, parameters
+    ``[nb, k]`` float32.
 
     Args:
       entry: a moments entry of a header checked by `parse`.
       payload: the payload (`parse`).
       tables: the stored tables (`read_tables`); checked against the codec's needs.
+      rans_symbols: as for `read_moments`.
 
     Returns:
       dict with ``m_codes``, ``v_codes`` (n each), ``m_params``, ``v_params`` ([nb, k]),
@@ -386,11 +392,13 @@ def read_codes(entry, payload, tables):
         raise ReaderError(f"{cs.id} entries need the {'/'.join(cs.tables)} tables")
     nb = max(1, -(-n // BLOCK))
     name = entry["name"]
-    if cs.layout == "packed":
+    if cs.layout in ("packed", "ans"):
         try:
-            return _read_packed(name, entry["sections"], payload, n, nb)
+            return _read_packed(name, entry["sections"], payload, n, nb, rans_symbols)
         except packed.PackError as exc:
             raise ReaderError(f"{name}.{exc}") from None
+        except rans.RansError as exc:
+            raise ReaderError(str(exc)) from None
     return _read_fixed(cs, name, entry["sections"], payload, n, nb)
 
 
@@ -418,23 +426,71 @@ def _escape_positions(name, s, payload, n):
     return np.flatnonzero(bits[:n])
 
 
-def _read_packed(name, s, payload, n, nb):
-    """Unpack one logrel-aw entry (layout: jaxguard.format.packed) to log8-rel's fixed form."""
-    wb = _array(payload, s["widths"], "u1", nb, f"{name}.widths")
-    bm, bv = packed.check_widths(wb)
-    streams = []
-    for key, widths in (("m_codes", bm), ("v_codes", bv)):
-        streams.append(_array(payload, s[key], "u1", packed.packed_len(widths, n), f"{name}.{key}"))
+def _entry_widths(name, s, payload, n, nb):
+    return packed.check_widths(_array(payload, s["widths"], "u1", nb, f"{name}.widths"))
+
+
+def _rans_item(name, s, payload, n, nb):
+    """(buffer, widths [2, nb], n) of an entry's ``mv_rans`` section, for `rans.decode_many`."""
+    bm, bv = _entry_widths(name, s, payload, n, nb)
+    b, e = s["mv_rans"]
+    return np.frombuffer(payload[b:e], np.uint8), np.stack([bm, bv]), n
+
+
+def decode_rans_entries(entries, payload):
+    """Decode the ``mv_rans`` sections of many entries in one `rans.decode_many` lane loop.
+
+    Args:
+      entries: moments entries of a header checked by `parse` (others are skipped).
+      payload: the payload (`parse`).
+
+    Returns:
+      dict entry position in `entries` -> that entry's ``rans_symbols`` for
+      `read_moments`.  Empty when a section is malformed: each entry then decodes on
+      its own, so that the error names it.
+    """
+    items, where = [], []
+    try:
+        for k, entry in enumerate(entries):
+            s = entry.get("sections") if entry.get("kind") == "moments" else None
+            if isinstance(s, dict) and "mv_rans" in s and codec_spec(entry).layout == "ans":
+                _, n = _shape_size(entry)
+                items.append(_rans_item(entry["name"], s, payload, n, max(1, -(-n // BLOCK))))
+                where.append(k)
+        if len(items) < 2:
+            return {}
+        return dict(zip(where, rans.decode_many(items, "mv_rans", lane_tails=True)))
+    except (ReaderError, packed.PackError, rans.RansError):
+        return {}
+
+
+def _read_packed(name, s, payload, n, nb, rans_symbols=None):
+    """Unpack one logrel-aw / logrel-ans entry (layout: jaxguard.format.packed, and
+    jaxguard.format.rans for an ``mv_rans`` section) to log8-rel's fixed form."""
+    bm, bv = _entry_widths(name, s, payload, n, nb)
     lm = (1 << (bm - 1)) - 1
-    mc = packed.unpack(streams[0], bm, n).reshape(nb, BLOCK).astype(np.int16)
+    if "mv_rans" in s:
+        if rans_symbols is None:
+            rans_symbols = rans.decode(*_rans_item(name, s, payload, n, nb), what=f"{name}.mv_rans", lane_tails=True)
+        (mc, vq), tails = rans_symbols
+        mc = mc.astype(np.int16)
+        vq = vq.reshape(-1)[:n]
+        scale = packed.u16_to_scale(tails)
+        what = f"{name}.mv_rans"
+    else:
+        streams = []
+        for key, widths in (("m_codes", bm), ("v_codes", bv)):
+            streams.append(_array(payload, s[key], "u1", packed.packed_len(widths, n), f"{name}.{key}"))
+        mc = packed.unpack(streams[0], bm, n).reshape(nb, BLOCK).astype(np.int16)
+        vq = packed.unpack(streams[1], bv, n)[:n]
+        scale = packed.u16_to_scale(_array(payload, s["m_params"], "<u2", nb, f"{name}.m_params"))
+        what = f"{name}.m_codes"
     if n < nb * BLOCK:        # padding of the last block is not stored: offset code of q = 0
         mc.reshape(-1)[n:] = lm[-1]
     if (mc > 2 * lm[:, None]).any():
         blk = int(np.flatnonzero((mc > 2 * lm[:, None]).any(1))[0])
-        raise ReaderError(f"{name}.m_codes: block {blk} has code {2 ** int(bm[blk]) - 1}, outside its {int(bm[blk])}-bit range")
+        raise ReaderError(f"{what}: block {blk} has code {2 ** int(bm[blk]) - 1}, outside its {int(bm[blk])}-bit range")
     mq = (mc - lm[:, None]).astype(np.int8).reshape(-1)[:n]
-    vq = packed.unpack(streams[1], bv, n)[:n]
-    scale = packed.u16_to_scale(_array(payload, s["m_params"], "<u2", nb, f"{name}.m_params"))
     wp = _array(payload, s["v_params"], "<f4", 2 * nb, f"{name}.v_params").reshape(nb, 2)
     lo, r = packed.lo_r(wp[:, 0], wp[:, 1])
     idx = _escape_positions(name, s, payload, n)
@@ -446,9 +502,10 @@ def _read_packed(name, s, payload, n, nb):
 def decoded_digest(header, payload):
     tables = read_tables(header, payload)
     h = hashlib.sha256()
-    for entry in header["entries"]:
+    pre = decode_rans_entries(header["entries"], payload)
+    for k, entry in enumerate(header["entries"]):
         if entry.get("kind") == "moments":
-            m, v = read_moments(entry, payload, tables)
+            m, v = read_moments(entry, payload, tables, pre.get(k))
             h.update(np.ascontiguousarray(m, "<f4").tobytes())
             h.update(np.ascontiguousarray(v, "<f4").tobytes())
     return h.hexdigest()

@@ -43,10 +43,15 @@ TABLE_SIZE = 256
 
 FIXED_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "escape_pairs")
 PACKED_SECTIONS = ("widths", "m_codes", "v_codes", "m_params", "v_params", "escape_pairs")
+ANS_SECTIONS = ("widths", "mv_rans", "v_params", "escape_pairs")
+ESCAPE_FORMS = ("escape_mask", "escape_index")
 LAYOUTS = {
     "fixed": (FIXED_SECTIONS,),
     # jaxguard.format.packed: per-block widths, and exactly one of the two escape forms
-    "packed": tuple(PACKED_SECTIONS + (e,) for e in ("escape_mask", "escape_index")),
+    "packed": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS),
+    # per tensor either the packed sections or one rANS buffer of the m and v codes whose
+    # lanes carry the bf16 m-scales (``mv_rans`` replaces m_codes, v_codes and m_params)
+    "ans": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS) + tuple(ANS_SECTIONS + (e,) for e in ESCAPE_FORMS),
 }
 """The section-name sets a moments entry of each layout may have (docs/format.md)."""
 
@@ -68,7 +73,9 @@ class CodecSpec:
         m and v code after any unpacking.
       m_params, v_params: float32 block parameters per block in the fixed layout.
       layout: ``"fixed"`` (sections m_codes, v_codes, m_params, v_params, escape_mask,
-        escape_pairs) or ``"packed"`` (jaxguard.format.packed: per-block widths).
+        escape_pairs), ``"packed"`` (jaxguard.format.packed: per-block widths) or ``"ans"``
+        (per tensor the packed sections, or an ``mv_rans`` section instead of m_codes,
+        v_codes and m_params: jaxguard.format.rans).
       decode: the id of the fixed decode this codec's codes go through (its own id
         unless it shares another codec's arithmetic).
       tables: names of the stored tables its decode needs.
@@ -307,3 +314,5 @@ register(CodecSpec("block8-unguarded", "block8 without the guard (negative contr
                    decode="block8", tables=("dynamic8s", "dynamic8u"), certified=False))
 register(CodecSpec("logrel-aw", "log8-rel decode, 4..8-bit widths per block, compact parameters", "i1", "u1",
                    1, 4, layout="packed", decode="log8-rel"))
+register(CodecSpec("logrel-ans", "logrel-aw with rANS-coded m and v code streams (per tensor, when smaller)",
+                   "i1", "u1", 1, 4, layout="ans", decode="log8-rel"))
