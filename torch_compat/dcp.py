@@ -58,7 +58,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items, _create_write_items
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed.tensor import DTensor
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:   # torch 2.4: DTensor was public only as torch.distributed._tensor
+    from torch.distributed._tensor import DTensor
 
 from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
@@ -662,7 +665,7 @@ def to_torch_checkpoint(state: dict) -> dict:
 
 def restore_dir(path, output) -> dict:
     """``jaxguard restore DIR -o full.pt``: consolidate into one torch checkpoint."""
-    from jaxguard.cli.main import _write_torch
+    from torch_compat.state import save_torch as _write_torch
     t0 = time.perf_counter()
     ckpt = to_torch_checkpoint(load_full(path))
     _write_torch(output, ckpt)

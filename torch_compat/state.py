@@ -94,7 +94,19 @@ def from_skeleton(sk, arrays, dtypes):
 
 
 # ---------------------------------------------------------------- validation
-def _scalar(x, what):
+def scalar_value(x, what):
+    """A Python number from a number or a one-element tensor (an lr, a beta, a step).
+
+    Args:
+      x: the value from an optimizer state_dict.
+      what: its name, for the error.
+
+    Returns:
+      the number.
+
+    Raises:
+      CheckpointError: a tensor of more than one element.
+    """
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise CheckpointError(f"{what} is a tensor of {x.numel()} elements; expected a scalar")
@@ -168,8 +180,20 @@ def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mi
                        codec=codec, bound=bound, partition=partition)
 
 
-def _step_int(st, idx):
-    s = float(_scalar(st["step"], f"state {idx}.step"))
+def step_count(st, idx):
+    """``state["step"]`` of one parameter as an int.
+
+    Args:
+      st: the parameter's optimizer state.
+      idx: its index or name, for the error.
+
+    Returns:
+      the step count t (the number of steps taken).
+
+    Raises:
+      CheckpointError: the step is not a non-negative integer.
+    """
+    s = float(scalar_value(st["step"], f"state {idx}.step"))
     if s != int(s) or s < 0:
         raise CheckpointError(f"optimizer state {idx}.step={s} is not a non-negative integer")
     return int(s)
@@ -446,3 +470,20 @@ def _audit(original, restored, *, tau, clip, grads, grid, progress):
         viol += int(bad.sum())
         coords += p.numel()
     return {"max_gap_lr": worst, "violations": viol, "coordinates": coords, "gradients": len(grid) + 1}
+
+
+_scalar = scalar_value   # the old private names (torch_compat.dcp and the audit still use them)
+_step_int = step_count
+
+
+def save_torch(path, obj) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (a temporary file renamed into place).
+
+    Args:
+      path: a local path or an fsspec URL.
+      obj: what torch.save accepts (a checkpoint dict of tensors).
+
+    Raises:
+      OSError: the file cannot be written; no partial file is left.
+    """
+    container.atomic_write_with(path, lambda fh: torch.save(obj, fh))   # straight to the file, no copy in memory
