@@ -26,11 +26,18 @@ def _die(msg: str) -> int:
 
 
 def _torch_missing(verb: str) -> str | None:
-    """The one-line error for ``verb`` when torch (or torch_compat) cannot be imported, else None."""
+    """The one-line error for ``verb`` when torch is missing (or older than torch_compat
+    supports), else None."""
     try:
-        import torch_compat  # noqa: F401 - raises ImportError with the install line when torch is missing
+        import torch  # noqa: F401
     except ImportError:
         return f'{verb} needs torch; install it with pip install "jaxguard[torch]"'
+    try:
+        import torch_compat  # noqa: F401
+    except ImportError as exc:
+        if str(exc).startswith("torch_compat needs torch"):   # its version check
+            return f"{verb}: {exc}"
+        raise
     return None
 
 
