@@ -387,6 +387,11 @@ class FusedAdamVariant:
 
 
 def check_implementation(implementation: str) -> str:
+    """Args: implementation: "single", "foreach" or "fused". Returns: it, checked.
+
+    Raises:
+      ConfigError: any other value.
+    """
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"implementation={implementation!r} is unknown; use one of {', '.join(IMPLEMENTATIONS)} "
                           "(torch.optim.Adam's foreach=False/fused=False, foreach=True, fused=True on CPU)")

@@ -89,9 +89,13 @@ def _store(path: Path, doc: dict) -> None:
 
 
 def variant_record() -> dict:
-    """The detected variant as a JSON-able dict for a container header or a CLI report,
-    without a Python warning: a mismatch is reported in ``matched``/``detail``.  Cached on
-    disk per environment (`torch_compat.variant_cache`)."""
+    """The detected variant for a container header or a CLI report, without a Python warning.
+
+    Returns:
+      a JSON-able dict (`AdamVariant.to_dict`); a mismatch is reported in ``matched``/``detail``,
+      a failed detection as ``{"matched": False, "detail": ...}`` (the guard does not use it).
+      Cached on disk per environment (`cached_detect_variant`).
+    """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReplayVariantWarning)
