@@ -114,6 +114,10 @@ def _torch_blocked_env(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("JAX_PLATFORMS", "cpu")
+    # the XLA cache conftest.py gives this process: the guard kernels compile once per machine
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxguard", "xla")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     return env
 
 
