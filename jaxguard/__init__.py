@@ -1,6 +1,8 @@
 """jaxguard: guarded compression of Adam optimizer state.
 
-Public API (imported lazily so that `python -m jaxguard.reader` needs numpy only)::
+Nothing here imports torch: the torch layer is the `torch_compat` package
+(``pip install "jaxguard[torch]"``). Public API (imported lazily so that
+`python -m jaxguard.reader` needs numpy only)::
 
     import jaxguard as jg
     enc = jg.encode(m, v, p, jg.GuardConfig(lr=1e-3, step=t))

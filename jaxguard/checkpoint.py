@@ -28,17 +28,15 @@ layout, into `like`'s shardings (any mesh or process count).
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 from typing import Any, List, Optional
 
-from etils import epath
-from orbax.checkpoint import checkpoint_args
-from orbax.checkpoint import utils as ocp_utils
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.futures import future
-from orbax.checkpoint._src.handlers import async_checkpoint_handler
-
 import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import future
 
 from jaxguard.format import container
 from jaxguard import optax_adapter
@@ -48,7 +46,18 @@ from jaxguard.errors import CheckpointError
 FILENAME = "opt_state.jaxguard"
 
 
-class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
+def _run_sync(coro):
+    """Run ``coro`` to completion from synchronous code, also when an event loop is
+    already running in this thread (a notebook): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Writes/reads optax state as one guarded jaxguard container per checkpoint item."""
 
     def __init__(self, filename: Optional[str] = None, primary_host: Optional[int] = 0):
@@ -68,7 +77,7 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         path = epath.Path(directory) / self._filename
 
         async def write():
-            if ocp_utils.is_primary_host(self._primary_host):
+            if ocp.utils.is_primary_host(self._primary_host):
                 container.atomic_write(path, data)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
@@ -99,7 +108,7 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             for f in await self.async_save(directory, args=args) or []:
                 f.result()
 
-        asyncio_utils.run_sync(run())
+        _run_sync(run())
 
     def restore(self, directory: epath.Path, args: "GuardedRestore" = None) -> Any:
         if not isinstance(args, GuardedRestore) or args.like is None:
@@ -135,9 +144,9 @@ class GuardedCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         pass
 
 
-@checkpoint_args.register_with_handler(GuardedCheckpointHandler, for_save=True)
+@ocp.args.register_with_handler(GuardedCheckpointHandler, for_save=True)
 @dataclasses.dataclass
-class GuardedSave(checkpoint_args.CheckpointArgs):
+class GuardedSave(ocp.args.CheckpointArgs):
     """Save args: the optax state, the params it belongs to and the next update's
     hyperparameters (see `jaxguard.save`)."""
 
@@ -159,9 +168,9 @@ class GuardedSave(checkpoint_args.CheckpointArgs):
                                   "parameters the state belongs to")
 
 
-@checkpoint_args.register_with_handler(GuardedCheckpointHandler, for_restore=True)
+@ocp.args.register_with_handler(GuardedCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
-class GuardedRestore(checkpoint_args.CheckpointArgs):
+class GuardedRestore(ocp.args.CheckpointArgs):
     """Restore args: `like` gives the structure, dtypes and shardings (e.g. tx.init(params))."""
 
     like: Any = None

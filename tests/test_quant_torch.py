@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from jaxguard.errors import CheckpointError, ConfigError
 from jaxguard.quant import al_decode, al_encode, uf8_decode, uf8_encode
-from torch_compat.quant_adamw import QuantAdamW, decode_state_tensor, encode_state_tensor
+from torch_compat.quant_adamw import QuantAdamW, decode_state_tensor, encode_state_tensor, state_fields
 
 
 def _v_like(seed=0, n=4096):
@@ -55,6 +56,30 @@ def _train(opt_fn, steps=20, seed=0):
         loss.backward()
         opt.step()
     return w.detach().clone(), opt, float(((x @ w + b - y) ** 2).mean().detach())
+
+
+@pytest.mark.parametrize("m_code", ["uf8", "d8"])
+def test_exp_avg_fields_exclude_exp_avg_sq(m_code):
+    """``exp_avg`` is a prefix of ``exp_avg_sq``: the m decoder must get m's fields only
+    (the old key filter handed it exp_avg_sq_codes/_lo/_r too), and a decoder given
+    another code's fields refuses them instead of ignoring them."""
+    w = torch.nn.Parameter(torch.randn(64, 128) * 0.1)
+    opt = QuantAdamW([w], m_code=m_code, v_code="al8", min_size=1)
+    w.grad = torch.randn_like(w) * 1e-2
+    opt.step()
+    st = opt.state[w]
+    assert {"exp_avg_sq_codes", "exp_avg_sq_lo", "exp_avg_sq_r"} <= set(st)
+    m_fields = state_fields(st, "exp_avg", m_code)
+    assert set(m_fields) == ({"codes", "scale"} if m_code == "uf8" else {"codes", "absmax"})
+    assert set(state_fields(st, "exp_avg_sq", "al8")) == {"codes", "lo", "r"}
+    with pytest.raises(ConfigError, match="fields"):
+        decode_state_tensor({**m_fields, "sq_codes": st["exp_avg_sq_codes"]}, m_code, w.shape)
+    with pytest.raises(CheckpointError, match="exp_avg_scale" if m_code == "uf8" else "exp_avg_absmax"):
+        state_fields({k: v for k, v in st.items() if k not in ("exp_avg_scale", "exp_avg_absmax")}, "exp_avg", m_code)
+    # a second step decodes what the first encoded: the optimizer still runs end to end
+    w.grad = torch.randn_like(w) * 1e-2
+    opt.step()
+    assert torch.isfinite(w).all()
 
 
 def test_quant_adamw_tracks_torch_adamw_and_saves_bytes():

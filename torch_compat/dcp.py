@@ -58,7 +58,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items, _create_write_items
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed.tensor import DTensor
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:   # torch 2.4: DTensor was public only as torch.distributed._tensor
+    from torch.distributed._tensor import DTensor
 
 from jaxguard import audit as jg_audit
 from jaxguard.format import container, reader
@@ -748,10 +751,10 @@ def restore_dir(path, output) -> dict:
     Raises:
       CheckpointError: as `load_full`.
     """
-    from jaxguard.cli.main import _write_torch
+    from torch_compat.state import save_torch
     t0 = time.perf_counter()
     ckpt = to_torch_checkpoint(load_full(path))
-    _write_torch(output, ckpt)
+    save_torch(output, ckpt)
     return {"output": os.fspath(output), "keys": sorted(map(str, ckpt)), "seconds": time.perf_counter() - t0}
 
 

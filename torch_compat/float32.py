@@ -52,7 +52,7 @@ def parity_table_index(bits: np.ndarray) -> np.ndarray:
 
 
 def sqrt_float32_numpy(x, table) -> np.ndarray:
-    """torch.sqrt as modelled by ``table`` (a ``torch_compat._variant.SqrtTable``)."""
+    """torch.sqrt as modelled by ``table`` (a ``torch_compat.variant.SqrtTable``)."""
     x = np.asarray(x, np.float32)
     bits = x.view(np.uint32)
     with np.errstate(invalid="ignore"):

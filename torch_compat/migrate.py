@@ -46,7 +46,7 @@ import optax
 from jaxguard import optax_adapter
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
 
-from torch_compat.state import _scalar, _step_int, check_optimizer_state, param_index, tensor_to_numpy
+from torch_compat.state import check_optimizer_state, param_index, scalar_value, step_count, tensor_to_numpy
 
 MIGRATE_TAU_FACTOR = 0.99
 
@@ -65,7 +65,7 @@ def tx_spec(opt_sd) -> dict:
     for g in opt_sd["param_groups"]:
         wd = float(g.get("weight_decay", 0.0) or 0.0)
         decoupled = bool(g.get("decoupled_weight_decay", False))
-        specs.add((float(_scalar(g["lr"], "lr")), tuple(float(_scalar(b, "beta")) for b in g["betas"]),
+        specs.add((float(scalar_value(g["lr"], "lr")), tuple(float(scalar_value(b, "beta")) for b in g["betas"]),
                    float(g["eps"]), wd, decoupled and wd > 0, (not decoupled) and wd > 0))
     if len(specs) != 1:
         raise UnsupportedOptimizerError(f"the optimizer has {len(specs)} param groups with different hyperparameters; "
@@ -114,7 +114,7 @@ def to_optax(state_dict, params):
         if tuple(st["exp_avg"].shape) != tuple(np.shape(p)):
             raise CheckpointError(f"param {name!r} has shape {tuple(np.shape(p))} but its moments have "
                                   f"{tuple(st['exp_avg'].shape)}")
-        steps.add(_step_int(st, names[name]))
+        steps.add(step_count(st, names[name]))
     if len(steps) != 1:
         raise CheckpointError(f"params have different steps {sorted(steps)}; optax keeps one step count")
 

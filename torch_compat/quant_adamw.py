@@ -24,15 +24,37 @@ import math
 import numpy as np
 import torch
 
-from jaxguard.errors import ConfigError
+from jaxguard.errors import CheckpointError, ConfigError
+from jaxguard.format import spec
 from jaxguard.quant import codecs
 from torch_compat import codes_torch
 
-__all__ = ["QuantAdamW", "encode_state_tensor", "decode_state_tensor"]
+__all__ = ["QuantAdamW", "STATE_FIELDS", "encode_state_tensor", "decode_state_tensor", "state_fields"]
+
+STATE_FIELDS = {"al8": ("codes", "lo", "r"), "al16": ("codes", "lo", "r"), "uf8": ("codes", "scale"),
+                "d8": ("codes", "absmax")}
+"""The tensors each state code stores; ``state[f"{name}_{field}"]`` in an optimizer state."""
+
+
+def _check_code(code: str) -> None:
+    if code not in STATE_FIELDS:
+        raise ConfigError(f"code={code!r} is not a QuantAdamW state code; use al8, al16, uf8 or d8")
 
 
 def encode_state_tensor(x: torch.Tensor, code: str) -> dict:
-    """Encode a float32 CPU tensor with ``al8``/``al16``/``uf8``/``d8``: dict of tensors."""
+    """Encode a float32 CPU tensor with one state code.
+
+    Args:
+      x: the moment (any shape; float32 on CPU after conversion).
+      code: ``al8``/``al16`` (v), ``uf8``/``d8`` (m).
+
+    Returns:
+      a dict of tensors keyed by ``STATE_FIELDS[code]``.
+
+    Raises:
+      ConfigError: an unknown code.
+    """
+    _check_code(code)
     xn = x.detach().to(torch.float32).cpu().numpy()
     if code in ("al8", "al16"):
         e = codecs.al_encode(xn, 8 if code == "al8" else 16)
@@ -51,6 +73,23 @@ def encode_state_tensor(x: torch.Tensor, code: str) -> dict:
 
 
 def decode_state_tensor(enc: dict, code: str, shape) -> torch.Tensor:
+    """Decode what `encode_state_tensor` wrote, bit-identically to the JAX and numpy decoders.
+
+    Args:
+      enc: the tensors of ``STATE_FIELDS[code]``, exactly those.
+      code: ``al8``, ``al16``, ``uf8`` or ``d8``.
+      shape: the moment's shape.
+
+    Returns:
+      the float32 moment.
+
+    Raises:
+      ConfigError: an unknown code, or ``enc`` has other fields than the code's.
+    """
+    _check_code(code)
+    if set(enc) != set(STATE_FIELDS[code]):
+        raise ConfigError(f"a {code} state has the fields {', '.join(STATE_FIELDS[code])}, got "
+                          f"{', '.join(sorted(enc)) or 'none'}")
     n = math.prod(shape)
     if code in ("al8", "al16"):
         q = enc["codes"].to(torch.int64) & 0xFFFF  # int16 storage of uint16 codes
@@ -58,9 +97,33 @@ def decode_state_tensor(enc: dict, code: str, shape) -> torch.Tensor:
     if code == "uf8":
         return codes_torch.linear8_decode(enc["codes"], enc["scale"], n).reshape(shape)
     if code == "d8":
-        table = torch.from_numpy(codecs._codes.dynamic_map(True).copy())
+        table = torch.from_numpy(spec.dynamic_map(True))
         return codes_torch.table_decode(enc["codes"], enc["absmax"], table, n).reshape(shape)
-    raise ConfigError(f"code={code!r} is not a QuantAdamW state code; use al8, al16, uf8 or d8")
+
+
+def state_fields(state: dict, name: str, code: str) -> dict:
+    """The encoded tensors of moment ``name`` in one parameter's optimizer state.
+
+    Only ``name``'s own fields: ``exp_avg`` never picks up ``exp_avg_sq_*``.
+
+    Args:
+      state: ``optimizer.state[p]`` of a `QuantAdamW`.
+      name: ``"exp_avg"`` or ``"exp_avg_sq"``.
+      code: the code it was stored with (``STATE_FIELDS``).
+
+    Returns:
+      ``{field: tensor}`` for the fields of ``code``.
+
+    Raises:
+      ConfigError: an unknown code.
+      CheckpointError: a field is missing (a state written with another code or by another optimizer).
+    """
+    _check_code(code)
+    missing = [f"{name}_{f}" for f in STATE_FIELDS[code] if f"{name}_{f}" not in state]
+    if missing:
+        raise CheckpointError(f"QuantAdamW state has no {', '.join(missing)} for a {code} {name}; load a state "
+                              "written with the same m_code/v_code")
+    return {f: state[f"{name}_{f}"] for f in STATE_FIELDS[code]}
 
 
 class QuantAdamW(torch.optim.Optimizer):
@@ -84,8 +147,7 @@ class QuantAdamW(torch.optim.Optimizer):
     def _get(state, name, code, shape):
         if code == "fp32":
             return state[name]
-        return decode_state_tensor({k[len(name) + 1:]: v for k, v in state.items()
-                                    if k.startswith(name + "_")}, code, shape)
+        return decode_state_tensor(state_fields(state, name, code), code, shape)
 
     @staticmethod
     def _put(state, name, code, x):

@@ -45,15 +45,15 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from torch_compat._variant import (
+from torch_compat import calibrate
+from torch_compat.variant import (
     IMPLEMENTATIONS,
     AdamVariant,
     FusedAdamVariant,
+    ReplayFunctions,
     ReplayVariantWarning,
     SqrtTable,
     check_implementation,
-    detect_implementation_variant,
-    detect_variant,
     sqrt_table_for,
 )
 from torch_compat.float32 import MANTISSA_BITS, fma_float32_numpy, sqrt_float32_numpy
@@ -578,3 +578,71 @@ def torch_adam_step(p, g, m, v, **hyperparameters):
     """``torch_adam_step_many`` for one tensor: returns ``(p_new, m_new, v_new)``."""
     ps, ms, vs = torch_adam_step_many([p], [g], [m], [v], **hyperparameters)
     return ps[0], ms[0], vs[0]
+
+
+# The detection of the installed torch's variant (torch_compat.calibrate), handed this
+# replay to check its candidates with.
+_REPLAY = ReplayFunctions(adam_step=adam_step, numpy_adam_step=numpy_adam_step,
+                          torch_adam_step_many=torch_adam_step_many)
+
+
+def detect_variant(refresh: bool = False) -> AdamVariant:
+    """Calibrate the installed torch's single-tensor Adam once per process.
+
+    Args:
+      refresh: measure again even if this process already did.
+
+    Returns:
+      the matching `AdamVariant`; on no match a ``ReplayVariantWarning``, ``matched=False``
+      and the documented default model (every op fused, measured sqrt table when it is
+      within 1 ulp, else IEEE).
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
+    return calibrate.detect_variant(_REPLAY, refresh)
+
+
+def detect_fused_variant(refresh: bool = False) -> FusedAdamVariant:
+    """Measure torch's fused CPU Adam kernel (body, vector width, tail) once per process.
+
+    Args:
+      refresh: measure again even if this process already did.
+
+    Returns:
+      the `FusedAdamVariant` (``matched=False`` and a ``ReplayVariantWarning`` on no match).
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
+    return calibrate.detect_fused_variant(_REPLAY, refresh)
+
+
+def detect_foreach_variant(refresh: bool = False) -> AdamVariant:
+    """Confirm torch's foreach=True CPU Adam end to end once per process.
+
+    Args:
+      refresh: measure again even if this process already did.
+
+    Returns:
+      the `AdamVariant` (``matched=False`` and a ``ReplayVariantWarning`` on no match).
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
+    return calibrate.detect_foreach_variant(_REPLAY, refresh)
+
+
+def detect_implementation_variant(implementation: str = "single"):
+    """The measured variant of ``implementation``.
+
+    Args:
+      implementation: "single", "foreach" or "fused" (torch.optim.Adam's flags on CPU).
+
+    Returns:
+      an `AdamVariant` ("single", "foreach") or a `FusedAdamVariant` ("fused").
+
+    Raises:
+      ConfigError: an unknown implementation, or torch is not installed.
+    """
+    return calibrate.detect_implementation_variant(_REPLAY, implementation)

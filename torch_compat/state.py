@@ -301,8 +301,6 @@ def step_count(st, idx):
     return int(s)
 
 
-_scalar, _step_int = scalar_value, step_count   # the old names, still imported by torch_compat.migrate
-
 
 # ---------------------------------------------------------------- compress / restore
 def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
@@ -675,3 +673,16 @@ def _audit(original, restored, *, tau, clip, grads, grid, progress):
             b = torch_step(p, rst["exp_avg"], rst["exp_avg_sq"], g, step, group, decoupled)
             tally.add(idx, a.numpy(), b.numpy(), lr)
     return tally.summary(len(grid) + 1).to_json()
+
+
+def save_torch(path, obj) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (a temporary file renamed into place).
+
+    Args:
+      path: a local path or an fsspec URL.
+      obj: what torch.save accepts (a checkpoint dict of tensors).
+
+    Raises:
+      OSError: the file cannot be written; no partial file is left.
+    """
+    container.atomic_write_with(path, lambda fh: torch.save(obj, fh))   # straight to the file, no copy in memory

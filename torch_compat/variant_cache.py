@@ -8,7 +8,7 @@ in a file named by a SHA-256 of
 * `environment_fingerprint()` (torch version, ATen CPU capability, MKL version, CPU
   model and flags, ``ATEN_CPU_CAPABILITY`` / ``MKL_ENABLE_INSTRUCTIONS`` / ``MKL_CBWR``),
 * the Python and numpy versions, and
-* the source of the detection code (``_variant.py`` and ``replay.py``),
+* the source of the detection code (``float32.py``, ``variant.py``, ``calibrate.py``, ``replay.py``),
 
 so that a different torch, CPU, kernel setting or detection code never reuses a stale
 entry: any change of the key is a cache miss and a fresh detection.  A cache that
@@ -23,13 +23,15 @@ import json
 import os
 import platform
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from torch_compat import _variant
+from torch_compat import variant as variant_types
+from torch_compat.replay import ReplayVariantWarning, detect_variant
 
-_SOURCES = ("_variant.py", "replay.py")
+_SOURCES = ("float32.py", "variant.py", "calibrate.py", "replay.py")
 FORMAT = 1
 
 
@@ -37,7 +39,7 @@ def cache_key() -> str:
     """Hex key of this environment and detection code (see the module docstring)."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    doc = {"format": FORMAT, "fingerprint": _variant.environment_fingerprint(), "python": platform.python_version(),
+    doc = {"format": FORMAT, "fingerprint": variant_types.environment_fingerprint(), "python": platform.python_version(),
            "numpy": np.__version__}
     h.update(json.dumps(doc, sort_keys=True).encode())
     for name in _SOURCES:
@@ -46,7 +48,7 @@ def cache_key() -> str:
 
 
 def cache_path(key: str | None = None) -> Path:
-    return _variant.cache_dir() / f"adam-variant-{key or cache_key()}.json"
+    return variant_types.cache_dir() / f"adam-variant-{key or cache_key()}.json"
 
 
 def cached_detect_variant(*, refresh: bool = False, detect=None):
@@ -59,14 +61,13 @@ def cached_detect_variant(*, refresh: bool = False, detect=None):
     Returns:
       ``(variant, cached)``: the `AdamVariant` and whether it came from the cache.
     """
-    if detect is None:
-        from torch_compat.replay import detect_variant as detect
+    detect = detect or detect_variant
     path = cache_path()
     if not refresh:
         try:
             d = json.loads(path.read_text())
             if d.get("key") == path.stem.rsplit("-", 1)[-1]:
-                return _variant.AdamVariant(**d["variant"]), True
+                return variant_types.AdamVariant(**d["variant"]), True
         except (OSError, ValueError, TypeError, KeyError):
             pass   # missing, unreadable or from another AdamVariant layout: detect again
     variant = detect()
@@ -85,3 +86,19 @@ def _store(path: Path, doc: dict) -> None:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def variant_record() -> dict:
+    """The detected variant for a container header or a CLI report, without a Python warning.
+
+    Returns:
+      a JSON-able dict (`AdamVariant.to_dict`); a mismatch is reported in ``matched``/``detail``,
+      a failed detection as ``{"matched": False, "detail": ...}`` (the guard does not use it).
+      Cached on disk per environment (`cached_detect_variant`).
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReplayVariantWarning)
+            return cached_detect_variant()[0].to_dict()   # once per environment, not per run
+    except Exception as exc:  # noqa: BLE001 - the variant is informational: the guard does not use it
+        return {"matched": False, "detail": f"variant detection failed: {exc}"[:300]}

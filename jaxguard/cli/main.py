@@ -5,6 +5,7 @@ Every error a user can cause prints one line, ``jaxguard: error: ...``, and exit
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
@@ -14,11 +15,30 @@ import time
 from jaxguard.errors import JaxguardError, CheckpointError
 
 EXIT_USAGE = 2
+# the verbs that read or write torch checkpoints or run torch; the rest (inspect, verify
+# of a container file) need only numpy
+TORCH_VERBS = ("compress", "restore", "audit", "demo", "migrate", "audit-enclosure")
 
 
 def _die(msg: str) -> int:
     print(f"jaxguard: error: {msg}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _torch_missing(verb: str) -> str | None:
+    """The one-line error for ``verb`` when torch is missing (or older than torch_compat
+    supports), else None."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return f'{verb} needs torch; install it with pip install "jaxguard[torch]"'
+    try:
+        import torch_compat  # noqa: F401
+    except ImportError as exc:
+        if str(exc).startswith("torch_compat needs torch"):   # its version check
+            return f"{verb}: {exc}"
+        raise
+    return None
 
 
 def load_torch_checkpoint(path):
@@ -44,12 +64,6 @@ def load_torch_checkpoint(path):
         raise CheckpointError(f"{path} is not a readable torch checkpoint ({first[:160]})") from None
 
 
-def _write_torch(path, obj):
-    import torch
-    from jaxguard.format.container import atomic_write_with
-    atomic_write_with(path, lambda fh: torch.save(obj, fh))   # straight to the file, no copy in memory
-
-
 def _print_summary(s, as_json):
     if as_json:
         print(json.dumps(s, sort_keys=True))
@@ -65,7 +79,7 @@ def _print_summary(s, as_json):
 def cmd_compress(a):
     import torch_compat.state
     from jaxguard.format import storage
-    from torch_compat._variant import variant_record
+    from torch_compat.variant_cache import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
@@ -79,8 +93,9 @@ def cmd_compress(a):
 
 def cmd_restore(a):
     import torch_compat
+    from torch_compat.state import save_torch
     tree, _ = torch_compat.restore_tree(a.container)
-    _write_torch(a.output, tree)
+    save_torch(a.output, tree)
     print(f"restored {a.container} -> {a.output}")
     return 0
 
@@ -148,6 +163,7 @@ def cmd_audit(a):
 
 def cmd_migrate(a):
     from torch_compat import migrate
+    from torch_compat.state import save_torch
     from jaxguard.format import storage
     from jaxguard.format.container import atomic_write
     is_container = storage.exists(a.ckpt) and storage.read_bytes(a.ckpt)[:8] == b"JAXGUARD"
@@ -164,7 +180,7 @@ def cmd_migrate(a):
         if not is_container:
             raise CheckpointError(f"{a.ckpt} is not a jaxguard container; --to torch reads optax state saved with "
                                   "jaxguard.save(..., include_params=True) or `jaxguard migrate --to optax`")
-        _write_torch(a.output, migrate.container_to_torch(a.ckpt))
+        save_torch(a.output, migrate.container_to_torch(a.ckpt))
         if a.json:
             print(json.dumps({"output": a.output, "to": "torch"}))
         else:
@@ -182,6 +198,9 @@ def _dcp_dir_aware(verb, attr):
     def wrap(fn):
         def run(a):
             if os.path.isdir(getattr(a, attr)):
+                missing = _torch_missing(f"{verb} of a torch.distributed.checkpoint directory")
+                if missing:
+                    return _die(missing)
                 from torch_compat import dcp
                 return dcp.cli_command(verb, a, print_summary=_print_summary, print_info=_print_info)
             return fn(a)
@@ -241,9 +260,10 @@ def build_parser():
     mg.set_defaults(fn=cmd_migrate)
     try:
         from torch_compat import enclosure
+    except ImportError:   # no torch: the verb exists and says what to install (see main)
+        sub.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay (needs torch)")
+    else:
         enclosure.add_parser(sub)
-    except ImportError:
-        pass
     return p
 
 
@@ -276,6 +296,12 @@ def _return_freed_memory():
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    if verb in TORCH_VERBS:   # before parsing: without torch, audit-enclosure's options are unknown
+        missing = _torch_missing(verb)
+        if missing:
+            return _die(missing)
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
         _return_freed_memory()
