@@ -181,52 +181,16 @@ def _add_tables(pay, tables, table_arrays, names):
 
 
 def _aw_sections(pay, enc, entropy=False) -> dict:
-    """Sections of a logrel-aw entry (jaxguard.format.packed): packed codes, compact parameters, and
-    the smaller of a sparse escape index and an escape bitmask.  With `entropy` (logrel-ans), the
-    packed m_codes, v_codes and m_params are replaced by one ``mv_rans`` buffer (jaxguard.format.rans:
-    both code streams in one lane per block, models inline, the bf16 m-scales in the lane tails)
-    when that buffer is smaller."""
-    a, n = enc.arrays, enc.n
-    widths = np.asarray(a["widths"], np.uint8)
-    nb = widths.size
+    """Sections of a logrel-aw / logrel-ans entry (`packed.entry_sections`), appended to `pay`
+    in the order the first release wrote them (the escape positions first)."""
     try:
-        bm, bv = packed.check_widths(widths)
-        lm = np.repeat((1 << (bm - 1)) - 1, spec.BLOCK)
-        qm = np.zeros(nb * spec.BLOCK, np.int64)
-        qm[:n] = np.asarray(a["m_codes"], np.int64).reshape(-1)
-        qv = np.zeros(nb * spec.BLOCK, np.int64)
-        qv[:n] = np.asarray(a["v_codes"], np.int64).reshape(-1)
-        if (np.abs(qm) > lm).any() or (qv >= (1 << np.repeat(bv, spec.BLOCK))).any() or (qv < 0).any():
-            raise packed.PackError("a code does not fit its block's width")
-        mp, vp = np.asarray(a["m_params"], np.float32), np.asarray(a["v_params"], np.float32)
-        lo, r = packed.lo_r(vp[:, 2], vp[:, 3])
-        if (lo.view(np.uint32) != vp[:, 0].view(np.uint32)).any() or (r.view(np.uint32) != vp[:, 1].view(np.uint32)).any():
-            raise packed.PackError("v parameters are not of the form lo = wlo*wlo, r = rr*rr")
-        idx = np.asarray(a["escape_index"], np.int64)
-        kind, _ = packed.escape_section_bytes(idx, n)
-        if kind == "escape_index":
-            esc = pay.add(packed.varint_encode(idx))
-        else:
-            mask = np.zeros(n, bool)
-            mask[idx] = True
-            esc = pay.add(np.packbits(mask, bitorder="little"))
-        mcodes, vcodes, scale = packed.pack(qm + lm, bm, n), packed.pack(qv, bv, n), packed.scale_to_u16(mp[:, 0])
-        sections = {"widths": pay.add(widths)}
-        mv = None
-        if entropy and n:
-            mv = rans.encode(np.stack([(qm + lm).reshape(nb, spec.BLOCK), qv.reshape(nb, spec.BLOCK)]),
-                             np.stack([bm, bv]), n, lane_tails=scale)
-            if len(mv) >= mcodes.size + vcodes.size + 2 * scale.size:   # ties: the packed form decodes faster
-                mv = None
-        if mv is None:
-            sections.update({"m_codes": pay.add(mcodes), "v_codes": pay.add(vcodes), "m_params": pay.add(scale)})
-        else:
-            sections["mv_rans"] = pay.add(np.frombuffer(mv, np.uint8))
-        sections.update({"v_params": pay.add(np.ascontiguousarray(vp[:, 2:4])), kind: esc,
-                         "escape_pairs": pay.add(np.stack([a["escape_m"], a["escape_v"]], axis=1).astype(np.float32))})
-        return sections
+        arrays = packed.entry_sections(enc.arrays, enc.n, entropy=entropy)
     except (packed.PackError, rans.RansError) as exc:
         raise ContainerError(f"cannot store {enc.codec} moments: {exc}") from None
+    esc = next(k for k in arrays if k in spec.ESCAPE_FORMS)
+    ranges = {esc: pay.add(arrays[esc])}
+    ranges.update((k, pay.add(a)) for k, a in arrays.items() if k != esc)
+    return {k: ranges[k] for k in arrays}
 
 
 def _jsonable(x):
