@@ -123,7 +123,7 @@ def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
     Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring)."""
     t0 = time.perf_counter()
     cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
-    if cfg.codec == "logrel-aw":   # the nu-only path codes v alone: log8-rel's fixed-width v codes
+    if cfg.codec in ("logrel-aw", "logrel-ans"):   # the nu-only path codes v alone: log8-rel's fixed-width v codes
         cfg = dataclasses.replace(cfg, codec="log8-rel")
     shape = tuple(np.shape(m))
     n = int(np.prod(shape, dtype=np.int64))

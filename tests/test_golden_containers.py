@@ -10,7 +10,8 @@ from jaxguard.format import reader
 
 HERE = os.path.join(os.path.dirname(__file__), "golden", "containers")
 EXPECTED = np.load(os.path.join(HERE, "expected.npz"))
-CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw")
+CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw", "logrel-ans")
+# written later, by tests/golden/make_ans_golden.py (issue 17): layer/w rANS-coded, layer/small packed
 
 
 @pytest.mark.parametrize("codec", CODECS + ("torch-adam",))
@@ -29,3 +30,19 @@ def test_golden_container_decodes_to_the_same_bits(codec):
     m, v = reader.read_moments(entry, payload, tables)
     np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), EXPECTED[f"{codec}/m_bits"])
     np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), EXPECTED[f"{codec}/v_bits"])
+
+
+def test_golden_logrel_ans_has_both_forms_and_decodes_them_to_the_same_bits():
+    """logrel-ans.jaxguard: layer/w in the mv_rans form, layer/small in the packed form; both
+    decode bit for bit, alone and through the container-level decode_many pre-pass."""
+    with open(os.path.join(HERE, "logrel-ans.jaxguard"), "rb") as f:
+        header, payload = reader.parse(f.read())
+    tables = reader.read_tables(header, payload)
+    moments = [e for e in header["entries"] if e["kind"] == "moments"]
+    assert {e["name"]: "mv_rans" in e["sections"] for e in moments} == {"layer/w": True, "layer/small": False}
+    for e in moments:
+        key = "logrel-ans" if e["name"] == "layer/w" else f"logrel-ans:{e['name']}"
+        m, v = reader.read_moments(e, payload, tables)
+        np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), EXPECTED[f"{key}/m_bits"])
+        np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), EXPECTED[f"{key}/v_bits"])
+    assert reader.decoded_digest(header, payload) == str(EXPECTED["logrel-ans/decoded_sha256"])

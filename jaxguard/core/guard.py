@@ -35,7 +35,8 @@ from jaxguard.format import packed as _packed
 from jaxguard.errors import ConfigError
 from jaxguard.core.opmodel import OP_MODELS, f32, step_constants
 
-CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", _packed.CODEC)
+CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", _packed.CODEC, "logrel-ans")
+ADAPTIVE = (_packed.CODEC, "logrel-ans")   # widths chosen per block on the host; logrel-ans: logrel-aw's codes
 # log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
 # trained transformers, ~100x fewer escapes at early checkpoints (see README).
 DEFAULT_CODEC = "log8-rel"
@@ -132,7 +133,7 @@ class Encoded(ArrayPytree):
 @functools.partial(jax.jit, static_argnames=("codec",))
 def _propose(mb, vb, valid, vpos, codec):
     """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked."""
-    if codec == _packed.CODEC:
+    if codec in ADAPTIVE:
         raise ConfigError(f"codec {codec!r} chooses widths per block on the host (guard.encode); the fixed-shape "
                           "paths (encode_jit, nu-only) take log8-rel")
     if codec == "log8":
@@ -178,7 +179,7 @@ def decode_arrays(arrays: dict, codec: str, n: int):
     if codec == "log8":
         mt = jax.vmap(codes.linear8_decode_block)(blocks(mq), mp[:, 0])
         vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(blocks(vq), vp[:, 0], vp[:, 1])
-    elif codec in ("log8-rel", _packed.CODEC):   # logrel-aw: log8-rel's decode, narrower codes
+    elif codec in ("log8-rel",) + ADAPTIVE:   # logrel-aw: log8-rel's decode, narrower codes
         vqb = blocks(vq)
         w = jax.vmap(codes.sqrt_scale_block)(vqb, vp[:, 2], vp[:, 3])
         mt = jax.vmap(codes.rel8_decode_block)(blocks(mq), mp[:, 0], w)
@@ -455,7 +456,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
     vpos = (_finite(vh) & ~_zero(vh) & ~_negative(vh)).reshape(-1, codes.BLOCK)
     mf, vf = mh, vh
     widths = None
-    if codec == _packed.CODEC:
+    if codec in ADAPTIVE:
         # per-block widths chosen on certified escapes; the assembled codes are decoded
         # again below exactly as the reader decodes them and certified from scratch
         K, pabs, clip = _group_constants(items, gidx, ph)
@@ -592,8 +593,8 @@ def _pad(x, size):
 def payload_bytes(enc: Encoded) -> int:
     """Moment payload as in the paper: codes + block metadata + escape bitmask + 8 B/escape."""
     a = enc.arrays
-    if enc.codec == _packed.CODEC:
-        return _packed.payload_bytes(a["widths"], a["escape_index"], enc.n)
+    if enc.codec in ADAPTIVE:
+        return _packed.entry_payload_bytes(a, enc.n, entropy=enc.codec == "logrel-ans")
     return int(a["m_codes"].nbytes + a["v_codes"].nbytes + a["m_params"].nbytes + a["v_params"].nbytes
                + -(-enc.n // 8) + 8 * a["escape_index"].size)
 
