@@ -1,0 +1,291 @@
+"""logrel-ans (issue 17): logrel-aw's codes with rANS-coded m/v code streams.
+
+Same guard, same widths, same escapes as logrel-aw, so the decoded moments are logrel-aw's
+bit for bit; per tensor the payload is at most logrel-aw's.  End to end through the CLI and
+torch_compat with the real torch.optim.Adam audit, the optax adapter with the real jitted
+optax audit, and the new section's corruptions refused in one line (naming the entry)."""
+import functools
+import hashlib
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import jaxguard.core.guard as G
+import torch_compat
+from jaxguard.format import container, packed, rans, reader, spec
+from torch_compat import models
+from helpers import one_torch_thread  # noqa: F401  (autouse)
+
+ANS, AW = "logrel-ans", packed.CODEC
+TAU = 0.01
+
+
+@functools.lru_cache(maxsize=None)
+def _trained():
+    ckpts, _, sample = models.train("transformer", seed=3, steps=40, fractions=(1.0,))
+    ck = ckpts[1.0]
+    return ck, models.next_gradients("transformer", ck, sample)
+
+
+def _section_bytes(header):
+    return {e["name"]: sum(b - a for a, b in e["sections"].values()) for e in header["entries"]
+            if e["kind"] == "moments"}
+
+
+@functools.lru_cache(maxsize=None)
+def _both():
+    ck, _ = _trained()
+    out = {}
+    for codec in (AW, ANS):
+        data, s = torch_compat.compress_checkpoint(ck, tau=TAU, codec=codec)
+        out[codec] = (data, s, reader.parse(data)[0])
+    return out
+
+
+def test_registered_with_the_ans_layout_and_logrel_aw_decode():
+    s = spec.get(ANS)
+    assert s.layout == "ans" and s.decode == "log8-rel" and s.certified and ANS in spec.codec_ids()
+    assert ANS in G.CODECS
+    assert set(map(frozenset, spec.LAYOUTS["packed"])) < set(map(frozenset, spec.LAYOUTS["ans"]))
+
+
+def test_same_codes_escapes_and_decoded_bits_as_logrel_aw_and_payload_never_larger():
+    b = _both()
+    (daw, saw, haw), (dans, sans, hans) = b[AW], b[ANS]
+    assert sans["escapes"] == saw["escapes"] and sans["coordinates"] == saw["coordinates"]
+    assert reader.verify_bytes(dans)["decoded_sha256"] == reader.verify_bytes(daw)["decoded_sha256"]
+    paw, pans = _section_bytes(haw), _section_bytes(hans)
+    assert paw.keys() == pans.keys()
+    assert all(pans[k] <= paw[k] for k in paw), {k: (paw[k], pans[k]) for k in paw if pans[k] > paw[k]}
+    forms = [("mv_rans" in e["sections"]) for e in hans["entries"] if e["kind"] == "moments"]
+    assert any(forms) and not all(forms)          # big matrices rANS-coded, tiny vectors packed
+    assert sum(pans.values()) < sum(paw.values()) and sans["payload_bytes"] == sum(pans.values())
+    for ea, en in zip(haw["entries"], hans["entries"]):   # the packed fallback is logrel-aw's bytes
+        if en["kind"] == "moments" and "mv_rans" not in en["sections"]:
+            _, pa = reader.parse(daw)
+            _, pn = reader.parse(dans)
+            for k in ea["sections"]:
+                (a0, a1), (n0, n1) = ea["sections"][k], en["sections"][k]
+                assert bytes(pa[a0:a1]) == bytes(pn[n0:n1]), (en["name"], k)
+
+
+def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
+    rng = np.random.default_rng(11)
+    n = 256 * 30 + 17
+    v = rng.lognormal(-14, 1.5, n).astype(np.float32)
+    m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+    m[[4, 999]] = np.nan
+    p = rng.normal(0, 0.05, n).astype(np.float32)
+    ea = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=AW))
+    en = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS))
+    assert en.codec == ANS
+    for k, a in ea.arrays.items():
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(en.arrays[k]).view(np.uint8)), k
+    hdr, pay = reader.parse(container.build([("moments", "x", en, {})], {}))
+    assert "mv_rans" in hdr["entries"][0]["sections"]
+    rm, rv = reader.read_moments(hdr["entries"][0], pay, {})
+    gm, gv = G.decode(en)
+    assert np.array_equal(rm.view(np.uint32), np.asarray(gm).view(np.uint32))
+    assert np.array_equal(rv.view(np.uint32), np.asarray(gv).view(np.uint32))
+    assert en.stats["payload_bytes"] == sum(b - a for a, b in hdr["entries"][0]["sections"].values())
+
+
+def test_torch_compat_round_trip_real_torch_adam_audit(tmp_path):
+    ck, grads = _trained()
+    data, s, header = _both()[ANS]
+    path = tmp_path / "ans.jg"
+    container.atomic_write(path, data)
+    restored, header = torch_compat.restore_tree(path)
+    a = torch_compat.audit(ck, restored, tau=TAU, clip=0.2, grads=grads)
+    assert a["violations"] == 0 and a["max_gap_lr"] <= TAU, a
+    assert all(torch.equal(restored["model"][k], t) for k, t in ck["model"].items())
+
+
+def test_torch_compat_save_load_into_a_real_adam(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8))
+    opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
+    x, y = torch.randn(128, 64), torch.randn(128, 8)
+    for _ in range(15):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    path = tmp_path / "opt.jg"
+    torch_compat.save(path, opt, codec=ANS)
+    header, _ = reader.parse(path.read_bytes())
+    assert {e["codec"] for e in header["entries"] if e["kind"] == "moments"} == {ANS}
+    assert any("mv_rans" in e["sections"] for e in header["entries"] if e["kind"] == "moments")
+    opt2 = torch.optim.Adam(model.named_parameters(), lr=1e-3)
+    torch_compat.load(path, opt2)
+    orig = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    back = {"model": model.state_dict(), "optimizer": opt2.state_dict()}
+    a = torch_compat.audit(orig, back, tau=TAU, clip=0.2)
+    assert a["violations"] == 0, a
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxguard", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_compress_verify_restore_audit(tmp_path):
+    ck, _ = _trained()
+    src = tmp_path / "ckpt.pt"
+    torch.save(ck, src)
+    out = tmp_path / "ckpt.jg"
+    r = _cli("compress", src, "-o", out, "--codec", ANS, "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["payload_bytes"] == _both()[ANS][1]["payload_bytes"]
+    assert _cli("verify", out).returncode == 0
+    a = _cli("audit", src, out, "--json")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["violations"] == 0
+    assert _cli("restore", out, "-o", tmp_path / "back.pt").returncode == 0
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert set(back) == set(ck)
+
+
+def test_optax_adapter_real_jitted_optax_audit(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jaxguard as jg
+    from jaxguard import optax_adapter as oa
+    lr = 1e-3
+    key = jax.random.PRNGKey(0)
+    p = {"a": {"w": jax.random.normal(key, (64, 80)) * 0.1, "b": jnp.zeros(80)}}
+    tx = optax.adam(lr)
+    st = tx.init(p)
+    for i in range(6):
+        g = jax.tree_util.tree_map(lambda x: jnp.sin(x * (i + 3.0)) + 0.01 * (i + 1), p)
+        u, st = tx.update(g, st, p)
+        p = optax.apply_updates(p, u)
+    s = jg.save(tmp_path / "o.jg", st, p, lr=lr, codec=ANS)
+    saw = jg.save(tmp_path / "aw.jg", st, p, lr=lr, codec=AW)
+    header, _ = reader.parse((tmp_path / "o.jg").read_bytes())
+    assert any("mv_rans" in e["sections"] for e in header["entries"] if e["kind"] == "moments")
+    assert s["payload_bytes"] <= saw["payload_bytes"] and s["escapes"] == saw["escapes"]
+    r = jg.load(tmp_path / "o.jg", like=tx.init(p))
+    res = oa.audit(tx, st, r, p, lr=lr)
+    assert res["violations"] == 0 and s["coordinates"] == 64 * 80 + 80, (res, s)
+
+
+# ---------------------------------------------------------------- corrupted mv_rans sections
+def _reseal(header, payload):
+    header = dict(header, payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest())
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hb)) + hb + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def _replace_section(data, name, section, new):
+    """`data` with entry `name`'s `section` replaced by the bytes `new` (any length; later
+    offsets shifted)."""
+    hdr, pay = reader.parse(data)
+    e = next(x for x in hdr["entries"] if x["name"] == name)
+    b, end = e["sections"][section]
+    shift = len(new) - (end - b)
+    for x in hdr["entries"]:
+        rngs = x["sections"].values() if x["kind"] == "moments" else [x["offsets"]]
+        for r in rngs:
+            if r[0] >= end:
+                r[0] += shift
+                r[1] += shift
+    for r in hdr["tables"].values():
+        if r[0] >= end:
+            r[0] += shift
+            r[1] += shift
+    e["sections"][section] = [b, b + len(new)]
+    return _reseal(hdr, bytes(pay[:b]) + bytes(new) + bytes(pay[end:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _two_entry_container():
+    rng = np.random.default_rng(12)
+    ents = []
+    for name, n in (("a", 256 * 9 + 3), ("b", 256 * 6)):
+        v = rng.lognormal(-14, 1, n).astype(np.float32)
+        m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+        e = G.encode(m, v, rng.normal(0, .05, n).astype(np.float32), G.GuardConfig(lr=1e-3, step=100, codec=ANS))
+        ents.append(("moments", name, e, {}))
+    data = container.build(ents, {})
+    hdr, _ = reader.parse(data)
+    assert all("mv_rans" in e["sections"] for e in hdr["entries"])
+    return data
+
+
+def _mv(data, name):
+    hdr, pay = reader.parse(data)
+    e = next(x for x in hdr["entries"] if x["name"] == name)
+    b, end = e["sections"]["mv_rans"]
+    w = np.frombuffer(bytes(pay[slice(*e["sections"]["widths"])]), np.uint8)
+    return bytes(pay[b:end]), packed.split_widths(w), int(np.prod(e["shape"]))
+
+
+def _all_max_m_code_buffer(data, name):
+    """A valid rANS buffer whose m fields are all 2^bm - 1 (a code the format forbids)."""
+    _, (bm, bv), n = _mv(data, name)
+    nb = bm.size
+    qm = np.repeat(((1 << bm) - 1)[:, None], 256, axis=1)
+    qv = np.zeros((nb, 256), np.int64)
+    return rans.encode(np.stack([qm, qv]), np.stack([bm, bv]), n, lane_tails=np.full(nb, 0x3F80))
+
+
+CORRUPT = {
+    "kind byte without lane tails": lambda buf, d: bytes([0x01]) + buf[1:],
+    "kind byte unknown": lambda buf, d: bytes([0x13]) + buf[1:],
+    "truncated words": lambda buf, d: buf[:-2],
+    "odd length": lambda buf, d: buf[:-1],
+    "extra words": lambda buf, d: buf + b"\x00\x00",
+    "empty": lambda buf, d: b"",
+    "m code 2^bm - 1": lambda buf, d: _all_max_m_code_buffer(d, "b"),
+}
+MESSAGES = {"kind byte without lane tails": "lane tails", "kind byte unknown": "kind byte",
+            "truncated words": "", "odd length": "whole", "extra words": "", "empty": "kind byte",
+            "m code 2^bm - 1": "outside its"}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupted_mv_rans_refused_in_one_line_naming_the_entry(case):
+    data = _two_entry_container()
+    buf, _, _ = _mv(data, "b")
+    bad = _replace_section(data, "b", "mv_rans", CORRUPT[case](buf, data))
+    with pytest.raises(reader.ReaderError) as exc:
+        reader.verify_bytes(bad)
+    text = str(exc.value)
+    assert "\n" not in text and "b.mv_rans" in text and MESSAGES[case] in text, text
+    with pytest.raises(container.ContainerError):      # the loader path (decode_many pre-pass) too
+        hdr, pay = reader.parse(bad)
+        container.entries_by_name(hdr, pay, {})
+
+
+def test_lane_tails_carry_the_m_scales_and_the_hash_covers_them():
+    """A changed tail is a different (valid) m-scale: the rANS checks pass, the decoded-moments
+    SHA-256 refuses the file."""
+    data = _two_entry_container()
+    buf, (bm, bv), n = _mv(data, "a")
+    (sym, tails) = rans.decode(buf, np.stack([bm, bv]), n, lane_tails=True)
+    hdr, pay = reader.parse(data)
+    e = next(x for x in hdr["entries"] if x["name"] == "a")
+    m, _ = reader.read_moments(e, pay, {})
+    assert tails.dtype == np.uint16 and tails.size == bm.size
+    mod = rans.encode(sym.astype(np.int64), np.stack([bm, bv]), n, lane_tails=tails ^ np.uint16(1))
+    bad = _replace_section(data, "a", "mv_rans", mod)
+    with pytest.raises(reader.ReaderError, match="decoded moments SHA-256 mismatch"):
+        reader.verify_bytes(bad)
+
+
+def test_decode_many_prepass_equals_one_entry_at_a_time():
+    data = _two_entry_container()
+    hdr, pay = reader.parse(data)
+    pre = reader.decode_rans_entries(hdr["entries"], pay)
+    assert sorted(pre) == [0, 1]
+    for k, e in enumerate(hdr["entries"]):
+        a = reader.read_moments(e, pay, {}, pre[k])
+        b = reader.read_moments(e, pay, {})
+        assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
