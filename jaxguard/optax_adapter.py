@@ -205,14 +205,14 @@ def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
     zf = jnp.zeros_like(vf)
     mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
     in_tensor = np.arange(npad) < n
-    valid = (in_tensor & _guard._stats_valid(np.zeros_like(vh), vh, ph)).reshape(-1, _guard.codes.BLOCK)
-    vpos = (_guard._finite(vh) & ~_guard._zero(vh) & ~_guard._negative(vh)).reshape(-1, _guard.codes.BLOCK)
+    valid = (in_tensor & _guard.block_stats_valid(np.zeros_like(vh), vh, ph)).reshape(-1, _guard.codes.BLOCK)
+    vpos = _guard.v_positive(vh).reshape(-1, _guard.codes.BLOCK)
     mq, vq, mp, vp, _, vtb = _guard._propose(zf.reshape(-1, _guard.codes.BLOCK), vf.reshape(-1, _guard.codes.BLOCK),
                                              valid, vpos, cfg.codec)
     vt = vtb.reshape(-1)
-    exact, ok = (x[:n] for x in _guard._classify(mh, vh, ph, mh, np.asarray(vt)))
+    exact, ok = (x[:n] for x in _guard.classify(mh, vh, ph, mh, np.asarray(vt)))
     c = cfg.constants()
-    k = jnp.asarray(_bound.pack_constants(c, cfg.tau))
+    k = cfg.step_row()
     pabs = jnp.abs(pf)
     clipv = jnp.full((npad,), np.float32(cfg.clip), jnp.float32)
     cand = np.flatnonzero(~exact & ok)
