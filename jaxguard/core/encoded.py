@@ -14,7 +14,6 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxguard.format import packed as _packed
 
 ARRAY_FIELDS = ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v", "widths")
 
@@ -82,8 +81,5 @@ def payload_bytes(enc: ArrayPytree) -> int:
     Returns:
       The payload in bytes (logrel-aw: its packed codes, `jaxguard.format.packed`).
     """
-    a = enc.arrays
-    if enc.codec == _packed.CODEC:
-        return _packed.payload_bytes(a["widths"], a["escape_index"], enc.n)
-    return int(a["m_codes"].nbytes + a["v_codes"].nbytes + a["m_params"].nbytes + a["v_params"].nbytes
-               + -(-enc.n // 8) + 8 * a["escape_index"].size)
+    from jaxguard.core import codecs   # the codec table imports the codes (JAX)
+    return codecs.get(enc.codec).payload_bytes(enc.arrays, enc.n)

@@ -26,48 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxguard.core import adaptive as _adaptive
 from jaxguard.core import bound as _bound
+from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
 from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
                                    certify_pc, classify, fast_accept, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
-from jaxguard.format import packed as _packed
 
-# ---------------------------------------------------------------- proposals (per block, vmapped)
-@functools.partial(jax.jit, static_argnames=("codec",))
-def _propose(mb, vb, valid, vpos, codec):
-    """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked."""
-    if codec == _packed.CODEC:
-        raise ConfigError(f"codec {codec!r} chooses widths per block on the host (guard.encode); the fixed-shape "
-                          "paths (encode_jit, nu-only) take log8-rel")
-    if codec == "log8":
-        mq, ms = jax.vmap(codes.linear8_encode_block)(mb, valid)
-        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
-        mt = jax.vmap(codes.linear8_decode_block)(mq, ms)
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
-        return mq, vq, ms[:, None], jnp.stack([lo, r], axis=1), mt, vt
-    if codec == "log8-rel":
-        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
-        wlo, rr = jnp.sqrt(lo), jnp.sqrt(r)
-        w = jax.vmap(codes.sqrt_scale_block)(vq, wlo, rr)
-        mq, ms = jax.vmap(codes.rel8_encode_block)(mb, valid, w, wlo)
-        mt = jax.vmap(codes.rel8_decode_block)(mq, ms, w)
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
-        return mq, vq, ms[:, None], jnp.stack([lo, r, wlo, rr], axis=1), mt, vt
-    if codec == "bf16":
-        mq, vq = codes.bf16_encode(mb), codes.bf16_encode(vb)
-        empty = jnp.zeros((mb.shape[0], 0), jnp.float32)
-        return (jax.lax.bitcast_convert_type(mq, jnp.uint16), jax.lax.bitcast_convert_type(vq, jnp.uint16),
-                empty, empty, codes.bf16_decode(mq), codes.bf16_decode(vq))
-    ts, tu = codes.dynamic_map(True), codes.dynamic_map(False)
-    mq, ma = jax.vmap(lambda x, ok: codes.dynamic8_encode_block(x, ok, ts, True))(mb, valid)
-    vq, va = jax.vmap(lambda x, ok: codes.dynamic8_encode_block(x, ok, tu, False))(vb, valid)
-    mt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, ts))(mq, ma)
-    vt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, tu))(vq, va)
-    return mq, vq, ma[:, None], va[:, None], mt, vt
+# Proposals and decodes come from the core codec table (jaxguard.core.codecs).
+_propose = _codecs.propose   # the jitted proposal of a fixed-width codec (jit_encode, nu-only)
 
 
 def decode_arrays(arrays: dict, codec: str, n: int):
@@ -83,21 +52,7 @@ def decode_arrays(arrays: dict, codec: str, n: int):
         return q.reshape(nb, codes.BLOCK)
 
     mp, vp = jnp.asarray(arrays["m_params"]), jnp.asarray(arrays["v_params"])
-    if codec == "log8":
-        mt = jax.vmap(codes.linear8_decode_block)(blocks(mq), mp[:, 0])
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(blocks(vq), vp[:, 0], vp[:, 1])
-    elif codec in ("log8-rel", _packed.CODEC):   # logrel-aw: log8-rel's decode, narrower codes
-        vqb = blocks(vq)
-        w = jax.vmap(codes.sqrt_scale_block)(vqb, vp[:, 2], vp[:, 3])
-        mt = jax.vmap(codes.rel8_decode_block)(blocks(mq), mp[:, 0], w)
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vqb, vp[:, 0], vp[:, 1])
-    elif codec == "bf16":
-        mt = codes.bf16_decode(jax.lax.bitcast_convert_type(blocks(mq), jnp.bfloat16))
-        vt = codes.bf16_decode(jax.lax.bitcast_convert_type(blocks(vq), jnp.bfloat16))
-    else:
-        ts, tu = codes.dynamic_map(True), codes.dynamic_map(False)
-        mt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, ts))(blocks(mq), mp[:, 0])
-        vt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, tu))(blocks(vq), vp[:, 0])
+    mt, vt = _codecs.get(codec).decode_blocks(blocks(mq), blocks(vq), mp, vp)
     return mt.reshape(-1)[:n], vt.reshape(-1)[:n]
 
 
@@ -220,9 +175,11 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     vpos = v_positive(vh).reshape(-1, codes.BLOCK)
     mf, vf = mh, vh
     widths = None
-    if codec == _packed.CODEC:
-        # per-block widths chosen on certified escapes; the assembled codes are decoded
-        # again below exactly as the reader decodes them and certified from scratch
+    entry = _codecs.get(propose_codec)
+    if entry.choose is not None:
+        # codes chosen on the host (logrel-aw: per-block widths on certified escapes); the
+        # assembled codes come back decoded exactly as the reader decodes them and are
+        # certified again from scratch below
         K, pabs, clip = _group_constants(items, gidx, ph)
 
         def certify_candidates(a, b, idx):
@@ -230,10 +187,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 return np.zeros(idx.shape[0], np.int8)
             return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition)
 
-        mq, vq, mp, vp, widths = _adaptive.choose_and_certify(
-            mh, vh, ph, valid, vpos, in_tensor, lambda a, b: classify(mh, vh, ph, a, b), certify_candidates)
-        mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
-        mt, vt = np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+        mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor,
+                                                      lambda a, b: classify(mh, vh, ph, a, b), certify_candidates)
     else:
         mq, vq, mp, vp, mt, vt = _propose_chunked(mh.reshape(-1, codes.BLOCK), vh.reshape(-1, codes.BLOCK), valid,
                                                   vpos, propose_codec)
@@ -300,8 +255,9 @@ def _joint_search(codec, idx, mq, vq, mp, vp, mh, vh, pabs, clip, K, gidx, bound
     rescued = np.zeros(mh.shape[0], bool)
     if idx.size == 0:
         return rescued
-    if codec not in ("log8", "log8-rel"):
-        raise ConfigError(f"joint=True applies to the log8 and log8-rel codecs, not {codec!r}")
+    if _codecs.get(codec).decode_points is None:
+        joint = ", ".join(c for c, e in _codecs.TABLE.items() if e.decode_points is not None)
+        raise ConfigError(f"joint=True applies to the {joint} codecs, not {codec!r}")
     blk = idx // codes.BLOCK
     todo = idx
     for dm, dv in JOINT_MOVES:
@@ -326,13 +282,7 @@ def _joint_search(codec, idx, mq, vq, mp, vp, mh, vh, pabs, clip, K, gidx, bound
 
 def _decode_points(codec, qm, qv, mp_rows, vp_rows):
     """Decode individual (m, v) codes with their blocks' parameters (as the reader does)."""
-    qv_j = jnp.asarray(qv, jnp.int32)
-    vt = codes.log_decode_block(qv_j, jnp.asarray(vp_rows[:, 0]), jnp.asarray(vp_rows[:, 1]))
-    if codec == "log8":
-        mt = codes.linear8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]))
-    else:
-        w = codes.sqrt_scale_block(qv_j, jnp.asarray(vp_rows[:, 2]), jnp.asarray(vp_rows[:, 3]))
-        mt = codes.rel8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]), w)
+    mt, vt = _codecs.get(codec).decode_points(jnp.asarray(qm, jnp.int32), jnp.asarray(qv, jnp.int32), mp_rows, vp_rows)
     return np.asarray(mt, np.float32), np.asarray(vt, np.float32)
 
 
