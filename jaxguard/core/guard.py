@@ -309,6 +309,62 @@ def _pad(x, size):
     return jnp.concatenate([x, jnp.zeros((size - x.shape[0],), x.dtype)]) if size > x.shape[0] else x
 
 
+def encode_v_only(m, v, p, config: GuardConfig) -> Encoded:
+    """Guarded encoding of `v` alone: `m` is kept exactly elsewhere (e.g. a bfloat16 mu).
+
+    Certified with ``m~ == m``: only ``v`` is coded and only its error is bounded; the
+    m channel of the result is all zeros (codes and parameters) and ``escape_m`` is 0.
+
+    Args:
+      m, v, p: arrays of one shape, taken as float32 (`m` as it will be restored).
+      config: a `GuardConfig` with a fixed-width codec (`codecs.propose`).
+    Returns:
+      An `Encoded` of `config.spec.codec`; ``stats["payload_bytes"]`` counts the v side
+      and the shared block metadata only (add what stores `m`).
+    Raises:
+      ConfigError: mismatched shapes, a host-chosen codec (logrel-aw).
+    """
+    t0 = time.perf_counter()
+    shape = tuple(np.shape(m))
+    for name, x in (("v", v), ("p", p)):
+        if tuple(np.shape(x)) != shape:
+            raise ConfigError(f"{name} has shape {tuple(np.shape(x))} but m has {shape}; pass the moments of one parameter")
+    spec = config.spec
+    n = int(np.prod(shape, dtype=np.int64))
+    nb = codes.num_blocks(n)
+    npad = _bucket(nb) * codes.BLOCK
+    mf, vf, pf = (_pad(jnp.asarray(x, jnp.float32).reshape(-1), npad) for x in (m, v, p))
+    zf = jnp.zeros_like(vf)
+    mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
+    in_tensor = np.arange(npad) < n
+    valid = (in_tensor & block_stats_valid(np.zeros_like(vh), vh, ph)).reshape(-1, codes.BLOCK)
+    vpos = v_positive(vh).reshape(-1, codes.BLOCK)
+    mq, vq, mp, vp, _, vtb = _propose(zf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos,
+                                      spec.decode_codec)
+    vt = vtb.reshape(-1)
+    exact, ok = (x[:n] for x in classify(mh, vh, ph, mh, np.asarray(vt)))
+    cand = np.flatnonzero(~exact & ok)
+    levels: list = []
+    escape = ~exact
+    if spec.certify:
+        c = config.constants()
+        clipv = jnp.full((npad,), np.float32(config.clip), jnp.float32)
+        cert = certify(config.step_row(), mf, vf, mf, vt, jnp.abs(pf), clipv, cand, spec, c.decay_in_update, levels)
+        escape[cand[cert]] = False
+    else:
+        escape[cand] = False
+    esc = np.flatnonzero(escape).astype(np.int32)
+    arrays = {"m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
+              "m_params": np.asarray(mp[:nb], np.float32), "v_params": np.asarray(vp[:nb], np.float32),
+              "escape_index": esc, "escape_m": np.zeros(esc.size, np.float32), "escape_v": vh[:n][esc]}
+    enc = Encoded(arrays, spec.codec, shape)
+    enc.stats = {"coordinates": n, "escapes": int(esc.size), "exact": int(exact.sum()),
+                 "uncertifiable": int((~exact & ~ok).sum()), "certified_by_level": levels,
+                 "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
+                 "encode_seconds": time.perf_counter() - t0}
+    return enc
+
+
 def decode(enc: Encoded):
     """Encoded -> (m~, v~) float32 arrays of the original shape, escapes restored exactly."""
     mt, vt = decode_arrays(enc.arrays, enc.codec, enc.n)
