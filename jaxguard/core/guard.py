@@ -7,6 +7,12 @@ certified with `jaxguard.core.bound`: first one cell over ``[0, clip]`` per sign
 early accept), then the mixed linear-logarithmic partition, re-checked with 64, 256 and
 1024 linear cells.  Whatever is not certified escapes: its FP32 pair is stored exactly.
 
+This module is the API (`encode`, `encode_many`, `encode_v_only`, `decode`,
+`decode_arrays`) and the joint search.  The pieces live beside it and are re-exported
+here: `config` (GuardConfig, GuardSpec, CODECS, DEFAULT_CODEC), `encoded` (Encoded,
+payload_bytes), `certify` (certify, certify_pc, fast_accept, classify, chunk sizes),
+`codecs` (the codec table keyed by the registry ids), `floatbits` (bit classification).
+
 Numerical contract
 ------------------
 For every coordinate, ``decode(encode(m, v, p, cfg))`` returns either the exact input
