@@ -22,7 +22,7 @@ per process, a manifest committed last): for each distinct shard index one devic
 first in mesh order) is written; `jaxguard.load` reads it in any topology.  With enough
 `capacity` (every candidate of a shard examined) and no moment below ``2**-80``, the
 file decodes to the bits `jaxguard.save(..., sharded=True)` writes for the same state
-and shardings (both propose with `guard._propose` and certify per shard).
+and shardings (both propose with `codecs.propose` and certify per shard).
 
 Numerical contract
 ------------------

@@ -3,7 +3,7 @@
 `guard.encode` compacts candidates on the host; `encode_jit(m, v, p, config, capacity=K)`
 does the same work with static shapes so that it can run inside ``jax.jit`` (config,
 capacity and escape_capacity are static; a second call with arrays of the same shapes
-does not retrace).  It proposes codes with `guard._propose` (so the codes and decoded
+does not retrace).  It proposes codes with `codecs.propose` (so the codes and decoded
 values are those of `guard.encode`), then certifies with `bound.batch_bound` over the
 fixed level chain (`bound.LEVELS`): level 0 gathers at most ``capacity`` candidates with
 ``jnp.nonzero(size=...)``; later levels only see what level 0 gathered and could not
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard.core import bound as _bound
-from jaxguard.core import codes
+from jaxguard.core import codecs, codes
 from jaxguard.core import guard as _guard
 from jaxguard.core import floatbits as fb
 from jaxguard.core.config import GuardConfig, GuardSpec
@@ -74,7 +74,7 @@ def _encode_impl(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
     in_t = jnp.arange(npad) < n
     valid = in_t & finite(mb) & finite(vb) & finite(pb) & ~negative(vb) & not_tiny(vb)
     vpos = finite(vb) & ~zero(vb) & ~negative(vb)
-    mq, vq, mp, vp, mtb, vtb = _guard._propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
+    mq, vq, mp, vp, mtb, vtb = codecs.propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
                                                valid.reshape(-1, codes.BLOCK), vpos.reshape(-1, codes.BLOCK),
                                                spec.decode_codec)
     mt, vt = fb.barrier(mtb.reshape(-1), z), fb.barrier(vtb.reshape(-1), z)
