@@ -122,3 +122,15 @@ def test_jit_encode_keys_on_the_spec_not_the_step():
         assert set(got.arrays["escape_index"].tolist()) >= set(enc.arrays["escape_index"].tolist()) - set()
     legacy = jit_encode.constants(GuardConfig(lr=1e-3, step=1))
     assert isinstance(legacy, bound.StepRow)
+
+
+def test_to_encoded_adds_no_escape_for_an_exactly_coded_nan():
+    """bf16 codes the canonical NaN bit-exactly: guard.encode keeps it coded, and the host
+    re-check of the jit path (floatbits: NaN is not tiny) now agrees instead of adding it."""
+    m, v, p = _moments(1024)
+    v[1] = np.nan
+    cfg = GuardConfig(lr=1e-3, step=9, codec="bf16")
+    host = G.encode(m, v, p, cfg)
+    got = jit_encode.to_encoded(jit_encode.encode_jit(*(jax.numpy.asarray(x) for x in (m, v, p)), cfg), m, v)
+    assert 1 not in host.arrays["escape_index"] and 1 not in got.arrays["escape_index"]
+    assert np.isnan(G.decode(got)[1][1]) and G.decode(got)[1][1].tobytes() == v[1].tobytes()
