@@ -17,9 +17,9 @@ import numpy as np
 from jaxguard.core import bound as _bound
 from jaxguard.core.opmodel import OP_MODELS, StepConstants, f32, step_constants
 from jaxguard.errors import ConfigError
-from jaxguard.format import packed as _packed
+from jaxguard.format import spec as _spec
 
-CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", _packed.CODEC)
+CODECS = _spec.codec_ids()   # the registry's writable ids
 # log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
 # trained transformers, ~100x fewer escapes at early checkpoints (see README).
 DEFAULT_CODEC = "log8-rel"
