@@ -1,6 +1,8 @@
 """logrel-aw against log8 and log8-rel: payload, escapes, real-framework audit, tau sweep, speed.
 
     nice python bench/logrel_aw.py [--steps 20] [--out bench/results] [--cache bench/.cache]
+    nice python bench/logrel_aw.py --codecs log8-rel,logrel-aw,logrel-ans \
+        --sweep-codecs log8-rel,logrel-ans --name logrel_ans        # issue 17, the rANS codec
 
 Checkpoints: the `bench/reproduce.py --tiny` conditions for both models (seed 701, 20
 steps, checkpoints at 10/50/100%: the cached trained checkpoints of reproduce.py), the
@@ -12,7 +14,7 @@ the real jitted optax update.  Then payload vs tau (0.001 .. 0.1) on the demo ch
 for log8-rel and logrel-aw (audited too), and encode / restore seconds (encode: median of
 2 after one untimed warm-up; restore: median of 5).
 
-Writes <out>/logrel_aw.json, logrel_aw.md and logrel_aw_tau.png.
+Writes <out>/NAME.json, NAME.md and NAME_tau.png (NAME: --name, default logrel_aw).
 """
 from __future__ import annotations
 
@@ -70,7 +72,11 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--codecs", default=",".join(CODECS), help="comma list of codecs compared")
+    ap.add_argument("--sweep-codecs", default="log8-rel,logrel-aw", help="codecs of the tau sweep")
+    ap.add_argument("--name", default="logrel_aw", help="output file stem")
     a = ap.parse_args(argv)
+    codecs, sweep_codecs = tuple(a.codecs.split(",")), tuple(a.sweep_codecs.split(","))
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~/.cache"), "jaxguard", "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -92,11 +98,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for label, kind, ck in ckpts:
             grads = reproduce.real_gradient(kind, ck)
-            for codec in CODECS:
+            for codec in codecs:
                 r = torch_row(label, ck, grads, codec, TAU, tmp, timing=label.startswith("demo"))
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-        orows = reproduce.run_optax([701], a.steps, list(CODECS), 0, tmp)
+        orows = reproduce.run_optax([701], a.steps, list(codecs), 0, tmp)
         for r in orows:
             rows.append({"checkpoint": f"mlp-optax seed701 {a.steps} steps @{r['fraction']:.0%}", "codec": r["codec"],
                          "tau": TAU, "coordinates": r["coordinates"], "escapes": r["escapes"],
@@ -109,54 +115,56 @@ def main(argv=None):
             label, kind, ck = ckpts[-1]
             grads = reproduce.real_gradient(kind, ck)
             for tau in TAUS:
-                for codec in ("log8-rel", "logrel-aw"):
+                for codec in sweep_codecs:
                     r = torch_row(label, ck, grads, codec, tau, tmp)
                     sweep.append(r)
                     print(json.dumps(r), flush=True)
-    result = {"rows": rows, "sweep": sweep, "machine": reproduce.machine_info(), "loadavg_start": load0,
+    result = {"codecs": codecs, "sweep_codecs": sweep_codecs, "name": a.name,
+              "rows": rows, "sweep": sweep, "machine": reproduce.machine_info(), "loadavg_start": load0,
               "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - t_run,
               "width_pairs": __import__("jaxguard.core.adaptive", fromlist=["x"]).WIDTH_PAIRS}
-    (out / "logrel_aw.json").write_text(json.dumps(result, indent=1))
-    write_md(out / "logrel_aw.md", result)
+    (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+    write_md(out / f"{a.name}.md", result)
     if sweep:
-        plot(out / "logrel_aw_tau.png", sweep)
+        plot(out / f"{a.name}_tau.png", sweep, sweep_codecs)
 
 
 def write_md(path, res):
     rows = res["rows"]
-    L = ["# logrel-aw vs log8 / log8-rel (bench/logrel_aw.py)", "",
+    codecs, sweep_codecs = tuple(res.get("codecs", CODECS)), tuple(res.get("sweep_codecs", ("log8-rel", "logrel-aw")))
+    L = [f"# {codecs[-1]} vs {' / '.join(codecs[:-1])} (bench/logrel_aw.py --name {res.get('name', 'logrel_aw')})", "",
          f"Machine: {res['machine']['platform']}, {res['machine']['cpu_count']} CPUs, shared with other jobs "
          f"(load average {res['loadavg_start'][0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end): seconds are "
          "inflated and noisy.  tau = 0.01, C = 0.2.  Audit: real torch.optim.Adam (next-batch gradient + "
          "gradient grid) or the real jitted optax.adam update.", "",
-         "| checkpoint | coords | " + " | ".join(f"{c} payload % / escapes / over tau" for c in CODECS) + " |",
-         "|---|---|" + "---|" * len(CODECS)]
+         "| checkpoint | coords | " + " | ".join(f"{c} payload % / escapes / over tau" for c in codecs) + " |",
+         "|---|---|" + "---|" * len(codecs)]
     for ck in dict.fromkeys(r["checkpoint"] for r in rows):
         rs = {r["codec"]: r for r in rows if r["checkpoint"] == ck}
-        cells = [f"{100 * rs[c]['payload_ratio']:.2f} / {rs[c]['escapes']} / {rs[c]['violations']}" for c in CODECS]
-        L.append(f"| {ck} | {rs[CODECS[0]]['coordinates']:,} | " + " | ".join(cells) + " |")
+        cells = [f"{100 * rs[c]['payload_ratio']:.2f} / {rs[c]['escapes']} / {rs[c]['violations']}" for c in codecs]
+        L.append(f"| {ck} | {rs[codecs[0]]['coordinates']:,} | " + " | ".join(cells) + " |")
     t = [r for r in rows if r["checkpoint"].startswith("demo")]
     if t:
         L += ["", "## Speed (demo checkpoint; encode: median of 2 after a warm-up, restore: median of 5)", "",
               "| codec | encode s | restore s |", "|---|---|---|"]
         L += [f"| {r['codec']} | {r['encode_seconds']:.2f} | {r['restore_seconds']:.3f} |" for r in t]
     if res["sweep"]:
-        L += ["", "## Payload vs tau (demo checkpoint)", "", "| tau | log8-rel % (escapes, over tau) | "
-              "logrel-aw % (escapes, over tau) |", "|---|---|---|"]
+        L += ["", "## Payload vs tau (demo checkpoint)", "", "| tau | " + " | ".join(
+              f"{c} % (escapes, over tau)" for c in sweep_codecs) + " |", "|---|" + "---|" * len(sweep_codecs)]
         for tau in TAUS:
             rs = {r["codec"]: r for r in res["sweep"] if r["tau"] == tau}
             L.append(f"| {tau} | " + " | ".join(f"{100 * rs[c]['payload_ratio']:.2f} ({rs[c]['escapes']}, "
-                                               f"{rs[c]['violations']})" for c in ("log8-rel", "logrel-aw")) + " |")
+                                               f"{rs[c]['violations']})" for c in sweep_codecs) + " |")
     L += ["", f"Width pairs tried per block: {res['width_pairs']}.  Run took {res['seconds']:.0f} s.", ""]
     path.write_text("\n".join(L))
 
 
-def plot(path, sweep):
+def plot(path, sweep, codecs=("log8-rel", "logrel-aw")):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for codec in ("log8-rel", "logrel-aw"):
+    for codec in codecs:
         rs = sorted((r["tau"], 100 * r["payload_ratio"]) for r in sweep if r["codec"] == codec)
         ax.plot([t for t, _ in rs], [p for _, p in rs], marker="o", label=codec)
     ax.axhline(23, color="gray", ls="--", lw=0.8, label="target 23%")
