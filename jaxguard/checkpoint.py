@@ -95,7 +95,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
         self._common[str(directory)] = _sharded.common_meta(
             sites_meta, leaves, treedef, tau=args.tau, clip=args.clip, codec=args.codec,
-            params_meta=_sharded._param_leaves(args.params) if args.include_params else None)
+            params_meta=_sharded.param_leaves(args.params) if args.include_params else None)
         self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
 
         async def write():

@@ -333,7 +333,16 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
     return items, totals, param_names
 
 
-def _param_leaves(params):
+def param_leaves(params) -> list:
+    """The manifest records of `params`' leaves (metadata only, no data is read).
+
+    Args:
+      params: the params pytree saved beside the optimizer state.
+
+    Returns:
+      One dict per leaf in flattening order: ``path`` (dotted), ``entry``
+      (``"params/<path>"``, the container entry), ``dtype`` (name) and ``shape`` (list).
+    """
     return [{"path": n, "entry": f"params/{n}", "dtype": dtype_name(x), "shape": list(np.shape(x))}
             for n, x in flat_by_dotted(params, "params").items()]
 
@@ -454,7 +463,7 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
                                     primary=primary)
     common = common_meta(sites_meta, leaves, treedef, tau=tau, clip=clip, codec=codec,
-                         params_meta=_param_leaves(params) if include_params else None)
+                         params_meta=param_leaves(params) if include_params else None)
     return write_and_commit(d, items, totals, common, primary=primary, t0=t0)
 
 

@@ -12,7 +12,7 @@ uniformly random ones).  A failure
 is a point where the actual difference exceeds the bound.
 
 ``--no-radius`` removes the stage-2 allowance (native op radii and the final ``p + step``
-rounding) and keeps only the ideal stage (`bound._shared_ideal`): the audit must then
+rounding) and keeps only the ideal stage (`bound.shared_ideal`): the audit must then
 find failures, which shows that it can detect an under-estimate.
 
 Edge cases (``--edge-fraction``, default 0.25 of the cases and of the groups): moments
@@ -56,7 +56,7 @@ _INTERIOR = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144], np.float64) / 233
 def _one_cell(k, m, v, mt, vt, pabs, clip, e, sgn, no_radius):
     if no_radius:
         gl, gh = clip * e[:1], clip * e[1:]
-        b = _bound._shared_ideal(k, sgn * m, v, sgn * mt, vt, gl, gh)[0]
+        b = _bound.shared_ideal(k, sgn * m, v, sgn * mt, vt, gl, gh)[0]
     else:
         rows = _bound.cell_bounds(k, m, v, mt, vt, pabs, clip, e)
         b = jnp.where(sgn > 0, rows[0, 0], rows[1, 0])
@@ -87,8 +87,19 @@ def _certifiable(x):
     return np.where(np.abs(x) < np.float32(_bound.TINY_MOMENT), np.float32(0), x).astype(np.float32)
 
 
-def _draw_cases(rng, n):
-    """n certifiable scalar cases as float32 arrays + cell data."""
+def draw_cases(rng, n):
+    """Random certifiable scalar cases for the audit (the mix is in the module docstring).
+
+    Args:
+      rng: a `numpy.random.Generator` (the draw is a function of its state).
+      n: how many cases.
+
+    Returns:
+      A dict of [n] arrays: ``m, v, mt, vt`` (float32 moments and decoded moments, v >= 0,
+      magnitudes below 2**-80 zeroed), ``p`` (parameter), ``clip`` (gradient clip C),
+      ``sgn`` (+1/-1, the cell's gradient sign), ``level`` (int, 1-4) and ``e`` ([n, 2]
+      float32: the cell's unit edges, the gradient range is ``clip * e``).
+    """
     # |m|: mostly typical, some extreme small/large; v likewise, 1e-20..1e2
     mag_m = np.where(rng.random(n) < 0.7, _loguniform(rng, 1e-8, 1e0, n), _loguniform(rng, 2.0**-79, 1e2, n))
     m = mag_m * rng.choice([-1.0, 1.0], n)
@@ -167,8 +178,17 @@ def _edge_cases(rng, d, sel):
     d["clip"][sel] = np.where(rc < 0.2, _loguniform(rng, 1e10, 1e20, n), d["clip"][sel]).astype(np.float32)
 
 
-def _points(rng, gl, gh):
-    """[n, POINTS_PER_CASE] float32 gradient magnitudes in [gl, gh] (gl <= gh, float32)."""
+def cell_points(rng, gl, gh):
+    """The gradient magnitudes at which the audit replays each cell.
+
+    Args:
+      rng: a `numpy.random.Generator` for the 16 random interior points.
+      gl, gh: [n] float32 cell ends, ``gl <= gh``.
+
+    Returns:
+      [n, POINTS_PER_CASE] float32, all in ``[gl, gh]``: both ends, one ulp inside each
+      end, the midpoint, 11 fixed interior fractions and 16 uniform random ones.
+    """
     gl64, gh64 = gl.astype(np.float64), gh.astype(np.float64)
     inner_lo = np.minimum(np.nextafter(gl, gh), gh)
     inner_hi = np.maximum(np.nextafter(gh, gl), gl)
@@ -232,7 +252,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     fast_examples = []
     for c0 in range(0, cases, CHUNK):
         n = min(CHUNK, cases - c0)
-        d = _draw_cases(rng, n)
+        d = draw_cases(rng, n)
         edge = rng.random(n) < edge_fraction
         _edge_cases(rng, d, np.flatnonzero(edge))
         gid = (c0 + np.arange(n)) // GROUP
@@ -242,7 +262,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                                no_radius=no_radius), np.float64)
         gl = (d["clip"] * d["e"][:, 0]).astype(np.float32)
         gh = (d["clip"] * d["e"][:, 1]).astype(np.float32)
-        g = _points(rng, gl, gh) * d["sgn"][:, None]
+        g = cell_points(rng, gl, gh) * d["sgn"][:, None]
         actual = np.empty(g.shape, np.float64)
         P = POINTS_PER_CASE
         for grp in np.unique(gid):

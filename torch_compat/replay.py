@@ -428,8 +428,22 @@ def _device_table(table: SqrtTable):
     return jnp.asarray(table.below.view(np.int32)), jnp.asarray(table.above.view(np.int32))
 
 
-def _replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
-    """Run the jitted kernel on flat float32 arrays; returns jax arrays and the fallback mask."""
+def replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
+    """The jitted replay kernel on flat float32 arrays, without the numpy fallback.
+
+    Args:
+      p, g, m, v: 1-D float32 arrays of one length (`adam_step` pads it with
+        `bucket_length`).
+      scalars: the step's `AdamScalars` (`adam_scalars`).
+      variant: the op variant of the kernel body (for fused: ``variant.body``).
+      decoupled: AdamW's decoupled weight decay.
+      has_weight_decay: whether weight decay is nonzero.
+
+    Returns:
+      ``(p_new, m_new, v_new, needs_numpy)`` as jax arrays: the updates, bit-exact
+      except where the bool mask ``needs_numpy`` is set (subnormal/extreme range, which
+      `adam_step` recomputes with the numpy model).
+    """
     _, jnp, _ = _jax()
     table = sqrt_table_for(variant)
     below, above = _device_table(table)
@@ -488,7 +502,7 @@ def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_deca
     if size == 0:
         return tuple(np.empty(shape, np.float32) for _ in range(3))
     padded = [_pad_to_bucket(x) for x in flat]
-    *outputs, needs_numpy = _replay_flat(*padded, scalars, body, decoupled=decoupled,
+    *outputs, needs_numpy = replay_flat(*padded, scalars, body, decoupled=decoupled,
                                          has_weight_decay=weight_decay != 0)
     outputs = [np.array(x[:size]) for x in outputs]  # writable; jax buffers are read-only
     needs_numpy = np.array(needs_numpy[:size])
@@ -509,7 +523,7 @@ def count_numpy_fallback(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, 
     variant = variant or detect_variant()
     scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
     flat = [_pad_to_bucket(np.ascontiguousarray(x).reshape(-1)) for x in (p, g, m, v)]
-    *_, needs_numpy = _replay_flat(*flat, scalars, variant, decoupled=decoupled, has_weight_decay=weight_decay != 0)
+    *_, needs_numpy = replay_flat(*flat, scalars, variant, decoupled=decoupled, has_weight_decay=weight_decay != 0)
     return int(np.count_nonzero(np.asarray(needs_numpy)))
 
 

@@ -142,10 +142,25 @@ def stack_rows(rows) -> StepRow:
     return StepRow(*(np.asarray(col, np.float32) for col in zip(*rows)))
 
 
-def _shared_ideal(k, m, v, mt, vt, gl, gh):
-    """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|, or +inf
-    where any intermediate is not finite (an overflowed divisor would silently make a
-    term 0: docs/bound.md, section 5)."""
+def shared_ideal(k, m, v, mt, vt, gl, gh):
+    """Stage 1 (the ideal stage) on cells [gl, gh]: an upper bound of sup |s1 - s2|.
+
+    ``s1``/``s2`` are the exact-arithmetic Adam steps from the original moments
+    ``(m, v)`` and the decoded ones ``(mt, vt)``, over gradients ``g`` in ``[gl, gh]``
+    (``g >= 0``; the negative side is the same call with ``m, mt`` negated). No native
+    rounding allowance: `cell_bounds` adds stage 2.
+
+    Args:
+      k: the step constants, a `StepRow` (or the old packed row).
+      m, v: original first/second moments (float32, broadcastable with the rest).
+      mt, vt: decoded moments.
+      gl, gh: the cell's gradient ends, float32, ``0 <= gl <= gh``.
+
+    Returns:
+      float32 bounds of the broadcast shape; +inf where any intermediate is not
+      finite (an overflowed divisor would silently make a term 0: docs/bound.md,
+      section 5).
+    """
     k = as_step_row(k)
     keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
     dm = m - mt
@@ -263,7 +278,7 @@ def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
     for sgn in (1.0, -1.0):
         sm, smt = sgn * m, sgn * mt
         if bound == "shared":
-            ideal = _shared_ideal(k, sm, v, smt, vt, gl, gh)
+            ideal = shared_ideal(k, sm, v, smt, vt, gl, gh)
         else:
             ideal = _separate_ideal(k, sm, v, smt, vt, gl, gh)
         al1, s1 = _native_allowance(k, sm, v, pabs, gl, gh, decay_in_update)

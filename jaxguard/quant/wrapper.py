@@ -49,6 +49,7 @@ import optax
 
 from jaxguard.core import codes as _codes
 from jaxguard.errors import ConfigError
+from jaxguard.optax_state import key_str
 from jaxguard.quant import codecs
 
 __all__ = ["quantized", "QuantizedState", "state_bytes", "plan", "NONNEGATIVE_FIELDS",
@@ -111,20 +112,8 @@ def _code_for(field: str | None, pol: dict) -> str:
 
 
 # ------------------------------------------------------------------ paths
-def _key_str(k) -> str:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
-
-
 def _path_str(path) -> str:
-    return "/".join(_key_str(k) for k in path)
+    return "/".join(key_str(k) for k in path)
 
 
 def _split_state_path(path):
