@@ -41,6 +41,7 @@ import numpy as np
 from jaxguard.core import bound as _bound
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core.opmodel import TORCH_OP_MODELS, split_torch_op_model, step_constants
+from jaxguard.errors import ConfigError
 
 POINTS_PER_CASE = 32         # 16 fixed points of the cell + 16 random interior ones
 GROUP = 2048                 # cases sharing one (step, lr): one replay call
@@ -205,20 +206,33 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                     edge_fraction=0.25, variant=None) -> dict:
     """Check `bound.cell_bounds` against the bit-exact torch replay (module docstring).
 
-    Returns a dict: cases, failures (finite bound below the actual difference, or a NaN
-    bound), escaped (+inf bounds), edge_cases / edge_finite (edge draws and those with a
-    finite bound), max_ratio, worst case, failure examples, settings.
+    Args:
+      cases: how many random scalar cases (grouped by `GROUP` per ``(step, lr, wd)``).
+      no_radius: ideal stage only (`bound.shared_ideal`): the audit must then find
+        failures, which shows it can detect an under-estimate.
+      seed: the draw's seed (the same seed draws the same cases for every op model).
+      op_model: any torch op model: ``torch-adam[w]`` replays the single-tensor kernels,
+        ``-foreach`` foreach=True, ``-fused`` the fused CPU kernel (half the cases through
+        its scalar tail, counted in ``tail_cases``).
+      keep_failures: how many failure examples the report keeps.
+      edge_fraction: the share of cases (and adamw groups) drawn at float32's edges.
+      variant: the torch replay's operation variant (default: the detected one for the
+        op model's implementation); the bound covers every variant, so the audit must pass
+        whichever is given.
 
-    ``variant`` is the torch replay's operation variant (default: the detected one for the
-    op model's implementation); the bound covers every variant, so the audit must pass
-    whichever is given. ``op_model`` is any torch op model: ``torch-adam[w]`` replays the
-    single-tensor kernels, ``-foreach`` foreach=True, ``-fused`` the fused CPU kernel (half
-    the cases through its scalar tail, counted in ``tail_cases``).
+    Returns:
+      A dict: cases, failures (finite bound below the actual difference, or a NaN
+      bound), escaped (+inf bounds), edge_cases / edge_finite (edge draws and those with a
+      finite bound), max_ratio, worst case, failure examples, the closed-form tier's
+      counts (``fast``), settings.
+
+    Raises:
+      ConfigError: an op model that is not a torch one.
     """
     from torch_compat.replay import adam_step, detect_implementation_variant
 
     if op_model not in TORCH_OP_MODELS:
-        raise ValueError(f"op_model={op_model!r}; use one of {', '.join(TORCH_OP_MODELS)}")
+        raise ConfigError(f"op_model={op_model!r} is not a torch op model; use one of {', '.join(TORCH_OP_MODELS)}")
     decoupled, implementation = split_torch_op_model(op_model)
     wd = ADAMW_WD if decoupled else 0.0
     variant = variant or detect_implementation_variant(implementation)
@@ -345,6 +359,14 @@ def _describe(d, i, step, lr, wd, b, actual, g):
 
 # ---------------------------------------------------------------- CLI
 def add_parser(subparsers):
+    """Add the ``audit-enclosure`` verb to the CLI's subparsers.
+
+    Args:
+      subparsers: the ``argparse`` subparsers action of the ``jaxguard`` parser.
+
+    Returns:
+      The verb's parser (its ``fn`` default is `run`).
+    """
     a = subparsers.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
     a.add_argument("--cases", type=int, default=1048576)
     a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
@@ -359,6 +381,16 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
+    """Run ``jaxguard audit-enclosure`` and print its report (JSON with ``--json``).
+
+    Args:
+      args: the parsed ``argparse.Namespace`` (cases, no_radius, seed, op_model,
+        edge_fraction, json).
+
+    Returns:
+      The exit code: 1 if a finite bound failed (either tier), else 0; always 0 with
+      ``--no-radius`` (failures are expected there).
+    """
     rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model,
                           edge_fraction=args.edge_fraction)
     if args.json:
