@@ -105,7 +105,16 @@ def host_scalars(tree):
     return jax.tree_util.tree_map(host_scalar, tree)
 
 
-def _start(index, ndim):
+def shard_start(index, ndim) -> tuple:
+    """The global offset of a shard from its index (a tuple of slices).
+
+    Args:
+      index: a shard's ``index`` (slices per leading dimension; ``None`` starts are 0).
+      ndim: the array's rank (missing trailing dimensions start at 0).
+
+    Returns:
+      The start offset per dimension, a tuple of ``ndim`` ints.
+    """
     return tuple(0 if s.start is None else int(s.start) for s in index) + (0,) * (ndim - len(index))
 
 
@@ -120,7 +129,7 @@ def local_shards(x, primary=0):
       [(device or None, global start index, host array)].
     """
     if isinstance(x, jax.Array):
-        return [(s.device, _start(s.index, x.ndim), s.data) for s in x.addressable_shards if s.replica_id == 0]
+        return [(s.device, shard_start(s.index, x.ndim), s.data) for s in x.addressable_shards if s.replica_id == 0]
     if jax.process_index() == primary:
         a = np.asarray(x)
         return [(None, (0,) * a.ndim, a)]

@@ -451,6 +451,24 @@ def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, dec
     return jax.jit(kernel)
 
 
+def fma_float32_jax(a, b, c, zero):
+    """Correctly rounded float32 ``fma(a, b, c)`` under XLA: the jittable twin of
+    `torch_compat.float32.fma_float32_numpy`, the one the replay kernel uses.
+
+    Built from barriered float32 operations (exact product, TwoSum, one round-to-odd
+    addition: Boldo & Melquiond 2008), so XLA can neither contract nor reassociate it.
+
+    Args:
+      a, b, c: float32 jax arrays (broadcast to ``zero``'s shape).
+      zero: an int32 array of zeros XLA cannot see through (e.g. a traced argument, or
+        ``iota & traced_zero``), one per element; its shape is the result's.
+
+    Returns:
+      float32 ``RN(a * b + c)``, bit for bit the numpy model's.
+    """
+    return _JaxArithmetic(zero, None, None, True).fma(a, b, c)
+
+
 @functools.lru_cache(maxsize=8)
 def _device_table(table: SqrtTable):
     _, jnp, _ = _jax()

@@ -100,7 +100,18 @@ def is_encoded(x) -> bool:
 
 
 # ------------------------------------------------------------------ blocking
-def _check_block_size(block_size) -> int:
+def check_block_size(block_size) -> int:
+    """Validate a block size for the blocked codes.
+
+    Args:
+      block_size: values per block.
+
+    Returns:
+      It, as an int.
+
+    Raises:
+      ConfigError: not a power of two in [16, 65536].
+    """
     if (not isinstance(block_size, (int, np.integer)) or block_size < _MIN_BLOCK
             or block_size > _MAX_BLOCK or block_size & (block_size - 1)):
         raise ConfigError(
@@ -159,7 +170,7 @@ def al_encode(x, bits: int = 8, block_size: int = _codes.BLOCK) -> ALCode:
     """
     if bits not in (8, 16):
         raise ConfigError(f"bits={bits!r} is not supported by AL; use 8 (AL8) or 16 (AL16)")
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     return _al_encode(_as_f32(x, "al_encode"), bits, block_size)
 
 
@@ -222,7 +233,7 @@ def uf8_encode(x, block_size: int = _codes.BLOCK) -> UF8Code:
       ConfigError: a non-floating dtype, or a block_size that is not a power of two in
         the supported range.
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     return _uf8_encode(_as_f32(x, "uf8_encode"), block_size)
 
 
@@ -275,7 +286,7 @@ def d8_encode(x, signed: bool = True, block_size: int = _codes.BLOCK) -> D8Code:
       ConfigError: a non-floating dtype, or a block_size that is not a power of two in
         the supported range.
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     return _d8_encode(_as_f32(x, "d8_encode"), bool(signed), block_size)
 
 

@@ -237,7 +237,7 @@ def quantized(tx: optax.GradientTransformation, policy: Policy = "al8", *,
     """
     _resolve_policy(policy)
     _resolve_policy(protected_policy)
-    codecs._check_block_size(block_size)
+    codecs.check_block_size(block_size)
     kw = dict(protect=protect, protected_policy=protected_policy, min_size=min_size,
               protect_patterns=protect_patterns)
 
