@@ -355,16 +355,7 @@ def coordinate_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", deca
     to -inf, which then passed `<= threshold`).
 
     Args:
-      k: the step constants, a `StepRow` of float32 scalars (or the old packed row).
-      m, v: the original float32 moments of one coordinate (v >= 0).
-      mt, vt: its decoded moments.
-      pabs: ``|p|``, the parameter's magnitude (float32).
-      clip: the gradient clip C (float32, > 0): gradients ``|g| <= clip`` are covered.
-      edges: float32 cell edges on [0, 1] (`unit_edges`), scaled by `clip`.
-      bound: ``"shared"`` (the certificate) or ``"separate"`` (the ablation that ranges
-        each update on its own).
-      decay_in_update: optax-adamw's ``-lr*wd*p`` term is inside the update; None reads
-        it per coordinate from ``k.decay_in_update``.
+      k, m, v, mt, vt, pabs, clip, edges, bound, decay_in_update: as `cell_bounds`.
 
     Returns:
       A float32 scalar upper bound of |p1' - p2'| over all ``|g| <= clip``, or +inf.
@@ -378,16 +369,9 @@ def batch_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
     """`coordinate_bound` vmapped over coordinates.
 
     Args:
-      k: the step constants, a `StepRow` of float32 scalars (or the old packed row).
-      m, v: the original float32 moments as [n] arrays (v >= 0).
-      mt, vt: its decoded moments.
-      pabs: ``|p|``, the parameter's magnitude ([n] float32).
-      clip: the gradient clip C ([n] float32, > 0): gradients ``|g| <= clip`` are covered.
-      edges: float32 cell edges on [0, 1] (`unit_edges`), scaled by `clip`.
-      bound: ``"shared"`` (the certificate) or ``"separate"`` (the ablation that ranges
-        each update on its own).
-      decay_in_update: optax-adamw's ``-lr*wd*p`` term is inside the update; None reads
-        it per coordinate from ``k.decay_in_update``.
+      k: the step constants, one `StepRow` of float32 scalars for all coordinates.
+      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate (as `cell_bounds`).
+      edges, bound, decay_in_update: as `cell_bounds`.
 
     Returns:
       float32 [n] bounds.
@@ -452,14 +436,9 @@ def batch_bound_pc(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared"):
     are certified in one call.
 
     Args:
-      k: the step constants, a `StepRow` of [n] float32 arrays (`StepRow.take`).
-      m, v: the original float32 moments as [n] arrays (v >= 0).
-      mt, vt: its decoded moments.
-      pabs: ``|p|``, the parameter's magnitude (float32).
-      clip: the gradient clip C (float32, > 0): gradients ``|g| <= clip`` are covered.
-      edges: float32 cell edges on [0, 1] (`unit_edges`), scaled by `clip`.
-      bound: ``"shared"`` (the certificate) or ``"separate"`` (the ablation that ranges
-        each update on its own).
+      k: a `StepRow` of [n] float32 arrays, one row per coordinate (`StepRow.take`).
+      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate (as `cell_bounds`).
+      edges, bound: as `cell_bounds`.
 
     Returns:
       float32 [n] bounds.

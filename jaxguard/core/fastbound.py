@@ -162,12 +162,7 @@ def batch_fast_accept(K, gidx, m, v, mt, vt, pabs, clip):
     """True where the closed form certifies: usable and ``bound <= K.threshold``.
 
     Args:
-      K: a `bound.StepRow` of [G] float32 arrays (or the old [G, 12] table), one row per
-        group of tensors.
-      gidx: [n] int group index of each coordinate.
-      m, v, mt, vt: [n] original and decoded moments (float32, certifiable).
-      pabs: [n] ``|p|``.
-      clip: [n] gradient bounds (coupled decay already folded in).
+      K, gidx, m, v, mt, vt, pabs, clip: as `batch_fast_bound`.
 
     Returns:
       A [n] bool mask of the coordinates the closed-form tier accepts.

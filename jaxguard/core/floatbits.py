@@ -143,12 +143,10 @@ class Classifier:
         """`zero_bits` on the bits of `x`: +0.0 or -0.0.
 
         Args:
-          x: values convertible to float32 (this backend's arrays or scalars).
-          *z: `device` only: an optional uint32 opaque zero (`opaque_zero`) XORed into the
-            bits so XLA cannot fold the test into a float compare.
+          x, *z: as `finite`.
 
         Returns:
-          A bool array of x's shape (numpy for `host`, jax for `device`).
+          A bool array of x's shape.
         """
         return zero_bits(self.bits(x, *z))
 
@@ -156,12 +154,10 @@ class Classifier:
         """`negative_bits` on the bits of `x`: sign bit set and not a zero.
 
         Args:
-          x: values convertible to float32 (this backend's arrays or scalars).
-          *z: `device` only: an optional uint32 opaque zero (`opaque_zero`) XORed into the
-            bits so XLA cannot fold the test into a float compare.
+          x, *z: as `finite`.
 
         Returns:
-          A bool array of x's shape (numpy for `host`, jax for `device`).
+          A bool array of x's shape.
         """
         return negative_bits(self.bits(x, *z))
 
@@ -169,12 +165,10 @@ class Classifier:
         """`subnormal_bits` on the bits of `x`: exponent field 0, mantissa nonzero.
 
         Args:
-          x: values convertible to float32 (this backend's arrays or scalars).
-          *z: `device` only: an optional uint32 opaque zero (`opaque_zero`) XORed into the
-            bits so XLA cannot fold the test into a float compare.
+          x, *z: as `finite`.
 
         Returns:
-          A bool array of x's shape (numpy for `host`, jax for `device`).
+          A bool array of x's shape.
         """
         return subnormal_bits(self.bits(x, *z))
 
@@ -182,12 +176,10 @@ class Classifier:
         """`tiny_bits` on the bits of `x`: nonzero with magnitude below 2**-80.
 
         Args:
-          x: values convertible to float32 (this backend's arrays or scalars).
-          *z: `device` only: an optional uint32 opaque zero (`opaque_zero`) XORed into the
-            bits so XLA cannot fold the test into a float compare.
+          x, *z: as `finite`.
 
         Returns:
-          A bool array of x's shape (numpy for `host`, jax for `device`).
+          A bool array of x's shape.
         """
         return tiny_bits(self.bits(x, *z))
 
@@ -195,12 +187,10 @@ class Classifier:
         """`not_tiny_bits` on the bits of `x`: zero, magnitude >= 2**-80, or not finite.
 
         Args:
-          x: values convertible to float32 (this backend's arrays or scalars).
-          *z: `device` only: an optional uint32 opaque zero (`opaque_zero`) XORed into the
-            bits so XLA cannot fold the test into a float compare.
+          x, *z: as `finite`.
 
         Returns:
-          A bool array of x's shape (numpy for `host`, jax for `device`).
+          A bool array of x's shape.
         """
         return not_tiny_bits(self.bits(x, *z))
 

@@ -219,13 +219,7 @@ def quantized(tx: optax.GradientTransformation, policy: Policy = "al8", *,
 
     Args:
       tx: the inner optax transformation.
-      policy: a preset name (`PRESETS`: "fp32", "al8", "d8", ...) or a mapping from
-        ``"nonnegative"``/``"signed"``/a state field name to a code.
-      protect: True (leaves whose parameter path matches `protect_patterns`, and 0/1-D
-        parameters, get `protected_policy`), False, or a callable ``(path, shape) -> bool``.
-      protected_policy: the policy of protected leaves (default fp32).
-      min_size: parameters with fewer elements stay fp32 (bitsandbytes' 4096).
-      protect_patterns: regexes (case-insensitive) of protected parameter paths.
+      policy, protect, protected_policy, min_size, protect_patterns: as `plan`.
       block_size: values per block of the blocked codes (a power of two).
 
     Returns:
