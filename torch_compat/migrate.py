@@ -241,7 +241,8 @@ def container_to_torch(path):
 
     Raises:
       UnsupportedOptimizerError: an entry holds bfloat16 mu (only float32 mu migrates).
-      ContainerError: the file is corrupt or holds no params.
+      CheckpointError: the container holds no params.
+      ContainerError: the file is corrupt or not a jaxguard container.
     """
     header, arrays = optax_adapter.read(path)
     params = optax_adapter.load_params(path)
