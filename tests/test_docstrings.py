@@ -18,12 +18,9 @@ PENDING = {
     "jaxguard/core/guard.py",
     "jaxguard/core/certify.py",
     "jaxguard/core/codecs.py",
-    "jaxguard/core/jit_encode.py",
-    "jaxguard/core/adaptive.py",
     "jaxguard/format/container.py",
     "jaxguard/format/reader.py",
     "jaxguard/format/spec.py",
-    "jaxguard/format/rans.py",
     "jaxguard/cli/main.py",
     "torch_compat/state.py",
 }

@@ -62,7 +62,8 @@ def private_uses(source):
 # private names that live in files another engineer is rewriting (the PENDING files of
 # test_docstrings.py); the lead removes an entry once the name is public
 TOLERATED = {
-    "test_config.py": ["jit_encode._encode_jitted"],     # jaxguard/core/jit_encode.py
+    # JAX's private jit-cache counter on a jaxguard jitted function (no public equivalent)
+    "test_config.py": ["jit_encode.encode_jitted._cache_size"],
 }
 
 
