@@ -243,7 +243,7 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
                     nxt = offs[i + 1][0] if i + 1 < len(offs) else total
                     parts.append(jnp.concatenate([x, jnp.zeros((nxt - o - n,), jnp.float32)]))
                 cols.append(jnp.concatenate(parts))
-            je = jit_encode._encode_impl(cols[0], cols[1], cols[2], k, cfg, capacity, E)
+            je = jit_encode.encode_traced(cols[0], cols[1], cols[2], k, cfg, capacity, E)
             return jax.tree_util.tree_map(lambda a: a[None], je)
 
         if mesh is None:
@@ -268,7 +268,7 @@ def _writer_rows(plan: MomentPlan):
         if key in seen:
             continue
         seen.add(key)
-        out[d] = (r, sharded._start(idx[d], len(plan.shape)))
+        out[d] = (r, sharded.shard_start(idx[d], len(plan.shape)))
     return out
 
 

@@ -89,7 +89,18 @@ def _propose_block(mb, vb, valid, vpos, bm, bv):
 
 @functools.partial(jax.jit, static_argnames=("bm", "bv"))
 def propose(mb, vb, valid, vpos, bm, bv):
-    """Blocks [nb, 256] -> (m codes int8, v codes uint8, m_params [nb,1], v_params [nb,4], m~, v~)."""
+    """One width pair's logrel-aw proposal for every block.
+
+    Args:
+      mb, vb: float32 moments as blocks [nb, 256].
+      valid: [nb, 256] bool, coordinates that may enter a block's statistics.
+      vpos: [nb, 256] bool, strictly positive finite v.
+      bm, bv: the m and v code widths in bits (4..8, static).
+
+    Returns:
+      (m codes int8, v codes uint8, m_params [nb, 1], v_params [nb, 4] = (lo, r, wlo, rr),
+      m~, v~ [nb, 256]) with m~, v~ decoded exactly as the reader will.
+    """
     mq, vq, s, vp, mt, vt = jax.vmap(functools.partial(_propose_block, bm=bm, bv=bv))(mb, vb, valid, vpos)
     return mq, vq, s[:, None], vp, mt, vt
 
@@ -97,10 +108,22 @@ def propose(mb, vb, valid, vpos, bm, bv):
 def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None):
     """Try every width pair, keep per block the cheapest; return the assembled proposal.
 
-    `classify(mt, vt) -> (exact, ok)` and `certify_fn(mt, vt, idx) -> level per idx` are the
-    guard's (jaxguard.core.guard), bound to this group's constants.
+    Cost of a block: its code bits plus `ESCAPE_COST` bytes per escape; ties keep the wider
+    pair (listed first in `WIDTH_PAIRS`).
 
-    Returns (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group.
+    Args:
+      mh, vh, ph: flat float32 moments and parameters of the padded group (whole blocks).
+      valid, vpos: [nb, 256] bool masks as for `propose`.
+      in_tensor: flat bool, True on coordinates of a tensor (False on padding).
+      classify: ``classify(mt, vt) -> (exact, ok)``, the guard's classification bound to
+        this group (`jaxguard.core.certify.classify`).
+      certify_fn: ``certify_fn(mt, vt, idx) -> level per idx`` (< 0: escapes), the guard's
+        certificate bound to this group's constants.
+      pairs: the (bm, bv) pairs to try (default `WIDTH_PAIRS`).
+
+    Returns:
+      (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group; the guard
+      decodes and certifies the assembled codes again from scratch.
     """
     nb = mh.size // codes.BLOCK
     pairs = WIDTH_PAIRS if pairs is None else pairs
@@ -130,7 +153,15 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
 
 @jax.jit
 def decode_blocks(mq, vq, mp, vp):
-    """Blocked codes and parameters -> (m~, v~) blocked, as jaxguard.format.reader decodes them."""
+    """Blocked codes and parameters -> (m~, v~) blocked, as jaxguard.format.reader decodes them.
+
+    Args:
+      mq: [nb, 256] m codes (int8, centred). vq: [nb, 256] v codes (uint8).
+      mp: [nb, 1] m scales. vp: [nb, 4] (lo, r, wlo, rr).
+
+    Returns:
+      (m~, v~) float32 [nb, 256].
+    """
     w = jax.vmap(codes.sqrt_scale_block)(vq, vp[:, 2], vp[:, 3])
     mt = jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w)
     vt = jax.vmap(codes.log_decode_block)(vq, vp[:, 0], vp[:, 1])

@@ -56,7 +56,19 @@ class JitEncoded(ArrayPytree):
     shape: tuple
 
 
-def _encode_impl(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
+def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
+    """The body of `encode_jit`, traceable inside a caller's ``jit`` or ``shard_map``.
+
+    Args:
+      m, v, p: float32 arrays of one shape (traced).
+      k: the certificate's constants, a `bound.StepRow` of float32 scalars (traced).
+      spec: the static `GuardSpec`.
+      capacity: candidates the cell levels examine (static).
+      escape_capacity: length of the escape buffers (static).
+
+    Returns:
+      A `JitEncoded`.
+    """
     shape = tuple(m.shape)
     n = int(np.prod(shape, dtype=np.int64))
     nb = codes.num_blocks(n)
@@ -127,11 +139,18 @@ def _encode_impl(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
     return JitEncoded(arrays, spec.codec, shape)
 
 
-_encode_jitted = jax.jit(_encode_impl, static_argnums=(4, 5, 6))
+encode_jitted = jax.jit(encode_traced, static_argnums=(4, 5, 6))
+"""`encode_traced` jitted with `spec`, `capacity` and `escape_capacity` static."""
 
 
 def constants(config: GuardConfig) -> _bound.StepRow:
     """Deprecated alias: ``config.step_row()`` as jax arrays (a `bound.StepRow`).
+
+    Args:
+      config: the `GuardConfig` of the step being saved.
+
+    Returns:
+      Its `bound.StepRow` with float32 jax scalars.
 
     `encode_jit` now takes the static `config.spec` as its jit key, so passing a new
     `GuardConfig` per step no longer recompiles; pass ``constants=`` only to trace the
@@ -184,11 +203,18 @@ def encode_jit(m, v, p, config, *, capacity: int = 4096, escape_capacity: int | 
     E = n if escape_capacity is None else int(escape_capacity)
     if E < 1:
         E = 1
-    return _encode_jitted(m, v, p, constants.as_float32(jnp), spec, capacity, E)
+    return encode_jitted(m, v, p, constants.as_float32(jnp), spec, capacity, E)
 
 
 def decode_jit(je: JitEncoded):
-    """(m~, v~) of a `JitEncoded`, jittable; equal to ``guard.decode(to_encoded(je))``."""
+    """(m~, v~) of a `JitEncoded`, jittable; equal to ``guard.decode(to_encoded(je))``.
+
+    Args:
+      je: a `JitEncoded` from `encode_jit`.
+
+    Returns:
+      (m~, v~) float32 arrays of the original shape, escapes restored exactly.
+    """
     n = je.n
     mt, vt = _guard.decode_arrays(je.arrays, je.codec, n)
     idx = je.arrays["escape_index"]
@@ -206,6 +232,16 @@ def to_encoded(je: JitEncoded, m=None, v=None) -> _guard.Encoded:
 
     With the original `m`, `v` it re-checks in numpy that every nonzero moment below
     ``2**-80`` (subnormals included) escapes, and adds the escape if the device missed it.
+
+    Args:
+      je: a `JitEncoded` (device or host arrays).
+      m, v: the moments that were encoded (optional; enables the host re-check).
+
+    Returns:
+      A `guard.Encoded` with only the escapes that occurred.
+
+    Raises:
+      ConfigError: more escapes than `je`'s escape buffers hold (``overflow`` > 0).
     """
     a = {k: np.asarray(x) for k, x in je.arrays.items()}
     n = je.n

@@ -322,10 +322,14 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
 def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True) -> int:
     """Exact bytes `encode` returns (it encodes: ~10 M symbols/s).
 
-    Args/Raises: as `encode`.
+    Args:
+      symbols, alphabet_bits, n, models, prob_bits, inline_models: as `encode`.
 
     Returns:
-      int.
+      The length in bytes of ``encode(...)``'s buffer.
+
+    Raises:
+      RansError: as `encode`.
     """
     return len(encode(symbols, alphabet_bits, n, models, prob_bits, inline_models))
 
