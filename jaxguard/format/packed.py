@@ -393,10 +393,16 @@ def entry_payload_bytes(arrays, n, entropy=False):
     """Moment payload of one logrel-aw / logrel-ans entry: its exact section sizes
     (`entry_sections`; for logrel-ans this rANS-encodes, ~2.4 M symbols/s).
 
-    Args/Raises: as `entry_sections`.
+    Args:
+      arrays: the encoded arrays, as for `entry_sections`.
+      n: coordinates.
+      entropy: count logrel-ans's sections (rANS or packed, whichever the writer stores).
 
     Returns:
       int bytes.
+
+    Raises:
+      PackError: as `entry_sections`.
     """
     if not entropy:
         return payload_bytes(arrays["widths"], arrays["escape_index"], n)
