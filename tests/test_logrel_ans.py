@@ -289,3 +289,19 @@ def test_decode_many_prepass_equals_one_entry_at_a_time():
         a = reader.read_moments(e, pay, {}, pre[k])
         b = reader.read_moments(e, pay, {})
         assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+
+
+def test_mixed_or_foreign_section_sets_refused():
+    """The section names say which form an entry has: mv_rans with m_params, or an mv_rans
+    under logrel-aw, are refused in one line."""
+    data = _two_entry_container()
+    hdr, pay = reader.parse(data)
+    e = hdr["entries"][0]
+    e["sections"]["m_params"] = e["sections"].pop("v_params")
+    with pytest.raises(reader.ReaderError, match="must have exactly the sections") as exc:
+        reader.verify_bytes(_reseal(hdr, bytes(pay)))
+    assert "mv_rans" in str(exc.value) and "\n" not in str(exc.value)
+    hdr, pay = reader.parse(data)
+    hdr["entries"][0]["codec"] = AW
+    with pytest.raises(reader.ReaderError, match="must have exactly the sections"):
+        reader.verify_bytes(_reseal(hdr, bytes(pay)))
