@@ -17,10 +17,6 @@ SKIPPED = {"tree_flatten", "tree_unflatten"}
 PENDING = {
     "jaxguard/core/guard.py",
     "jaxguard/core/certify.py",
-    "jaxguard/core/codecs.py",
-    "jaxguard/format/container.py",
-    "jaxguard/format/reader.py",
-    "jaxguard/format/spec.py",
     "jaxguard/cli/main.py",
     "torch_compat/state.py",
 }

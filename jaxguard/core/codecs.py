@@ -153,6 +153,7 @@ class CoreCodec:
 
     @property
     def spec(self) -> _spec.CodecSpec:
+        """The format registry's entry for this id (layout, dtypes, decode, tables)."""
         return _spec.get(self.id)
 
 
@@ -173,6 +174,12 @@ TABLE: dict = _entries()
 def get(codec_id: str) -> CoreCodec:
     """The core codec of a registry id.
 
+    Args:
+      codec_id: an id of `jaxguard.format.spec.CODECS`.
+
+    Returns:
+      Its `CoreCodec`.
+
     Raises:
       ConfigError: an id the core has no entry for.
     """
@@ -185,6 +192,16 @@ def get(codec_id: str) -> CoreCodec:
 @functools.partial(jax.jit, static_argnames=("codec",))
 def propose(mb, vb, valid, vpos, codec):
     """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked.
+
+    Args:
+      mb, vb: float32 moments as blocks [nb, 256].
+      valid: [nb, 256] bool, coordinates that may enter the block statistics.
+      vpos: [nb, 256] bool, strictly positive finite v.
+      codec: the registry id (static).
+
+    Returns:
+      Codes and block parameters as the container stores them, and m~, v~ decoded exactly
+      as the reader will.
 
     Raises:
       ConfigError: a codec whose codes are chosen on the host (logrel-aw).

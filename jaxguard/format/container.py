@@ -39,6 +39,17 @@ class _Payload:
 
 
 def numpy_dtype_name(arr) -> str:
+    """The container dtype name of `arr` (numpy's name, e.g. ``"float32"``).
+
+    Args:
+      arr: a numpy array (or anything with a ``dtype``).
+
+    Returns:
+      Its dtype name, one of `jaxguard.format.reader.DTYPES`.
+
+    Raises:
+      ContainerError: a dtype the container cannot store (the message lists those it can).
+    """
     name = np.dtype(arr.dtype).name
     if name not in reader.DTYPES:
         raise ContainerError(f"dtype {name} cannot be stored; supported: {', '.join(reader.DTYPES)}")
@@ -46,7 +57,21 @@ def numpy_dtype_name(arr) -> str:
 
 
 def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
-    """entries: list of ("raw", name, ndarray, dtype_name|None) or ("moments", name, Encoded, dict)."""
+    """The bytes of a container holding `entries`, in memory.
+
+    Args:
+      entries: a list of ``("raw", name, ndarray, dtype_name | None)`` (stored as is) and
+        ``("moments", name, Encoded, config_dict)`` (a guarded moment pair).
+      meta: a JSON-able dict stored as the header's ``meta``.
+      extra_header: more top-level header fields (e.g. the op model, the replay variant).
+
+    Returns:
+      The whole container (prefix, header, payload, trailing SHA-256).
+
+    Raises:
+      ContainerError: a dtype that cannot be stored, or an entry the numpy reader refuses
+        as written (the decoded hash is computed by the reader itself).
+    """
     out, scratch = io.BytesIO(), io.BytesIO()
     _write(out, scratch, entries, meta, extra_header)
     return out.getvalue()
@@ -57,8 +82,19 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None)
     `build`), consuming them one at a time: each entry's sections go to a scratch file in
     the target directory (the temporary directory for an fsspec URL) as soon as it is
     produced, so memory holds one entry, not the payload.  The header (offsets, both
-    SHA-256) is written first and the scratch payload copied after it.  Returns the file
-    size in bytes."""
+    SHA-256) is written first and the scratch payload copied after it.
+
+    Args:
+      path: a local path (its directory must exist) or an fsspec URL.
+      entries: an iterable of entries as for `build`.
+      meta, extra_header: as for `build`.
+
+    Returns:
+      The size of the written file in bytes.
+
+    Raises:
+      ContainerError: as `build`; the target is then left as it was.
+    """
     from jaxguard.format import storage
     directory = None
     if not storage.is_url(path):
@@ -209,7 +245,15 @@ def _jsonable(x):
 def atomic_write(path, data: bytes) -> None:
     """Write `data` to `path` so that a crash leaves either the old file or the new one.
 
-    An fsspec URL (``s3://``, ``memory://``, ...) goes to `storage.atomic_write`."""
+    An fsspec URL (``s3://``, ``memory://``, ...) goes to `storage.atomic_write`.
+
+    Args:
+      path: a local path or an fsspec URL.
+      data: the whole file.
+
+    Raises:
+      OSError: the write failed; no partial file is left.
+    """
     atomic_write_with(path, lambda fh: fh.write(data))
 
 
@@ -217,7 +261,15 @@ def atomic_write_with(path, write) -> None:
     """`atomic_write` for a writer: ``write(fh)`` fills a temporary file in the target
     directory (e.g. ``torch.save(obj, fh)``: no in-memory copy of the output), which is
     then fsynced and renamed over `path`; on any error the temporary file is removed.
-    An fsspec URL is written in memory first, then committed by `storage.atomic_write`."""
+    An fsspec URL is written in memory first, then committed by `storage.atomic_write`.
+
+    Args:
+      path: a local path or an fsspec URL.
+      write: ``write(fh)`` writes the file's content to the binary file object `fh`.
+
+    Raises:
+      OSError: the write failed (or whatever `write` raised); no partial file is left.
+    """
     from jaxguard.format import storage
     if storage.is_url(path):
         buf = io.BytesIO()
@@ -247,7 +299,19 @@ def atomic_write_with(path, write) -> None:
 
 
 def read(path, *, verify_decoded: bool = True):
-    """Parse and check a container at a local path or fsspec URL; returns (header, payload, tables)."""
+    """Parse and check a container at a local path or fsspec URL.
+
+    Args:
+      path: the container.
+      verify_decoded: also decode every moments entry and check the decoded-moments SHA-256.
+
+    Returns:
+      (header dict, payload memoryview, tables dict).
+
+    Raises:
+      ContainerError: one line naming the file and what failed (bad magic, checksum, layout,
+        decoded hash, ...).
+    """
     from jaxguard.format.storage import read_bytes
     data = read_bytes(path)  # a writable buffer for local files: raw arrays can be used in place
     try:
@@ -264,7 +328,18 @@ def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) ->
     """{name: ndarray} for raw entries and {name: (m~, v~)} for moments entries.
 
     With `verify_decoded`, the decoded moments are hashed as they are decoded and checked
-    against the header's ``decoded_sha256`` (one decode instead of two)."""
+    against the header's ``decoded_sha256`` (one decode instead of two).
+
+    Args:
+      header, payload, tables: as `read` returns them.
+      verify_decoded: check the decoded-moments hash while decoding.
+
+    Returns:
+      {name: ndarray} for raw entries and {name: (m~, v~) float32} for moments entries.
+
+    Raises:
+      ContainerError: an entry the reader refuses, or a decoded-hash mismatch.
+    """
     out = {}
     digest = hashlib.sha256()
     try:

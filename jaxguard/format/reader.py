@@ -73,6 +73,14 @@ def _blocks(q, n):
 
 
 def linear8_decode(q, scale, n):
+    """``f32(q) * scale`` per block (codec log8's m), float32.
+
+    Args:
+      q: [n] int8 codes. scale: [nb] float32 block scales. n: coordinates.
+
+    Returns:
+      [n] float32.
+    """
     qb = _blocks(q, n).astype(np.float32)
     return (qb * scale.astype(np.float32)[:, None]).reshape(-1)[:n]
 
@@ -82,7 +90,15 @@ def log_decode(q, lo, r, n, bits=8):
     the lowest, ``val *= r**(2**j)`` where bit j is set, squares formed by repeated
     float32 squaring.  For 8-bit codes the 256 values of each block are tabulated with
     exactly that sequence of roundings (``T[k + 2**j] = T[k] * r**(2**j)`` for
-    ``k < 2**j``) and gathered: bit-identical, a few passes instead of 8x4."""
+    ``k < 2**j``) and gathered: bit-identical, a few passes instead of 8x4.
+
+    Args:
+      q: [n] unsigned codes (0: exact zero). lo, r: [nb] float32 block range parameters.
+      n: coordinates. bits: code width (8 for AL8, 16 for AL16).
+
+    Returns:
+      [n] float32.
+    """
     qb = _blocks(q, n)
     if bits > 8:
         return _log_decode_bitwise(qb, lo, r, n, bits)
@@ -114,10 +130,27 @@ def _log_decode_bitwise(qb, lo, r, n, bits):
 
 
 def bf16_decode(q):
+    """bfloat16 bit patterns -> float32 (a 16-bit shift: exact).
+
+    Args:
+      q: uint16 bfloat16 bits.
+
+    Returns:
+      float32 of the same shape.
+    """
     return (q.astype(np.uint32) << 16).view(np.float32)
 
 
 def table_decode(q, absmax, table, n):
+    """``table[q] * absmax`` per block (the dynamic8 map of codec block8), float32.
+
+    Args:
+      q: [n] uint8 codes. absmax: [nb] float32 block scales. table: the stored 256-entry map.
+      n: coordinates.
+
+    Returns:
+      [n] float32.
+    """
     qb = _blocks(q, n).astype(np.int64)
     return (table[qb] * absmax.astype(np.float32)[:, None]).astype(np.float32).reshape(-1)[:n]
 
@@ -195,7 +228,17 @@ def _range(payload_len, rng, what):
 
 
 def parse(data: bytes):
-    """Check the envelope of `data`; return (header dict, payload memoryview)."""
+    """Check the envelope of `data`: magic, version, flags, both SHA-256, header, layout.
+
+    Args:
+      data: the whole container (bytes, bytearray or a memoryview).
+
+    Returns:
+      (header dict, payload memoryview).
+
+    Raises:
+      ReaderError: one line saying what failed.
+    """
     if len(data) < PREFIX.size + TRAILER:
         raise ReaderError(f"file is {len(data)} bytes, too short to be a jaxguard container")
     magic, version, flags, hlen = PREFIX.unpack_from(data, 0)
@@ -324,6 +367,17 @@ def _shape_size(entry):
 
 
 def read_tables(header, payload):
+    """The stored tables (e.g. the dynamic8 maps) a container carries.
+
+    Args:
+      header, payload: as `parse` returns them.
+
+    Returns:
+      {name: float32 array}.
+
+    Raises:
+      ReaderError: a table entry of the wrong size or out of the payload.
+    """
     tables = {}
     for name, rng in _tables(header).items():
         tables[name] = _array(payload, rng, "<f4", spec.TABLE_SIZE, f"table {name}").astype(np.float32)
@@ -331,6 +385,17 @@ def read_tables(header, payload):
 
 
 def read_raw(entry, payload):
+    """A raw (pass-through) entry as an array of its stored dtype and shape.
+
+    Args:
+      entry: its header entry. payload: the payload.
+
+    Returns:
+      ndarray (bfloat16 entries come back as their uint16 bits).
+
+    Raises:
+      ReaderError: an unsupported dtype, a bad shape or byte range.
+    """
     shape, n = _shape_size(entry)
     dt = DTYPES.get(entry.get("dtype"))
     if dt is None:
@@ -500,6 +565,17 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
 
 
 def decoded_digest(header, payload):
+    """SHA-256 over every moments entry's decoded (m~, v~), little-endian float32, in order.
+
+    Args:
+      header, payload: as `parse` returns them.
+
+    Returns:
+      The hex digest the writer stored as ``decoded_sha256``.
+
+    Raises:
+      ReaderError: an entry that does not decode.
+    """
     tables = read_tables(header, payload)
     h = hashlib.sha256()
     pre = decode_rans_entries(header["entries"], payload)
@@ -512,7 +588,17 @@ def decoded_digest(header, payload):
 
 
 def verify_bytes(data: bytes) -> dict:
-    """Full check: envelope, checksums, layout, decode, decoded-moments hash."""
+    """Full check: envelope, checksums, layout, decode, decoded-moments hash.
+
+    Args:
+      data: the whole container.
+
+    Returns:
+      {"ok": True, "decoded_sha256": ..., "entries": count}.
+
+    Raises:
+      ReaderError: the first check that failed.
+    """
     header, payload = parse(data)
     digest = decoded_digest(header, payload)
     if digest != header.get("decoded_sha256"):
@@ -521,6 +607,17 @@ def verify_bytes(data: bytes) -> dict:
 
 
 def verify_file(path) -> dict:
+    """`verify_bytes` of a local file.
+
+    Args:
+      path: the container.
+
+    Returns:
+      As `verify_bytes`.
+
+    Raises:
+      ReaderError: as `verify_bytes`; OSError: the file cannot be read.
+    """
     try:
         with open(path, "rb") as fh:
             data = fh.read()
@@ -530,6 +627,14 @@ def verify_file(path) -> dict:
 
 
 def main(argv=None) -> int:
+    """``python -m jaxguard.reader FILE [--json]``: verify FILE with numpy only.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+      0 if the file verifies, 2 on a usage error or a refused file (one line on stderr).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     files = [a for a in argv if a != "--json"]

@@ -133,6 +133,9 @@ def register(spec: CodecSpec) -> CodecSpec:
 def unregister(codec_id: str) -> None:
     """Remove `codec_id` from the registry (for codecs registered at run time, e.g. tests).
 
+    Args:
+      codec_id: a registered id.
+
     Raises:
       UnknownCodecError: `codec_id` is not registered.
     """
