@@ -13,11 +13,27 @@ if tuple(int(x) for x in _re.findall(r"\d+", _torch.__version__)[:2]) < (2, 4):
     raise ImportError(f"torch_compat needs torch >= 2.4 (this is torch {_torch.__version__}); "
                       'upgrade it with pip install "jaxguard[torch]"')
 
-from torch_compat.replay import (AdamVariant, ReplayVariantWarning, adam_step, detect_variant, numpy_adam_step,
-                     torch_adam_step)
-from torch_compat.migrate import from_optax, to_optax
-from torch_compat.quant_adamw import QuantAdamW
-from torch_compat.state import audit, compress_checkpoint, load, restore_tree, save
+# the public names are imported on first use, so that `jaxguard restore` (torch and the
+# numpy reader) does not pay for jax, optax and the replay
+_LAZY = {
+    "AdamVariant": "replay", "ReplayVariantWarning": "replay", "adam_step": "replay", "detect_variant": "replay",
+    "numpy_adam_step": "replay", "torch_adam_step": "replay",
+    "from_optax": "migrate", "to_optax": "migrate",
+    "QuantAdamW": "quant_adamw",
+    "audit": "state", "compress_checkpoint": "state", "load": "state", "restore_tree": "state", "save": "state",
+}
 
-__all__ = ["QuantAdamW", "AdamVariant", "ReplayVariantWarning", "adam_step", "audit", "compress_checkpoint", "detect_variant", "from_optax",
-           "load", "numpy_adam_step", "restore_tree", "save", "to_optax", "torch_adam_step"]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(f"torch_compat.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'torch_compat' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

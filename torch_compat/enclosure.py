@@ -324,20 +324,6 @@ def _describe(d, i, step, lr, wd, b, actual, g):
 
 
 # ---------------------------------------------------------------- CLI
-def add_parser(subparsers):
-    a = subparsers.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
-    a.add_argument("--cases", type=int, default=1048576)
-    a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
-    a.add_argument("--json", action="store_true")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
-                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
-    a.add_argument("--edge-fraction", type=float, default=0.25,
-                   help="share of cases (and adamw groups) drawn at float32's edges")
-    a.set_defaults(fn=run)
-    return a
-
-
 def run(args) -> int:
     rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model,
                           edge_fraction=args.edge_fraction)

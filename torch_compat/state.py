@@ -17,9 +17,8 @@ import torch
 from jaxguard import audit as jg_audit
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.core.codes import BLOCK
-from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig, encode_many
 from jaxguard.core.opmodel import torch_op_model
+from jaxguard.format.spec import BLOCK, DEFAULT_CODEC
 from torch_compat.replay import TORCH_FLAGS
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -274,6 +273,7 @@ def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mi
       CheckpointError: a tensor lr or beta of more than one element.
       UnsupportedOptimizerError: fused and foreach both set.
     """
+    from jaxguard.core.guard import GuardConfig   # jax: only compress pays for it, not restore
     decoupled = bool(group.get("decoupled_weight_decay", False))
     return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
                        betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
@@ -384,6 +384,8 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
     opt_sk = {"__dict__": [["state", {"__dict__": state_sk}], ["param_groups", groups_sk]]}
 
     slab = SLAB if slab is None else slab
+
+    from jaxguard.core.guard import encode_many
 
     def stream():
         # a slab holds at most `slab` coordinates in whole blocks (one compiled shape per

@@ -18,6 +18,8 @@ EXIT_USAGE = 2
 # the verbs that read or write torch checkpoints or run torch; the rest (inspect, verify
 # of a container file) need only numpy
 TORCH_VERBS = ("compress", "restore", "audit", "demo", "migrate", "audit-enclosure")
+# the verbs that never run jax (restore is torch + the numpy reader): no jax import for them
+NUMPY_VERBS = ("restore", "inspect", "verify")
 
 
 def _die(msg: str) -> int:
@@ -258,13 +260,30 @@ def build_parser():
     mg.add_argument("--codec", default="log8", choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
     mg.set_defaults(fn=cmd_migrate)
-    try:
-        from torch_compat import enclosure
-    except ImportError:   # no torch: the verb exists and says what to install (see main)
-        sub.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay (needs torch)")
-    else:
-        enclosure.add_parser(sub)
+    _add_audit_enclosure(sub)
     return p
+
+
+def _add_audit_enclosure(sub):
+    """The ``audit-enclosure`` verb; `torch_compat.enclosure` (jax, torch) is imported only
+    when it runs, so building the parser costs no heavy import."""
+    from jaxguard.core.opmodel import TORCH_OP_MODELS   # numpy only
+    a = sub.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
+    a.add_argument("--cases", type=int, default=1048576)
+    a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
+                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
+    a.add_argument("--edge-fraction", type=float, default=0.25,
+                   help="share of cases (and adamw groups) drawn at float32's edges")
+    a.set_defaults(fn=cmd_audit_enclosure)
+    return a
+
+
+def cmd_audit_enclosure(a):
+    from torch_compat import enclosure
+    return enclosure.run(a)
 
 
 def _enable_compile_cache():
@@ -305,7 +324,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
         _return_freed_memory()
-    if args.cmd != "verify":
+    if args.cmd not in NUMPY_VERBS:
         _enable_compile_cache()
     try:
         return args.fn(args)
