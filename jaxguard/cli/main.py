@@ -83,9 +83,12 @@ def cmd_compress(a):
     from jaxguard.format import storage
     from torch_compat.variant_cache import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
+    # the checkpoint is ours and read-only: drop its mapped pages as the stream is done with them
+    source = None if storage.is_url(a.ckpt) else torch_compat.state.MappedSource(storage.local_path(a.ckpt))
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
-                                                       variant=variant_record)
+                                                       variant=variant_record,
+                                                       release=source.release if source else None)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
