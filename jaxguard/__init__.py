@@ -16,6 +16,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "GuardConfig": ("jaxguard.core.guard", "GuardConfig"),
+    "GuardSpec": ("jaxguard.core.config", "GuardSpec"),
+    "StepRow": ("jaxguard.core.bound", "StepRow"),
+    "encode_v_only": ("jaxguard.core.guard", "encode_v_only"),
     "Encoded": ("jaxguard.core.guard", "Encoded"),
     "encode": ("jaxguard.core.guard", "encode"),
     "decode": ("jaxguard.core.guard", "decode"),

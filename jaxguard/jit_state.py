@@ -7,7 +7,7 @@
 `state_constants` reads the tree once on the host: the Adam sites, their guard
 configurations and each moment leaf's `NamedSharding` (mesh and `PartitionSpec`).  It
 returns a `StateConstants` pytree whose leaves are the per-site certificate constants
-(`jit_encode.constants`: lr, step, betas, eps, weight decay, tau as float32) and whose
+(`GuardConfig.step_row`: lr, step, betas, eps, weight decay, tau as float32) and whose
 static part is the layout and the static guard settings; a new step or learning rate
 changes only the leaves, so the jitted caller does not retrace.
 
@@ -22,7 +22,7 @@ per process, a manifest committed last): for each distinct shard index one devic
 first in mesh order) is written; `jaxguard.load` reads it in any topology.  With enough
 `capacity` (every candidate of a shard examined) and no moment below ``2**-80``, the
 file decodes to the bits `jaxguard.save(..., sharded=True)` writes for the same state
-and shardings (both propose with `guard._propose` and certify per shard).
+and shardings (both propose with `codecs.propose` and certify per shard).
 
 Numerical contract
 ------------------
@@ -58,7 +58,7 @@ class MomentPlan:
     nu_path: str
     param: str
     site: int
-    config: object          # GuardConfig with lr=1, step=0: only its static fields are used
+    config: object          # GuardSpec: the static part of the site's GuardConfig
     shape: tuple
     mesh: object            # jax.sharding.Mesh, or None for a single-device / host leaf
     spec: object            # PartitionSpec, or None
@@ -140,7 +140,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
             cfg = dataclasses.replace(cfg, step=int(step))
             sm["config"] = cfg.to_json()
         configs.append(cfg)
-        ks.append(np.asarray(jit_encode.constants(cfg)))
+        ks.append(cfg.step_row())
     plans = []
     for pr in pairs:
         if pr["mu_mode"] != "coded":
@@ -148,7 +148,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
                                             "only: save this state with jaxguard.save")
         site = pr["site"]
         mesh, spec = _layout(pr["mu"], pr["mu_path"])
-        static = dataclasses.replace(configs[site], lr=1.0, step=0)
+        static = configs[site].spec   # the jit key: lr, step, ... are traced in `ks`
         plans.append(MomentPlan(pr["entry"], pr["mu_path"], pr["nu_path"], pr["param"], site, static,
                                 tuple(np.shape(pr["mu"])), mesh, spec))
     host = {"configs": configs, "sites": sites_meta, "leaves": leaves, "treedef": treedef,
@@ -232,7 +232,7 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
         for pl in plans:
             args += [oflat[pl.mu_path], oflat[pl.nu_path], pflat[pl.param]]
             used.update((pl.mu_path, pl.nu_path))
-        k = jnp.asarray(constants.k[site], jnp.float32)
+        k = constants.k[site].as_float32(jnp)
 
         def body(k, *xs, offs=offs, total=total, cfg=cfg, E=E):
             cols = []

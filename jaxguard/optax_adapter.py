@@ -47,7 +47,6 @@ import optax
 
 from jaxguard.format import container
 from jaxguard.core import guard as _guard
-from jaxguard.core import bound as _bound
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.guard import GuardConfig, encode
 from jaxguard import audit as _audit
@@ -121,42 +120,11 @@ def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
     """Code only `v`; `m` is kept exactly elsewhere (the m channel is all zeros).
 
     Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring)."""
-    t0 = time.perf_counter()
     cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
     if cfg.codec == "logrel-aw":   # the nu-only path codes v alone: log8-rel's fixed-width v codes
         cfg = dataclasses.replace(cfg, codec="log8-rel")
-    shape = tuple(np.shape(m))
-    n = int(np.prod(shape, dtype=np.int64))
-    nb = _guard.codes.num_blocks(n)
-    npad = _guard._bucket(nb) * _guard.codes.BLOCK
-    mf, vf, pf = (_guard._pad(jnp.asarray(x, jnp.float32).reshape(-1), npad) for x in (m, v, p))
-    zf = jnp.zeros_like(vf)
-    mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
-    in_tensor = np.arange(npad) < n
-    valid = (in_tensor & _guard._stats_valid(np.zeros_like(vh), vh, ph)).reshape(-1, _guard.codes.BLOCK)
-    vpos = (_guard._finite(vh) & ~_guard._zero(vh) & ~_guard._negative(vh)).reshape(-1, _guard.codes.BLOCK)
-    mq, vq, mp, vp, _, vtb = _guard._propose(zf.reshape(-1, _guard.codes.BLOCK), vf.reshape(-1, _guard.codes.BLOCK),
-                                             valid, vpos, cfg.codec)
-    vt = vtb.reshape(-1)
-    exact, ok = (x[:n] for x in _guard._classify(mh, vh, ph, mh, np.asarray(vt)))
-    c = cfg.constants()
-    k = jnp.asarray(_bound.pack_constants(c, cfg.tau))
-    pabs = jnp.abs(pf)
-    clipv = jnp.full((npad,), np.float32(cfg.clip), jnp.float32)
-    cand = np.flatnonzero(~exact & ok)
-    levels: list[int] = []
-    cert = _guard.certify(k, mf, vf, mf, vt, pabs, clipv, cand, cfg, c.decay_in_update, levels)
-    escape = ~exact
-    escape[cand[cert]] = False
-    esc = np.flatnonzero(escape).astype(np.int32)
-    arrays = {"m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
-              "m_params": np.asarray(mp[:nb], np.float32), "v_params": np.asarray(vp[:nb], np.float32),
-              "escape_index": esc, "escape_m": np.zeros(esc.size, np.float32), "escape_v": vh[:n][esc]}
-    enc = _guard.Encoded(arrays, cfg.codec, shape)
-    enc.stats = {"coordinates": n, "escapes": int(esc.size), "exact": int(exact.sum()),
-                 "uncertifiable": int((~exact & ~ok).sum()), "certified_by_level": levels,
-                 "payload_bytes": _guard.payload_bytes(enc) + 2 * n, "raw_fp32_bytes": 8 * n,
-                 "encode_seconds": time.perf_counter() - t0}
+    enc = _guard.encode_v_only(m, v, p, cfg)
+    enc.stats["payload_bytes"] += 2 * enc.n   # the bfloat16 mu, stored exactly beside
     return enc
 
 

@@ -76,7 +76,7 @@ def test_closed_form_subset_of_cell_partition_at_default_tau():
     d = _draw_cases(rng, n)
     pabs = np.abs(d["p"])
     for lr, step in ((1e-3, 100), (1e-4, 0), (3e-2, 5000)):
-        K = _k(lr=lr, step=step)[None]
+        K = bound.stack_rows([_k(lr=lr, step=step)])
         gidx = np.zeros(n, np.int32)
         fast = guard.fast_accept(K, gidx, d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"])
         full = guard.certify_pc(K, gidx, d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], np.arange(n), "shared",

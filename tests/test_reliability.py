@@ -535,7 +535,7 @@ def test_overflowing_bound_never_certifies():
     from jaxguard.core import bound as B
     cfg = jg.GuardConfig(lr=1e-6, step=1)
     n = 1024
-    k = np.repeat(B.pack_constants(cfg.constants(), 0.01)[None], n, 0)
+    k = np.repeat(np.asarray(B.pack_constants(cfg.constants(), 0.01))[None], n, 0)
     z = np.zeros(n, np.float32)
     b = np.asarray(B.batch_bound_pc(k, np.full(n, 3e38, np.float32), z, np.full(n, 3.0000002e38, np.float32), z, z,
                                     np.full(n, 0.2, np.float32), jnp.asarray(B.unit_edges(0))))

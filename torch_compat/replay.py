@@ -56,6 +56,7 @@ from torch_compat.variant import (
     check_implementation,
     sqrt_table_for,
 )
+from jaxguard.core import floatbits
 from torch_compat.float32 import MANTISSA_BITS, fma_float32_numpy, sqrt_float32_numpy
 
 __all__ = [
@@ -390,10 +391,9 @@ class _JaxArithmetic:
 
 def _outside_exact_range(x):
     """0 < |x| < 2^-60, |x| >= 2^60, Inf or NaN, read from the bits (immune to flushing)."""
-    _, jnp, lax = _jax()
-    magnitude = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
-    exponent = lax.shift_right_logical(magnitude, MANTISSA_BITS)
-    return (magnitude != 0) & ((exponent < LOW_EXPONENT) | (exponent >= HIGH_EXPONENT))
+    b = floatbits.device.bits(x)
+    exponent = floatbits.exponent_bits(b)
+    return ~floatbits.zero_bits(b) & ((exponent < LOW_EXPONENT) | (exponent >= HIGH_EXPONENT))
 
 
 @functools.lru_cache(maxsize=64)
@@ -414,7 +414,7 @@ def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, dec
         for x in (p, g, m, v, *arithmetic.tracked):
             needs_numpy = needs_numpy | _outside_exact_range(x)
         for x in arithmetic.sqrt_inputs:  # binades with a table of their own: the numpy model has it
-            exponent = lax.shift_right_logical(lax.bitcast_convert_type(x, jnp.int32), MANTISSA_BITS)
+            exponent = floatbits.device.bits(x) >> MANTISSA_BITS   # sign bit kept: negatives match no binade
             for binade in own_binades:
                 needs_numpy = needs_numpy | (exponent == binade)
         return p_new, m_new, v_new, needs_numpy

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard.core import codes
+from jaxguard.core.floatbits import device as _fb
 from jaxguard.format import packed
 
 CODEC = packed.CODEC
@@ -72,7 +73,7 @@ def _propose_block(mb, vb, valid, vpos, bm, bv):
     lo, r = wlo * wlo, rr * rr
     vq = _log_codes(vb, vpos, lo, r, levels_v)
     w = codes.sqrt_scale_block(vq, wlo, rr)
-    ok = valid & codes.is_finite_bits(mb)
+    ok = valid & _fb.finite(mb)
     y = jnp.where(ok, mb / w, 0.0)
     scale = jnp.maximum(jnp.max(jnp.abs(y)) / _F32(lm), codes.rel8_scale_floor(wlo))
     scale = _bf16_up(scale)

@@ -36,18 +36,22 @@ never comes out of `cell_bounds`.  The derivation is in docs/bound.md; the enclo
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from typing import NamedTuple
+
+from jaxguard.core.floatbits import TINY_MOMENT
 from jaxguard.core.opmodel import StepConstants
 
 U = 2.0**-24                 # unit roundoff of float32
 N_MIN = 2.0**-126            # smallest normal float32
 GAMMA = 2.0**-17             # stage-1 evaluation margin (relative)
-CONST_REL = 2.0**-20         # default gap to the framework's constants (k[11] overrides)
-TINY_MOMENT = 2.0**-80       # smaller nonzero moments are not certified (escape)
+CONST_REL = 2.0**-20         # default gap to the framework's constants (StepRow.const_rel overrides)
+# TINY_MOMENT (from floatbits, 2**-80): smaller nonzero moments are not certified (escape)
 NATIVE_LIMIT = 2.0**120      # bound on every modelled native float32 intermediate (FLT_MAX ~ 2**128)
 RHO_MAX = 2.0**-8            # largest relative gap of the denominator the stage-2 algebra admits
 
@@ -75,17 +79,75 @@ def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
     return e
 
 
-def pack_constants(c: StepConstants, tau: float) -> np.ndarray:
+class StepRow(NamedTuple):
+    """The certificate's float32 constants of one step (a pytree: vmap, jit and gathers
+    see twelve leaves).  Each field is a float32 scalar for one step, or an array with
+    one entry per group of tensors (per coordinate after `take`).
+
+    keep, a: weights of m and g in m'; b2f, c2: weights of v and g*g in v'; S: step
+    size lr/(1 - b1**(t+1)); B: sqrt(1 - b2**(t+1)); eps; lr; weight_decay;
+    threshold: ``tau*lr`` shrunk by 4 ulp (certified iff the bound is <= it);
+    decay_in_update: 1.0 for optax-adamw with weight decay (``-lr*wd*p`` inside the
+    update), else 0.0; const_rel: relative gap of S, B to the framework's constants.
+    """
+
+    keep: Any
+    a: Any
+    b2f: Any
+    c2: Any
+    S: Any
+    B: Any
+    eps: Any
+    lr: Any
+    weight_decay: Any
+    threshold: Any
+    decay_in_update: Any
+    const_rel: Any
+
+    def take(self, idx) -> "StepRow":
+        """Rows ``idx`` of every field (numpy or jax arrays, whichever the fields are)."""
+        return StepRow(*(x[idx] if isinstance(x, np.ndarray) else jnp.take(x, idx, axis=0) for x in self))
+
+    def as_float32(self, xp=np) -> "StepRow":
+        """Every field as a float32 array of `xp` (numpy or jax.numpy)."""
+        return StepRow(*(xp.asarray(x, xp.float32) for x in self))
+
+
+def pack_constants(c: StepConstants, tau: float) -> StepRow:
+    """The `StepRow` of step constants `c` (`opmodel.step_constants`) and tolerance `tau`.
+
+    Args:
+      c: the next update's constants.
+      tau: the tolerance (certified: ``|p1' - p2'| <= tau * lr``).
+    Returns:
+      A `StepRow` of float32 scalars.
+    """
     thr = np.float32(np.float32(tau) * np.float32(c.lr)) * np.float32(1 - 4 * U)
-    return np.array([c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr,
-                     1.0 if c.decay_in_update else 0.0, c.const_rel], dtype=np.float32)
+    vals = (c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr,
+            1.0 if c.decay_in_update else 0.0, c.const_rel)
+    return StepRow(*(np.float32(x) for x in vals))
+
+
+def as_step_row(k, axis: int = 0) -> StepRow:
+    """`k` itself if it is a `StepRow`; else the old packed layout (an array whose `axis`
+    holds the twelve constants in field order: 0 for one row, -1 for a [G, 12] table)."""
+    if isinstance(k, StepRow):
+        return k
+    k = jnp.moveaxis(k, axis, 0) if not isinstance(k, np.ndarray) else np.moveaxis(k, axis, 0)
+    return StepRow(*(k[i] for i in range(len(StepRow._fields))))
+
+
+def stack_rows(rows) -> StepRow:
+    """One `StepRow` of [G] float32 arrays from G rows (row i: group i)."""
+    return StepRow(*(np.asarray(col, np.float32) for col in zip(*rows)))
 
 
 def _shared_ideal(k, m, v, mt, vt, gl, gh):
     """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|, or +inf
     where any intermediate is not finite (an overflowed divisor would silently make a
     term 0: docs/bound.md, section 5)."""
-    keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
+    k = as_step_row(k)
+    keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
     dm = m - mt
     dv = v - vt
     gl2, gh2 = gl * gl, gh * gh
@@ -130,7 +192,8 @@ def _separate_ideal(k, m, v, mt, vt, gl, gh):
 
 
 def _step_range(k, mm, vv, gl, gh):
-    keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
+    k = as_step_row(k)
+    keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
     ml, mh = keep * mm + a * gl, keep * mm + a * gh
     dl = jnp.sqrt(b2f * vv + c2 * gl * gl) / B + eps
     dh = jnp.sqrt(b2f * vv + c2 * gh * gh) / B + eps
@@ -148,18 +211,20 @@ def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
     The allowance is +inf (the coordinate escapes) unless every float32 intermediate of
     the modelled native update, torch's or optax's op order, is bounded by
     `NATIVE_LIMIT` over the cell (docs/bound.md, section 5)."""
-    keep, a, b2f, c2, S, B, eps, lr, wd = (k[i] for i in range(9))
+    k = as_step_row(k)
+    keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
+    lr, wd = k.lr, k.weight_decay
     Mm = 2 * jnp.abs(mm) + gh
     e_m = 3 * (8 * U * Mm + 4 * N_MIN)
     mmax = jnp.maximum(jnp.abs(keep * mm + a * gl), jnp.abs(keep * mm + a * gh)) + e_m
     d_min = jnp.sqrt(b2f * vv + c2 * gl * gl) / B + eps
-    const_rel = k[11] if k.shape[0] > 11 else CONST_REL
+    const_rel = k.const_rel
     rho_d = 64 * U + const_rel + 4e-19 / (B * d_min)
     inv = S / (d_min * (1 - rho_d))
     s_max = inv * mmax
     alloc = inv * (e_m + mmax * (rho_d + 24 * U + const_rel))
-    if decay_in_update is None:      # per-coordinate flag k[10] (batched, mixed op models)
-        flag = k[10]
+    if decay_in_update is None:      # per-coordinate flag (batched, mixed op models)
+        flag = k.decay_in_update
         alloc = alloc + flag * (16 * U * (s_max + lr * wd * pabs))
         s_max = s_max + flag * (lr * wd * pabs)
     elif decay_in_update:
@@ -187,11 +252,12 @@ def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
     certifies) where an intermediate of the certificate or of a modelled native update
     could overflow (docs/bound.md, section 5).
     """
+    k = as_step_row(k)
     gl = clip * edges[:-1]
     gh = clip * edges[1:]
     # torch-adamw rounds p + step after p *= 1 - lr*wd: |p_dec| <= |1 - lr wd| |p|, which
     # exceeds |p| when lr*wd > 2; max(...) covers both orders of decay (and no decay)
-    lr, wd = k[7], k[8]
+    lr, wd = k.lr, k.weight_decay
     pdec = pabs * jnp.maximum(1.0, jnp.abs(1 - lr * wd) * (1 + 2.0**-16))
     out = []
     for sgn in (1.0, -1.0):
@@ -232,7 +298,8 @@ PROBE_POINTS = (0.0, 2.0**-20, 2.0**-10, 2.0**-6, 2.0**-3, 0.5, 1.0)
 
 def _ideal_difference_at(k, m, v, mt, vt, g):
     """(s1 - s2) at one gradient value, evaluated in float32 (round to nearest)."""
-    keep, a, b2f, c2, S, B, eps = (k[i] for i in range(7))
+    k = as_step_row(k)
+    keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
     m1, m2 = keep * m + a * g, keep * mt + a * g
     d1 = jnp.sqrt(b2f * v + c2 * g * g) / B + eps
     d2 = jnp.sqrt(b2f * vt + c2 * g * g) / B + eps
@@ -256,8 +323,8 @@ def batch_lower(k, m, v, mt, vt, clip):
 # ---------------------------------------------------------------- per-coordinate constants
 @functools.partial(jax.jit, static_argnames=("bound",))
 def batch_bound_pc(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared"):
-    """`batch_bound` with one constants row per coordinate (k: [n, 11]); the adamw
-    decay-in-update flag is read from k[:, 10], so tensors of different groups and
+    """`batch_bound` with one constants row per coordinate (k: a `StepRow` of [n]
+    arrays); the adamw decay-in-update flag is read from ``k.decay_in_update``, so tensors of different groups and
     op models are certified in one call."""
     f = functools.partial(coordinate_bound, bound=bound, decay_in_update=None)
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)

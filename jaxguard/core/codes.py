@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxguard.core.floatbits import device as _fb
 from jaxguard.format import spec as _spec
 from jaxguard.format.spec import BLOCK
 TINY_NORMAL = np.float32(2.0**-126)
@@ -47,59 +48,14 @@ LOG_RANGE_CAP_EXP = 100  # a log block spans at most 2**100
 _F32 = jnp.float32
 
 
-# ---------------------------------------------------------------- bit helpers
-def f32_bits(x):
-    return jax.lax.bitcast_convert_type(x.astype(_F32), jnp.uint32)
-
-
-def is_zero_bits(x):
-    """True for +0.0 and -0.0 only (subnormals are *not* zero: XLA CPU flushes them)."""
-    return (f32_bits(x) & jnp.uint32(0x7FFFFFFF)) == 0
-
-
-def is_finite_bits(x):
-    return (f32_bits(x) & jnp.uint32(0x7F800000)) != jnp.uint32(0x7F800000)
-
-
-def is_subnormal_bits(x):
-    b = f32_bits(x)
-    return ((b & jnp.uint32(0x7F800000)) == 0) & ((b & jnp.uint32(0x007FFFFF)) != 0)
-
-
-def is_negative_bits(x):
-    """Strictly negative, including negative subnormals; -0.0 is not negative."""
-    b = f32_bits(x)
-    return (b >> 31 == 1) & ((b & jnp.uint32(0x7FFFFFFF)) != 0)
-
-
-def bitwise_equal(a, b):
-    return f32_bits(a) == f32_bits(b)
-
-
 # ---------------------------------------------------------------- blocking
 def num_blocks(n: int) -> int:
     return max(1, -(-n // BLOCK))
 
 
-def to_blocks(x, fill=0.0):
-    """Flatten and pad to [nblocks, BLOCK]."""
-    x = jnp.ravel(x)
-    n = x.shape[0]
-    nb = num_blocks(n)
-    pad = nb * BLOCK - n
-    if pad:
-        x = jnp.concatenate([x, jnp.full((pad,), fill, x.dtype)])
-    return x.reshape(nb, BLOCK)
-
-
-def pad_mask(n: int):
-    nb = num_blocks(n)
-    return (jnp.arange(nb * BLOCK) < n).reshape(nb, BLOCK)
-
-
 # ---------------------------------------------------------------- linear8 (m)
 def linear8_scale(x, valid):
-    ok = valid & is_finite_bits(x)
+    ok = valid & _fb.finite(x)
     absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
     return jnp.maximum(absmax / _F32(127.0), _F32(TINY_NORMAL))
 
@@ -111,7 +67,7 @@ def linear8_decode_block(q, scale):
 
 def linear8_encode_block(x, valid):
     scale = linear8_scale(x, valid)
-    x0 = jnp.where(valid & is_finite_bits(x), x, 0.0)
+    x0 = jnp.where(valid & _fb.finite(x), x, 0.0)
     q0 = jnp.clip(jnp.round(x0 / scale), -127, 127)
     cands = jnp.stack([jnp.clip(q0 + d, -127, 127) for d in (-1.0, 0.0, 1.0)])
     err = jnp.abs(cands * scale - x0)
@@ -142,7 +98,7 @@ def log_decode_block(q, lo, r, bits=8):
 def log_block_params(x, valid, bits=8):
     """(lo, r) of one block from its positive finite valid values."""
     levels = (1 << bits) - 1
-    pos = valid & is_finite_bits(x) & ~is_zero_bits(x) & ~is_negative_bits(x)
+    pos = valid & _fb.finite(x) & ~_fb.zero(x) & ~_fb.negative(x)
     xs = jnp.where(pos, x, 0.0)
     hi = jnp.max(xs)
     lo = jnp.min(jnp.where(pos, x, jnp.inf))
@@ -223,7 +179,7 @@ dynamic_map = _spec.dynamic_map
 
 
 def dynamic8_encode_block(x, valid, table, signed: bool):
-    ok = valid & is_finite_bits(x)
+    ok = valid & _fb.finite(x)
     absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
     # table entries reach ~1e-7: absmax >= 2**-100 keeps every decoded value normal
     absmax = jnp.maximum(absmax, _F32(2.0**-100))
@@ -237,7 +193,7 @@ def dynamic8_encode_block(x, valid, table, signed: bool):
     q = jnp.where(jnp.abs(dec_lo - x0) <= jnp.abs(dec_hi - x0), lo_c, hi_c)
     # exact zero stays zero (q of table value 0.0)
     zero_code = int(np.argmax(np.asarray(table) == 0.0))
-    q = jnp.where(is_zero_bits(x0), zero_code, q)
+    q = jnp.where(_fb.zero(x0), zero_code, q)
     return q.astype(jnp.uint8), absmax
 
 
@@ -262,7 +218,7 @@ def rel8_encode_block(x, valid, w, wlo):
     Used for Adam's m with ``w ~ sqrt(v~)``: the reconstruction error of each coordinate is
     then proportional to its own sqrt(v), which is what the update divides by.
     """
-    ok = valid & is_finite_bits(x)
+    ok = valid & _fb.finite(x)
     y = jnp.where(ok, x / w, 0.0)
     absmax = jnp.max(jnp.abs(y))
     scale = jnp.maximum(absmax / _F32(127.0), rel8_scale_floor(wlo))

@@ -60,8 +60,8 @@ def fast_bound(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     """Elementwise closed-form bound over ``|g| <= clip`` (see the module contract).
 
     Args:
-      k: constants, ``[12, ...]`` (rows of `bound.pack_constants`, broadcast against the
-        coordinates: ``k[i]`` is a scalar or an array shaped like ``m``).
+      k: a `bound.StepRow` (`bound.pack_constants`) whose fields broadcast against the
+        coordinates: each is a scalar or an array shaped like ``m``.
       m, v, mt, vt: original and decoded moments (float32, certifiable).
       pabs: ``|p|``; clip: gradient bound per coordinate (coupled decay already folded in).
       no_radius: ideal stage only (for the enclosure audit's detection check).
@@ -69,7 +69,9 @@ def fast_bound(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     Returns:
       ``(bound, usable)``: float32 bound and a boolean mask; only ``usable`` bounds count.
     """
-    keep, a, b2f, c2, S, B, eps, lr, wd = (k[i] for i in range(9))
+    k = _bound.as_step_row(k)
+    keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
+    lr, wd = k.lr, k.weight_decay
     dm = jnp.abs(m - mt)
     dv = jnp.abs(v - vt)
     zm, zv, zmt, zk = dm == 0, dv == 0, mt == 0, keep == 0
@@ -99,7 +101,7 @@ def fast_bound(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
         usable &= _in_range(x, z)
     if no_radius:
         return ideal, usable & (ideal >= 0) & (ideal <= INTER_HI)
-    const_rel = k[11]
+    const_rel = k.const_rel
     bs = B / sc                                              # sup |g|/d(g) <= B/sqrt(c2)
     al1, s1 = _native_sup(k, jnp.abs(m), d1, bs, const_rel, pabs)
     al2, s2 = _native_sup(k, jnp.abs(mt), d2, bs, const_rel, pabs)
@@ -121,14 +123,15 @@ def _native_sup(k, mabs, d0, bs, const_rel, pabs):
     with its ``g``-dependent factors bounded over the whole range: ``rho_d(g) <=
     rho_d(0)``, ``1/d(g) <= 1/d(0)`` and ``|g|/d(g) <= B/sqrt(c2)`` (``bs``), so that
     ``e_m(g)/d(g) <= E`` and ``|m'(g)|/d(g) <= Mq`` (docs/bound.md section 7)."""
-    keep, a, S, B, lr, wd = k[0], k[1], k[4], k[5], k[7], k[8]
+    k = _bound.as_step_row(k)
+    keep, a, S, B, lr, wd = k.keep, k.a, k.S, k.B, k.lr, k.weight_decay
     rho = 64 * U + const_rel + 4e-19 / (B * d0)             # the caller checks rho <= 0.5
     E = (48 * U * mabs + 12 * _bound.N_MIN) / d0 + 24 * U * bs
     Mq = keep * mabs / d0 + a * bs
     inv = S / (1 - rho)
     s_max = inv * (Mq + E)
     alloc = inv * (E + (Mq + E) * (rho + 24 * U + const_rel))
-    flag = k[10]                                             # optax-adamw: wd*p inside the update
+    flag = k.decay_in_update                                             # optax-adamw: wd*p inside the update
     alloc = alloc + flag * (16 * U * (s_max + lr * wd * pabs))
     s_max = s_max + flag * (lr * wd * pabs)
     return alloc * (1 + 2.0**-16), s_max
@@ -136,14 +139,15 @@ def _native_sup(k, mabs, d0, bs, const_rel, pabs):
 
 @functools.partial(jax.jit, static_argnames=("no_radius",))
 def batch_fast_bound(K, gidx, m, v, mt, vt, pabs, clip, *, no_radius=False):
-    """`fast_bound` with one constants row per coordinate: ``K[gidx[i]]`` ([G, 12] table)."""
-    kt = jnp.take(K, gidx, axis=0).T
+    """`fast_bound` with one constants row per coordinate: ``K.take(gidx)`` (K: a
+    `bound.StepRow` of [G] arrays)."""
+    kt = _bound.as_step_row(K, -1).take(gidx)
     return fast_bound(kt, m, v, mt, vt, pabs, clip, no_radius=no_radius)
 
 
 @jax.jit
 def batch_fast_accept(K, gidx, m, v, mt, vt, pabs, clip):
-    """True where the closed form certifies: usable and ``bound <= threshold`` (K[:, 9])."""
-    kt = jnp.take(K, gidx, axis=0).T
+    """True where the closed form certifies: usable and ``bound <= K.threshold``."""
+    kt = _bound.as_step_row(K, -1).take(gidx)
     b, usable = fast_bound(kt, m, v, mt, vt, pabs, clip)
-    return usable & (b <= kt[9])
+    return usable & (b <= kt.threshold)

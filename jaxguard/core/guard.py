@@ -7,159 +7,42 @@ certified with `jaxguard.core.bound`: first one cell over ``[0, clip]`` per sign
 early accept), then the mixed linear-logarithmic partition, re-checked with 64, 256 and
 1024 linear cells.  Whatever is not certified escapes: its FP32 pair is stored exactly.
 
+This module is the API (`encode`, `encode_many`, `encode_v_only`, `decode`,
+`decode_arrays`) and the joint search.  The pieces live beside it and are re-exported
+here: `config` (GuardConfig, GuardSpec, CODECS, DEFAULT_CODEC), `encoded` (Encoded,
+payload_bytes), `certify` (certify, certify_pc, fast_accept, classify, chunk sizes),
+`codecs` (the codec table keyed by the registry ids), `floatbits` (bit classification).
+
 Numerical contract
 ------------------
 For every coordinate, ``decode(encode(m, v, p, cfg))`` returns either the exact input
 pair (bitwise; always so for NaN, +-Inf, negative ``v``, non-finite ``p`` and nonzero
 moments below ``2**-80``) or a pair whose first native update (op model
 ``cfg.op_model``, bias corrections at ``cfg.step + 1``) differs from the original's by
-at most ``cfg.tau * cfg.lr`` for every gradient ``|g| <= cfg.clip``.  The codec
-``block8-unguarded`` skips certification and carries no such guarantee.
+at most ``cfg.tau * cfg.lr`` for every gradient ``|g| <= cfg.clip``.  With
+``cfg.certify=False`` (or the codec id ``block8-unguarded``) certification is skipped and
+there is no such guarantee: only the exact and the non-certifiable coordinates are exact.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxguard.core import adaptive as _adaptive
 from jaxguard.core import bound as _bound
-from jaxguard.core import fastbound as _fastbound
+from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
-from jaxguard.format import packed as _packed
+from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
+                                   certify_pc, classify, fast_accept, v_positive)
+from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
+from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
-from jaxguard.core.opmodel import OP_MODELS, f32, step_constants
 
-CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", _packed.CODEC)
-# log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
-# trained transformers, ~100x fewer escapes at early checkpoints (see README).
-DEFAULT_CODEC = "log8-rel"
-BOUNDS = ("shared", "separate")
-PARTITIONS = ("mixed", "linear")
-
-
-@dataclasses.dataclass(frozen=True)
-class GuardConfig:
-    """What to certify: the next update's hyperparameters and the contract (tau, clip).
-
-    Frozen and hashable (a jit static argument); `to_json` / `from_json` round-trip it.
-    """
-
-    lr: float
-    step: int
-    tau: float = 0.01
-    clip: float = 0.2
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    op_model: str = "torch-adam"
-    codec: str = DEFAULT_CODEC
-    bound: str = "shared"
-    partition: str = "mixed"
-    joint: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        if self.codec not in CODECS:
-            raise ConfigError(f"codec={self.codec!r} is unknown; use one of {', '.join(CODECS)}")
-        if self.bound not in BOUNDS:
-            raise ConfigError(f"bound={self.bound!r} is unknown; use 'shared' or 'separate'")
-        if self.partition not in PARTITIONS:
-            raise ConfigError(f"partition={self.partition!r} is unknown; use 'mixed' or 'linear'")
-        if self.op_model not in OP_MODELS:
-            raise ConfigError(f"op_model={self.op_model!r} is unknown; use one of {', '.join(OP_MODELS)}")
-        for name in ("tau", "clip"):
-            val = getattr(self, name)
-            if (isinstance(val, bool) or not isinstance(val, (int, float)) or not np.isfinite(val) or val <= 0
-                    or not 0 < f32(val) < np.inf):
-                raise ConfigError(f"{name}={val!r} must be a number > 0 that is finite and nonzero in float32")
-        step_constants(self.op_model, lr=self.lr, step=self.step, betas=self.betas,
-                       eps=self.eps, weight_decay=self.weight_decay)  # validates
-
-    def constants(self):
-        return step_constants(self.op_model, lr=self.lr, step=self.step, betas=self.betas,
-                              eps=self.eps, weight_decay=self.weight_decay)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "GuardConfig":
-        return cls(**{**d, "betas": tuple(d["betas"])})
-
-
-class ArrayPytree:
-    """Base of the encoded forms: a dict of arrays (the pytree leaves) plus static codec
-    and shape, so jit, vmap, orbax and DCP see plain leaves."""
-
-    def tree_flatten(self):
-        keys = tuple(sorted(self.arrays))
-        return tuple(self.arrays[k] for k in keys), (keys, self.codec, self.shape)
-
-    @classmethod
-    def tree_unflatten(cls, aux, leaves):
-        keys, codec, shape = aux
-        return cls(dict(zip(keys, leaves)), codec, shape)
-
-    @property
-    def n(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass
-class Encoded(ArrayPytree):
-    """One guarded moment pair: arrays only (plus static metadata), so jit/orbax see leaves.
-
-    arrays: ``m_codes``, ``v_codes`` ([n]), ``m_params``, ``v_params`` ([nblocks, k]),
-    ``escape_index`` (int32, sorted), ``escape_m``, ``escape_v`` (float32 exact pairs).
-    """
-
-    arrays: dict
-    codec: str
-    shape: tuple
-    stats: dict = dataclasses.field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- proposals (per block, vmapped)
-@functools.partial(jax.jit, static_argnames=("codec",))
-def _propose(mb, vb, valid, vpos, codec):
-    """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked."""
-    if codec == _packed.CODEC:
-        raise ConfigError(f"codec {codec!r} chooses widths per block on the host (guard.encode); the fixed-shape "
-                          "paths (encode_jit, nu-only) take log8-rel")
-    if codec == "log8":
-        mq, ms = jax.vmap(codes.linear8_encode_block)(mb, valid)
-        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
-        mt = jax.vmap(codes.linear8_decode_block)(mq, ms)
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
-        return mq, vq, ms[:, None], jnp.stack([lo, r], axis=1), mt, vt
-    if codec == "log8-rel":
-        vq, lo, r = jax.vmap(functools.partial(codes.log_encode_block, bits=8))(vb, valid, positive=vpos)
-        wlo, rr = jnp.sqrt(lo), jnp.sqrt(r)
-        w = jax.vmap(codes.sqrt_scale_block)(vq, wlo, rr)
-        mq, ms = jax.vmap(codes.rel8_encode_block)(mb, valid, w, wlo)
-        mt = jax.vmap(codes.rel8_decode_block)(mq, ms, w)
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vq, lo, r)
-        return mq, vq, ms[:, None], jnp.stack([lo, r, wlo, rr], axis=1), mt, vt
-    if codec == "bf16":
-        mq, vq = codes.bf16_encode(mb), codes.bf16_encode(vb)
-        empty = jnp.zeros((mb.shape[0], 0), jnp.float32)
-        return (jax.lax.bitcast_convert_type(mq, jnp.uint16), jax.lax.bitcast_convert_type(vq, jnp.uint16),
-                empty, empty, codes.bf16_decode(mq), codes.bf16_decode(vq))
-    ts, tu = codes.dynamic_map(True), codes.dynamic_map(False)
-    mq, ma = jax.vmap(lambda x, ok: codes.dynamic8_encode_block(x, ok, ts, True))(mb, valid)
-    vq, va = jax.vmap(lambda x, ok: codes.dynamic8_encode_block(x, ok, tu, False))(vb, valid)
-    mt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, ts))(mq, ma)
-    vt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, tu))(vq, va)
-    return mq, vq, ma[:, None], va[:, None], mt, vt
+# Proposals and decodes come from the core codec table (jaxguard.core.codecs).
+_propose = _codecs.propose   # the jitted proposal of a fixed-width codec (jit_encode, nu-only)
 
 
 def decode_arrays(arrays: dict, codec: str, n: int):
@@ -175,170 +58,8 @@ def decode_arrays(arrays: dict, codec: str, n: int):
         return q.reshape(nb, codes.BLOCK)
 
     mp, vp = jnp.asarray(arrays["m_params"]), jnp.asarray(arrays["v_params"])
-    if codec == "log8":
-        mt = jax.vmap(codes.linear8_decode_block)(blocks(mq), mp[:, 0])
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(blocks(vq), vp[:, 0], vp[:, 1])
-    elif codec in ("log8-rel", _packed.CODEC):   # logrel-aw: log8-rel's decode, narrower codes
-        vqb = blocks(vq)
-        w = jax.vmap(codes.sqrt_scale_block)(vqb, vp[:, 2], vp[:, 3])
-        mt = jax.vmap(codes.rel8_decode_block)(blocks(mq), mp[:, 0], w)
-        vt = jax.vmap(functools.partial(codes.log_decode_block, bits=8))(vqb, vp[:, 0], vp[:, 1])
-    elif codec == "bf16":
-        mt = codes.bf16_decode(jax.lax.bitcast_convert_type(blocks(mq), jnp.bfloat16))
-        vt = codes.bf16_decode(jax.lax.bitcast_convert_type(blocks(vq), jnp.bfloat16))
-    else:
-        ts, tu = codes.dynamic_map(True), codes.dynamic_map(False)
-        mt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, ts))(blocks(mq), mp[:, 0])
-        vt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, tu))(blocks(vq), vp[:, 0])
+    mt, vt = _codecs.get(codec).decode_blocks(blocks(mq), blocks(vq), mp, vp)
     return mt.reshape(-1)[:n], vt.reshape(-1)[:n]
-
-
-# ---------------------------------------------------------------- classification (host, on bits)
-# Done in numpy on the raw bits: XLA on CPU flushes subnormals and may turn bit tests
-# into float compares, which would call a subnormal zero.
-def _bits(x):
-    return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.uint32)
-
-
-def _finite(x):
-    return (_bits(x) & 0x7F800000) != 0x7F800000
-
-
-def _zero(x):
-    return (_bits(x) & 0x7FFFFFFF) == 0
-
-
-def _negative(x):
-    b = _bits(x)
-    return ((b >> 31) == 1) & ((b & 0x7FFFFFFF) != 0)
-
-
-def _not_tiny(x):
-    return _zero(x) | (np.abs(np.asarray(x, np.float32)) >= _bound.TINY_MOMENT)
-
-
-def _classify(m, v, p, mt, vt):
-    """(exact, certifiable) masks on flat arrays."""
-    fin = _finite(m) & _finite(v) & _finite(p) & _finite(mt) & _finite(vt)
-    nonneg = ~_negative(v) & ~_negative(vt)
-    ok = fin & nonneg & _not_tiny(m) & _not_tiny(v) & _not_tiny(mt) & _not_tiny(vt)
-    exact = (_bits(m) == _bits(mt)) & (_bits(v) == _bits(vt))
-    return exact, ok
-
-
-def _stats_valid(m, v, p):
-    return _finite(m) & _finite(v) & _finite(p) & ~_negative(v) & _not_tiny(v)
-
-
-# ---------------------------------------------------------------- certification
-CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
-SMALL_CHUNK = 1 << 10
-
-
-def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
-    """Indices `idx` (host int array) -> boolean array, True where certified, for one
-    constants row `k` (from `bound.pack_constants`, which carries the adamw decay flag;
-    `decay_in_update` is accepted for compatibility and must agree with it)."""
-    K = np.asarray(k, np.float32)[None]
-    if decay_in_update is not None and bool(K[0, 10]) != bool(decay_in_update):
-        raise ConfigError("decay_in_update disagrees with the constants row; build k with bound.pack_constants")
-    level_of = certify_pc(K, np.zeros(np.shape(m)[0], np.int32), m, v, mt, vt, pabs, clip, idx, cfg.bound,
-                          cfg.partition)
-    if level_counts is not None:
-        level_counts.extend(int((level_of == L).sum()) for L in range(len(_bound.LEVELS)))
-    return level_of >= 0
-
-
-FAST_TIER = 100          # level_of value of coordinates certified by the closed form
-FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one compiled shape)
-
-
-def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
-    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
-    chunks (one compiled program for any checkpoint).  Returns a host bool mask, True
-    where the closed form certifies; callers AND it with their candidate mask."""
-    n = np.shape(m)[0]
-    out = np.zeros(n, bool)
-    K = jnp.asarray(np.asarray(K, np.float32))
-    arrays = [np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip)]
-    gidx = np.asarray(gidx, np.int32)
-    for s in range(0, n, FAST_CHUNK):
-        e = min(n, s + FAST_CHUNK)
-        if valid is not None and not valid[s:e].any():
-            continue   # padding only
-        part = [x[s:e] for x in arrays] + [gidx[s:e]]
-        if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
-            part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
-        mm, vv, mmt, vvt, pp, cc, gg = part
-        out[s:e] = np.asarray(_fastbound.batch_fast_accept(K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
-    return out
-
-
-def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True):
-    """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` [G, 12].
-
-    With `fast` (the shared bound, mixed partition: the ablations keep their own
-    certificate), the closed-form tier (`jaxguard.core.fastbound`)
-    goes first.  Then the refinement levels run on compacted candidates: each level only
-    sees the coordinates the previous one could not certify, after an early reject of
-    those whose ideal difference at a few gradients already exceeds the threshold.
-
-    Returns the refinement level (0..4) that certified each of `idx`, `FAST_TIER` for
-    the closed form, or -1 (escape).
-    """
-    level_of = np.full(idx.shape[0], -1, np.int8)
-    if idx.size == 0:
-        return level_of
-    K = np.asarray(K, np.float32)
-    m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
-    if fast and bound == "shared" and partition == "mixed":
-        ok = fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])
-        level_of[ok] = FAST_TIER
-        rest = np.flatnonzero(~ok)
-        level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
-                                    fast=False)
-        return level_of
-    thr = K[:, 9][gidx[idx]]
-
-    def padded(sel, chunk):
-        # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
-        # candidates (the closed form took the bulk) run in small chunks: two compiled
-        # shapes per level, and no 64x padding of a handful of coordinates.
-        if sel.shape[0] < chunk:
-            chunk = min(chunk, SMALL_CHUNK)
-        for s in range(0, sel.shape[0], chunk):
-            part = sel[s:s + chunk]
-            take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
-            yield s, part.size, take, K[gidx[take]]
-
-    from tqdm import tqdm
-    bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
-               disable=not progress)
-    lower = np.empty(idx.size, np.float32)
-    for s, cnt, take, kc in padded(idx, CHUNK[0]):
-        lower[s:s + cnt] = np.asarray(_bound.batch_lower_pc(kc, m[take], v[take], mt[take], vt[take], clip[take]))[:cnt]
-    pending = np.flatnonzero(~(lower > thr))
-    bar.update(idx.size - pending.size)
-    for level in range(len(_bound.LEVELS)):
-        if pending.size == 0:
-            break
-        bar.set_postfix(level=level)
-        edges = jnp.asarray(_bound.unit_edges(level, partition))
-        sel = idx[pending]
-        out = np.empty(sel.shape[0], np.float32)
-        for s, cnt, take, kc in padded(sel, CHUNK[level]):
-            b = _bound.batch_bound_pc(kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
-                                      bound=bound)
-            out[s:s + cnt] = np.asarray(b)[:cnt]
-            if level == len(_bound.LEVELS) - 1:
-                bar.update(cnt)
-        ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
-        level_of[pending[ok]] = level
-        if level < len(_bound.LEVELS) - 1:
-            bar.update(int(ok.sum()))
-        pending = pending[~ok]
-    bar.close()
-    return level_of
 
 
 def _check_inputs(m, v, p):
@@ -370,10 +91,12 @@ def encode_many(items, *, progress: bool = False) -> list:
         return _encode_in_pieces(items, shapes, progress)
     groups: dict = {}
     for i, (_, _, _, cfg) in enumerate(items):
-        groups.setdefault((cfg.codec, cfg.bound, cfg.partition), []).append(i)
+        s = cfg.spec
+        groups.setdefault((s.codec, s.bound, s.partition, s.certify), []).append(i)
     out = [None] * len(items)
-    for (codec, bound, partition), idxs in groups.items():
-        encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition, progress)
+    for (codec, bound, partition, certified), idxs in groups.items():
+        encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition, progress,
+                             certified=certified)
         for i, e in zip(idxs, encs):
             out[i] = e
     return out
@@ -424,8 +147,8 @@ def _join_pieces(pieces, shape):
 def _group_constants(items, gidx, ph):
     """(K rows, |p|, per-coordinate clip) of a group laid side by side (`gidx`: item per coordinate)."""
     consts = [cfg.constants() for *_, cfg in items]
-    K = np.stack([_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)])
-    K = np.concatenate([K, np.repeat(K[:1], _bucket(max(16, len(K))) - len(K), 0)])  # few compiled shapes
+    rows = [_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)]
+    K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
     pabs = np.abs(ph)
     clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
     wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
@@ -434,8 +157,11 @@ def _group_constants(items, gidx, ph):
     return K, pabs, clip.astype(np.float32)
 
 
-def _encode_group(items, shapes, codec, bound, partition, progress=False):
+def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True):
+    """Encode tensors sharing one `GuardSpec` side by side; `codec` is the entry id
+    (``block8-unguarded`` decodes as block8)."""
     t0 = time.perf_counter()
+    propose_codec = GuardSpec(codec=codec).decode_codec
     ns = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     nbs = [codes.num_blocks(n) for n in ns]
     offs = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
@@ -451,25 +177,30 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
         ph[b:b + n] = np.asarray(p, np.float32).reshape(-1)
         in_tensor[b:b + n] = True
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
-    valid = (in_tensor & _stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
-    vpos = (_finite(vh) & ~_zero(vh) & ~_negative(vh)).reshape(-1, codes.BLOCK)
+    valid = (in_tensor & block_stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
+    vpos = v_positive(vh).reshape(-1, codes.BLOCK)
     mf, vf = mh, vh
     widths = None
-    if codec == _packed.CODEC:
-        # per-block widths chosen on certified escapes; the assembled codes are decoded
-        # again below exactly as the reader decodes them and certified from scratch
+    entry = _codecs.get(propose_codec)
+    if entry.choose is not None:
+        # codes chosen on the host (logrel-aw: per-block widths on certified escapes); the
+        # assembled codes come back decoded exactly as the reader decodes them and are
+        # certified again from scratch below
         K, pabs, clip = _group_constants(items, gidx, ph)
-        mq, vq, mp, vp, widths = _adaptive.choose_and_certify(
-            mh, vh, ph, valid, vpos, in_tensor, lambda a, b: _classify(mh, vh, ph, a, b),
-            lambda a, b, idx: certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition), )
-        mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
-        mt, vt = np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+
+        def certify_candidates(a, b, idx):
+            if not certified:   # the guard is off: every certifiable candidate is kept
+                return np.zeros(idx.shape[0], np.int8)
+            return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition)
+
+        mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor,
+                                                      lambda a, b: classify(mh, vh, ph, a, b), certify_candidates)
     else:
         mq, vq, mp, vp, mt, vt = _propose_chunked(mh.reshape(-1, codes.BLOCK), vh.reshape(-1, codes.BLOCK), valid,
-                                                  vpos, codec)
-    exact, ok = _classify(mh, vh, ph, mt, vt)
+                                                  vpos, propose_codec)
+    exact, ok = classify(mh, vh, ph, mt, vt)
     level_of = np.full(npad, -1, np.int8)
-    if codec == "block8-unguarded":
+    if not certified:
         escape = in_tensor & ~exact & ~ok
     else:
         K, pabs, clip = _group_constants(items, gidx, ph)
@@ -484,7 +215,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False):
         escape = in_tensor & ~exact & (level_of < 0)
     mq, vq = mq.reshape(-1), vq.reshape(-1)
     rescued = np.zeros(npad, bool)
-    if codec != "block8-unguarded" and any(cfg.joint for *_, cfg in items):
+    if certified and any(cfg.joint for *_, cfg in items):
         joint_on = np.zeros(npad, bool)
         for i, (*_, cfg) in enumerate(items):
             if cfg.joint:
@@ -530,8 +261,9 @@ def _joint_search(codec, idx, mq, vq, mp, vp, mh, vh, pabs, clip, K, gidx, bound
     rescued = np.zeros(mh.shape[0], bool)
     if idx.size == 0:
         return rescued
-    if codec not in ("log8", "log8-rel"):
-        raise ConfigError(f"joint=True applies to the log8 and log8-rel codecs, not {codec!r}")
+    if _codecs.get(codec).decode_points is None:
+        joint = ", ".join(c for c, e in _codecs.TABLE.items() if e.decode_points is not None)
+        raise ConfigError(f"joint=True applies to the {joint} codecs, not {codec!r}")
     blk = idx // codes.BLOCK
     todo = idx
     for dm, dv in JOINT_MOVES:
@@ -556,13 +288,7 @@ def _joint_search(codec, idx, mq, vq, mp, vp, mh, vh, pabs, clip, K, gidx, bound
 
 def _decode_points(codec, qm, qv, mp_rows, vp_rows):
     """Decode individual (m, v) codes with their blocks' parameters (as the reader does)."""
-    qv_j = jnp.asarray(qv, jnp.int32)
-    vt = codes.log_decode_block(qv_j, jnp.asarray(vp_rows[:, 0]), jnp.asarray(vp_rows[:, 1]))
-    if codec == "log8":
-        mt = codes.linear8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]))
-    else:
-        w = codes.sqrt_scale_block(qv_j, jnp.asarray(vp_rows[:, 2]), jnp.asarray(vp_rows[:, 3]))
-        mt = codes.rel8_decode_block(jnp.asarray(qm, jnp.int32), jnp.asarray(mp_rows[:, 0]), w)
+    mt, vt = _codecs.get(codec).decode_points(jnp.asarray(qm, jnp.int32), jnp.asarray(qv, jnp.int32), mp_rows, vp_rows)
     return np.asarray(mt, np.float32), np.asarray(vt, np.float32)
 
 
@@ -589,13 +315,60 @@ def _pad(x, size):
     return jnp.concatenate([x, jnp.zeros((size - x.shape[0],), x.dtype)]) if size > x.shape[0] else x
 
 
-def payload_bytes(enc: Encoded) -> int:
-    """Moment payload as in the paper: codes + block metadata + escape bitmask + 8 B/escape."""
-    a = enc.arrays
-    if enc.codec == _packed.CODEC:
-        return _packed.payload_bytes(a["widths"], a["escape_index"], enc.n)
-    return int(a["m_codes"].nbytes + a["v_codes"].nbytes + a["m_params"].nbytes + a["v_params"].nbytes
-               + -(-enc.n // 8) + 8 * a["escape_index"].size)
+def encode_v_only(m, v, p, config: GuardConfig) -> Encoded:
+    """Guarded encoding of `v` alone: `m` is kept exactly elsewhere (e.g. a bfloat16 mu).
+
+    Certified with ``m~ == m``: only ``v`` is coded and only its error is bounded; the
+    m channel of the result is all zeros (codes and parameters) and ``escape_m`` is 0.
+
+    Args:
+      m, v, p: arrays of one shape, taken as float32 (`m` as it will be restored).
+      config: a `GuardConfig` with a fixed-width codec (`codecs.propose`).
+    Returns:
+      An `Encoded` of `config.spec.codec`; ``stats["payload_bytes"]`` counts the v side
+      and the shared block metadata only (add what stores `m`).
+    Raises:
+      ConfigError: mismatched shapes, a host-chosen codec (logrel-aw).
+    """
+    t0 = time.perf_counter()
+    shape = tuple(np.shape(m))
+    for name, x in (("v", v), ("p", p)):
+        if tuple(np.shape(x)) != shape:
+            raise ConfigError(f"{name} has shape {tuple(np.shape(x))} but m has {shape}; pass the moments of one parameter")
+    spec = config.spec
+    n = int(np.prod(shape, dtype=np.int64))
+    nb = codes.num_blocks(n)
+    npad = _bucket(nb) * codes.BLOCK
+    mf, vf, pf = (_pad(jnp.asarray(x, jnp.float32).reshape(-1), npad) for x in (m, v, p))
+    zf = jnp.zeros_like(vf)
+    mh, vh, ph = np.asarray(mf), np.asarray(vf), np.asarray(pf)
+    in_tensor = np.arange(npad) < n
+    valid = (in_tensor & block_stats_valid(np.zeros_like(vh), vh, ph)).reshape(-1, codes.BLOCK)
+    vpos = v_positive(vh).reshape(-1, codes.BLOCK)
+    mq, vq, mp, vp, _, vtb = _propose(zf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK), valid, vpos,
+                                      spec.decode_codec)
+    vt = vtb.reshape(-1)
+    exact, ok = (x[:n] for x in classify(mh, vh, ph, mh, np.asarray(vt)))
+    cand = np.flatnonzero(~exact & ok)
+    levels: list = []
+    escape = ~exact
+    if spec.certify:
+        c = config.constants()
+        clipv = jnp.full((npad,), np.float32(config.clip), jnp.float32)
+        cert = certify(config.step_row(), mf, vf, mf, vt, jnp.abs(pf), clipv, cand, spec, c.decay_in_update, levels)
+        escape[cand[cert]] = False
+    else:
+        escape[cand] = False
+    esc = np.flatnonzero(escape).astype(np.int32)
+    arrays = {"m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
+              "m_params": np.asarray(mp[:nb], np.float32), "v_params": np.asarray(vp[:nb], np.float32),
+              "escape_index": esc, "escape_m": np.zeros(esc.size, np.float32), "escape_v": vh[:n][esc]}
+    enc = Encoded(arrays, spec.codec, shape)
+    enc.stats = {"coordinates": n, "escapes": int(esc.size), "exact": int(exact.sum()),
+                 "uncertifiable": int((~exact & ~ok).sum()), "certified_by_level": levels,
+                 "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
+                 "encode_seconds": time.perf_counter() - t0}
+    return enc
 
 
 def decode(enc: Encoded):

@@ -3,7 +3,7 @@
 `guard.encode` compacts candidates on the host; `encode_jit(m, v, p, config, capacity=K)`
 does the same work with static shapes so that it can run inside ``jax.jit`` (config,
 capacity and escape_capacity are static; a second call with arrays of the same shapes
-does not retrace).  It proposes codes with `guard._propose` (so the codes and decoded
+does not retrace).  It proposes codes with `codecs.propose` (so the codes and decoded
 values are those of `guard.encode`), then certifies with `bound.batch_bound` over the
 fixed level chain (`bound.LEVELS`): level 0 gathers at most ``capacity`` candidates with
 ``jnp.nonzero(size=...)``; later levels only see what level 0 gathered and could not
@@ -35,16 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard.core import bound as _bound
-from jaxguard.core import codes
+from jaxguard.core import codecs, codes
 from jaxguard.core import guard as _guard
+from jaxguard.core import floatbits as fb
+from jaxguard.core.config import GuardConfig, GuardSpec
+from jaxguard.core.encoded import ArrayPytree
 from jaxguard.errors import ConfigError
-
-_TINY_BITS = int(np.float32(_bound.TINY_MOMENT).view(np.uint32))
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
-class JitEncoded(_guard.ArrayPytree):
+class JitEncoded(ArrayPytree):
     """Fixed-shape guarded encoding: ``m_codes``, ``v_codes`` ([n]), ``m_params``,
     ``v_params`` ([nblocks, k]), ``escape_index`` ([E] int32, sorted, filled with n),
     ``escape_m``, ``escape_v`` ([E] float32, 0 past the count), ``escape_count`` (int32),
@@ -55,71 +56,46 @@ class JitEncoded(_guard.ArrayPytree):
     shape: tuple
 
 
-def _opaque_zero():
-    return jax.lax.optimization_barrier(jnp.uint32(0))
-
-
-def _bits(x, z):
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) ^ z
-
-
-def _barrier(x, z):
-    """Value-preserving: XLA cannot fold or fuse across the integer XOR."""
-    return jax.lax.bitcast_convert_type(_bits(x, z), jnp.float32)
-
-
-def _encode_impl(m, v, p, k, config, capacity, escape_capacity):
+def _encode_impl(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
     shape = tuple(m.shape)
     n = int(np.prod(shape, dtype=np.int64))
     nb = codes.num_blocks(n)
     npad = nb * codes.BLOCK
-    z = _opaque_zero()
+    z = fb.opaque_zero()
 
     def flat(x):
         x = jnp.ravel(x).astype(jnp.float32)
         return jnp.concatenate([x, jnp.zeros((npad - n,), jnp.float32)]) if npad > n else x
 
     mf, vf, pf = flat(m), flat(v), flat(p)
-    mb, vb, pb = _bits(mf, z), _bits(vf, z), _bits(pf, z)
-    mag = jnp.uint32(0x7FFFFFFF)
-
-    def finite(b):
-        return (b & jnp.uint32(0x7F800000)) != jnp.uint32(0x7F800000)
-
-    def zero(b):
-        return (b & mag) == 0
-
-    def negative(b):
-        return ((b >> 31) == 1) & ~zero(b)
-
-    def not_tiny(b):  # zero, or magnitude >= 2**-80 (integer compare: no flush)
-        return zero(b) | ((b & mag) >= jnp.uint32(_TINY_BITS))
+    mb, vb, pb = fb.device.bits(mf, z), fb.device.bits(vf, z), fb.device.bits(pf, z)
+    finite, zero, negative, not_tiny = fb.finite_bits, fb.zero_bits, fb.negative_bits, fb.not_tiny_bits
 
     in_t = jnp.arange(npad) < n
     valid = in_t & finite(mb) & finite(vb) & finite(pb) & ~negative(vb) & not_tiny(vb)
     vpos = finite(vb) & ~zero(vb) & ~negative(vb)
-    mq, vq, mp, vp, mtb, vtb = _guard._propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
+    mq, vq, mp, vp, mtb, vtb = codecs.propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
                                                valid.reshape(-1, codes.BLOCK), vpos.reshape(-1, codes.BLOCK),
-                                               config.codec)
-    mt, vt = _barrier(mtb.reshape(-1), z), _barrier(vtb.reshape(-1), z)
-    mtbits, vtbits = _bits(mt, z), _bits(vt, z)
+                                               spec.decode_codec)
+    mt, vt = fb.barrier(mtb.reshape(-1), z), fb.barrier(vtb.reshape(-1), z)
+    mtbits, vtbits = fb.device.bits(mt, z), fb.device.bits(vt, z)
     exact = (mb == mtbits) & (vb == vtbits)
     ok = (finite(mb) & finite(vb) & finite(pb) & finite(mtbits) & finite(vtbits) & ~negative(vb)
           & ~negative(vtbits) & not_tiny(mb) & not_tiny(vb) & not_tiny(mtbits) & not_tiny(vtbits))
-    if config.codec == "block8-unguarded":
+    if not spec.certify:
         escape = in_t & ~exact & ~ok
     else:
-        c = config.constants()  # static flags only: lr, step and tau enter through `k`
-        thr = k[9]
+        thr = k.threshold   # lr, step, betas, eps, weight decay and tau enter through `k` (traced)
         pabs = jnp.abs(pf)
-        clip = jnp.full((npad,), np.float32(config.clip), jnp.float32)
-        if c.coupled_decay:
-            clip = (clip + k[8] * pabs) * np.float32(1 + 2.0**-20)
+        clip = jnp.full((npad,), np.float32(spec.clip), jnp.float32)
+        if spec.op_model.startswith("torch-adam") and not spec.op_model.startswith("torch-adamw"):
+            # torch-adam with weight decay folds wd*p into g (opmodel.StepConstants.coupled_decay)
+            clip = jnp.where(k.weight_decay > 0, (clip + k.weight_decay * pabs) * np.float32(1 + 2.0**-20), clip)
         lower = _bound.batch_lower(k, mf, vf, mt, vt, clip)
         pending = in_t & ~exact & ok & ~(lower > thr)
         cert = jnp.zeros((npad,), bool)
         for level in range(len(_bound.LEVELS)):
-            edges = jnp.asarray(_bound.unit_edges(level, config.partition))
+            edges = jnp.asarray(_bound.unit_edges(level, spec.partition))
             chunk = min(capacity, _guard.CHUNK[level])
             size = -(-capacity // chunk) * chunk
             idx = jnp.nonzero(pending, size=size, fill_value=npad)[0]
@@ -127,7 +103,7 @@ def _encode_impl(m, v, p, k, config, capacity, escape_capacity):
 
             def one(t, edges=edges):
                 return _bound.batch_bound(k, mf[t], vf[t], mt[t], vt[t], pabs[t], clip[t], edges,
-                                          bound=config.bound, decay_in_update=c.decay_in_update)
+                                          bound=spec.bound, decay_in_update=None)
 
             b = jax.lax.map(one, take).reshape(-1)
             good = (b >= 0) & (b <= thr) & (idx < npad)  # NaN and -inf never certify
@@ -148,32 +124,53 @@ def _encode_impl(m, v, p, k, config, capacity, escape_capacity):
         "escape_v": jnp.where(inside, vf[safe], 0.0), "escape_count": count,
         "overflow": jnp.maximum(count - E, 0),
     }
-    return JitEncoded(arrays, config.codec, shape)
+    return JitEncoded(arrays, spec.codec, shape)
 
 
 _encode_jitted = jax.jit(_encode_impl, static_argnums=(4, 5, 6))
 
 
-def constants(config: _guard.GuardConfig):
-    """The certificate's constants (lr, step, betas, eps, weight decay, tau) as a float32
-    array: pass it to `encode_jit(..., constants=k)` as a traced argument so that a save
-    hook does not recompile when the step or the learning rate changes (the static part
-    of `config` is then its codec, bound, partition, op model and whether wd > 0)."""
-    return jnp.asarray(_bound.pack_constants(config.constants(), config.tau))
+def constants(config: GuardConfig) -> _bound.StepRow:
+    """Deprecated alias: ``config.step_row()`` as jax arrays (a `bound.StepRow`).
 
-
-def encode_jit(m, v, p, config: _guard.GuardConfig, *, capacity: int = 4096, escape_capacity: int | None = None,
-               constants=None):
-    """Fixed-shape guarded encoding of one moment pair; jittable (config is static).
-
-    `capacity`: candidates the certificate examines (rounded up to a multiple of the
-    level's chunk); `escape_capacity`: size of the escape buffers (default: n, never
-    overflows).  `constants`: ``jit_encode.constants(cfg)`` for the step being saved,
-    passed as a traced array (see `constants`); by default it is built from `config`.
-    Call it inside your own ``jax.jit`` or directly (it is jitted).
+    `encode_jit` now takes the static `config.spec` as its jit key, so passing a new
+    `GuardConfig` per step no longer recompiles; pass ``constants=`` only to trace the
+    constants explicitly (e.g. inside your own ``jax.jit``).
     """
-    if not isinstance(config, _guard.GuardConfig):
+    return config.step_row().as_float32(jnp)
+
+
+def encode_jit(m, v, p, config, *, capacity: int = 4096, escape_capacity: int | None = None, constants=None):
+    """Fixed-shape guarded encoding of one moment pair; jittable.
+
+    Args:
+      m, v, p: float32 arrays of one shape.
+      config: a `GuardConfig` (its `spec` is the static key and its `step_row()` the
+        traced constants, so a new lr or step does not recompile), or a `GuardSpec`
+        together with `constants`.
+      capacity: candidates the certificate examines (rounded up to a multiple of the
+        level's chunk); beyond it they escape.
+      escape_capacity: size of the escape buffers (default: n, never overflows).
+      constants: a `bound.StepRow` (``config.step_row()``) passed as a traced argument;
+        by default it is built from `config`.
+    Returns:
+      A `JitEncoded`.
+    Raises:
+      ConfigError: a config that is neither, a `GuardSpec` without constants, a
+        non-float32 or mismatched input, a bad capacity.
+    """
+    if isinstance(config, GuardConfig):
+        spec = config.spec
+        if constants is None:
+            constants = config.step_row()
+    elif isinstance(config, GuardSpec):
+        spec = config
+        if constants is None:
+            raise ConfigError("config is a GuardSpec; pass constants=cfg.step_row() for the step being saved")
+    else:
         raise ConfigError(f"config is a {type(config).__name__}; pass a jaxguard.GuardConfig")
+    if not isinstance(constants, _bound.StepRow):
+        raise ConfigError(f"constants is a {type(constants).__name__}; pass cfg.step_row() (a bound.StepRow)")
     shape = tuple(np.shape(m))
     for name, x in (("m", m), ("v", v), ("p", p)):
         if np.dtype(x.dtype) != np.float32:
@@ -187,8 +184,7 @@ def encode_jit(m, v, p, config: _guard.GuardConfig, *, capacity: int = 4096, esc
     E = n if escape_capacity is None else int(escape_capacity)
     if E < 1:
         E = 1
-    k = constants if constants is not None else _bound.pack_constants(config.constants(), config.tau)
-    return _encode_jitted(m, v, p, jnp.asarray(k, jnp.float32), config, capacity, E)
+    return _encode_jitted(m, v, p, constants.as_float32(jnp), spec, capacity, E)
 
 
 def decode_jit(je: JitEncoded):
@@ -202,8 +198,7 @@ def decode_jit(je: JitEncoded):
 
 
 def _host_tiny(x):
-    x = np.ascontiguousarray(np.asarray(x, np.float32)).reshape(-1)
-    return ~_guard._zero(x) & ~_guard._not_tiny(x)
+    return fb.host.tiny(np.asarray(x, np.float32).reshape(-1))
 
 
 def to_encoded(je: JitEncoded, m=None, v=None) -> _guard.Encoded:

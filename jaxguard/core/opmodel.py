@@ -43,7 +43,6 @@ TORCH_IMPLEMENTATIONS = {"single": "", "foreach": "-foreach", "fused": "-fused"}
 TORCH_OP_MODELS = tuple(base + suffix for suffix in TORCH_IMPLEMENTATIONS.values()
                         for base in ("torch-adam", "torch-adamw"))
 OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw") + TORCH_OP_MODELS[2:]
-OP_MODEL_VERSION = 1
 
 
 def torch_op_model(*, decoupled: bool, implementation: str = "single") -> str:

@@ -1,0 +1,174 @@
+"""Certification of candidate coordinates: the closed-form tier, then the cell levels.
+
+`certify_pc` takes flat host arrays of original and decoded moments, the candidates'
+indices and per-coordinate constants (a `bound.StepRow` of [G] arrays gathered with a
+group index), and returns the level that certified each candidate: `FAST_TIER` for the
+closed form (`jaxguard.core.fastbound`), 0..4 for the refinement levels of
+`jaxguard.core.bound` (early accept on ten geometric cells, then the mixed partition
+re-checked with 64, 256 and 1024 linear cells, after an early reject), or -1 (escape).
+`classify` says which coordinates need no certificate (bitwise equal) and which can
+have one at all (finite, ``v, v~ >= 0``, no nonzero moment below ``2**-80``).
+
+Numerical contract
+------------------
+A coordinate gets a level >= 0 only if `jaxguard.core.bound.coordinate_bound` (or the
+closed form's usable `fastbound.fast_bound`) is a number in ``[0, threshold]``: the
+first native update from ``(mt, vt)`` is within ``tau * lr`` of the one from ``(m, v)``
+for every ``|g| <= clip``.  Callers pass only coordinates `classify` calls certifiable.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxguard.core import bound as _bound
+from jaxguard.core import fastbound as _fastbound
+from jaxguard.core.floatbits import host as _fb
+from jaxguard.errors import ConfigError
+
+
+def classify(m, v, p, mt, vt):
+    """(exact, certifiable) masks on flat host arrays (bit tests: nothing is flushed).
+
+    Args:
+      m, v, p: original moments and parameter; mt, vt: decoded moments (float32).
+    Returns:
+      ``(exact, ok)``: bitwise-equal pairs, and pairs the bound may certify.
+    """
+    fin = _fb.finite(m) & _fb.finite(v) & _fb.finite(p) & _fb.finite(mt) & _fb.finite(vt)
+    nonneg = ~_fb.negative(v) & ~_fb.negative(vt)
+    ok = fin & nonneg & _fb.not_tiny(m) & _fb.not_tiny(v) & _fb.not_tiny(mt) & _fb.not_tiny(vt)
+    exact = (_fb.bits(m) == _fb.bits(mt)) & (_fb.bits(v) == _fb.bits(vt))
+    return exact, ok
+
+
+def block_stats_valid(m, v, p):
+    """Coordinates whose v may set a block's code range: finite m, v, p, v >= 0, not tiny."""
+    return _fb.finite(m) & _fb.finite(v) & _fb.finite(p) & ~_fb.negative(v) & _fb.not_tiny(v)
+
+
+def v_positive(v):
+    """Coordinates whose v is finite and > 0 (the log codes' range)."""
+    return _fb.finite(v) & ~_fb.zero(v) & ~_fb.negative(v)
+
+
+CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
+SMALL_CHUNK = 1 << 10
+
+
+def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
+    """Indices `idx` (host int array) -> boolean array, True where certified, for one
+    constants row `k` (a `bound.StepRow` from `bound.pack_constants`, which carries the
+    adamw decay flag; `decay_in_update` is accepted for compatibility and must agree).
+
+    Args:
+      k: the `bound.StepRow` of the step; m, v, mt, vt: original and decoded moments
+        (flat float32); pabs: ``|p|``; clip: per-coordinate gradient bound; idx: the
+        candidates; cfg: a `GuardConfig` or `GuardSpec` (its bound and partition).
+      level_counts: a list, extended with the coordinates certified per level.
+    Returns:
+      A bool array over `idx`.
+    Raises:
+      ConfigError: `decay_in_update` disagrees with `k`.
+    """
+    K = _bound.StepRow(*(np.asarray(x, np.float32)[None] for x in _bound.as_step_row(k)))
+    if decay_in_update is not None and bool(K.decay_in_update[0]) != bool(decay_in_update):
+        raise ConfigError("decay_in_update disagrees with the constants row; build k with bound.pack_constants")
+    level_of = certify_pc(K, np.zeros(np.shape(m)[0], np.int32), m, v, mt, vt, pabs, clip, idx, cfg.bound,
+                          cfg.partition)
+    if level_counts is not None:
+        level_counts.extend(int((level_of == L).sum()) for L in range(len(_bound.LEVELS)))
+    return level_of >= 0
+
+
+FAST_TIER = 100          # level_of value of coordinates certified by the closed form
+FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one compiled shape)
+
+
+def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
+    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
+    chunks (one compiled program for any checkpoint).  Returns a host bool mask, True
+    where the closed form certifies; callers AND it with their candidate mask."""
+    n = np.shape(m)[0]
+    out = np.zeros(n, bool)
+    K = _bound.as_step_row(K, -1).as_float32(jnp)
+    arrays = [np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip)]
+    gidx = np.asarray(gidx, np.int32)
+    for s in range(0, n, FAST_CHUNK):
+        e = min(n, s + FAST_CHUNK)
+        if valid is not None and not valid[s:e].any():
+            continue   # padding only
+        part = [x[s:e] for x in arrays] + [gidx[s:e]]
+        if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
+            part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
+        mm, vv, mmt, vvt, pp, cc, gg = part
+        out[s:e] = np.asarray(_fastbound.batch_fast_accept(K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
+    return out
+
+
+def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True):
+    """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
+    of [G] arrays, `bound.stack_rows`).
+
+    With `fast` (the shared bound, mixed partition: the ablations keep their own
+    certificate), the closed-form tier (`jaxguard.core.fastbound`)
+    goes first.  Then the refinement levels run on compacted candidates: each level only
+    sees the coordinates the previous one could not certify, after an early reject of
+    those whose ideal difference at a few gradients already exceeds the threshold.
+
+    Returns the refinement level (0..4) that certified each of `idx`, `FAST_TIER` for
+    the closed form, or -1 (escape).
+    """
+    level_of = np.full(idx.shape[0], -1, np.int8)
+    if idx.size == 0:
+        return level_of
+    K = _bound.as_step_row(K, -1).as_float32(np)
+    m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
+    if fast and bound == "shared" and partition == "mixed":
+        ok = fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])
+        level_of[ok] = FAST_TIER
+        rest = np.flatnonzero(~ok)
+        level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
+                                    fast=False)
+        return level_of
+    thr = K.threshold[gidx[idx]]
+
+    def padded(sel, chunk):
+        # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
+        # candidates (the closed form took the bulk) run in small chunks: two compiled
+        # shapes per level, and no 64x padding of a handful of coordinates.
+        if sel.shape[0] < chunk:
+            chunk = min(chunk, SMALL_CHUNK)
+        for s in range(0, sel.shape[0], chunk):
+            part = sel[s:s + chunk]
+            take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
+            yield s, part.size, take, K.take(gidx[take])
+
+    from tqdm import tqdm
+    bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
+               disable=not progress)
+    lower = np.empty(idx.size, np.float32)
+    for s, cnt, take, kc in padded(idx, CHUNK[0]):
+        lower[s:s + cnt] = np.asarray(_bound.batch_lower_pc(kc, m[take], v[take], mt[take], vt[take], clip[take]))[:cnt]
+    pending = np.flatnonzero(~(lower > thr))
+    bar.update(idx.size - pending.size)
+    for level in range(len(_bound.LEVELS)):
+        if pending.size == 0:
+            break
+        bar.set_postfix(level=level)
+        edges = jnp.asarray(_bound.unit_edges(level, partition))
+        sel = idx[pending]
+        out = np.empty(sel.shape[0], np.float32)
+        for s, cnt, take, kc in padded(sel, CHUNK[level]):
+            b = _bound.batch_bound_pc(kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
+                                      bound=bound)
+            out[s:s + cnt] = np.asarray(b)[:cnt]
+            if level == len(_bound.LEVELS) - 1:
+                bar.update(cnt)
+        ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
+        level_of[pending[ok]] = level
+        if level < len(_bound.LEVELS) - 1:
+            bar.update(int(ok.sum()))
+        pending = pending[~ok]
+    bar.close()
+    return level_of

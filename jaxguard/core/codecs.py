@@ -1,0 +1,189 @@
+"""The core's codec table: for each registry id (`jaxguard.format.spec.CODECS`) its JAX
+propose and decode.
+
+`TABLE[id]` is a `CoreCodec`; the guard, the jit path and the joint search look a codec
+up here instead of branching on its name.  An id whose registry entry names another
+decode (``block8-unguarded`` -> block8, ``logrel-aw`` -> log8-rel) shares that decode.
+Adding a codec: its `spec.CodecSpec`, its encode/decode in `jaxguard.core.codes`, one
+entry here, golden vectors (docs/architecture.md).
+
+Numerical contract
+------------------
+``decode_blocks`` is the reader's arithmetic (`jaxguard.format.reader`) bit for bit,
+and ``propose`` returns with its codes the values ``decode_blocks`` gives for them: the
+guard certifies exactly what a reader will produce (tests/golden/codes_v1.npz).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxguard.core import adaptive as _adaptive
+from jaxguard.core import codes
+from jaxguard.errors import ConfigError
+from jaxguard.format import packed as _packed
+from jaxguard.format import spec as _spec
+
+_log8 = functools.partial(codes.log_encode_block, bits=8)
+_log8_decode = functools.partial(codes.log_decode_block, bits=8)
+
+
+# ---------------------------------------------------------------- propose: blocks [nb, 256] -> codes, params, m~, v~
+def _propose_log8(mb, vb, valid, vpos):
+    mq, ms = jax.vmap(codes.linear8_encode_block)(mb, valid)
+    vq, lo, r = jax.vmap(_log8)(vb, valid, positive=vpos)
+    mt = jax.vmap(codes.linear8_decode_block)(mq, ms)
+    vt = jax.vmap(_log8_decode)(vq, lo, r)
+    return mq, vq, ms[:, None], jnp.stack([lo, r], axis=1), mt, vt
+
+
+def _propose_log8_rel(mb, vb, valid, vpos):
+    vq, lo, r = jax.vmap(_log8)(vb, valid, positive=vpos)
+    wlo, rr = jnp.sqrt(lo), jnp.sqrt(r)
+    w = jax.vmap(codes.sqrt_scale_block)(vq, wlo, rr)
+    mq, ms = jax.vmap(codes.rel8_encode_block)(mb, valid, w, wlo)
+    mt = jax.vmap(codes.rel8_decode_block)(mq, ms, w)
+    vt = jax.vmap(_log8_decode)(vq, lo, r)
+    return mq, vq, ms[:, None], jnp.stack([lo, r, wlo, rr], axis=1), mt, vt
+
+
+def _propose_bf16(mb, vb, valid, vpos):
+    mq, vq = codes.bf16_encode(mb), codes.bf16_encode(vb)
+    empty = jnp.zeros((mb.shape[0], 0), jnp.float32)
+    return (jax.lax.bitcast_convert_type(mq, jnp.uint16), jax.lax.bitcast_convert_type(vq, jnp.uint16),
+            empty, empty, codes.bf16_decode(mq), codes.bf16_decode(vq))
+
+
+def _propose_block8(mb, vb, valid, vpos):
+    ts, tu = codes.dynamic_map(True), codes.dynamic_map(False)
+    mq, ma = jax.vmap(lambda x, ok: codes.dynamic8_encode_block(x, ok, ts, True))(mb, valid)
+    vq, va = jax.vmap(lambda x, ok: codes.dynamic8_encode_block(x, ok, tu, False))(vb, valid)
+    mt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, ts))(mq, ma)
+    vt = jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, tu))(vq, va)
+    return mq, vq, ma[:, None], va[:, None], mt, vt
+
+
+# ---------------------------------------------------------------- decode: blocked codes + params -> m~, v~ blocked
+def _decode_log8(mq, vq, mp, vp):
+    return jax.vmap(codes.linear8_decode_block)(mq, mp[:, 0]), jax.vmap(_log8_decode)(vq, vp[:, 0], vp[:, 1])
+
+
+def _decode_log8_rel(mq, vq, mp, vp):
+    w = jax.vmap(codes.sqrt_scale_block)(vq, vp[:, 2], vp[:, 3])
+    return jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w), jax.vmap(_log8_decode)(vq, vp[:, 0], vp[:, 1])
+
+
+def _decode_bf16(mq, vq, mp, vp):
+    return (codes.bf16_decode(jax.lax.bitcast_convert_type(mq, jnp.bfloat16)),
+            codes.bf16_decode(jax.lax.bitcast_convert_type(vq, jnp.bfloat16)))
+
+
+def _decode_block8(mq, vq, mp, vp):
+    ts, tu = codes.dynamic_map(True), codes.dynamic_map(False)
+    return (jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, ts))(mq, mp[:, 0]),
+            jax.vmap(lambda q, s: codes.dynamic8_decode_block(q, s, tu))(vq, vp[:, 0]))
+
+
+# ---------------------------------------------------------------- decode of single coordinates (joint search)
+def _points_v(qv, vp_rows):
+    return codes.log_decode_block(qv, jnp.asarray(vp_rows[:, 0]), jnp.asarray(vp_rows[:, 1]))
+
+
+def _points_log8(qm, qv, mp_rows, vp_rows):
+    return codes.linear8_decode_block(qm, jnp.asarray(mp_rows[:, 0])), _points_v(qv, vp_rows)
+
+
+def _points_log8_rel(qm, qv, mp_rows, vp_rows):
+    w = codes.sqrt_scale_block(qv, jnp.asarray(vp_rows[:, 2]), jnp.asarray(vp_rows[:, 3]))
+    return codes.rel8_decode_block(qm, jnp.asarray(mp_rows[:, 0]), w), _points_v(qv, vp_rows)
+
+
+# ---------------------------------------------------------------- payload accounting
+def _fixed_payload(arrays, n):
+    """Codes + block metadata + escape bitmask + 8 B per escape (the paper's accounting)."""
+    return int(arrays["m_codes"].nbytes + arrays["v_codes"].nbytes + arrays["m_params"].nbytes
+               + arrays["v_params"].nbytes + -(-n // 8) + 8 * arrays["escape_index"].size)
+
+
+def _packed_payload(arrays, n):
+    return _packed.payload_bytes(arrays["widths"], arrays["escape_index"], n)
+
+
+# ---------------------------------------------------------------- host-side width choice (logrel-aw)
+def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn):
+    """Per-block widths chosen on certified escapes; returns the assembled codes and the
+    values the reader decodes them to (certified again from scratch by the caller)."""
+    mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
+    mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
+    return mq, vq, mp, vp, widths, np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreCodec:
+    """One codec's JAX side.
+
+    Attributes:
+      id: the registry id (`jaxguard.format.spec`).
+      decode_blocks: ``(mq, vq, mp, vp)`` blocked -> ``(m~, v~)`` blocked.
+      propose: ``(mb, vb, valid, vpos)`` blocks -> ``(mq, vq, mp, vp, m~, v~)``; None
+        where the codes are chosen on the host (`choose`).
+      choose: host-side proposal for `choose`-codecs (logrel-aw), see `_choose_logrel_aw`.
+      decode_points: single coordinates with their blocks' parameter rows -> (m~, v~);
+        None where the joint search does not apply.
+      payload_bytes: ``(arrays, n)`` -> moment payload in bytes.
+    """
+
+    id: str
+    decode_blocks: Callable
+    propose: Optional[Callable] = None
+    choose: Optional[Callable] = None
+    decode_points: Optional[Callable] = None
+    payload_bytes: Callable = _fixed_payload
+
+    @property
+    def spec(self) -> _spec.CodecSpec:
+        return _spec.get(self.id)
+
+
+def _entries():
+    log8 = CoreCodec("log8", _decode_log8, _propose_log8, decode_points=_points_log8)
+    log8_rel = CoreCodec("log8-rel", _decode_log8_rel, _propose_log8_rel, decode_points=_points_log8_rel)
+    bf16 = CoreCodec("bf16", _decode_bf16, _propose_bf16)
+    block8 = CoreCodec("block8", _decode_block8, _propose_block8)
+    unguarded = dataclasses.replace(block8, id="block8-unguarded")       # registry: decode="block8", certified=False
+    aw = CoreCodec(_packed.CODEC, _decode_log8_rel, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
+    return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw)}
+
+
+TABLE: dict = _entries()
+
+
+def get(codec_id: str) -> CoreCodec:
+    """The core codec of a registry id.
+
+    Raises:
+      ConfigError: an id the core has no entry for.
+    """
+    try:
+        return TABLE[codec_id]
+    except KeyError:
+        raise ConfigError(f"codec {codec_id!r} is unknown; use one of {', '.join(TABLE)}") from None
+
+
+@functools.partial(jax.jit, static_argnames=("codec",))
+def propose(mb, vb, valid, vpos, codec):
+    """Blocks [nb, 256] -> (m_codes, v_codes, m_params, v_params, m~, v~), all blocked.
+
+    Raises:
+      ConfigError: a codec whose codes are chosen on the host (logrel-aw).
+    """
+    entry = get(codec)
+    if entry.propose is None:
+        raise ConfigError(f"codec {codec!r} chooses widths per block on the host (guard.encode); the fixed-shape "
+                          "paths (encode_jit, nu-only) take log8-rel")
+    return entry.propose(mb, vb, valid, vpos)
