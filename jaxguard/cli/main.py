@@ -303,6 +303,8 @@ def _enable_compile_cache():
         tag = f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{platform.machine()}"
         jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla", tag))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        from jaxguard.core import programs   # and the traced kernels (jax.export), same key rules
+        programs.enable(os.path.join(base, "jaxguard", "export", tag))
     except Exception:  # noqa: BLE001 - a cache is an optimisation only
         pass
 

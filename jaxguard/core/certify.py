@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxguard.core import bound as _bound
 from jaxguard.core import fastbound as _fastbound
+from jaxguard.core import programs as _programs
 from jaxguard.core.floatbits import host as _fb
 from jaxguard.errors import ConfigError
 
@@ -102,7 +103,7 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
         if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
             part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
         mm, vv, mmt, vvt, pp, cc, gg = part
-        out[s:e] = np.asarray(_fastbound.batch_fast_accept(K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
+        out[s:e] = np.asarray(_programs.call(_fastbound.batch_fast_accept, K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
     return out
 
 
@@ -149,7 +150,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                disable=not progress)
     lower = np.empty(idx.size, np.float32)
     for s, cnt, take, kc in padded(idx, CHUNK[0]):
-        lower[s:s + cnt] = np.asarray(_bound.batch_lower_pc(kc, m[take], v[take], mt[take], vt[take], clip[take]))[:cnt]
+        lower[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_pc, kc, m[take], v[take], mt[take], vt[take],
+                                                     clip[take]))[:cnt]
     pending = np.flatnonzero(~(lower > thr))
     bar.update(idx.size - pending.size)
     for level in range(len(_bound.LEVELS)):
@@ -160,8 +162,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         sel = idx[pending]
         out = np.empty(sel.shape[0], np.float32)
         for s, cnt, take, kc in padded(sel, CHUNK[level]):
-            b = _bound.batch_bound_pc(kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
-                                      bound=bound)
+            b = _programs.call(_bound.batch_bound_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take],
+                               edges, bound=bound)
             out[s:s + cnt] = np.asarray(b)[:cnt]
             if level == len(_bound.LEVELS) - 1:
                 bar.update(cnt)
