@@ -75,16 +75,17 @@ def call(fn, *args, **static):
     import jax
     leaves, tree = jax.tree_util.tree_flatten(args)
     avals = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
-    key = (f"{fn.__module__}.{getattr(fn, '__qualname__', fn.__name__)}", str(tree), avals,
-           tuple(sorted((k, repr(v)) for k, v in static.items())))
-    prog = _state["programs"].get(key)
+    fast_key = (fn, tree, avals, tuple(sorted(static.items())))   # this process: hashable, no strings built
+    prog = _state["programs"].get(fast_key)
     if prog is None:
+        key = (f"{fn.__module__}.{getattr(fn, '__qualname__', fn.__name__)}", str(tree), avals,
+               tuple(sorted((k, repr(v)) for k, v in static.items())))
         try:
             prog = _load_or_export(fn, key, leaves, tree, static)
         except ImportError:   # no flatbuffers: jax cannot serialize; trace as before
             _state["broken"] = True
             return fn(*args, **static)
-        _state["programs"][key] = prog
+        _state["programs"][fast_key] = prog
     return prog(*leaves)
 
 
