@@ -92,3 +92,23 @@ def test_disabled_is_the_direct_call():
     K, gidx = _rows(256)
     assert np.array_equal(_bits(programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)),
                           _bits(B.batch_lower_pc(K.take(gidx), m, v, mt, vt, clip)))
+
+
+def test_without_flatbuffers_it_traces_as_before(tmp_path):
+    """jax cannot serialize without flatbuffers: `call` falls back to the direct call."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['flatbuffers'] = None\n"
+            "import numpy as np\n"
+            "from jaxguard.core import programs, bound as B\n"
+            "from jaxguard.core.config import GuardConfig\n"
+            f"programs.enable({str(tmp_path / 'export')!r})\n"
+            "K = B.stack_rows([B.pack_constants(GuardConfig(lr=1e-3, step=1).constants(), 0.01)])\n"
+            "x = np.full(256, 1e-3, np.float32)\n"
+            "args = (K.take(np.zeros(256, np.int64)), x, x, x, x, x)\n"
+            "r = programs.call(B.batch_lower_pc, *args)\n"
+            "assert np.array_equal(np.asarray(r), np.asarray(B.batch_lower_pc(*args)))\n"
+            "print(programs.enabled())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False" and not (tmp_path / "export").exists()
