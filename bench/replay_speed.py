@@ -67,7 +67,7 @@ def main(argv=None):
     scalars = replay.adam_scalars(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False, **HYPER)
 
     def jax_kernel():
-        outputs = replay._replay_flat(jp, jg, jm, jv, scalars, variant, decoupled=False, has_weight_decay=False)
+        outputs = replay.replay_flat(jp, jg, jm, jv, scalars, variant, decoupled=False, has_weight_decay=False)
         jax.block_until_ready(outputs)
 
     def jax_adam_step():

@@ -66,6 +66,22 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._common = {}
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
+        """Encode the state now and return the futures that write it (orbax's async API).
+
+        One process (or ``args.sharded=False``): the whole state is encoded into one container
+        and the primary host writes it atomically. Several processes (or ``args.sharded=True``):
+        each writes its shards and the manifest is committed in `finalize`.
+
+        Args:
+          directory: the item directory orbax gives the handler.
+          args: a `GuardedSave` (state, params, lr, tau, clip, codec, ...).
+
+        Returns:
+          A list of orbax commit futures; ``self.last_summary`` holds the save's summary.
+
+        Raises:
+          CheckpointError: `args` is not a `GuardedSave`.
+        """
         if not isinstance(args, GuardedSave):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
@@ -95,7 +111,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
         self._common[str(directory)] = _sharded.common_meta(
             sites_meta, leaves, treedef, tau=args.tau, clip=args.clip, codec=args.codec,
-            params_meta=_sharded._param_leaves(args.params) if args.include_params else None)
+            params_meta=_sharded.param_leaves(args.params) if args.include_params else None)
         self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
 
         async def write():
@@ -104,6 +120,15 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]
 
     def save(self, directory: epath.Path, args: "GuardedSave" = None):
+        """`async_save` and wait for its writes.
+
+        Args:
+          directory: the item directory.
+          args: a `GuardedSave`.
+
+        Raises:
+          CheckpointError: as `async_save`.
+        """
         async def run():
             for f in await self.async_save(directory, args=args) or []:
                 f.result()
@@ -111,6 +136,19 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         _run_sync(run())
 
     def restore(self, directory: epath.Path, args: "GuardedRestore" = None) -> Any:
+        """Read the guarded state back (one container or a sharded directory).
+
+        Args:
+          directory: the item directory.
+          args: a `GuardedRestore` whose ``like`` has the saved state's structure (e.g.
+            ``tx.init(params)``).
+
+        Returns:
+          The optax state with the decoded moments (as `jaxguard.load`).
+
+        Raises:
+          CheckpointError: no ``like``, or no guarded item in the directory.
+        """
         if not isinstance(args, GuardedRestore) or args.like is None:
             raise CheckpointError("restoring guarded optax state needs args=jaxguard.checkpoint.GuardedRestore(like), "
                                   "with like a state of the same structure (e.g. tx.init(params))")
@@ -122,6 +160,15 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return optax_adapter.load(str(path), args.like)
 
     def metadata(self, directory: epath.Path):
+        """The certificate settings of a saved item, without decoding the moments.
+
+        Args:
+          directory: the item directory.
+
+        Returns:
+          ``{"op_model", "tau", "clip", "codec"}`` (plus ``"process_count"`` for a sharded
+          save), or None when the directory holds no container.
+        """
         if (epath.Path(directory) / _sharded.MANIFEST).exists():
             man = _sharded.read_manifest(epath.Path(directory))
             return {k: man.get(k) for k in ("op_model", "tau", "clip", "codec", "process_count")}
@@ -133,6 +180,12 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def finalize(self, directory: epath.Path) -> None:
         # orbax calls this on the primary process once every process has written
+        """Commit the sharded manifest once every process has written (orbax calls it on the
+        primary process); nothing to do after a one-file save.
+
+        Args:
+          directory: the item directory.
+        """
         common = self._common.pop(str(directory), None)
         if common is None and len(self._common) == 1 and (epath.Path(directory) / (_sharded.file_name(0)
                                                                                   + _sharded.INDEX_SUFFIX)).exists():
@@ -141,6 +194,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             _sharded.commit_manifest(epath.Path(directory), common, jax.process_count())
 
     def close(self):
+        """Nothing to release (orbax's handler protocol)."""
         pass
 
 

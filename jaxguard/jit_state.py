@@ -268,7 +268,7 @@ def _writer_rows(plan: MomentPlan):
         if key in seen:
             continue
         seen.add(key)
-        out[d] = (r, sharded._start(idx[d], len(plan.shape)))
+        out[d] = (r, sharded.shard_start(idx[d], len(plan.shape)))
     return out
 
 

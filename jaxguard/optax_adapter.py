@@ -119,7 +119,19 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
 def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
     """Code only `v`; `m` is kept exactly elsewhere (the m channel is all zeros).
 
-    Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring)."""
+    Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring);
+    ``logrel-aw`` falls back to log8-rel's fixed-width v codes.
+
+    Args:
+      m: the first moment, the bfloat16 mu as float32 (stored exactly beside the codes).
+      v: the float32 second moment to code.
+      p: the float32 parameter.
+      config: the `GuardConfig` (its tau is divided by `BF16_TAU_FACTOR` here).
+
+    Returns:
+      The `Encoded` v codes; ``stats["payload_bytes"]`` includes the 2 bytes per
+      coordinate of the exact bfloat16 mu.
+    """
     cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
     if cfg.codec == "logrel-aw":   # the nu-only path codes v alone: log8-rel's fixed-width v codes
         cfg = dataclasses.replace(cfg, codec="log8-rel")

@@ -105,7 +105,16 @@ def host_scalars(tree):
     return jax.tree_util.tree_map(host_scalar, tree)
 
 
-def _start(index, ndim):
+def shard_start(index, ndim) -> tuple:
+    """The global offset of a shard from its index (a tuple of slices).
+
+    Args:
+      index: a shard's ``index`` (slices per leading dimension; ``None`` starts are 0).
+      ndim: the array's rank (missing trailing dimensions start at 0).
+
+    Returns:
+      The start offset per dimension, a tuple of ``ndim`` ints.
+    """
     return tuple(0 if s.start is None else int(s.start) for s in index) + (0,) * (ndim - len(index))
 
 
@@ -120,7 +129,7 @@ def local_shards(x, primary=0):
       [(device or None, global start index, host array)].
     """
     if isinstance(x, jax.Array):
-        return [(s.device, _start(s.index, x.ndim), s.data) for s in x.addressable_shards if s.replica_id == 0]
+        return [(s.device, shard_start(s.index, x.ndim), s.data) for s in x.addressable_shards if s.replica_id == 0]
     if jax.process_index() == primary:
         a = np.asarray(x)
         return [(None, (0,) * a.ndim, a)]
@@ -333,7 +342,16 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
     return items, totals, param_names
 
 
-def _param_leaves(params):
+def param_leaves(params) -> list:
+    """The manifest records of `params`' leaves (metadata only, no data is read).
+
+    Args:
+      params: the params pytree saved beside the optimizer state.
+
+    Returns:
+      One dict per leaf in flattening order: ``path`` (dotted), ``entry``
+      (``"params/<path>"``, the container entry), ``dtype`` (name) and ``shape`` (list).
+    """
     return [{"path": n, "entry": f"params/{n}", "dtype": dtype_name(x), "shape": list(np.shape(x))}
             for n, x in flat_by_dotted(params, "params").items()]
 
@@ -454,7 +472,7 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
                                     primary=primary)
     common = common_meta(sites_meta, leaves, treedef, tau=tau, clip=clip, codec=codec,
-                         params_meta=_param_leaves(params) if include_params else None)
+                         params_meta=param_leaves(params) if include_params else None)
     return write_and_commit(d, items, totals, common, primary=primary, t0=t0)
 
 

@@ -195,7 +195,7 @@ def test_ideal_stage_near_flt_max_encloses_the_exact_difference():
     for m, v, mt, vt in [(-4.87e18, 9.9e37, -4.80e18, 8.2e37), (1e19, 3e38, 1.01e19, 2.5e38),
                          (-1e18, 1.2e37, -1e18, 2.9e38)]:
         gl, gh = C * e[:-1], C * e[1:]
-        ideal = np.asarray(bound._shared_ideal(k, f32(m), f32(v), f32(mt), f32(vt), jnp.asarray(gl, jnp.float32),
+        ideal = np.asarray(bound.shared_ideal(k, f32(m), f32(v), f32(mt), f32(vt), jnp.asarray(gl, jnp.float32),
                                                jnp.asarray(gh, jnp.float32)), np.float64)
         g = gl[:, None] + (gh - gl)[:, None] * np.linspace(0, 1, 65)[None]
         m, v, mt, vt = (float(f32(x)) for x in (m, v, mt, vt))
@@ -207,7 +207,7 @@ def test_ideal_stage_near_flt_max_encloses_the_exact_difference():
         assert not np.isfinite(float(bound.coordinate_bound(k, f32(m), f32(v), f32(mt), f32(vt), f32(74.5), f32(C),
                                                             jnp.asarray(e, jnp.float32))))
     big = f32(3e38)
-    ideal = bound._shared_ideal(k, big, f32(1.0), -big, f32(1.0), jnp.float32(0.0), jnp.float32(C))
+    ideal = bound.shared_ideal(k, big, f32(1.0), -big, f32(1.0), jnp.float32(0.0), jnp.float32(C))
     assert float(ideal) == np.inf
 
 
@@ -320,14 +320,19 @@ def _magnitudes(draw, n, lo_exp, hi_exp):
         return x.astype(np.float32), rng
 
 
-@st.composite
-def torch_cases(draw):
-    n = 256
+def _moments_and_params(draw, n=256):
+    """Signed m, nonnegative v and signed p (float32 [n]) across float32's whole range."""
     m, rng = _magnitudes(draw, n, -60, 127)
     m = (m * rng.choice([-1, 1], n)).astype(np.float32)
     v, _ = _magnitudes(draw, n, -120, 127)
     p, _ = _magnitudes(draw, n, -30, 127)
     p = (p * rng.choice([-1, 1], n)).astype(np.float32)
+    return m, v, p
+
+
+@st.composite
+def torch_cases(draw):
+    m, v, p = _moments_and_params(draw)
     return dict(m=m, v=v, p=p, step=draw(st.sampled_from([0, 1, 7, 100, 5000])),
                 lr=draw(st.sampled_from([1e-4, 1e-3, 0.1, 1.0, 4.0])),
                 wd=draw(st.sampled_from([0.0, 1e-2, 0.5, 3.0])), decoupled=draw(st.booleans()),
@@ -371,12 +376,7 @@ def _optax_tx(betas):
 
 @st.composite
 def optax_cases(draw):
-    n = 256
-    m, rng = _magnitudes(draw, n, -60, 127)
-    m = (m * rng.choice([-1, 1], n)).astype(np.float32)
-    v, _ = _magnitudes(draw, n, -120, 127)
-    p, _ = _magnitudes(draw, n, -30, 127)
-    p = (p * rng.choice([-1, 1], n)).astype(np.float32)
+    m, v, p = _moments_and_params(draw)
     return dict(m=m, v=v, p=p, count=draw(st.sampled_from([0, 1, 7, 100, 5000])),
                 lr=draw(st.sampled_from([1e-4, 1e-3, 0.1, 1.0, 4.0])), wd=draw(st.sampled_from([0.0, 1e-2, 3.0])),
                 betas=draw(st.sampled_from([(0.9, 0.999), (0.5, 0.9)])))

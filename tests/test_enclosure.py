@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxguard.core import bound
-from torch_compat.enclosure import POINTS_PER_CASE, _points, audit_enclosure
+from torch_compat.enclosure import POINTS_PER_CASE, audit_enclosure, cell_points, draw_cases
 
 
 def test_bound_encloses_replay():
@@ -40,7 +40,7 @@ def test_points_cover_ends_ulp_and_mid():
     rng = np.random.default_rng(0)
     gl = np.array([0.0, 1.0, 2.0**-40], np.float32)
     gh = np.array([2.0**-40, 1.0625, 2.0**-39], np.float32)
-    pts = _points(rng, gl, gh)
+    pts = cell_points(rng, gl, gh)
     assert pts.shape == (3, POINTS_PER_CASE) and pts.dtype == np.float32
     assert np.all(pts >= gl[:, None]) and np.all(pts <= gh[:, None])
     for i in range(3):
@@ -49,8 +49,7 @@ def test_points_cover_ends_ulp_and_mid():
 
 
 def test_generated_cases_are_certifiable():
-    from torch_compat.enclosure import _draw_cases
-    d = _draw_cases(np.random.default_rng(5), 50000)
+    d = draw_cases(np.random.default_rng(5), 50000)
     for name in ("m", "v", "mt", "vt"):
         x = d[name]
         assert x.dtype == np.float32 and np.all(np.isfinite(x))

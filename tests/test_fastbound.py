@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jaxguard.core import bound, fastbound, guard
-from torch_compat.enclosure import _draw_cases, audit_enclosure
+from torch_compat.enclosure import audit_enclosure, draw_cases
 from jaxguard.core.opmodel import step_constants
 
 
@@ -43,7 +43,7 @@ def test_closed_form_encloses_replay_over_whole_range(op_model, wd, lr):
     from torch_compat.replay import adam_step
     rng = np.random.default_rng(11)
     n = 1000
-    d = _draw_cases(rng, n)
+    d = draw_cases(rng, n)
     k = _k(op_model, lr=lr, step=7, wd=wd)
     b, ok = _fast(k, d["m"], d["v"], d["mt"], d["vt"], d["p"], d["clip"])
     assert ok.mean() > 0.99
@@ -73,7 +73,7 @@ def test_closed_form_subset_of_cell_partition_at_default_tau():
     0-4) rejects; on random certifiable cases it takes a large share."""
     rng = np.random.default_rng(3)
     n = 8192
-    d = _draw_cases(rng, n)
+    d = draw_cases(rng, n)
     pabs = np.abs(d["p"])
     for lr, step in ((1e-3, 100), (1e-4, 0), (3e-2, 5000)):
         K = bound.stack_rows([_k(lr=lr, step=step)])
@@ -165,7 +165,7 @@ def test_stream_writer_matches_build(tmp_path):
 
 
 def test_variant_cache_is_keyed(tmp_path, monkeypatch):
-    from torch_compat import _variant, variant_cache
+    from torch_compat import variant, variant_cache
     from torch_compat.replay import detect_variant
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
@@ -174,7 +174,7 @@ def test_variant_cache_is_keyed(tmp_path, monkeypatch):
         calls.append(1)
         return detect_variant()
 
-    _variant.environment_fingerprint.cache_clear()
+    variant.environment_fingerprint.cache_clear()
     v1, cached1 = variant_cache.cached_detect_variant(detect=counted)
     v2, cached2 = variant_cache.cached_detect_variant(detect=counted)
     assert (cached1, cached2, len(calls)) == (False, True, 1) and v1 == v2
@@ -182,14 +182,14 @@ def test_variant_cache_is_keyed(tmp_path, monkeypatch):
     assert path.exists() and json.loads(path.read_text())["variant"]["sqrt"] == v1.sqrt
     # another kernel setting is another environment: a different key, detected again
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
-    _variant.environment_fingerprint.cache_clear()
+    variant.environment_fingerprint.cache_clear()
     try:
         assert variant_cache.cache_path() != path
         _, cached3 = variant_cache.cached_detect_variant(detect=counted)
         assert cached3 is False and len(calls) == 2
     finally:
         monkeypatch.delenv("MKL_CBWR")
-        _variant.environment_fingerprint.cache_clear()
+        variant.environment_fingerprint.cache_clear()
     # a corrupt entry is ignored and rewritten
     path.write_text("{not json")
     _, cached4 = variant_cache.cached_detect_variant(detect=counted)

@@ -247,12 +247,3 @@ def test_errors_are_one_line_jaxguard_errors(call, match):
     with pytest.raises(ConfigError, match=match) as ei:
         call()
     assert isinstance(ei.value, JaxguardError) and "\n" not in str(ei.value)
-
-
-def test_dynamic_map_matches_bitsandbytes():
-    bnb = pytest.importorskip("bitsandbytes", reason="reference package bitsandbytes not installed")
-    import bitsandbytes.functional as F
-    for signed in (True, False):
-        ref = F.create_dynamic_map(signed=signed).numpy()
-        ours = codes.dynamic_map(signed)
-        assert np.max(np.abs(ref.astype(np.float64) - ours)) <= 2.0**-24, signed

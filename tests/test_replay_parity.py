@@ -205,7 +205,7 @@ def test_subnormal_range_is_exact_despite_xla_flush_to_zero(variant, eps):
     # the jitted kernel alone (no numpy fallback) does get these wrong: the flush matters
     p, g, m, v = subnormal_cases(rng)["g^2 underflows"]
     scalars = replay.adam_scalars(step=0, lr=1e-3, betas=(0.9, 0.999), eps=eps, weight_decay=0.0, decoupled=False)
-    kernel_only = [np.asarray(x) for x in replay._replay_flat(p, g, m, v, scalars, variant, decoupled=False,
+    kernel_only = [np.asarray(x) for x in replay.replay_flat(p, g, m, v, scalars, variant, decoupled=False,
                                                                has_weight_decay=False)[:3]]
     assert total(mismatches_by_position(torch_adam_step(p, g, m, v, step=0, lr=1e-3, eps=eps), kernel_only,
                                         np.zeros(p.size, bool))) > 0
@@ -232,8 +232,7 @@ def test_float32_fma_emulation_is_correctly_rounded():
     assert np.count_nonzero(naive != exact) > 1000  # the crafted cases do bite
 
     def fma(a, b, c, zero):
-        arithmetic = replay._JaxArithmetic((jax.lax.iota(np.int32, a.shape[0]) | 1) & zero, None, None, True)
-        return arithmetic.fma(a, b, c)
+        return replay.fma_float32_jax(a, b, c, (jax.lax.iota(np.int32, a.shape[0]) | 1) & zero)
 
     got = np.asarray(jax.jit(fma)(a, b, c, np.int32(0)))
     assert np.count_nonzero(got.view(np.int32) != exact.view(np.int32)) == 0

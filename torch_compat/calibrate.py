@@ -147,6 +147,16 @@ def detect_variant(replay: ReplayFunctions, refresh: bool = False) -> AdamVarian
 
     On no match: a ``ReplayVariantWarning``, ``matched=False``, and the documented default
     model (every op fused, measured sqrt table when it is within 1 ulp, else IEEE).
+
+    Args:
+      replay: the replay's op functions (`torch_compat.replay` passes its own `ReplayFunctions`).
+      refresh: measure again even if this process already did.
+
+    Returns:
+      The matching `AdamVariant` (cached for the process).
+
+    Raises:
+      ConfigError: torch is not installed.
     """
     global _DETECTED
     if _DETECTED is not None and not refresh:
@@ -260,7 +270,18 @@ def detect_fused_variant(replay: ReplayFunctions, refresh: bool = False) -> Fuse
     """Measure torch's fused CPU kernel once per process: the body's op variant on a long
     tensor, then the vector width and the tail's op variant on short tensors of every
     length; confirmed on every calibration coordinate. On no match: a
-    ``ReplayVariantWarning`` and ``matched=False``."""
+    ``ReplayVariantWarning`` and ``matched=False``.
+
+    Args:
+      replay: the replay's op functions (`torch_compat.replay` passes its own `ReplayFunctions`).
+      refresh: measure again even if this process already did.
+
+    Returns:
+      The `FusedAdamVariant` (body, vector width, tail), cached for the process.
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
     if "fused" in _DETECTED_IMPL and not refresh:
         return _DETECTED_IMPL["fused"]
     started = time.perf_counter()
@@ -303,7 +324,18 @@ def detect_fused_variant(replay: ReplayFunctions, refresh: bool = False) -> Fuse
 def detect_foreach_variant(replay: ReplayFunctions, refresh: bool = False) -> AdamVariant:
     """torch's foreach=True Adam on CPU tensors runs the per-tensor ATen kernels of the
     single-tensor path (``_foreach_*`` slow path), in the same order; confirm that end to
-    end on this machine rather than assume it. On no match: ``matched=False``."""
+    end on this machine rather than assume it. On no match: ``matched=False``.
+
+    Args:
+      replay: the replay's op functions (`torch_compat.replay` passes its own `ReplayFunctions`).
+      refresh: measure again even if this process already did.
+
+    Returns:
+      The single-tensor `AdamVariant`, with ``matched=False`` if foreach disagrees.
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
     if "foreach" in _DETECTED_IMPL and not refresh:
         return _DETECTED_IMPL["foreach"]
     with warnings.catch_warnings():
@@ -321,7 +353,18 @@ def detect_foreach_variant(replay: ReplayFunctions, refresh: bool = False) -> Ad
 
 
 def detect_implementation_variant(replay: ReplayFunctions, implementation: str = "single"):
-    """The measured variant of ``implementation`` ("single", "foreach" or "fused")."""
+    """The measured variant of ``implementation`` ("single", "foreach" or "fused").
+
+    Args:
+      replay: the replay's op functions (`torch_compat.replay` passes its own `ReplayFunctions`).
+      implementation: ``"single"``, ``"foreach"`` or ``"fused"``.
+
+    Returns:
+      An `AdamVariant` (single, foreach) or a `FusedAdamVariant` (fused).
+
+    Raises:
+      ConfigError: an unknown implementation, or torch is not installed.
+    """
     check_implementation(implementation)
     if implementation == "fused":
         return detect_fused_variant(replay)

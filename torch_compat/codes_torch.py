@@ -23,10 +23,32 @@ def _blocks(q, n):
 
 
 def linear8_decode(q, scale, n):
+    """linear8 codes -> float32: ``f32(q) * scale`` per block, as the numpy reader.
+
+    Args:
+      q: int8 codes, a 1-D tensor of n.
+      scale: float32 per-block scales.
+      n: the tensor's number of coordinates (the codes are padded to whole blocks here).
+
+    Returns:
+      A 1-D float32 tensor of n values.
+    """
     return (_blocks(q, n).to(torch.float32) * scale.to(torch.float32)[:, None]).reshape(-1)[:n]
 
 
 def log_decode(q, lo, r, n, bits=8):
+    """log codes -> float32: ``lo * r**(q-1)`` by binary powering (the reader's order of
+    float32 multiplies), 0 for q = 0.
+
+    Args:
+      q: unsigned codes (uint8 or uint16 values), a 1-D tensor of n.
+      lo, r: float32 per-block parameters.
+      n: the tensor's number of coordinates (the codes are padded to whole blocks here).
+      bits: code width, 8 or 16.
+
+    Returns:
+      A 1-D float32 tensor of n values.
+    """
     qb = _blocks(q, n).to(torch.int64)
     k = qb - 1
     p = r.to(torch.float32)[:, None].expand(qb.shape).clone()
@@ -41,14 +63,46 @@ def log_decode(q, lo, r, n, bits=8):
 
 
 def table_decode(q, absmax, table, n):
+    """Table codes (dynamic8) -> float32: ``table[q] * absmax`` per block.
+
+    Args:
+      q: uint8 codes, a 1-D tensor of n.
+      absmax: float32 per-block absmax.
+      table: the 256 float32 map entries (a tensor).
+      n: the tensor's number of coordinates (the codes are padded to whole blocks here).
+
+    Returns:
+      A 1-D float32 tensor of n values.
+    """
     return (table[_blocks(q, n).to(torch.int64)] * absmax[:, None]).reshape(-1)[:n]
 
 
 def bf16_decode(q):
+    """bf16 codes -> float32 exactly: the 16 bits become the high half of a float32.
+
+    Args:
+      q: the bfloat16 bit patterns as a 16-bit integer tensor.
+
+    Returns:
+      A float32 tensor of q's shape.
+    """
     return (q.to(torch.int32) << 16).view(torch.float32)
 
 
 def rel8_decode(qm, scale, qv, wlo, rr, n):
+    """log8-rel m codes -> float32: ``(f32(q) * scale) * w`` with ``w`` the log decode of
+    the v codes on the sqrt grid (q = 0 read as code 1).
+
+    Args:
+      qm: int8 m codes, a 1-D tensor of n.
+      scale: float32 per-block m-scales.
+      qv: the v codes (uint8).
+      wlo, rr: float32 per-block sqrt-grid parameters.
+      n: the tensor's number of coordinates (the codes are padded to whole blocks here).
+
+    Returns:
+      A 1-D float32 tensor of n values.
+    """
     w = log_decode(torch.where(qv == 0, torch.ones_like(qv), qv), wlo, rr, n)
     return (_blocks(qm, n).to(torch.float32) * scale.to(torch.float32)[:, None]).reshape(-1)[:n] * w
 

@@ -12,7 +12,7 @@ uniformly random ones).  A failure
 is a point where the actual difference exceeds the bound.
 
 ``--no-radius`` removes the stage-2 allowance (native op radii and the final ``p + step``
-rounding) and keeps only the ideal stage (`bound._shared_ideal`): the audit must then
+rounding) and keeps only the ideal stage (`bound.shared_ideal`): the audit must then
 find failures, which shows that it can detect an under-estimate.
 
 Edge cases (``--edge-fraction``, default 0.25 of the cases and of the groups): moments
@@ -41,6 +41,7 @@ import numpy as np
 from jaxguard.core import bound as _bound
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core.opmodel import TORCH_OP_MODELS, split_torch_op_model, step_constants
+from jaxguard.errors import ConfigError
 
 POINTS_PER_CASE = 32         # 16 fixed points of the cell + 16 random interior ones
 GROUP = 2048                 # cases sharing one (step, lr): one replay call
@@ -56,7 +57,7 @@ _INTERIOR = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144], np.float64) / 233
 def _one_cell(k, m, v, mt, vt, pabs, clip, e, sgn, no_radius):
     if no_radius:
         gl, gh = clip * e[:1], clip * e[1:]
-        b = _bound._shared_ideal(k, sgn * m, v, sgn * mt, vt, gl, gh)[0]
+        b = _bound.shared_ideal(k, sgn * m, v, sgn * mt, vt, gl, gh)[0]
     else:
         rows = _bound.cell_bounds(k, m, v, mt, vt, pabs, clip, e)
         b = jnp.where(sgn > 0, rows[0, 0], rows[1, 0])
@@ -87,8 +88,19 @@ def _certifiable(x):
     return np.where(np.abs(x) < np.float32(_bound.TINY_MOMENT), np.float32(0), x).astype(np.float32)
 
 
-def _draw_cases(rng, n):
-    """n certifiable scalar cases as float32 arrays + cell data."""
+def draw_cases(rng, n):
+    """Random certifiable scalar cases for the audit (the mix is in the module docstring).
+
+    Args:
+      rng: a `numpy.random.Generator` (the draw is a function of its state).
+      n: how many cases.
+
+    Returns:
+      A dict of [n] arrays: ``m, v, mt, vt`` (float32 moments and decoded moments, v >= 0,
+      magnitudes below 2**-80 zeroed), ``p`` (parameter), ``clip`` (gradient clip C),
+      ``sgn`` (+1/-1, the cell's gradient sign), ``level`` (int, 1-4) and ``e`` ([n, 2]
+      float32: the cell's unit edges, the gradient range is ``clip * e``).
+    """
     # |m|: mostly typical, some extreme small/large; v likewise, 1e-20..1e2
     mag_m = np.where(rng.random(n) < 0.7, _loguniform(rng, 1e-8, 1e0, n), _loguniform(rng, 2.0**-79, 1e2, n))
     m = mag_m * rng.choice([-1.0, 1.0], n)
@@ -167,8 +179,17 @@ def _edge_cases(rng, d, sel):
     d["clip"][sel] = np.where(rc < 0.2, _loguniform(rng, 1e10, 1e20, n), d["clip"][sel]).astype(np.float32)
 
 
-def _points(rng, gl, gh):
-    """[n, POINTS_PER_CASE] float32 gradient magnitudes in [gl, gh] (gl <= gh, float32)."""
+def cell_points(rng, gl, gh):
+    """The gradient magnitudes at which the audit replays each cell.
+
+    Args:
+      rng: a `numpy.random.Generator` for the 16 random interior points.
+      gl, gh: [n] float32 cell ends, ``gl <= gh``.
+
+    Returns:
+      [n, POINTS_PER_CASE] float32, all in ``[gl, gh]``: both ends, one ulp inside each
+      end, the midpoint, 11 fixed interior fractions and 16 uniform random ones.
+    """
     gl64, gh64 = gl.astype(np.float64), gh.astype(np.float64)
     inner_lo = np.minimum(np.nextafter(gl, gh), gh)
     inner_hi = np.maximum(np.nextafter(gh, gl), gl)
@@ -185,20 +206,33 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                     edge_fraction=0.25, variant=None) -> dict:
     """Check `bound.cell_bounds` against the bit-exact torch replay (module docstring).
 
-    Returns a dict: cases, failures (finite bound below the actual difference, or a NaN
-    bound), escaped (+inf bounds), edge_cases / edge_finite (edge draws and those with a
-    finite bound), max_ratio, worst case, failure examples, settings.
+    Args:
+      cases: how many random scalar cases (grouped by `GROUP` per ``(step, lr, wd)``).
+      no_radius: ideal stage only (`bound.shared_ideal`): the audit must then find
+        failures, which shows it can detect an under-estimate.
+      seed: the draw's seed (the same seed draws the same cases for every op model).
+      op_model: any torch op model: ``torch-adam[w]`` replays the single-tensor kernels,
+        ``-foreach`` foreach=True, ``-fused`` the fused CPU kernel (half the cases through
+        its scalar tail, counted in ``tail_cases``).
+      keep_failures: how many failure examples the report keeps.
+      edge_fraction: the share of cases (and adamw groups) drawn at float32's edges.
+      variant: the torch replay's operation variant (default: the detected one for the
+        op model's implementation); the bound covers every variant, so the audit must pass
+        whichever is given.
 
-    ``variant`` is the torch replay's operation variant (default: the detected one for the
-    op model's implementation); the bound covers every variant, so the audit must pass
-    whichever is given. ``op_model`` is any torch op model: ``torch-adam[w]`` replays the
-    single-tensor kernels, ``-foreach`` foreach=True, ``-fused`` the fused CPU kernel (half
-    the cases through its scalar tail, counted in ``tail_cases``).
+    Returns:
+      A dict: cases, failures (finite bound below the actual difference, or a NaN
+      bound), escaped (+inf bounds), edge_cases / edge_finite (edge draws and those with a
+      finite bound), max_ratio, worst case, failure examples, the closed-form tier's
+      counts (``fast``), settings.
+
+    Raises:
+      ConfigError: an op model that is not a torch one.
     """
     from torch_compat.replay import adam_step, detect_implementation_variant
 
     if op_model not in TORCH_OP_MODELS:
-        raise ValueError(f"op_model={op_model!r}; use one of {', '.join(TORCH_OP_MODELS)}")
+        raise ConfigError(f"op_model={op_model!r} is not a torch op model; use one of {', '.join(TORCH_OP_MODELS)}")
     decoupled, implementation = split_torch_op_model(op_model)
     wd = ADAMW_WD if decoupled else 0.0
     variant = variant or detect_implementation_variant(implementation)
@@ -232,7 +266,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     fast_examples = []
     for c0 in range(0, cases, CHUNK):
         n = min(CHUNK, cases - c0)
-        d = _draw_cases(rng, n)
+        d = draw_cases(rng, n)
         edge = rng.random(n) < edge_fraction
         _edge_cases(rng, d, np.flatnonzero(edge))
         gid = (c0 + np.arange(n)) // GROUP
@@ -242,7 +276,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                                no_radius=no_radius), np.float64)
         gl = (d["clip"] * d["e"][:, 0]).astype(np.float32)
         gh = (d["clip"] * d["e"][:, 1]).astype(np.float32)
-        g = _points(rng, gl, gh) * d["sgn"][:, None]
+        g = cell_points(rng, gl, gh) * d["sgn"][:, None]
         actual = np.empty(g.shape, np.float64)
         P = POINTS_PER_CASE
         for grp in np.unique(gid):
@@ -325,6 +359,16 @@ def _describe(d, i, step, lr, wd, b, actual, g):
 
 # ---------------------------------------------------------------- CLI
 def run(args) -> int:
+    """Run ``jaxguard audit-enclosure`` and print its report (JSON with ``--json``).
+
+    Args:
+      args: the parsed ``argparse.Namespace`` (cases, no_radius, seed, op_model,
+        edge_fraction, json).
+
+    Returns:
+      The exit code: 1 if a finite bound failed (either tier), else 0; always 0 with
+      ``--no-radius`` (failures are expected there).
+    """
     rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model,
                           edge_fraction=args.edge_fraction)
     if args.json:

@@ -23,7 +23,14 @@ EXPONENT_MASK = 0x7F800000
 
 def fma_float32_numpy(a, b, c) -> np.ndarray:
     """Correctly rounded float32 fma(a, b, c): exact float64 product, TwoSum, round to odd,
-    one final rounding to float32 (53 >= 2*24 + 2 makes that double rounding innocuous)."""
+    one final rounding to float32 (53 >= 2*24 + 2 makes that double rounding innocuous).
+
+    Args:
+      a, b, c: float32 arrays (broadcastable).
+
+    Returns:
+      float32 ``fma(a, b, c)`` rounded once, elementwise.
+    """
     a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
     product = a * b
     with np.errstate(invalid="ignore", over="ignore"):
@@ -39,20 +46,47 @@ def fma_float32_numpy(a, b, c) -> np.ndarray:
 
 
 def table_bit(table_words: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """Bit ``index`` of a little-endian uint32 bitset."""
+    """Bit ``index`` of a little-endian uint32 bitset.
+
+    Args:
+      table_words: the bitset as uint32 words.
+      index: integer bit indices.
+
+    Returns:
+      0/1 values of index's shape (uint32).
+    """
     return (table_words[index >> 5] >> (index & 31)) & 1
 
 
 def parity_table_index(bits: np.ndarray) -> np.ndarray:
     """Index of normal positive float32 bit patterns in the shared table:
-    ``(1 - exponent parity) << 23 | mantissa``."""
+    ``(1 - exponent parity) << 23 | mantissa``.
+
+    Args:
+      bits: uint32 bit patterns of positive normal float32 values.
+
+    Returns:
+      uint32 indices in [0, 2**24).
+    """
     bits = np.asarray(bits, dtype=np.uint32)
     exponent_parity_flipped = ((bits >> MANTISSA_BITS) & 1) ^ 1
     return (exponent_parity_flipped << MANTISSA_BITS) | (bits & MANTISSA_MASK)
 
 
 def sqrt_float32_numpy(x, table) -> np.ndarray:
-    """torch.sqrt as modelled by ``table`` (a ``torch_compat.variant.SqrtTable``)."""
+    """torch.sqrt as modelled by ``table`` (a ``torch_compat.variant.SqrtTable``).
+
+    IEEE sqrt, then the table's +-1 ulp corrections (the shared parity table, and the
+    per-binade tables where ``table.binades`` has one); zeros, negatives and non-finite
+    values keep numpy's IEEE result.
+
+    Args:
+      x: float32 values.
+      table: the `SqrtTable` of the measured torch.
+
+    Returns:
+      float32 roots of x's shape.
+    """
     x = np.asarray(x, np.float32)
     bits = x.view(np.uint32)
     with np.errstate(invalid="ignore"):

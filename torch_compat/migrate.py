@@ -59,7 +59,20 @@ def _to_numpy(x):
 
 
 def tx_spec(opt_sd) -> dict:
-    """The optax transformation equivalent to the torch optimizer state_dict `opt_sd`."""
+    """The optax transformation equivalent to the torch optimizer state_dict `opt_sd`.
+
+    Args:
+      opt_sd: a torch Adam/AdamW ``optimizer.state_dict()`` (one param group, or several
+        with the same hyperparameters).
+
+    Returns:
+      ``{"name": "adam" | "adamw" | "adam+l2", "learning_rate", "b1", "b2", "eps",
+      "weight_decay"}`` (Python floats), the input of `make_tx`.
+
+    Raises:
+      UnsupportedOptimizerError: not torch Adam/AdamW, an option outside the op models,
+        or groups with different hyperparameters.
+    """
     check_optimizer_state(opt_sd)
     specs = set()
     for g in opt_sd["param_groups"]:
@@ -76,6 +89,15 @@ def tx_spec(opt_sd) -> dict:
 
 
 def make_tx(spec: dict) -> optax.GradientTransformation:
+    """The optax transformation a `tx_spec` describes.
+
+    Args:
+      spec: a dict from `tx_spec` (or a container's ``meta["tx"]``).
+
+    Returns:
+      ``optax.adamw`` for "adamw", ``chain(add_decayed_weights, adam)`` for "adam+l2"
+      (torch's coupled L2 decay), else ``optax.adam``.
+    """
     kw = dict(b1=spec["b1"], b2=spec["b2"], eps=spec["eps"])
     if spec["name"] == "adamw":
         return optax.adamw(spec["learning_rate"], weight_decay=spec["weight_decay"], **kw)
@@ -93,9 +115,23 @@ def _replace_adam(state, new):
 def to_optax(state_dict, params):
     """torch Adam/AdamW optimizer ``state_dict`` (with ``param_names``) -> (opt_state, tx).
 
-    `params`: flat dict torch name -> array/tensor, or a pytree whose dotted leaf paths
-    are the torch names (module docstring).  `opt_state` mirrors `params`' structure and
-    is what ``tx.init(params)`` gives, with the torch moments and step filled in.
+    `opt_state` mirrors `params`' structure and is what ``tx.init(params)`` gives, with
+    the torch moments and step filled in.
+
+    Args:
+      state_dict: the torch optimizer's ``state_dict()``; its param groups carry
+        ``param_names`` (torch >= 2.4 with named parameters).
+      params: flat dict torch name -> array/tensor, or a pytree whose dotted leaf paths
+        are the torch names (module docstring).
+
+    Returns:
+      ``(opt_state, tx)``: the optax state (float32 moments copied exactly) and the
+      transformation (`make_tx` of `tx_spec`).
+
+    Raises:
+      CheckpointError: a param missing from ``param_names`` or without state, a shape
+        mismatch, or params at different steps.
+      UnsupportedOptimizerError: as `tx_spec`.
     """
     spec = tx_spec(state_dict)
     tx = make_tx(spec)
@@ -164,8 +200,18 @@ def from_optax(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     dict ``{"model": {name: tensor}, "optimizer": state_dict}`` loadable into
     ``torch.optim.Adam``/``AdamW`` built from ``model.named_parameters()``.
 
-    Hyperparameters as in `jaxguard.save`: ``lr`` or the state's inject_hyperparams;
-    ``weight_decay > 0`` makes the group AdamW (``decoupled_weight_decay=True``).
+    Args:
+      opt_state: the optax state holding one or more ``ScaleByAdamState``.
+      params: the params pytree; dotted leaf paths become the torch names.
+      lr: the learning rate; default: the state's inject_hyperparams.
+      weight_decay: ``> 0`` makes the group AdamW (``decoupled_weight_decay=True``).
+      betas, eps: Adam's hyperparameters (default: as `jaxguard.save`).
+
+    Returns:
+      The torch checkpoint dict (moments copied exactly as float32 tensors).
+
+    Raises:
+      CheckpointError: no Adam state in `opt_state`, or a moment without a param.
     """
     pflat = optax_adapter.flat_by_dotted(params, "params")
     sites = optax_adapter.find_adam_states(opt_state)
@@ -185,7 +231,19 @@ def from_optax(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
 
 def container_to_torch(path):
     """An optax jaxguard container saved with params (``include_params=True`` or
-    ``jaxguard migrate --to optax``) -> torch checkpoint dict of the restored state."""
+    ``jaxguard migrate --to optax``) -> torch checkpoint dict of the restored state.
+
+    Args:
+      path: the container's local path or fsspec URL.
+
+    Returns:
+      ``{"model": {name: tensor}, "optimizer": state_dict}`` with the decoded moments.
+
+    Raises:
+      UnsupportedOptimizerError: an entry holds bfloat16 mu (only float32 mu migrates).
+      CheckpointError: the container holds no params.
+      ContainerError: the file is corrupt or not a jaxguard container.
+    """
     header, arrays = optax_adapter.read(path)
     params = optax_adapter.load_params(path)
     items = []
@@ -202,7 +260,24 @@ def container_to_torch(path):
 
 def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
     """torch checkpoint dict -> (optax container bytes, summary), moments guarded against
-    the target optax op model with ``tau * MIGRATE_TAU_FACTOR``; params stored."""
+    the target optax op model with ``tau * MIGRATE_TAU_FACTOR``; params stored.
+
+    Args:
+      ckpt: ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``.
+      tau: the first-update tolerance as a fraction of lr (shrunk by MIGRATE_TAU_FACTOR).
+      clip: the gradient bound C; for torch's coupled L2 decay it is widened by
+        ``wd * max|p|`` (optax's adam then sees ``g + wd p``).
+      codec: the moment codec.
+
+    Returns:
+      ``(data, summary)``: the container bytes (with ``meta["tx"]`` for `load_migrated`)
+      and the save summary.
+
+    Raises:
+      CheckpointError: not a dict with 'model' and 'optimizer', or a param missing from
+        the model state_dict.
+      UnsupportedOptimizerError: as `tx_spec`.
+    """
     if not isinstance(ckpt, dict) or "model" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError("the checkpoint must be a dict with 'model' (state_dict) and 'optimizer' "
                               "(Adam/AdamW state_dict with param_names) keys")
@@ -225,7 +300,18 @@ def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
 
 
 def load_migrated(path):
-    """(params {name: array}, opt_state, tx) of a container written by ``migrate --to optax``."""
+    """(params {name: array}, opt_state, tx) of a container written by ``migrate --to optax``.
+
+    Args:
+      path: the container's local path or fsspec URL.
+
+    Returns:
+      ``(params, opt_state, tx)``: jax params by torch name, the restored optax state
+      and the transformation recorded at migration.
+
+    Raises:
+      CheckpointError: the container records no optax transformation.
+    """
     header, _ = optax_adapter.read(path)
     spec = header["meta"].get("tx")
     if not spec:

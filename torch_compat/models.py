@@ -16,7 +16,14 @@ import torch.nn.functional as F
 
 @functools.lru_cache(maxsize=4)
 def stdlib_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
-    """Bytes of the standard library's .py files, in sorted path order (deterministic)."""
+    """Bytes of the standard library's .py files, in sorted path order (deterministic).
+
+    Args:
+      max_bytes: stop after this many bytes.
+
+    Returns:
+      A uint8 numpy array of at most `max_bytes` bytes (site-packages and tests left out).
+    """
     root = sysconfig.get_paths()["stdlib"]
     out, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
@@ -33,6 +40,14 @@ def stdlib_corpus(max_bytes: int = 4_000_000) -> np.ndarray:
 
 
 class ByteTransformer(nn.Module):
+    """A small causal byte-level transformer (pre-norm encoder layers, causal mask).
+
+    Args:
+      d: model width.
+      layers: encoder layers.
+      heads: attention heads.
+      ctx: context length (positions).
+    """
     def __init__(self, d=64, layers=2, heads=4, ctx=64):
         super().__init__()
         self.ctx = ctx
@@ -45,12 +60,26 @@ class ByteTransformer(nn.Module):
         self.register_buffer("mask", torch.triu(torch.full((ctx, ctx), float("-inf")), 1), persistent=False)
 
     def forward(self, x):
+        """Next-byte logits.
+
+        Args:
+          x: int64 byte ids, shape [batch, t] with t <= ctx.
+
+        Returns:
+          float32 logits, shape [batch, t, 256].
+        """
         h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
         h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
         return self.head(self.norm(h))
 
 
 class ResidualCNN(nn.Module):
+    """A small residual CNN with batch norm for 8x8 digit images (one residual block).
+
+    Args:
+      width: channels.
+      classes: output classes.
+    """
     def __init__(self, width=16, classes=10):
         super().__init__()
         self.stem = nn.Conv2d(1, width, 3, padding=1, bias=False)
@@ -62,12 +91,32 @@ class ResidualCNN(nn.Module):
         self.fc = nn.Linear(width, classes)
 
     def forward(self, x):
+        """Class logits.
+
+        Args:
+          x: float32 images, shape [batch, 1, H, W].
+
+        Returns:
+          float32 logits, shape [batch, classes].
+        """
         h = F.relu(self.bn0(self.stem(x)))
         h = F.relu(h + self.bn2(self.c2(F.relu(self.bn1(self.c1(h))))))
         return self.fc(h.mean(dim=(2, 3)))
 
 
 def text_batches(seed, batch=16, ctx=64, corpus_bytes=2_000_000):
+    """Random next-byte windows of the standard-library corpus (95% train, 5% held out).
+
+    Args:
+      seed: the sampler's torch generator seed.
+      batch: windows per batch.
+      ctx: window length; ``y`` is ``x`` shifted by one byte.
+      corpus_bytes: corpus size (`stdlib_corpus`).
+
+    Returns:
+      ``sample(train=True) -> (x, y)``: a function drawing one batch from the train split
+      (or the held-out split with ``train=False``), from a torch generator seeded by `seed`.
+    """
     data = torch.from_numpy(stdlib_corpus(corpus_bytes).astype(np.int64))
     gen = torch.Generator().manual_seed(seed)
     split = int(0.95 * len(data))
@@ -82,6 +131,16 @@ def text_batches(seed, batch=16, ctx=64, corpus_bytes=2_000_000):
 
 
 def digits_batches(seed, batch=64):
+    """Random batches of scikit-learn's 8x8 digits (90% train, 10% held out), scaled to [0, 1].
+
+    Args:
+      seed: the sampler's torch generator seed.
+      batch: images per batch.
+
+    Returns:
+      ``sample(train=True) -> (x, y)``: a function drawing one batch from the train split
+      (or the held-out split with ``train=False``), from a torch generator seeded by `seed`.
+    """
     from sklearn.datasets import load_digits
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -97,12 +156,34 @@ def digits_batches(seed, batch=64):
 
 
 def loss_fn(model, batch):
+    """Mean cross-entropy of `model` on one batch (all positions for the transformer).
+
+    Args:
+      model: a `ByteTransformer` or `ResidualCNN`.
+      batch: ``(x, y)`` from the model's sampler.
+
+    Returns:
+      A scalar float32 tensor.
+    """
     x, y = batch
     out = model(x)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
 def make(kind, seed):
+    """A fresh model of `kind` (torch seeded by `seed`) and its batch sampler.
+
+    Args:
+      kind: ``"transformer"`` (`ByteTransformer` on `text_batches`) or ``"cnn"``
+        (`ResidualCNN` on `digits_batches`).
+      seed: the torch and sampler seed.
+
+    Returns:
+      ``(model, sample)``.
+
+    Raises:
+      ValueError: an unknown kind.
+    """
     torch.manual_seed(seed)
     if kind == "transformer":
         return ByteTransformer(), text_batches(seed)
@@ -117,6 +198,20 @@ def train(kind="transformer", seed=0, steps=300, fractions=(0.1, 0.5, 1.0), lr=1
 
     Runs torch on one thread: these models are too small to gain from two, and on a
     shared 2-core machine intra-op threads fighting other work cost 20x (measured).
+
+    Args:
+      kind: ``"transformer"`` or ``"cnn"`` (`make`).
+      seed: the model and sampler seed.
+      steps: optimizer steps.
+      fractions: where to checkpoint, as fractions of `steps`.
+      lr: the learning rate.
+      weight_decay: the weight decay.
+      adamw: use ``torch.optim.AdamW`` instead of ``Adam``.
+      progress: optional ``progress(step, loss)`` called after every step.
+
+    Returns:
+      ``(ckpts, model, sample)``: ``{fraction: {"model", "optimizer", "step", "kind",
+      "seed"}}`` (deep copies of the state_dicts), the trained model and its sampler.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -148,7 +243,16 @@ def _train(kind, seed, steps, fractions, lr, weight_decay, adamw, progress):
 
 
 def next_gradients(kind, ckpt, sample):
-    """The real next-batch gradient at a checkpoint: {param name: tensor}."""
+    """The real next-batch gradient at a checkpoint: {param name: tensor}.
+
+    Args:
+      kind: the model kind the checkpoint was trained with.
+      ckpt: a checkpoint dict from `train`.
+      sample: the sampler `train` returned (draws the next training batch).
+
+    Returns:
+      ``{name: gradient tensor}`` for every parameter that received a gradient.
+    """
     model, _ = make(kind, 0)
     model.load_state_dict(ckpt["model"])
     model.train()

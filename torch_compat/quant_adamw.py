@@ -159,6 +159,21 @@ class QuantAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step (decoupled decay, torch's op order), moments decoded and re-encoded.
+
+        Parameters with at least ``min_size`` elements keep their moments in the group's
+        ``m_code``/``v_code``; smaller ones, or groups with ``quantize=False``, in fp32.
+
+        Args:
+          closure: optional callable that re-evaluates the model and returns the loss
+            (run with gradients enabled).
+
+        Returns:
+          The closure's loss, or None.
+
+        Raises:
+          ConfigError: a sparse gradient.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

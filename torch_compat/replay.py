@@ -103,6 +103,21 @@ class AdamScalars(NamedTuple):
 
 
 def adam_scalars(*, step, lr, betas, eps, weight_decay, decoupled, implementation="single") -> AdamScalars:
+    """The float32 scalars torch's CPU kernels compute from the hyperparameters.
+
+    torch computes them in Python doubles (``beta**step`` with the float32 step + 1, C's
+    pow), and each is rounded to float32 once where the kernel takes it.
+
+    Args:
+      step: torch's ``state["step"]`` before the update.
+      lr, betas, eps, weight_decay: the param group's hyperparameters.
+      decoupled: AdamW (accepted for the callers' symmetry; the scalars are the same).
+      implementation: ``"fused"`` takes ``std::sqrt`` of the bias correction, the others
+        Python's ``** 0.5``.
+
+    Returns:
+      An `AdamScalars` of float32 values.
+    """
     beta1, beta2 = betas
     # torch keeps state["step"] as a float32 tensor, adds 1 in float32, then .item()
     torch_step = float(np.float32(step) + np.float32(1.0))
@@ -248,7 +263,21 @@ def numpy_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weigh
                     variant=None, implementation: str = "single", tail_mask=None):
     """The same model in numpy (float32 IEEE arithmetic, no flush to zero); slower, exact.
 
-    ``implementation`` and ``tail_mask`` are as in `adam_step`.
+    Args:
+      p, g, m, v: one tensor's float32 parameter, gradient and moments (same shape).
+      step: torch's ``state["step"]`` before the update (bias corrections use ``step + 1``).
+      lr, betas, eps, weight_decay, decoupled: the param group's hyperparameters
+        (``decoupled=True``: AdamW).
+      variant: the measured op variant (default: detected for `implementation`).
+      implementation: ``"single"``, ``"foreach"`` or ``"fused"``, as in `adam_step`.
+      tail_mask: fused only, as in `adam_step`.
+
+    Returns:
+      ``(p_new, m_new, v_new)`` as float32 numpy arrays of p's shape.
+
+    Raises:
+      ConfigError: bad hyperparameters, an unknown implementation or a variant of another one.
+      UnsupportedOptimizerError: arrays that are not float32.
     """
     _check_hyperparameters(step, lr, betas, eps, weight_decay)
     p, g, m, v = _as_float32_arrays(p, g, m, v)
@@ -422,14 +451,46 @@ def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, dec
     return jax.jit(kernel)
 
 
+def fma_float32_jax(a, b, c, zero):
+    """Correctly rounded float32 ``fma(a, b, c)`` under XLA: the jittable twin of
+    `torch_compat.float32.fma_float32_numpy`, the one the replay kernel uses.
+
+    Built from barriered float32 operations (exact product, TwoSum, one round-to-odd
+    addition: Boldo & Melquiond 2008), so XLA can neither contract nor reassociate it.
+
+    Args:
+      a, b, c: float32 jax arrays (broadcast to ``zero``'s shape).
+      zero: an int32 array of zeros XLA cannot see through (e.g. a traced argument, or
+        ``iota & traced_zero``), one per element; its shape is the result's.
+
+    Returns:
+      float32 ``RN(a * b + c)``, bit for bit the numpy model's.
+    """
+    return _JaxArithmetic(zero, None, None, True).fma(a, b, c)
+
+
 @functools.lru_cache(maxsize=8)
 def _device_table(table: SqrtTable):
     _, jnp, _ = _jax()
     return jnp.asarray(table.below.view(np.int32)), jnp.asarray(table.above.view(np.int32))
 
 
-def _replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
-    """Run the jitted kernel on flat float32 arrays; returns jax arrays and the fallback mask."""
+def replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
+    """The jitted replay kernel on flat float32 arrays, without the numpy fallback.
+
+    Args:
+      p, g, m, v: 1-D float32 arrays of one length (`adam_step` pads it with
+        `bucket_length`).
+      scalars: the step's `AdamScalars` (`adam_scalars`).
+      variant: the op variant of the kernel body (for fused: ``variant.body``).
+      decoupled: AdamW's decoupled weight decay.
+      has_weight_decay: whether weight decay is nonzero.
+
+    Returns:
+      ``(p_new, m_new, v_new, needs_numpy)`` as jax arrays: the updates, bit-exact
+      except where the bool mask ``needs_numpy`` is set (subnormal/extreme range, which
+      `adam_step` recomputes with the numpy model).
+    """
     _, jnp, _ = _jax()
     table = sqrt_table_for(variant)
     below, above = _device_table(table)
@@ -441,7 +502,15 @@ def _replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, deco
 
 def bucket_length(n: int) -> int:
     """Lengths are padded to one of four sizes per octave (at most 25% padding), so a model
-    with many tensor sizes compiles a few kernels, not one per size."""
+    with many tensor sizes compiles a few kernels, not one per size.
+
+    Args:
+      n: the flat tensor length.
+
+    Returns:
+      The padded length: 1024 for ``n <= 1024``, else ``n`` rounded up to a multiple of
+      ``2**(bit_length(n) - 3)``.
+    """
     if n <= 1024:
         return 1024
     quantum = 1 << (n.bit_length() - 3)
@@ -488,7 +557,7 @@ def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_deca
     if size == 0:
         return tuple(np.empty(shape, np.float32) for _ in range(3))
     padded = [_pad_to_bucket(x) for x in flat]
-    *outputs, needs_numpy = _replay_flat(*padded, scalars, body, decoupled=decoupled,
+    *outputs, needs_numpy = replay_flat(*padded, scalars, body, decoupled=decoupled,
                                          has_weight_decay=weight_decay != 0)
     outputs = [np.array(x[:size]) for x in outputs]  # writable; jax buffers are read-only
     needs_numpy = np.array(needs_numpy[:size])
@@ -504,12 +573,26 @@ def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_deca
 
 def count_numpy_fallback(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                          decoupled=False, variant: AdamVariant | None = None) -> int:
-    """How many coordinates ``adam_step`` hands to the numpy model (subnormal/extreme range)."""
+    """How many coordinates ``adam_step`` hands to the numpy model (subnormal/extreme range).
+
+    Args:
+      p, g, m, v: one tensor's float32 parameter, gradient and moments (same shape).
+      step: torch's ``state["step"]`` before the update (bias corrections use ``step + 1``).
+      lr, betas, eps, weight_decay, decoupled: the param group's hyperparameters
+        (``decoupled=True``: AdamW).
+      variant: the single-tensor op variant (default: `detect_variant()`).
+
+    Returns:
+      The number of coordinates (int).
+
+    Raises:
+      UnsupportedOptimizerError: arrays that are not float32.
+    """
     p, g, m, v = _as_float32_arrays(p, g, m, v)
     variant = variant or detect_variant()
     scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
     flat = [_pad_to_bucket(np.ascontiguousarray(x).reshape(-1)) for x in (p, g, m, v)]
-    *_, needs_numpy = _replay_flat(*flat, scalars, variant, decoupled=decoupled, has_weight_decay=weight_decay != 0)
+    *_, needs_numpy = replay_flat(*flat, scalars, variant, decoupled=decoupled, has_weight_decay=weight_decay != 0)
     return int(np.count_nonzero(np.asarray(needs_numpy)))
 
 
@@ -540,7 +623,17 @@ def _textbook_kernel(decoupled: bool):
 
 def textbook_adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False):
     """The plain float32 formula in jnp (jnp.sqrt, XLA's own rewrites): NOT bit-exact;
-    kept as the negative control that shows the parity test can fail."""
+    kept as the negative control that shows the parity test can fail.
+
+    Args:
+      p, g, m, v: one tensor's float32 parameter, gradient and moments (same shape).
+      step: torch's ``state["step"]`` before the update (bias corrections use ``step + 1``).
+      lr, betas, eps, weight_decay, decoupled: the param group's hyperparameters
+        (``decoupled=True``: AdamW).
+
+    Returns:
+      ``(p_new, m_new, v_new)`` as float32 numpy arrays.
+    """
     p, g, m, v = _as_float32_arrays(p, g, m, v)
     t = step + 1
     args = [np.float32(x) for x in (lr, betas[0], betas[1], eps, weight_decay, 1 - betas[0] ** t, 1 - betas[1] ** t)]
@@ -551,8 +644,21 @@ def torch_adam_step_many(params: Sequence, grads: Sequence, exp_avgs: Sequence, 
                          betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=False,
                          implementation: str = "single"):
     """Run the real ``torch.optim.Adam``/``AdamW`` on CPU for one step on separate tensors
-    (so each keeps its own vector tail), with the flags of ``implementation`` (`TORCH_FLAGS`);
-    returns lists of numpy arrays."""
+    (so each keeps its own vector tail), with the flags of ``implementation`` (`TORCH_FLAGS`).
+
+    Args:
+      params, grads, exp_avgs, exp_avg_sqs: float32 arrays, one per tensor (copied).
+      step: torch's ``state["step"]`` before the update (bias corrections use ``step + 1``).
+      lr, betas, eps, weight_decay, decoupled: the param group's hyperparameters
+        (``decoupled=True``: AdamW).
+      implementation: ``"single"``, ``"foreach"`` or ``"fused"``.
+
+    Returns:
+      ``(params, exp_avgs, exp_avg_sqs)`` after the step: lists of float32 numpy arrays.
+
+    Raises:
+      ConfigError: bad hyperparameters or an unknown implementation.
+    """
     import torch
 
     _check_hyperparameters(step, lr, betas, eps, weight_decay)
@@ -575,7 +681,15 @@ def torch_adam_step_many(params: Sequence, grads: Sequence, exp_avgs: Sequence, 
 
 
 def torch_adam_step(p, g, m, v, **hyperparameters):
-    """``torch_adam_step_many`` for one tensor: returns ``(p_new, m_new, v_new)``."""
+    """``torch_adam_step_many`` for one tensor: returns ``(p_new, m_new, v_new)``.
+
+    Args:
+      p, g, m, v: one tensor's float32 parameter, gradient and moments.
+      **hyperparameters: the keyword arguments of `torch_adam_step_many`.
+
+    Returns:
+      ``(p_new, m_new, v_new)`` as float32 numpy arrays.
+    """
     ps, ms, vs = torch_adam_step_many([p], [g], [m], [v], **hyperparameters)
     return ps[0], ms[0], vs[0]
 

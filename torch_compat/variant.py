@@ -82,6 +82,9 @@ class AdamVariant:
             raise ConfigError(f"AdamVariant.sqrt={self.sqrt!r} is unknown; use one of {SQRT_KINDS}")
 
     def to_dict(self) -> dict:
+        """The variant as a JSON-ready dict (field name -> value; the inverse is
+        ``AdamVariant(**d)``).
+        """
         return dataclasses.asdict(self)
 
 
@@ -108,10 +111,12 @@ class SqrtTable:
 
     @property
     def ulps_below(self) -> int:
+        """How many shared-table inputs torch.sqrt rounds one ulp below IEEE."""
         return int(np.unpackbits(self.below.view(np.uint8)).sum())
 
     @property
     def ulps_above(self) -> int:
+        """How many shared-table inputs torch.sqrt rounds one ulp above IEEE."""
         return int(np.unpackbits(self.above.view(np.uint8)).sum())
 
     @property
@@ -121,6 +126,7 @@ class SqrtTable:
 
     @property
     def is_ieee(self) -> bool:
+        """True when no table (shared or per binade) has a correction: torch.sqrt is IEEE."""
         return not (self.below.any() or self.above.any() or any(b.below.any() or b.above.any() for b in self.binades))
 
 
@@ -167,6 +173,17 @@ def _mkl_version() -> str:
 
 @functools.lru_cache(maxsize=1)
 def environment_fingerprint() -> dict:
+    """What a measured variant depends on: torch version, ATen CPU capability, MKL
+    version, CPU model and the kernel-selecting environment variables (cached per process;
+    ``environment_fingerprint.cache_clear()`` re-reads them).
+
+    Returns:
+      ``{"torch", "aten_cpu_capability", "mkl", "cpu", "env": {ATEN_CPU_CAPABILITY,
+      MKL_ENABLE_INSTRUCTIONS, MKL_CBWR}}`` (strings).
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
     torch = require_torch()
     return {
         "torch": torch.__version__,
@@ -178,6 +195,9 @@ def environment_fingerprint() -> dict:
 
 
 def cache_dir() -> Path:
+    """Where measured variants and sqrt tables are cached: ``$XDG_CACHE_HOME/jaxguard``
+    (default ``~/.cache/jaxguard``); it may not exist yet.
+    """
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jaxguard"
 
@@ -187,6 +207,14 @@ def cache_dir() -> Path:
 
 
 def float32_from_bits(bits: np.ndarray) -> np.ndarray:
+    """Reinterpret uint32 bit patterns as float32 (no rounding).
+
+    Args:
+      bits: integer bit patterns (converted to uint32).
+
+    Returns:
+      float32 values of bits' shape.
+    """
     return np.asarray(bits, dtype=np.uint32).view(np.float32)
 
 
@@ -203,6 +231,17 @@ def _binade_inputs(exponent: int, mantissas: np.ndarray | None = None) -> np.nda
 
 
 def torch_sqrt(x: np.ndarray) -> np.ndarray:
+    """The installed torch's float32 sqrt on CPU (the op being measured).
+
+    Args:
+      x: float32 values.
+
+    Returns:
+      float32 ``torch.sqrt(x)`` as a numpy array of x's shape.
+
+    Raises:
+      ConfigError: torch is not installed.
+    """
     torch = require_torch()
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sqrt().numpy()
 
@@ -226,6 +265,14 @@ def _one_ulp_or_fail(offset: np.ndarray, where: str) -> None:
 
 
 def binade_name(exponent: int) -> str:
+    """How messages name a binade.
+
+    Args:
+      exponent: the biased float32 exponent (0 for the subnormals).
+
+    Returns:
+      e.g. ``"the binade [2^-3, 2^-2)"`` or ``"the subnormals"``.
+    """
     return "the subnormals" if exponent == 0 else f"the binade [2^{exponent - 127}, 2^{exponent - 126})"
 
 
@@ -339,11 +386,24 @@ def torch_sqrt_table() -> SqrtTable:
 
 @functools.lru_cache(maxsize=1)
 def ieee_sqrt_table() -> SqrtTable:
+    """The table of an IEEE (correctly rounded) sqrt: no corrections anywhere."""
     zeros = np.zeros(SQRT_TABLE_WORDS, np.uint32)
     return SqrtTable(below=zeros, above=zeros, sha256=_table_digest(zeros, zeros, ()))
 
 
 def sqrt_table_for(variant: AdamVariant) -> SqrtTable:
+    """The sqrt table a variant's replay uses.
+
+    Args:
+      variant: an `AdamVariant`; ``sqrt == "ieee"`` needs no measurement.
+
+    Returns:
+      `ieee_sqrt_table()`, or this machine's measured `torch_sqrt_table()`.
+
+    Raises:
+      ConfigError: the variant records another machine's table (its sha256 differs),
+        or torch is not installed for a measured table.
+    """
     if variant.sqrt == "ieee":
         return ieee_sqrt_table()
     table = torch_sqrt_table()
@@ -355,6 +415,7 @@ def sqrt_table_for(variant: AdamVariant) -> SqrtTable:
     return table
 
 def calibration_rng() -> np.random.Generator:
+    """The fixed-seed generator of the calibration inputs (same inputs on every machine)."""
     return np.random.default_rng(20240605)
 
 
@@ -377,11 +438,22 @@ class FusedAdamVariant:
     detail: str = ""
 
     def to_dict(self) -> dict:
+        """The variant as a JSON-ready dict (``implementation="fused"``, body and tail
+        nested; the inverse is `from_dict`).
+        """
         return {"implementation": "fused", "vector_width": self.vector_width, "matched": self.matched,
                 "detail": self.detail, "body": self.body.to_dict(), "tail": self.tail.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusedAdamVariant":
+        """The inverse of `to_dict`.
+
+        Args:
+          d: a dict written by `to_dict` (``matched`` and ``detail`` optional).
+
+        Returns:
+          The `FusedAdamVariant`.
+        """
         return cls(body=AdamVariant(**d["body"]), tail=AdamVariant(**d["tail"]), vector_width=int(d["vector_width"]),
                    matched=bool(d.get("matched", True)), detail=str(d.get("detail", "")))
 

@@ -48,6 +48,14 @@ def cache_key() -> str:
 
 
 def cache_path(key: str | None = None) -> Path:
+    """The cache file of one environment's detected variant.
+
+    Args:
+      key: the environment key (default: `cache_key()`, the current environment's).
+
+    Returns:
+      ``<cache_dir>/adam-variant-<key>.json`` (it may not exist yet).
+    """
     return variant_types.cache_dir() / f"adam-variant-{key or cache_key()}.json"
 
 

@@ -65,7 +65,20 @@ COARSE_EDGES = (0.0, 2.0**-30, 2.0**-20, 2.0**-14, 2.0**-10, 2.0**-7, 2.0**-5, 2
 
 def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
     """Cell edges on [0, 1] (multiplied by the clip).  Level 0 is the cheap early accept:
-    one cell for the linear partition, ten geometric cells for the mixed one."""
+    one cell for the linear partition, ten geometric cells for the mixed one.
+
+    Args:
+      level: refinement level, 0..4 (`LEVELS`: linear cells per sign and geometric
+        sub-steps per octave).
+      partition: ``"mixed"`` (linear cells plus geometric edges down to 2**-40) or
+        ``"linear"``.
+
+    Returns:
+      Sorted unique float32 edges, first 0.0, last 1.0.
+
+    Raises:
+      ValueError: an unknown partition.
+    """
     if level == 0 and partition == "mixed":
         return np.asarray(COARSE_EDGES, np.float32)
     n_lin, sub = LEVELS[level]
@@ -105,11 +118,25 @@ class StepRow(NamedTuple):
     const_rel: Any
 
     def take(self, idx) -> "StepRow":
-        """Rows ``idx`` of every field (numpy or jax arrays, whichever the fields are)."""
+        """Rows ``idx`` of every field (numpy or jax arrays, whichever the fields are).
+
+        Args:
+          idx: integer indices into the leading axis (e.g. each coordinate's group id).
+
+        Returns:
+          A `StepRow` whose fields are ``field[idx]``.
+        """
         return StepRow(*(x[idx] if isinstance(x, np.ndarray) else jnp.take(x, idx, axis=0) for x in self))
 
     def as_float32(self, xp=np) -> "StepRow":
-        """Every field as a float32 array of `xp` (numpy or jax.numpy)."""
+        """Every field as a float32 array of `xp` (numpy or jax.numpy).
+
+        Args:
+          xp: the array module, ``numpy`` (default) or ``jax.numpy``.
+
+        Returns:
+          A `StepRow` of float32 arrays, values unchanged.
+        """
         return StepRow(*(xp.asarray(x, xp.float32) for x in self))
 
 
@@ -129,8 +156,16 @@ def pack_constants(c: StepConstants, tau: float) -> StepRow:
 
 
 def as_step_row(k, axis: int = 0) -> StepRow:
-    """`k` itself if it is a `StepRow`; else the old packed layout (an array whose `axis`
-    holds the twelve constants in field order: 0 for one row, -1 for a [G, 12] table)."""
+    """`k` itself if it is a `StepRow`; else the old packed layout read by field order.
+
+    Args:
+      k: a `StepRow`, or an array whose `axis` holds the twelve constants in `StepRow`
+        field order.
+      axis: 0 for one row ``[12]``, -1 for a ``[G, 12]`` table.
+
+    Returns:
+      A `StepRow` (numpy fields for a numpy array, jax fields otherwise).
+    """
     if isinstance(k, StepRow):
         return k
     k = jnp.moveaxis(k, axis, 0) if not isinstance(k, np.ndarray) else np.moveaxis(k, axis, 0)
@@ -138,14 +173,36 @@ def as_step_row(k, axis: int = 0) -> StepRow:
 
 
 def stack_rows(rows) -> StepRow:
-    """One `StepRow` of [G] float32 arrays from G rows (row i: group i)."""
+    """One `StepRow` of [G] float32 arrays from G rows (row i: group i).
+
+    Args:
+      rows: a sequence of G `StepRow`s of scalars (`pack_constants`).
+
+    Returns:
+      A `StepRow` whose fields are float32 numpy arrays of shape [G].
+    """
     return StepRow(*(np.asarray(col, np.float32) for col in zip(*rows)))
 
 
-def _shared_ideal(k, m, v, mt, vt, gl, gh):
-    """Stage 1 on cells [gl, gh] (g >= 0): a float32 upper bound of sup|s1 - s2|, or +inf
-    where any intermediate is not finite (an overflowed divisor would silently make a
-    term 0: docs/bound.md, section 5)."""
+def shared_ideal(k, m, v, mt, vt, gl, gh):
+    """Stage 1 (the ideal stage) on cells [gl, gh]: an upper bound of sup |s1 - s2|.
+
+    ``s1``/``s2`` are the exact-arithmetic Adam steps from the original moments
+    ``(m, v)`` and the decoded ones ``(mt, vt)``, over gradients ``g`` in ``[gl, gh]``
+    (``g >= 0``; the negative side is the same call with ``m, mt`` negated). No native
+    rounding allowance: `cell_bounds` adds stage 2.
+
+    Args:
+      k: the step constants, a `StepRow` (or the old packed row).
+      m, v: original first/second moments (float32, broadcastable with the rest).
+      mt, vt: decoded moments.
+      gl, gh: the cell's gradient ends, float32, ``0 <= gl <= gh``.
+
+    Returns:
+      float32 bounds of the broadcast shape; +inf where any intermediate is not
+      finite (an overflowed divisor would silently make a term 0: docs/bound.md,
+      section 5).
+    """
     k = as_step_row(k)
     keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
     dm = m - mt
@@ -246,11 +303,26 @@ def _native_allowance(k, mm, vv, pabs, gl, gh, decay_in_update):
 
 
 def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_update=False):
-    """Per-cell upper bounds of |p1' - p2'| for one coordinate; shape [2, ncells].
+    """Per-cell upper bounds of |p1' - p2'| for one coordinate.
 
     Row 0: cells with g >= 0, row 1: g <= 0 (m, m~ negated).  A cell is +inf (never
     certifies) where an intermediate of the certificate or of a modelled native update
     could overflow (docs/bound.md, section 5).
+
+    Args:
+      k: the step constants, a `StepRow` of float32 scalars (or the old packed row).
+      m, v: the original float32 moments of one coordinate (v >= 0).
+      mt, vt: its decoded moments.
+      pabs: ``|p|``, the parameter's magnitude (float32).
+      clip: the gradient clip C (float32, > 0): gradients ``|g| <= clip`` are covered.
+      edges: float32 cell edges on [0, 1] (`unit_edges`), scaled by `clip`.
+      bound: ``"shared"`` (the certificate) or ``"separate"`` (the ablation that ranges
+        each update on its own).
+      decay_in_update: optax-adamw's ``-lr*wd*p`` term is inside the update; None reads
+        it per coordinate from ``k.decay_in_update``.
+
+    Returns:
+      float32 [2, ncells] (ncells = ``len(edges) - 1``), every entry >= 0 or +inf.
     """
     k = as_step_row(k)
     gl = clip * edges[:-1]
@@ -263,7 +335,7 @@ def cell_bounds(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
     for sgn in (1.0, -1.0):
         sm, smt = sgn * m, sgn * mt
         if bound == "shared":
-            ideal = _shared_ideal(k, sm, v, smt, vt, gl, gh)
+            ideal = shared_ideal(k, sm, v, smt, vt, gl, gh)
         else:
             ideal = _separate_ideal(k, sm, v, smt, vt, gl, gh)
         al1, s1 = _native_allowance(k, sm, v, pabs, gl, gh, decay_in_update)
@@ -280,14 +352,30 @@ def coordinate_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", deca
 
     The cleaning must happen per cell, before the max: XLA's vectorised max reduction
     drops NaN (measured: batches of >= 1024 coordinates whose cells were all NaN reduced
-    to -inf, which then passed `<= threshold`)."""
+    to -inf, which then passed `<= threshold`).
+
+    Args:
+      k, m, v, mt, vt, pabs, clip, edges, bound, decay_in_update: as `cell_bounds`.
+
+    Returns:
+      A float32 scalar upper bound of |p1' - p2'| over all ``|g| <= clip``, or +inf.
+    """
     cells = cell_bounds(k, m, v, mt, vt, pabs, clip, edges, bound=bound, decay_in_update=decay_in_update)
     return jnp.max(jnp.where(cells >= 0, cells, jnp.inf))
 
 
 @functools.partial(jax.jit, static_argnames=("bound", "decay_in_update"))
 def batch_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_update=False):
-    """`coordinate_bound` vmapped over coordinates (1-D arrays)."""
+    """`coordinate_bound` vmapped over coordinates.
+
+    Args:
+      k: the step constants, one `StepRow` of float32 scalars for all coordinates.
+      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate (as `cell_bounds`).
+      edges, bound, decay_in_update: as `cell_bounds`.
+
+    Returns:
+      float32 [n] bounds.
+    """
     f = functools.partial(coordinate_bound, bound=bound, decay_in_update=decay_in_update)
     return jax.vmap(f, in_axes=(None, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)
 
@@ -308,7 +396,17 @@ def _ideal_difference_at(k, m, v, mt, vt, g):
 
 def coordinate_lower(k, m, v, mt, vt, clip):
     """A float32 number <= sup over |g| <= clip of |s1 - s2| (ideal): if it exceeds the
-    threshold the coordinate can never be certified, so refinement is skipped."""
+    threshold the coordinate can never be certified, so refinement is skipped.
+
+    Args:
+      k: the step constants (`StepRow`).
+      m, v: the original float32 moments of one coordinate.
+      mt, vt: its decoded moments.
+      clip: the gradient clip C.
+
+    Returns:
+      A float32 scalar lower bound (0 where the probes give NaN).
+    """
     g = clip * jnp.asarray(PROBE_POINTS, jnp.float32)
     d = jnp.concatenate([_ideal_difference_at(k, m, v, mt, vt, g), _ideal_difference_at(k, m, v, mt, vt, -g)])
     lo = jnp.max(jnp.abs(d)) * (1 - GAMMA) - 2.0**-100
@@ -317,19 +415,48 @@ def coordinate_lower(k, m, v, mt, vt, clip):
 
 @jax.jit
 def batch_lower(k, m, v, mt, vt, clip):
+    """`coordinate_lower` vmapped over coordinates, one constants row for all.
+
+    Args:
+      k: the step constants (`StepRow` of scalars).
+      m, v, mt, vt: [n] float32 moments and decoded moments.
+      clip: [n] float32 gradient clips.
+
+    Returns:
+      float32 [n] lower bounds.
+    """
     return jax.vmap(coordinate_lower, in_axes=(None, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
 
 
 # ---------------------------------------------------------------- per-coordinate constants
 @functools.partial(jax.jit, static_argnames=("bound",))
 def batch_bound_pc(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared"):
-    """`batch_bound` with one constants row per coordinate (k: a `StepRow` of [n]
-    arrays); the adamw decay-in-update flag is read from ``k.decay_in_update``, so tensors of different groups and
-    op models are certified in one call."""
+    """`batch_bound` with one constants row per coordinate; the adamw decay-in-update
+    flag is read from ``k.decay_in_update``, so tensors of different groups and op models
+    are certified in one call.
+
+    Args:
+      k: a `StepRow` of [n] float32 arrays, one row per coordinate (`StepRow.take`).
+      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate (as `cell_bounds`).
+      edges, bound: as `cell_bounds`.
+
+    Returns:
+      float32 [n] bounds.
+    """
     f = functools.partial(coordinate_bound, bound=bound, decay_in_update=None)
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)
 
 
 @jax.jit
 def batch_lower_pc(k, m, v, mt, vt, clip):
+    """`batch_lower` with one constants row per coordinate.
+
+    Args:
+      k: a `StepRow` of [n] float32 arrays.
+      m, v, mt, vt: [n] float32 moments and decoded moments.
+      clip: [n] float32 gradient clips.
+
+    Returns:
+      float32 [n] lower bounds.
+    """
     return jax.vmap(coordinate_lower, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)

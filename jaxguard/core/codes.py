@@ -50,22 +50,59 @@ _F32 = jnp.float32
 
 # ---------------------------------------------------------------- blocking
 def num_blocks(n: int) -> int:
+    """How many `BLOCK`-sized blocks hold n values (at least one, even for n = 0).
+
+    Args:
+      n: the number of values.
+
+    Returns:
+      ``max(1, ceil(n / BLOCK))``.
+    """
     return max(1, -(-n // BLOCK))
 
 
 # ---------------------------------------------------------------- linear8 (m)
 def linear8_scale(x, valid):
+    """The linear8 block scale: absmax / 127 over the valid finite values.
+
+    Args:
+      x: float32 values of one block.
+      valid: bool mask of the values that count (padding and escapes excluded).
+
+    Returns:
+      A float32 scalar, at least 2**-126 (so an all-zero block has a normal scale).
+    """
     ok = valid & _fb.finite(x)
     absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
     return jnp.maximum(absmax / _F32(127.0), _F32(TINY_NORMAL))
 
 
 def linear8_decode_block(q, scale):
-    """q: int8 codes of one block; scale: f32.  One f32 multiply per value."""
+    """Decode one linear8 block: ``f32(q) * scale``, one float32 multiply per value.
+
+    Args:
+      q: int8 codes of one block.
+      scale: the block's float32 scale.
+
+    Returns:
+      float32 values of q's shape.
+    """
     return q.astype(_F32) * scale
 
 
 def linear8_encode_block(x, valid):
+    """Encode one block as int8 codes in [-127, 127] with a shared scale.
+
+    Each code is the nearest of ``round(x / scale) + {-1, 0, 1}`` by the decoded value's
+    float32 error, so encode and `linear8_decode_block` agree on the rounding.
+
+    Args:
+      x: float32 values of one block.
+      valid: bool mask of the values that count; invalid and non-finite values get code 0.
+
+    Returns:
+      ``(q, scale)``: int8 codes of x's shape and the float32 scale (`linear8_scale`).
+    """
     scale = linear8_scale(x, valid)
     x0 = jnp.where(valid & _fb.finite(x), x, 0.0)
     q0 = jnp.clip(jnp.round(x0 / scale), -127, 127)
@@ -85,7 +122,20 @@ def _log_powers(r, bits):
 
 
 def log_decode_block(q, lo, r, bits=8):
-    """q: unsigned codes of one block (0 = exact zero); lo, r: f32 block parameters."""
+    """Decode one log block: ``lo * r**(q-1)`` as a product of float32 powers, 0 for q = 0.
+
+    The powers ``r**(2**j)`` are multiplied in bit order of ``q - 1``, the same float32
+    sequence as the numpy reader, so every backend decodes bit for bit alike.
+
+    Args:
+      q: unsigned codes of one block (0 = exact zero).
+      lo: the block's smallest level (float32).
+      r: the block's ratio between levels (float32, >= 1).
+      bits: code width, 8 (uint8) or 16 (uint16).
+
+    Returns:
+      float32 values of q's shape, all >= 0.
+    """
     k = q.astype(jnp.int32) - 1
     ps = _log_powers(r, bits)
     val = jnp.broadcast_to(lo, q.shape).astype(_F32)
@@ -96,7 +146,21 @@ def log_decode_block(q, lo, r, bits=8):
 
 
 def log_block_params(x, valid, bits=8):
-    """(lo, r) of one block from its positive finite valid values."""
+    """The log grid ``(lo, r)`` of one block from its positive finite valid values.
+
+    ``lo`` is the smallest positive value and ``r`` spreads ``2**bits - 1`` levels up to
+    the largest, with the span capped at 2**100 and r nudged up (16-bit codes) until the
+    float32 grid reaches the maximum.
+
+    Args:
+      x: float32 values of one block.
+      valid: bool mask of the values that set the range.
+      bits: code width, 8 or 16.
+
+    Returns:
+      ``(lo, r)``: float32 scalars, ``lo >= 2**-126`` and ``r >= 1`` (``r == 1`` for a
+      block with one distinct level).
+    """
     levels = (1 << bits) - 1
     pos = valid & _fb.finite(x) & ~_fb.zero(x) & ~_fb.negative(x)
     xs = jnp.where(pos, x, 0.0)
@@ -118,8 +182,23 @@ def log_block_params(x, valid, bits=8):
 
 
 def log_encode_block(x, valid, bits=8, positive=None):
-    """`positive` (optional): a precomputed mask of finite x > 0 (the guard computes it
-    on the host from the bits)."""
+    """Encode one block of nonnegative values as log codes (0 = exact zero).
+
+    Every positive finite value gets a nonzero code (clamped to the block's range if it
+    was left out of the statistics by `valid`); the code is the nearest by the decoded
+    float32 value (neighbour comparison; bisection for 16 bits).
+
+    Args:
+      x: float32 values of one block (negative and non-finite ones get code 0).
+      valid: bool mask of the values that set ``(lo, r)`` (`log_block_params`).
+      bits: code width, 8 or 16.
+      positive: optional precomputed mask of finite ``x > 0`` (the guard computes it on
+        the host from the bits); default: computed here from the int32 bits.
+
+    Returns:
+      ``(q, lo, r)``: uint8 (bits = 8) or uint16 codes of x's shape and the float32
+      block parameters.
+    """
     levels = (1 << bits) - 1
     lo, r = log_block_params(x, valid, bits)
     # every positive value gets a nonzero code (q == 0 <=> x == 0), even those kept out
@@ -165,10 +244,26 @@ def log_encode_block(x, valid, bits=8, positive=None):
 
 # ---------------------------------------------------------------- bf16
 def bf16_encode(x):
+    """bf16 codes: round to nearest even (``astype(bfloat16)``).
+
+    Args:
+      x: float32 values.
+
+    Returns:
+      bfloat16 values of x's shape.
+    """
     return x.astype(jnp.bfloat16)
 
 
 def bf16_decode(q):
+    """Decode bf16 codes: exact widening to float32.
+
+    Args:
+      q: bfloat16 values.
+
+    Returns:
+      float32 values of q's shape (every bf16 value is a float32).
+    """
     return q.astype(_F32)
 
 
@@ -179,6 +274,22 @@ dynamic_map = _spec.dynamic_map
 
 
 def dynamic8_encode_block(x, valid, table, signed: bool):
+    """Encode one block with the bitsandbytes dynamic-tree map (codec ``block8``).
+
+    Values are normalised by the block's absmax and given the nearest table entry by the
+    decoded float32 value; an exact zero keeps the table's zero code.
+
+    Args:
+      x: float32 values of one block.
+      valid: bool mask of the values that set absmax; non-finite ones get the zero code.
+      table: the 256 sorted float32 map entries (`jaxguard.format.spec.dynamic_map`).
+      signed: whether the table is the signed map (for m) or the unsigned one (for v);
+        the table itself carries the difference.
+
+    Returns:
+      ``(q, absmax)``: uint8 codes of x's shape and the float32 absmax (>= 2**-100, so
+      every decoded value is normal).
+    """
     ok = valid & _fb.finite(x)
     absmax = jnp.max(jnp.where(ok, jnp.abs(x), 0.0))
     # table entries reach ~1e-7: absmax >= 2**-100 keeps every decoded value normal
@@ -198,17 +309,44 @@ def dynamic8_encode_block(x, valid, table, signed: bool):
 
 
 def dynamic8_decode_block(q, absmax, table):
+    """Decode one dynamic8 block: ``table[q] * absmax``, one float32 multiply.
+
+    Args:
+      q: uint8 codes of one block.
+      absmax: the block's float32 absmax.
+      table: the 256 float32 map entries the block was encoded with.
+
+    Returns:
+      float32 values of q's shape.
+    """
     return jnp.asarray(table)[q.astype(jnp.int32)] * absmax
 
 
 # ---------------------------------------------------------------- rel8 (m relative to sqrt(v~))
 def sqrt_scale_block(qv, wlo, rr, bits=8):
-    """w(q) = wlo * rr**(q-1) ~ sqrt(v~(q)), with q = 0 (v == 0) mapped to code 1."""
+    """The per-coordinate m-scale of log8-rel: ``w(q) = wlo * rr**(q-1) ~ sqrt(v~(q))``.
+
+    Args:
+      qv: the block's v codes; q = 0 (v == 0) is mapped to code 1.
+      wlo, rr: the block's float32 sqrt-grid parameters (v's own grid is
+        ``(wlo*wlo, rr*rr)``: `jaxguard.format.packed.lo_r`).
+      bits: code width of qv.
+
+    Returns:
+      float32 scales ``w > 0`` of qv's shape.
+    """
     return log_decode_block(jnp.where(qv == 0, 1, qv), wlo, rr, bits)
 
 
 def rel8_scale_floor(wlo):
-    """Smallest m-scale for which (q*scale)*w stays normal for every w >= wlo."""
+    """Smallest m-scale for which (q*scale)*w stays normal for every w >= wlo.
+
+    Args:
+      wlo: the block's smallest sqrt-scale (float32, > 0).
+
+    Returns:
+      A float32 scale floor, at least 2**-126.
+    """
     return jnp.maximum(_F32(TINY_NORMAL), (_F32(TINY_NORMAL) / wlo) * _F32(1 + 2.0**-20))
 
 
@@ -217,6 +355,15 @@ def rel8_encode_block(x, valid, w, wlo):
 
     Used for Adam's m with ``w ~ sqrt(v~)``: the reconstruction error of each coordinate is
     then proportional to its own sqrt(v), which is what the update divides by.
+
+    Args:
+      x: float32 values of one block (m).
+      valid: bool mask of the values that set the scale; the others get code 0.
+      w: float32 per-coordinate scales (`sqrt_scale_block`), > 0.
+      wlo: the block's smallest w (sets `rel8_scale_floor`).
+
+    Returns:
+      ``(q, scale)``: int8 codes in [-127, 127] of x's shape and the float32 block scale.
     """
     ok = valid & _fb.finite(x)
     y = jnp.where(ok, x / w, 0.0)
@@ -231,4 +378,14 @@ def rel8_encode_block(x, valid, w, wlo):
 
 
 def rel8_decode_block(q, scale, w):
+    """Decode one rel8 block: ``(f32(q) * scale) * w``, two float32 multiplies in that order.
+
+    Args:
+      q: int8 codes of one block.
+      scale: the block's float32 scale.
+      w: float32 per-coordinate scales (`sqrt_scale_block` of the block's v codes).
+
+    Returns:
+      float32 values of q's shape.
+    """
     return (q.astype(_F32) * scale) * w

@@ -142,6 +142,12 @@ class GuardConfig:
     def from_json(cls, d: dict) -> "GuardConfig":
         """The inverse of `to_json`; accepts headers written before ``certify`` existed.
 
+        Args:
+          d: the dict `to_json` wrote (a container header's ``config``).
+
+        Returns:
+          The `GuardConfig`.
+
         Raises:
           ConfigError: as the constructor.
         """

@@ -43,6 +43,7 @@ class ArrayPytree:
 
     @property
     def n(self) -> int:
+        """The number of coordinates, ``prod(shape)`` (1 for a scalar)."""
         return int(np.prod(self.shape, dtype=np.int64))
 
 

@@ -139,15 +139,34 @@ def _native_sup(k, mabs, d0, bs, const_rel, pabs):
 
 @functools.partial(jax.jit, static_argnames=("no_radius",))
 def batch_fast_bound(K, gidx, m, v, mt, vt, pabs, clip, *, no_radius=False):
-    """`fast_bound` with one constants row per coordinate: ``K.take(gidx)`` (K: a
-    `bound.StepRow` of [G] arrays)."""
+    """`fast_bound` with one constants row per coordinate: ``K.take(gidx)``.
+
+    Args:
+      K: a `bound.StepRow` of [G] float32 arrays (or the old [G, 12] table), one row per
+        group of tensors.
+      gidx: [n] int group index of each coordinate.
+      m, v, mt, vt: [n] original and decoded moments (float32, certifiable).
+      pabs: [n] ``|p|``.
+      clip: [n] gradient bounds (coupled decay already folded in).
+      no_radius: ideal stage only (for the enclosure audit's detection check).
+
+    Returns:
+      ``(bound, usable)``: [n] float32 bounds and a bool mask; only ``usable`` bounds count.
+    """
     kt = _bound.as_step_row(K, -1).take(gidx)
     return fast_bound(kt, m, v, mt, vt, pabs, clip, no_radius=no_radius)
 
 
 @jax.jit
 def batch_fast_accept(K, gidx, m, v, mt, vt, pabs, clip):
-    """True where the closed form certifies: usable and ``bound <= K.threshold``."""
+    """True where the closed form certifies: usable and ``bound <= K.threshold``.
+
+    Args:
+      K, gidx, m, v, mt, vt, pabs, clip: as `batch_fast_bound`.
+
+    Returns:
+      A [n] bool mask of the coordinates the closed-form tier accepts.
+    """
     kt = _bound.as_step_row(K, -1).take(gidx)
     b, usable = fast_bound(kt, m, v, mt, vt, pabs, clip)
     return usable & (b <= kt.threshold)

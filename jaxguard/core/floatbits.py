@@ -35,36 +35,87 @@ TINY_BITS = int(np.float32(TINY_MOMENT).view(np.uint32))
 
 # ---------------------------------------------------------------- on bit patterns (both backends)
 def finite_bits(b):
-    """Not Inf or NaN: the exponent field is not all ones."""
+    """Not Inf or NaN: the exponent field is not all ones.
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      A bool array of b's shape.
+    """
     return (b & EXPONENT_MASK) != EXPONENT_MASK
 
 
 def zero_bits(b):
-    """+0.0 or -0.0."""
+    """+0.0 or -0.0: the magnitude bits are all zero.
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      A bool array of b's shape.
+    """
     return (b & MAGNITUDE_MASK) == 0
 
 
 def negative_bits(b):
-    """Sign bit set and not a zero (negative subnormals included)."""
+    """Sign bit set and not a zero (negative subnormals, -Inf and NaNs with the sign
+    bit included).
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      A bool array of b's shape.
+    """
     return ((b >> 31) == 1) & ~zero_bits(b)
 
 
 def subnormal_bits(b):
-    """Exponent field 0 and mantissa nonzero (either sign)."""
+    """Exponent field 0 and mantissa nonzero (either sign).
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      A bool array of b's shape.
+    """
     return ((b & EXPONENT_MASK) == 0) & ((b & MANTISSA_MASK) != 0)
 
 
 def tiny_bits(b):
-    """Nonzero with magnitude below 2**-80 (an integer compare: nothing is flushed)."""
+    """Nonzero with magnitude below 2**-80 (an integer compare: nothing is flushed).
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      A bool array of b's shape; NaN and Inf are not tiny.
+    """
     return ~zero_bits(b) & ((b & MAGNITUDE_MASK) < TINY_BITS)
 
 
 def not_tiny_bits(b):
+    """The complement of `tiny_bits`: zero, magnitude >= 2**-80, or not finite.
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      A bool array of b's shape.
+    """
     return ~tiny_bits(b)
 
 
 def exponent_bits(b):
-    """The biased exponent field (0 for zeros and subnormals, 255 for Inf/NaN)."""
+    """The biased exponent field (0 for zeros and subnormals, 255 for Inf/NaN).
+
+    Args:
+      b: uint32 bit patterns of float32 values (numpy or jax.numpy array, any shape).
+
+    Returns:
+      An unsigned integer array of b's shape, values 0..255.
+    """
     return (b & MAGNITUDE_MASK) >> MANTISSA_BITS
 
 
@@ -76,21 +127,71 @@ class Classifier:
         self.bits = bits
 
     def finite(self, x, *z):
+        """`finite_bits` on the bits of `x`: not Inf or NaN.
+
+        Args:
+          x: values convertible to float32 (this backend's arrays or scalars).
+          *z: `device` only: an optional uint32 opaque zero (`opaque_zero`) XORed into the
+            bits so XLA cannot fold the test into a float compare.
+
+        Returns:
+          A bool array of x's shape (numpy for `host`, jax for `device`).
+        """
         return finite_bits(self.bits(x, *z))
 
     def zero(self, x, *z):
+        """`zero_bits` on the bits of `x`: +0.0 or -0.0.
+
+        Args:
+          x, *z: as `finite`.
+
+        Returns:
+          A bool array of x's shape.
+        """
         return zero_bits(self.bits(x, *z))
 
     def negative(self, x, *z):
+        """`negative_bits` on the bits of `x`: sign bit set and not a zero.
+
+        Args:
+          x, *z: as `finite`.
+
+        Returns:
+          A bool array of x's shape.
+        """
         return negative_bits(self.bits(x, *z))
 
     def subnormal(self, x, *z):
+        """`subnormal_bits` on the bits of `x`: exponent field 0, mantissa nonzero.
+
+        Args:
+          x, *z: as `finite`.
+
+        Returns:
+          A bool array of x's shape.
+        """
         return subnormal_bits(self.bits(x, *z))
 
     def tiny(self, x, *z):
+        """`tiny_bits` on the bits of `x`: nonzero with magnitude below 2**-80.
+
+        Args:
+          x, *z: as `finite`.
+
+        Returns:
+          A bool array of x's shape.
+        """
         return tiny_bits(self.bits(x, *z))
 
     def not_tiny(self, x, *z):
+        """`not_tiny_bits` on the bits of `x`: zero, magnitude >= 2**-80, or not finite.
+
+        Args:
+          x, *z: as `finite`.
+
+        Returns:
+          A bool array of x's shape.
+        """
         return not_tiny_bits(self.bits(x, *z))
 
 
@@ -120,7 +221,15 @@ def opaque_zero():
 
 def barrier(x, z):
     """`x` unchanged (float32), routed through an integer XOR with the opaque zero `z`, so
-    XLA cannot fold or fuse its rounding into what follows."""
+    XLA cannot fold or fuse its rounding into what follows.
+
+    Args:
+      x: float32 values (jax array or anything `jnp.asarray` takes).
+      z: the uint32 opaque zero from `opaque_zero`.
+
+    Returns:
+      A float32 jax array bit-identical to `x`.
+    """
     import jax
     import jax.numpy as jnp
 

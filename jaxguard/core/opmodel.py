@@ -46,7 +46,18 @@ OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw") + TORCH_O
 
 
 def torch_op_model(*, decoupled: bool, implementation: str = "single") -> str:
-    """The op model name of torch's Adam (``decoupled``: AdamW) run by ``implementation``."""
+    """The op model name of torch's Adam (``decoupled``: AdamW) run by ``implementation``.
+
+    Args:
+      decoupled: True for ``torch.optim.AdamW`` (decoupled weight decay).
+      implementation: ``"single"``, ``"foreach"`` or ``"fused"`` (torch's CPU kernels).
+
+    Returns:
+      e.g. ``"torch-adam"``, ``"torch-adamw-fused"``.
+
+    Raises:
+      ConfigError: an unknown implementation.
+    """
     if implementation not in TORCH_IMPLEMENTATIONS:
         raise ConfigError(f"implementation={implementation!r} is unknown; "
                           f"use one of {', '.join(TORCH_IMPLEMENTATIONS)}")
@@ -54,7 +65,17 @@ def torch_op_model(*, decoupled: bool, implementation: str = "single") -> str:
 
 
 def split_torch_op_model(op_model: str) -> tuple:
-    """``(decoupled, implementation)`` of a torch op model name, e.g. ("torch-adamw-fused")."""
+    """``(decoupled, implementation)`` of a torch op model name, e.g. ("torch-adamw-fused").
+
+    Args:
+      op_model: one of `TORCH_OP_MODELS`.
+
+    Returns:
+      ``(decoupled: bool, implementation: str)``, the inverse of `torch_op_model`.
+
+    Raises:
+      ConfigError: not a torch op model.
+    """
     for implementation, suffix in TORCH_IMPLEMENTATIONS.items():
         for base in ("torch-adam", "torch-adamw"):
             if op_model == base + suffix:
@@ -81,16 +102,33 @@ class StepConstants:
     const_rel: float = 2.0**-20   # bound on the relative gap between S, B here and the framework's
 
     def to_json(self):
+        """The constants as a JSON-ready dict (field name -> value)."""
         return dataclasses.asdict(self)
 
 
 def f32(x: float) -> float:
+    """`x` rounded to the nearest float32, as a Python float.
+
+    Args:
+      x: a real number.
+
+    Returns:
+      ``float(np.float32(x))`` (+-inf where it overflows float32; no warning).
+    """
     with np.errstate(over="ignore"):
         return float(np.float32(x))
 
 
 def validate_hparams(lr, betas, eps, step, weight_decay=0.0, op_model=None):
     """Check the next update's hyperparameters once, in float32 as the frameworks use them.
+
+    Args:
+      lr: learning rate of the next update.
+      betas: ``(beta1, beta2)``.
+      eps: Adam's epsilon.
+      step: the optimizer's step count at the checkpoint (int >= 0).
+      weight_decay: the weight decay (>= 0).
+      op_model: the op model name, or None (the optax beta check is skipped).
 
     Raises:
       ConfigError: (one line naming the value and the fix) for a non-number or non-finite
@@ -126,6 +164,25 @@ def validate_hparams(lr, betas, eps, step, weight_decay=0.0, op_model=None):
 
 def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), eps=1e-8,
                    weight_decay: float = 0.0) -> StepConstants:
+    """The constants of the next Adam step as the op model's framework computes them.
+
+    torch op models take torch's float32 scalars exactly; optax ones allow 4 ulp for XLA's
+    ``pow`` in ``1 - b**t`` (in ``const_rel``).
+
+    Args:
+      op_model: one of `OP_MODELS`.
+      lr: learning rate of the next update.
+      step: the optimizer's step count at the checkpoint; the update uses ``t = step + 1``.
+      betas: ``(beta1, beta2)``.
+      eps: Adam's epsilon.
+      weight_decay: the weight decay.
+
+    Returns:
+      A `StepConstants` (Python floats holding float32 values).
+
+    Raises:
+      ConfigError: an unknown op model or bad hyperparameters (`validate_hparams`).
+    """
     if op_model not in OP_MODELS:
         raise ConfigError(f"op_model={op_model!r} is unknown; use one of {', '.join(OP_MODELS)}")
     validate_hparams(lr, betas, eps, step, weight_decay, op_model)

@@ -41,15 +41,43 @@ class PackError(ValueError):
 
 # ---------------------------------------------------------------- widths
 def split_widths(wbytes):
+    """The m and v code widths of each block from its widths byte (m high nibble, v low).
+
+    Args:
+      wbytes: uint8 widths bytes, one per block.
+
+    Returns:
+      ``(bm, bv)``: int64 arrays of the m and v widths in bits.
+    """
     w = np.asarray(wbytes, np.uint8)
     return (w >> 4).astype(np.int64), (w & 15).astype(np.int64)
 
 
 def join_widths(bm, bv):
+    """One widths byte per block: m width in the high nibble, v width in the low one.
+
+    Args:
+      bm, bv: m and v code widths in bits (each 0..15).
+
+    Returns:
+      uint8 widths bytes (inverse of `split_widths`).
+    """
     return ((np.asarray(bm, np.uint8) << 4) | np.asarray(bv, np.uint8)).astype(np.uint8)
 
 
 def check_widths(wbytes, what="widths"):
+    """`split_widths`, rejecting any width outside MIN_WIDTH..MAX_WIDTH.
+
+    Args:
+      wbytes: uint8 widths bytes, one per block.
+      what: how the error names the section.
+
+    Returns:
+      ``(bm, bv)`` as `split_widths`.
+
+    Raises:
+      PackError: a block's m or v width is out of range (names the block and the byte).
+    """
     bm, bv = split_widths(wbytes)
     bad = (bm < MIN_WIDTH) | (bm > MAX_WIDTH) | (bv < MIN_WIDTH) | (bv > MAX_WIDTH)
     if bad.any():
@@ -61,7 +89,15 @@ def check_widths(wbytes, what="widths"):
 
 def block_bytes(widths, n):
     """Bytes of each block of a code stream: ceil(count * width / 8), count = 256 except
-    for the last block, which holds only the tensor's remaining ``n - 256*(nb-1)`` codes."""
+    for the last block, which holds only the tensor's remaining ``n - 256*(nb-1)`` codes.
+
+    Args:
+      widths: one code width (bits) per block.
+      n: the tensor's number of codes.
+
+    Returns:
+      ``(nbytes, counts)``: int64 arrays, one entry per block.
+    """
     widths = np.asarray(widths, np.int64)
     counts = np.full(widths.size, BLOCK, np.int64)
     if widths.size:
@@ -70,7 +106,15 @@ def block_bytes(widths, n):
 
 
 def packed_len(widths, n):
-    """Bytes of a code stream of n codes whose blocks have these widths."""
+    """Bytes of a code stream of n codes whose blocks have these widths.
+
+    Args:
+      widths: one code width (bits) per block.
+      n: the tensor's number of codes.
+
+    Returns:
+      The stream's length in bytes (int).
+    """
     return int(block_bytes(widths, n)[0].sum())
 
 
@@ -81,9 +125,18 @@ def _bits_to_bytes(codes, w):
 
 
 def pack(codes, widths, n):
-    """codes: the first n of [nb*256] unsigned ints (< 2**width of their block) -> packed uint8 stream.
+    """Pack codes LSB-first, each block at its own width; full blocks are packed together
+    per width, a partial last block alone.
 
-    Full blocks are packed together per width; a partial last block alone."""
+    Args:
+      codes: the first n of [nb*256] unsigned ints, each < 2**width of its block (the
+        rest is ignored; padding packs as 0).
+      widths: one code width (bits) per block, nb = len(widths).
+      n: the tensor's number of codes.
+
+    Returns:
+      The packed uint8 stream, `packed_len(widths, n)` bytes.
+    """
     widths = np.asarray(widths, np.int64)
     nb = widths.size
     codes = np.zeros(nb * BLOCK, np.uint8) if n == 0 else np.asarray(codes, np.uint8).reshape(-1)
@@ -102,7 +155,19 @@ def pack(codes, widths, n):
 
 
 def unpack(stream, widths, n):
-    """Packed uint8 stream -> [nb*256] uint8 codes (inverse of `pack`; padding codes 0)."""
+    """Packed uint8 stream -> [nb*256] uint8 codes (inverse of `pack`; padding codes 0).
+
+    Args:
+      stream: the packed uint8 bytes of one code stream.
+      widths: one code width (bits) per block.
+      n: the tensor's number of codes.
+
+    Returns:
+      uint8 codes of length ``len(widths) * 256``.
+
+    Raises:
+      PackError: the stream's length is not what the widths need.
+    """
     stream = np.asarray(stream, np.uint8)
     widths = np.asarray(widths, np.int64)
     nb = widths.size
@@ -134,6 +199,17 @@ def unpack(stream, widths, n):
 
 # ---------------------------------------------------------------- block parameters
 def scale_to_u16(scale):
+    """Store bfloat16-valued float32 m-scales as their 16 high bits.
+
+    Args:
+      scale: float32 scales whose low 16 bits are zero.
+
+    Returns:
+      uint16 array of the high halves (exact: `u16_to_scale` gives the scales back).
+
+    Raises:
+      PackError: a scale is not a bfloat16 value.
+    """
     b = np.ascontiguousarray(np.asarray(scale, np.float32)).view(np.uint32)
     if (b & 0xFFFF).any():
         raise PackError("m-scale is not a bfloat16 value (low 16 bits set); the encoder must round it")
@@ -141,11 +217,26 @@ def scale_to_u16(scale):
 
 
 def u16_to_scale(u):
+    """The float32 m-scales stored by `scale_to_u16` (exact).
+
+    Args:
+      u: uint16 high halves.
+
+    Returns:
+      float32 array ``u << 16`` reinterpreted as float32.
+    """
     return (np.asarray(u, np.uint32) << 16).view(np.float32)
 
 
 def lo_r(wlo, rr):
-    """(lo, r) = (wlo*wlo, rr*rr), float32 (correctly rounded, identical everywhere)."""
+    """(lo, r) = (wlo*wlo, rr*rr), float32 (correctly rounded, identical everywhere).
+
+    Args:
+      wlo, rr: float32 sqrt-grid parameters of the v codes.
+
+    Returns:
+      ``(lo, r)``: float32 arrays, v's log-grid parameters (overflow gives +inf).
+    """
     wlo, rr = np.asarray(wlo, np.float32), np.asarray(rr, np.float32)
     with np.errstate(over="ignore"):
         return (wlo * wlo).astype(np.float32), (rr * rr).astype(np.float32)
@@ -153,7 +244,14 @@ def lo_r(wlo, rr):
 
 # ---------------------------------------------------------------- sparse escapes
 def varint_encode(idx):
-    """Sorted unique indices -> LEB128 varints of the gaps (first index, then idx[k]-idx[k-1]-1)."""
+    """Sorted unique indices -> LEB128 varints of the gaps (first index, then idx[k]-idx[k-1]-1).
+
+    Args:
+      idx: sorted unique nonnegative indices.
+
+    Returns:
+      The uint8 varint stream (empty for no indices).
+    """
     idx = np.asarray(idx, np.int64)
     if idx.size == 0:
         return np.zeros(0, np.uint8)
@@ -172,7 +270,19 @@ def varint_encode(idx):
 
 
 def varint_decode(buf, n, what="escape_index"):
-    """LEB128 gap varints -> sorted indices, all < n; rejects malformed streams."""
+    """LEB128 gap varints -> sorted indices, all < n; rejects malformed streams.
+
+    Args:
+      buf: the uint8 varint stream (`varint_encode`).
+      n: the tensor's number of coordinates (every index must be below it).
+      what: how the error names the section.
+
+    Returns:
+      Sorted int64 indices.
+
+    Raises:
+      PackError: an unterminated or over-long varint, or an index >= n.
+    """
     b = np.asarray(buf, np.uint8)
     if b.size == 0:
         return np.zeros(0, np.int64)
@@ -193,14 +303,33 @@ def varint_decode(buf, n, what="escape_index"):
 
 
 def escape_section_bytes(n_escapes_idx, n):
-    """(kind, bytes) of the smaller escape-position section for these indices."""
+    """(kind, bytes) of the smaller escape-position section for these indices.
+
+    Args:
+      n_escapes_idx: the sorted escaped coordinate indices.
+      n: the tensor's number of coordinates.
+
+    Returns:
+      ``("escape_index", varint bytes)`` if that is smaller than the bitmask, else
+      ``("escape_mask", ceil(n / 8))``.
+    """
     sparse = varint_encode(n_escapes_idx).size
     mask = -(-n // 8)
     return ("escape_index", sparse) if sparse < mask else ("escape_mask", mask)
 
 
 def payload_bytes(widths, escape_index, n):
-    """Moment payload of one logrel-aw tensor: the exact container section sizes."""
+    """Moment payload of one logrel-aw tensor: the exact container section sizes.
+
+    Args:
+      widths: the uint8 widths bytes, one per block.
+      escape_index: the sorted escaped coordinate indices.
+      n: the tensor's number of coordinates.
+
+    Returns:
+      Bytes (int): widths, both code streams, 2 + 8 bytes of parameters per block, the
+      escape positions and 8 bytes (exact m, v) per escape.
+    """
     bm, bv = split_widths(widths)
     nb = bm.size
     return int(nb + packed_len(bm, n) + packed_len(bv, n) + 2 * nb + 8 * nb

@@ -35,7 +35,14 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
 def is_url(path) -> bool:
-    """True when `path` is a ``scheme://`` URL other than ``file://`` (handled locally)."""
+    """True when `path` is a ``scheme://`` URL other than ``file://`` (handled locally).
+
+    Args:
+      path: a str, `os.PathLike` or anything else (only a str can be a URL).
+
+    Returns:
+      bool; ``file://`` and ``local://`` paths are local (False).
+    """
     if not isinstance(path, str):
         return False
     m = _URL.match(path)
@@ -43,7 +50,14 @@ def is_url(path) -> bool:
 
 
 def local_path(path) -> str:
-    """`path` as a local filesystem path (``file://`` stripped)."""
+    """`path` as a local filesystem path (``file://`` and ``local://`` stripped).
+
+    Args:
+      path: a str or `os.PathLike` that `is_url` calls local.
+
+    Returns:
+      The path (str, or bytes for a bytes path).
+    """
     path = os.fspath(path)
     if isinstance(path, str):
         for prefix in ("file://", "local://"):
@@ -112,8 +126,17 @@ def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> N
 def read_bytes(path, *, storage_options: dict | None = None) -> bytes:
     """The complete bytes at a local path or fsspec URL.
 
+    Args:
+      path: a local path or an fsspec URL (``s3://``, ``gs://``, ``memory://``, ...).
+      storage_options: keyword arguments for the fsspec filesystem (URLs only).
+
+    Returns:
+      The contents: a writable ``bytearray`` for a local file (arrays can view it in
+      place), the filesystem's ``bytes`` for a URL.
+
     Raises:
-      ContainerError: the object does not exist or cannot be read (one line naming it).
+      ContainerError: the object does not exist or cannot be read (one line naming it),
+        or no fsspec filesystem handles the URL's scheme.
     """
     try:
         if not is_url(path):
@@ -132,7 +155,17 @@ def read_bytes(path, *, storage_options: dict | None = None) -> bytes:
 
 
 def exists(path) -> bool:
-    """Whether a local path or fsspec URL names an existing object."""
+    """Whether a local path or fsspec URL names an existing object.
+
+    Args:
+      path: a local path or an fsspec URL.
+
+    Returns:
+      bool.
+
+    Raises:
+      ContainerError: no fsspec filesystem handles the URL's scheme.
+    """
     if not is_url(path):
         return os.path.exists(local_path(path))
     fs, key = _fs(path)
@@ -140,7 +173,17 @@ def exists(path) -> bool:
 
 
 def size(path) -> int:
-    """Size in bytes of the object at a local path or fsspec URL."""
+    """Size in bytes of the object at a local path or fsspec URL.
+
+    Args:
+      path: a local path or an fsspec URL.
+
+    Returns:
+      The size in bytes (int).
+
+    Raises:
+      ContainerError: no fsspec filesystem handles the URL's scheme.
+    """
     if not is_url(path):
         return os.path.getsize(local_path(path))
     fs, key = _fs(path)
@@ -148,7 +191,15 @@ def size(path) -> int:
 
 
 def remove(path, *, storage_options: dict | None = None) -> None:
-    """Remove the object at a local path or fsspec URL; a missing one is not an error."""
+    """Remove the object at a local path or fsspec URL; a missing one is not an error.
+
+    Args:
+      path: a local path or an fsspec URL.
+      storage_options: keyword arguments for the fsspec filesystem (URLs only).
+
+    Raises:
+      ContainerError: no fsspec filesystem handles the URL's scheme.
+    """
     if not is_url(path):
         try:
             os.unlink(local_path(path))

@@ -33,7 +33,14 @@ from jaxguard.integrations._common import check_supported, unwrap, zero_lr_group
 
 
 def optimizer_file(i: int) -> str:
-    """The guarded optimizer file of the i-th prepared optimizer (accelerate's naming)."""
+    """The guarded optimizer file of the i-th prepared optimizer (accelerate's naming).
+
+    Args:
+      i: the optimizer's index in ``accelerator._optimizers``.
+
+    Returns:
+      ``"optimizer.jg"`` for 0, else ``"optimizer_{i}.jg"``.
+    """
     return "optimizer.jg" if i == 0 else f"optimizer_{i}.jg"
 
 

@@ -61,6 +61,17 @@ class GuardedTrainer(Trainer):
         self.jaxguard_last_summary: dict | None = None
 
     def create_optimizer(self, *args, **kwargs):
+        """``Trainer.create_optimizer``, then refuse an optimizer the guard cannot certify.
+
+        Args:
+          *args, **kwargs: as for ``transformers.Trainer.create_optimizer``.
+
+        Returns:
+          The optimizer ``Trainer`` created.
+
+        Raises:
+          UnsupportedOptimizerError: not torch Adam/AdamW, or an option outside the op models.
+        """
         opt = super().create_optimizer(*args, **kwargs)
         check_supported(self.optimizer, "GuardedTrainer")
         return opt

@@ -70,6 +70,14 @@ class GuardedCheckpointIO(CheckpointIO):
     def to_bytes(self, checkpoint: dict[str, Any]) -> tuple[bytes, dict]:
         """A Lightning checkpoint dict -> (container bytes, summary of the guarded moments).
 
+        Args:
+          checkpoint: the dict Lightning saves (``state_dict``, ``optimizer_states`` whose
+            param groups carry ``param_names``, and any other picklable-free values).
+
+        Returns:
+          ``(data, summary)``: the container bytes and the save totals (coordinates, escapes,
+          payload, ...) plus ``container_bytes``.
+
         Raises:
           CheckpointError: no ``state_dict``, an optimizer without ``param_names``, or a
             value that cannot be stored without pickling.
@@ -106,6 +114,20 @@ class GuardedCheckpointIO(CheckpointIO):
         return data, {**totals, "container_bytes": len(data)}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        """Write `checkpoint` atomically as a guarded container (Lightning's CheckpointIO API).
+
+        A checkpoint with a param group at lr 0 (nothing to certify against) is written in
+        Lightning's own format instead, which `load_checkpoint` also reads;
+        ``self.last_summary`` is then None.
+
+        Args:
+          checkpoint: the dict Lightning saves.
+          path: a local path or fsspec URL.
+          storage_options: fsspec options for a URL.
+
+        Raises:
+          CheckpointError, UnsupportedOptimizerError: as `to_bytes`.
+        """
         if any(not float(g["lr"]) > 0 for sd in checkpoint.get("optimizer_states", [])
                for g in sd.get("param_groups", [])):
             # lr 0 (the end of a schedule that decays to 0): nothing to certify against;
@@ -126,6 +148,14 @@ class GuardedCheckpointIO(CheckpointIO):
         come back on the CPU (Lightning moves them when it loads the states), and nothing is
         ever unpickled.
 
+        Args:
+          path: a local path or fsspec URL.
+          map_location: ignored for guarded containers (passed on for Lightning's format).
+          weights_only: ignored for guarded containers (passed on for Lightning's format).
+
+        Returns:
+          The checkpoint dict, torch tensors for the tensors.
+
         Raises:
           FileNotFoundError: no object at `path` (what Lightning expects).
           ContainerError: the file is corrupt, truncated or not a jaxguard container.
@@ -141,4 +171,9 @@ class GuardedCheckpointIO(CheckpointIO):
         return tree
 
     def remove_checkpoint(self, path) -> None:
+        """Remove the checkpoint at `path`; a missing one is not an error.
+
+        Args:
+          path: a local path or fsspec URL.
+        """
         storage.remove(os.fspath(path))

@@ -34,6 +34,14 @@ __all__ = ["apollo", "ApolloState"]
 
 
 class ApolloState(NamedTuple):
+    """State of `apollo` (the module docstring has the algorithm).
+
+    Fields: ``count`` (int32 steps taken), ``key`` (the PRNG key the projections are
+    drawn from), ``mu``/``nu`` (float32 Adam moments, in the projected (m, r) or (r, n)
+    space for projected parameters, else the parameter's shape), ``proj`` (the current
+    projection matrix, ``(1,)`` for unprojected parameters) and ``prev_norm`` (the norm
+    limiter's previous update norm, a float32 scalar per parameter).
+    """
     count: jax.Array
     key: jax.Array
     mu: optax.Updates
@@ -61,7 +69,29 @@ def apollo(learning_rate: Union[float, optax.Schedule], rank: int = 256, *,
            scale: float = 1.0, scale_type: str = "channel", update_proj_gap: int = 200,
            seed: int = 0,
            projection: Optional[Callable] = None) -> optax.GradientTransformation:
-    """APOLLO-AdamW. ``projection(key, shape) -> float32 matrix`` overrides the N(0, 1/r) draw."""
+    """APOLLO-AdamW (module docstring), as ``apollo_torch.APOLLOAdamW`` with ``proj="random"``.
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      rank: the projection rank r; 2-D parameters with ``min(m, n) > rank`` are projected.
+      b1, b2: Adam's moment decays.
+      eps: added to ``sqrt(nu)`` (HF style).
+      weight_decay: decoupled decay after the step, ``p <- (p - step) * (1 - lr * wd)``;
+        nonzero needs ``params`` in ``update``.
+      scale: the update is multiplied by ``sqrt(scale)`` for projected parameters.
+      scale_type: ``"channel"`` (norms per channel) or ``"tensor"`` (APOLLO-Mini).
+      update_proj_gap: steps between fresh projections (drawn at step 0, gap, 2 gap, ...).
+      seed: seed of the projection key.
+      projection: ``projection(key, shape) -> float32 matrix`` overrides the N(0, 1/r)
+        draw (the tests pass the reference's matrix).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is an `ApolloState`.
+
+    Raises:
+      ConfigError: an unknown scale_type, a rank that is not a positive int, or
+        update_proj_gap < 1.
+    """
     if scale_type not in ("channel", "tensor"):
         raise ConfigError(f"scale_type={scale_type!r} is unknown; use 'channel' or 'tensor' (APOLLO-Mini)")
     if not isinstance(rank, int) or rank < 1:

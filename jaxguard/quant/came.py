@@ -33,6 +33,13 @@ __all__ = ["came", "scale_by_came", "CameState"]
 
 
 class CameState(NamedTuple):
+    """State of `scale_by_came` (the module docstring has the algorithm).
+
+    Fields, float32 per parameter: ``count`` (int32 steps taken), ``mu`` (signed first
+    moment, the parameter's shape), ``v_row``/``v_col`` (factored second-moment EMAs for
+    parameters of >= 2 dims), ``v`` (the unfactored one otherwise), ``res_row``/``res_col``
+    (factored EMAs of the confidence residual); unused fields hold a ``(1,)`` placeholder.
+    """
     count: jax.Array
     mu: optax.Updates
     v_row: optax.Updates
@@ -59,7 +66,22 @@ def _rms(x):
 def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
                   eps1: float = 1e-30, eps2: float = 1e-16,
                   clip_threshold: float = 1.0) -> optax.GradientTransformation:
-    """CAME's update direction (before the learning rate and weight decay)."""
+    """CAME's update direction (before the learning rate and weight decay).
+
+    Args:
+      b1: decay of the first moment ``mu``.
+      b2: decay of the factored second moment.
+      b3: decay of the confidence residual's EMAs.
+      eps1: added to ``g**2`` before the second moment.
+      eps2: added to the residual ``(u - mu)**2``.
+      clip_threshold: d in the update clipping ``u / max(1, RMS(u) / d)``.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a `CameState`.
+
+    Raises:
+      ConfigError: a beta outside [0, 1].
+    """
     for name, b in (("b1", b1), ("b2", b2), ("b3", b3)):
         if not 0.0 <= b <= 1.0:
             raise ConfigError(f"{name}={b!r} is outside [0, 1]; CAME's defaults are (0.9, 0.999, 0.9999)")
@@ -115,7 +137,20 @@ def scale_by_came(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999,
 def came(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
          b3: float = 0.9999, eps1: float = 1e-30, eps2: float = 1e-16,
          clip_threshold: float = 1.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """CAME with decoupled weight decay ``p -= lr * wd * p`` (as ``came_pytorch``)."""
+    """CAME with decoupled weight decay ``p -= lr * wd * p`` (as ``came_pytorch``).
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      b1, b2, b3, eps1, eps2, clip_threshold: as `scale_by_came`.
+      weight_decay: the decoupled decay ``wd`` (params must be passed to ``update``
+        when it is nonzero).
+
+    Returns:
+      ``optax.chain(scale_by_came(...), add_decayed_weights(wd), scale_by_learning_rate(lr))``.
+
+    Raises:
+      ConfigError: as `scale_by_came`.
+    """
     return optax.chain(
         scale_by_came(b1, b2, b3, eps1, eps2, clip_threshold),
         optax.add_decayed_weights(weight_decay),

@@ -88,11 +88,30 @@ CODE_NAMES = ("fp32", "bf16", "al8", "al16", "uf8", "d8")
 
 
 def is_encoded(x) -> bool:
+    """Whether `x` is one of this module's encoded forms (`ALCode`, `UF8Code`, `D8Code`).
+
+    Args:
+      x: anything (typically a state leaf).
+
+    Returns:
+      bool.
+    """
     return isinstance(x, _ENCODED)
 
 
 # ------------------------------------------------------------------ blocking
-def _check_block_size(block_size) -> int:
+def check_block_size(block_size) -> int:
+    """Validate a block size for the blocked codes.
+
+    Args:
+      block_size: values per block.
+
+    Returns:
+      It, as an int.
+
+    Raises:
+      ConfigError: not a power of two in [16, 65536].
+    """
     if (not isinstance(block_size, (int, np.integer)) or block_size < _MIN_BLOCK
             or block_size > _MAX_BLOCK or block_size & (block_size - 1)):
         raise ConfigError(
@@ -137,10 +156,21 @@ def al_encode(x, bits: int = 8, block_size: int = _codes.BLOCK) -> ALCode:
     Numerical contract: see the module docstring (exact zeros, exact constant blocks,
     relative error ``<= (r-1)/(r+1) * (1 + 2**-18)`` for values inside the block's capped
     range ``[lo, h]``, NaN/Inf/negative -> 0, subnormals raised to ``>= 2**-126``).
+
+    Args:
+      x: a non-negative floating tensor, any shape (computed in float32).
+      bits: 8 (AL8, uint8 codes) or 16 (AL16, uint16 codes).
+      block_size: values per block, a power of two (default 256).
+
+    Returns:
+      An `ALCode`: ``codes`` of x's shape, per-block float32 ``lo`` and ``r``.
+
+    Raises:
+      ConfigError: bits other than 8/16, a non-floating dtype, or a bad block_size.
     """
     if bits not in (8, 16):
         raise ConfigError(f"bits={bits!r} is not supported by AL; use 8 (AL8) or 16 (AL16)")
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     return _al_encode(_as_f32(x, "al_encode"), bits, block_size)
 
 
@@ -153,7 +183,14 @@ def _al_encode(x, bits, block_size):
 
 @jax.jit
 def al_decode(enc: ALCode) -> jax.Array:
-    """Decode an :class:`ALCode` to float32 (bit-exact, never subnormal; see module)."""
+    """Decode an :class:`ALCode` to float32 (bit-exact, never subnormal; see module).
+
+    Args:
+      enc: an `ALCode` from `al_encode`.
+
+    Returns:
+      A float32 jax array of the original shape.
+    """
     bits = 16 if enc.codes.dtype == jnp.uint16 else 8
     shape = enc.codes.shape
     bs = _infer_block_size(math.prod(shape), enc.lo.shape[0])
@@ -163,7 +200,14 @@ def al_decode(enc: ALCode) -> jax.Array:
 
 
 def al_error_bound(enc: ALCode) -> jax.Array:
-    """Per-block relative error bound ``(r-1)/(r+1) * (1 + 2**-18)`` for values in range."""
+    """Per-block relative error bound ``(r-1)/(r+1) * (1 + 2**-18)`` for values in range.
+
+    Args:
+      enc: an `ALCode`.
+
+    Returns:
+      float32 (nblocks,): the bound on ``|x~ - x| / x`` for ``lo <= x <= h`` of each block.
+    """
     return (enc.r - 1.0) / (enc.r + 1.0) * jnp.float32(1.0 + 2.0**-18)
 
 
@@ -177,8 +221,19 @@ def uf8_encode(x, block_size: int = _codes.BLOCK) -> UF8Code:
     rounding) for finite ``x``; the block's absmax element is reproduced to one rounding;
     zeros decode to 0 exactly (sign dropped); NaN/Inf encode as 0 and do not enter absmax.
     Values below ``scale / 2`` decode to 0 (uf8 has no zero invariant for small values).
+
+    Args:
+      x: a floating tensor, any shape (computed in float32).
+      block_size: values per block, a power of two (default 256).
+
+    Returns:
+      A `UF8Code`: int8 ``codes`` of x's shape and per-block float32 ``scale``.
+
+    Raises:
+      ConfigError: a non-floating dtype, or a block_size that is not a power of two in
+        the supported range.
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     return _uf8_encode(_as_f32(x, "uf8_encode"), block_size)
 
 
@@ -191,6 +246,14 @@ def _uf8_encode(x, block_size):
 
 @jax.jit
 def uf8_decode(enc: UF8Code) -> jax.Array:
+    """Decode a :class:`UF8Code`: ``f32(q) * scale`` per block (bit-exact).
+
+    Args:
+      enc: a `UF8Code` from `uf8_encode`.
+
+    Returns:
+      A float32 jax array of the original shape.
+    """
     shape = enc.codes.shape
     bs = _infer_block_size(math.prod(shape), enc.scale.shape[0])
     qb, _ = _blocks(enc.codes, bs)
@@ -209,8 +272,21 @@ def d8_encode(x, signed: bool = True, block_size: int = _codes.BLOCK) -> D8Code:
     ``1e-6 * absmax`` where the map has no entries: such values may decode to 0).  With
     ``signed=False`` exact zeros keep the zero code; negative values must not be passed.
     NaN/Inf encode as 0.
+
+    Args:
+      x: a floating tensor, any shape (non-negative when ``signed=False``).
+      signed: use the signed map (for m) or the unsigned one (for v).
+      block_size: values per block, a power of two (default 256).
+
+    Returns:
+      A `D8Code`: uint8 ``codes`` of x's shape, per-block float32 ``absmax`` and the
+      ``signed`` flag.
+
+    Raises:
+      ConfigError: a non-floating dtype, or a block_size that is not a power of two in
+        the supported range.
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     return _d8_encode(_as_f32(x, "d8_encode"), bool(signed), block_size)
 
 
@@ -224,6 +300,14 @@ def _d8_encode(x, signed, block_size):
 
 @jax.jit
 def d8_decode(enc: D8Code) -> jax.Array:
+    """Decode a :class:`D8Code`: ``map[q] * absmax`` per block (one float32 multiply).
+
+    Args:
+      enc: a `D8Code` from `d8_encode` (its ``signed`` flag picks the map).
+
+    Returns:
+      A float32 jax array of the original shape.
+    """
     shape = enc.codes.shape
     bs = _infer_block_size(math.prod(shape), enc.absmax.shape[0])
     qb, _ = _blocks(enc.codes, bs)
@@ -236,7 +320,20 @@ def d8_decode(enc: D8Code) -> jax.Array:
 
 # ------------------------------------------------------------------ dispatch by name
 def encode(x, code: str, block_size: int = _codes.BLOCK, signed: bool = True):
-    """Encode ``x`` with a named code: fp32 (identity), bf16, al8, al16, uf8, d8."""
+    """Encode ``x`` with a named code: fp32 (identity), bf16, al8, al16, uf8, d8.
+
+    Args:
+      x: a floating tensor.
+      code: one of `CODE_NAMES`.
+      block_size: values per block for the blocked codes (al8, al16, uf8, d8).
+      signed: d8 only: the signed or the unsigned map.
+
+    Returns:
+      ``x`` as a jax array (fp32), a bfloat16 array (bf16), or the code's NamedTuple.
+
+    Raises:
+      ConfigError: an unknown code, or as the code's own encoder.
+    """
     if code == "fp32":
         return jnp.asarray(x)
     if code == "bf16":
@@ -253,7 +350,16 @@ def encode(x, code: str, block_size: int = _codes.BLOCK, signed: bool = True):
 
 
 def decode(enc, dtype=jnp.float32):
-    """Inverse of :func:`encode` (plain arrays are cast to ``dtype``)."""
+    """Inverse of :func:`encode` (plain arrays are cast to ``dtype``).
+
+    Args:
+      enc: an encoded form from `encode`, or a plain array.
+      dtype: the dtype plain arrays are cast to (default float32); coded forms always
+        decode to float32.
+
+    Returns:
+      A jax array of the original shape.
+    """
     if isinstance(enc, ALCode):
         return al_decode(enc)
     if isinstance(enc, UF8Code):

@@ -49,6 +49,7 @@ import optax
 
 from jaxguard.core import codes as _codes
 from jaxguard.errors import ConfigError
+from jaxguard.optax_state import key_str
 from jaxguard.quant import codecs
 
 __all__ = ["quantized", "QuantizedState", "state_bytes", "plan", "NONNEGATIVE_FIELDS",
@@ -111,20 +112,8 @@ def _code_for(field: str | None, pol: dict) -> str:
 
 
 # ------------------------------------------------------------------ paths
-def _key_str(k) -> str:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
-
-
 def _path_str(path) -> str:
-    return "/".join(_key_str(k) for k in path)
+    return "/".join(key_str(k) for k in path)
 
 
 def _split_state_path(path):
@@ -153,6 +142,24 @@ def plan(state, params, policy: Policy = "al8", *, protect: Union[bool, Callable
 
     ``params`` may be any tree with the parameters' paths and shapes (arrays or
     ``jax.ShapeDtypeStruct``).  Useful to inspect what ``quantized`` will do.
+
+    Args:
+      state: the inner optimizer's state (e.g. ``tx.init(params)``).
+      params: a tree with the parameters' paths and shapes.
+      policy: a preset name (`PRESETS`: "fp32", "al8", "d8", ...) or a mapping from
+        ``"nonnegative"``/``"signed"``/a state field name to a code.
+      protect: True (leaves whose parameter path matches `protect_patterns`, and 0/1-D
+        parameters, get `protected_policy`), False, or a callable ``(path, shape) -> bool``.
+      protected_policy: the policy of protected leaves (default fp32).
+      min_size: parameters with fewer elements stay fp32 (bitsandbytes' 4096).
+      protect_patterns: regexes (case-insensitive) of protected parameter paths.
+
+    Returns:
+      A pytree of ``state``'s structure whose leaves are code names (non-floating and
+      scalar leaves: ``"fp32"``).
+
+    Raises:
+      ConfigError: an unknown policy or code, a bad ``protect`` or ``min_size``.
     """
     pol = _resolve_policy(policy)
     ppol = _resolve_policy(protected_policy)
@@ -201,7 +208,7 @@ def quantized(tx: optax.GradientTransformation, policy: Policy = "al8", *,
               protect: Union[bool, Callable] = True, protected_policy: Policy = "fp32",
               min_size: int = 4096, block_size: int = _codes.BLOCK,
               protect_patterns=DEFAULT_PROTECT_PATTERNS) -> optax.GradientTransformation:
-    r"""Wrap ``tx`` so that its state is stored encoded between steps.
+    """Wrap ``tx`` so that its state is stored encoded between steps.
 
     .. math::  s_t = E(\mathrm{tx.update}(g_t, D(s_{t-1}), p_t)), \quad s_0 = E(\mathrm{tx.init}(p_0))
 
@@ -209,10 +216,22 @@ def quantized(tx: optax.GradientTransformation, policy: Policy = "al8", *,
     returned updates are exactly the inner optimizer's updates computed from the decoded
     state.  ``init`` and ``update`` are jittable; ``update`` needs the gradient tree to
     have the parameters' paths (it always does in optax).
+
+    Args:
+      tx: the inner optax transformation.
+      policy, protect, protected_policy, min_size, protect_patterns: as `plan`.
+      block_size: values per block of the blocked codes (a power of two).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a `QuantizedState`.
+
+    Raises:
+      ConfigError: an unknown policy or a bad block_size (at once), or as `plan` (at
+        ``init``).
     """
     _resolve_policy(policy)
     _resolve_policy(protected_policy)
-    codecs._check_block_size(block_size)
+    codecs.check_block_size(block_size)
     kw = dict(protect=protect, protected_policy=protected_policy, min_size=min_size,
               protect_patterns=protect_patterns)
 
@@ -236,7 +255,14 @@ def quantized(tx: optax.GradientTransformation, policy: Policy = "al8", *,
 
 
 def state_bytes(state) -> int:
-    """Actual bytes of every array leaf in ``state`` (codes, scales, counters, all)."""
+    """Actual bytes of every array leaf in ``state`` (codes, scales, counters, all).
+
+    Args:
+      state: any pytree (a `QuantizedState`, a plain optax state, ...).
+
+    Returns:
+      The sum of ``size * itemsize`` over the leaves (int).
+    """
     total = 0
     for leaf in jax.tree_util.tree_leaves(state):
         if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
