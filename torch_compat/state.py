@@ -344,8 +344,12 @@ class MappedSource:
             self.ranges = []
 
     def release(self, arrays) -> None:
-        """Drop the resident pages wholly inside both one of `arrays` (numpy arrays or
-        CPU tensors) and the file's mappings."""
+        """Drop the resident pages wholly inside both one of `arrays` and the file's mappings.
+
+        Args:
+          arrays: numpy arrays or CPU tensors the caller is done with (a tensor counts
+            with its whole storage); memory outside the file's mappings is left alone.
+        """
         if not self.ranges:
             return
         for a in arrays:

@@ -285,6 +285,14 @@ def _add_audit_enclosure(sub):
 
 
 def cmd_audit_enclosure(a):
+    """``jaxguard audit-enclosure``: `torch_compat.enclosure.run`, imported only now.
+
+    Args:
+      a: the parsed arguments (cases, no_radius, json, seed, op_model, edge_fraction).
+
+    Returns:
+      The exit code of `torch_compat.enclosure.run`.
+    """
     from torch_compat import enclosure
     return enclosure.run(a)
 
