@@ -55,6 +55,9 @@ def v_positive(v):
 
 CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 SMALL_CHUNK = 1 << 10
+# the few hundred coordinates a slab sends to the deepest levels (1,335 cells each at
+# level 4) in chunks this small, not padded to SMALL_CHUNK: a quarter of the work
+TINY_CHUNK = 1 << 8
 
 
 def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
@@ -136,10 +139,10 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
 
     def padded(sel, chunk):
         # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
-        # candidates (the closed form took the bulk) run in small chunks: two compiled
+        # candidates (the closed form took the bulk) run in small chunks: three compiled
         # shapes per level, and no 64x padding of a handful of coordinates.
         if sel.shape[0] < chunk:
-            chunk = min(chunk, SMALL_CHUNK)
+            chunk = min(chunk, TINY_CHUNK if sel.shape[0] <= TINY_CHUNK else SMALL_CHUNK)
         for s in range(0, sel.shape[0], chunk):
             part = sel[s:s + chunk]
             take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
