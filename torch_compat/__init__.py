@@ -13,11 +13,43 @@ if tuple(int(x) for x in _re.findall(r"\d+", _torch.__version__)[:2]) < (2, 4):
     raise ImportError(f"torch_compat needs torch >= 2.4 (this is torch {_torch.__version__}); "
                       'upgrade it with pip install "jaxguard[torch]"')
 
-from torch_compat.replay import (AdamVariant, ReplayVariantWarning, adam_step, detect_variant, numpy_adam_step,
-                     torch_adam_step)
-from torch_compat.migrate import from_optax, to_optax
-from torch_compat.quant_adamw import QuantAdamW
-from torch_compat.state import audit, compress_checkpoint, load, restore_tree, save
+# the public names are imported on first use (as in jaxguard/__init__.py), so that
+# `jaxguard restore` (torch and the numpy reader) does not pay for jax, optax and the replay
+_LAZY = {
+    "AdamVariant": ("torch_compat.replay", "AdamVariant"),
+    "ReplayVariantWarning": ("torch_compat.replay", "ReplayVariantWarning"),
+    "adam_step": ("torch_compat.replay", "adam_step"),
+    "detect_variant": ("torch_compat.replay", "detect_variant"),
+    "numpy_adam_step": ("torch_compat.replay", "numpy_adam_step"),
+    "torch_adam_step": ("torch_compat.replay", "torch_adam_step"),
+    "from_optax": ("torch_compat.migrate", "from_optax"),
+    "to_optax": ("torch_compat.migrate", "to_optax"),
+    "QuantAdamW": ("torch_compat.quant_adamw", "QuantAdamW"),
+    "audit": ("torch_compat.state", "audit"),
+    "compress_checkpoint": ("torch_compat.state", "compress_checkpoint"),
+    "load": ("torch_compat.state", "load"),
+    "restore_tree": ("torch_compat.state", "restore_tree"),
+    "save": ("torch_compat.state", "save"),
+}
 
-__all__ = ["QuantAdamW", "AdamVariant", "ReplayVariantWarning", "adam_step", "audit", "compress_checkpoint", "detect_variant", "from_optax",
-           "load", "numpy_adam_step", "restore_tree", "save", "to_optax", "torch_adam_step"]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    import importlib
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+    else:   # a submodule (torch_compat.state, ...), which importing the package used to load
+        try:
+            value = importlib.import_module(f"torch_compat.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"torch_compat.{name}":
+                raise
+            raise AttributeError(f"module 'torch_compat' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -358,28 +358,6 @@ def _describe(d, i, step, lr, wd, b, actual, g):
 
 
 # ---------------------------------------------------------------- CLI
-def add_parser(subparsers):
-    """Add the ``audit-enclosure`` verb to the CLI's subparsers.
-
-    Args:
-      subparsers: the ``argparse`` subparsers action of the ``jaxguard`` parser.
-
-    Returns:
-      The verb's parser (its ``fn`` default is `run`).
-    """
-    a = subparsers.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
-    a.add_argument("--cases", type=int, default=1048576)
-    a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
-    a.add_argument("--json", action="store_true")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
-                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
-    a.add_argument("--edge-fraction", type=float, default=0.25,
-                   help="share of cases (and adamw groups) drawn at float32's edges")
-    a.set_defaults(fn=run)
-    return a
-
-
 def run(args) -> int:
     """Run ``jaxguard audit-enclosure`` and print its report (JSON with ``--json``).
 

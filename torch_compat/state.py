@@ -17,9 +17,8 @@ import torch
 from jaxguard import audit as jg_audit
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.core.codes import BLOCK
-from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig, encode_many
 from jaxguard.core.opmodel import torch_op_model
+from jaxguard.format.spec import BLOCK, DEFAULT_CODEC
 from torch_compat.replay import TORCH_FLAGS
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -274,6 +273,7 @@ def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mi
       CheckpointError: a tensor lr or beta of more than one element.
       UnsupportedOptimizerError: fused and foreach both set.
     """
+    from jaxguard.core.guard import GuardConfig   # jax: only compress pays for it, not restore
     decoupled = bool(group.get("decoupled_weight_decay", False))
     return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
                        betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
@@ -303,6 +303,67 @@ def step_count(st, idx):
 
 
 # ---------------------------------------------------------------- compress / restore
+class MappedSource:
+    """The pages of a checkpoint file this process mapped (``torch.load(path, mmap=True)``),
+    which `release` drops from memory once the compressor is done with an array in them.
+
+    A memory-mapped checkpoint's pages stay resident (and count in the peak RSS) as they
+    are read, so streaming the whole state would end with all of it in memory.  `release`
+    madvises ``MADV_DONTNEED`` the whole pages of an array that lie inside a mapping of
+    the file: they are read again from the page cache if anything touches them later.
+    Memory outside the file's mappings (copies, the heap) is never touched.  Only for a
+    checkpoint nobody wrote into: a private mapping's modified pages would revert to the
+    file (the CLI loads it itself and never writes).  On other systems, or when the file
+    was not mapped, `release` does nothing.
+
+    Args:
+      path: the checkpoint file, after it was loaded with ``mmap=True``.
+    """
+
+    MADV_DONTNEED = 4
+
+    def __init__(self, path):
+        import os
+        self.ranges = []
+        self._madvise = None
+        try:
+            real = os.path.realpath(path)
+            with open("/proc/self/maps") as fh:
+                for line in fh:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].strip() == real:
+                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                        self.ranges.append((lo, hi))
+            if self.ranges:
+                import ctypes
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+                self._madvise = libc.madvise
+                self.page = os.sysconf("SC_PAGE_SIZE")
+        except (OSError, AttributeError, ValueError):
+            self.ranges = []
+
+    def release(self, arrays) -> None:
+        """Drop the resident pages wholly inside both one of `arrays` and the file's mappings.
+
+        Args:
+          arrays: numpy arrays or CPU tensors the caller is done with (a tensor counts
+            with its whole storage); memory outside the file's mappings is left alone.
+        """
+        if not self.ranges:
+            return
+        for a in arrays:
+            if isinstance(a, torch.Tensor):   # its whole storage: every page of the file may be re-read
+                start, size = a.untyped_storage().data_ptr(), a.untyped_storage().nbytes()
+            else:
+                start, size = a.__array_interface__["data"][0], a.nbytes if a.flags.c_contiguous else 0
+            for lo, hi in self.ranges:
+                b = max(lo, -(-start // self.page) * self.page)
+                e = min(hi, (start + size) // self.page * self.page)
+                if e > b:
+                    self._madvise(b, e - b, self.MADV_DONTNEED)
+
+
 def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
                    partition="mixed", progress=False):
     """Encode every Adam moment pair of `opt_sd` against `params` {name: tensor}.
@@ -332,7 +393,7 @@ SLAB = 1 << 20           # = guard.PROPOSE_CHUNK blocks
 
 
 def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC,
-                          bound="shared", partition="mixed", progress=False, slab=None):
+                          bound="shared", partition="mixed", progress=False, slab=None, release=None):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, entry iterator).
 
     The iterator encodes the moments in slabs of about `slab` coordinates (tensors in
@@ -344,6 +405,8 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
       opt_sd, params, tau, clip, codec, bound, partition, progress: as `compress_state`.
       totals: the dict the guard stats are added to (`jaxguard.audit.new_totals`).
       slab: coordinates per encode call (default `SLAB`).
+      release: called with a slab's source tensors (both moments and the parameter) once
+        its entries were consumed, e.g. `MappedSource.release`.
 
     Returns:
       ``(optimizer skeleton, iterator of container entries)``.
@@ -385,6 +448,8 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
 
     slab = SLAB if slab is None else slab
 
+    from jaxguard.core.guard import encode_many
+
     def stream():
         # a slab holds at most `slab` coordinates in whole blocks (one compiled shape per
         # step of the guard); a larger tensor is a slab of its own
@@ -408,12 +473,14 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
                     totals[key] += enc.stats[key]
                 yield ("moments", f"optimizer/state/{idx}", enc, {**cfg.to_json(), "param_name": name})
             del encs
+            if release is not None:
+                release([t for _, name, st, _ in part for t in (st["exp_avg"], st["exp_avg_sq"], params[name])])
         yield from raws
 
     return opt_sk, stream()
 
 
-def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant):
+def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant, release=None):
     """(entry iterator, meta, extra header) of a CKPT dict.  ``variant`` is recorded in the
     header (informational: the guard covers every variant); a callable is called only
     after the checkpoint has been validated, so bad input fails before the slow variant
@@ -425,7 +492,7 @@ def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, prog
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     opt_sk, moments = compress_state_stream(ckpt["optimizer"], ckpt["model"], totals, tau=tau, clip=clip, codec=codec,
-                                            bound=bound, partition=partition, progress=progress)
+                                            bound=bound, partition=partition, progress=progress, release=release)
     if callable(variant):
         variant = variant()
     raws: list = []
@@ -441,7 +508,12 @@ def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, prog
             if e[0] == "moments" and extra["op_model"] is None:
                 extra["op_model"] = e[3]["op_model"]
             yield e
-        yield from raws
+            if release is not None and e[0] == "raw":   # written by now
+                release([e[2]])
+        for e in raws:
+            yield e
+            if release is not None:
+                release([e[2]])
     return entries(), meta, extra
 
 
@@ -468,7 +540,7 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
 
 
 def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                           progress=False, variant=None):
+                           progress=False, variant=None, release=None):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
@@ -476,6 +548,9 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     Args:
       path: the output file or URL.
       ckpt, tau, clip, codec, bound, partition, progress, variant: as `compress_checkpoint`.
+      release: called with source arrays the writer is done with (``jaxguard compress``
+        passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
+        then holds one slab of the source, not all of it).
 
     Returns:
       The summary dict.
@@ -486,7 +561,7 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     def write(entries, meta, extra):
         return None, container.write_stream(path, entries, meta, extra_header=extra)
     return _compress_checkpoint(ckpt, write, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                progress=progress, variant=variant)[1]
+                                progress=progress, variant=variant, release=release)[1]
 
 
 def _compress_checkpoint(ckpt, emit, *, variant, **guard):

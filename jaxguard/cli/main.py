@@ -18,6 +18,8 @@ EXIT_USAGE = 2
 # the verbs that read or write torch checkpoints or run torch; the rest (inspect, verify
 # of a container file) need only numpy
 TORCH_VERBS = ("compress", "restore", "audit", "demo", "migrate", "audit-enclosure")
+# the verbs that never run jax (restore is torch + the numpy reader): no jax import for them
+NUMPY_VERBS = ("restore", "inspect", "verify")
 
 
 def _die(msg: str) -> int:
@@ -81,9 +83,12 @@ def cmd_compress(a):
     from jaxguard.format import storage
     from torch_compat.variant_cache import variant_record
     ckpt = load_torch_checkpoint(a.ckpt)
+    # the checkpoint is ours and read-only: drop its mapped pages as the stream is done with them
+    source = None if storage.is_url(a.ckpt) else torch_compat.state.MappedSource(storage.local_path(a.ckpt))
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
-                                                       variant=variant_record)
+                                                       variant=variant_record,
+                                                       release=source.release if source else None)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
@@ -258,13 +263,38 @@ def build_parser():
     mg.add_argument("--codec", default="log8", choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
     mg.set_defaults(fn=cmd_migrate)
-    try:
-        from torch_compat import enclosure
-    except ImportError:   # no torch: the verb exists and says what to install (see main)
-        sub.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay (needs torch)")
-    else:
-        enclosure.add_parser(sub)
+    _add_audit_enclosure(sub)
     return p
+
+
+def _add_audit_enclosure(sub):
+    """The ``audit-enclosure`` verb; `torch_compat.enclosure` (jax, torch) is imported only
+    when it runs, so building the parser costs no heavy import."""
+    from jaxguard.core.opmodel import TORCH_OP_MODELS   # numpy only
+    a = sub.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
+    a.add_argument("--cases", type=int, default=1048576)
+    a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
+                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
+    a.add_argument("--edge-fraction", type=float, default=0.25,
+                   help="share of cases (and adamw groups) drawn at float32's edges")
+    a.set_defaults(fn=cmd_audit_enclosure)
+    return a
+
+
+def cmd_audit_enclosure(a):
+    """``jaxguard audit-enclosure``: `torch_compat.enclosure.run`, imported only now.
+
+    Args:
+      a: the parsed arguments (cases, no_radius, json, seed, op_model, edge_fraction).
+
+    Returns:
+      The exit code of `torch_compat.enclosure.run`.
+    """
+    from torch_compat import enclosure
+    return enclosure.run(a)
 
 
 def _enable_compile_cache():
@@ -281,6 +311,8 @@ def _enable_compile_cache():
         tag = f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{platform.machine()}"
         jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla", tag))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        from jaxguard.core import programs   # and the traced kernels (jax.export), same key rules
+        programs.enable(os.path.join(base, "jaxguard", "export", tag))
     except Exception:  # noqa: BLE001 - a cache is an optimisation only
         pass
 
@@ -305,7 +337,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
         _return_freed_memory()
-    if args.cmd != "verify":
+    if args.cmd not in NUMPY_VERBS:
         _enable_compile_cache()
     try:
         return args.fn(args)

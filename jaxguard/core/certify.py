@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxguard.core import bound as _bound
 from jaxguard.core import fastbound as _fastbound
+from jaxguard.core import programs as _programs
 from jaxguard.core.floatbits import host as _fb
 from jaxguard.errors import ConfigError
 
@@ -54,6 +55,9 @@ def v_positive(v):
 
 CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 SMALL_CHUNK = 1 << 10
+# the few hundred coordinates a slab sends to the deepest levels (1,335 cells each at
+# level 4) in chunks this small, not padded to SMALL_CHUNK: a quarter of the work
+TINY_CHUNK = 1 << 8
 
 
 def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
@@ -102,7 +106,7 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
         if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
             part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
         mm, vv, mmt, vvt, pp, cc, gg = part
-        out[s:e] = np.asarray(_fastbound.batch_fast_accept(K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
+        out[s:e] = np.asarray(_programs.call(_fastbound.batch_fast_accept, K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
     return out
 
 
@@ -135,10 +139,10 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
 
     def padded(sel, chunk):
         # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
-        # candidates (the closed form took the bulk) run in small chunks: two compiled
+        # candidates (the closed form took the bulk) run in small chunks: three compiled
         # shapes per level, and no 64x padding of a handful of coordinates.
         if sel.shape[0] < chunk:
-            chunk = min(chunk, SMALL_CHUNK)
+            chunk = min(chunk, TINY_CHUNK if sel.shape[0] <= TINY_CHUNK else SMALL_CHUNK)
         for s in range(0, sel.shape[0], chunk):
             part = sel[s:s + chunk]
             take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
@@ -149,7 +153,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                disable=not progress)
     lower = np.empty(idx.size, np.float32)
     for s, cnt, take, kc in padded(idx, CHUNK[0]):
-        lower[s:s + cnt] = np.asarray(_bound.batch_lower_pc(kc, m[take], v[take], mt[take], vt[take], clip[take]))[:cnt]
+        lower[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_pc, kc, m[take], v[take], mt[take], vt[take],
+                                                     clip[take]))[:cnt]
     pending = np.flatnonzero(~(lower > thr))
     bar.update(idx.size - pending.size)
     for level in range(len(_bound.LEVELS)):
@@ -160,8 +165,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         sel = idx[pending]
         out = np.empty(sel.shape[0], np.float32)
         for s, cnt, take, kc in padded(sel, CHUNK[level]):
-            b = _bound.batch_bound_pc(kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take], edges,
-                                      bound=bound)
+            b = _programs.call(_bound.batch_bound_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take],
+                               edges, bound=bound)
             out[s:s + cnt] = np.asarray(b)[:cnt]
             if level == len(_bound.LEVELS) - 1:
                 bar.update(cnt)

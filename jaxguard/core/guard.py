@@ -35,6 +35,7 @@ import numpy as np
 from jaxguard.core import bound as _bound
 from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
+from jaxguard.core import programs as _programs
 from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
                                    certify_pc, classify, fast_accept, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
@@ -300,7 +301,7 @@ def _propose_chunked(mb, vb, valid, vpos, codec):
     (codes, params, flat m~, v~); a group of <= PROPOSE_CHUNK blocks is one call."""
     nb = mb.shape[0]
     step = min(nb, PROPOSE_CHUNK)
-    outs = [_propose(mb[s:s + step], vb[s:s + step], valid[s:s + step], vpos[s:s + step], codec)
+    outs = [_programs.call(_propose, mb[s:s + step], vb[s:s + step], valid[s:s + step], vpos[s:s + step], codec=codec)
             for s in range(0, nb, step)]
     mq, vq, mp, vp, mt, vt = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
                               else np.array(outs[0][i]) for i in range(6))

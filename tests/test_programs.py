@@ -1,0 +1,114 @@
+"""jaxguard.core.programs: the exported kernels compute bit for bit what the jitted ones do,
+are read back from disk by a later process, and are keyed by shape and static argument."""
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flatbuffers")
+
+from jaxguard.core import bound as B
+from jaxguard.core import codecs, fastbound, programs
+from jaxguard.core.config import GuardConfig
+
+
+@pytest.fixture
+def export_dir(tmp_path):
+    programs.enable(tmp_path / "export")
+    yield tmp_path / "export"
+    programs.enable(None)
+
+
+def _inputs(n, seed=0):
+    """Moments and decoded moments with float32's awkward values mixed in."""
+    rng = np.random.default_rng(seed)
+    m = (rng.standard_normal(n) * 10.0 ** rng.uniform(-12, -1, n)).astype(np.float32)
+    v = (m.astype(np.float64) ** 2 * rng.uniform(0.5, 4, n)).astype(np.float32)
+    edge = np.array([0.0, -0.0, 2.0**-126, 2.0**-149, 2.0**-80, 3.0e38, 1e-30], np.float32)
+    m[:edge.size], v[:edge.size] = edge, np.abs(edge)
+    mt = (m * (1 + rng.uniform(-2**-7, 2**-7, n))).astype(np.float32)
+    vt = (v * (1 + rng.uniform(-2**-6, 2**-6, n))).astype(np.float32)
+    p = rng.standard_normal(n).astype(np.float32)
+    return m, v, mt, vt, np.abs(p), np.full(n, 0.2, np.float32)
+
+
+def _rows(n):
+    rows = [B.pack_constants(GuardConfig(lr=1e-3, step=s, weight_decay=wd, op_model=om).constants(), 0.01)
+            for s, wd, om in ((0, 0.0, "torch-adam"), (99, 0.1, "torch-adamw"), (7, 0.01, "optax-adamw"))]
+    K = B.stack_rows(rows)
+    return K, np.arange(n, dtype=np.int32) % 3
+
+
+def _bits(x):
+    return np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
+
+
+def test_exported_kernels_match_direct_calls_bitwise(export_dir):
+    n = 512
+    m, v, mt, vt, pabs, clip = _inputs(n)
+    K, gidx = _rows(n)
+    kc = K.take(gidx)
+    Kj = B.as_step_row(K, -1).as_float32(jnp)
+    cases = [(B.batch_lower_pc, (kc, m, v, mt, vt, clip), {}),
+             (fastbound.batch_fast_accept, (Kj, gidx, m, v, mt, vt, pabs, clip), {})]
+    cases += [(B.batch_bound_pc, (kc, m, v, mt, vt, pabs, clip, jnp.asarray(B.unit_edges(L, "mixed"))),
+               {"bound": "shared"}) for L in range(len(B.LEVELS))]
+    blocks = [x.reshape(-1, 256) for x in (m, v)]
+    valid = np.ones((n // 256, 256), bool)
+    cases += [(codecs.propose, (*blocks, valid, valid), {"codec": c}) for c in ("log8-rel", "log8")]
+    for fn, args, static in cases:
+        want = fn(*args, **static)
+        got = programs.call(fn, *args, **static)
+        want, got = (r if isinstance(r, tuple) else (r,) for r in (want, got))
+        assert len(want) == len(got)
+        for w, g in zip(want, got):
+            assert np.array_equal(_bits(w), _bits(g)), fn.__name__
+    assert len(os.listdir(export_dir)) == len(cases)   # one artifact per kernel, shape and static argument
+
+
+def test_artifacts_are_read_back_and_keyed_by_shape(export_dir):
+    m, v, mt, vt, _, clip = _inputs(256, seed=1)
+    K, gidx = _rows(256)
+    want = np.asarray(B.batch_lower_pc(K.take(gidx), m, v, mt, vt, clip))
+    programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)
+    (art,) = os.listdir(export_dir)
+    programs.enable(export_dir)          # what a fresh process sees: the file only
+    got = programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)
+    assert np.array_equal(_bits(want), _bits(got)) and os.listdir(export_dir) == [art]
+    with open(export_dir / art, "wb") as fh:   # a damaged artifact is rebuilt, not trusted
+        fh.write(b"not an export")
+    programs.enable(export_dir)
+    assert np.array_equal(_bits(want), _bits(programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)))
+    half = [x[:128] for x in (m, v, mt, vt, clip)]
+    programs.call(B.batch_lower_pc, K.take(gidx[:128]), *half)
+    assert len(os.listdir(export_dir)) == 2   # another shape, another program
+
+
+def test_disabled_is_the_direct_call():
+    programs.enable(None)
+    assert not programs.enabled()
+    m, v, mt, vt, _, clip = _inputs(256, seed=2)
+    K, gidx = _rows(256)
+    assert np.array_equal(_bits(programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)),
+                          _bits(B.batch_lower_pc(K.take(gidx), m, v, mt, vt, clip)))
+
+
+def test_without_flatbuffers_it_traces_as_before(tmp_path):
+    """jax cannot serialize without flatbuffers: `call` falls back to the direct call."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['flatbuffers'] = None\n"
+            "import numpy as np\n"
+            "from jaxguard.core import programs, bound as B\n"
+            "from jaxguard.core.config import GuardConfig\n"
+            f"programs.enable({str(tmp_path / 'export')!r})\n"
+            "K = B.stack_rows([B.pack_constants(GuardConfig(lr=1e-3, step=1).constants(), 0.01)])\n"
+            "x = np.full(256, 1e-3, np.float32)\n"
+            "args = (K.take(np.zeros(256, np.int64)), x, x, x, x, x)\n"
+            "r = programs.call(B.batch_lower_pc, *args)\n"
+            "assert np.array_equal(np.asarray(r), np.asarray(B.batch_lower_pc(*args)))\n"
+            "print(programs.enabled())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False" and not (tmp_path / "export").exists()
