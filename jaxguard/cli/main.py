@@ -44,7 +44,17 @@ def _torch_missing(verb: str) -> str | None:
 
 
 def load_torch_checkpoint(path):
-    """torch.load with weights_only=True: loading never runs pickled code."""
+    """torch.load with weights_only=True: loading never runs pickled code.
+
+    Args:
+      path: a local path (memory-mapped when the file allows) or an fsspec URL.
+
+    Returns:
+      The checkpoint object (a dict of tensors and plain values).
+
+    Raises:
+      CheckpointError: a missing file, a pickle that needs code to load, or an unreadable file.
+    """
     import torch
     from jaxguard.format import storage
     if not storage.exists(path):
@@ -79,6 +89,14 @@ def _print_summary(s, as_json):
 
 
 def cmd_compress(a):
+    """``jaxguard compress CKPT -o OUT``: certify and write a container (or a DCP directory).
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     import torch_compat.state
     from jaxguard.format import storage
     from torch_compat.variant_cache import variant_record
@@ -97,6 +115,14 @@ def cmd_compress(a):
 
 
 def cmd_restore(a):
+    """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded.
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     import torch_compat
     from torch_compat.state import save_torch
     tree, _ = torch_compat.restore_tree(a.container)
@@ -106,6 +132,14 @@ def cmd_restore(a):
 
 
 def cmd_inspect(a):
+    """``jaxguard inspect OUT``: header, per-entry stats, decoded hash (``--json``: one object).
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     from jaxguard.format import container, spec, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
@@ -136,6 +170,14 @@ def _print_info(info, as_json):
 
 
 def cmd_verify(a):
+    """``jaxguard verify OUT``: both SHA-256 and the decoded-moments hash, numpy reader only.
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     from jaxguard.format import reader, storage
     try:
         data = storage.read_bytes(a.container)
@@ -150,6 +192,14 @@ def cmd_verify(a):
 
 
 def cmd_audit(a):
+    """``jaxguard audit CKPT OUT``: the first update with the real torch Adam over a gradient grid.
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     import torch_compat
     ckpt = load_torch_checkpoint(a.ckpt)
     restored, header = torch_compat.restore_tree(a.container)
@@ -167,6 +217,14 @@ def cmd_audit(a):
 
 
 def cmd_migrate(a):
+    """``jaxguard migrate CKPT --to optax|torch -o OUT``: move Adam state between frameworks.
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     from torch_compat import migrate
     from torch_compat.state import save_torch
     from jaxguard.format import storage
@@ -194,6 +252,14 @@ def cmd_migrate(a):
 
 
 def cmd_demo(a):
+    """``jaxguard demo``: train the byte transformer, compress every way, audit, print the table.
+
+    Args:
+      a: the parsed arguments.
+
+    Returns:
+      The exit status (0 on success).
+    """
     from jaxguard.cli.demo import run_demo
     return run_demo(steps=a.steps, as_json=a.json)
 
@@ -221,6 +287,11 @@ cmd_verify = _dcp_dir_aware("verify", "container")(cmd_verify)
 
 
 def build_parser():
+    """The argparse parser of every verb (imports nothing heavy: each verb imports what it uses).
+
+    Returns:
+      An `argparse.ArgumentParser`.
+    """
     from jaxguard.format import spec
     p = argparse.ArgumentParser(prog="jaxguard", description="Guarded compression of Adam optimizer state.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -328,6 +399,14 @@ def _return_freed_memory():
 
 
 def main(argv=None) -> int:
+    """The ``jaxguard`` console script.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+      The exit status: 0, or 2 after one ``jaxguard: error: ...`` line on stderr.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb in TORCH_VERBS:   # before parsing: without torch, audit-enclosure's options are unknown

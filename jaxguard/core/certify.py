@@ -44,12 +44,26 @@ def classify(m, v, p, mt, vt):
 
 
 def block_stats_valid(m, v, p):
-    """Coordinates whose v may set a block's code range: finite m, v, p, v >= 0, not tiny."""
+    """Coordinates whose v may set a block's code range: finite m, v, p, v >= 0, not tiny.
+
+    Args:
+      m, v, p: flat float32 host arrays (classified on their bits).
+
+    Returns:
+      bool array of the same length.
+    """
     return _fb.finite(m) & _fb.finite(v) & _fb.finite(p) & ~_fb.negative(v) & _fb.not_tiny(v)
 
 
 def v_positive(v):
-    """Coordinates whose v is finite and > 0 (the log codes' range)."""
+    """Coordinates whose v is finite and > 0 (the log codes' range).
+
+    Args:
+      v: flat float32 host array (classified on its bits: a positive subnormal is > 0).
+
+    Returns:
+      bool array of the same length.
+    """
     return _fb.finite(v) & ~_fb.zero(v) & ~_fb.negative(v)
 
 
@@ -91,8 +105,19 @@ FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one com
 
 def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
-    chunks (one compiled program for any checkpoint).  Returns a host bool mask, True
-    where the closed form certifies; callers AND it with their candidate mask."""
+    chunks (one compiled program for any checkpoint).
+
+    Args:
+      K: the group's constants, a `bound.StepRow` of [G] arrays (`bound.stack_rows`).
+      gidx: [n] int32, the row of `K` of each coordinate.
+      m, v: [n] float32 original moments. mt, vt: [n] float32 decoded moments.
+      pabs: [n] float32 ``|p|``. clip: [n] float32 gradient bound per coordinate.
+      valid: optional [n] bool; chunks with no valid coordinate are skipped.
+
+    Returns:
+      [n] host bool mask, True where the closed form certifies; callers AND it with their
+      candidate mask.
+    """
     n = np.shape(m)[0]
     out = np.zeros(n, bool)
     K = _bound.as_step_row(K, -1).as_float32(jnp)
@@ -120,8 +145,17 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     sees the coordinates the previous one could not certify, after an early reject of
     those whose ideal difference at a few gradients already exceeds the threshold.
 
-    Returns the refinement level (0..4) that certified each of `idx`, `FAST_TIER` for
-    the closed form, or -1 (escape).
+    Args:
+      K, gidx, m, v, mt, vt, pabs, clip: as for `fast_accept` (whole flat arrays).
+      idx: host int array, the coordinates to certify.
+      bound: ``"shared"`` (the difference form) or ``"separate"`` (the ablation).
+      partition: ``"mixed"`` or ``"linear"`` cell edges.
+      progress: show a tqdm bar.
+      fast: try the closed-form tier first (shared bound, mixed partition only).
+
+    Returns:
+      int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
+      for the closed form, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
     if idx.size == 0:

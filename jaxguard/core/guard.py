@@ -47,7 +47,16 @@ _propose = _codecs.propose   # the jitted proposal of a fixed-width codec (jit_e
 
 
 def decode_arrays(arrays: dict, codec: str, n: int):
-    """Codes -> float32 flat (m~, v~) before escapes; identical to jaxguard.format.reader."""
+    """Codes -> float32 flat (m~, v~) before escapes; identical to jaxguard.format.reader.
+
+    Args:
+      arrays: an encoded form's arrays (``m_codes``, ``v_codes``, ``m_params``, ``v_params``).
+      codec: its registry id.
+      n: coordinates.
+
+    Returns:
+      (m~, v~) flat float32 jax arrays of length n, escapes not yet restored.
+    """
     mq, vq = jnp.asarray(arrays["m_codes"]), jnp.asarray(arrays["v_codes"])
     nb = codes.num_blocks(n)
     pad = nb * codes.BLOCK - n
@@ -75,7 +84,21 @@ def _check_inputs(m, v, p):
 
 
 def encode(m, v, p, config: GuardConfig) -> Encoded:
-    """Guarded encoding of one Adam moment pair (see the module's numerical contract)."""
+    """Guarded encoding of one Adam moment pair (see the module's numerical contract).
+
+    Args:
+      m, v: the parameter's Adam moments (float32, one shape).
+      p: the parameter itself (float32, same shape): decoupled decay and the final
+        ``p + step`` rounding enter the certificate.
+      config: the `GuardConfig` of the next update (lr, step, betas, eps, weight decay,
+        op model, tau, clip, codec).
+
+    Returns:
+      An `Encoded` (codes, block parameters, exact escapes, stats).
+
+    Raises:
+      ConfigError: non-float32 or mismatched inputs.
+    """
     return encode_many([(m, v, p, config)])[0]
 
 
@@ -85,6 +108,16 @@ def encode_many(items, *, progress: bool = False) -> list:
     All tensors sharing a codec, bound and partition are laid side by side (each padded
     to whole blocks) and certified together with per-coordinate constants, so a
     checkpoint of many small tensors costs a few large jitted calls, not many small ones.
+
+    Args:
+      items: an iterable of ``(m, v, p, config)`` as for `encode`.
+      progress: show a tqdm bar while certifying.
+
+    Returns:
+      A list of `Encoded`, one per item, in order.
+
+    Raises:
+      ConfigError: as `encode`, naming the offending input.
     """
     items = list(items)
     shapes = [_check_inputs(m, v, p) for m, v, p, _ in items]
@@ -373,7 +406,14 @@ def encode_v_only(m, v, p, config: GuardConfig) -> Encoded:
 
 
 def decode(enc: Encoded):
-    """Encoded -> (m~, v~) float32 arrays of the original shape, escapes restored exactly."""
+    """Encoded -> (m~, v~) float32 arrays of the original shape, escapes restored exactly.
+
+    Args:
+      enc: an `Encoded` from `encode` (or read back from a container).
+
+    Returns:
+      (m~, v~) float32 jax arrays, bit-identical to what the numpy reader decodes.
+    """
     mt, vt = decode_arrays(enc.arrays, enc.codec, enc.n)
     idx = jnp.asarray(enc.arrays["escape_index"])
     if idx.size:
