@@ -88,15 +88,8 @@ def _print_summary(s, as_json):
         print(f"{'replay':>16}: no bit-exact torch replay on this machine ({s.get('replay_detail', '')})")
 
 
-def cmd_compress(a):
-    """``jaxguard compress CKPT -o OUT``: certify and write a container (or a DCP directory).
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_compress(a):
+    """``jaxguard compress CKPT -o OUT``: certify and write a container (or a DCP directory)."""
     import torch_compat.state
     from jaxguard.format import storage
     from torch_compat.variant_cache import variant_record
@@ -114,15 +107,8 @@ def cmd_compress(a):
     return 0
 
 
-def cmd_restore(a):
-    """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded.
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_restore(a):
+    """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded."""
     import torch_compat
     from torch_compat.state import save_torch
     tree, _ = torch_compat.restore_tree(a.container)
@@ -131,15 +117,8 @@ def cmd_restore(a):
     return 0
 
 
-def cmd_inspect(a):
-    """``jaxguard inspect OUT``: header, per-entry stats, decoded hash (``--json``: one object).
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_inspect(a):
+    """``jaxguard inspect OUT``: header, per-entry stats, decoded hash (``--json``: one object)."""
     from jaxguard.format import container, spec, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
@@ -169,15 +148,8 @@ def _print_info(info, as_json):
             print(f"{k:>16}: {v}")
 
 
-def cmd_verify(a):
-    """``jaxguard verify OUT``: both SHA-256 and the decoded-moments hash, numpy reader only.
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_verify(a):
+    """``jaxguard verify OUT``: both SHA-256 and the decoded-moments hash, numpy reader only."""
     from jaxguard.format import reader, storage
     try:
         data = storage.read_bytes(a.container)
@@ -191,15 +163,8 @@ def cmd_verify(a):
     return 0
 
 
-def cmd_audit(a):
-    """``jaxguard audit CKPT OUT``: the first update with the real torch Adam over a gradient grid.
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_audit(a):
+    """``jaxguard audit CKPT OUT``: the first update with the real torch Adam over a gradient grid."""
     import torch_compat
     ckpt = load_torch_checkpoint(a.ckpt)
     restored, header = torch_compat.restore_tree(a.container)
@@ -216,15 +181,8 @@ def cmd_audit(a):
     return 0 if res["passed"] else 1
 
 
-def cmd_migrate(a):
-    """``jaxguard migrate CKPT --to optax|torch -o OUT``: move Adam state between frameworks.
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_migrate(a):
+    """``jaxguard migrate CKPT --to optax|torch -o OUT``: move Adam state between frameworks."""
     from torch_compat import migrate
     from torch_compat.state import save_torch
     from jaxguard.format import storage
@@ -251,15 +209,8 @@ def cmd_migrate(a):
     return 0
 
 
-def cmd_demo(a):
-    """``jaxguard demo``: train the byte transformer, compress every way, audit, print the table.
-
-    Args:
-      a: the parsed arguments.
-
-    Returns:
-      The exit status (0 on success).
-    """
+def _cmd_demo(a):
+    """``jaxguard demo``: train the byte transformer, compress every way, audit, print the table."""
     from jaxguard.cli.demo import run_demo
     return run_demo(steps=a.steps, as_json=a.json)
 
@@ -280,10 +231,10 @@ def _dcp_dir_aware(verb, attr):
     return wrap
 
 
-cmd_compress = _dcp_dir_aware("compress", "ckpt")(cmd_compress)
-cmd_restore = _dcp_dir_aware("restore", "container")(cmd_restore)
-cmd_inspect = _dcp_dir_aware("inspect", "container")(cmd_inspect)
-cmd_verify = _dcp_dir_aware("verify", "container")(cmd_verify)
+_cmd_compress = _dcp_dir_aware("compress", "ckpt")(_cmd_compress)
+_cmd_restore = _dcp_dir_aware("restore", "container")(_cmd_restore)
+_cmd_inspect = _dcp_dir_aware("inspect", "container")(_cmd_inspect)
+_cmd_verify = _dcp_dir_aware("verify", "container")(_cmd_verify)
 
 
 def build_parser():
@@ -304,27 +255,27 @@ def build_parser():
     c.add_argument("--bound", default="shared", choices=["shared", "separate"])
     c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
     c.add_argument("--json", action="store_true")
-    c.set_defaults(fn=cmd_compress)
+    c.set_defaults(fn=_cmd_compress)
     r = sub.add_parser("restore", help="write a torch checkpoint with the moments restored")
     r.add_argument("container")
     r.add_argument("-o", "--output", required=True)
-    r.set_defaults(fn=cmd_restore)
+    r.set_defaults(fn=_cmd_restore)
     i = sub.add_parser("inspect", help="header and stats")
     i.add_argument("container")
     i.add_argument("--json", action="store_true")
-    i.set_defaults(fn=cmd_inspect)
+    i.set_defaults(fn=_cmd_inspect)
     v = sub.add_parser("verify", help="check both hashes with the numpy-only reader")
     v.add_argument("container")
-    v.set_defaults(fn=cmd_verify)
+    v.set_defaults(fn=_cmd_verify)
     au = sub.add_parser("audit", help="first-update audit with the real torch Adam")
     au.add_argument("ckpt")
     au.add_argument("container")
     au.add_argument("--json", action="store_true")
-    au.set_defaults(fn=cmd_audit)
+    au.set_defaults(fn=_cmd_audit)
     d = sub.add_parser("demo", help="train a small model, compress, restore, audit")
     d.add_argument("--steps", type=int, default=150)
     d.add_argument("--json", action="store_true")
-    d.set_defaults(fn=cmd_demo)
+    d.set_defaults(fn=_cmd_demo)
     mg = sub.add_parser("migrate", help="convert Adam/AdamW state between torch and optax")
     mg.add_argument("ckpt")
     mg.add_argument("--to", required=True, choices=["optax", "torch"])
@@ -333,7 +284,7 @@ def build_parser():
     mg.add_argument("--clip", type=float, default=0.2)
     mg.add_argument("--codec", default="log8", choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
-    mg.set_defaults(fn=cmd_migrate)
+    mg.set_defaults(fn=_cmd_migrate)
     _add_audit_enclosure(sub)
     return p
 
@@ -351,11 +302,11 @@ def _add_audit_enclosure(sub):
                    help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
     a.add_argument("--edge-fraction", type=float, default=0.25,
                    help="share of cases (and adamw groups) drawn at float32's edges")
-    a.set_defaults(fn=cmd_audit_enclosure)
+    a.set_defaults(fn=_cmd_audit_enclosure)
     return a
 
 
-def cmd_audit_enclosure(a):
+def _cmd_audit_enclosure(a):
     """``jaxguard audit-enclosure``: `torch_compat.enclosure.run`, imported only now.
 
     Args:
