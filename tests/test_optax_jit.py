@@ -38,6 +38,8 @@ def test_matches_eager_guard_and_subnormals_escape():
     enc = jit_encode.to_encoded(je)
     ref = guard.encode(m, v, p, CFG)
     a, b = guard.decode(enc), guard.decode(ref)
+    for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index"):   # the same file, not just the same values
+        assert np.array_equal(np.asarray(enc.arrays[k]), np.asarray(ref.arrays[k])), k
     assert np.array_equal(_bits(a[0]), _bits(b[0])) and np.array_equal(_bits(a[1]), _bits(b[1]))
     mj, vj = jit_encode.decode_jit(je)
     assert np.array_equal(_bits(mj), _bits(a[0])) and np.array_equal(_bits(vj), _bits(a[1]))

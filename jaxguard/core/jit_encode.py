@@ -85,7 +85,10 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
 
     in_t = jnp.arange(npad) < n
     valid = in_t & finite(mb) & finite(vb) & finite(pb) & ~negative(vb) & not_tiny(vb)
-    vpos = finite(vb) & ~zero(vb) & ~negative(vb)
+    # finite and > 0, subnormals included, in the int32 form of codes.log_encode_block: the
+    # masked-unsigned form fused into the proposal came out False for subnormal v (code 0)
+    vi = jax.lax.bitcast_convert_type(vf, jnp.int32)
+    vpos = (vi > 0) & (vi < 0x7F800000)
     mq, vq, mp, vp, mtb, vtb = codecs.propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
                                                valid.reshape(-1, codes.BLOCK), vpos.reshape(-1, codes.BLOCK),
                                                spec.decode_codec)
