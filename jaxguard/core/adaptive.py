@@ -105,7 +105,7 @@ def propose(mb, vb, valid, vpos, bm, bv):
     return mq, vq, s[:, None], vp, mt, vt
 
 
-def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None):
+def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None, code_bits=None):
     """Try every width pair, keep per block the cheapest; return the assembled proposal.
 
     Cost of a block: its code bits plus `ESCAPE_COST` bytes per escape; ties keep the wider
@@ -120,6 +120,8 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
       certify_fn: ``certify_fn(mt, vt, idx) -> level per idx`` (< 0: escapes), the guard's
         certificate bound to this group's constants.
       pairs: the (bm, bv) pairs to try (default `WIDTH_PAIRS`).
+      code_bits: optional ``code_bits(mq, vq, bm, bv) -> [nb, 256]`` bits each code costs
+        (summed over the in-tensor coordinates); default the packed width, ``bm + bv``.
 
     Returns:
       (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group; the guard
@@ -129,7 +131,8 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
     pairs = WIDTH_PAIRS if pairs is None else pairs
     mf, vf = jnp.asarray(mh).reshape(nb, codes.BLOCK), jnp.asarray(vh).reshape(nb, codes.BLOCK)
     best_cost = np.full(nb, np.inf)
-    count = in_tensor.reshape(nb, codes.BLOCK).sum(1)     # a partial last block stores fewer codes
+    inb = in_tensor.reshape(nb, codes.BLOCK)
+    count = inb.sum(1)     # a partial last block stores fewer codes
     best = None
     for bm, bv in pairs:
         mq, vq, mp, vp, mt, vt = (np.asarray(x) for x in propose(mf, vf, valid, vpos, bm, bv))
@@ -139,7 +142,8 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
         esc = in_tensor & ~exact & ~ok
         lv = certify_fn(mt, vt, cand)
         esc[cand[lv < 0]] = True
-        cost = (bm + bv) * count / 8 + ESCAPE_COST * esc.reshape(nb, codes.BLOCK).sum(1)
+        bits = (bm + bv) * count if code_bits is None else (code_bits(mq, vq, bm, bv) * inb).sum(1)
+        cost = bits / 8 + ESCAPE_COST * esc.reshape(nb, codes.BLOCK).sum(1)
         take = cost < best_cost
         if best is None:
             best = [mq.copy(), vq.copy(), mp.copy(), vp.copy(), np.full(nb, packed.join_widths(bm, bv), np.uint8)]
