@@ -157,6 +157,10 @@ def test_textbook_replay_fails_the_same_comparison(problems):
 def test_ieee_sqrt_variant_fails_when_torch_uses_mkl(variant, problems):
     if variant.sqrt == "ieee":
         pytest.skip("torch.sqrt is correctly rounded on this machine")
+    if variant.sqrt_ulps_below == 0 and variant.sqrt_ulps_above == 0:
+        # these problems' sqrt arguments are ordinary magnitudes; with MKL_ENABLE_INSTRUCTIONS=AVX2
+        # on an AVX-512 Xeon MKL deviates from IEEE only in binades 1-22 (own tables), never here
+        pytest.skip("torch.sqrt is IEEE on [1, 4) here; it deviates only in binades with a table of their own")
     tensors, tail = problems[10]
     ieee = AdamVariant(**{**variant.to_dict(), "sqrt": "ieee", "sqrt_table_sha256": ""})
     want, got = run_both(tensors, lambda *a, **k: adam_step(*a, variant=ieee, **k), step=9, lr=1e-3)
