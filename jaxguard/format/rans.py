@@ -17,7 +17,10 @@ runs the same loop over the lanes of many buffers at once (every tensor of a con
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
-    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them);
+    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them),
+         3 = models inline in the compact layout (`encode_compact_models`: knot levels
+         with integer interpolation, or raw levels over the used range; a bit stream
+         padded to a byte, ~10-60 bytes a model instead of ceil(2**width / 2));
          + 0x10 if the lanes carry tails (below)
     models (kind 1 only), per stream s = 0..S-1:
       u8   number of models K_s (one per alphabet width present in the stream)
@@ -44,10 +47,15 @@ returns ``s`` exactly, for every stream, width, model and size, on every platfor
 decoder checks, and raises `RansError` (a ValueError, one line) instead of returning
 wrong symbols or reading out of range: the kind byte; every model byte (width 0..8,
 P max(1, width)..15, widths ascending, none missing for a coded block), no level past the
-alphabet, at least one symbol per model; the buffer holds the lane states and whole
+alphabet, at least one symbol per model (kind 3: also lo <= hi, the mode, every knot level
+in 0..15, Exp-Golomb codes no longer than a level delta needs, zero padding; the levels
+are rebuilt with integer arithmetic only); the buffer holds the lane states and whole
 words; every state in ``[L, 2**32)``; at most one word per symbol; no word read past the
 end; every word consumed; and every lane ending in the encoder's initial state ``L`` (a
-check on the whole lane: a flipped bit in the words or states almost surely breaks it;
+check on the whole lane: a flipped bit in the words or states nearly always breaks it,
+but it is a 32-bit checksum per lane, not a hash: about 0.2% (kind 1) to 1.5% (kind 3,
+whose smooth models give unseen symbols slots) of single-bit flips in the words decode to
+another valid message (tests/test_rans.py), which the container's hashes refuse;
 with tails, only ``[L, 2L)`` is checked and the caller must check the tails, e.g. by the
 container's decoded-moments hash).
 Memory is bounded by the sizes the caller passes (``n``, the widths) and ``2**15`` slots
@@ -441,64 +449,92 @@ def decode_compact_models(buf, streams, pos=0, what="rans"):
     return models, pos + at // 8
 
 
-def _smooth_levels(hist, lo, hi, mode, shift):
-    """Knot levels of mode j from the mean count of a window of 2**j symbols around each knot."""
+def _smooth_levels(hist, lo, hi, mode):
+    """Knots of mode j and their levels [4, K] at level shifts 0..3, from the mean count of
+    a window of 2**j symbols around each knot (quantized as `quantize_levels`)."""
     pos = _knot_positions(lo, hi, mode)
     half = (1 << mode) // 2
     c = np.concatenate([[0], np.cumsum(hist)])
     a, b = np.maximum(pos - half, lo), np.minimum(pos + half, hi) + 1
     mean = (c[b] - c[a]) / (b - a)
     with np.errstate(divide="ignore"):
-        k = np.round(np.log2(mean / mean.max()) / 0.75) + 15 + shift
-    return pos, np.clip(np.nan_to_num(k, nan=1, neginf=1), 1, 15).astype(np.int64)
+        k = np.round(np.log2(mean / mean.max()) / 0.75) + 15
+    k = np.nan_to_num(k[None] + np.arange(4)[:, None], nan=1, neginf=1)     # an empty window: level 1
+    return pos, np.clip(k, 1, 15).astype(np.int64)
+
+
+def _interpolate_rows(pos, knot_levels):
+    """`_interpolate` of many knot-level rows [B, K] at the same knots -> [B, pos[-1] - pos[0] + 1]."""
+    kl = np.asarray(knot_levels, np.int64)
+    if pos.size == 1:
+        return kl.copy()
+    s = np.arange(pos[0], pos[-1] + 1)
+    seg = np.minimum(np.searchsorted(pos, s, side="right") - 1, pos.size - 2)
+    pa, pb = pos[seg], pos[seg + 1]
+    la, lb = kl[:, seg], kl[:, seg + 1]
+    return la + ((lb - la) * (s - pa) * 2 + (pb - pa)) // (2 * (pb - pa))
+
+
+def _coded_bits_rows(hist, levels, prob_bits):
+    """`_cost_bits` under `model_freqs` of many level rows [B, A] (inf where a symbol is absent)."""
+    lv = np.asarray(levels, np.int64)
+    M = 1 << prob_bits
+    k = (lv > 0).sum(1)
+    w = _W[lv]
+    f = np.where(lv > 0, 1 + w * (M - k)[:, None] // w.sum(1)[:, None], 0)
+    f[np.arange(lv.shape[0]), np.argmax(lv, axis=1)] += M - f.sum(1)
+    nz = hist > 0
+    with np.errstate(divide="ignore"):
+        return (hist[nz] * (prob_bits - np.log2(f[:, nz]))).sum(1)
 
 
 def _fit_compact(hist, width, cands):
-    """(P, levels) of fewest model + coded bits (kind 3) for one histogram."""
+    """(P, levels) of fewest model + coded bits (kind 3) for one histogram: the exact levels
+    (as kind 1 fits them), or smooth ones (knots every 2**j symbols on the window means,
+    then single knots moved by one level, steepest first, while that pays)."""
+    hist = np.asarray(hist, np.int64)
     nz = np.flatnonzero(hist)
     lo, hi = int(nz[0]), int(nz[-1])
+    h = hist[lo:hi + 1]
     ref_p = max(cands)
-
     head = 8 + 2 * width + 4 + 4
 
-    def total(lv, kl=None):       # kl: the knots of lv (their form's bits, not a search)
-        mbits = compact_model_bits(lv, width) if kl is None else head + int(_eg_bits(np.diff(kl)).sum())
-        return _cost_bits(hist, model_freqs(lv, ref_p), ref_p) + mbits
+    def totals(kl_rows, pos):
+        mbits = head + _eg_bits(np.diff(kl_rows, axis=1)).sum(1)
+        return _coded_bits_rows(h, _interpolate_rows(pos, kl_rows), ref_p) + mbits
 
     best = None
-    for shift in range(4):                       # exact levels (as kind 1 fits them)
+    for shift in range(4):
         lv = quantize_levels(hist, shift)
-        c = total(lv)
+        c = _cost_bits(hist, model_freqs(lv, ref_p), ref_p) + compact_model_bits(lv, width)
         if best is None or c < best[0]:
-            best = (c, lv, None)
-    for mode in range(1, MAX_WIDTH + 1):         # smooth: knots every 2**mode symbols
-        for shift in range(4):
-            pos, kl = _smooth_levels(hist, lo, hi, mode, shift)
-            lv = np.zeros(1 << width, np.int64)
-            lv[lo:hi + 1] = _interpolate(pos, kl)
-            c = total(lv, kl)
-            if c < best[0]:
-                best = (c, lv, (pos, kl))
-        if _knot_positions(lo, hi, mode).size <= 2:
+            best = (c, lv[lo:hi + 1])
+    smooth = None
+    for mode in range(1, MAX_WIDTH + 1):
+        pos, rows = _smooth_levels(hist, lo, hi, mode)
+        c = totals(rows, pos)
+        i = int(np.argmin(c))
+        if smooth is None or c[i] < smooth[0]:
+            smooth = (float(c[i]), pos, rows[i])
+        if pos.size <= 2:
             break
-    c, lv, knots = best
-    if knots is not None:                        # greedy: move single knots by one level
-        pos, kl = knots
-        for _ in range(3):
-            improved = False
-            for i in range(kl.size):
-                for d in (-1, 1):
-                    if not 1 <= kl[i] + d <= 15:
-                        continue
-                    k2 = kl.copy()
-                    k2[i] += d
-                    l2 = np.zeros(1 << width, np.int64)
-                    l2[lo:hi + 1] = _interpolate(pos, k2)
-                    c2 = total(l2, k2)
-                    if c2 < c:
-                        c, kl, lv, improved = c2, k2, l2, True
-            if not improved:
-                break
+    c, pos, kl = smooth
+    K = kl.size
+    step = np.concatenate([np.eye(K, dtype=np.int64), -np.eye(K, dtype=np.int64)])
+    for _ in range(8 * K):
+        rows = kl[None] + step
+        ok = ((rows >= 1) & (rows <= 15)).all(1)
+        if not ok.any():
+            break
+        cs = np.where(ok, totals(np.clip(rows, 1, 15), pos), np.inf)
+        i = int(np.argmin(cs))
+        if not cs[i] < c:
+            break
+        c, kl = float(cs[i]), rows[i]
+    if c < best[0]:
+        best = (c, _interpolate_rows(pos, kl[None])[0])
+    lv = np.zeros(1 << width, np.int64)
+    lv[lo:hi + 1] = best[1]
     cost = {p: _cost_bits(hist, model_freqs(lv, p), p) for p in cands}
     return min(cost, key=cost.get), lv
 
