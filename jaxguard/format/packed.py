@@ -393,7 +393,8 @@ def entry_sections(arrays, n, entropy=False):
 
 def entry_payload_bytes(arrays, n, entropy=False):
     """Moment payload of one logrel-aw / logrel-ans entry: its exact section sizes
-    (`entry_sections`; for logrel-ans this rANS-encodes, ~2.4 M symbols/s).
+    (`entry_sections`; for logrel-ans this rANS-encodes each tensor twice, with compact and
+    with 4-bit-level models: ~2.5 s for the demo checkpoint's 30 tensors, bench/results/compact_models.md).
 
     Args:
       arrays: the encoded arrays, as for `entry_sections`.
