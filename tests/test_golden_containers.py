@@ -66,6 +66,6 @@ def test_golden_logrel_ans_compact_models_decode_to_the_same_bits():
     for k, e in enumerate(header["entries"]):
         if e["kind"] != "moments":
             continue
-        for got in (reader.read_moments(e, payload, {}), reader.read_moments(e, payload, {}, pre.get(k))):
-            np.testing.assert_array_equal(np.asarray(got[0], np.float32).view(np.uint32), expected[f"{e['name']}/m_bits"])
-            np.testing.assert_array_equal(np.asarray(got[1], np.float32).view(np.uint32), expected[f"{e['name']}/v_bits"])
+        for m, v in (reader.read_moments(e, payload, {}), reader.read_moments(e, payload, {}, pre.get(k))):
+            np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), expected[f"{e['name']}/m_bits"])
+            np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), expected[f"{e['name']}/v_bits"])
