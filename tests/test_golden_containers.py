@@ -46,3 +46,26 @@ def test_golden_logrel_ans_has_both_forms_and_decodes_them_to_the_same_bits():
         np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), EXPECTED[f"{key}/m_bits"])
         np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), EXPECTED[f"{key}/v_bits"])
     assert reader.decoded_digest(header, payload) == str(EXPECTED["logrel-ans/decoded_sha256"])
+
+
+def test_golden_logrel_ans_compact_models_decode_to_the_same_bits():
+    """logrel-ans-compact.jaxguard (tests/golden/make_ans_compact_golden.py): three entries
+    whose mv_rans buffers carry compact models (kind byte 0x13) and one packed; every entry
+    decodes bit for bit, alone and through the decode_many pre-pass."""
+    expected = np.load(os.path.join(HERE, "logrel-ans-compact.expected.npz"))
+    path = os.path.join(HERE, "logrel-ans-compact.jaxguard")
+    info = reader.verify_file(path)
+    assert info["ok"] and info["decoded_sha256"] == str(expected["decoded_sha256"])
+    with open(path, "rb") as f:
+        header, payload = reader.parse(f.read())
+    moments = [e for e in header["entries"] if e["kind"] == "moments"]
+    kinds = {e["name"]: payload[e["sections"]["mv_rans"][0]] if "mv_rans" in e["sections"] else None for e in moments}
+    assert kinds == {"layer/w": 0x13, "layer/big": 0x13, "layer/small": 0x13, "layer/tiny": None}
+    pre = reader.decode_rans_entries(header["entries"], payload)
+    assert len(pre) == 3
+    for k, e in enumerate(header["entries"]):
+        if e["kind"] != "moments":
+            continue
+        for m, v in (reader.read_moments(e, payload, {}), reader.read_moments(e, payload, {}, pre.get(k))):
+            np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), expected[f"{e['name']}/m_bits"])
+            np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), expected[f"{e['name']}/v_bits"])

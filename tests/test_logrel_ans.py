@@ -238,7 +238,7 @@ def _all_max_m_code_buffer(data, name):
 
 CORRUPT = {
     "kind byte without lane tails": lambda buf, d: bytes([0x01]) + buf[1:],
-    "kind byte unknown": lambda buf, d: bytes([0x13]) + buf[1:],
+    "kind byte unknown": lambda buf, d: bytes([0x14]) + buf[1:],
     "truncated words": lambda buf, d: buf[:-2],
     "odd length": lambda buf, d: buf[:-1],
     "extra words": lambda buf, d: buf + b"\x00\x00",

@@ -266,3 +266,197 @@ def test_decode_many_is_decode_per_buffer():
     assert rans.decode_many([]) == []
     tail_empty = rans.decode_many(items[:2] + [items[3]])          # an empty tensor last
     np.testing.assert_array_equal(tail_empty[2], want[3])
+
+
+# ---------------------------------------------------------------- compact models (kind 3)
+GOLDEN_V2 = Path(__file__).parent / "golden" / "rans_v2.npz"
+
+
+@pytest.mark.parametrize("width", range(0, 9))
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "single-symbol"])
+def test_compact_round_trip_every_width(width, kind):
+    rng = np.random.default_rng(100 + width)
+    n = 256 * 3 + 5
+    bits = np.stack([np.full(4, width), np.full(4, max(width - 1, 0))])
+    sym = _case(rng, n, bits, kind)
+    buf = rans.encode(sym, bits, n, compact_models=True)
+    assert buf[0] == rans.KIND_COMPACT
+    np.testing.assert_array_equal(rans.decode(buf, bits, n), sym)
+    assert rans.encoded_size(sym, bits, n, compact_models=True) == len(buf)
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 1000])
+def test_compact_round_trip_all_symbols_and_one_symbol(n):
+    nb = -(-n // 256)
+    for w in (1, 4, 8):
+        bits = np.full((2, nb), w)
+        every = np.broadcast_to(np.arange(256) % (1 << w), (2, nb, 256))     # all symbols of the alphabet
+        one = np.full((2, nb, 256), (1 << w) - 1)                             # the last symbol only
+        for sym in (every, one):
+            sym = np.where(_coded(n, nb)[None], sym, 0).astype(np.uint8)
+            buf = rans.encode(sym, bits, n, compact_models=True)
+            np.testing.assert_array_equal(rans.decode(buf, bits, n), sym)
+
+
+def test_compact_byte_layout_hand_checked():
+    # width 1, P = 1, levels (15, 15): bits K=1 (4), width 1 (4), P 1 (4), lo 0 (1), hi 1 (1),
+    # mode 0 (4), first knot 15 (4), delta 0 as Exp-Golomb '1' (1), one padding bit:
+    # 0x11, 0x21, 0x7C; then the same lane state as kind 1.
+    models = [{1: (1, np.array([15, 15]))}]
+    buf = rans.encode(np.array([[1, 0, 1] + [0] * 253]), np.array([1]), 3, models, compact_models=True)
+    assert buf == bytes([0x03, 0x11, 0x21, 0x7C, 0x05, 0x00, 0x08, 0x00])
+    np.testing.assert_array_equal(rans.decode(buf, np.array([1]), 3)[0, :3], [1, 0, 1])
+
+
+@pytest.mark.parametrize("compact_fit", [False, True])
+def test_compact_models_encode_any_levels_exactly(compact_fit):
+    """Every model (kind-1 fits with gaps, compact fits) comes back level for level."""
+    rng = np.random.default_rng(7)
+    n = 256 * 6 + 11
+    bits = np.stack([np.array([8, 8, 7, 6, 8, 5, 4]), np.array([7, 7, 7, 8, 8, 4, 0])])
+    sym = _case(rng, n, bits, "skewed")
+    sym[0, 0, ::7] = 200          # a gap-toothed histogram: levels the knots cannot describe
+    models = rans.fit_models(sym, bits, n, compact=compact_fit)
+    raw = rans.encode_compact_models(models)
+    got, end = rans.decode_compact_models(raw + b"tail", 2)
+    assert end == len(raw)
+    for a, b in zip(got, models):
+        assert sorted(a) == sorted(b)
+        for w in a:
+            assert a[w][0] == b[w][0]
+            np.testing.assert_array_equal(a[w][1], b[w][1])
+    assert len(raw) <= len(rans.encode_models(models)) + 2
+
+
+def test_compact_models_are_much_smaller_on_a_small_smooth_tensor():
+    """The CNN case: ~1,000 coordinates of log-spaced codes, where 4-bit levels cost more
+    than rANS saves and the compact models do not."""
+    rng = np.random.default_rng(8)
+    n = 1000
+    nb = 4
+    bits = np.stack([np.full(nb, 8), np.full(nb, 7)])
+    sym = np.stack([np.clip(np.round(rng.laplace(127, 40, (nb, 256))), 0, 254),
+                    np.clip(np.round(rng.normal(64, 20, (nb, 256))), 1, 127)]).astype(np.uint8)
+    sym = np.where(_coded(n, nb)[None], sym, 0)
+    kind1 = rans.encode(sym, bits, n)
+    kind3 = rans.encode(sym, bits, n, compact_models=True)
+    m1 = len(rans.encode_models(rans.fit_models(sym, bits, n)))
+    m3 = len(rans.encode_compact_models(rans.fit_models(sym, bits, n, compact=True)))
+    assert m3 * 3 < m1, (m3, m1)
+    assert len(kind3) < len(kind1) - 100, (len(kind3), len(kind1))
+    packed_bytes = int(((np.minimum(256, n - 256 * np.arange(nb)) * bits).sum(1) + 7).sum() // 8)
+    assert len(kind3) < packed_bytes < len(kind1), (len(kind3), packed_bytes, len(kind1))
+    np.testing.assert_array_equal(rans.decode(kind3, bits, n), sym)
+
+
+def _compact_sample():
+    sym, bits, n, _ = _sample()
+    return sym, bits, n, rans.encode(sym, bits, n, compact_models=True)
+
+
+def test_compact_every_truncation_is_refused():
+    sym, bits, n, buf = _compact_sample()
+    for cut in range(len(buf)):
+        with pytest.raises(rans.RansError):
+            rans.decode(buf[:cut], bits, n)
+
+
+def test_compact_bit_flips_are_refused_or_harmless():
+    """Every single-bit flip of the compact models is refused or decodes to the same
+    symbols; flips in the lane states and words are refused but for a few that decode to
+    another valid message (the lane end-state check is a checksum of 32 bits per lane, not
+    a hash: measured 70 of 4,832 word-bit flips here, 9 of 4,752 for the kind-1 buffer of
+    the same symbols; the container's payload and decoded-moments SHA-256 refuse those)."""
+    sym, bits, n, buf = _compact_sample()
+    end = rans.decode_compact_models(buf, 2, 1)[1]
+    rng = np.random.default_rng(9)
+    flips = [(pos, bit) for pos in range(end) for bit in range(8)]           # every model bit
+    flips += [(int(p), int(b)) for p, b in zip(rng.integers(end, len(buf), 600), rng.integers(0, 8, 600))]
+    wrong = refused = 0
+    for pos, bit in flips:
+        bad = bytearray(buf)
+        bad[pos] ^= 1 << bit
+        try:
+            out = rans.decode(bytes(bad), bits, n)
+        except rans.RansError as exc:
+            assert "\n" not in str(exc)
+            refused += 1
+            continue
+        if pos < end:
+            np.testing.assert_array_equal(out, sym, err_msg=f"model byte {pos} bit {bit}")
+        wrong += not np.array_equal(out, sym)
+    assert refused >= 0.96 * len(flips) and wrong <= 0.04 * 600, (refused, wrong)
+
+
+def _from_bits(b):
+    b = b + [0] * (-len(b) % 8)
+    return np.packbits(np.array(b, np.uint8), bitorder="little").tobytes()
+
+
+def _field(v, n):
+    return [(v >> k) & 1 for k in range(n)]
+
+
+@pytest.mark.parametrize("fields, match", [
+    (_field(10, 4), "declares 10 models"),
+    (_field(1, 4) + _field(9, 4) + _field(9, 4), "width must be"),
+    (_field(1, 4) + _field(4, 4) + _field(2, 4), "width must be"),             # P below the width
+    (_field(1, 4) + _field(4, 4) + _field(8, 4) + _field(9, 4) + _field(3, 4), "hi 3 < lo 9"),
+    (_field(1, 4) + _field(4, 4) + _field(8, 4) + _field(0, 4) + _field(15, 4) + _field(9, 4), "mode 9"),
+    (_field(1, 4) + _field(4, 4) + _field(8, 4) + _field(0, 4) + _field(15, 4) + _field(15, 4)
+     + [0] * 64, "no symbol"),                                                 # raw levels, all 0
+    (_field(1, 4) + _field(4, 4) + _field(8, 4) + _field(0, 4) + _field(15, 4) + _field(0, 4)
+     + _field(15, 4) + [0, 1, 1], "outside 0..15"),                            # 15 + 1
+    (_field(1, 4) + _field(4, 4) + _field(8, 4) + _field(0, 4) + _field(15, 4) + _field(0, 4)
+     + _field(1, 4) + [0] * 5 + [1], "longer than"),
+    (_field(1, 4) + _field(4, 4) + _field(8, 4) + _field(0, 4) + _field(15, 4) + _field(0, 4)
+     + _field(1, 4), "truncated"),                                             # the knot codes end
+])
+def test_compact_malformed_models(fields, match):
+    with pytest.raises(rans.RansError, match=match):
+        rans.decode_compact_models(_from_bits(fields), 1)
+
+
+def test_compact_padding_and_kind_checked():
+    # the hand-checked models (23 bits): their one padding bit set
+    with pytest.raises(rans.RansError, match="padding"):
+        rans.decode_compact_models(bytes([0x11, 0x21, 0xFC]), 1)
+    assert rans.decode_compact_models(bytes([0x11, 0x21, 0x7C]), 1)[1] == 3
+    sym, bits, n, buf = _compact_sample()
+    models = rans.decode_compact_models(buf, 2, 1)[0]
+    with pytest.raises(rans.RansError, match="do not pass models"):
+        rans.decode(buf, bits, n, models=models)
+    with pytest.raises(rans.RansError, match="kind byte"):
+        rans.decode(bytes([0x04]) + buf[1:], bits, n)
+
+
+def test_compact_lane_tails_and_decode_many():
+    sym, bits, n, buf = _compact_sample()
+    tails = np.array([7, 0, 0xFFFF, 0x3F80])
+    tb = rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)
+    assert tb[0] == rans.KIND_COMPACT | rans.TAILS_FLAG
+    (out, got), = rans.decode_many([(tb, bits, n)], lane_tails=True)
+    np.testing.assert_array_equal(out, sym)
+    np.testing.assert_array_equal(got, tails)
+    many = rans.decode_many([(buf, bits, n), (rans.encode(sym, bits, n), bits, n)])     # kinds 3 and 1 together
+    for m in many:
+        np.testing.assert_array_equal(m, sym)
+
+
+def test_golden_v2_compact_decodes_identically():
+    g = np.load(GOLDEN_V2)
+    names = list(g["names"])
+    assert names == ["cnn-like", "mixed-widths", "one-symbol", "all-symbols", "width0", "gappy", "tails"]
+    for k, name in enumerate(names):
+        n, sym, bits, buf = int(g[f"n_{k}"]), g[f"symbols_{k}"], g[f"bits_{k}"], g[f"buf_{k}"].tobytes()
+        tails = buf[0] & rans.TAILS_FLAG
+        assert buf[0] & 0x0F == rans.KIND_COMPACT, name
+        out = rans.decode(buf, bits, n, lane_tails=bool(tails))
+        if tails:
+            out, t = out
+            np.testing.assert_array_equal(t, g[f"tails_{k}"], err_msg=name)
+        np.testing.assert_array_equal(out, sym, err_msg=name)
+        stored = rans.decode_compact_models(buf, bits.shape[0], 1)[0]
+        again = rans.encode(sym, bits, n, stored, compact_models=True,
+                            lane_tails=g[f"tails_{k}"] if tails else None)
+        assert again == buf, name

@@ -347,8 +347,9 @@ def entry_sections(arrays, n, entropy=False):
         ``escape_m``, ``escape_v``).
       n: coordinates.
       entropy: logrel-ans: store ``mv_rans`` (one `jaxguard.format.rans` buffer of both
-        code streams, models inline, the bf16 m-scales in the lane tails) instead of
-        ``m_codes``, ``v_codes`` and ``m_params`` when it is smaller (ties: packed).
+        code streams, models inline in the compact layout or as 4-bit levels, whichever
+        buffer is smaller, the bf16 m-scales in the lane tails) instead of ``m_codes``,
+        ``v_codes`` and ``m_params`` when it is smaller (ties: packed).
 
     Returns:
       dict section name -> uint8/uint16/float32 array, in the header's key order.
@@ -381,8 +382,9 @@ def entry_sections(arrays, n, entropy=False):
         esc = np.packbits(mask, bitorder="little")
     codes = {"m_codes": pack(qm + lm, bm, n), "v_codes": pack(qv, bv, n), "m_params": scale_to_u16(mp[:, 0])}
     if entropy and n:
-        mv = rans.encode(np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv]), n,
-                         lane_tails=codes["m_params"])
+        sym, bits = np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv])
+        mv = min((rans.encode(sym, bits, n, lane_tails=codes["m_params"], compact_models=c) for c in (True, False)),
+                 key=len)      # compact models (kind 3) or 4-bit levels (kind 1): the smaller, ties compact
         if len(mv) < sum(a.nbytes for a in codes.values()):
             codes = {"mv_rans": np.frombuffer(mv, np.uint8)}
     return {"widths": widths, **codes, "v_params": np.ascontiguousarray(vp[:, 2:4]), kind: esc,
@@ -391,7 +393,8 @@ def entry_sections(arrays, n, entropy=False):
 
 def entry_payload_bytes(arrays, n, entropy=False):
     """Moment payload of one logrel-aw / logrel-ans entry: its exact section sizes
-    (`entry_sections`; for logrel-ans this rANS-encodes, ~2.4 M symbols/s).
+    (`entry_sections`; for logrel-ans this rANS-encodes each tensor twice, with compact and
+    with 4-bit-level models: ~2.5 s for the demo checkpoint's 30 tensors, bench/results/compact_models.md).
 
     Args:
       arrays: the encoded arrays, as for `entry_sections`.

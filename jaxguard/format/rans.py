@@ -17,7 +17,10 @@ runs the same loop over the lanes of many buffers at once (every tensor of a con
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
-    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them);
+    u8   kind: 1 = models inline (below), 2 = no models (the decoder is given them),
+         3 = models inline in the compact layout (`encode_compact_models`: knot levels
+         with integer interpolation, or raw levels over the used range; a bit stream
+         padded to a byte, ~10-60 bytes a model instead of ceil(2**width / 2));
          + 0x10 if the lanes carry tails (below)
     models (kind 1 only), per stream s = 0..S-1:
       u8   number of models K_s (one per alphabet width present in the stream)
@@ -44,10 +47,15 @@ returns ``s`` exactly, for every stream, width, model and size, on every platfor
 decoder checks, and raises `RansError` (a ValueError, one line) instead of returning
 wrong symbols or reading out of range: the kind byte; every model byte (width 0..8,
 P max(1, width)..15, widths ascending, none missing for a coded block), no level past the
-alphabet, at least one symbol per model; the buffer holds the lane states and whole
+alphabet, at least one symbol per model (kind 3: also lo <= hi, the mode, every knot level
+in 0..15, Exp-Golomb codes no longer than a level delta needs, zero padding; the levels
+are rebuilt with integer arithmetic only); the buffer holds the lane states and whole
 words; every state in ``[L, 2**32)``; at most one word per symbol; no word read past the
 end; every word consumed; and every lane ending in the encoder's initial state ``L`` (a
-check on the whole lane: a flipped bit in the words or states almost surely breaks it;
+check on the whole lane: a flipped bit in the words or states nearly always breaks it,
+but it is a 32-bit checksum per lane, not a hash: about 0.2% (kind 1) to 1.5% (kind 3,
+whose smooth models give unseen symbols slots) of single-bit flips in the words decode to
+another valid message (tests/test_rans.py), which the container's hashes refuse;
 with tails, only ``[L, 2L)`` is checked and the caller must check the tails, e.g. by the
 container's decoded-moments hash).
 Memory is bounded by the sizes the caller passes (``n``, the widths) and ``2**15`` slots
@@ -59,6 +67,7 @@ import numpy as np
 
 BLOCK = 256
 KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
+KIND_COMPACT = 3                     # first byte: models in the buffer, in the compact bit layout
 TAILS_FLAG = 0x10                    # first byte: each lane's initial state carries 16 caller bits
 STATE_LOW = 1 << 16              # L
 MAX_WIDTH = 8
@@ -167,7 +176,7 @@ def quantize_levels(hist, shift=0):
     return np.where(h > 0, np.clip(np.nan_to_num(k, nan=1, neginf=1), 1, 15), 0).astype(np.int64)
 
 
-def fit_models(symbols, alphabet_bits, n, prob_bits=None):
+def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
     """Static models of each stream: one per alphabet width present, P chosen per model.
 
     Args:
@@ -176,6 +185,9 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None):
       n: symbols per stream (the last block codes n - 256*(nb-1)).
       prob_bits: force this P for every model; default: per model the P in `PROB_BITS`
         (and level shift 0..3) of fewest coded bits.
+      compact: fit for the kind-3 layout (`encode_compact_models`): per model the levels
+        of fewest model + coded bits among the exact ones and smooth ones (knots every
+        2**j symbols, each knot then moved by single levels while that pays).
 
     Returns:
       per stream, a dict width -> (P, levels [2**width] int64).
@@ -192,6 +204,9 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None):
             lanes = (bits[st] == w) & (counts > 0)
             hist = np.bincount(s[st][lanes][coded[lanes]], minlength=1 << w)
             cands = [prob_bits] if prob_bits is not None else [p for p in PROB_BITS if p >= w]
+            if compact:
+                mods[w] = _fit_compact(hist, w, cands)
+                continue
             best = None
             for p in cands:
                 for shift in range(4):
@@ -225,6 +240,305 @@ def encode_models(models) -> bytes:
     return bytes(out)
 
 
+# ---------------------------------------------------------------- compact models (kind 3)
+# The levels of a code stream's model are smooth (log-spaced codes: a roughly linear
+# log-pmf), so kind 3 stores each model as levels at "knots" with integer linear
+# interpolation between them, the knot levels delta-coded (Exp-Golomb); a model the
+# knots cannot describe is stored as raw 4-bit levels over its range.  The decoder
+# rebuilds the same integer levels, and from them (`model_freqs`) the same frequencies.
+COMPACT_RAW = 15                 # mode of a model stored as raw 4-bit levels
+_MAX_EG_ZEROS = 4                # |delta| <= 15 -> zigzag <= 30 -> at most 4 leading zeros
+
+
+def _knot_positions(lo, hi, mode):
+    """Knots of mode j over [lo, hi]: lo, lo + 2**j, ... below hi, then hi."""
+    return np.concatenate([np.arange(lo, hi, 1 << mode), [hi]]).astype(np.int64) if hi > lo \
+        else np.array([lo], np.int64)
+
+
+def _interpolate(pos, knot_levels):
+    """Integer levels on pos[0]..pos[-1]: round-half-up linear interpolation between knots."""
+    pos, kl = np.asarray(pos, np.int64), np.asarray(knot_levels, np.int64)
+    if pos.size == 1:
+        return kl.copy()
+    s = np.arange(pos[0], pos[-1] + 1)
+    seg = np.minimum(np.searchsorted(pos, s, side="right") - 1, pos.size - 2)
+    pa, pb, la, lb = pos[seg], pos[seg + 1], kl[seg], kl[seg + 1]
+    return la + ((lb - la) * (s - pa) * 2 + (pb - pa)) // (2 * (pb - pa))
+
+
+def _eg_bits(delta):
+    """Bits of each signed delta's Exp-Golomb-0 code of its zigzag (0, -1, 1, -2, ...)."""
+    z = np.where(np.asarray(delta) >= 0, 2 * np.asarray(delta), -2 * np.asarray(delta) - 1) + 1
+    return 2 * np.floor(np.log2(z)).astype(np.int64) + 1
+
+
+def _compact_form(levels, width):
+    """Cheapest exact kind-3 form of one model's levels -> (bits, lo, hi, mode, knot levels)."""
+    lv = np.asarray(levels, np.int64)
+    nz = np.flatnonzero(lv)
+    lo, hi = int(nz[0]), int(nz[-1])
+    head = 8 + 2 * width + 4
+    best = (head + 4 * (hi - lo + 1), lo, hi, COMPACT_RAW, lv[lo:hi + 1])
+    for mode in range(MAX_WIDTH + 1):
+        pos = _knot_positions(lo, hi, mode)
+        kl = lv[pos]
+        if (_interpolate(pos, kl) == lv[lo:hi + 1]).all():
+            bits = head + 4 + int(_eg_bits(np.diff(kl)).sum())
+            if bits < best[0]:
+                best = (bits, lo, hi, mode, kl)
+        if pos.size <= 2:
+            break
+    return best
+
+
+def compact_model_bits(levels, width):
+    """Bits of one model in the kind-3 layout (the cheapest exact form of these levels).
+
+    Args:
+      levels: [2**width] ints 0..15, at least one > 0.
+      width: the alphabet width.
+
+    Returns:
+      int bits, the (width, P) byte included (not the stream's 4-bit model count or the
+      final byte padding).
+    """
+    return _compact_form(levels, width)[0]
+
+
+def _put(bits, value, n):
+    bits.extend((int(value) >> k) & 1 for k in range(n))
+
+
+def encode_compact_models(models) -> bytes:
+    """Models -> their kind-3 bytes (`decode_compact_models` reads them back).
+
+    Layout, a bit stream (bit k of byte i is bit 8i + k; fields LSB first), padded with 0
+    bits to a whole byte: per stream, 4 bits K (models); per model, widths ascending:
+    4 bits width, 4 bits P, ``width`` bits lo, ``width`` bits hi (the first and last
+    symbol of nonzero level), 4 bits mode; mode 0..8: knots at lo, lo + 2**mode, ...
+    (below hi) and hi, the first knot's level in 4 bits, then each next knot's level
+    minus the previous one as Exp-Golomb-0 of its zigzag (0, -1, 1, -2, ... -> 0, 1, 2,
+    3, ...: z + 1 in binary, MSB first, after as many 0 bits as it has bits minus one);
+    levels between knots ``la + ((lb - la)*(s - pa)*2 + (pb - pa)) // (2*(pb - pa))``;
+    mode 15: 4 bits per level lo..hi.  Levels outside lo..hi are 0.
+
+    Args:
+      models: per stream, dict width -> (P, levels), e.g. from `fit_models`.
+
+    Returns:
+      bytes.
+    """
+    bits = []
+    for mods in models:
+        _put(bits, len(mods), 4)
+        for w in sorted(mods):
+            p, lv = mods[w]
+            _, lo, hi, mode, kl = _compact_form(lv, w)
+            _put(bits, w, 4)
+            _put(bits, p, 4)
+            _put(bits, lo, w)
+            _put(bits, hi, w)
+            _put(bits, mode, 4)
+            if mode == COMPACT_RAW:
+                for v in kl:
+                    _put(bits, v, 4)
+                continue
+            _put(bits, kl[0], 4)
+            for d in np.diff(kl).tolist():
+                z = (2 * d if d >= 0 else -2 * d - 1) + 1
+                nb = z.bit_length()
+                bits.extend([0] * (nb - 1))
+                bits.extend((z >> k) & 1 for k in range(nb - 1, -1, -1))
+    bits.extend([0] * (-len(bits) % 8))
+    return np.packbits(np.array(bits, np.uint8), bitorder="little").tobytes() if bits else b""
+
+
+def compact_models_bound(streams):
+    """Most bytes `encode_compact_models` can write for this many streams.
+
+    Args:
+      streams: S.
+
+    Returns:
+      int bytes.
+    """
+    per_model = 8 + 2 * MAX_WIDTH + 4 + 4 * (1 << MAX_WIDTH)
+    return -(-streams * (4 + (MAX_WIDTH + 1) * per_model) // 8)
+
+
+def decode_compact_models(buf, streams, pos=0, what="rans"):
+    """Kind-3 model bytes (from `encode_compact_models`) -> (models, end offset).
+
+    Args:
+      buf: bytes.
+      streams: S, the number of streams.
+      pos: offset of the model part in buf.
+      what: name used in error messages.
+
+    Returns:
+      (list per stream of dict width -> (P, levels), offset just past the models).
+
+    Raises:
+      RansError: truncated, a bad width or P (width 0..8 ascending and distinct, P
+        max(1, width)..15), hi < lo, a mode other than 0..8 or 15, a knot level
+        outside 0..15, an Exp-Golomb code longer than a level delta needs, a model with
+        no symbol, or nonzero padding bits.
+    """
+    raw = np.frombuffer(bytes(buf), np.uint8)[pos:pos + compact_models_bound(streams)]
+    bits = np.unpackbits(raw, bitorder="little").tolist()
+    at = 0
+
+    def get(n, where):
+        nonlocal at
+        if at + n > len(bits):
+            raise RansError(f"{what}: truncated inside the compact models ({where})")
+        v = 0
+        for k in range(n):
+            v |= bits[at + k] << k
+        at += n
+        return v
+
+    models = []
+    for st in range(streams):
+        k = get(4, f"stream {st} model count")
+        if k > MAX_WIDTH + 1:
+            raise RansError(f"{what}: stream {st} declares {k} models; at most {MAX_WIDTH + 1} widths exist")
+        mods = {}
+        for _ in range(k):
+            w, p = get(4, f"stream {st} width"), get(4, f"stream {st} P")
+            if w > MAX_WIDTH or not max(1, w) <= p <= MAX_PROB_BITS or (mods and w <= max(mods)):
+                raise RansError(f"{what}: stream {st} compact model (width {w}, P {p}): width must be "
+                                f"0..{MAX_WIDTH}, ascending and distinct, P max(1, width)..{MAX_PROB_BITS}")
+            where = f"stream {st} width {w}"
+            lo, hi, mode = get(w, where), get(w, where), get(4, where)
+            if hi < lo:
+                raise RansError(f"{what}: {where} model has hi {hi} < lo {lo}")
+            lv = np.zeros(1 << w, np.int64)
+            if mode == COMPACT_RAW:
+                lv[lo:hi + 1] = [get(4, where) for _ in range(hi - lo + 1)]
+            elif mode <= MAX_WIDTH:
+                kpos = _knot_positions(lo, hi, mode)
+                kl = [get(4, where)]
+                for _ in range(kpos.size - 1):
+                    nz = 0
+                    while get(1, where) == 0:
+                        nz += 1
+                        if nz > _MAX_EG_ZEROS:
+                            raise RansError(f"{what}: {where} model has a knot code longer than a level "
+                                            f"delta needs")
+                    z = 1
+                    for _ in range(nz):
+                        z = (z << 1) | get(1, where)
+                    z -= 1
+                    lvl = kl[-1] + (z // 2 if z % 2 == 0 else -(z + 1) // 2)
+                    if not 0 <= lvl <= 15:
+                        raise RansError(f"{what}: {where} model has a knot level {lvl} outside 0..15")
+                    kl.append(lvl)
+                lv[lo:hi + 1] = _interpolate(kpos, kl)
+            else:
+                raise RansError(f"{what}: {where} model has mode {mode}; pass 0..{MAX_WIDTH} (knots) or "
+                                f"{COMPACT_RAW} (raw levels)")
+            if not lv.any():
+                raise RansError(f"{what}: {where} model has no symbol")
+            mods[w] = (p, lv)
+        models.append(mods)
+    pad = -at % 8
+    if get(pad, "padding") if pad else 0:
+        raise RansError(f"{what}: the compact models' padding bits are not 0")
+    return models, pos + at // 8
+
+
+def _smooth_levels(hist, lo, hi, mode):
+    """Knots of mode j and their levels [4, K] at level shifts 0..3, from the mean count of
+    a window of 2**j symbols around each knot (quantized as `quantize_levels`)."""
+    pos = _knot_positions(lo, hi, mode)
+    half = (1 << mode) // 2
+    c = np.concatenate([[0], np.cumsum(hist)])
+    a, b = np.maximum(pos - half, lo), np.minimum(pos + half, hi) + 1
+    mean = (c[b] - c[a]) / (b - a)
+    with np.errstate(divide="ignore"):
+        k = np.round(np.log2(mean / mean.max()) / 0.75) + 15
+    k = np.nan_to_num(k[None] + np.arange(4)[:, None], nan=1, neginf=1)     # an empty window: level 1
+    return pos, np.clip(k, 1, 15).astype(np.int64)
+
+
+def _interpolate_rows(pos, knot_levels):
+    """`_interpolate` of many knot-level rows [B, K] at the same knots -> [B, pos[-1] - pos[0] + 1]."""
+    kl = np.asarray(knot_levels, np.int64)
+    if pos.size == 1:
+        return kl.copy()
+    s = np.arange(pos[0], pos[-1] + 1)
+    seg = np.minimum(np.searchsorted(pos, s, side="right") - 1, pos.size - 2)
+    pa, pb = pos[seg], pos[seg + 1]
+    la, lb = kl[:, seg], kl[:, seg + 1]
+    return la + ((lb - la) * (s - pa) * 2 + (pb - pa)) // (2 * (pb - pa))
+
+
+def _coded_bits_rows(hist, levels, prob_bits):
+    """`_cost_bits` under `model_freqs` of many level rows [B, A] (inf where a symbol is absent)."""
+    lv = np.asarray(levels, np.int64)
+    M = 1 << prob_bits
+    k = (lv > 0).sum(1)
+    w = _W[lv]
+    f = np.where(lv > 0, 1 + w * (M - k)[:, None] // w.sum(1)[:, None], 0)
+    f[np.arange(lv.shape[0]), np.argmax(lv, axis=1)] += M - f.sum(1)
+    nz = hist > 0
+    with np.errstate(divide="ignore"):
+        return (hist[nz] * (prob_bits - np.log2(f[:, nz]))).sum(1)
+
+
+def _fit_compact(hist, width, cands):
+    """(P, levels) of fewest model + coded bits (kind 3) for one histogram: the exact levels
+    (as kind 1 fits them), or smooth ones (knots every 2**j symbols on the window means,
+    then single knots moved by one level, steepest first, while that pays)."""
+    hist = np.asarray(hist, np.int64)
+    nz = np.flatnonzero(hist)
+    lo, hi = int(nz[0]), int(nz[-1])
+    h = hist[lo:hi + 1]
+    ref_p = max(cands)
+    head = 8 + 2 * width + 4 + 4
+
+    def totals(kl_rows, pos):
+        mbits = head + _eg_bits(np.diff(kl_rows, axis=1)).sum(1)
+        return _coded_bits_rows(h, _interpolate_rows(pos, kl_rows), ref_p) + mbits
+
+    best = None
+    for shift in range(4):
+        lv = quantize_levels(hist, shift)
+        c = _cost_bits(hist, model_freqs(lv, ref_p), ref_p) + compact_model_bits(lv, width)
+        if best is None or c < best[0]:
+            best = (c, lv[lo:hi + 1])
+    smooth = None
+    for mode in range(1, MAX_WIDTH + 1):
+        pos, rows = _smooth_levels(hist, lo, hi, mode)
+        c = totals(rows, pos)
+        i = int(np.argmin(c))
+        if smooth is None or c[i] < smooth[0]:
+            smooth = (float(c[i]), pos, rows[i])
+        if pos.size <= 2:
+            break
+    c, pos, kl = smooth
+    K = kl.size
+    step = np.concatenate([np.eye(K, dtype=np.int64), -np.eye(K, dtype=np.int64)])
+    for _ in range(8 * K):
+        rows = kl[None] + step
+        ok = ((rows >= 1) & (rows <= 15)).all(1)
+        if not ok.any():
+            break
+        cs = np.where(ok, totals(np.clip(rows, 1, 15), pos), np.inf)
+        i = int(np.argmin(cs))
+        if not cs[i] < c:
+            break
+        c, kl = float(cs[i]), rows[i]
+    if c < best[0]:
+        best = (c, _interpolate_rows(pos, kl[None])[0])
+    lv = np.zeros(1 << width, np.int64)
+    lv[lo:hi + 1] = best[1]
+    cost = {p: _cost_bits(hist, model_freqs(lv, p), p) for p in cands}
+    return min(cost, key=cost.get), lv
+
+
 def _lane_tables(models, bits):
     """Flat per-stream tables: freq/start by (model base + symbol), slot -> symbol by (slot base + slot)."""
     tabs = []
@@ -252,7 +566,8 @@ def _lane_tables(models, bits):
 
 
 # ---------------------------------------------------------------- encode
-def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True, lane_tails=None) -> bytes:
+def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True, lane_tails=None,
+           compact_models=False) -> bytes:
     """Code streams of blocked symbols -> one rANS buffer (layout: module docstring).
 
     Args:
@@ -267,6 +582,10 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
       lane_tails: optional [nb] ints 0..65535 stored in the lanes' initial states (nearly
         free: the output grows by at most one bit per lane, i.e. now and then a word);
         `decode` with ``lane_tails=True`` returns them.
+      compact_models: store the models in the kind-3 layout (`encode_compact_models`,
+        kind byte 3; models fitted here with ``fit_models(..., compact=True)``) instead
+        of 4 bits per symbol (kind 1); with ``inline_models=False`` it only changes
+        the fit.
 
     Returns:
       bytes.
@@ -276,8 +595,8 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
     """
     bits, counts, single = _shapes(alphabet_bits, n)
     s, _ = _blocked(symbols, bits, counts, single)
-    models = fit_models(s if not single else s[0], bits if not single else bits[0], n, prob_bits) \
-        if models is None else models
+    models = fit_models(s if not single else s[0], bits if not single else bits[0], n, prob_bits,
+                        compact=compact_models) if models is None else models
     S, nb = bits.shape
     if len(models) != S:
         raise RansError(f"{len(models)} model sets for {S} streams")
@@ -315,15 +634,21 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
     chunks.sort(key=lambda k: (k[0], k[1]))
     words = np.concatenate([k[2] for k in chunks]) if chunks else np.zeros(0, "<u2")
     flag = TAILS_FLAG if lane_tails is not None else 0
-    head = bytes([KIND_INLINE | flag]) + encode_models(models) if inline_models else bytes([KIND_EXTERNAL | flag])
+    if not inline_models:
+        head = bytes([KIND_EXTERNAL | flag])
+    elif compact_models:
+        head = bytes([KIND_COMPACT | flag]) + encode_compact_models(models)
+    else:
+        head = bytes([KIND_INLINE | flag]) + encode_models(models)
     return head + x.astype("<u4").tobytes() + words.tobytes()
 
 
-def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True) -> int:
+def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True,
+                 compact_models=False) -> int:
     """Exact bytes `encode` returns (it encodes: ~10 M symbols/s).
 
     Args:
-      symbols, alphabet_bits, n, models, prob_bits, inline_models: as `encode`.
+      symbols, alphabet_bits, n, models, prob_bits, inline_models, compact_models: as `encode`.
 
     Returns:
       The length in bytes of ``encode(...)``'s buffer.
@@ -331,7 +656,7 @@ def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_
     Raises:
       RansError: as `encode`.
     """
-    return len(encode(symbols, alphabet_bits, n, models, prob_bits, inline_models))
+    return len(encode(symbols, alphabet_bits, n, models, prob_bits, inline_models, compact_models=compact_models))
 
 
 def symbol_cost_bits(models):
@@ -421,13 +746,18 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
             raise RansError(f"{what}: the buffer carries its models; do not pass models")
         head = b[:1 + S * (1 + (MAX_WIDTH + 1) * (1 + (1 << MAX_WIDTH) // 2))].tobytes()
         models, pos = decode_models(head, S, 1, what)
+    elif kind == KIND_COMPACT:
+        if models is not None:
+            raise RansError(f"{what}: the buffer carries its models; do not pass models")
+        models, pos = decode_compact_models(b[:1 + compact_models_bound(S)].tobytes(), S, 1, what)
     elif kind == KIND_EXTERNAL:
         if models is None:
             raise RansError(f"{what}: the buffer was written without models; pass the shared models")
         models = decode_models(encode_models(models), S, 0, what)[0]     # the same checks as stored ones
         pos = 1
     else:
-        raise RansError(f"{what}: kind byte {kind} is not {KIND_INLINE} or {KIND_EXTERNAL} (empty or not an rANS buffer)")
+        raise RansError(f"{what}: kind byte {kind} is not {KIND_INLINE}, {KIND_EXTERNAL} or {KIND_COMPACT} "
+                        f"(empty or not an rANS buffer)")
     for st in range(S):
         missing = sorted(set(np.unique(bits[st][counts > 0]).tolist()) - set(models[st]))
         if missing:
