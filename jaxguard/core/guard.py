@@ -161,11 +161,14 @@ def _encode_in_pieces(items, shapes, progress):
 def _join_pieces(pieces, shape):
     if len(pieces) == 1:
         start, enc = pieces[0]
-        return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats)
+        return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats, decoded=enc.decoded)
     a = {k: np.concatenate([e.arrays[k] for _, e in pieces]) for k in
          ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v", "widths") if k in pieces[0][1].arrays}
     a["escape_index"] = np.concatenate([e.arrays["escape_index"].astype(np.int64) + s for s, e in pieces])
-    enc = Encoded(a, pieces[0][1].codec, tuple(shape))
+    decoded = None
+    if all(e.decoded is not None for _, e in pieces):
+        decoded = tuple(np.concatenate([e.decoded[k] for _, e in pieces]) for k in (0, 1))
+    enc = Encoded(a, pieces[0][1].codec, tuple(shape), decoded=decoded)
     stats = {}
     for _, e in pieces:
         for k, val in e.stats.items():
@@ -257,6 +260,12 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         rescued = _joint_search(codec, np.flatnonzero(escape & ok & joint_on), mq, vq, mp, vp, mh, vh, pabs, clip,
                                 K, gidx, bound, partition)
         escape &= ~rescued
+        if rescued.any():   # the rescued coordinates decode from their new codes (as certified)
+            r = np.flatnonzero(rescued)
+            mt, vt = np.array(mt, np.float32), np.array(vt, np.float32)
+            mt[r], vt[r] = _decode_points(codec, mq[r], vq[r], mp[r // codes.BLOCK], vp[r // codes.BLOCK])
+    # what the reader will restore, as certified: the decoded codes, escapes exact
+    m_dec, v_dec = np.where(escape, mh, mt), np.where(escape, vh, vt)
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
     encs = []
@@ -269,7 +278,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                   "escape_index": esc, "escape_m": mh[b + esc], "escape_v": vh[b + esc]}
         if widths is not None:
             arrays["widths"] = widths[int(offs[i]):int(offs[i]) + nb].copy()
-        enc = Encoded(arrays, codec, tuple(shape))
+        enc = Encoded(arrays, codec, tuple(shape), decoded=(m_dec[b:b + n], v_dec[b:b + n]))
         lv = level_of[b:b + n]
         ex, okk = exact[b:b + n], ok[b:b + n]
         enc.stats = {
