@@ -37,7 +37,7 @@ from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
 from jaxguard.core import programs as _programs
 from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
-                                   certify_pc, classify, fast_accept, v_positive)
+                                   certify_pc, classify, device_classify, device_masks, fast_accept, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
@@ -214,12 +214,12 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         ph[b:b + n] = np.asarray(p, np.float32).reshape(-1)
         in_tensor[b:b + n] = True
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
-    valid = (in_tensor & block_stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
-    vpos = v_positive(vh).reshape(-1, codes.BLOCK)
     mf, vf = mh, vh
     widths = None
     entry = _codecs.get(propose_codec)
     if entry.choose is not None:
+        valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
+                       _programs.call(_device_masks, mh, vh, ph, in_tensor))
         # codes chosen on the host (logrel-aw: per-block widths on certified escapes); the
         # assembled codes come back decoded exactly as the reader decodes them and are
         # certified again from scratch below
@@ -230,12 +230,15 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 return np.zeros(idx.shape[0], np.int8)
             return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition)
 
-        mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor,
-                                                      lambda a, b: classify(mh, vh, ph, a, b), certify_candidates)
-    else:
-        mq, vq, mp, vp, mt, vt = _propose_chunked(mh.reshape(-1, codes.BLOCK), vh.reshape(-1, codes.BLOCK), valid,
-                                                  vpos, propose_codec)
-    exact, ok = classify(mh, vh, ph, mt, vt)
+        def classified(a, b):
+            return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
+
+        mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor, classified,
+                                                      certify_candidates)
+        exact, ok = classified(mt, vt)
+    else:   # the masks, the proposal and the classification in one program per chunk
+        mq, vq, mp, vp, mt, vt, exact, ok = _propose_chunked(*(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)),
+                                                              propose_codec)
     level_of = np.full(npad, -1, np.int8)
     if not certified:
         escape = in_tensor & ~exact & ~ok
@@ -338,16 +341,31 @@ def _decode_points(codec, qm, qv, mp_rows, vp_rows):
 PROPOSE_CHUNK = 4096     # blocks per `_propose` call once a group exceeds it (one compiled shape)
 
 
-def _propose_chunked(mb, vb, valid, vpos, codec):
-    """`_propose` over host blocks in pieces of `PROPOSE_CHUNK` blocks -> host arrays
-    (codes, params, flat m~, v~); a group of <= PROPOSE_CHUNK blocks is one call."""
+def _propose_chunked(mb, vb, pb, in_tensor, codec):
+    """`_propose_classified` over host blocks in pieces of `PROPOSE_CHUNK` blocks -> host
+    arrays (codes, params, then flat m~, v~, exact, ok); a group of <= PROPOSE_CHUNK
+    blocks is one call."""
     nb = mb.shape[0]
     step = min(nb, PROPOSE_CHUNK)
-    outs = [_programs.call(_propose, mb[s:s + step], vb[s:s + step], valid[s:s + step], vpos[s:s + step], codec=codec)
-            for s in range(0, nb, step)]
-    mq, vq, mp, vp, mt, vt = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
-                              else np.array(outs[0][i]) for i in range(6))
-    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1)
+    outs = [_programs.call(_propose_classified, mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step],
+                           codec=codec) for s in range(0, nb, step)]
+    mq, vq, mp, vp, mt, vt, exact, ok = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
+                                         else np.array(outs[0][i]) for i in range(8))
+    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1), exact.reshape(-1), ok.reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("codec",))
+def _propose_classified(mb, vb, pb, in_tensor, codec):
+    """The block masks, `codecs.propose` and `classify` of [nb, 256] blocks, one program:
+    the host never walks the floats (the device classifier gives the same booleans)."""
+    valid, vpos = device_masks(mb, vb, pb, in_tensor)
+    mq, vq, mp, vp, mt, vt = _codecs.get(codec).propose(mb, vb, valid, vpos)
+    exact, ok = device_classify(mb, vb, pb, mt, vt)
+    return mq, vq, mp, vp, mt, vt, exact, ok
+
+
+_device_masks = jax.jit(device_masks)
+_device_classify = jax.jit(device_classify)
 
 
 def _bucket(nb: int) -> int:
