@@ -105,3 +105,16 @@ def test_decoded_values_are_not_a_pytree_leaf():
     assert enc.decoded is not None
     mapped = jax.tree_util.tree_map(lambda x: x, enc)
     assert mapped.decoded is None             # a transformed encoding is decoded again by the writer
+
+
+def test_joint_rescued_coordinates_are_hashed_as_their_new_codes_decode():
+    m, v, p = _moments(N, seed=3)
+    cfg = guard.GuardConfig(lr=1e-3, step=10, codec="log8-rel", joint=True, tau=0.002)
+    enc = guard.encode(m, v, p, cfg)
+    assert enc.stats["joint_rescued"] > 0
+    mt, vt = (np.asarray(x).reshape(-1) for x in guard.decode(enc))
+    assert np.array_equal(enc.decoded[0].view(np.uint32), mt.view(np.uint32))
+    assert np.array_equal(enc.decoded[1].view(np.uint32), vt.view(np.uint32))
+    data = container.build([("moments", "x", enc, cfg.to_json())], {})
+    header, payload = reader.parse(data)
+    assert reader.decoded_digest(header, payload) == header["decoded_sha256"]

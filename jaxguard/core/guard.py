@@ -188,10 +188,12 @@ def _group_constants(items, gidx, ph):
     K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
     pabs = np.abs(ph)
     clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
-    wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
-    with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
-        clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
-    return K, pabs, clip.astype(np.float32)
+    wd_rows = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)
+    if (wd_rows > 0).any():   # torch Adam's coupled decay widens the gradient range by wd*|p|
+        wd_coupled = wd_rows[gidx]
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
+            clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
+    return K, pabs, clip.astype(np.float32, copy=False)
 
 
 def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True):
@@ -268,7 +270,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             mt, vt = np.array(mt, np.float32), np.array(vt, np.float32)
             mt[r], vt[r] = _decode_points(codec, mq[r], vq[r], mp[r // codes.BLOCK], vp[r // codes.BLOCK])
     # what the reader will restore, as certified: the decoded codes, escapes exact
-    m_dec, v_dec = np.where(escape, mh, mt), np.where(escape, vh, vt)
+    esc_all = np.flatnonzero(escape)
+    m_dec, v_dec = np.array(mt, np.float32), np.array(vt, np.float32)
+    m_dec[esc_all], v_dec[esc_all] = mh[esc_all], vh[esc_all]
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
     encs = []
