@@ -271,7 +271,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             mt[r], vt[r] = _decode_points(codec, mq[r], vq[r], mp[r // codes.BLOCK], vp[r // codes.BLOCK])
     # what the reader will restore, as certified: the decoded codes, escapes exact
     esc_all = np.flatnonzero(escape)
-    m_dec, v_dec = np.array(mt, np.float32), np.array(vt, np.float32)
+    m_dec, v_dec = (x if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.writeable
+                    else np.array(x, np.float32) for x in (mt, vt))   # mt, vt are not used after this
     m_dec[esc_all], v_dec[esc_all] = mh[esc_all], vh[esc_all]
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
