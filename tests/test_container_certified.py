@@ -29,7 +29,7 @@ def _moments(n, seed=0):
 
 def _encode(codec, n=N):
     cfg = guard.GuardConfig(lr=1e-3, step=10, codec=codec)
-    return guard.encode(*_moments(n), cfg), cfg.to_json()
+    return guard.encode(*_moments(n), cfg, keep_decoded=True), cfg.to_json()
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -99,6 +99,11 @@ def test_certified_values_of_the_wrong_size_are_refused():
         container.build([("moments", "x", bad, info)], {})
 
 
+def test_decoded_values_only_when_asked_for():
+    m, v, p = _moments(1000)
+    assert guard.encode(m, v, p, guard.GuardConfig(lr=1e-3, step=10)).decoded is None
+
+
 def test_decoded_values_are_not_a_pytree_leaf():
     import jax
     enc, _ = _encode("log8-rel", n=1000)
@@ -110,7 +115,7 @@ def test_decoded_values_are_not_a_pytree_leaf():
 def test_joint_rescued_coordinates_are_hashed_as_their_new_codes_decode():
     m, v, p = _moments(N, seed=3)
     cfg = guard.GuardConfig(lr=1e-3, step=10, codec="log8-rel", joint=True, tau=0.002)
-    enc = guard.encode(m, v, p, cfg)
+    enc = guard.encode(m, v, p, cfg, keep_decoded=True)
     assert enc.stats["joint_rescued"] > 0
     mt, vt = (np.asarray(x).reshape(-1) for x in guard.decode(enc))
     assert np.array_equal(enc.decoded[0].view(np.uint32), mt.view(np.uint32))

@@ -467,7 +467,7 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
         for part in slabs:
             encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
                                  params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in part],
-                               progress=progress)
+                               progress=progress, keep_decoded=True)   # the writer hashes what was certified
             for (idx, name, st, cfg), enc in zip(part, encs):
                 for key in totals:
                     totals[key] += enc.stats[key]

@@ -57,8 +57,8 @@ class Encoded(ArrayPytree):
     ``widths`` (logrel-aw only); each also an attribute.  stats: a mapping
     (``enc.stats["escapes"]``, ...) that is part of the pytree (its numbers are leaves).
     decoded: the flat float32 ``(m~, v~)`` the guard certified (escapes applied), which
-    the container writer hashes instead of decoding again; None when not at hand (read
-    back, transformed as a pytree: no leaf, so any transform drops it).
+    the container writer hashes instead of decoding again; only with ``keep_decoded=True``
+    (`guard.encode`), else None, and None after any pytree transform (it is no leaf).
     """
 
     arrays: dict

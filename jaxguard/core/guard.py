@@ -83,7 +83,7 @@ def _check_inputs(m, v, p):
     return shape
 
 
-def encode(m, v, p, config: GuardConfig) -> Encoded:
+def encode(m, v, p, config: GuardConfig, *, keep_decoded: bool = False) -> Encoded:
     """Guarded encoding of one Adam moment pair (see the module's numerical contract).
 
     Args:
@@ -92,6 +92,9 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
         ``p + step`` rounding enter the certificate.
       config: the `GuardConfig` of the next update (lr, step, betas, eps, weight decay,
         op model, tau, clip, codec).
+      keep_decoded: also keep the certified ``(m~, v~)`` as `Encoded.decoded` (8 bytes per
+        coordinate until the encoding is dropped), which the container writer then hashes
+        instead of decoding the entry again.
 
     Returns:
       An `Encoded` (codes, block parameters, exact escapes, stats).
@@ -99,10 +102,10 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
     Raises:
       ConfigError: non-float32 or mismatched inputs.
     """
-    return encode_many([(m, v, p, config)])[0]
+    return encode_many([(m, v, p, config)], keep_decoded=keep_decoded)[0]
 
 
-def encode_many(items, *, progress: bool = False) -> list:
+def encode_many(items, *, progress: bool = False, keep_decoded: bool = False) -> list:
     """Guarded encoding of many moment pairs [(m, v, p, config), ...] in one pass.
 
     All tensors sharing a codec, bound and partition are laid side by side (each padded
@@ -112,6 +115,7 @@ def encode_many(items, *, progress: bool = False) -> list:
     Args:
       items: an iterable of ``(m, v, p, config)`` as for `encode`.
       progress: show a tqdm bar while certifying.
+      keep_decoded: as for `encode` (`jaxguard compress` streams each slab to the writer).
 
     Returns:
       A list of `Encoded`, one per item, in order.
@@ -122,7 +126,7 @@ def encode_many(items, *, progress: bool = False) -> list:
     items = list(items)
     shapes = [_check_inputs(m, v, p) for m, v, p, _ in items]
     if any(int(np.prod(s, dtype=np.int64)) > MAX_PIECE for s in shapes):
-        return _encode_in_pieces(items, shapes, progress)
+        return _encode_in_pieces(items, shapes, progress, keep_decoded)
     groups: dict = {}
     for i, (_, _, _, cfg) in enumerate(items):
         s = cfg.spec
@@ -130,7 +134,7 @@ def encode_many(items, *, progress: bool = False) -> list:
     out = [None] * len(items)
     for (codec, bound, partition, certified), idxs in groups.items():
         encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition, progress,
-                             certified=certified)
+                             certified=certified, keep_decoded=keep_decoded)
         for i, e in zip(idxs, encs):
             out[i] = e
     return out
@@ -142,7 +146,7 @@ def encode_many(items, *, progress: bool = False) -> list:
 MAX_PIECE = 1 << 28
 
 
-def _encode_in_pieces(items, shapes, progress):
+def _encode_in_pieces(items, shapes, progress, keep_decoded):
     flat, owner = [], []
     for i, ((m, v, p, cfg), shape) in enumerate(zip(items, shapes)):
         n = int(np.prod(shape, dtype=np.int64))
@@ -154,7 +158,7 @@ def _encode_in_pieces(items, shapes, progress):
     out: list = [[] for _ in items]
     for (i, start), piece in zip(owner, flat):
         # one piece at a time: the point is never to hold 2**31 coordinates of work at once
-        out[i].append((start, encode_many([piece], progress=progress)[0]))
+        out[i].append((start, encode_many([piece], progress=progress, keep_decoded=keep_decoded)[0]))
     return [_join_pieces(pieces, shape) for pieces, shape in zip(out, shapes)]
 
 
@@ -196,7 +200,7 @@ def _group_constants(items, gidx, ph):
     return K, pabs, clip.astype(np.float32, copy=False)
 
 
-def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True):
+def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False):
     """Encode tensors sharing one `GuardSpec` side by side; `codec` is the entry id
     (``block8-unguarded`` decodes as block8)."""
     t0 = time.perf_counter()
@@ -270,10 +274,12 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             mt, vt = np.array(mt, np.float32), np.array(vt, np.float32)
             mt[r], vt[r] = _decode_points(codec, mq[r], vq[r], mp[r // codes.BLOCK], vp[r // codes.BLOCK])
     # what the reader will restore, as certified: the decoded codes, escapes exact
-    esc_all = np.flatnonzero(escape)
-    m_dec, v_dec = (x if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.writeable
-                    else np.array(x, np.float32) for x in (mt, vt))   # mt, vt are not used after this
-    m_dec[esc_all], v_dec[esc_all] = mh[esc_all], vh[esc_all]
+    m_dec = v_dec = None
+    if keep_decoded:
+        esc_all = np.flatnonzero(escape)
+        m_dec, v_dec = (x if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.writeable
+                        else np.array(x, np.float32) for x in (mt, vt))   # mt, vt are not used after this
+        m_dec[esc_all], v_dec[esc_all] = mh[esc_all], vh[esc_all]
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
     encs = []
@@ -286,7 +292,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                   "escape_index": esc, "escape_m": mh[b + esc], "escape_v": vh[b + esc]}
         if widths is not None:
             arrays["widths"] = widths[int(offs[i]):int(offs[i]) + nb].copy()
-        enc = Encoded(arrays, codec, tuple(shape), decoded=(m_dec[b:b + n], v_dec[b:b + n]))
+        enc = Encoded(arrays, codec, tuple(shape), decoded=None if m_dec is None else (m_dec[b:b + n], v_dec[b:b + n]))
         lv = level_of[b:b + n]
         ex, okk = exact[b:b + n], ok[b:b + n]
         enc.stats = {
