@@ -467,7 +467,7 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
         for part in slabs:
             encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
                                  params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in part],
-                               progress=progress)
+                               progress=progress, keep_decoded=True)   # the writer hashes what was certified
             for (idx, name, st, cfg), enc in zip(part, encs):
                 for key in totals:
                     totals[key] += enc.stats[key]
@@ -478,6 +478,80 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
         yield from raws
 
     return opt_sk, stream()
+
+
+# Entries the encoder may run ahead of the writer, in coordinates (one slab: the writer
+# hashes and writes it while the next is encoded).
+AHEAD = SLAB
+
+
+def prefetched(entries, ahead=AHEAD):
+    """Iterate `entries` produced in a background thread, at most about `ahead` coordinates
+    ahead of the consumer, so that encoding (XLA, numpy) and writing (SHA-256, file I/O;
+    both release the GIL) overlap.  An exception in the producer is raised in the consumer;
+    a consumer that stops early stops the producer.
+
+    Args:
+      entries: an iterable of container entries (``(kind, name, obj, info)``).
+      ahead: how many coordinates (moments) or elements (raw arrays) may wait in the queue;
+        one entry always may, whatever its size.
+
+    Returns:
+      An iterator of the same entries, in order.
+
+    Raises:
+      Whatever iterating `entries` raised, once the entries before it were consumed.
+    """
+    import collections
+    import threading
+
+    cond = threading.Condition()
+    box = {"queue": collections.deque(), "held": 0, "done": False, "error": None, "stop": False}
+
+    def cost(e):
+        return int(getattr(e[2], "n", None) or np.size(e[2])) if e[0] == "moments" else int(np.size(e[2]))
+
+    def produce():
+        try:
+            for e in entries:
+                c = cost(e)
+                with cond:
+                    while box["queue"] and box["held"] + c > ahead and not box["stop"]:
+                        cond.wait()
+                    if box["stop"]:
+                        return
+                    box["queue"].append((e, c))
+                    box["held"] += c
+                    cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            with cond:
+                box["error"] = exc
+        finally:
+            with cond:
+                box["done"] = True
+                cond.notify_all()
+
+    worker = threading.Thread(target=produce, name="jaxguard-encode", daemon=True)
+    worker.start()
+    try:
+        while True:
+            with cond:
+                while not box["queue"] and not box["done"]:
+                    cond.wait()
+                if box["queue"]:
+                    e, c = box["queue"].popleft()
+                    box["held"] -= c
+                    cond.notify_all()
+                elif box["error"] is not None:
+                    raise box["error"]
+                else:
+                    return
+            yield e
+    finally:
+        with cond:
+            box["stop"] = True
+            cond.notify_all()
+        worker.join()
 
 
 def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant, release=None):
@@ -558,8 +632,8 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
     """
-    def write(entries, meta, extra):
-        return None, container.write_stream(path, entries, meta, extra_header=extra)
+    def write(entries, meta, extra):   # encode the next slab while this one is written
+        return None, container.write_stream(path, prefetched(entries), meta, extra_header=extra)
     return _compress_checkpoint(ckpt, write, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
                                 progress=progress, variant=variant, release=release)[1]
 

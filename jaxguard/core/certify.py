@@ -24,6 +24,7 @@ import numpy as np
 from jaxguard.core import bound as _bound
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import programs as _programs
+from jaxguard.core import floatbits as _fbits
 from jaxguard.core.floatbits import host as _fb
 from jaxguard.errors import ConfigError
 
@@ -36,10 +37,15 @@ def classify(m, v, p, mt, vt):
     Returns:
       ``(exact, ok)``: bitwise-equal pairs, and pairs the bound may certify.
     """
-    fin = _fb.finite(m) & _fb.finite(v) & _fb.finite(p) & _fb.finite(mt) & _fb.finite(vt)
-    nonneg = ~_fb.negative(v) & ~_fb.negative(vt)
-    ok = fin & nonneg & _fb.not_tiny(m) & _fb.not_tiny(v) & _fb.not_tiny(mt) & _fb.not_tiny(vt)
-    exact = (_fb.bits(m) == _fb.bits(mt)) & (_fb.bits(v) == _fb.bits(vt))
+    return _classify(_fb, (), m, v, p, mt, vt)
+
+
+def _classify(cl, z, m, v, p, mt, vt):
+    """`classify` with the `floatbits` classifier `cl` (host, or device with opaque zero z)."""
+    fin = cl.finite(m, *z) & cl.finite(v, *z) & cl.finite(p, *z) & cl.finite(mt, *z) & cl.finite(vt, *z)
+    nonneg = ~cl.negative(v, *z) & ~cl.negative(vt, *z)
+    ok = fin & nonneg & cl.not_tiny(m, *z) & cl.not_tiny(v, *z) & cl.not_tiny(mt, *z) & cl.not_tiny(vt, *z)
+    exact = (cl.bits(m, *z) == cl.bits(mt, *z)) & (cl.bits(v, *z) == cl.bits(vt, *z))
     return exact, ok
 
 
@@ -52,7 +58,11 @@ def block_stats_valid(m, v, p):
     Returns:
       bool array of the same length.
     """
-    return _fb.finite(m) & _fb.finite(v) & _fb.finite(p) & ~_fb.negative(v) & _fb.not_tiny(v)
+    return _block_stats_valid(_fb, (), m, v, p)
+
+
+def _block_stats_valid(cl, z, m, v, p):
+    return cl.finite(m, *z) & cl.finite(v, *z) & cl.finite(p, *z) & ~cl.negative(v, *z) & cl.not_tiny(v, *z)
 
 
 def v_positive(v):
@@ -64,7 +74,45 @@ def v_positive(v):
     Returns:
       bool array of the same length.
     """
-    return _fb.finite(v) & ~_fb.zero(v) & ~_fb.negative(v)
+    return _v_positive(_fb, (), v)
+
+
+def _v_positive(cl, z, v):
+    return cl.finite(v, *z) & ~cl.zero(v, *z) & ~cl.negative(v, *z)
+
+
+def device_masks(m, v, p, in_tensor):
+    """`block_stats_valid` (ANDed with `in_tensor`) and `v_positive` inside a jitted
+    program (the device classifier of `jaxguard.core.floatbits`, the same booleans).
+
+    Args:
+      m, v, p: float32 jax or numpy arrays of one shape; in_tensor: bool, same shape.
+
+    Returns:
+      ``(valid, vpos)`` bool jax arrays of that shape.
+    """
+    import jax
+    z = _fbits.opaque_zero()
+    valid = in_tensor & _block_stats_valid(_fbits.device, (z,), m, v, p)
+    # v > 0 and finite in the int32 form (as `jit_encode`): the masked-unsigned form, once
+    # fused into a proposal, came out False for subnormal v
+    vi = jax.lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.int32)
+    return valid, (vi > 0) & (vi < _fbits.EXPONENT_MASK)
+
+
+def device_classify(m, v, p, mt, vt):
+    """`classify` inside a jitted program (the device classifier: the same booleans).
+
+    Args:
+      m, v, p, mt, vt: float32 jax or numpy arrays of one shape.
+
+    Returns:
+      ``(exact, ok)`` bool jax arrays of that shape.
+    """
+    z = _fbits.opaque_zero()
+    # the decoded values pass the barrier: XLA cannot fuse their rounding into the bit tests
+    mt, vt = _fbits.barrier(mt, z), _fbits.barrier(vt, z)
+    return _classify(_fbits.device, (z,), m, v, p, mt, vt)
 
 
 CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}

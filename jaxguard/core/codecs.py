@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxguard.core import adaptive as _adaptive
 from jaxguard.core import codes
+from jaxguard.core import floatbits as _fb
 from jaxguard.errors import ConfigError
 from jaxguard.format import packed as _packed
 from jaxguard.format import spec as _spec
@@ -45,7 +46,9 @@ def _propose_log8(mb, vb, valid, vpos):
 
 def _propose_log8_rel(mb, vb, valid, vpos):
     vq, lo, r = jax.vmap(_log8)(vb, valid, positive=vpos)
-    wlo, rr = jnp.sqrt(lo), jnp.sqrt(r)
+    # stored, then decoded by the reader as given: XLA must not fold rr * rr back into r
+    z = _fb.opaque_zero()
+    wlo, rr = _fb.barrier(jnp.sqrt(lo), z), _fb.barrier(jnp.sqrt(r), z)
     w = jax.vmap(codes.sqrt_scale_block)(vq, wlo, rr)
     mq, ms = jax.vmap(codes.rel8_encode_block)(mb, valid, w, wlo)
     mt = jax.vmap(codes.rel8_decode_block)(mq, ms, w)

@@ -56,12 +56,16 @@ class Encoded(ArrayPytree):
     ``escape_index`` (int32, sorted), ``escape_m``, ``escape_v`` (float32 exact pairs),
     ``widths`` (logrel-aw only); each also an attribute.  stats: a mapping
     (``enc.stats["escapes"]``, ...) that is part of the pytree (its numbers are leaves).
+    decoded: the flat float32 ``(m~, v~)`` the guard certified (escapes applied), which
+    the container writer hashes instead of decoding again; only with ``keep_decoded=True``
+    (`guard.encode`), else None, and None after any pytree transform (it is no leaf).
     """
 
     arrays: dict
     codec: str
     shape: tuple
     stats: dict = dataclasses.field(default_factory=dict)
+    decoded: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def tree_flatten(self):
         keys = tuple(sorted(self.arrays))

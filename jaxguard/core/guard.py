@@ -37,7 +37,7 @@ from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
 from jaxguard.core import programs as _programs
 from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
-                                   certify_pc, classify, fast_accept, v_positive)
+                                   certify_pc, classify, device_classify, device_masks, fast_accept, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
@@ -83,7 +83,7 @@ def _check_inputs(m, v, p):
     return shape
 
 
-def encode(m, v, p, config: GuardConfig) -> Encoded:
+def encode(m, v, p, config: GuardConfig, *, keep_decoded: bool = False) -> Encoded:
     """Guarded encoding of one Adam moment pair (see the module's numerical contract).
 
     Args:
@@ -92,6 +92,9 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
         ``p + step`` rounding enter the certificate.
       config: the `GuardConfig` of the next update (lr, step, betas, eps, weight decay,
         op model, tau, clip, codec).
+      keep_decoded: also keep the certified ``(m~, v~)`` as `Encoded.decoded` (8 bytes per
+        coordinate until the encoding is dropped), which the container writer then hashes
+        instead of decoding the entry again.
 
     Returns:
       An `Encoded` (codes, block parameters, exact escapes, stats).
@@ -99,10 +102,10 @@ def encode(m, v, p, config: GuardConfig) -> Encoded:
     Raises:
       ConfigError: non-float32 or mismatched inputs.
     """
-    return encode_many([(m, v, p, config)])[0]
+    return encode_many([(m, v, p, config)], keep_decoded=keep_decoded)[0]
 
 
-def encode_many(items, *, progress: bool = False) -> list:
+def encode_many(items, *, progress: bool = False, keep_decoded: bool = False) -> list:
     """Guarded encoding of many moment pairs [(m, v, p, config), ...] in one pass.
 
     All tensors sharing a codec, bound and partition are laid side by side (each padded
@@ -112,6 +115,7 @@ def encode_many(items, *, progress: bool = False) -> list:
     Args:
       items: an iterable of ``(m, v, p, config)`` as for `encode`.
       progress: show a tqdm bar while certifying.
+      keep_decoded: as for `encode` (`jaxguard compress` streams each slab to the writer).
 
     Returns:
       A list of `Encoded`, one per item, in order.
@@ -122,7 +126,7 @@ def encode_many(items, *, progress: bool = False) -> list:
     items = list(items)
     shapes = [_check_inputs(m, v, p) for m, v, p, _ in items]
     if any(int(np.prod(s, dtype=np.int64)) > MAX_PIECE for s in shapes):
-        return _encode_in_pieces(items, shapes, progress)
+        return _encode_in_pieces(items, shapes, progress, keep_decoded)
     groups: dict = {}
     for i, (_, _, _, cfg) in enumerate(items):
         s = cfg.spec
@@ -130,7 +134,7 @@ def encode_many(items, *, progress: bool = False) -> list:
     out = [None] * len(items)
     for (codec, bound, partition, certified), idxs in groups.items():
         encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition, progress,
-                             certified=certified)
+                             certified=certified, keep_decoded=keep_decoded)
         for i, e in zip(idxs, encs):
             out[i] = e
     return out
@@ -142,7 +146,7 @@ def encode_many(items, *, progress: bool = False) -> list:
 MAX_PIECE = 1 << 28
 
 
-def _encode_in_pieces(items, shapes, progress):
+def _encode_in_pieces(items, shapes, progress, keep_decoded):
     flat, owner = [], []
     for i, ((m, v, p, cfg), shape) in enumerate(zip(items, shapes)):
         n = int(np.prod(shape, dtype=np.int64))
@@ -154,18 +158,21 @@ def _encode_in_pieces(items, shapes, progress):
     out: list = [[] for _ in items]
     for (i, start), piece in zip(owner, flat):
         # one piece at a time: the point is never to hold 2**31 coordinates of work at once
-        out[i].append((start, encode_many([piece], progress=progress)[0]))
+        out[i].append((start, encode_many([piece], progress=progress, keep_decoded=keep_decoded)[0]))
     return [_join_pieces(pieces, shape) for pieces, shape in zip(out, shapes)]
 
 
 def _join_pieces(pieces, shape):
     if len(pieces) == 1:
         start, enc = pieces[0]
-        return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats)
+        return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats, decoded=enc.decoded)
     a = {k: np.concatenate([e.arrays[k] for _, e in pieces]) for k in
          ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v", "widths") if k in pieces[0][1].arrays}
     a["escape_index"] = np.concatenate([e.arrays["escape_index"].astype(np.int64) + s for s, e in pieces])
-    enc = Encoded(a, pieces[0][1].codec, tuple(shape))
+    decoded = None
+    if all(e.decoded is not None for _, e in pieces):
+        decoded = tuple(np.concatenate([e.decoded[k] for _, e in pieces]) for k in (0, 1))
+    enc = Encoded(a, pieces[0][1].codec, tuple(shape), decoded=decoded)
     stats = {}
     for _, e in pieces:
         for k, val in e.stats.items():
@@ -185,13 +192,15 @@ def _group_constants(items, gidx, ph):
     K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
     pabs = np.abs(ph)
     clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
-    wd_coupled = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)[gidx]
-    with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
-        clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
-    return K, pabs, clip.astype(np.float32)
+    wd_rows = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)
+    if (wd_rows > 0).any():   # torch Adam's coupled decay widens the gradient range by wd*|p|
+        wd_coupled = wd_rows[gidx]
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
+            clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
+    return K, pabs, clip.astype(np.float32, copy=False)
 
 
-def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True):
+def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False):
     """Encode tensors sharing one `GuardSpec` side by side; `codec` is the entry id
     (``block8-unguarded`` decodes as block8)."""
     t0 = time.perf_counter()
@@ -211,12 +220,12 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         ph[b:b + n] = np.asarray(p, np.float32).reshape(-1)
         in_tensor[b:b + n] = True
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
-    valid = (in_tensor & block_stats_valid(mh, vh, ph)).reshape(-1, codes.BLOCK)
-    vpos = v_positive(vh).reshape(-1, codes.BLOCK)
     mf, vf = mh, vh
     widths = None
     entry = _codecs.get(propose_codec)
     if entry.choose is not None:
+        valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
+                       _programs.call(_device_masks, mh, vh, ph, in_tensor))
         # codes chosen on the host (logrel-aw: per-block widths on certified escapes); the
         # assembled codes come back decoded exactly as the reader decodes them and are
         # certified again from scratch below
@@ -227,12 +236,15 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 return np.zeros(idx.shape[0], np.int8)
             return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition)
 
-        mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor,
-                                                      lambda a, b: classify(mh, vh, ph, a, b), certify_candidates)
-    else:
-        mq, vq, mp, vp, mt, vt = _propose_chunked(mh.reshape(-1, codes.BLOCK), vh.reshape(-1, codes.BLOCK), valid,
-                                                  vpos, propose_codec)
-    exact, ok = classify(mh, vh, ph, mt, vt)
+        def classified(a, b):
+            return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
+
+        mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor, classified,
+                                                      certify_candidates)
+        exact, ok = classified(mt, vt)
+    else:   # the masks, the proposal and the classification in one program per chunk
+        mq, vq, mp, vp, mt, vt, exact, ok = _propose_chunked(*(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)),
+                                                              propose_codec)
     level_of = np.full(npad, -1, np.int8)
     if not certified:
         escape = in_tensor & ~exact & ~ok
@@ -257,6 +269,17 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         rescued = _joint_search(codec, np.flatnonzero(escape & ok & joint_on), mq, vq, mp, vp, mh, vh, pabs, clip,
                                 K, gidx, bound, partition)
         escape &= ~rescued
+        if rescued.any():   # the rescued coordinates decode from their new codes (as certified)
+            r = np.flatnonzero(rescued)
+            mt, vt = np.array(mt, np.float32), np.array(vt, np.float32)
+            mt[r], vt[r] = _decode_points(codec, mq[r], vq[r], mp[r // codes.BLOCK], vp[r // codes.BLOCK])
+    # what the reader will restore, as certified: the decoded codes, escapes exact
+    m_dec = v_dec = None
+    if keep_decoded:
+        esc_all = np.flatnonzero(escape)
+        m_dec, v_dec = (x if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.writeable
+                        else np.array(x, np.float32) for x in (mt, vt))   # mt, vt are not used after this
+        m_dec[esc_all], v_dec[esc_all] = mh[esc_all], vh[esc_all]
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
     encs = []
@@ -269,7 +292,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                   "escape_index": esc, "escape_m": mh[b + esc], "escape_v": vh[b + esc]}
         if widths is not None:
             arrays["widths"] = widths[int(offs[i]):int(offs[i]) + nb].copy()
-        enc = Encoded(arrays, codec, tuple(shape))
+        enc = Encoded(arrays, codec, tuple(shape), decoded=None if m_dec is None else (m_dec[b:b + n], v_dec[b:b + n]))
         lv = level_of[b:b + n]
         ex, okk = exact[b:b + n], ok[b:b + n]
         enc.stats = {
@@ -329,16 +352,31 @@ def _decode_points(codec, qm, qv, mp_rows, vp_rows):
 PROPOSE_CHUNK = 4096     # blocks per `_propose` call once a group exceeds it (one compiled shape)
 
 
-def _propose_chunked(mb, vb, valid, vpos, codec):
-    """`_propose` over host blocks in pieces of `PROPOSE_CHUNK` blocks -> host arrays
-    (codes, params, flat m~, v~); a group of <= PROPOSE_CHUNK blocks is one call."""
+def _propose_chunked(mb, vb, pb, in_tensor, codec):
+    """`_propose_classified` over host blocks in pieces of `PROPOSE_CHUNK` blocks -> host
+    arrays (codes, params, then flat m~, v~, exact, ok); a group of <= PROPOSE_CHUNK
+    blocks is one call."""
     nb = mb.shape[0]
     step = min(nb, PROPOSE_CHUNK)
-    outs = [_programs.call(_propose, mb[s:s + step], vb[s:s + step], valid[s:s + step], vpos[s:s + step], codec=codec)
-            for s in range(0, nb, step)]
-    mq, vq, mp, vp, mt, vt = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
-                              else np.array(outs[0][i]) for i in range(6))
-    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1)
+    outs = [_programs.call(_propose_classified, mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step],
+                           codec=codec) for s in range(0, nb, step)]
+    mq, vq, mp, vp, mt, vt, exact, ok = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
+                                         else np.array(outs[0][i]) for i in range(8))
+    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1), exact.reshape(-1), ok.reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("codec",))
+def _propose_classified(mb, vb, pb, in_tensor, codec):
+    """The block masks, `codecs.propose` and `classify` of [nb, 256] blocks, one program:
+    the host never walks the floats (the device classifier gives the same booleans)."""
+    valid, vpos = device_masks(mb, vb, pb, in_tensor)
+    mq, vq, mp, vp, mt, vt = _codecs.get(codec).propose(mb, vb, valid, vpos)
+    exact, ok = device_classify(mb, vb, pb, mt, vt)
+    return mq, vq, mp, vp, mt, vt, exact, ok
+
+
+_device_masks = jax.jit(device_masks)
+_device_classify = jax.jit(device_classify)
 
 
 def _bucket(nb: int) -> int:

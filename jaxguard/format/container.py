@@ -136,6 +136,7 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
     header_entries = []
     tables, table_arrays = {}, {}
     decoded = hashlib.sha256()
+    sample = _SampleCheck(table_arrays)
     # a list is scanned first so that the tables lead the payload (the layout `build`
     # always wrote); a stream adds them before its first entry that uses them
     if isinstance(entries, (list, tuple)):
@@ -170,18 +171,15 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
         entry = {"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
                  "sections": sections, "config": info, "stats": _jsonable(enc.stats)}
         body = local.buf.getbuffer()
-        # the decoded hash is computed by the numpy reader itself, so a writer/reader
-        # disagreement can never be recorded as valid.
-        try:
-            m, v = reader.read_moments(entry, body, table_arrays)
-        except reader.ReaderError as exc:
-            raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
-        decoded.update(np.ascontiguousarray(m, "<f4").tobytes())
-        decoded.update(np.ascontiguousarray(v, "<f4").tobytes())
+        m, v = _decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
+        decoded.update(np.ascontiguousarray(m, "<f4").reshape(-1))
+        decoded.update(np.ascontiguousarray(v, "<f4").reshape(-1))
+        del m, v
         b0 = pay.write(body)[0]
         del body
         entry["sections"] = {k: [b0 + r[0], b0 + r[1]] for k, r in sections.items()}
         header_entries.append(entry)
+    sample.flush()
     header = {"schema": SCHEMA, "version": reader.VERSION, **(extra_header or {}), "meta": meta,
               "tables": tables, "entries": header_entries, "payload_bytes": pay.pos,
               "payload_sha256": pay.sha.hexdigest(), "decoded_sha256": decoded.hexdigest()}
@@ -199,6 +197,94 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
         trailer.update(chunk)
     out.write(trailer.digest())
     return len(head) + pay.pos + reader.TRAILER
+
+
+# the writer's agreement check decodes every SAMPLE_EVERY-th block (and each entry's
+# first and last) with the numpy reader
+SAMPLE_EVERY = 64
+SAMPLE_BATCH = 1 << 12     # sampled blocks decoded per reader call (entries batched per codec)
+
+
+def _decoded_moments(entry, body, tables, certified, n, sample):
+    """The (m~, v~) the decoded hash records for one moments entry as written.
+
+    With the guard's certified values at hand (`Encoded.decoded`) those are hashed, so the
+    hash records what was certified; the numpy reader reads the entry as written and a
+    sample of its blocks goes to `sample` (a `_SampleCheck`), which decodes it and compares
+    bit for bit.  Without them (another writer) the reader decodes the whole entry."""
+    name = entry["name"]
+    try:
+        if certified is None:
+            return reader.read_moments(entry, body, tables)
+        codes = reader.read_codes(entry, body, tables)
+    except reader.ReaderError as exc:
+        raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
+    m, v = (np.asarray(x).reshape(-1) for x in certified)
+    if m.dtype != np.float32 or v.dtype != np.float32 or m.size != n or v.size != n:
+        raise ContainerError(f"entry {name!r}: its certified values are {m.dtype}[{m.size}] and {v.dtype}[{v.size}], "
+                             f"expected float32[{n}]; encode it again with jaxguard.core.guard.encode")
+    if n:
+        sample.add(name, entry["codec"], codes, m, v, n)
+    return m, v
+
+
+class _SampleCheck:
+    """Sampled blocks of many entries, decoded by the numpy reader a batch at a time (per
+    codec: the reader decodes block by block) and compared with the certified values."""
+
+    def __init__(self, tables):
+        self.tables, self.pending, self.blocks = tables, {}, {}
+
+    def add(self, name, codec, codes, m, v, n):
+        nb = -(-n // spec.BLOCK)
+        blocks = np.arange(0, nb, SAMPLE_EVERY)
+        if blocks[-1] != nb - 1:
+            blocks = np.append(blocks, nb - 1)
+        pos = (blocks[:, None] * spec.BLOCK + np.arange(spec.BLOCK)).reshape(-1)
+        at = np.minimum(pos, n - 1)    # past the end: a copy of the last code, never compared
+        esc = codes["escape_index"]
+        if esc.size:
+            b = esc // spec.BLOCK
+            sel = np.flatnonzero((b % SAMPLE_EVERY == 0) | (b == nb - 1))
+            k = np.searchsorted(blocks, b[sel]) * spec.BLOCK + esc[sel] % spec.BLOCK
+            pairs = codes["escape_pairs"][sel]
+        else:
+            k, pairs = esc[:0], codes["escape_pairs"][:0]
+        item = (name, pos, pos < n, codes["m_codes"][at], codes["v_codes"][at], codes["m_params"][blocks],
+                codes["v_params"][blocks], k, pairs, m[at], v[at])
+        self.pending.setdefault(codec, []).append(item)
+        self.blocks[codec] = self.blocks.get(codec, 0) + blocks.size
+        if self.blocks[codec] >= SAMPLE_BATCH:
+            self.flush(codec)
+
+    def flush(self, codec=None):
+        for c in [codec] if codec is not None else list(self.pending):
+            items = self.pending.pop(c, [])
+            self.blocks[c] = 0
+            if items:
+                self._check(c, items)
+
+    def _check(self, codec, items):
+        cat = [np.concatenate([it[j] for it in items]) for j in range(3, 7)]
+        sizes = [it[1].size for it in items]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        try:
+            ms, vs = reader.decode_codes(codec, int(sum(sizes)), *cat, self.tables)
+        except reader.ReaderError as exc:
+            raise ContainerError(f"the reader refused entry {items[0][0]!r} as written: {exc}") from None
+        ms, vs = ms.copy(), vs.copy()
+        k = np.concatenate([it[7] + s for it, s in zip(items, starts)]).astype(np.int64)
+        pairs = np.concatenate([it[8] for it in items])
+        ms[k], vs[k] = pairs[:, 0], pairs[:, 1]
+        want_m, want_v, inside = (np.concatenate([it[j] for it in items]) for j in (9, 10, 2))
+        bad = ((ms.view(np.uint32) != want_m.view(np.uint32)) | (vs.view(np.uint32) != want_v.view(np.uint32))) & inside
+        if bad.any():
+            j = int(np.argmax(bad))
+            e = int(np.searchsorted(starts, j, side="right")) - 1
+            name, i = items[e][0], int(items[e][1][j - starts[e]])
+            raise ContainerError(f"entry {name!r}: the numpy reader decodes coordinate {i} (block {i // spec.BLOCK}) "
+                                 f"to ({ms[j]!r}, {vs[j]!r}) but the guard certified ({want_m[j]!r}, "
+                                 f"{want_v[j]!r}); nothing was written")
 
 
 def _codec_spec(codec, name):
