@@ -132,7 +132,7 @@ class GuardConfig:
 
     def to_json(self) -> dict:
         """A JSON-able dict (``certify`` only when False, so default headers are unchanged)."""
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}   # flat fields: no deep copy
         d["betas"] = list(self.betas)
         if self.certify:
             del d["certify"]

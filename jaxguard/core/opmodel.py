@@ -27,6 +27,7 @@ torch_compat.replay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -167,7 +168,8 @@ def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), e
     """The constants of the next Adam step as the op model's framework computes them.
 
     torch op models take torch's float32 scalars exactly; optax ones allow 4 ulp for XLA's
-    ``pow`` in ``1 - b**t`` (in ``const_rel``).
+    ``pow`` in ``1 - b**t`` (in ``const_rel``).  Results are cached per distinct (typed)
+    argument tuple: every tensor of a param group asks for the same constants.
 
     Args:
       op_model: one of `OP_MODELS`.
@@ -178,11 +180,28 @@ def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), e
       weight_decay: the weight decay.
 
     Returns:
-      A `StepConstants` (Python floats holding float32 values).
+      A `StepConstants` (Python floats holding float32 values; frozen, so sharing is safe).
 
     Raises:
       ConfigError: an unknown op model or bad hyperparameters (`validate_hparams`).
     """
+    try:
+        betas_key = tuple(betas)
+        hash((op_model, lr, step, betas_key, eps, weight_decay))
+    except TypeError:      # unhashable or not a sequence: the uncached path says what is wrong
+        return _step_constants(op_model, lr=lr, step=step, betas=betas, eps=eps, weight_decay=weight_decay)
+    return _step_constants_cached(op_model, lr, step, tuple((type(b), b) for b in betas_key), eps, weight_decay)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)   # typed: step=True must not hit step=1's entry
+def _step_constants_cached(op_model, lr, step, typed_betas, eps, weight_decay):
+    return _step_constants(op_model, lr=lr, step=step, betas=tuple(b for _, b in typed_betas), eps=eps,
+                           weight_decay=weight_decay)
+
+
+def _step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), eps=1e-8,
+                    weight_decay: float = 0.0) -> StepConstants:
+    """`step_constants` without the cache."""
     if op_model not in OP_MODELS:
         raise ConfigError(f"op_model={op_model!r} is unknown; use one of {', '.join(OP_MODELS)}")
     validate_hparams(lr, betas, eps, step, weight_decay, op_model)
