@@ -4,7 +4,8 @@ propose and decode.
 `TABLE[id]` is a `CoreCodec`; the guard, the jit path and the joint search look a codec
 up here instead of branching on its name.  An id whose registry entry names another
 decode (``block8-unguarded`` -> block8, ``logrel-aw`` and ``logrel-ans`` -> log8-rel) shares
-that decode; ``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage).
+that decode (logrel-aw's with the powers of up to 12-bit codes, `jaxguard.core.adaptive.decode_blocks`);
+``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage).
 Adding a codec: its `spec.CodecSpec`, its encode/decode in `jaxguard.core.codes`, one
 entry here, golden vectors (docs/architecture.md).
 
@@ -163,7 +164,7 @@ def _entries():
     bf16 = CoreCodec("bf16", _decode_bf16, _propose_bf16)
     block8 = CoreCodec("block8", _decode_block8, _propose_block8)
     unguarded = dataclasses.replace(block8, id="block8-unguarded")       # registry: decode="block8", certified=False
-    aw = CoreCodec(_packed.CODEC, _decode_log8_rel, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
+    aw = CoreCodec(_packed.CODEC, _adaptive.decode_blocks, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
     ans = dataclasses.replace(aw, id="logrel-ans", payload_bytes=_ans_payload)   # logrel-aw's codes, rANS-stored
     return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw, ans)}
 
