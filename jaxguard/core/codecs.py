@@ -4,7 +4,7 @@ propose and decode.
 `TABLE[id]` is a `CoreCodec`; the guard, the jit path and the joint search look a codec
 up here instead of branching on its name.  An id whose registry entry names another
 decode (``block8-unguarded`` -> block8, ``logrel-aw`` and ``logrel-ans`` -> log8-rel) shares
-that decode (logrel-aw's with the powers of up to 12-bit codes, `jaxguard.core.adaptive.decode_blocks`);
+that decode (log8-rel's decode powers 16-bit v codes, logrel-aw's 9..12-bit blocks, at 12 bits);
 ``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage).
 Adding a codec: its `spec.CodecSpec`, its encode/decode in `jaxguard.core.codes`, one
 entry here, golden vectors (docs/architecture.md).
@@ -76,8 +76,12 @@ def _decode_log8(mq, vq, mp, vp):
 
 
 def _decode_log8_rel(mq, vq, mp, vp):
-    w = jax.vmap(codes.sqrt_scale_block)(vq, vp[:, 2], vp[:, 3])
-    return jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w), jax.vmap(_log8_decode)(vq, vp[:, 0], vp[:, 1])
+    # 16-bit v codes: logrel-aw / logrel-ans blocks of up to 12 bits, powered at 12 bits (the
+    # same values for narrower codes); 8-bit codes keep log8-rel's 8 powers
+    bits = 8 if jnp.dtype(vq.dtype).itemsize == 1 else _packed.MAX_WIDTH
+    w = jax.vmap(functools.partial(codes.sqrt_scale_block, bits=bits))(vq, vp[:, 2], vp[:, 3])
+    vt = jax.vmap(functools.partial(codes.log_decode_block, bits=bits))(vq, vp[:, 0], vp[:, 1])
+    return jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w), vt
 
 
 def _decode_bf16(mq, vq, mp, vp):
@@ -164,7 +168,7 @@ def _entries():
     bf16 = CoreCodec("bf16", _decode_bf16, _propose_bf16)
     block8 = CoreCodec("block8", _decode_block8, _propose_block8)
     unguarded = dataclasses.replace(block8, id="block8-unguarded")       # registry: decode="block8", certified=False
-    aw = CoreCodec(_packed.CODEC, _adaptive.decode_blocks, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
+    aw = CoreCodec(_packed.CODEC, _decode_log8_rel, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
     ans = dataclasses.replace(aw, id="logrel-ans", payload_bytes=_ans_payload)   # logrel-aw's codes, rANS-stored
     return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw, ans)}
 

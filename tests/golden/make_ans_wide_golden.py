@@ -2,9 +2,10 @@
 added the 9..12-bit block widths, issue 17 H17-wide) and adds its decoded bits to
 expected.npz (the other keys are kept as they are).  Two moments entries of two-population
 blocks (half the coordinates with sqrt(v) near 2**-7, half near 2**-22: v spans ~30
-binades, so the blocks certify at 9..12 bits): ``layer/w`` (24 blocks and a partial one,
-rANS-coded: sections ``mv_rans``, ``m_low``, ``v_low``) and ``layer/small`` (one block,
-stored in logrel-aw's packed form with 9..12-bit fields).  Every later version of
+binades, so the blocks certify at 9..12 bits; |m|/sqrt(v) up to 12 in layer/w, so m
+needs more than 8 bits too): ``layer/w`` (24 blocks and a partial one, rANS-coded:
+sections ``mv_rans``, ``m_low``, ``v_low``) and ``layer/small`` (one block, stored in
+logrel-aw's packed form with 9..12-bit fields).  Every later version of
 jaxguard must read this file and decode it to the same bits.
 
     PYTHONPATH=$PWD python tests/golden/make_ans_wide_golden.py
@@ -26,19 +27,20 @@ CODEC = "logrel-ans"
 NAME = "logrel-ans-wide"
 
 
-def two_populations(n, seed):
-    """Moments of a block mixing two populations whose v differ by ~30 binades."""
+def two_populations(n, seed, ratio=0.9):
+    """Moments of a block mixing two populations whose v differ by ~30 binades, |m|/sqrt(v)
+    in 0.05..ratio."""
     rng = np.random.default_rng(seed)
     big = rng.random(n) < 0.5
     sv = np.where(big, 2.0**-7, 2.0**-22) * rng.uniform(0.5, 2.0, n)
     v = (sv * sv).astype(np.float32)
-    m = (rng.choice([-1.0, 1.0], n) * rng.uniform(0.05, 0.9, n) * sv).astype(np.float32)
+    m = (rng.choice([-1.0, 1.0], n) * rng.uniform(0.05, ratio, n) * sv).astype(np.float32)
     return m, v, rng.normal(0, 0.05, n).astype(np.float32)
 
 
 def main():
     cfg = G.GuardConfig(lr=1e-3, step=100, codec=CODEC)
-    mb, vb, pb = two_populations(256 * 24 + 77, 20261218)
+    mb, vb, pb = two_populations(256 * 24 + 77, 20261218, ratio=12.0)
     ms, vs, ps = two_populations(256, 20261219)
     eb, es = G.encode(mb, vb, pb, cfg), G.encode(ms, vs, ps, cfg)
     for e in (eb, es):
