@@ -132,7 +132,8 @@ def entropy_chooser(orig):
     from jaxguard.format import packed, rans
 
     def choose(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None):
-        mq, vq, mp, vp, widths = orig(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs)
+        # widths <= 8 only (wide_pairs=()): the probe's rANS models are per 4..8-bit width
+        mq, vq, mp, vp, widths = orig(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs, wide_pairs=())
         nb = mh.size // codes.BLOCK
         bm0, bv0 = packed.split_widths(widths)
         count = in_tensor.reshape(nb, codes.BLOCK).sum(1)
@@ -155,7 +156,7 @@ def entropy_chooser(orig):
             vbits = np.where(np.isfinite(cv[vi]), cv[vi], fb_v) if cv is not None else np.full(cvq.shape, fb_v)
             return mbits + vbits
 
-        return orig(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs, code_bits=code_bits)
+        return orig(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs, code_bits=code_bits, wide_pairs=())
 
     return choose
 

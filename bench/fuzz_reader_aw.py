@@ -6,7 +6,9 @@ Seeds, per codec: the odd-values checkpoint (sparse escape index, several entrie
 tensor with a third of its coordinates escaped (bitmask); for logrel-ans also a container
 of several larger tensors whose entries carry ``mv_rans`` sections (so the reader's
 container-level `rans.decode_many` pre-pass runs, and its per-entry fallback on error),
-and a single-entry one (the one-buffer `rans.decode` path).  Each case overwrites 1-8 bytes
+and a single-entry one (the one-buffer `rans.decode` path); for both codecs a container of
+two-population tensors whose blocks are 9..12 bits wide (packed fields of up to 12 bits; for
+logrel-ans the ``m_low`` / ``v_low`` sections).  Each case overwrites 1-8 bytes
 inside one section of one moments entry (random byte, 0xff, 0x00, 0x80 or a bit flip) and
 reseals the payload and file hashes, so that the layout and decode checks are reached.
 Anything other than ReaderError is a finding (crash-*); one input per distinct rejection
@@ -41,6 +43,15 @@ def _tensor(rng, n, nan_every=0):
     return m, v, rng.normal(0, .05, n).astype(np.float32)
 
 
+def _two_populations(rng, n, ratio=12.0):
+    """v spanning ~30 binades in every block, |m|/sqrt(v) up to `ratio`: the blocks certify at
+    9..12 bits (m_low, v_low)."""
+    sv = np.where(rng.random(n) < 0.5, 2.0**-7, 2.0**-22) * rng.uniform(0.5, 2.0, n)
+    v = (sv * sv).astype(np.float32)
+    m = (rng.choice([-1.0, 1.0], n) * rng.uniform(0.05, ratio, n) * sv).astype(np.float32)
+    return m, v, rng.normal(0, .05, n).astype(np.float32)
+
+
 def seeds_for(codec):
     out = [torch_compat.compress_checkpoint(odd_values_checkpoint(), codec=codec)[0]]
     rng0 = np.random.default_rng(1)
@@ -53,6 +64,12 @@ def seeds_for(codec):
         out.append(container.build(ents[:1], {}))
         assert any("mv_rans" in e["sections"] for d in out for e in split(d)[0]["entries"]
                    if e.get("kind") == "moments"), "no seed has an mv_rans section"
+    # 9..12-bit blocks: packed fields up to 12 bits; for logrel-ans mv_rans + m_low + v_low
+    wide = [("moments", f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
+            for k, n in enumerate((256 * 6 + 77, 256 * 2))]
+    out.append(container.build(wide, {}))
+    if codec == "logrel-ans":
+        assert any("m_low" in e["sections"] for e in split(out[-1])[0]["entries"] if e.get("kind") == "moments")
     for d in out:
         reader.verify_bytes(d)
     return out

@@ -69,3 +69,23 @@ def test_golden_logrel_ans_compact_models_decode_to_the_same_bits():
         for m, v in (reader.read_moments(e, payload, {}), reader.read_moments(e, payload, {}, pre.get(k))):
             np.testing.assert_array_equal(np.asarray(m, np.float32).view(np.uint32), expected[f"{e['name']}/m_bits"])
             np.testing.assert_array_equal(np.asarray(v, np.float32).view(np.uint32), expected[f"{e['name']}/v_bits"])
+
+
+def test_golden_logrel_ans_wide_blocks_decode_to_the_same_bits():
+    """logrel-ans-wide.jaxguard (tests/golden/make_ans_wide_golden.py, issue 17 H17-wide):
+    9..12-bit blocks, layer/w rANS-coded with its low bits in m_low / v_low, layer/small
+    packed with 9..12-bit fields; numpy and torch decode them to the stored bits."""
+    name = "logrel-ans-wide"
+    info = reader.verify_file(os.path.join(HERE, f"{name}.jaxguard"))
+    assert info["ok"] and info["decoded_sha256"] == str(EXPECTED[f"{name}/decoded_sha256"])
+    with open(os.path.join(HERE, f"{name}.jaxguard"), "rb") as f:
+        header, payload = reader.parse(f.read())
+    moments = [e for e in header["entries"] if e["kind"] == "moments"]
+    assert {e["name"]: sorted(set(e["sections"]) & {"mv_rans", "m_low", "v_low", "m_codes"}) for e in moments} == {
+        "layer/w": ["m_low", "mv_rans", "v_low"], "layer/small": ["m_codes"]}
+    torch_codes = pytest.importorskip("torch_compat.codes_torch")
+    for e in moments:
+        key = f"{name}:{e['name']}"
+        for m, v in (reader.read_moments(e, payload, {}), torch_codes.read_moments(e, payload, {})):
+            np.testing.assert_array_equal(np.asarray(m, np.float32).reshape(-1).view(np.uint32), EXPECTED[f"{key}/m_bits"])
+            np.testing.assert_array_equal(np.asarray(v, np.float32).reshape(-1).view(np.uint32), EXPECTED[f"{key}/v_bits"])

@@ -305,3 +305,113 @@ def test_mixed_or_foreign_section_sets_refused():
     hdr["entries"][0]["codec"] = AW
     with pytest.raises(reader.ReaderError, match="must have exactly the sections"):
         reader.verify_bytes(_reseal(hdr, bytes(pay)))
+
+
+# ---------------------------------------------------------------- 9..12-bit blocks (issue 17, H17-wide)
+def _two_populations(n, seed=5, ratio=0.9):
+    """Half the coordinates with sqrt(v) near 2**-7, half near 2**-22 (v spans ~30 binades),
+    |m|/sqrt(v) in 0.05..ratio: 8-bit log-v steps are too coarse for the optax-style update
+    (and with ratio 12 8-bit m steps too)."""
+    rng = np.random.default_rng(seed)
+    sv = np.where(rng.random(n) < 0.5, 2.0**-7, 2.0**-22) * rng.uniform(0.5, 2.0, n)
+    v = (sv * sv).astype(np.float32)
+    m = (rng.choice([-1.0, 1.0], n) * rng.uniform(0.05, ratio, n) * sv).astype(np.float32)
+    return m, v, rng.normal(0, 0.05, n).astype(np.float32)
+
+
+def _optax_state(m, v, p, count):
+    import jax.numpy as jnp
+    import optax
+    tx = optax.adam(1e-3)
+    st = tx.init({"w": jnp.asarray(p)})
+    adam = st[0]._replace(count=jnp.asarray(count, jnp.int32), mu={"w": jnp.asarray(m)}, nu={"w": jnp.asarray(v)})
+    return tx, (adam,) + tuple(st[1:]), {"w": jnp.asarray(p)}
+
+
+def test_two_population_block_fewer_escapes_with_wide_widths_and_real_optax_audit(tmp_path, monkeypatch):
+    """Fails before the 9..12-bit widths: a block whose v spans ~30 binades escapes >5% of
+    its coordinates at <= 8 bits; the wide widths certify almost all of them, the payload
+    shrinks, and the real jitted optax.adam first update stays within tau*lr."""
+    import jaxguard as jg
+    from jaxguard import optax_adapter as oa
+    from jaxguard.core import adaptive
+    m, v, p = _two_populations(256 * 6 + 77)
+    tx, st, params = _optax_state(m, v, p, 100)
+    s = jg.save(tmp_path / "wide.jg", st, params, lr=1e-3, codec=ANS)
+    header, _ = reader.parse((tmp_path / "wide.jg").read_bytes())
+    e = next(x for x in header["entries"] if x["kind"] == "moments")
+    res = oa.audit(tx, st, jg.load(tmp_path / "wide.jg", like=tx.init(params)), params, lr=1e-3, tau=TAU)
+    assert res["violations"] == 0 and res["max_gap_lr"] <= TAU, res
+    assert {"mv_rans", "v_low"} <= set(e["sections"])
+    monkeypatch.setattr(adaptive, "WIDE_PAIRS", ())       # the same search, widths 4..8 only
+    narrow = jg.save(tmp_path / "narrow.jg", st, params, lr=1e-3, codec=ANS)
+    assert narrow["escapes"] > 0.05 * m.size and s["escapes"] < narrow["escapes"] // 10, (s, narrow)
+    assert s["payload_bytes"] < narrow["payload_bytes"]
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_container():
+    ents = []
+    for name, n in (("a", 256 * 9 + 3), ("b", 256)):
+        m, v, p = _two_populations(n, seed=len(name) + n, ratio=12.0 if name == "a" else 0.9)
+        e = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS))
+        assert (np.maximum(*packed.split_widths(e.arrays["widths"])) > 8).any()
+        ents.append(("moments", name, e, {}))
+    return container.build(ents, {}), ents
+
+
+def test_wide_blocks_decode_bit_identically_in_numpy_jax_and_torch():
+    from torch_compat import codes_torch
+    data, ents = _wide_container()
+    hdr, pay = reader.parse(data)
+    forms = {e["name"]: sorted(set(e["sections"]) & {"mv_rans", "m_low", "v_low", "m_codes"}) for e in hdr["entries"]}
+    assert forms == {"a": ["m_low", "mv_rans", "v_low"], "b": ["m_codes"]}, forms   # both forms hold wide fields
+    assert reader.verify_bytes(data)["ok"]
+    for entry, (_, _, enc, _) in zip(hdr["entries"], ents):
+        bm, bv = packed.split_widths(enc.arrays["widths"])     # 16-bit codes where a block is wider than 8
+        assert enc.arrays["m_codes"].dtype == (np.int16 if bm.max() > 8 else np.int8)
+        assert enc.arrays["v_codes"].dtype == (np.uint16 if bv.max() > 8 else np.uint8)
+        codes = reader.read_codes(entry, pay, {})
+        assert np.array_equal(codes["m_codes"], enc.arrays["m_codes"]) and np.array_equal(codes["v_codes"], enc.arrays["v_codes"])
+        rm, rv = reader.read_moments(entry, pay, {})
+        gm, gv = G.decode(enc)
+        tm, tv = codes_torch.read_moments(entry, pay, {})
+        for a, b in ((rm, gm), (rv, gv), (rm, tm.numpy()), (rv, tv.numpy())):
+            assert np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+        assert enc.stats["payload_bytes"] == sum(b - a for a, b in entry["sections"].values())
+
+
+def _drop_section(data, name, section):
+    hdr, pay = reader.parse(data)
+    e = next(x for x in hdr["entries"] if x["name"] == name)
+    b, end = e["sections"].pop(section)
+    for x in hdr["entries"]:
+        for r in (x["sections"].values() if x["kind"] == "moments" else [x["offsets"]]):
+            if r[0] >= end:
+                r[0] -= end - b
+                r[1] -= end - b
+    return _reseal(hdr, bytes(pay[:b]) + bytes(pay[end:]))
+
+
+def test_wide_low_sections_checked_in_one_line():
+    data, _ = _wide_container()
+    for bad, msg in ((_drop_section(data, "a", "m_low"), "has no m_low section"),
+                     (_replace_section(data, "a", "v_low", b"\x00" * 3), "v_low"),
+                     (_replace_section(data, "a", "widths", b"\xd9" + _section(data, "a", "widths")[1:]),
+                      "widths must be 4..12")):
+        with pytest.raises(reader.ReaderError, match=msg) as exc:
+            reader.verify_bytes(bad)
+        assert "\n" not in str(exc.value)
+    narrow = _two_entry_container()          # no block wider than 8 bits: a low section is refused
+    hdr, pay = reader.parse(narrow)
+    e = hdr["entries"][0]
+    e["sections"]["m_low"] = [len(pay), len(pay)]
+    with pytest.raises(reader.ReaderError, match="no block is wider than 8 bits") as exc:
+        reader.verify_bytes(_reseal(hdr, bytes(pay)))
+    assert "\n" not in str(exc.value)
+
+
+def _section(data, name, section):
+    hdr, pay = reader.parse(data)
+    e = next(x for x in hdr["entries"] if x["name"] == name)
+    return bytes(pay[slice(*e["sections"][section])])

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from jaxguard.errors import ConfigError
-from jaxguard.format import reader, spec
+from jaxguard.format import packed, reader, spec
 from jaxguard.format.spec import BLOCK
 
 
@@ -44,7 +44,7 @@ def log_decode(q, lo, r, n, bits=8):
       q: unsigned codes (uint8 or uint16 values), a 1-D tensor of n.
       lo, r: float32 per-block parameters.
       n: the tensor's number of coordinates (the codes are padded to whole blocks here).
-      bits: code width, 8 or 16.
+      bits: code width, 8, up to 12 (logrel-aw) or 16.
 
     Returns:
       A 1-D float32 tensor of n values.
@@ -89,21 +89,22 @@ def bf16_decode(q):
     return (q.to(torch.int32) << 16).view(torch.float32)
 
 
-def rel8_decode(qm, scale, qv, wlo, rr, n):
+def rel8_decode(qm, scale, qv, wlo, rr, n, bits=8):
     """log8-rel m codes -> float32: ``(f32(q) * scale) * w`` with ``w`` the log decode of
     the v codes on the sqrt grid (q = 0 read as code 1).
 
     Args:
-      qm: int8 m codes, a 1-D tensor of n.
+      qm: int8 m codes (int16 for logrel-aw blocks wider than 8 bits), a 1-D tensor of n.
       scale: float32 per-block m-scales.
-      qv: the v codes (uint8).
+      qv: the v codes (uint8; 16-bit for wider logrel-aw blocks).
       wlo, rr: float32 per-block sqrt-grid parameters.
       n: the tensor's number of coordinates (the codes are padded to whole blocks here).
+      bits: the widest v code width (8, or up to 12 for logrel-aw).
 
     Returns:
       A 1-D float32 tensor of n values.
     """
-    w = log_decode(torch.where(qv == 0, torch.ones_like(qv), qv), wlo, rr, n)
+    w = log_decode(torch.where(qv == 0, torch.ones_like(qv), qv), wlo, rr, n, bits)
     return (_blocks(qm, n).to(torch.float32) * scale.to(torch.float32)[:, None]).reshape(-1)[:n] * w
 
 
@@ -112,7 +113,8 @@ def _decode_log8(n, mq, vq, mp, vp, tables):
 
 
 def _decode_log8_rel(n, mq, vq, mp, vp, tables):
-    return rel8_decode(mq, mp[:, 0], vq, vp[:, 2], vp[:, 3], n), log_decode(vq, vp[:, 0], vp[:, 1], n)
+    bits = 8 if vq.element_size() == 1 else packed.MAX_WIDTH   # 16-bit v codes: logrel-aw blocks up to 12 bits
+    return rel8_decode(mq, mp[:, 0], vq, vp[:, 2], vp[:, 3], n, bits), log_decode(vq, vp[:, 0], vp[:, 1], n, bits)
 
 
 def _decode_bf16(n, mq, vq, mp, vp, tables):

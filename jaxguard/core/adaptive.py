@@ -4,14 +4,16 @@ For each 256-block the encoder proposes codes at several (m width, v width) pair
 (`WIDTH_PAIRS`, 4..8 bits), certifies every pair's decoded moments with the same guard as
 the other codecs, and keeps per block the pair of fewest bytes: ``count*(bm+bv)/8`` bytes
 of codes plus about 9 bytes per coordinate that does not certify (its exact pair and
-index).
+index).  Blocks that still have escapes then try `WIDE_PAIRS` (9..12 bits) by the same
+rule: a block whose v spans many binades needs finer steps than 8 bits give.
 The assembled codes are then decoded once more exactly as the reader decodes them and
 certified again: that last certificate is the one the escapes come from.
 
 Numerical contract
 ------------------
 Decode is log8-rel's (``v~ = lo * r**(q-1)``, ``m~ = (f32(q)*scale) * w``,
-``w = wlo * rr**(max(qv,1)-1)``), with the narrower codes simply not using the high
+``w = wlo * rr**(max(qv,1)-1)``), powered at 12 bits when a group has a block wider
+than 8 (uint16 codes; `decode_blocks`), with the narrower codes simply not using the high
 bits, and block parameters that are exact in the stored form: ``lo = wlo*wlo``,
 ``r = rr*rr`` (float32 multiplies) and ``scale`` a bfloat16 value.  So JAX, numpy
 (jaxguard.format.reader) and torch decode bit-identically, and the guard's contract
@@ -34,6 +36,13 @@ CODEC = packed.CODEC
 # coordinates, tau = 0.01): these 9 give 23.82% of FP32; all 15 pairs with |bm - bv| <= 2
 # give 23.66% at twice the encode time; (8, 7) is the asymmetric pair chosen most often.
 WIDTH_PAIRS = ((8, 8), (8, 7), (7, 8), (7, 7), (6, 7), (6, 6), (5, 6), (5, 5), (4, 4))
+# Tried only on the blocks that still escape after WIDTH_PAIRS: blocks mixing units whose v
+# differ by 20+ binades need finer log-v steps (and m steps) than 8 bits give.  Measured on
+# the optax MLP (reproduce.py run_optax, seed 702, 300 steps, 9,610 coordinates): these 17
+# give 23.20% of FP32 and 14 escapes; all 38 pairs of 6..12 bits with |bm - bv| <= 3 give
+# 23.21%; the 10 symmetric-ish pairs from 9 bits up 25.02% (v needs the bits more than m).
+WIDE_PAIRS = ((8, 9), (7, 9), (6, 9), (9, 8), (9, 9), (8, 10), (7, 10), (10, 9), (9, 10), (10, 10), (8, 11),
+              (11, 10), (10, 11), (11, 11), (12, 11), (11, 12), (12, 12))
 ESCAPE_COST = 9          # bytes per escape: the exact (m, v) pair + ~1 byte of sparse index
 _F32 = jnp.float32
 _SQRT_TINY = np.float32(2.0**-63)   # wlo >= 2**-63 keeps lo = wlo*wlo >= 2**-126 (normal)
@@ -46,7 +55,7 @@ def _bf16_up(x):
     return jax.lax.bitcast_convert_type(b, _F32)
 
 
-def _log_codes(x, pos, lo, r, levels):
+def _log_codes(x, pos, lo, r, levels, bits):
     """Nearest code (in decoded value) in 1..levels for positive x, 0 elsewhere."""
     xs = jnp.where(pos, x, lo)
     safe_logr = jnp.where(r > 1.0, jnp.log2(r), _F32(1.0))
@@ -54,28 +63,30 @@ def _log_codes(x, pos, lo, r, levels):
     est = jnp.where(r > 1.0, est, _F32(1.0))
     est = jnp.nan_to_num(est, nan=1.0)
     best_q = jnp.clip(est, 1, levels)
-    best_err = jnp.abs(codes.log_decode_block(best_q.astype(jnp.int32), lo, r) - xs)
+    best_err = jnp.abs(codes.log_decode_block(best_q.astype(jnp.int32), lo, r, bits) - xs)
     for d in (-2.0, -1.0, 1.0, 2.0):
         cq = jnp.clip(est + d, 1, levels)
-        ce = jnp.abs(codes.log_decode_block(cq.astype(jnp.int32), lo, r) - xs)
+        ce = jnp.abs(codes.log_decode_block(cq.astype(jnp.int32), lo, r, bits) - xs)
         better = ce < best_err
         best_q = jnp.where(better, cq, best_q)
         best_err = jnp.where(better, ce, best_err)
     return jnp.where(pos, best_q.astype(jnp.int32), 0)
 
 
-def _propose_block(mb, vb, valid, vpos, bm, bv):
+def _propose_block(mb, vb, valid, vpos, bm, bv, bits):
+    # bm, bv: the widths (static ints, or traced for the wide pairs); bits: the static
+    # width the log grid is powered at (bv itself, or MAX_WIDTH for the wide pairs)
     levels_v = (1 << bv) - 1
     lm = (1 << (bm - 1)) - 1
-    lo0, r0 = codes.log_block_params(vb, valid, bits=bv)
+    lo0, r0 = codes.log_block_params(vb, valid, bits=bits, levels=levels_v)
     wlo = jnp.maximum(jnp.sqrt(lo0), _F32(_SQRT_TINY))
     rr = jnp.maximum(jnp.sqrt(r0), _F32(1.0))
     lo, r = wlo * wlo, rr * rr
-    vq = _log_codes(vb, vpos, lo, r, levels_v)
-    w = codes.sqrt_scale_block(vq, wlo, rr)
+    vq = _log_codes(vb, vpos, lo, r, levels_v, bits)
+    w = codes.sqrt_scale_block(vq, wlo, rr, bits)
     ok = valid & _fb.finite(mb)
     y = jnp.where(ok, mb / w, 0.0)
-    scale = jnp.maximum(jnp.max(jnp.abs(y)) / _F32(lm), codes.rel8_scale_floor(wlo))
+    scale = jnp.maximum(jnp.max(jnp.abs(y)) / jnp.asarray(lm, _F32), codes.rel8_scale_floor(wlo))
     scale = _bf16_up(scale)
     x0 = jnp.where(ok, mb, 0.0)
     q0 = jnp.clip(jnp.round(y / scale), -lm, lm)
@@ -83,8 +94,8 @@ def _propose_block(mb, vb, valid, vpos, bm, bv):
     err = jnp.abs((cands * scale) * w - x0)
     mq = jnp.take_along_axis(cands, jnp.argmin(err, axis=0)[None], axis=0)[0].astype(jnp.int32)
     mt = codes.rel8_decode_block(mq, scale, w)
-    vt = codes.log_decode_block(vq, lo, r)
-    return mq.astype(jnp.int8), vq.astype(jnp.uint8), scale, jnp.stack([lo, r, wlo, rr]), mt, vt
+    vt = codes.log_decode_block(vq, lo, r, bits)
+    return mq, vq, scale, jnp.stack([lo, r, wlo, rr]), mt, vt
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "bv"))
@@ -95,21 +106,48 @@ def propose(mb, vb, valid, vpos, bm, bv):
       mb, vb: float32 moments as blocks [nb, 256].
       valid: [nb, 256] bool, coordinates that may enter a block's statistics.
       vpos: [nb, 256] bool, strictly positive finite v.
-      bm, bv: the m and v code widths in bits (4..8, static).
+      bm, bv: the m and v code widths in bits (4..8, static; wider: `propose_wide`).
 
     Returns:
       (m codes int8, v codes uint8, m_params [nb, 1], v_params [nb, 4] = (lo, r, wlo, rr),
       m~, v~ [nb, 256]) with m~, v~ decoded exactly as the reader will.
     """
-    mq, vq, s, vp, mt, vt = jax.vmap(functools.partial(_propose_block, bm=bm, bv=bv))(mb, vb, valid, vpos)
-    return mq, vq, s[:, None], vp, mt, vt
+    mq, vq, s, vp, mt, vt = jax.vmap(functools.partial(_propose_block, bm=bm, bv=bv, bits=bv))(mb, vb, valid, vpos)
+    return mq.astype(jnp.int8), vq.astype(jnp.uint8), s[:, None], vp, mt, vt
 
 
-def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None, code_bits=None):
+@jax.jit
+def propose_wide(mb, vb, valid, vpos, bm, bv):
+    """`propose` for widths up to `jaxguard.format.packed.MAX_WIDTH`, the widths traced (one
+    compilation for every wide pair).
+
+    Args:
+      mb, vb, valid, vpos: as for `propose`.
+      bm, bv: the m and v code widths in bits (int32 scalars, 4..12).
+
+    Returns:
+      As `propose`, with int16 m codes and uint16 v codes.
+    """
+    prop = functools.partial(_propose_block, bm=jnp.int32(bm), bv=jnp.int32(bv), bits=packed.MAX_WIDTH)
+    mq, vq, s, vp, mt, vt = jax.vmap(prop)(mb, vb, valid, vpos)
+    return mq.astype(jnp.int16), vq.astype(jnp.uint16), s[:, None], vp, mt, vt
+
+
+def _bucket_rows(rows):
+    """`rows` padded (with its first row) to a power of two: few compiled proposal shapes."""
+    k = rows.size
+    kp = 1 << max(0, int(k - 1).bit_length())
+    return np.concatenate([rows, np.full(kp - k, rows[0], rows.dtype)])
+
+
+def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None, code_bits=None,
+                       wide_pairs=None):
     """Try every width pair, keep per block the cheapest; return the assembled proposal.
 
-    Cost of a block: its code bits plus `ESCAPE_COST` bytes per escape; ties keep the wider
-    pair (listed first in `WIDTH_PAIRS`).
+    Cost of a block: its code bits plus `ESCAPE_COST` bytes per escape; ties keep the
+    pair tried first (`WIDTH_PAIRS` lists the wider first).  The pairs wider than 8 bits
+    (`WIDE_PAIRS`) are tried only on the blocks that still have escapes after `pairs`, so
+    blocks that certify at <= 8 bits cost no more encode time.
 
     Args:
       mh, vh, ph: flat float32 moments and parameters of the padded group (whole blocks).
@@ -119,40 +157,66 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
         this group (`jaxguard.core.certify.classify`).
       certify_fn: ``certify_fn(mt, vt, idx) -> level per idx`` (< 0: escapes), the guard's
         certificate bound to this group's constants.
-      pairs: the (bm, bv) pairs to try (default `WIDTH_PAIRS`).
-      code_bits: optional ``code_bits(mq, vq, bm, bv) -> [nb, 256]`` bits each code costs
+      pairs: the (bm, bv) pairs to try on every block (default `WIDTH_PAIRS`).
+      code_bits: optional ``code_bits(mq, vq, bm, bv) -> [k, 256]`` bits each code costs
         (summed over the in-tensor coordinates); default the packed width, ``bm + bv``.
+      wide_pairs: the pairs then tried on the blocks that still escape (default
+        `WIDE_PAIRS`; ``()`` keeps every block at <= 8 bits).
 
     Returns:
-      (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group; the guard
-      decodes and certifies the assembled codes again from scratch.
+      (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group (int8 /
+      uint8 when every block is <= 8 bits wide, else int16 / uint16); the guard decodes
+      and certifies the assembled codes again from scratch.
     """
     nb = mh.size // codes.BLOCK
     pairs = WIDTH_PAIRS if pairs is None else pairs
+    wide_pairs = WIDE_PAIRS if wide_pairs is None else wide_pairs
     mf, vf = jnp.asarray(mh).reshape(nb, codes.BLOCK), jnp.asarray(vh).reshape(nb, codes.BLOCK)
-    best_cost = np.full(nb, np.inf)
     inb = in_tensor.reshape(nb, codes.BLOCK)
     count = inb.sum(1)     # a partial last block stores fewer codes
-    best = None
-    for bm, bv in pairs:
-        mq, vq, mp, vp, mt, vt = (np.asarray(x) for x in propose(mf, vf, valid, vpos, bm, bv))
-        mt, vt = mt.reshape(-1), vt.reshape(-1)
-        exact, ok = classify(mt, vt)
-        cand = np.flatnonzero(in_tensor & ~exact & ok)
-        esc = in_tensor & ~exact & ~ok
-        lv = certify_fn(mt, vt, cand)
-        esc[cand[lv < 0]] = True
-        bits = (bm + bv) * count if code_bits is None else (code_bits(mq, vq, bm, bv) * inb).sum(1)
-        cost = bits / 8 + ESCAPE_COST * esc.reshape(nb, codes.BLOCK).sum(1)
-        take = cost < best_cost
-        if best is None:
-            best = [mq.copy(), vq.copy(), mp.copy(), vp.copy(), np.full(nb, packed.join_widths(bm, bv), np.uint8)]
-        else:
-            best[0][take], best[1][take], best[2][take], best[3][take] = mq[take], vq[take], mp[take], vp[take]
-            best[4][take] = packed.join_widths(bm, bv)
-        best_cost = np.where(take, cost, best_cost)
-    mq, vq, mp, vp, widths = best
-    return mq.reshape(-1), vq.reshape(-1), mp, vp, widths
+    best = {"mq": np.zeros((nb, codes.BLOCK), np.int16), "vq": np.zeros((nb, codes.BLOCK), np.uint16),
+            "mp": np.zeros((nb, 1), np.float32), "vp": np.zeros((nb, 4), np.float32),
+            "widths": np.zeros(nb, np.uint8), "cost": np.full(nb, np.inf), "escapes": np.zeros(nb, np.int64)}
+
+    def search(pair_list, rows, wide=False):
+        sel = rows if rows.size == nb else _bucket_rows(rows)
+        k = rows.size
+        sub_in = np.zeros((nb, codes.BLOCK), bool)
+        sub_in[rows] = inb[rows]
+        sub_in = sub_in.reshape(-1)
+        for bm, bv in pair_list:
+            args = (mf, vf, valid, vpos) if rows.size == nb else (mf[sel], vf[sel], valid[sel], vpos[sel])
+            prop = propose_wide(*args, np.int32(bm), np.int32(bv)) if wide else propose(*args, bm=bm, bv=bv)
+            mq, vq, mp, vp, mt, vt = (np.asarray(x)[:k] for x in prop)
+            if rows.size == nb:
+                mt, vt = mt.reshape(-1), vt.reshape(-1)
+            else:        # the other blocks keep their moments exactly: no candidates there
+                mfull = np.array(mh, np.float32).reshape(nb, codes.BLOCK)
+                vfull = np.array(vh, np.float32).reshape(nb, codes.BLOCK)
+                mfull[rows], vfull[rows] = mt, vt
+                mt, vt = mfull.reshape(-1), vfull.reshape(-1)
+            exact, ok = classify(mt, vt)
+            cand = np.flatnonzero(sub_in & ~exact & ok)
+            esc = sub_in & ~exact & ~ok
+            lv = certify_fn(mt, vt, cand)
+            esc[cand[lv < 0]] = True
+            nesc = esc.reshape(nb, codes.BLOCK)[rows].sum(1)
+            bits = (bm + bv) * count[rows] if code_bits is None else (code_bits(mq, vq, bm, bv) * inb[rows]).sum(1)
+            cost = bits / 8 + ESCAPE_COST * nesc
+            take = cost < best["cost"][rows]
+            at = rows[take]
+            best["mq"][at], best["vq"][at], best["mp"][at], best["vp"][at] = mq[take], vq[take], mp[take], vp[take]
+            best["widths"][at] = packed.join_widths(bm, bv)
+            best["cost"][at], best["escapes"][at] = cost[take], nesc[take]
+
+    search(pairs, np.arange(nb))
+    still = np.flatnonzero(best["escapes"] > 0)
+    if still.size and wide_pairs:
+        search(wide_pairs, still, wide=True)
+    bm, bv = packed.split_widths(best["widths"])
+    mq = best["mq"].astype(np.int8) if bm.max(initial=0) <= 8 else best["mq"]
+    vq = best["vq"].astype(np.uint8) if bv.max(initial=0) <= 8 else best["vq"]
+    return mq.reshape(-1), vq.reshape(-1), best["mp"], best["vp"], best["widths"]
 
 
 @jax.jit
@@ -160,13 +224,16 @@ def decode_blocks(mq, vq, mp, vp):
     """Blocked codes and parameters -> (m~, v~) blocked, as jaxguard.format.reader decodes them.
 
     Args:
-      mq: [nb, 256] m codes (int8, centred). vq: [nb, 256] v codes (uint8).
+      mq: [nb, 256] m codes (int8 or int16, centred). vq: [nb, 256] v codes (uint8 or
+        uint16, up to `jaxguard.format.packed.MAX_WIDTH` bits: narrower codes decode to the
+        same bits at any width, their high bits being 0).
       mp: [nb, 1] m scales. vp: [nb, 4] (lo, r, wlo, rr).
 
     Returns:
       (m~, v~) float32 [nb, 256].
     """
-    w = jax.vmap(codes.sqrt_scale_block)(vq, vp[:, 2], vp[:, 3])
+    bits = 8 if jnp.dtype(vq.dtype).itemsize == 1 else packed.MAX_WIDTH   # as the reader: the same values
+    w = jax.vmap(functools.partial(codes.sqrt_scale_block, bits=bits))(vq, vp[:, 2], vp[:, 3])
     mt = jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w)
-    vt = jax.vmap(codes.log_decode_block)(vq, vp[:, 0], vp[:, 1])
+    vt = jax.vmap(functools.partial(codes.log_decode_block, bits=bits))(vq, vp[:, 0], vp[:, 1])
     return mt, vt

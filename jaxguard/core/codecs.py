@@ -4,7 +4,8 @@ propose and decode.
 `TABLE[id]` is a `CoreCodec`; the guard, the jit path and the joint search look a codec
 up here instead of branching on its name.  An id whose registry entry names another
 decode (``block8-unguarded`` -> block8, ``logrel-aw`` and ``logrel-ans`` -> log8-rel) shares
-that decode; ``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage).
+that decode (log8-rel's decode powers 16-bit v codes, logrel-aw's 9..12-bit blocks, at 12 bits);
+``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage).
 Adding a codec: its `spec.CodecSpec`, its encode/decode in `jaxguard.core.codes`, one
 entry here, golden vectors (docs/architecture.md).
 
@@ -78,8 +79,12 @@ def _decode_log8(mq, vq, mp, vp):
 
 
 def _decode_log8_rel(mq, vq, mp, vp):
-    w = jax.vmap(codes.sqrt_scale_block)(vq, vp[:, 2], vp[:, 3])
-    return jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w), jax.vmap(_log8_decode)(vq, vp[:, 0], vp[:, 1])
+    # 16-bit v codes: logrel-aw / logrel-ans blocks of up to 12 bits, powered at 12 bits (the
+    # same values for narrower codes); 8-bit codes keep log8-rel's 8 powers
+    bits = 8 if jnp.dtype(vq.dtype).itemsize == 1 else _packed.MAX_WIDTH
+    w = jax.vmap(functools.partial(codes.sqrt_scale_block, bits=bits))(vq, vp[:, 2], vp[:, 3])
+    vt = jax.vmap(functools.partial(codes.log_decode_block, bits=bits))(vq, vp[:, 0], vp[:, 1])
+    return jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w), vt
 
 
 def _decode_bf16(mq, vq, mp, vp):

@@ -170,7 +170,7 @@ def log_decode_block(q, lo, r, bits=8):
     return jnp.where(q == 0, _F32(0.0), val)
 
 
-def log_block_params(x, valid, bits=8):
+def log_block_params(x, valid, bits=8, levels=None):
     """The log grid ``(lo, r)`` of one block from its positive finite valid values.
 
     ``lo`` is the smallest positive value and ``r`` spreads ``2**bits - 1`` levels up to
@@ -180,13 +180,15 @@ def log_block_params(x, valid, bits=8):
     Args:
       x: float32 values of one block.
       valid: bool mask of the values that set the range.
-      bits: code width, 8 or 16.
+      bits: code width, 8 or 16 (static).
+      levels: optional number of levels (may be traced, at most ``2**bits - 1``), default
+        ``2**bits - 1``; `jaxguard.core.adaptive` passes it for its 9..12-bit widths.
 
     Returns:
       ``(lo, r)``: float32 scalars, ``lo >= 2**-126`` and ``r >= 1`` (``r == 1`` for a
       block with one distinct level).
     """
-    levels = (1 << bits) - 1
+    levels = (1 << bits) - 1 if levels is None else levels
     pos = valid & _fb.finite(x) & ~_fb.zero(x) & ~_fb.negative(x)
     xs = jnp.where(pos, x, 0.0)
     hi = jnp.max(xs)
@@ -195,7 +197,7 @@ def log_block_params(x, valid, bits=8):
     lo = jnp.clip(lo, _F32(TINY_NORMAL), hi)
     lo = jnp.maximum(lo, hi * _F32(2.0**-LOG_RANGE_CAP_EXP))
     span = jnp.log2(hi) - jnp.log2(lo)
-    r = jnp.exp2(span / _F32(levels - 1))
+    r = jnp.exp2(span / jnp.asarray(levels - 1, _F32))
     r = jnp.where(hi > lo, jnp.maximum(r, _F32(1.0)), _F32(1.0)).astype(_F32)
     # r is rounded to float32, so lo*r**(levels-1) can fall short of hi (by up to
     # (levels-1)*2**-24 relative: 0.4% for AL16); nudge r up until the grid covers hi.

@@ -12,17 +12,21 @@ same moments.
 Layout of one tensor of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` blocks
 (docs/format.md):
 
-* ``widths``: nb bytes, ``(bm << 4) | bv`` with bm, bv in 4..8: the m and v code widths.
+* ``widths``: nb bytes, ``(bm << 4) | bv`` with bm, bv in 4..12: the m and v code widths.
 * ``m_codes``: for each block in order, its codes (256, or the n - 256*(nb-1) remaining
   ones for the last block) of bm bits (``q + 2**(bm-1) - 1``, the signed code offset to
   0..2**bm - 2), bit j of code i at bit ``i*bm + j`` of the block's ceil(count*bm/8)
-  bytes, little bit order.
+  bytes, little bit order (a field of more than 8 bits can span 3 bytes).
 * ``v_codes``: the same with bv bits (``q`` in 0..2**bv - 1, 0 = exact zero).
 * ``m_params``: nb u16, the high half of the float32 m-scale (a bfloat16 bit pattern).
 * ``v_params``: nb x 2 float32: ``wlo, rr``; the reader forms ``lo = wlo*wlo`` and
   ``r = rr*rr``.
 * ``escape_index`` (sparse) *or* ``escape_mask`` (a bit per coordinate), whichever is
   smaller: LEB128 varints of the gaps ``idx[0]``, ``idx[k] - idx[k-1] - 1``.
+
+logrel-ans's rANS form codes fields of at most 8 bits (`jaxguard.format.rans`): a block of
+width w > 8 contributes the top 8 bits of each field (``field >> (w-8)``) to ``mv_rans`` and
+its low ``w-8`` bits to ``m_low`` / ``v_low``, packed as above at width ``max(w-8, 0)``.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from jaxguard.format import rans
 from jaxguard.format.spec import BLOCK
 
 CODEC = "logrel-aw"        # the codec of the "packed" layout (its entry: jaxguard.format.spec)
-MIN_WIDTH, MAX_WIDTH = 4, 8
+MIN_WIDTH, MAX_WIDTH = 4, 12
+RANS_WIDTH = rans.MAX_WIDTH  # logrel-ans rANS-codes the top 8 bits of a wider field; the rest go to *_low
 MAX_VARINT_BYTES = 7       # 49 bits: more than any tensor the reader accepts (2**40)
 
 
@@ -121,8 +126,16 @@ def packed_len(widths, n):
 
 # ---------------------------------------------------------------- bit packing (vectorised per width)
 def _bits_to_bytes(codes, w):
-    bits = np.unpackbits(codes[..., None], axis=-1, bitorder="little")[..., :w]
+    if w <= 8:
+        bits = np.unpackbits(codes.astype(np.uint8)[..., None], axis=-1, bitorder="little")[..., :w]
+    else:                                # the two little-endian bytes of each code, low byte first
+        pairs = np.ascontiguousarray(codes.astype("<u2")).view(np.uint8).reshape(*codes.shape, 2)
+        bits = np.unpackbits(pairs, axis=-1, bitorder="little")[..., :w]
     return np.packbits(bits.reshape(codes.shape[0], -1), axis=1, bitorder="little")
+
+
+def _code_dtype(widths):
+    return np.uint16 if np.size(widths) and int(np.max(widths)) > 8 else np.uint8
 
 
 def pack(codes, widths, n):
@@ -132,7 +145,7 @@ def pack(codes, widths, n):
     Args:
       codes: the first n of [nb*256] unsigned ints, each < 2**width of its block (the
         rest is ignored; padding packs as 0).
-      widths: one code width (bits) per block, nb = len(widths).
+      widths: one code width (bits, 0..MAX_WIDTH) per block, nb = len(widths).
       n: the tensor's number of codes.
 
     Returns:
@@ -140,31 +153,34 @@ def pack(codes, widths, n):
     """
     widths = np.asarray(widths, np.int64)
     nb = widths.size
-    codes = np.zeros(nb * BLOCK, np.uint8) if n == 0 else np.asarray(codes, np.uint8).reshape(-1)
-    codes = np.concatenate([codes[:n], np.zeros(nb * BLOCK - n, np.uint8)]).reshape(nb, BLOCK)
+    dt = _code_dtype(widths)
+    codes = np.zeros(nb * BLOCK, dt) if n == 0 else np.asarray(codes).reshape(-1).astype(dt)
+    codes = np.concatenate([codes[:n], np.zeros(nb * BLOCK - n, dt)]).reshape(nb, BLOCK)
     nbytes, counts = block_bytes(widths, n)
     off = np.concatenate([[0], np.cumsum(nbytes)])
     out = np.zeros(int(off[-1]), np.uint8)
     full = counts == BLOCK
     for w in np.unique(widths[full]):
+        if w == 0:
+            continue
         sel = np.flatnonzero(full & (widths == w))
         out[off[sel][:, None] + np.arange(32 * w)[None]] = _bits_to_bytes(codes[sel], w)
-    if nb and not full[-1]:
+    if nb and not full[-1] and widths[-1]:
         c, w = int(counts[-1]), int(widths[-1])
         out[off[-2]:off[-1]] = _bits_to_bytes(codes[-1:, :c], w)[0]
     return out
 
 
 def unpack(stream, widths, n):
-    """Packed uint8 stream -> [nb*256] uint8 codes (inverse of `pack`; padding codes 0).
+    """Packed uint8 stream -> [nb*256] codes (inverse of `pack`; padding codes 0).
 
     Args:
       stream: the packed uint8 bytes of one code stream.
-      widths: one code width (bits) per block.
+      widths: one code width (bits, 0..MAX_WIDTH) per block.
       n: the tensor's number of codes.
 
     Returns:
-      uint8 codes of length ``len(widths) * 256``.
+      Codes of length ``len(widths) * 256``: uint8 when every width is <= 8, else uint16.
 
     Raises:
       PackError: the stream's length is not what the widths need.
@@ -176,26 +192,64 @@ def unpack(stream, widths, n):
     off = np.concatenate([[0], np.cumsum(nbytes)])
     if stream.size != off[-1]:
         raise PackError(f"code stream is {stream.size} bytes where the widths need {int(off[-1])}")
-    out = np.zeros((nb, BLOCK), np.uint8)
+    dt = _code_dtype(widths)
+    out = np.zeros((nb, BLOCK), dt)
     full = counts == BLOCK
     for w in np.unique(widths[full]):
+        if w == 0:
+            continue
         sel = np.flatnonzero(full & (widths == w))
         chunk = stream[off[sel][:, None] + np.arange(32 * w)[None]]
         if w == 8:                   # byte-aligned fast paths (the same bit layout)
             out[sel] = chunk
         elif w == 4:
             out[sel] = np.stack([chunk & 15, chunk >> 4], axis=2).reshape(sel.size, BLOCK)
-        else:                        # field i spans bytes (i*w)>>3 and the next one
+        else:                        # field i starts in byte (i*w)>>3 and spans up to 3 bytes
             pos = np.arange(BLOCK) * w
-            byte, shift = pos >> 3, (pos & 7).astype(np.uint16)
-            c16 = np.concatenate([chunk, np.zeros((sel.size, 1), np.uint8)], axis=1).astype(np.uint16)
-            pair = c16[:, byte] | (c16[:, byte + 1] << 8)
-            out[sel] = ((pair >> shift) & ((1 << w) - 1)).astype(np.uint8)
-    if nb and not full[-1]:
+            byte, shift = pos >> 3, (pos & 7).astype(np.uint32)
+            c32 = np.concatenate([chunk, np.zeros((sel.size, 2), np.uint8)], axis=1).astype(np.uint32)
+            word = c32[:, byte] | (c32[:, byte + 1] << 8) | (c32[:, byte + 2] << 16)
+            out[sel] = ((word >> shift) & ((1 << w) - 1)).astype(dt)
+    if nb and not full[-1] and widths[-1]:
         c, w = int(counts[-1]), int(widths[-1])
         bits = np.unpackbits(stream[off[-2]:off[-1]], bitorder="little")[:c * w].reshape(c, w)
-        out[-1, :c] = np.packbits(bits, axis=1, bitorder="little")[:, 0]
+        by = np.packbits(bits, axis=1, bitorder="little").astype(np.uint32)
+        out[-1, :c] = (by[:, 0] | ((by[:, 1] << 8) if by.shape[1] > 1 else 0)).astype(dt)
     return out.reshape(-1)
+
+
+def split_high_low(codes, widths, top=RANS_WIDTH):
+    """Split each block's codes into their top `top` bits and the bits below.
+
+    Args:
+      codes: [nb, 256] unsigned codes, each < 2**width of its block.
+      widths: one code width (bits) per block.
+      top: the bits kept in the high part (logrel-ans: the rANS alphabet, 8).
+
+    Returns:
+      ``(high, low, high_widths, low_widths)``: ``high = codes >> low_width`` (< 2**min(width, top)),
+      ``low = codes & (2**low_width - 1)``, per block ``min(width, top)`` and
+      ``max(width - top, 0)``.
+    """
+    widths = np.asarray(widths, np.int64)
+    low_w = np.maximum(widths - top, 0)
+    codes = np.asarray(codes, np.int64)
+    shift = low_w[:, None]
+    return codes >> shift, codes & ((1 << shift) - 1), np.minimum(widths, top), low_w
+
+
+def join_high_low(high, low, low_widths):
+    """Inverse of `split_high_low`: ``(high << low_width) | low`` per block, int64 [nb, 256].
+
+    Args:
+      high: [nb, 256] top bits of the codes. low: [nb, 256] the bits below.
+      low_widths: per block the width of the low part.
+
+    Returns:
+      int64 codes [nb, 256].
+    """
+    shift = np.asarray(low_widths, np.int64)[:, None]
+    return (np.asarray(high, np.int64) << shift) | np.asarray(low, np.int64)
 
 
 # ---------------------------------------------------------------- block parameters
@@ -347,9 +401,10 @@ def entry_sections(arrays, n, entropy=False):
         ``escape_m``, ``escape_v``).
       n: coordinates.
       entropy: logrel-ans: store ``mv_rans`` (one `jaxguard.format.rans` buffer of both
-        code streams, models inline in the compact layout or as 4-bit levels, whichever
-        buffer is smaller, the bf16 m-scales in the lane tails) instead of ``m_codes``,
-        ``v_codes`` and ``m_params`` when it is smaller (ties: packed).
+        code streams, models inline in the compact layout (kind 3), the bf16 m-scales in the
+        lane tails; of a block wider than 8 bits only the top 8 bits of each field, the low
+        bits bit-packed in ``m_low`` / ``v_low``, present when some block needs them) instead
+        of ``m_codes``, ``v_codes`` and ``m_params`` when that is smaller (ties: packed).
 
     Returns:
       dict section name -> uint8/uint16/float32 array, in the header's key order.
@@ -382,11 +437,19 @@ def entry_sections(arrays, n, entropy=False):
         esc = np.packbits(mask, bitorder="little")
     codes = {"m_codes": pack(qm + lm, bm, n), "v_codes": pack(qv, bv, n), "m_params": scale_to_u16(mp[:, 0])}
     if entropy and n:
-        sym, bits = np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv])
-        mv = min((rans.encode(sym, bits, n, lane_tails=codes["m_params"], compact_models=c) for c in (True, False)),
-                 key=len)      # compact models (kind 3) or 4-bit levels (kind 1): the smaller, ties compact
-        if len(mv) < sum(a.nbytes for a in codes.values()):
-            codes = {"mv_rans": np.frombuffer(mv, np.uint8)}
+        hm, lowm, hbm, lbm = split_high_low((qm + lm).reshape(nb, BLOCK), bm)
+        hv, lowv, hbv, lbv = split_high_low(qv.reshape(nb, BLOCK), bv)
+        # compact models only: the 4-bit-level form (kind 1) was never the smaller on the
+        # 59 rANS tensors of bench/results/compact_models.md and cost a second encode
+        mv = rans.encode(np.stack([hm, hv]), np.stack([hbm, hbv]), n, lane_tails=codes["m_params"],
+                         compact_models=True)
+        ans = {"mv_rans": np.frombuffer(mv, np.uint8)}
+        if lbm.any():
+            ans["m_low"] = pack(lowm, lbm, n)
+        if lbv.any():
+            ans["v_low"] = pack(lowv, lbv, n)
+        if sum(a.nbytes for a in ans.values()) < sum(a.nbytes for a in codes.values()):
+            codes = ans
     return {"widths": widths, **codes, "v_params": np.ascontiguousarray(vp[:, 2:4]), kind: esc,
             "escape_pairs": np.stack([arrays["escape_m"], arrays["escape_v"]], axis=1).astype(np.float32)}
 

@@ -90,18 +90,27 @@ def log_decode(q, lo, r, n, bits=8):
     the lowest, ``val *= r**(2**j)`` where bit j is set, squares formed by repeated
     float32 squaring.  For 8-bit codes the 256 values of each block are tabulated with
     exactly that sequence of roundings (``T[k + 2**j] = T[k] * r**(2**j)`` for
-    ``k < 2**j``) and gathered: bit-identical, a few passes instead of 8x4.
+    ``k < 2**j``) and gathered: bit-identical, a few passes instead of 8x4; with wider
+    codes, blocks whose codes all fit 8 bits are tabulated too.
 
     Args:
       q: [n] unsigned codes (0: exact zero). lo, r: [nb] float32 block range parameters.
-      n: coordinates. bits: code width (8 for AL8, 16 for AL16).
+      n: coordinates. bits: code width (8 for AL8, up to 12 for logrel-aw, 16 for AL16).
 
     Returns:
       [n] float32.
     """
     qb = _blocks(q, n)
     if bits > 8:
-        return _log_decode_bitwise(qb, lo, r, n, bits)
+        wide = qb.max(axis=1) > 256
+        out = np.empty(qb.shape, np.float32)
+        if wide.any():
+            out[wide] = _log_decode_bitwise(qb[wide], lo[wide], r[wide], int(wide.sum()) * BLOCK, bits).reshape(-1, BLOCK)
+        if not wide.all():       # blocks whose codes fit 8 bits: the table (the same roundings)
+            narrow = ~wide
+            out[narrow] = log_decode(qb[narrow].reshape(-1), lo[narrow], r[narrow],
+                                     int(narrow.sum()) * BLOCK).reshape(-1, BLOCK)
+        return out.reshape(-1)[:n]
     nb = qb.shape[0]
     table = np.empty((nb, 257), np.float32)       # column q holds the value of code q
     table[:, 0] = 0.0
@@ -162,10 +171,12 @@ def _decode_log8(n, mq, vq, mp, vp, tables):
 
 
 def _decode_log8_rel(n, mq, vq, mp, vp, tables):
-    w = log_decode(np.where(vq == 0, 1, vq).astype(vq.dtype), vp[:, 2], vp[:, 3], n)
+    # uint16 v codes: logrel-aw / logrel-ans blocks up to 12 bits (the same formula, more powers)
+    bits = 8 if np.dtype(vq.dtype).itemsize == 1 else packed.MAX_WIDTH
+    w = log_decode(np.where(vq == 0, 1, vq).astype(vq.dtype), vp[:, 2], vp[:, 3], n, bits)
     m = (_blocks(mq, n).astype(np.float32).reshape(-1)[:n]
          * np.repeat(mp[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
-    return (m * w).astype(np.float32), log_decode(vq, vp[:, 0], vp[:, 1], n)
+    return (m * w).astype(np.float32), log_decode(vq, vp[:, 0], vp[:, 1], n, bits)
 
 
 def _decode_bf16(n, mq, vq, mp, vp, tables):
@@ -498,10 +509,11 @@ def _entry_widths(name, s, payload, n, nb):
 
 
 def _rans_item(name, s, payload, n, nb):
-    """(buffer, widths [2, nb], n) of an entry's ``mv_rans`` section, for `rans.decode_many`."""
+    """(buffer, alphabet widths [2, nb], n) of an entry's ``mv_rans`` section, for
+    `rans.decode_many`: a block wider than 8 bits codes the top 8 bits of its fields there."""
     bm, bv = _entry_widths(name, s, payload, n, nb)
     b, e = s["mv_rans"]
-    return np.frombuffer(payload[b:e], np.uint8), np.stack([bm, bv]), n
+    return np.frombuffer(payload[b:e], np.uint8), np.minimum(np.stack([bm, bv]), packed.RANS_WIDTH), n
 
 
 def decode_rans_entries(entries, payload):
@@ -531,6 +543,22 @@ def decode_rans_entries(entries, payload):
         return {}
 
 
+def _join_low(name, s, payload, n, key, high, widths):
+    """A stream's codes from its rANS-coded top bits and (blocks wider than 8 bits) the
+    ``m_low`` / ``v_low`` section: uint8 codes if no block is wider, else uint16."""
+    low_w = np.maximum(widths - packed.RANS_WIDTH, 0)
+    if not low_w.any():
+        if key in s:
+            raise ReaderError(f"{name}.{key}: the section is present but no block is wider than "
+                              f"{packed.RANS_WIDTH} bits; remove it")
+        return high
+    if key not in s:
+        raise ReaderError(f"{name}: a block is wider than {packed.RANS_WIDTH} bits but the entry has no {key} "
+                          "section; the writer stores the low bits there")
+    low = packed.unpack(_array(payload, s[key], "u1", packed.packed_len(low_w, n), f"{name}.{key}"), low_w, n)
+    return packed.join_high_low(high, low.reshape(high.shape), low_w).astype(np.uint16)
+
+
 def _read_packed(name, s, payload, n, nb, rans_symbols=None):
     """Unpack one logrel-aw / logrel-ans entry (layout: jaxguard.format.packed, and
     jaxguard.format.rans for an ``mv_rans`` section) to log8-rel's fixed form."""
@@ -540,6 +568,8 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
         if rans_symbols is None:
             rans_symbols = rans.decode(*_rans_item(name, s, payload, n, nb), what=f"{name}.mv_rans", lane_tails=True)
         (mc, vq), tails = rans_symbols
+        mc, vq = (_join_low(name, s, payload, n, key, high, widths)
+                  for key, high, widths in (("m_low", mc, bm), ("v_low", vq, bv)))
         mc = mc.astype(np.int16)
         vq = vq.reshape(-1)[:n]
         scale = packed.u16_to_scale(tails)
@@ -557,7 +587,7 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
     if (mc > 2 * lm[:, None]).any():
         blk = int(np.flatnonzero((mc > 2 * lm[:, None]).any(1))[0])
         raise ReaderError(f"{what}: block {blk} has code {2 ** int(bm[blk]) - 1}, outside its {int(bm[blk])}-bit range")
-    mq = (mc - lm[:, None]).astype(np.int8).reshape(-1)[:n]
+    mq = (mc - lm[:, None]).astype(np.int8 if bm.max() <= 8 else np.int16).reshape(-1)[:n]
     wp = _array(payload, s["v_params"], "<f4", 2 * nb, f"{name}.v_params").reshape(nb, 2)
     lo, r = packed.lo_r(wp[:, 0], wp[:, 1])
     idx = _escape_positions(name, s, payload, n)

@@ -45,13 +45,17 @@ FIXED_SECTIONS = ("m_codes", "v_codes", "m_params", "v_params", "escape_mask", "
 PACKED_SECTIONS = ("widths", "m_codes", "v_codes", "m_params", "v_params", "escape_pairs")
 ANS_SECTIONS = ("widths", "mv_rans", "v_params", "escape_pairs")
 ESCAPE_FORMS = ("escape_mask", "escape_index")
+LOW_SECTIONS = ((), ("m_low",), ("v_low",), ("m_low", "v_low"))
+"""The optional low-bit sections of an ``mv_rans`` entry (blocks wider than 8 bits)."""
 LAYOUTS = {
     "fixed": (FIXED_SECTIONS,),
     # jaxguard.format.packed: per-block widths, and exactly one of the two escape forms
     "packed": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS),
     # per tensor either the packed sections or one rANS buffer of the m and v codes whose
-    # lanes carry the bf16 m-scales (``mv_rans`` replaces m_codes, v_codes and m_params)
-    "ans": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS) + tuple(ANS_SECTIONS + (e,) for e in ESCAPE_FORMS),
+    # lanes carry the bf16 m-scales (``mv_rans`` replaces m_codes, v_codes and m_params);
+    # ``m_low`` / ``v_low`` hold the bits below the top 8 of the fields of wider blocks
+    "ans": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS)
+    + tuple(ANS_SECTIONS + low + (e,) for low in LOW_SECTIONS for e in ESCAPE_FORMS),
 }
 """The section-name sets a moments entry of each layout may have (docs/format.md)."""
 
@@ -315,7 +319,7 @@ register(CodecSpec("block8", "bitsandbytes dynamic map, absmax per block", "u1",
                    tables=("dynamic8s", "dynamic8u")))
 register(CodecSpec("block8-unguarded", "block8 without the guard (negative control)", "u1", "u1", 1, 1,
                    decode="block8", tables=("dynamic8s", "dynamic8u"), certified=False))
-register(CodecSpec("logrel-aw", "log8-rel decode, 4..8-bit widths per block, compact parameters", "i1", "u1",
+register(CodecSpec("logrel-aw", "log8-rel decode, 4..12-bit widths per block, compact parameters", "i1", "u1",
                    1, 4, layout="packed", decode="log8-rel"))
 register(CodecSpec("logrel-ans", "logrel-aw with rANS-coded m and v code streams (per tensor, when smaller)",
                    "i1", "u1", 1, 4, layout="ans", decode="log8-rel"))
