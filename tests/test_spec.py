@@ -61,9 +61,9 @@ def test_registry_covers_every_decodable_id_and_nothing_else():
         assert reader.decoder(codec_id) is reader.DECODERS[s.decode]
         assert all(t in spec.TABLES for t in s.tables)
     # the golden containers (one per codec written by the previous main) name exactly the registry
-    # (besides: the torch checkpoint, and logrel-ans-wide, logrel-ans with 9..12-bit blocks)
-    golden = {f[:-len(".jaxguard")] for f in os.listdir(GOLDEN) if f.endswith(".jaxguard")} - {"torch-adam",
-                                                                                               "logrel-ans-wide"}
+    # (besides: the torch checkpoint, and two logrel-ans variants: 9..12-bit blocks, compact models)
+    golden = {f[:-len(".jaxguard")] for f in os.listdir(GOLDEN) if f.endswith(".jaxguard")} - {
+        "torch-adam", "logrel-ans-wide", "logrel-ans-compact"}
     assert golden == set(spec.CODECS)
     # ids the old reader half-recognised by prefix are refused now
     data = _golden("block8")

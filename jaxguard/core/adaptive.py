@@ -90,9 +90,7 @@ def _propose_block(mb, vb, valid, vpos, bm, bv, bits):
     scale = _bf16_up(scale)
     x0 = jnp.where(ok, mb, 0.0)
     q0 = jnp.clip(jnp.round(y / scale), -lm, lm)
-    cands = jnp.stack([jnp.clip(q0 + d, -lm, lm) for d in (-1.0, 0.0, 1.0)])
-    err = jnp.abs((cands * scale) * w - x0)
-    mq = jnp.take_along_axis(cands, jnp.argmin(err, axis=0)[None], axis=0)[0].astype(jnp.int32)
+    mq = codes.nearest_neighbour_code(q0, lambda c: (c * scale) * w, x0, lm).astype(jnp.int32)
     mt = codes.rel8_decode_block(mq, scale, w)
     vt = codes.log_decode_block(vq, lo, r, bits)
     return mq, vq, scale, jnp.stack([lo, r, wlo, rr]), mt, vt

@@ -208,7 +208,7 @@ def quantized(tx: optax.GradientTransformation, policy: Policy = "al8", *,
               protect: Union[bool, Callable] = True, protected_policy: Policy = "fp32",
               min_size: int = 4096, block_size: int = _codes.BLOCK,
               protect_patterns=DEFAULT_PROTECT_PATTERNS) -> optax.GradientTransformation:
-    """Wrap ``tx`` so that its state is stored encoded between steps.
+    r"""Wrap ``tx`` so that its state is stored encoded between steps.
 
     .. math::  s_t = E(\mathrm{tx.update}(g_t, D(s_{t-1}), p_t)), \quad s_0 = E(\mathrm{tx.init}(p_0))
 
