@@ -26,9 +26,9 @@ def main(argv):
         by.setdefault((r["model"], r["seed"], r["fraction"], r["step"], r["audit"]), {})[r["codec"]] = r
     L = ["# Payload per checkpoint (bench/reproduce.py " + f"--codecs {','.join(codecs)}; tau 0.01, C 0.2)", "",
          "Commands: `python bench/reproduce.py --codecs log8-rel,logrel-ans --no-ablation --continue-steps 0 "
-         "--out bench/results/logrel_ans_reproduction` then `python bench/logrel_ans_table.py "
-         "bench/results/logrel_ans_reproduction` (continuation skipped to fit the shared machine; the first, "
-         "aborted invocation's three cont100 transformer rows stay in the runs.jsonl, unused).", "",
+         "--fresh --out bench/results/logrel_ans_reproduction` then `python bench/logrel_ans_table.py "
+         "bench/results/logrel_ans_reproduction` (continuation skipped: the payload and the audit do not need it; "
+         "--fresh: every condition recomputed by this commit's code, older rows in the runs.jsonl unused).", "",
          f"{len(by)} checkpoints; cells: payload % of FP32 / escapes / coordinates over tau in the audit "
          "(torch: real next-batch gradient + gradient grid; optax: gradient grid + one random draw).", "",
          "| model | seed | ckpt (step) | audit | " + " | ".join(codecs) + f" | {codecs[-1]} <= 23% |",
