@@ -208,6 +208,7 @@ def main(argv=None):
     ap.add_argument("--sweep", default="1,4,16,64,100")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "codec_speed"))
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
     a = ap.parse_args(argv)
 
     import jax
@@ -235,8 +236,8 @@ def main(argv=None):
         load = None
     result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                           "loadavg_at_end": load,
-                          "note": "2 cores shared with 4 other engineers' jobs during the run (contended): absolute "
-                                  "seconds vary several-fold, the ratios were measured side by side, interleaved"},
+                          "note": a.note + ("; " if a.note else "") + "the ratios were measured side by side, "
+                                  "interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
               "commit": commit, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
               "whole_process": whole, "sweep": sw}
