@@ -1,7 +1,7 @@
 """What the certificate costs next to the save it replaces: whole processes, peak memory,
 and certification throughput from 1M to 100M coordinates.
 
-    python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100]
+    python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100] [--codec log8-rel]
                                 [--out bench/results/codec_speed] [--work DIR]
 
 1. A ByteTransformer (d=128, 4 layers, 867,328 Adam coordinates) is trained for --steps
@@ -89,12 +89,12 @@ def run_child(argv, env):
     return wall, peak_kib * 1024, proc.stdout, proc.stderr
 
 
-def whole_process(src, work, repeats, env):
+def whole_process(src, work, repeats, env, codec="log8-rel"):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
     out = os.path.join(work, "c.jg")
-    compress = [py, "-m", "jaxguard", "compress", src, "-o", out, "--json"]
+    compress = [py, "-m", "jaxguard", "compress", src, "-o", out, "--json", "--codec", codec]
     restore = [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back.pt")]
     res = {"cold_compress": None, "plain": [], "compress": [], "restore": []}
     w, r, text, _ = run_child(compress, env)
@@ -102,7 +102,8 @@ def whole_process(src, work, repeats, env):
     summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
     # a second fresh process: what does it compile, and does it detect the variant again?
     probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
-             "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json"]
+             "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
+             "--codec", codec]
     w, r, out_, err_ = run_child(probe, env)
     text = out_ + err_
     compiled = text.count("Compiling ")
@@ -126,7 +127,7 @@ def whole_process(src, work, repeats, env):
             "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
 
 
-def sweep(base, sizes_m):
+def sweep(base, sizes_m, codec="log8-rel"):
     import torch_compat.state as S
     from jaxguard.audit import new_totals
     rows = []
@@ -145,7 +146,7 @@ def sweep(base, sizes_m):
         ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
         totals = new_totals()
         t = time.perf_counter()
-        _, stream = S.compress_state_stream(ck["optimizer"], ck["model"], totals)
+        _, stream = S.compress_state_stream(ck["optimizer"], ck["model"], totals, codec=codec)
         fast = 0
         for kind, _, enc, _ in stream:
             if kind == "moments":
@@ -208,6 +209,7 @@ def main(argv=None):
     ap.add_argument("--sweep", default="1,4,16,64,100")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "codec_speed"))
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--codec", default="log8-rel", help="the codec compressed with")
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
     a = ap.parse_args(argv)
 
@@ -221,11 +223,11 @@ def main(argv=None):
     src = os.path.join(work, "src.pt")
     torch.save(replicate(base, a.replicas), src)
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
-    whole = whole_process(src, work, a.repeats, env)
+    whole = whole_process(src, work, a.repeats, env, a.codec)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
-    sw = sweep(base, sizes)
+    sw = sweep(base, sizes, a.codec)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     except OSError:
@@ -239,7 +241,7 @@ def main(argv=None):
                           "note": a.note + ("; " if a.note else "") + "the ratios were measured side by side, "
                                   "interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
-              "commit": commit, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
+              "commit": commit, "codec": a.codec, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
               "whole_process": whole, "sweep": sw}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
@@ -257,7 +259,7 @@ def write_md(res, path):
     mib = lambda b: b / 2**20  # noqa: E731
     sm = w["summary"]
     lines = [
-        f"# Codec speed: {sm['coordinates']:,} Adam coordinates (ByteTransformer x{res['replicas']}, log8-rel)",
+        f"# Codec speed: {sm['coordinates']:,} Adam coordinates (ByteTransformer x{res['replicas']}, {res.get('codec', 'log8-rel')})",
         "",
         f"Machine: {res['machine']['processor'] or platform.machine()}, {res['machine']['cpus']} cores, "
         f"{res['machine']['note']}; load average at the end {res['machine']['loadavg_at_end']}. "
