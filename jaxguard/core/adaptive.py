@@ -182,15 +182,18 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
         sub_in = np.zeros((nb, codes.BLOCK), bool)
         sub_in[rows] = inb[rows]
         sub_in = sub_in.reshape(-1)
+        whole = rows.size == nb
+        args = (mf, vf, valid, vpos) if whole else (mf[sel], vf[sel], valid[sel], vpos[sel])
+        if not whole:    # the other blocks keep their moments exactly: no candidates there;
+            # every pair overwrites the same rows, so one copy serves them all
+            mfull = np.array(mh, np.float32).reshape(nb, codes.BLOCK)
+            vfull = np.array(vh, np.float32).reshape(nb, codes.BLOCK)
         for bm, bv in pair_list:
-            args = (mf, vf, valid, vpos) if rows.size == nb else (mf[sel], vf[sel], valid[sel], vpos[sel])
             prop = propose_wide(*args, np.int32(bm), np.int32(bv)) if wide else propose(*args, bm=bm, bv=bv)
             mq, vq, mp, vp, mt, vt = (np.asarray(x)[:k] for x in prop)
-            if rows.size == nb:
+            if whole:
                 mt, vt = mt.reshape(-1), vt.reshape(-1)
-            else:        # the other blocks keep their moments exactly: no candidates there
-                mfull = np.array(mh, np.float32).reshape(nb, codes.BLOCK)
-                vfull = np.array(vh, np.float32).reshape(nb, codes.BLOCK)
+            else:
                 mfull[rows], vfull[rows] = mt, vt
                 mt, vt = mfull.reshape(-1), vfull.reshape(-1)
             exact, ok = classify(mt, vt)

@@ -91,13 +91,9 @@ def device_masks(m, v, p, in_tensor):
     Returns:
       ``(valid, vpos)`` bool jax arrays of that shape.
     """
-    import jax
     z = _fbits.opaque_zero()
     valid = in_tensor & _block_stats_valid(_fbits.device, (z,), m, v, p)
-    # v > 0 and finite in the int32 form (as `jit_encode`): the masked-unsigned form, once
-    # fused into a proposal, came out False for subnormal v
-    vi = jax.lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.int32)
-    return valid, (vi > 0) & (vi < _fbits.EXPONENT_MASK)
+    return valid, _fbits.device_positive_finite(v)
 
 
 def device_classify(m, v, p, mt, vt):

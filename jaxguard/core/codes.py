@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxguard.core import floatbits as _fbits
 from jaxguard.core.floatbits import device as _fb
 from jaxguard.format import spec as _spec
 from jaxguard.format.spec import BLOCK
@@ -230,12 +231,7 @@ def log_encode_block(x, valid, bits=8, positive=None):
     lo, r = log_block_params(x, valid, bits)
     # every positive value gets a nonzero code (q == 0 <=> x == 0), even those kept out
     # of the block statistics (`valid=False`): they are clamped to the range.
-    if positive is None:
-        # finite and > 0 (subnormals included) <=> 0 < int32 bits < bits(+inf); this form
-        # survives XLA's rewrites, the masked unsigned one did not (FTZ made it false)
-        b = jax.lax.bitcast_convert_type(x.astype(_F32), jnp.int32)
-        positive = (b > 0) & (b < 0x7F800000)
-    pos = positive
+    pos = _fbits.device_positive_finite(x) if positive is None else positive
     xs = jnp.where(pos, x, lo)
     safe_logr = jnp.where(r > 1.0, jnp.log2(r), _F32(1.0))
     est = jnp.round((jnp.log2(jnp.maximum(xs, _F32(TINY_NORMAL))) - jnp.log2(lo)) / safe_logr) + 1

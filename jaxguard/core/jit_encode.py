@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard.core import bound as _bound
+from jaxguard.core import certify as _certify
 from jaxguard.core import codecs, codes
 from jaxguard.core import guard as _guard
 from jaxguard.core import floatbits as fb
@@ -80,23 +81,13 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
         return jnp.concatenate([x, jnp.zeros((npad - n,), jnp.float32)]) if npad > n else x
 
     mf, vf, pf = flat(m), flat(v), flat(p)
-    mb, vb, pb = fb.device.bits(mf, z), fb.device.bits(vf, z), fb.device.bits(pf, z)
-    finite, zero, negative, not_tiny = fb.finite_bits, fb.zero_bits, fb.negative_bits, fb.not_tiny_bits
-
     in_t = jnp.arange(npad) < n
-    valid = in_t & finite(mb) & finite(vb) & finite(pb) & ~negative(vb) & not_tiny(vb)
-    # finite and > 0, subnormals included, in the int32 form of codes.log_encode_block: the
-    # masked-unsigned form fused into the proposal came out False for subnormal v (code 0)
-    vi = jax.lax.bitcast_convert_type(vf, jnp.int32)
-    vpos = (vi > 0) & (vi < 0x7F800000)
+    valid, vpos = _certify.device_masks(mf, vf, pf, in_t)
     mq, vq, mp, vp, mtb, vtb = codecs.propose(mf.reshape(-1, codes.BLOCK), vf.reshape(-1, codes.BLOCK),
                                                valid.reshape(-1, codes.BLOCK), vpos.reshape(-1, codes.BLOCK),
                                                spec.decode_codec)
     mt, vt = fb.barrier(mtb.reshape(-1), z), fb.barrier(vtb.reshape(-1), z)
-    mtbits, vtbits = fb.device.bits(mt, z), fb.device.bits(vt, z)
-    exact = (mb == mtbits) & (vb == vtbits)
-    ok = (finite(mb) & finite(vb) & finite(pb) & finite(mtbits) & finite(vtbits) & ~negative(vb)
-          & ~negative(vtbits) & not_tiny(mb) & not_tiny(vb) & not_tiny(mtbits) & not_tiny(vtbits))
+    exact, ok = _certify.device_classify(mf, vf, pf, mt, vt)
     if not spec.certify:
         escape = in_t & ~exact & ~ok
     else:

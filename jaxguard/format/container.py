@@ -69,8 +69,9 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
       The whole container (prefix, header, payload, trailing SHA-256).
 
     Raises:
-      ContainerError: a dtype that cannot be stored, or an entry the numpy reader refuses
-        as written (the decoded hash is computed by the reader itself).
+      ContainerError: a dtype that cannot be stored, an entry the numpy reader refuses as
+        written, or certified values (`Encoded.decoded`) that the reader's decode of the
+        sampled blocks disagrees with.
     """
     out, scratch = io.BytesIO(), io.BytesIO()
     _write(out, scratch, entries, meta, extra_header)
