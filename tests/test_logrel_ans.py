@@ -7,6 +7,7 @@ optax audit, and the new section's corruptions refused in one line (naming the e
 import functools
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -238,7 +239,7 @@ def _all_max_m_code_buffer(data, name):
 
 CORRUPT = {
     "kind byte without lane tails": lambda buf, d: bytes([0x01]) + buf[1:],
-    "kind byte unknown": lambda buf, d: bytes([0x14]) + buf[1:],
+    "kind byte unknown": lambda buf, d: bytes([0x15]) + buf[1:],
     "truncated words": lambda buf, d: buf[:-2],
     "odd length": lambda buf, d: buf[:-1],
     "extra words": lambda buf, d: buf + b"\x00\x00",
@@ -342,7 +343,7 @@ def test_two_population_block_fewer_escapes_with_wide_widths_and_real_optax_audi
     e = next(x for x in header["entries"] if x["kind"] == "moments")
     res = oa.audit(tx, st, jg.load(tmp_path / "wide.jg", like=tx.init(params)), params, lr=1e-3, tau=TAU)
     assert res["violations"] == 0 and res["max_gap_lr"] <= TAU, res
-    assert {"mv_rans", "v_low"} <= set(e["sections"])
+    assert "mv_rans" in e["sections"] and not {"m_low", "v_low"} & set(e["sections"])   # whole fields (kind 4)
     monkeypatch.setattr(adaptive, "WIDE_PAIRS", ())       # the same search, widths 4..8 only
     narrow = jg.save(tmp_path / "narrow.jg", st, params, lr=1e-3, codec=ANS)
     assert narrow["escapes"] > 0.05 * m.size and s["escapes"] < narrow["escapes"] // 10, (s, narrow)
@@ -365,7 +366,9 @@ def test_wide_blocks_decode_bit_identically_in_numpy_jax_and_torch():
     data, ents = _wide_container()
     hdr, pay = reader.parse(data)
     forms = {e["name"]: sorted(set(e["sections"]) & {"mv_rans", "m_low", "v_low", "m_codes"}) for e in hdr["entries"]}
-    assert forms == {"a": ["m_low", "mv_rans", "v_low"], "b": ["m_codes"]}, forms   # both forms hold wide fields
+    assert forms == {"a": ["mv_rans"], "b": ["m_codes"]}, forms   # both forms hold wide fields
+    a = next(e for e in hdr["entries"] if e["name"] == "a")
+    assert pay[a["sections"]["mv_rans"][0]] == rans.KIND_COMPACT_WIDE | rans.TAILS_FLAG   # rANS codes whole fields
     assert reader.verify_bytes(data)["ok"]
     for entry, (_, _, enc, _) in zip(hdr["entries"], ents):
         bm, bv = packed.split_widths(enc.arrays["widths"])     # 16-bit codes where a block is wider than 8
@@ -394,10 +397,13 @@ def _drop_section(data, name, section):
 
 
 def test_wide_low_sections_checked_in_one_line():
-    data, _ = _wide_container()
-    for bad, msg in ((_drop_section(data, "a", "m_low"), "has no m_low section"),
-                     (_replace_section(data, "a", "v_low", b"\x00" * 3), "v_low"),
-                     (_replace_section(data, "a", "widths", b"\xd9" + _section(data, "a", "widths")[1:]),
+    """The m_low / v_low sections of files written before rANS kind 4 (the golden file
+    keeps that layout) are checked; a kind-4 entry carrying one is refused."""
+    with open(os.path.join(os.path.dirname(__file__), "golden", "containers", "logrel-ans-wide.jaxguard"), "rb") as f:
+        old = f.read()
+    for bad, msg in ((_drop_section(old, "layer/w", "m_low"), "has no m_low section"),
+                     (_replace_section(old, "layer/w", "v_low", b"\x00" * 3), "v_low"),
+                     (_replace_section(old, "layer/w", "widths", b"\xd9" + _section(old, "layer/w", "widths")[1:]),
                       "widths must be 4..12")):
         with pytest.raises(reader.ReaderError, match=msg) as exc:
             reader.verify_bytes(bad)
@@ -407,6 +413,13 @@ def test_wide_low_sections_checked_in_one_line():
     e = hdr["entries"][0]
     e["sections"]["m_low"] = [len(pay), len(pay)]
     with pytest.raises(reader.ReaderError, match="no block is wider than 8 bits") as exc:
+        reader.verify_bytes(_reseal(hdr, bytes(pay)))
+    assert "\n" not in str(exc.value)
+    wide, _ = _wide_container()              # kind 4 codes whole fields: a low section is refused
+    hdr, pay = reader.parse(wide)
+    e = next(x for x in hdr["entries"] if x["name"] == "a")
+    e["sections"]["v_low"] = [len(pay), len(pay)]
+    with pytest.raises(reader.ReaderError, match="no block is wider than 12 bits") as exc:
         reader.verify_bytes(_reseal(hdr, bytes(pay)))
     assert "\n" not in str(exc.value)
 

@@ -201,8 +201,10 @@ def test_wrong_arguments():
         rans.decode(ext, bits, n)
     with pytest.raises(rans.RansError, match="does not fit"):
         rans.encode(np.full((4, 256), 200), np.full(4, 7), n)
-    with pytest.raises(rans.RansError, match="outside 0..8"):
-        rans.encode(np.zeros((4, 256)), np.full(4, 9), n)
+    with pytest.raises(rans.RansError, match="needs the compact inline models"):
+        rans.encode(np.zeros((4, 256)), np.full(4, 9), n)             # kind 1 models stop at 8 bits
+    with pytest.raises(rans.RansError, match="outside 0..12"):
+        rans.encode(np.zeros((4, 256)), np.full(4, 13), n, compact_models=True)
     with pytest.raises(rans.RansError, match="frequency 0"):
         rans.encode(sym, bits, n, rans.fit_models(np.zeros_like(sym), bits, n))
     assert issubclass(rans.RansError, ValueError)
@@ -427,7 +429,47 @@ def test_compact_padding_and_kind_checked():
     with pytest.raises(rans.RansError, match="do not pass models"):
         rans.decode(buf, bits, n, models=models)
     with pytest.raises(rans.RansError, match="kind byte"):
-        rans.decode(bytes([0x04]) + buf[1:], bits, n)
+        rans.decode(bytes([0x05]) + buf[1:], bits, n)
+
+
+def _wide_sample(seed=3):
+    rng = np.random.default_rng(seed)
+    widths = np.array([[12, 9, 4, 8, 11], [10, 12, 8, 5, 9]])
+    n = 5 * 256 - 37
+    sym = np.stack([np.minimum(rng.geometric(0.004, (5, 256)), (1 << widths[s])[:, None] - 1) for s in range(2)])
+    return sym, widths, n
+
+
+def test_wide_alphabets_round_trip_in_kind_4():
+    """Fields up to 12 bits are rANS-coded whole (kind byte 4, compact models); a buffer
+    whose blocks are all <= 8 bits stays kind 3, readable by readers that predate kind 4."""
+    sym, bits, n = _wide_sample()
+    coded = np.arange(256)[None] < np.array([256] * 4 + [n - 1024])[:, None]
+    tails = np.array([1, 2, 3, 0xFFFF, 0])
+    buf = rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)
+    assert buf[0] == rans.KIND_COMPACT_WIDE | rans.TAILS_FLAG
+    out, got = rans.decode(buf, bits, n, lane_tails=True)
+    assert out.dtype == np.uint16 and (out[:, coded] == sym[:, coded]).all() and (got == tails).all()
+    assert (out[:, ~coded] == 0).all()
+    narrow = rans.encode(sym % 256, np.minimum(bits, 8), n, compact_models=True)
+    assert narrow[0] == rans.KIND_COMPACT
+    plain = rans.encode(sym, bits, n, compact_models=True)
+    (o1, o2) = rans.decode_many([(narrow, np.minimum(bits, 8), n), (plain, bits, n)])
+    assert (o1[:, coded] == (sym % 256)[:, coded]).all() and (o2[:, coded] == sym[:, coded]).all()
+    # models of a 12-bit alphabet cost bits, not 2 KB each (kind 1 would store 4 bits per symbol)
+    models_end = rans.decode_compact_models(buf, 2, 1, max_width=rans.MAX_WIDTH)[1]
+    assert models_end < 200
+
+
+def test_wide_alphabets_refused_outside_kind_4():
+    sym, bits, n = _wide_sample()
+    buf = bytearray(rans.encode(sym, bits, n, compact_models=True))
+    assert buf[0] == rans.KIND_COMPACT_WIDE
+    buf[0] = rans.KIND_COMPACT                         # same models, but kind 3 stops at 8 bits
+    with pytest.raises(rans.RansError, match="at most 8 bits|width must be 0..8"):
+        rans.decode(bytes(buf), bits, n)
+    with pytest.raises(rans.RansError, match="outside 0..12"):
+        rans.decode(bytes(buf), np.full_like(bits, 13), n)
 
 
 def test_compact_lane_tails_and_decode_many():

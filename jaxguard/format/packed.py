@@ -37,7 +37,8 @@ from jaxguard.format.spec import BLOCK
 
 CODEC = "logrel-aw"        # the codec of the "packed" layout (its entry: jaxguard.format.spec)
 MIN_WIDTH, MAX_WIDTH = 4, 12
-RANS_WIDTH = rans.MAX_WIDTH  # logrel-ans rANS-codes the top 8 bits of a wider field; the rest go to *_low
+RANS_WIDTH = rans.NARROW_WIDTH  # logrel-ans files of rANS kind 3 code the top 8 bits of a wider field there,
+#                                 the rest in m_low / v_low (read, no longer written: kind 4 codes whole fields)
 MAX_VARINT_BYTES = 7       # 49 bits: more than any tensor the reader accepts (2**40)
 
 
@@ -401,10 +402,11 @@ def entry_sections(arrays, n, entropy=False):
         ``escape_m``, ``escape_v``).
       n: coordinates.
       entropy: logrel-ans: store ``mv_rans`` (one `jaxguard.format.rans` buffer of both
-        code streams, models inline in the compact layout (kind 3), the bf16 m-scales in the
-        lane tails; of a block wider than 8 bits only the top 8 bits of each field, the low
-        bits bit-packed in ``m_low`` / ``v_low``, present when some block needs them) instead
-        of ``m_codes``, ``v_codes`` and ``m_params`` when that is smaller (ties: packed).
+        code streams, whole fields at each block's widths, models inline in the compact
+        layout (kind 3, or kind 4 when a block is wider than 8 bits), the bf16 m-scales in
+        the lane tails) instead of ``m_codes``, ``v_codes`` and ``m_params`` when that is
+        smaller (ties: packed).  Files written before kind 4 coded only the top 8 bits of
+        a wider field there and its low bits in ``m_low`` / ``v_low``; the reader reads both.
 
     Returns:
       dict section name -> uint8/uint16/float32 array, in the header's key order.
@@ -437,19 +439,12 @@ def entry_sections(arrays, n, entropy=False):
         esc = np.packbits(mask, bitorder="little")
     codes = {"m_codes": pack(qm + lm, bm, n), "v_codes": pack(qv, bv, n), "m_params": scale_to_u16(mp[:, 0])}
     if entropy and n:
-        hm, lowm, hbm, lbm = split_high_low((qm + lm).reshape(nb, BLOCK), bm)
-        hv, lowv, hbv, lbv = split_high_low(qv.reshape(nb, BLOCK), bv)
         # compact models only: the 4-bit-level form (kind 1) was never the smaller on the
         # 59 rANS tensors of bench/results/compact_models.md and cost a second encode
-        mv = rans.encode(np.stack([hm, hv]), np.stack([hbm, hbv]), n, lane_tails=codes["m_params"],
-                         compact_models=True)
-        ans = {"mv_rans": np.frombuffer(mv, np.uint8)}
-        if lbm.any():
-            ans["m_low"] = pack(lowm, lbm, n)
-        if lbv.any():
-            ans["v_low"] = pack(lowv, lbv, n)
-        if sum(a.nbytes for a in ans.values()) < sum(a.nbytes for a in codes.values()):
-            codes = ans
+        mv = rans.encode(np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv]), n,
+                         lane_tails=codes["m_params"], compact_models=True)
+        if mv.__len__() < sum(a.nbytes for a in codes.values()):
+            codes = {"mv_rans": np.frombuffer(mv, np.uint8)}
     return {"widths": widths, **codes, "v_params": np.ascontiguousarray(vp[:, 2:4]), kind: esc,
             "escape_pairs": np.stack([arrays["escape_m"], arrays["escape_v"]], axis=1).astype(np.float32)}
 

@@ -21,6 +21,9 @@ Byte layout of an encoded buffer (all integers little-endian)::
          3 = models inline in the compact layout (`encode_compact_models`: knot levels
          with integer interpolation, or raw levels over the used range; a bit stream
          padded to a byte, ~10-60 bytes a model instead of ceil(2**width / 2));
+         4 = as 3, with alphabets up to 12 bits (kinds 1-3: up to 8; the encoder writes
+         4 only when a block is wider than 8 bits, so narrower buffers stay readable by
+         readers that predate kind 4);
          + 0x10 if the lanes carry tails (below)
     models (kind 1 only), per stream s = 0..S-1:
       u8   number of models K_s (one per alphabet width present in the stream)
@@ -45,7 +48,7 @@ Numerical contract
 Integer arithmetic only (uint64 numpy, no floats on the decode path): ``decode(encode(s))``
 returns ``s`` exactly, for every stream, width, model and size, on every platform.  The
 decoder checks, and raises `RansError` (a ValueError, one line) instead of returning
-wrong symbols or reading out of range: the kind byte; every model byte (width 0..8,
+wrong symbols or reading out of range: the kind byte; every model byte (width 0..8, 0..12 in kind 4,
 P max(1, width)..15, widths ascending, none missing for a coded block), no level past the
 alphabet, at least one symbol per model (kind 3: also lo <= hi, the mode, every knot level
 in 0..15, Exp-Golomb codes no longer than a level delta needs, zero padding; the levels
@@ -68,9 +71,11 @@ import numpy as np
 BLOCK = 256
 KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
 KIND_COMPACT = 3                     # first byte: models in the buffer, in the compact bit layout
+KIND_COMPACT_WIDE = 4                # first byte: as 3, alphabets up to MAX_WIDTH bits (3: up to 8)
 TAILS_FLAG = 0x10                    # first byte: each lane's initial state carries 16 caller bits
 STATE_LOW = 1 << 16              # L
-MAX_WIDTH = 8
+MAX_WIDTH = 12                   # widest alphabet (kind 4); kinds 1-3 code at most NARROW_WIDTH bits
+NARROW_WIDTH = 8
 MAX_PROB_BITS = 15
 PROB_BITS = tuple(range(8, 16))   # totals 2**P the encoder tries per model (fewest coded bits wins)
 
@@ -80,7 +85,19 @@ class RansError(ValueError):
 
 
 # ---------------------------------------------------------------- shapes
-def _shapes(alphabet_bits, n):
+def kind_max_width(kind):
+    """The widest alphabet (bits) a buffer of this kind byte codes (tails flag ignored).
+
+    Args:
+      kind: the buffer's first byte (1..4, optionally + `TAILS_FLAG`).
+
+    Returns:
+      `MAX_WIDTH` for kind 4, `NARROW_WIDTH` for kinds 1..3.
+    """
+    return MAX_WIDTH if (int(kind) & ~TAILS_FLAG) == KIND_COMPACT_WIDE else NARROW_WIDTH
+
+
+def _shapes(alphabet_bits, n, max_width=MAX_WIDTH):
     """alphabet_bits [nb] or [S, nb] -> (bits [S, nb] int64, counts [nb], single-stream?)."""
     bits = np.asarray(alphabet_bits)
     single = bits.ndim == 1
@@ -91,9 +108,9 @@ def _shapes(alphabet_bits, n):
     nb = bits.shape[1]
     if n < 0 or nb != -(-n // BLOCK) and not (n == 0 and nb <= 1):
         raise RansError(f"{nb} blocks cannot hold n = {n} symbols; pass ceil(n / {BLOCK}) widths per stream")
-    if ((bits < 0) | (bits > MAX_WIDTH)).any():
-        bad = int(bits[(bits < 0) | (bits > MAX_WIDTH)][0])
-        raise RansError(f"alphabet width {bad} is outside 0..{MAX_WIDTH}")
+    if ((bits < 0) | (bits > max_width)).any():
+        bad = int(bits[(bits < 0) | (bits > max_width)][0])
+        raise RansError(f"alphabet width {bad} is outside 0..{max_width}")
     counts = np.full(nb, BLOCK, np.int64)
     if nb:
         counts[-1] = n - BLOCK * (nb - 1)
@@ -181,7 +198,7 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
 
     Args:
       symbols: [nb, 256] (or [streams, nb, 256]) ints, symbol < 2**width of its block.
-      alphabet_bits: [nb] (or [streams, nb]) widths 0..8.
+      alphabet_bits: [nb] (or [streams, nb]) widths 0..12.
       n: symbols per stream (the last block codes n - 256*(nb-1)).
       prob_bits: force this P for every model; default: per model the P in `PROB_BITS`
         (and level shift 0..3) of fewest coded bits.
@@ -316,7 +333,7 @@ def encode_compact_models(models) -> bytes:
     Layout, a bit stream (bit k of byte i is bit 8i + k; fields LSB first), padded with 0
     bits to a whole byte: per stream, 4 bits K (models); per model, widths ascending:
     4 bits width, 4 bits P, ``width`` bits lo, ``width`` bits hi (the first and last
-    symbol of nonzero level), 4 bits mode; mode 0..8: knots at lo, lo + 2**mode, ...
+    symbol of nonzero level), 4 bits mode; mode 0..width: knots at lo, lo + 2**mode, ...
     (below hi) and hi, the first knot's level in 4 bits, then each next knot's level
     minus the previous one as Exp-Golomb-0 of its zigzag (0, -1, 1, -2, ... -> 0, 1, 2,
     3, ...: z + 1 in binary, MSB first, after as many 0 bits as it has bits minus one);
@@ -354,20 +371,21 @@ def encode_compact_models(models) -> bytes:
     return np.packbits(np.array(bits, np.uint8), bitorder="little").tobytes() if bits else b""
 
 
-def compact_models_bound(streams):
+def compact_models_bound(streams, max_width=NARROW_WIDTH):
     """Most bytes `encode_compact_models` can write for this many streams.
 
     Args:
       streams: S.
+      max_width: the widest alphabet (kind 3: `NARROW_WIDTH`, kind 4: `MAX_WIDTH`).
 
     Returns:
       int bytes.
     """
-    per_model = 8 + 2 * MAX_WIDTH + 4 + 4 * (1 << MAX_WIDTH)
-    return -(-streams * (4 + (MAX_WIDTH + 1) * per_model) // 8)
+    per_model = 8 + 2 * max_width + 4 + 4 * (1 << max_width)
+    return -(-streams * (4 + (max_width + 1) * per_model) // 8)
 
 
-def decode_compact_models(buf, streams, pos=0, what="rans"):
+def decode_compact_models(buf, streams, pos=0, what="rans", max_width=NARROW_WIDTH):
     """Kind-3 model bytes (from `encode_compact_models`) -> (models, end offset).
 
     Args:
@@ -375,17 +393,18 @@ def decode_compact_models(buf, streams, pos=0, what="rans"):
       streams: S, the number of streams.
       pos: offset of the model part in buf.
       what: name used in error messages.
+      max_width: the widest alphabet the buffer's kind allows (3: 8 bits, 4: 12 bits).
 
     Returns:
       (list per stream of dict width -> (P, levels), offset just past the models).
 
     Raises:
-      RansError: truncated, a bad width or P (width 0..8 ascending and distinct, P
-        max(1, width)..15), hi < lo, a mode other than 0..8 or 15, a knot level
+      RansError: truncated, a bad width or P (width 0..max_width ascending and distinct, P
+        max(1, width)..15), hi < lo, a mode other than 0..max_width or 15, a knot level
         outside 0..15, an Exp-Golomb code longer than a level delta needs, a model with
         no symbol, or nonzero padding bits.
     """
-    raw = np.frombuffer(bytes(buf), np.uint8)[pos:pos + compact_models_bound(streams)]
+    raw = np.frombuffer(bytes(buf), np.uint8)[pos:pos + compact_models_bound(streams, max_width)]
     bits = np.unpackbits(raw, bitorder="little").tolist()
     at = 0
 
@@ -402,14 +421,14 @@ def decode_compact_models(buf, streams, pos=0, what="rans"):
     models = []
     for st in range(streams):
         k = get(4, f"stream {st} model count")
-        if k > MAX_WIDTH + 1:
-            raise RansError(f"{what}: stream {st} declares {k} models; at most {MAX_WIDTH + 1} widths exist")
+        if k > max_width + 1:
+            raise RansError(f"{what}: stream {st} declares {k} models; at most {max_width + 1} widths exist")
         mods = {}
         for _ in range(k):
             w, p = get(4, f"stream {st} width"), get(4, f"stream {st} P")
-            if w > MAX_WIDTH or not max(1, w) <= p <= MAX_PROB_BITS or (mods and w <= max(mods)):
+            if w > max_width or not max(1, w) <= p <= MAX_PROB_BITS or (mods and w <= max(mods)):
                 raise RansError(f"{what}: stream {st} compact model (width {w}, P {p}): width must be "
-                                f"0..{MAX_WIDTH}, ascending and distinct, P max(1, width)..{MAX_PROB_BITS}")
+                                f"0..{max_width}, ascending and distinct, P max(1, width)..{MAX_PROB_BITS}")
             where = f"stream {st} width {w}"
             lo, hi, mode = get(w, where), get(w, where), get(4, where)
             if hi < lo:
@@ -417,7 +436,7 @@ def decode_compact_models(buf, streams, pos=0, what="rans"):
             lv = np.zeros(1 << w, np.int64)
             if mode == COMPACT_RAW:
                 lv[lo:hi + 1] = [get(4, where) for _ in range(hi - lo + 1)]
-            elif mode <= MAX_WIDTH:
+            elif mode <= max_width:
                 kpos = _knot_positions(lo, hi, mode)
                 kl = [get(4, where)]
                 for _ in range(kpos.size - 1):
@@ -437,7 +456,7 @@ def decode_compact_models(buf, streams, pos=0, what="rans"):
                     kl.append(lvl)
                 lv[lo:hi + 1] = _interpolate(kpos, kl)
             else:
-                raise RansError(f"{what}: {where} model has mode {mode}; pass 0..{MAX_WIDTH} (knots) or "
+                raise RansError(f"{what}: {where} model has mode {mode}; pass 0..{max_width} (knots) or "
                                 f"{COMPACT_RAW} (raw levels)")
             if not lv.any():
                 raise RansError(f"{what}: {where} model has no symbol")
@@ -573,7 +592,8 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
     Args:
       symbols: [nb, 256] ints (or [streams, nb, 256]: the streams share the lanes).
         Positions past n in the last block are ignored.
-      alphabet_bits: [nb] (or [streams, nb]) ints 0..8: block b's symbols are < 2**width.
+      alphabet_bits: [nb] (or [streams, nb]) ints 0..12: block b's symbols are < 2**width
+        (wider than 8 bits: compact inline models only, kind byte 4).
       n: symbols per stream.
       models: from `fit_models` (default: fitted here on these symbols).
       prob_bits: passed to `fit_models`.
@@ -594,6 +614,9 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
       RansError: shapes, widths or symbols that do not fit, or a symbol its model lacks.
     """
     bits, counts, single = _shapes(alphabet_bits, n)
+    if not (compact_models and inline_models) and int(bits.max(initial=0)) > NARROW_WIDTH:
+        raise RansError(f"alphabet width {int(bits.max())} needs the compact inline models (kind "
+                        f"{KIND_COMPACT_WIDE}); pass compact_models=True, inline_models=True, or widths <= {NARROW_WIDTH}")
     s, _ = _blocked(symbols, bits, counts, single)
     models = fit_models(s if not single else s[0], bits if not single else bits[0], n, prob_bits,
                         compact=compact_models) if models is None else models
@@ -637,7 +660,8 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
     if not inline_models:
         head = bytes([KIND_EXTERNAL | flag])
     elif compact_models:
-        head = bytes([KIND_COMPACT | flag]) + encode_compact_models(models)
+        kind = KIND_COMPACT_WIDE if int(bits.max(initial=0)) > NARROW_WIDTH else KIND_COMPACT
+        head = bytes([kind | flag]) + encode_compact_models(models)
     else:
         head = bytes([KIND_INLINE | flag]) + encode_models(models)
     return head + x.astype("<u4").tobytes() + words.tobytes()
@@ -705,15 +729,15 @@ def decode_models(buf, streams, pos=0, what="rans"):
             raise RansError(f"{what}: truncated before the models of stream {st}")
         k = buf[pos]
         pos += 1
-        if k > MAX_WIDTH + 1:
-            raise RansError(f"{what}: stream {st} declares {k} models; at most {MAX_WIDTH + 1} widths exist")
+        if k > NARROW_WIDTH + 1:
+            raise RansError(f"{what}: stream {st} declares {k} models; at most {NARROW_WIDTH + 1} widths exist")
         mods = {}
         for _ in range(k):
             if pos >= len(buf):
                 raise RansError(f"{what}: truncated inside the models of stream {st}")
             w, p = buf[pos] >> 4, buf[pos] & 15
-            if w > MAX_WIDTH or not max(1, w) <= p <= MAX_PROB_BITS or (mods and w <= max(mods)):
-                raise RansError(f"{what}: stream {st} model byte {buf[pos]:#04x}: width must be 0..{MAX_WIDTH}, "
+            if w > NARROW_WIDTH or not max(1, w) <= p <= MAX_PROB_BITS or (mods and w <= max(mods)):
+                raise RansError(f"{what}: stream {st} model byte {buf[pos]:#04x}: width must be 0..{NARROW_WIDTH}, "
                                 f"ascending and distinct, P max(1, width)..{MAX_PROB_BITS}")
             nbytes = -(-(1 << w) // 2)
             if pos + 1 + nbytes > len(buf):
@@ -744,20 +768,24 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
     if kind == KIND_INLINE:
         if models is not None:
             raise RansError(f"{what}: the buffer carries its models; do not pass models")
-        head = b[:1 + S * (1 + (MAX_WIDTH + 1) * (1 + (1 << MAX_WIDTH) // 2))].tobytes()
+        head = b[:1 + S * (1 + (NARROW_WIDTH + 1) * (1 + (1 << NARROW_WIDTH) // 2))].tobytes()
         models, pos = decode_models(head, S, 1, what)
-    elif kind == KIND_COMPACT:
+    elif kind in (KIND_COMPACT, KIND_COMPACT_WIDE):
         if models is not None:
             raise RansError(f"{what}: the buffer carries its models; do not pass models")
-        models, pos = decode_compact_models(b[:1 + compact_models_bound(S)].tobytes(), S, 1, what)
+        mw = kind_max_width(kind)
+        models, pos = decode_compact_models(b[:1 + compact_models_bound(S, mw)].tobytes(), S, 1, what, mw)
     elif kind == KIND_EXTERNAL:
         if models is None:
             raise RansError(f"{what}: the buffer was written without models; pass the shared models")
         models = decode_models(encode_models(models), S, 0, what)[0]     # the same checks as stored ones
         pos = 1
     else:
-        raise RansError(f"{what}: kind byte {kind} is not {KIND_INLINE}, {KIND_EXTERNAL} or {KIND_COMPACT} "
-                        f"(empty or not an rANS buffer)")
+        raise RansError(f"{what}: kind byte {kind} is not {KIND_INLINE}, {KIND_EXTERNAL}, {KIND_COMPACT} or "
+                        f"{KIND_COMPACT_WIDE} (empty, not an rANS buffer, or written by a newer jaxguard)")
+    if bits.size and int(bits.max()) > kind_max_width(kind):
+        raise RansError(f"{what}: kind {kind} buffers code alphabets of at most {kind_max_width(kind)} bits, "
+                        f"but a block is {int(bits.max())} bits wide")
     for st in range(S):
         missing = sorted(set(np.unique(bits[st][counts > 0]).tolist()) - set(models[st]))
         if missing:
@@ -788,10 +816,11 @@ def _decode_lanes(parts, what):
     ptr = np.concatenate([[0], wend[:-1]]).astype(np.int64)     # next word of each buffer
     first = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64)
     tabs = []
+    sym_dtype = np.uint16 if max(int(p[0].max(initial=0)) for p in parts) > NARROW_WIDTH else np.uint8
     for st in range(S):                # one table per stream over all buffers' models
         ts = [p[3][st] for p in parts]
         lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
-        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]).astype(np.uint8),
+        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype),
                      "freq": np.concatenate([t["slot_freq"] for t in ts]),
                      "bias": np.concatenate([t["slot_bias"] for t in ts]),
                      "slot_base": np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)]),
@@ -800,7 +829,7 @@ def _decode_lanes(parts, what):
         idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
         tabs[-1]["slot_base"][idle], tabs[-1]["mask"][idle] = 0, 0
     nl_all = x.size
-    out = np.zeros((S, nl_all, BLOCK), np.uint8)
+    out = np.zeros((S, nl_all, BLOCK), sym_dtype)
     low = np.uint64(STATE_LOW)
     cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
     for i in range(cmax):
@@ -863,7 +892,8 @@ def decode(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
       lane_tails: True for a buffer written with ``lane_tails`` (refused otherwise).
 
     Returns:
-      [nb, 256] (or [streams, nb, 256]) uint8 symbols; positions past n are 0.  With
+      [nb, 256] (or [streams, nb, 256]) uint8 symbols (uint16 if a block is wider than 8
+      bits); positions past n are 0.  With
       ``lane_tails=True``: (symbols, tails [nb] uint16).
 
     Raises:

@@ -508,12 +508,19 @@ def _entry_widths(name, s, payload, n, nb):
     return packed.check_widths(_array(payload, s["widths"], "u1", nb, f"{name}.widths"))
 
 
+def _rans_top(buf):
+    """Bits of a field the ``mv_rans`` buffer codes: whole fields (kind 4, up to 12 bits), or
+    (kinds 1-3, older files) the top 8 bits, the rest in ``m_low`` / ``v_low``."""
+    return rans.kind_max_width(buf[0]) if len(buf) else packed.RANS_WIDTH
+
+
 def _rans_item(name, s, payload, n, nb):
     """(buffer, alphabet widths [2, nb], n) of an entry's ``mv_rans`` section, for
-    `rans.decode_many`: a block wider than 8 bits codes the top 8 bits of its fields there."""
+    `rans.decode_many`."""
     bm, bv = _entry_widths(name, s, payload, n, nb)
     b, e = s["mv_rans"]
-    return np.frombuffer(payload[b:e], np.uint8), np.minimum(np.stack([bm, bv]), packed.RANS_WIDTH), n
+    buf = np.frombuffer(payload[b:e], np.uint8)
+    return buf, np.minimum(np.stack([bm, bv]), _rans_top(buf)), n
 
 
 def decode_rans_entries(entries, payload):
@@ -543,17 +550,18 @@ def decode_rans_entries(entries, payload):
         return {}
 
 
-def _join_low(name, s, payload, n, key, high, widths):
-    """A stream's codes from its rANS-coded top bits and (blocks wider than 8 bits) the
-    ``m_low`` / ``v_low`` section: uint8 codes if no block is wider, else uint16."""
-    low_w = np.maximum(widths - packed.RANS_WIDTH, 0)
+def _join_low(name, s, payload, n, key, high, widths, top):
+    """A stream's codes from its rANS-coded top `top` bits and (blocks wider than that, files
+    of rANS kind 1-3) the ``m_low`` / ``v_low`` section: uint8 codes if no block is wider
+    than 8 bits, else uint16."""
+    low_w = np.maximum(widths - top, 0)
     if not low_w.any():
         if key in s:
             raise ReaderError(f"{name}.{key}: the section is present but no block is wider than "
-                              f"{packed.RANS_WIDTH} bits; remove it")
-        return high
+                              f"{top} bits (the mv_rans buffer codes whole fields); remove it")
+        return high if widths.max(initial=0) > rans.NARROW_WIDTH else high.astype(np.uint8)
     if key not in s:
-        raise ReaderError(f"{name}: a block is wider than {packed.RANS_WIDTH} bits but the entry has no {key} "
+        raise ReaderError(f"{name}: a block is wider than {top} bits but the entry has no {key} "
                           "section; the writer stores the low bits there")
     low = packed.unpack(_array(payload, s[key], "u1", packed.packed_len(low_w, n), f"{name}.{key}"), low_w, n)
     return packed.join_high_low(high, low.reshape(high.shape), low_w).astype(np.uint16)
@@ -568,7 +576,9 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
         if rans_symbols is None:
             rans_symbols = rans.decode(*_rans_item(name, s, payload, n, nb), what=f"{name}.mv_rans", lane_tails=True)
         (mc, vq), tails = rans_symbols
-        mc, vq = (_join_low(name, s, payload, n, key, high, widths)
+        b, e = s["mv_rans"]
+        top = _rans_top(payload[b:e])
+        mc, vq = (_join_low(name, s, payload, n, key, high, widths, top)
                   for key, high, widths in (("m_low", mc, bm), ("v_low", vq, bv)))
         mc = mc.astype(np.int16)
         vq = vq.reshape(-1)[:n]
