@@ -5,7 +5,8 @@ propose and decode.
 up here instead of branching on its name.  An id whose registry entry names another
 decode (``block8-unguarded`` -> block8, ``logrel-aw`` and ``logrel-ans`` -> log8-rel) shares
 that decode (log8-rel's decode powers 16-bit v codes, logrel-aw's 9..12-bit blocks, at 12 bits);
-``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage).
+``logrel-ans`` is logrel-aw's entry with its own payload count (rANS storage) and, after the
+width search, the rate pass (`jaxguard.core.rate`: certified codes of fewer coded bits).
 Adding a codec: its `spec.CodecSpec`, its encode/decode in `jaxguard.core.codes`, one
 entry here, golden vectors (docs/architecture.md).
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from jaxguard.core import adaptive as _adaptive
 from jaxguard.core import codes
+from jaxguard.core import rate as _rate
 from jaxguard.core import floatbits as _fb
 from jaxguard.errors import ConfigError
 from jaxguard.format import packed as _packed
@@ -129,12 +131,26 @@ def _ans_payload(arrays, n):
 
 
 # ---------------------------------------------------------------- host-side width choice (logrel-aw)
-def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn):
+def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
     """Per-block widths chosen on certified escapes; returns the assembled codes and the
     values the reader decodes them to (certified again from scratch by the caller)."""
     mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
     mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
     return mq, vq, mp, vp, widths, np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+
+
+def _choose_logrel_ans(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
+    """logrel-aw's widths, then the codes moved to certified neighbours of fewer rANS-coded
+    bits (`jaxguard.core.rate`)."""
+    mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
+
+    def decode(qm, qv):
+        mtb, vtb = _adaptive.decode_blocks(qm.reshape(-1, codes.BLOCK).astype(mq.dtype),
+                                           qv.reshape(-1, codes.BLOCK).astype(vq.dtype), mp, vp)
+        return np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+
+    mq, vq, mt, vt = _rate.optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode)
+    return mq, vq, mp, vp, widths, mt, vt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +188,7 @@ def _entries():
     block8 = CoreCodec("block8", _decode_block8, _propose_block8)
     unguarded = dataclasses.replace(block8, id="block8-unguarded")       # registry: decode="block8", certified=False
     aw = CoreCodec(_packed.CODEC, _decode_log8_rel, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
-    ans = dataclasses.replace(aw, id="logrel-ans", payload_bytes=_ans_payload)   # logrel-aw's codes, rANS-stored
+    ans = dataclasses.replace(aw, id="logrel-ans", choose=_choose_logrel_ans, payload_bytes=_ans_payload)
     return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw, ans)}
 
 

@@ -240,7 +240,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
 
         mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor, classified,
-                                                      certify_candidates)
+                                                      certify_candidates, list(zip(offs[:-1].tolist(), ns)))
         exact, ok = classified(mt, vt)
     else:   # the masks, the proposal and the classification in one program per chunk
         mq, vq, mp, vp, mt, vt, exact, ok = _propose_chunked(*(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)),
