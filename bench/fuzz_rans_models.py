@@ -1,8 +1,9 @@
-"""Mutation fuzzer for rANS buffers with compact models (kind 3), aimed at the model bits.
+"""Mutation fuzzer for rANS buffers with compact models (kinds 3 and 4), aimed at the model bits.
 
     nice python bench/fuzz_rans_models.py SECONDS
 
-Seeds: compact-model buffers of 1 and 2 streams over widths 0..8 (smooth, gap-toothed,
+Seeds: compact-model buffers of 1 and 2 streams over widths 0..8 (kind 3) and 0..12 (kind 4:
+a block wider than 8 bits; half the seeds) (smooth, gap-toothed,
 one-symbol and all-symbol histograms, partial last blocks, with and without lane tails).
 Each case either flips / overwrites 1-4 bytes of the model part (sometimes one byte of the
 rest), or replaces the whole model part with random bytes of a random length; then decodes
@@ -25,11 +26,11 @@ from jaxguard.format import rans  # noqa: E402
 def seeds():
     rng = np.random.default_rng(5)
     out = []
-    for k in range(24):
+    for k in range(32):
         S = 1 + k % 2
         n = int(rng.choice([1, 37, 256, 700, 256 * 5 + 3]))
         nb = -(-n // 256)
-        bits = rng.integers(0, 9, size=(S, nb))
+        bits = rng.integers(0, 9 if k % 2 == 0 else 13, size=(S, nb))
         half = (1 << bits)[:, :, None] // 2
         sym = np.round(rng.laplace(0, 1 + k, size=(S, nb, 256))) + half
         if k % 6 == 3:
@@ -40,10 +41,10 @@ def seeds():
             sym = np.zeros_like(sym)
         sym = np.clip(sym, 0, None).astype(np.int64) % (1 << bits)[:, :, None]
         coded = np.arange(256)[None] < np.minimum(256, n - 256 * np.arange(nb))[:, None]
-        sym = np.where(coded[None], sym, 0).astype(np.uint8)
+        sym = np.where(coded[None], sym, 0).astype(np.uint8 if bits.max() <= 8 else np.uint16)
         tails = rng.integers(0, 1 << 16, nb) if k % 4 == 1 else None
         buf = rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)
-        end = rans.decode_compact_models(buf, S, 1)[1]
+        end = rans.decode_compact_models(buf, S, 1, max_width=rans.kind_max_width(buf[0]))[1]
         out.append((buf, bits, n, tails is not None, end, sym))
     return out
 
@@ -57,7 +58,9 @@ def main(argv):
     while time.time() - t0 < seconds:
         buf, bits, n, tails, end, sym = rnd.choice(cases)
         b = bytearray(buf)
-        if rnd.random() < 0.2:              # a random model part of random length
+        if rnd.random() < 0.05:             # the other compact kind: 3 <-> 4 (models up to 8 / 12 bits)
+            b[0] ^= rans.KIND_COMPACT ^ rans.KIND_COMPACT_WIDE
+        elif rnd.random() < 0.2:            # a random model part of random length
             b = b[:1] + bytearray(rnd.randrange(256) for _ in range(rnd.randrange(0, 2 * end))) + b[end:]
         else:
             for _ in range(rnd.choice((1, 1, 2, 4))):

@@ -89,3 +89,31 @@ def test_golden_logrel_ans_wide_blocks_decode_to_the_same_bits():
         for m, v in (reader.read_moments(e, payload, {}), torch_codes.read_moments(e, payload, {})):
             np.testing.assert_array_equal(np.asarray(m, np.float32).reshape(-1).view(np.uint32), EXPECTED[f"{key}/m_bits"])
             np.testing.assert_array_equal(np.asarray(v, np.float32).reshape(-1).view(np.uint32), EXPECTED[f"{key}/v_bits"])
+
+
+def test_golden_logrel_ans_kind4_whole_wide_fields_decode_to_the_same_bits():
+    """logrel-ans-kind4.jaxguard (tests/golden/make_ans_kind4_golden.py, issue 17): a tensor
+    with 9..12-bit blocks rANS-coded whole (kind byte 0x14, no m_low / v_low), one of
+    kind 0x13 and one packed, codes chosen by the rate pass; numpy (alone and through the
+    decode_many pre-pass) and torch decode them to the stored bits."""
+    name = "logrel-ans-kind4"
+    expected = np.load(os.path.join(HERE, f"{name}.expected.npz"))
+    path = os.path.join(HERE, f"{name}.jaxguard")
+    info = reader.verify_file(path)
+    assert info["ok"] and info["decoded_sha256"] == str(expected["decoded_sha256"])
+    with open(path, "rb") as f:
+        header, payload = reader.parse(f.read())
+    moments = [e for e in header["entries"] if e["kind"] == "moments"]
+    kinds = {e["name"]: payload[e["sections"]["mv_rans"][0]] if "mv_rans" in e["sections"] else None for e in moments}
+    assert kinds == {"layer/wide": 0x14, "layer/w": 0x13, "layer/tiny": None}
+    assert not any({"m_low", "v_low"} & set(e["sections"]) for e in moments)
+    pre = reader.decode_rans_entries(header["entries"], payload)
+    assert len(pre) == 2
+    torch_codes = pytest.importorskip("torch_compat.codes_torch")
+    for k, e in enumerate(header["entries"]):
+        if e["kind"] != "moments":
+            continue
+        for m, v in (reader.read_moments(e, payload, {}), reader.read_moments(e, payload, {}, pre.get(k)),
+                     torch_codes.read_moments(e, payload, {})):
+            np.testing.assert_array_equal(np.asarray(m, np.float32).reshape(-1).view(np.uint32), expected[f"{e['name']}/m_bits"])
+            np.testing.assert_array_equal(np.asarray(v, np.float32).reshape(-1).view(np.uint32), expected[f"{e['name']}/v_bits"])
