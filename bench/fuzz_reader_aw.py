@@ -8,7 +8,8 @@ of several larger tensors whose entries carry ``mv_rans`` sections (so the reade
 container-level `rans.decode_many` pre-pass runs, and its per-entry fallback on error),
 and a single-entry one (the one-buffer `rans.decode` path); for both codecs a container of
 two-population tensors whose blocks are 9..12 bits wide (packed fields of up to 12 bits; for
-logrel-ans the ``m_low`` / ``v_low`` sections).  Each case overwrites 1-8 bytes
+logrel-ans an ``mv_rans`` of rANS kind 4, and the golden file of the older layout with
+``m_low`` / ``v_low`` sections).  Each case overwrites 1-8 bytes
 inside one section of one moments entry (random byte, 0xff, 0x00, 0x80 or a bit flip) and
 reseals the payload and file hashes, so that the layout and decode checks are reached.
 Anything other than ReaderError is a finding (crash-*); one input per distinct rejection
@@ -64,12 +65,18 @@ def seeds_for(codec):
         out.append(container.build(ents[:1], {}))
         assert any("mv_rans" in e["sections"] for d in out for e in split(d)[0]["entries"]
                    if e.get("kind") == "moments"), "no seed has an mv_rans section"
-    # 9..12-bit blocks: packed fields up to 12 bits; for logrel-ans mv_rans + m_low + v_low
+    # 9..12-bit blocks: packed fields up to 12 bits; for logrel-ans an mv_rans of kind 4 (whole fields)
     wide = [("moments", f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
             for k, n in enumerate((256 * 6 + 77, 256 * 2))]
     out.append(container.build(wide, {}))
     if codec == "logrel-ans":
-        assert any("m_low" in e["sections"] for e in split(out[-1])[0]["entries"] if e.get("kind") == "moments")
+        hdr, pay = split(out[-1])
+        assert any(pay[e["sections"]["mv_rans"][0]] & 0x0F == 4 for e in hdr["entries"]
+                   if e.get("kind") == "moments" and "mv_rans" in e["sections"]), "no kind-4 mv_rans seed"
+        # the layout written before kind 4: mv_rans (kind 3) + m_low + v_low
+        with open(os.path.join(os.path.dirname(HERE), "tests", "golden", "containers", "logrel-ans-wide.jaxguard"),
+                  "rb") as f:
+            out.append(f.read())
     for d in out:
         reader.verify_bytes(d)
     return out
