@@ -61,9 +61,10 @@ def test_registry_covers_every_decodable_id_and_nothing_else():
         assert reader.decoder(codec_id) is reader.DECODERS[s.decode]
         assert all(t in spec.TABLES for t in s.tables)
     # the golden containers (one per codec written by the previous main) name exactly the registry
-    # (besides: the torch checkpoint, and two logrel-ans variants: 9..12-bit blocks, compact models)
+    # (besides: the torch checkpoint, and three logrel-ans variants: 9..12-bit blocks, compact
+    # models, rANS kind 4)
     golden = {f[:-len(".jaxguard")] for f in os.listdir(GOLDEN) if f.endswith(".jaxguard")} - {
-        "torch-adam", "logrel-ans-wide", "logrel-ans-compact"}
+        "torch-adam", "logrel-ans-wide", "logrel-ans-compact", "logrel-ans-kind4"}
     assert golden == set(spec.CODECS)
     # ids the old reader half-recognised by prefix are refused now
     data = _golden("block8")
