@@ -42,6 +42,7 @@ from jaxguard.format.spec import BLOCK
 MOVES = tuple((dm, dv) for dv in (0, -1, 1, -2, 2) for dm in (0, -1, 1, -2, 2) if (dm, dv) != (0, 0))
 ROUNDS = 4
 MIN_GAIN = 0.003       # stop when a round saves less than this fraction of the coded bits
+ORDER_CHUNK = 1 << 16  # coordinates whose move order is sorted at once (bounds the temporaries)
 UNSEEN_BITS = 3.0      # a symbol no coordinate uses yet costs this much more than one used once
 
 
@@ -86,6 +87,11 @@ def _cost(qm, qv, idx, tabs):
     flat_m, base_m, flat_v, base_v, lm = tabs
     blk = idx // BLOCK
     return flat_m[base_m[blk] + qm + lm[blk]] + flat_v[base_v[blk] + qv]
+
+
+def _moved(qm, qv, dm, dv, lim_m, lim_v):
+    """The pairs (qm + dm, qv + dv) kept in their blocks' ranges; v code 0 (v == 0) stays 0."""
+    return np.clip(qm + dm, -lim_m, lim_m), np.where(qv == 0, 0, np.clip(qv + dv, 1, lim_v))
 
 
 def _certified(mt, vt, idx, classify, certify_fn):
@@ -139,29 +145,32 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
         if prev is not None and prev - total < MIN_GAIN * prev:
             break
         prev = total
-        # every move's pair and cost [moves, live]; each coordinate then tries its pairs
-        # cheapest first and keeps the first the guard certifies: one certificate per try
-        cm = np.clip(qm[live][None] + am[:, None], -lim_m[live], lim_m[live])
-        cv = np.where(qv[live][None] == 0, 0, np.clip(qv[live][None] + av[:, None], 1, lim_v[live]))
-        cost = _cost(cm, cv, live[None], tabs)
+        # each coordinate tries its pairs cheapest first and keeps the first the guard
+        # certifies: one certificate per try.  Only the order is kept (1 byte per move and
+        # coordinate); a try recomputes its pair and cost.
         now = np.where(kept, _cost(qm[live], qv[live], live, tabs), np.inf)   # an escape takes any certified pair
-        order = np.argsort(cost, axis=0, kind="stable")
+        order = np.empty((len(MOVES), live.size), np.int8)
+        for s in range(0, live.size, ORDER_CHUNK):
+            at = live[s:s + ORDER_CHUNK]
+            cm, cv = _moved(qm[at][None], qv[at][None], am[:, None], av[:, None], lim_m[at], lim_v[at])
+            order[:, s:s + ORDER_CHUNK] = np.argsort(_cost(cm, cv, at[None], tabs), axis=0, kind="stable")
         searching = np.arange(live.size)
         new_m, new_v = qm.copy(), qv.copy()
         for k in range(len(MOVES)):
-            pick = order[k, searching]
-            c = cost[pick, searching]
-            searching, pick, c = (x[c < now[searching] - 1e-9] for x in (searching, pick, c))
+            pick = order[k, searching].astype(np.int64)
+            at = live[searching]
+            cm, cv = _moved(qm[at], qv[at], am[pick], av[pick], lim_m[at], lim_v[at])
+            cheaper = _cost(cm, cv, at, tabs) < now[searching] - 1e-9
+            searching, idx, cm, cv = searching[cheaper], at[cheaper], cm[cheaper], cv[cheaper]
             if searching.size == 0:
                 break
-            idx = live[searching]
             sm, sv = qm.copy(), qv.copy()
-            sm[idx], sv[idx] = cm[pick, searching], cv[pick, searching]
+            sm[idx], sv[idx] = cm, cv
             tm, tv = mt.copy(), vt.copy()
             dm_, dv_ = decode(sm, sv)
             tm[idx], tv[idx] = dm_[idx], dv_[idx]
             ok = _certified(tm, tv, idx, classify, certify_fn)
-            new_m[idx[ok]], new_v[idx[ok]] = sm[idx[ok]], sv[idx[ok]]
+            new_m[idx[ok]], new_v[idx[ok]] = cm[ok], cv[ok]
             kept[searching[ok]] = True
             searching = searching[~ok]
         qm, qv = new_m, new_v
