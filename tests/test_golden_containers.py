@@ -48,18 +48,25 @@ def test_golden_logrel_ans_has_both_forms_and_decodes_them_to_the_same_bits():
     assert reader.decoded_digest(header, payload) == str(EXPECTED["logrel-ans/decoded_sha256"])
 
 
-def test_golden_logrel_ans_compact_models_decode_to_the_same_bits():
-    """logrel-ans-compact.jaxguard (tests/golden/make_ans_compact_golden.py): three entries
-    whose mv_rans buffers carry compact models (kind byte 0x13) and one packed; every entry
-    decodes bit for bit, alone and through the decode_many pre-pass."""
-    expected = np.load(os.path.join(HERE, "logrel-ans-compact.expected.npz"))
-    path = os.path.join(HERE, "logrel-ans-compact.jaxguard")
+def _ans_golden(name):
+    """A logrel-ans golden file with its own expected.npz: verified (same decoded hash), parsed;
+    -> (expected, header, payload, moments entries, entry name -> mv_rans kind byte or None)."""
+    expected = np.load(os.path.join(HERE, f"{name}.expected.npz"))
+    path = os.path.join(HERE, f"{name}.jaxguard")
     info = reader.verify_file(path)
     assert info["ok"] and info["decoded_sha256"] == str(expected["decoded_sha256"])
     with open(path, "rb") as f:
         header, payload = reader.parse(f.read())
     moments = [e for e in header["entries"] if e["kind"] == "moments"]
     kinds = {e["name"]: payload[e["sections"]["mv_rans"][0]] if "mv_rans" in e["sections"] else None for e in moments}
+    return expected, header, payload, moments, kinds
+
+
+def test_golden_logrel_ans_compact_models_decode_to_the_same_bits():
+    """logrel-ans-compact.jaxguard (tests/golden/make_ans_compact_golden.py): three entries
+    whose mv_rans buffers carry compact models (kind byte 0x13) and one packed; every entry
+    decodes bit for bit, alone and through the decode_many pre-pass."""
+    expected, header, payload, moments, kinds = _ans_golden("logrel-ans-compact")
     assert kinds == {"layer/w": 0x13, "layer/big": 0x13, "layer/small": 0x13, "layer/tiny": None}
     pre = reader.decode_rans_entries(header["entries"], payload)
     assert len(pre) == 3
@@ -96,15 +103,7 @@ def test_golden_logrel_ans_kind4_whole_wide_fields_decode_to_the_same_bits():
     with 9..12-bit blocks rANS-coded whole (kind byte 0x14, no m_low / v_low), one of
     kind 0x13 and one packed, codes chosen by the rate pass; numpy (alone and through the
     decode_many pre-pass) and torch decode them to the stored bits."""
-    name = "logrel-ans-kind4"
-    expected = np.load(os.path.join(HERE, f"{name}.expected.npz"))
-    path = os.path.join(HERE, f"{name}.jaxguard")
-    info = reader.verify_file(path)
-    assert info["ok"] and info["decoded_sha256"] == str(expected["decoded_sha256"])
-    with open(path, "rb") as f:
-        header, payload = reader.parse(f.read())
-    moments = [e for e in header["entries"] if e["kind"] == "moments"]
-    kinds = {e["name"]: payload[e["sections"]["mv_rans"][0]] if "mv_rans" in e["sections"] else None for e in moments}
+    expected, header, payload, moments, kinds = _ans_golden("logrel-ans-kind4")
     assert kinds == {"layer/wide": 0x14, "layer/w": 0x13, "layer/tiny": None}
     assert not any({"m_low", "v_low"} & set(e["sections"]) for e in moments)
     pre = reader.decode_rans_entries(header["entries"], payload)
