@@ -54,9 +54,22 @@ def test_registered_with_the_ans_layout_and_logrel_aw_decode():
     assert set(map(frozenset, spec.LAYOUTS["packed"])) < set(map(frozenset, spec.LAYOUTS["ans"]))
 
 
-def test_same_codes_escapes_and_decoded_bits_as_logrel_aw_and_payload_never_larger():
-    b = _both()
-    (daw, saw, haw), (dans, sans, hans) = b[AW], b[ANS]
+def _without_rate_pass(fn):
+    from jaxguard.core import rate
+    rounds, rate.ROUNDS = rate.ROUNDS, 0
+    try:
+        return fn()
+    finally:
+        rate.ROUNDS = rounds
+
+
+def test_without_the_rate_pass_same_escapes_and_decoded_bits_as_logrel_aw_and_payload_never_larger():
+    """The rANS storage alone: with the rate pass off, logrel-ans certifies and restores exactly
+    logrel-aw's values (same escapes, decoded hash) and no section is larger."""
+    ck, _ = _trained()
+    daw, saw = torch_compat.compress_checkpoint(ck, tau=TAU, codec=AW)
+    dans, sans = _without_rate_pass(lambda: torch_compat.compress_checkpoint(ck, tau=TAU, codec=ANS))
+    haw, hans = reader.parse(daw)[0], reader.parse(dans)[0]
     assert sans["escapes"] == saw["escapes"] and sans["coordinates"] == saw["coordinates"]
     assert reader.verify_bytes(dans)["decoded_sha256"] == reader.verify_bytes(daw)["decoded_sha256"]
     paw, pans = _section_bytes(haw), _section_bytes(hans)
@@ -65,13 +78,24 @@ def test_same_codes_escapes_and_decoded_bits_as_logrel_aw_and_payload_never_larg
     forms = [("mv_rans" in e["sections"]) for e in hans["entries"] if e["kind"] == "moments"]
     assert any(forms) and not all(forms)          # big matrices rANS-coded, tiny vectors packed
     assert sum(pans.values()) < sum(paw.values()) and sans["payload_bytes"] == sum(pans.values())
-    for ea, en in zip(haw["entries"], hans["entries"]):   # the packed fallback is logrel-aw's bytes
-        if en["kind"] == "moments" and "mv_rans" not in en["sections"]:
-            _, pa = reader.parse(daw)
-            _, pn = reader.parse(dans)
-            for k in ea["sections"]:
+
+
+def test_rate_pass_keeps_the_widths_and_escapes_no_more_and_stores_less():
+    """With the rate pass (the default): the same widths and block parameters as logrel-aw,
+    other codes, no more escapes, fewer bytes; the payload stat is the sections' size."""
+    b = _both()
+    (daw, saw, haw), (dans, sans, hans) = b[AW], b[ANS]
+    assert sans["escapes"] <= saw["escapes"] and sans["coordinates"] == saw["coordinates"]
+    assert reader.verify_bytes(dans)["decoded_sha256"] != reader.verify_bytes(daw)["decoded_sha256"]
+    paw, pans = _section_bytes(haw), _section_bytes(hans)
+    _, pa = reader.parse(daw)
+    _, pn = reader.parse(dans)
+    for ea, en in zip(haw["entries"], hans["entries"]):
+        if en["kind"] == "moments":
+            for k in ("widths", "v_params"):
                 (a0, a1), (n0, n1) = ea["sections"][k], en["sections"][k]
                 assert bytes(pa[a0:a1]) == bytes(pn[n0:n1]), (en["name"], k)
+    assert sum(pans.values()) < 0.97 * sum(paw.values()) and sans["payload_bytes"] == sum(pans.values())
 
 
 def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
@@ -82,10 +106,18 @@ def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
     m[[4, 999]] = np.nan
     p = rng.normal(0, 0.05, n).astype(np.float32)
     ea = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=AW))
+    off = _without_rate_pass(lambda: G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS)))
     en = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS))
     assert en.codec == ANS
+    keep = np.ones(n, bool)
+    keep[ea.arrays["escape_index"]] = False        # escaped codes are free: the pass sets them
     for k, a in ea.arrays.items():
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(en.arrays[k]).view(np.uint8)), k
+        b = off.arrays[k]
+        if k in ("m_codes", "v_codes"):
+            a, b = np.asarray(a)[keep], np.asarray(b)[keep]
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), k
+    for k in ("widths", "v_params", "m_params"):
+        assert np.array_equal(ea.arrays[k], en.arrays[k]), k
     hdr, pay = reader.parse(container.build([("moments", "x", en, {})], {}))
     assert "mv_rans" in hdr["entries"][0]["sections"]
     rm, rv = reader.read_moments(hdr["entries"][0], pay, {})
@@ -344,10 +376,12 @@ def test_two_population_block_fewer_escapes_with_wide_widths_and_real_optax_audi
     res = oa.audit(tx, st, jg.load(tmp_path / "wide.jg", like=tx.init(params)), params, lr=1e-3, tau=TAU)
     assert res["violations"] == 0 and res["max_gap_lr"] <= TAU, res
     assert "mv_rans" in e["sections"] and not {"m_low", "v_low"} & set(e["sections"])   # whole fields (kind 4)
+    # the width search alone (the rate pass off: it rescues escapes of its own)
+    wide = _without_rate_pass(lambda: jg.save(tmp_path / "wide0.jg", st, params, lr=1e-3, codec=ANS))
     monkeypatch.setattr(adaptive, "WIDE_PAIRS", ())       # the same search, widths 4..8 only
-    narrow = jg.save(tmp_path / "narrow.jg", st, params, lr=1e-3, codec=ANS)
-    assert narrow["escapes"] > 0.05 * m.size and s["escapes"] < narrow["escapes"] // 10, (s, narrow)
-    assert s["payload_bytes"] < narrow["payload_bytes"]
+    narrow = _without_rate_pass(lambda: jg.save(tmp_path / "narrow.jg", st, params, lr=1e-3, codec=ANS))
+    assert narrow["escapes"] > 0.05 * m.size and wide["escapes"] < narrow["escapes"] // 10, (wide, narrow)
+    assert wide["payload_bytes"] < narrow["payload_bytes"] and s["payload_bytes"] < wide["payload_bytes"]
 
 
 @functools.lru_cache(maxsize=None)

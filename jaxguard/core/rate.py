@@ -119,8 +119,8 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
       classify: ``classify(mt, vt) -> (exact, ok)`` over the group (as for the width search).
       certify_fn: ``certify_fn(mt, vt, idx) -> level per idx`` (< 0: escapes).
       decode: ``decode(mq, vq) -> (m~, v~)`` flat, exactly as the reader decodes.
-      rounds: at most this many rounds of moves and refits (default `ROUNDS`; 0: the codes
-        stay the width search's, escapes aside).
+      rounds: at most this many rounds of moves and refits (default `ROUNDS`; 0: the pass is
+        off, the codes stay the width search's).
 
     Returns:
       (mq, vq, m~, v~): the chosen codes (same dtypes) and their decoded values.
@@ -129,7 +129,8 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
     rep = lambda w: np.repeat(w.astype(np.int64), BLOCK)    # noqa: E731
     lim_m, lim_v = (1 << (rep(bm) - 1)) - 1, (1 << rep(bv)) - 1
     qm, qv = mq.astype(np.int64), vq.astype(np.int64)
-    if not any(n for _, n in tensors):
+    rounds = ROUNDS if rounds is None else rounds
+    if rounds == 0 or not any(n for _, n in tensors):
         mt, vt = decode(qm, qv)
         return mq, vq, mt, vt
     mt, vt = decode(qm, qv)
@@ -138,7 +139,7 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
     kept = _certified(mt, vt, live, classify, certify_fn)   # then tracked: accepted pairs are certified
     am, av = np.array(MOVES, np.int64).T
     prev = None
-    for _ in range(ROUNDS if rounds is None else rounds):
+    for _ in range(rounds):
         tabs = _cost_tables(qm, qv, bm, bv, tensors)
         coded = np.flatnonzero(in_tensor)
         total = float(_cost(qm[coded], qv[coded], coded, tabs).sum())
