@@ -131,25 +131,26 @@ def _ans_payload(arrays, n):
 
 
 # ---------------------------------------------------------------- host-side width choice (logrel-aw)
+def _decode_flat(qm, qv, mp, vp, m_dtype, v_dtype):
+    """Flat codes (as `m_dtype` / `v_dtype`) -> flat (m~, v~), as the reader decodes them."""
+    mtb, vtb = _adaptive.decode_blocks(qm.reshape(-1, codes.BLOCK).astype(m_dtype),
+                                       qv.reshape(-1, codes.BLOCK).astype(v_dtype), mp, vp)
+    return np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+
+
 def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
     """Per-block widths chosen on certified escapes; returns the assembled codes and the
     values the reader decodes them to (certified again from scratch by the caller)."""
     mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
-    mtb, vtb = _adaptive.decode_blocks(mq.reshape(-1, codes.BLOCK), vq.reshape(-1, codes.BLOCK), mp, vp)
-    return mq, vq, mp, vp, widths, np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
+    return (mq, vq, mp, vp, widths) + _decode_flat(mq, vq, mp, vp, mq.dtype, vq.dtype)
 
 
 def _choose_logrel_ans(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
     """logrel-aw's widths, then the codes moved to certified neighbours of fewer rANS-coded
     bits (`jaxguard.core.rate`)."""
     mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
-
-    def decode(qm, qv):
-        mtb, vtb = _adaptive.decode_blocks(qm.reshape(-1, codes.BLOCK).astype(mq.dtype),
-                                           qv.reshape(-1, codes.BLOCK).astype(vq.dtype), mp, vp)
-        return np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
-
-    mq, vq, mt, vt = _rate.optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode)
+    mq, vq, mt, vt = _rate.optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn,
+                                    lambda qm, qv: _decode_flat(qm, qv, mp, vp, mq.dtype, vq.dtype))
     return mq, vq, mp, vp, widths, mt, vt
 
 

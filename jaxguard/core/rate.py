@@ -62,10 +62,10 @@ def _cost_tables(qm, qv, bm, bv, tensors):
     for first, n in tensors:
         nbt = max(1, -(-n // BLOCK))
         blk = slice(first, first + nbt)
-        sym = np.stack([(qm.reshape(nb, BLOCK)[blk] + lm[blk, None]), qv.reshape(nb, BLOCK)[blk]]).astype(np.int64)
-        bits = np.stack([bm[blk], bv[blk]]).astype(np.int64)
         if n == 0:
             continue
+        sym = np.stack([(qm.reshape(nb, BLOCK)[blk] + lm[blk, None]), qv.reshape(nb, BLOCK)[blk]]).astype(np.int64)
+        bits = np.stack([bm[blk], bv[blk]]).astype(np.int64)
         coded = (np.arange(nbt * BLOCK) < n).reshape(nbt, BLOCK)
         for st in range(2):
             off = {}
@@ -130,10 +130,9 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
     lim_m, lim_v = (1 << (rep(bm) - 1)) - 1, (1 << rep(bv)) - 1
     qm, qv = mq.astype(np.int64), vq.astype(np.int64)
     rounds = ROUNDS if rounds is None else rounds
-    if rounds == 0 or not any(n for _, n in tensors):
-        mt, vt = decode(qm, qv)
-        return mq, vq, mt, vt
     mt, vt = decode(qm, qv)
+    if rounds == 0 or not any(n for _, n in tensors):
+        return mq, vq, mt, vt
     exact, _ = classify(mt, vt)
     live = np.flatnonzero(in_tensor & ~exact)     # exact coordinates (zeros) keep their codes
     kept = _certified(mt, vt, live, classify, certify_fn)   # then tracked: accepted pairs are certified

@@ -219,28 +219,9 @@ def unpack(stream, widths, n):
     return out.reshape(-1)
 
 
-def split_high_low(codes, widths, top=RANS_WIDTH):
-    """Split each block's codes into their top `top` bits and the bits below.
-
-    Args:
-      codes: [nb, 256] unsigned codes, each < 2**width of its block.
-      widths: one code width (bits) per block.
-      top: the bits kept in the high part (logrel-ans: the rANS alphabet, 8).
-
-    Returns:
-      ``(high, low, high_widths, low_widths)``: ``high = codes >> low_width`` (< 2**min(width, top)),
-      ``low = codes & (2**low_width - 1)``, per block ``min(width, top)`` and
-      ``max(width - top, 0)``.
-    """
-    widths = np.asarray(widths, np.int64)
-    low_w = np.maximum(widths - top, 0)
-    codes = np.asarray(codes, np.int64)
-    shift = low_w[:, None]
-    return codes >> shift, codes & ((1 << shift) - 1), np.minimum(widths, top), low_w
-
-
 def join_high_low(high, low, low_widths):
-    """Inverse of `split_high_low`: ``(high << low_width) | low`` per block, int64 [nb, 256].
+    """A wide field of an older logrel-ans file (rANS kind 1 or 3) from its rANS-coded top bits
+    and its ``m_low`` / ``v_low`` bits: ``(high << low_width) | low`` per block, int64 [nb, 256].
 
     Args:
       high: [nb, 256] top bits of the codes. low: [nb, 256] the bits below.
@@ -443,7 +424,7 @@ def entry_sections(arrays, n, entropy=False):
         # 59 rANS tensors of bench/results/compact_models.md and cost a second encode
         mv = rans.encode(np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv]), n,
                          lane_tails=codes["m_params"], compact_models=True)
-        if mv.__len__() < sum(a.nbytes for a in codes.values()):
+        if len(mv) < sum(a.nbytes for a in codes.values()):
             codes = {"mv_rans": np.frombuffer(mv, np.uint8)}
     return {"widths": widths, **codes, "v_params": np.ascontiguousarray(vp[:, 2:4]), kind: esc,
             "escape_pairs": np.stack([arrays["escape_m"], arrays["escape_v"]], axis=1).astype(np.float32)}
