@@ -57,16 +57,16 @@ def seeds_for(codec):
     out = [torch_compat.compress_checkpoint(odd_values_checkpoint(), codec=codec)[0]]
     rng0 = np.random.default_rng(1)
     cfg = G.GuardConfig(lr=1e-3, step=100, codec=codec)
-    out.append(container.build([("moments", "x", G.encode(*_tensor(rng0, 256 * 8, 3), cfg), {})], {}))
+    out.append(container.build([container.Moments("x", G.encode(*_tensor(rng0, 256 * 8, 3), cfg), {})], {}))
     if codec == "logrel-ans":
-        ents = [("moments", f"t{k}", G.encode(*_tensor(rng0, n), cfg), {})
+        ents = [container.Moments(f"t{k}", G.encode(*_tensor(rng0, n), cfg), {})
                 for k, n in enumerate((256 * 12 + 5, 256 * 3, 700))]
         out.append(container.build(ents, {}))
         out.append(container.build(ents[:1], {}))
         assert any("mv_rans" in e["sections"] for d in out for e in split(d)[0]["entries"]
                    if e.get("kind") == "moments"), "no seed has an mv_rans section"
     # 9..12-bit blocks: packed fields up to 12 bits; for logrel-ans an mv_rans of kind 4 (whole fields)
-    wide = [("moments", f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
+    wide = [container.Moments(f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
             for k, n in enumerate((256 * 6 + 77, 256 * 2))]
     out.append(container.build(wide, {}))
     if codec == "logrel-ans":

@@ -309,7 +309,7 @@ def test_atomic_write_survives_sigkill(tmp_path):
     blobs = []
     for k in range(2):
         arr = rng.standard_normal(1_000_000).astype(np.float32)         # 4 MB container
-        blobs.append(container.build([("raw", f"x{k}", arr, None)], {"k": k}))
+        blobs.append(container.build([container.Raw(f"x{k}", arr, None)], {"k": k}))
         reader.verify_bytes(blobs[-1])
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(blobs[0])
