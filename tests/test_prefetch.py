@@ -32,7 +32,7 @@ def test_producer_stays_within_its_budget():
     it = prefetched(entries(), ahead=30)          # three entries of 10 elements
     first = next(it)
     time.sleep(0.3)
-    assert first[1] == "x0"
+    assert first.name == "x0"
     assert len(made) <= 1 + 3 + 1, made           # the one taken, three queued, one waiting to be queued
     rest = list(it)
     assert len(rest) == 39
