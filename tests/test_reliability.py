@@ -4,7 +4,7 @@ Corruption (bit flips, truncation, appends, foreign files) must always be refuse
 numpy-only reader; the CLI must fail with one line and no output file; atomic writes
 survive SIGKILL; a malicious pickle is never run; odd float values are stored exactly;
 and the guard's contract holds against the real torch Adam.  Also replays the fuzz corpus
-written by bench/fuzz_reader.py.
+written by bench/fuzz/fuzz_reader.py.
 """
 from __future__ import annotations
 
