@@ -16,9 +16,11 @@ Hyperparameters of the next update, per Adam state: ``lr`` (argument, required: 
 number, or the optax schedule, evaluated at the state's ``count``; an `inject_hyperparams`
 state holds the last update's rate, which a schedule may have changed); ``b1``, ``b2``, ``eps`` and
 ``weight_decay`` likewise from the enclosing `inject_hyperparams` state, else from the
-arguments.  The state alone cannot show an ``add_decayed_weights`` in a chain (its state
+arguments.  The state does not record an ``add_decayed_weights`` in a chain (its state
 is ``EmptyState``): for `optax.adamw` pass ``weight_decay=`` (or use
-``inject_hyperparams(optax.adamw)``, whose state carries it).  ``weight_decay > 0``
+``inject_hyperparams(optax.adamw)``, whose state carries it); a state laid out as
+``optax.adamw``'s saved without it is refused in one line, never guessed (optax.adamw's
+default decay is 1e-4, not 0).  ``weight_decay > 0``
 selects the ``optax-adamw`` op model.  `nesterov=True` and ``eps_root != 0`` are outside
 the pinned op model and cannot be detected from the state: do not use them.
 
@@ -53,6 +55,9 @@ from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, 
 
 BF16_TAU_FACTOR = writer.BF16_TAU_FACTOR
 
+ADAMW_LAYOUT = ("the Adam state at {path!r} is laid out as optax.adamw's (scale_by_adam, a stateless transform, "
+                "then the learning rate), whose weight decay the state does not record: pass weight_decay= "
+                "(optax.adamw's default is 1e-4; weight_decay=0.0 if the chain has no add_decayed_weights)")
 NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
          "update, a float, or the optax schedule, evaluated at the state's count)")
 LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learning_rate {last:g} is the last "
@@ -80,8 +85,9 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
       The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
 
     Raises:
-      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`, or a bad
-        hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
+      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`; no
+        ``weight_decay`` for a state laid out as ``optax.adamw``'s (the state does not
+        record it: never guessed); a bad hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
       CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
     """
     hp = site.hparams
@@ -103,6 +109,8 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
         lr_ = hp.get("learning_rate")
     if lr_ is None:
         raise CheckpointError(NO_LR.format(path=site.name))
+    if weight_decay is None and "weight_decay" not in hp and site.decay_layout:
+        raise ConfigError(ADAMW_LAYOUT.format(path=site.name))
     wd = weight_decay if weight_decay is not None else hp.get("weight_decay", 0.0)
     b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
     e = eps if eps is not None else hp.get("eps", 1e-8)
