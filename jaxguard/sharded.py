@@ -42,7 +42,7 @@ import numpy as np
 from etils import epath
 
 from jaxguard.format import container, reader
-from jaxguard import audit, optax_adapter, optax_state, writer
+from jaxguard import audit, optax_state, writer
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted, moment_pairs
 from jaxguard.errors import CheckpointError, ContainerError
 from jaxguard.core.guard import DEFAULT_CODEC
@@ -164,7 +164,7 @@ def aligned(x, like):
 def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, weight_decay=None,
                betas=None, eps=None, prefix="state"):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
-    names as `optax_adapter.compress_state`, without touching any array's data.
+    names as `optax_adapter.state_records`, without touching any array's data.
 
     A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
     name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16").
@@ -178,7 +178,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
 
     Raises:
       CheckpointError, UnsupportedOptimizerError, ConfigError: as
-        `optax_adapter.compress_state` (no Adam state, mismatched params, dtypes, lr).
+        `optax_adapter.state_records` (no Adam state, mismatched params, dtypes, lr).
     """
     hstate = host_scalars(opt_state)
     sites = find_adam_states(hstate)
@@ -188,7 +188,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     oflat = flat_by_dotted(opt_state, "opt_state")
     roles, pairs, sites_meta = {}, [], []
     for si, site in enumerate(sites):
-        cfg = optax_adapter.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau,
+        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau,
                                         clip=clip, codec=codec)
         sites_meta.append({"path": site.name, "config": cfg.to_json(), "count_path": site.leaf_path("count")})
         for pair in moment_pairs(site, pflat):
@@ -521,7 +521,7 @@ def write_and_commit(d: epath.Path, items, totals, common, *, primary=0, t0=None
     barrier(f"jaxguard_save_committed:{d}")
     man = read_manifest(d)
     totals["encode_seconds"] = time.perf_counter() - t0
-    s = optax_adapter.summary(totals, len(data))
+    s = audit.compression_summary(totals, len(data))
     s.update(process_index=pid, process_count=n, total=man["summary"],
              checkpoint_bytes=sum(f["bytes"] for f in man["files"].values()))
     return s
@@ -695,7 +695,7 @@ def load(path, like, *, what="state"):
     asm = _Assembler(ShardReader(path, man))
     paths = [optax_state.dotted(p) for p, _ in flat]
     for d, (_, leaf) in zip(paths, flat):
-        optax_adapter.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
+        optax_state.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
     extra = sorted(set(stored) - set(paths))
     if extra:
         raise CheckpointError(f"{source} holds {len(extra)} leaves that like lacks (first {extra[0]!r}); pass a "
