@@ -62,3 +62,25 @@ def test_corrupt_shard_is_caught(tmp_path, trained):
         jg.load(tmp_path / "dir", tx.init(params))
     with pytest.raises(jg.ContainerError):
         sharded.verify(tmp_path / "dir")
+
+
+def test_cli_verify_and_inspect_a_sharded_directory(tmp_path, trained, capsys):
+    from jaxguard.cli.main import main
+    tx, params, st = trained
+    s = jg.save(tmp_path / "dir", st, params, lr=1e-3, weight_decay=1e-2, sharded=True)
+    assert main(["verify", str(tmp_path / "dir")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ok {tmp_path / 'dir'}: 1 process files and ") and s["save_id"] in out
+    assert main(["inspect", "--json", str(tmp_path / "dir")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["framework"] == "optax-sharded" and info["coordinates"] == 1230 and info["save_id"] == s["save_id"]
+    f = tmp_path / "dir" / f"process_00000.{s['save_id']}.jaxguard"
+    data = bytearray(f.read_bytes())
+    data[100] ^= 1
+    f.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path / "dir")]) == 1
+    assert capsys.readouterr().out.startswith(f"FAILED {tmp_path / 'dir'}: ")
+    os.unlink(f)
+    assert main(["inspect", str(tmp_path / "dir")]) == 2
+    err = capsys.readouterr().err
+    assert "is missing" in err and len(err.strip().splitlines()) == 1
