@@ -478,7 +478,10 @@ def commit_manifest(directory, common: dict, process_count: int, save_id: str | 
                               f"({save_id}) ran; this save is dropped and that checkpoint kept")
     storage.atomic_write(storage.join(d, MANIFEST), json.dumps(man, separators=(",", ":")).encode())
     for pid in range(process_count):
-        storage.remove(storage.join(d, _index_name(pid, save_id)))
+        try:
+            storage.remove(storage.join(d, _index_name(pid, save_id)))
+        except Exception:  # noqa: BLE001 - committed: a stale index is only garbage for the next save
+            pass
     if save_id is not None:
         remove_unnamed(d, save_id)
     return man
@@ -673,6 +676,11 @@ def prepare_directory(d, primary: int = 0) -> None:
     barrier(f"jaxguard_save_begin:{d}")
 
 
+def _first_line(exc) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
 def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=None) -> dict:
     """Write this process's file and index under a fresh save id, agree that every process
     wrote, the primary commits the manifest, agree that it did.
@@ -706,7 +714,13 @@ def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=No
         write_process_files(d, data, index, pid, sid)
     except Exception as exc:  # noqa: BLE001 - every process must learn of it before anyone commits
         err = exc
-    failed = failed_processes(err is None)
+    try:
+        failed = failed_processes(err is None)
+    except Exception as exc:  # noqa: BLE001 - a process of the job died: the collective fails
+        remove_process_files(d, pid, sid)
+        raise CheckpointError(f"{d}: another process of this job stopped before every shard was written "
+                              f"({_first_line(exc)}); nothing was committed, the previous checkpoint there is "
+                              "kept") from None
     if failed:
         remove_process_files(d, pid, sid)
         if err is not None:
@@ -719,7 +733,14 @@ def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=No
             man = commit_manifest(d, common, n, sid)
         except Exception as exc:  # noqa: BLE001 - as above
             err = exc
-    if failed_processes(err is None):
+    try:
+        failed = failed_processes(err is None)
+    except Exception as exc:  # noqa: BLE001 - as above; the primary may have committed
+        if man is None:   # files stay (the primary may still be committing); the next save removes them
+            raise CheckpointError(f"{d}: another process of this job stopped while the primary committed "
+                                  f"({_first_line(exc)}); `jaxguard.load` gives the last committed checkpoint") from None
+        failed = []
+    if failed:
         remove_process_files(d, pid, sid)
         if err is not None:
             raise err
@@ -807,7 +828,7 @@ def _check_leaf(leaf, source, raw_only):
     kind = "raw" if raw_only else leaf.get("kind")
     if kind not in ("mu", "nu", "raw"):
         raise _bad(source, f"leaf {leaf['path'][:80]!r} has unknown kind {str(kind)[:40]!r}")
-    if leaf.get("dtype") not in reader.DTYPES:
+    if not isinstance(leaf.get("dtype"), str) or leaf["dtype"] not in reader.DTYPES:
         raise _bad(source, f"leaf {leaf['path'][:80]!r} has unsupported dtype {str(leaf.get('dtype'))[:40]!r}")
 
 
@@ -864,7 +885,8 @@ def validate_manifest(man: dict, source: str = MANIFEST) -> None:
         if not isinstance(recs, list):
             raise _bad(source, f"the shards of {entry[:80]!r} are not a list")
         for r in recs:
-            if not isinstance(r, dict) or not isinstance(r.get("name"), str) or r.get("file") not in files \
+            if not isinstance(r, dict) or not isinstance(r.get("name"), str) or not isinstance(r.get("file"), str) \
+                    or r["file"] not in files \
                     or not isinstance(r.get("sha256"), str) or not isinstance(r.get("header"), dict):
                 raise _bad(source, f"a shard of {entry[:80]!r} lacks a name, a listed file, a SHA-256 or a header")
             for k in ("start", "shape"):
@@ -924,6 +946,9 @@ class ShardReader:
         """
         data = self._read(rec["file"], rec["range"], rec["sha256"], f"shard {rec['name']!r}")
         h = rec["header"]
+        if not all(isinstance(h.get(k, ""), str) for k in ("kind", "dtype", "codec", "name")):
+            raise ContainerError(f"{self.dir}: shard {rec['name']!r} has a header with non-string fields; the "
+                                 "manifest is corrupt")
         try:
             reader._check_layout({"entries": [h]}, len(data))   # the header is untrusted: ranges first
             if h["kind"] == "raw":
@@ -971,6 +996,9 @@ class _Assembler:
             if key not in self.cache:
                 self.cache[key] = self.rd.decode(rec)
             val = self.cache[key]
+            if isinstance(val, tuple) != (leaf["kind"] != "raw"):
+                raise ContainerError(f"{self.rd.dir}: shard {rec['name']!r} is {'a moments' if isinstance(val, tuple) else 'a raw'} "
+                                     f"entry but {leaf['path']!r} is a {leaf['kind']} leaf; the manifest is corrupt")
             if leaf["kind"] == "mu":
                 val = val[0]
             elif leaf["kind"] == "nu":

@@ -32,18 +32,18 @@ def env():
     return e
 
 
-def run_save(d, steps, fault="none", victim=-1, nproc=2, timeout=600):
+def run_save(d, steps, fault="none", victim=-1, nproc=2, timeout=600, truth=None, report=None):
     """One multi-process save of a `steps`-step state to `d` with `fault` in process `victim`.
 
     Returns:
       {"reports": {pid: report}, "returncodes": [...], "killed": [pids torn down], "log": tail}.
     """
-    report = d.rstrip("/") + ".report"
+    report = report or d.rstrip("/") + ".report"
     for f in glob.glob(report + ".*.json"):
         os.unlink(f)
     port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, "save", str(i), str(nproc), str(port), d, str(steps), fault,
-                               str(victim), report], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               str(victim), report] + ([truth] if truth else []), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(nproc)]
     killed = []
     t_end = time.time() + timeout

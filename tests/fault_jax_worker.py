@@ -1,11 +1,11 @@
 """Worker for tests/test_faults.py and bench/faults.py: one JAX process of a faulted save.
 
-    python tests/fault_jax_worker.py save PID NPROC PORT DIR STEPS FAULT VICTIM REPORT
+    python tests/fault_jax_worker.py save PID NPROC PORT DIR STEPS FAULT VICTIM REPORT [TRUTH]
     python tests/fault_jax_worker.py loop DIR STEPS ROUNDS REPORT        # one process, 2 devices
 
 `save`: NPROC processes x 2 CPU devices (gloo) train an optax adamw state STEPS steps over
-a global mesh and save it with `jaxguard.save(DIR, ...)`; process 0 also writes the exact
-state to ``DIR.truth.npz`` when FAULT is ``none``.  In process VICTIM the fault FAULT is
+a global mesh and save it with `jaxguard.save(DIR, ...)`; process 0 first writes the exact
+state to TRUTH (default ``DIR.truth.npz`` when FAULT is ``none``, else ``DIR.new.truth.npz``).  In process VICTIM the fault FAULT is
 injected into the real write path (the code under test runs unchanged around it):
 
   kill_encode          SIGKILL while certifying (inside the guard's encode)
@@ -168,10 +168,10 @@ def save_job():
     d, steps, fault, victim, report = sys.argv[5], int(sys.argv[6]), sys.argv[7], int(sys.argv[8]), sys.argv[9]
     mesh = Mesh(np.array(jax.devices()).reshape(NPROC, 2), ("a", "b"))
     params, state = trained(steps, mesh)
-    if fault == "none":
-        full = gathered({"params": params, "state": state})
-        if PID == 0:
-            np.savez(d + ".truth.npz", **flat_by_dotted(full))
+    truth = sys.argv[10] if len(sys.argv) > 10 else d + (".truth.npz" if fault == "none" else ".new.truth.npz")
+    full = gathered({"params": params, "state": state})
+    if PID == 0:
+        np.savez(truth, **flat_by_dotted(full))
     if PID == victim:
         inject(fault)
     rep = {"pid": PID}

@@ -40,7 +40,8 @@ def base(tmp_path_factory):
     return w, d, c
 
 
-@pytest.mark.parametrize("fault,victim", [("kill_mid_file", 1), ("kill_before_manifest", 0), ("raise", 1)])
+# the suite's subset; bench/faults.py runs every kill point, both victims and a full tmpfs
+@pytest.mark.parametrize("fault,victim", [("kill_mid_file", 1), ("raise", 1)])
 def test_previous_checkpoint_survives(base, fault, victim):
     w, d, c0 = base
     f = os.path.join(w, f"{fault}_{victim}")
@@ -57,6 +58,8 @@ def test_previous_checkpoint_survives(base, fault, victim):
     c = H.check(f, f + ".truth.npz")
     assert c == c0, (c, c0)            # same save id, same decoded bits, audit 0 over tau
     names = os.listdir(f)
+    if fault == "kill_mid_file":       # the fault was real: half a file in its temporary name
+        assert any(n.startswith(".process_00001.") and n.endswith(".tmp") for n in names), names
     if fault == "raise":               # a failed save removes its own files
         assert sorted(names) == sorted(os.listdir(d)), names
     # the next save (here one process) commits and removes the leftovers and the old files

@@ -1,0 +1,152 @@
+"""The fault matrix of the sharded JAX save (2 processes x 2 CPU devices, gloo on localhost)
+and of the single-file save: what survives each fault and the line the user sees.
+
+    nice -n 19 python bench/faults.py [--out bench/results/faults.json] [--only kill_mid_file]
+
+Every row starts from a committed checkpoint (4 training steps) copied to its own path,
+then the same job 4 steps later saves to that path with the fault injected into the real
+write path of one process (tests/fault_jax_worker.py says where each fault hits).  A row
+passes when the checkpoint that `load` returns afterwards is the last committed one
+(same save id, the same decoded bits, real optax first-update audit 0 over tau) and the
+next save to that path commits and leaves only its own files.  bench/results/faults.md is
+written from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import fault_harness as H  # noqa: E402
+
+KILLS = [("kill_encode", 1), ("kill_before_write", 1), ("kill_mid_file", 0), ("kill_mid_file", 1),
+         ("kill_after_files", 1), ("kill_before_manifest", 0), ("kill_mid_manifest", 0),
+         ("kill_after_manifest", 0), ("raise", 0), ("raise", 1)]
+
+
+def seen(r, victim):
+    out = []
+    for i in sorted(set(range(2)) | set(r["reports"])):
+        rep = r["reports"].get(i)
+        if rep is None:
+            out.append(f"p{i}: " + ("SIGKILLed" if i == victim and r["returncodes"][i] == -9 else
+                                    "torn down (blocked in the save's agreement)" if i in r["killed"] else
+                                    f"exit {r['returncodes'][i]}"))
+        else:
+            out.append(f"p{i}: " + ("saved" if rep["ok"] else rep["error"]))
+    return out
+
+
+def next_save_cleans(path):
+    """A 1-process save to the same path: it commits and leaves only its own file."""
+    import jaxguard as jg
+    _, params, state = H.truth(path + ".truth.npz")
+    s = jg.save(path, state, params, lr=H.LR, weight_decay=H.WD, sharded=True)
+    return sorted(os.listdir(path)) == ["manifest.json", f"process_00000.{s['save_id']}.jaxguard"]
+
+
+def row_kill(w, base, c0, fault, victim):
+    f = os.path.join(w, f"{fault}_{victim}")
+    H.copy_checkpoint(base, f)
+    t = time.time()
+    r = H.run_save(f, 8, fault, victim)
+    left = sorted(set(os.listdir(f)) - set(os.listdir(base)))
+    if fault == "kill_after_manifest":     # the new save had committed: it is the checkpoint now
+        c = H.check(f, f + ".new.truth.npz")
+        survived = "new checkpoint (committed before the kill)" if c.get("violations") == 0 and \
+            c.get("save_id") != c0["save_id"] else "LOST"
+    else:
+        c = H.check(f, f + ".truth.npz")
+        survived = "previous checkpoint" if c == c0 else "LOST"
+    return {"path": "jaxguard.save sharded (2 proc)", "fault": fault, "victim": victim, "survived": survived,
+            "check": c, "seen": seen(r, victim), "leftovers": left, "next_save_cleans": next_save_cleans(f),
+            "seconds": round(time.time() - t, 1)}
+
+
+def row_full_tmpfs(w, base, c0):
+    mnt = os.path.join(w, "tmpfs")
+    os.makedirs(mnt, exist_ok=True)
+    used = sum(os.path.getsize(os.path.join(base, n)) for n in os.listdir(base))
+    size = (used * 3 // 2 // 4096 + 2) * 4096          # room for the old checkpoint and half a new one
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], capture_output=True, text=True)
+    if m.returncode:
+        return {"path": "jaxguard.save sharded (2 proc)", "fault": "full disk (tmpfs)", "victim": "-",
+                "survived": "SKIPPED", "seen": [f"cannot mount a tmpfs: {m.stderr.strip()[:100]}"]}
+    try:
+        f = os.path.join(mnt, "ck")
+        shutil.copytree(base, f)
+        truth = os.path.join(w, "tmpfs_ck.truth.npz")
+        shutil.copy(base + ".truth.npz", truth)
+        r = H.run_save(f, 8, "full_disk", -1, truth=os.path.join(w, "tmpfs_new.truth.npz"),
+                       report=os.path.join(w, "tmpfs_ck.report"))
+        c = H.check(f, truth)
+        return {"path": "jaxguard.save sharded (2 proc)", "fault": f"full disk (tmpfs {size} B)", "victim": "-",
+                "survived": "previous checkpoint" if c == c0 else "LOST", "check": c, "seen": seen(r, -1),
+                "leftovers": sorted(set(os.listdir(f)) - set(os.listdir(base)))}
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def row_concurrent(w):
+    import jax
+    import numpy as np
+    import optax
+    import jaxguard as jg
+    from jaxguard import sharded
+    d = os.path.join(w, "shared")
+    t = time.time()
+    reps = H.run_loops(d, [3, 7], rounds=4)
+    like = jax.tree_util.tree_map(np.asarray, optax.adamw(H.LR, weight_decay=H.WD).init(
+        {"w1": np.zeros((64, 96), np.float32), "b1": np.zeros(96, np.float32), "emb": np.zeros((200, 96), np.float32)}))
+    dig, digf = H.digest(jg.load(d, like)), H.digest(jg.load(d + ".jg", like))
+    which = [i for i, r in enumerate(reps) if r["digest"] == dig]
+    whichf = [i for i, r in enumerate(reps) if r["digest_file"] == digf]
+    sid = sharded.read_manifest(d)["save_id"]
+    only = sorted(os.listdir(d)) == ["manifest.json", f"process_00000.{sid}.jaxguard"]
+    errors = sorted({e for r in reps for e in r["errors"]})
+    return {"path": "two 1-process jobs, same path (sharded + one file)", "fault": "concurrent writers x4 rounds",
+            "victim": "-", "survived": (f"job {which[0]}'s whole sharded checkpoint, job {whichf[0]}'s whole file"
+                                        if which and whichf and only else "MIXED"),
+            "seen": errors[:3] or ["both saved every round"], "refused_commits": sum(len(r["errors"]) for r in reps),
+            "seconds": round(time.time() - t, 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
+    ap.add_argument("--only", default=None)
+    a = ap.parse_args()
+    w = tempfile.mkdtemp(prefix="jg_faults_")
+    base = os.path.join(w, "base")
+    t0 = time.time()
+    r = H.run_save(base, 4)
+    assert all(x["ok"] for x in r["reports"].values()), r["log"]
+    c0 = H.check(base, base + ".truth.npz")
+    rows = []
+    for fault, victim in KILLS:
+        if a.only and a.only != fault:
+            continue
+        rows.append(row_kill(w, base, c0, fault, victim))
+        print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "full_disk":
+        rows.append(row_full_tmpfs(w, base, c0))
+        print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "concurrent":
+        rows.append(row_concurrent(w))
+        print(json.dumps(rows[-1]), flush=True)
+    out = {"machine": "2-core AMD EPYC, shared with other work", "baseline": c0, "rows": rows,
+           "seconds": round(time.time() - t0, 1)}
+    with open(a.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+    shutil.rmtree(w, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
