@@ -118,11 +118,129 @@ def row_concurrent(w):
             "seconds": round(time.time() - t, 1)}
 
 
+def row_orbax(w, shard):
+    d = os.path.join(w, f"orbax_{int(shard)}")
+    t = time.time()
+    rc, log = H.run_orbax(d, 4, "none", shard)
+    assert rc == 0, log
+    c0 = H.check_orbax(d, d + ".truth4.npz")
+    rc, log = H.run_orbax(d, 8, "kill_mid_file", shard)
+    c = H.check_orbax(d, d + ".truth4.npz")
+    left = sorted(n for n in os.listdir(d) if n not in ("4",))
+    return {"path": f"orbax CheckpointManager async + GuardedSave({'sharded=True' if shard else 'one file'})",
+            "fault": "kill_mid_file", "victim": 0,
+            "survived": "previous checkpoint (step 4)" if c == c0 and c0.get("violations") == 0 else "LOST",
+            "check": c, "seen": [f"p0: {'SIGKILLed' if rc == -9 else f'exit {rc}'} in orbax's commit thread",
+                                 "restore: CheckpointManager.latest_step() is 4"],
+            "leftovers": left, "seconds": round(time.time() - t, 1)}
+
+
+def rows_full_disk_in_process(w):
+    """One process: a full tmpfs and a full fsspec filesystem under the single-file and sharded saves."""
+    import errno
+    import uuid
+    import fsspec
+    import jax
+    import numpy as np
+    from fsspec.implementations.memory import MemoryFileSystem
+    import jaxguard as jg
+    tx, params, state = H.truth(os.path.join(w, "base.truth.npz"))
+    _, params2, state2 = H.truth(os.path.join(w, "kill_encode_1.new.truth.npz")) \
+        if os.path.exists(os.path.join(w, "kill_encode_1.new.truth.npz")) else (tx, params, state)
+    like = jax.tree_util.tree_map(np.asarray, state)
+
+    class Quota(MemoryFileSystem):
+        protocol = ("quota",)
+        store, pseudo_dirs, quota = {}, [""], 1 << 40
+
+        def pipe_file(self, path, value, **kw):
+            if sum(len(f.getvalue()) for f in self.store.values()) + len(value) > self.quota:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().pipe_file(path, value, **kw)
+
+    fsspec.register_implementation("quota", Quota, clobber=True)
+    rows = []
+    for where in ("tmpfs", "fsspec"):
+        for kw in ({}, {"sharded": True}):
+            if where == "tmpfs":
+                mnt = os.path.join(w, f"tmpfs_{len(rows)}")
+                os.makedirs(mnt)
+                m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt], capture_output=True)
+                if m.returncode:
+                    continue
+                path = os.path.join(mnt, "ck")
+            else:
+                path = f"quota://{uuid.uuid4().hex}/ck"
+            try:
+                jg.save(path, state, params, lr=H.LR, weight_decay=H.WD, **kw)
+                ref = H.digest(jg.load(path, like))
+                if where == "tmpfs":
+                    fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
+                    try:
+                        while os.write(fd, b"\0" * 65536):
+                            pass
+                    except OSError:
+                        pass
+                    os.close(fd)
+                else:
+                    Quota.quota = sum(len(f.getvalue()) for f in Quota.store.values()) + 4096
+                try:
+                    jg.save(path, state2, params2, lr=H.LR, weight_decay=H.WD, **kw)
+                    line = "saved (no error)"
+                except Exception as exc:  # noqa: BLE001 - the line the user sees
+                    line = f"{type(exc).__name__}: {exc}"
+                got = H.digest(jg.load(path, like))
+                rows.append({"path": "jaxguard.save " + ("sharded (1 proc)" if kw else "one file"),
+                             "fault": "full disk (tmpfs 1 MiB)" if where == "tmpfs" else "full fsspec filesystem "
+                             "(quota, ENOSPC)", "victim": "-",
+                             "survived": "previous checkpoint" if got == ref else "LOST", "seen": [line]})
+            finally:
+                Quota.quota = 1 << 40
+                if where == "tmpfs":
+                    subprocess.run(["umount", "-l", mnt], check=False)
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def write_md(out, md):
+    lines = ["# Faults during saves: what survives, what the user sees", "",
+             f"Written by `bench/faults.py` ({out['machine']}; {out['seconds']} s). Each row starts from a committed "
+             "checkpoint (2 JAX processes x 2 CPU devices, gloo on localhost, an optax adamw state of 25,440 "
+             "Adam coordinates, 64x96 + 96 + 200x96, trained 4 steps), then the same job 4 steps later saves to the same path with the "
+             "fault injected into the real write path of one process (tests/fault_jax_worker.py). *Survived* means: "
+             "`jaxguard.load` afterwards returns the last committed checkpoint: the same save id, the same decoded "
+             "bits (SHA-256 of every restored leaf), and the real optax first update is within tau*lr of the "
+             "exact state's (audit: 44 gradient values x all coordinates + 1 uniform draw, 0 over tau). Survivors of "
+             "a SIGKILL are torn down after 3 s, as a scheduler would. *Next save* is a 1-process save to the same "
+             "path: it commits, and the directory then holds only its manifest and its file.", "",
+             f"Baseline: digest `{out['baseline']['digest'][:16]}`, audit {out['baseline']['violations']} over tau, "
+             f"worst gap {out['baseline']['max_gap_lr']:.4f} lr (tau 0.01).", "",
+             "| path | fault | killed / failing process | survived | audit over tau | what the user saw | leftovers "
+             "after the fault | next save cleans |", "|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        c = r.get("check") or {}
+        audit_ = c.get("violations", "-") if "violations" in c else ("-" if not c else c.get("error", "-"))
+        seen_ = "<br>".join(x.replace("|", "\\|") for x in r["seen"])
+        left = ", ".join(f"`{x}`" for x in r.get("leftovers", [])) if r.get("leftovers") else "none"
+        nxt = {True: "yes", False: "NO", None: "-"}[r.get("next_save_cleans")]
+        lines.append(f"| {r['path']} | {r['fault']} | {r['victim']} | {r['survived']} | {audit_} | {seen_} | "
+                     f"{left} | {nxt} |")
+    lines += ["", "Not covered here (not done in this round): torch DCP `save` / `async_save` under faults, the "
+              "trainer integrations (Lightning), orbax with several processes under a kill, and 3-4 process jobs. "
+              "The suite runs a subset (tests/test_faults.py: SIGKILL mid-file, a raise in one process, two jobs on "
+              "one path, full tmpfs and full fsspec filesystem for both save paths)."]
+    open(md, "w").write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
     ap.add_argument("--only", default=None)
+    ap.add_argument("--md-from", default=None, help="only rewrite faults.md from this JSON")
     a = ap.parse_args()
+    if a.md_from:
+        write_md(json.load(open(a.md_from)), os.path.join(os.path.dirname(a.md_from), "faults.md"))
+        return
     w = tempfile.mkdtemp(prefix="jg_faults_")
     base = os.path.join(w, "base")
     t0 = time.time()
@@ -138,13 +256,21 @@ def main():
     if not a.only or a.only == "full_disk":
         rows.append(row_full_tmpfs(w, base, c0))
         print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "orbax":
+        for shard in (False, True):
+            rows.append(row_orbax(w, shard))
+            print(json.dumps(rows[-1]), flush=True)
     if not a.only or a.only == "concurrent":
         rows.append(row_concurrent(w))
         print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "full_disk":
+        rows += rows_full_disk_in_process(w)
     out = {"machine": "2-core AMD EPYC, shared with other work", "baseline": c0, "rows": rows,
            "seconds": round(time.time() - t0, 1)}
     with open(a.out, "w") as fh:
         json.dump(out, fh, indent=1)
+    if not a.only:
+        write_md(out, os.path.join(os.path.dirname(a.out), "faults.md"))
     shutil.rmtree(w, ignore_errors=True)
 
 

@@ -650,8 +650,13 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
                                                     weight_decay=weight_decay, betas=betas, eps=eps)
     prepare_directory(d, primary)
-    items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
-                                    primary=primary)
+    try:
+        items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
+                                        primary=primary)
+    except jax.errors.JaxRuntimeError as exc:   # a collective of the certification failed: a process died
+        raise CheckpointError(f"{d}: a collective failed while certifying the shards ({_first_line(exc)}); another "
+                              "process of this job probably stopped; nothing was written, the previous "
+                              "checkpoint there is kept") from None
     common = common_meta(sites_meta, leaves, treedef, tau=tau, clip=clip, codec=codec,
                          params_meta=param_leaves(params) if include_params else None)
     return write_and_commit(d, items, totals, common, primary=primary, t0=t0)

@@ -130,3 +130,29 @@ def check(d, npz):
     res = audit(tx, state, r, params, lr=LR, clip=CLIP)
     return {"digest": digest(r), "violations": int(res["violations"]), "max_gap_lr": float(res["max_gap_lr"]),
             "save_id": sharded.read_manifest(d).get("save_id") if os.path.isdir(d) else None}
+
+
+def run_orbax(d, steps, fault="none", sharded=False, timeout=600):
+    """One 1-process orbax CheckpointManager (async) + GuardedSave job; returns (returncode, log tail)."""
+    p = subprocess.run([sys.executable, WORKER, "orbax", d, str(steps), fault, "1" if sharded else "0"], env=env(),
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, (p.stdout + p.stderr)[-3000:]
+
+
+def check_orbax(d, npz):
+    """Restore the latest step orbax reports at `d` and audit it against `npz`."""
+    import jax
+    import orbax.checkpoint as ocp
+    import jaxguard.checkpoint as jgc
+    from jaxguard.optax_adapter import audit
+    tx, params, state = truth(npz)
+    like = jax.tree_util.tree_map(np.asarray, state)
+    try:
+        with ocp.CheckpointManager(d) as mngr:
+            step = mngr.latest_step()
+            r = mngr.restore(step, args=ocp.args.Composite(opt_state=jgc.GuardedRestore(like)))["opt_state"]
+    except Exception as exc:  # noqa: BLE001 - the line the user sees
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    res = audit(tx, state, r, params, lr=LR, clip=CLIP)
+    return {"step": step, "digest": digest(r), "violations": int(res["violations"]),
+            "max_gap_lr": float(res["max_gap_lr"])}

@@ -2,6 +2,7 @@
 
     python tests/fault_jax_worker.py save PID NPROC PORT DIR STEPS FAULT VICTIM REPORT [TRUTH]
     python tests/fault_jax_worker.py loop DIR STEPS ROUNDS REPORT        # one process, 2 devices
+    python tests/fault_jax_worker.py orbax DIR STEPS FAULT SHARDED       # one process, 2 devices
 
 `save`: NPROC processes x 2 CPU devices (gloo) train an optax adamw state STEPS steps over
 a global mesh and save it with `jaxguard.save(DIR, ...)`; process 0 first writes the exact
@@ -22,6 +23,10 @@ Each process that returns writes REPORT.<pid>.json: {"ok", "error" (the one line
 `loop`: one process saves a state of STEPS steps ROUNDS times to DIR (sharded) and to
 DIR.jg (one file), and once to DIR.own (its private copy); a second job does the same with
 other STEPS at the same time (two jobs, one path).
+
+`orbax`: one process saves step STEPS with orbax `CheckpointManager` (async) +
+`GuardedSave(..., sharded=SHARDED)` to DIR, FAULT injected as above into the commit
+thread's write; with FAULT ``none`` the exact state goes to ``DIR.truth<STEPS>.npz``.
 """
 import errno
 import hashlib
@@ -200,5 +205,22 @@ def loop_job():
                "digest_file": digest_of(d + f".own{steps}.jg")}, open(report, "w"))
 
 
+def orbax_job():
+    import orbax.checkpoint as ocp
+    import jaxguard.checkpoint as jgc
+    d, steps, fault, shard = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
+    mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("a", "b"))
+    params, state = trained(steps, mesh)
+    if fault == "none":
+        np.savez(f"{d}.truth{steps}.npz", **flat_by_dotted(gathered({"params": params, "state": state})))
+    else:
+        inject(fault)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True)
+    with ocp.CheckpointManager(d, options=opts) as mngr:
+        mngr.save(steps, args=ocp.args.Composite(opt_state=jgc.GuardedSave(state, params=params, lr=LR,
+                                                                            weight_decay=WD, sharded=shard)))
+        mngr.wait_until_finished()
+
+
 if __name__ == "__main__":
-    save_job() if MODE == "save" else loop_job()
+    {"save": save_job, "loop": loop_job, "orbax": orbax_job}[MODE]()
