@@ -236,8 +236,9 @@ def _dcp_dir_aware(verb, attr):
 def _jax_sharded_dir(path):
     """A `jaxguard.sharded` checkpoint directory: its manifest, or process files without one (incomplete)."""
     from jaxguard.format import storage
-    return storage.is_dir(path) and any(n == "manifest.json" or (n.startswith("process_") and n.endswith(".jaxguard"))
-                                        for n in storage.listdir(path))
+    names = storage.listdir(path) if storage.is_dir(path) else []
+    return ".metadata" not in names and any(n == "manifest.json" or (n.startswith("process_") and n.endswith(
+        ".jaxguard")) for n in names)
 
 
 def _jax_sharded_command(verb, a):
