@@ -678,7 +678,12 @@ def prepare_directory(d, primary: int = 0) -> None:
         raise CheckpointError(f"{d} is a file; a sharded checkpoint is a directory: pass a new path or remove it")
     if jax.process_index() == primary:
         storage.mkdir(d)
-    barrier(f"jaxguard_save_begin:{d}")
+    try:
+        barrier(f"jaxguard_save_begin:{d}")
+    except jax.errors.JaxRuntimeError as exc:   # a process died before the save began
+        raise CheckpointError(f"{d}: another process of this job stopped before the save began "
+                              f"({str(exc).strip().splitlines()[0][:160] if str(exc).strip() else exc!r}); "
+                              "nothing was written, the previous checkpoint there is kept") from None
 
 
 def _first_line(exc) -> str:
@@ -711,7 +716,12 @@ def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=No
     d = _dir(d)
     t0 = time.perf_counter() if t0 is None else t0
     pid, n = jax.process_index(), jax.process_count()
-    sid = save_id or new_save_id(primary)
+    try:
+        sid = save_id or new_save_id(primary)
+    except jax.errors.JaxRuntimeError as exc:   # the broadcast failed: a process died before writing
+        raise CheckpointError(f"{d}: another process of this job stopped before the save began writing "
+                              f"({_first_line(exc)}); nothing was written, the previous checkpoint there is "
+                              "kept") from None
     extra = {k: common[k] for k in ("op_model", "tau", "clip", "codec")}
     err, data = None, b""
     try:
