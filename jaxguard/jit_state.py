@@ -38,7 +38,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxguard.core import codes, jit_encode
@@ -280,7 +279,7 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
     Every process calls it with the same `path`; each writes the shards of its devices.
 
     Args:
-      path: a directory (local or an epath URL), read back with `jaxguard.load`.
+      path: a directory (local or an fsspec URL), read back with `jaxguard.load`.
       encoded: the `EncodedState` returned by the jitted step (concrete arrays).
       constants: the host `StateConstants` from `state_constants` for that step.
     Returns:
@@ -303,7 +302,7 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
             raise CheckpointError(f"the state's {sm['count_path']} is {int(np.asarray(sharded.host_scalar(cnt)))} "
                                   f"but the constants certify step {cfg.step}; build state_constants(..., "
                                   "step=<the count of the encoded state>)")
-    d = epath.Path(path)
+    d = str(path)
     sharded.prepare_directory(d, primary)
     items = []
     totals = audit.new_totals()

@@ -219,6 +219,8 @@ def _cmd_demo(a):
 def _dcp_dir_aware(verb, attr):
     def wrap(fn):
         def run(a):
+            if verb in ("inspect", "verify") and _jax_sharded_dir(getattr(a, attr)):
+                return _jax_sharded_command(verb, a)
             if os.path.isdir(getattr(a, attr)):
                 missing = _torch_missing(f"{verb} of a torch.distributed.checkpoint directory")
                 if missing:
@@ -229,6 +231,40 @@ def _dcp_dir_aware(verb, attr):
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__
         return run
     return wrap
+
+
+def _jax_sharded_dir(path):
+    """A `jaxguard.sharded` checkpoint directory: its manifest, or process files without one (incomplete)."""
+    from jaxguard.format import storage
+    names = storage.listdir(path) if storage.is_dir(path) else []
+    return ".metadata" not in names and any(n == "manifest.json" or (n.startswith("process_") and n.endswith(
+        ".jaxguard")) for n in names)
+
+
+def _jax_sharded_command(verb, a):
+    from jaxguard import sharded
+    path = a.container
+    if verb == "verify":
+        try:
+            r = sharded.verify(path)
+        except JaxguardError as exc:
+            print(f"FAILED {path}: {exc}")
+            return 1
+        print(f"ok {path}: {r['files']} process files and {r['shards']} shards match manifest.json (save "
+              f"{r['save_id'] or 'of the older layout'}), each file's SHA-256 and decoded hash checked")
+        return 0
+    man = sharded.read_manifest(path)
+    sharded.check_files(man, path)
+    tot = man.get("summary") or {}
+    n, esc = tot.get("coordinates", 0), tot.get("escapes", 0)
+    info = {k: man.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "process_count", "save_id")}
+    info.update({"framework": "optax-sharded", "files": len(man["files"]),
+                 "shards": sum(len(v) for v in man["shards"].values()), "leaves": len(man["state"]["leaves"]),
+                 "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
+                 "payload_bytes": tot.get("payload_bytes"), "raw_fp32_bytes": 8 * n,
+                 "checkpoint_bytes": sum(f["bytes"] for f in man["files"].values())})
+    _print_info(info, a.json)
+    return 0
 
 
 _cmd_compress = _dcp_dir_aware("compress", "ckpt")(_cmd_compress)
