@@ -41,6 +41,7 @@ from orbax.checkpoint import future
 
 from jaxguard.format import container
 from jaxguard import optax_adapter
+from jaxguard.core.config import GuardSpec, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
 
@@ -87,9 +88,9 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
-        data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, tau=args.tau,
-                                               clip=args.clip, codec=args.codec, weight_decay=args.weight_decay,
-                                               betas=args.betas, eps=args.eps, include_params=args.include_params)
+        data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, weight_decay=args.weight_decay,
+                                               betas=args.betas, eps=args.eps, spec=args.guard_spec(),
+                                               include_params=args.include_params)
         self.last_summary = summary
         path = str(epath.Path(directory) / self._filename)
 
@@ -100,19 +101,20 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
 
     def _async_save_sharded(self, directory, args):
-        kw = dict(lr=args.lr, tau=args.tau, clip=args.clip, codec=args.codec, weight_decay=args.weight_decay,
-                  betas=args.betas, eps=args.eps)
-        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, **kw)
+        spec = args.guard_spec()
+        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, lr=args.lr,
+                                                                 weight_decay=args.weight_decay, betas=args.betas,
+                                                                 eps=args.eps, spec=spec)
         primary = self._primary_host or 0
         items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
                                                  include_params=args.include_params, primary=primary)
-        extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": args.tau, "clip": args.clip,
-                 "codec": args.codec}
+        extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": spec.tau, "clip": spec.clip,
+                 "codec": spec.codec}
         pid = jax.process_index()
         save_id = _sharded.new_save_id(primary)   # a collective, here on the calling thread of every process
         data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
         self._common[str(directory)] = (_sharded.common_meta(
-            sites_meta, leaves, treedef, tau=args.tau, clip=args.clip, codec=args.codec,
+            sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
             params_meta=_sharded.param_leaves(args.params) if args.include_params else None), save_id)
         self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
 
@@ -210,9 +212,12 @@ class GuardedSave(ocp.args.CheckpointArgs):
     opt_state: Any
     params: Any = None
     lr: Any = None          # the next update's lr (required): a number or the optax schedule
-    tau: float = 0.01
-    clip: float = 0.2
-    codec: str = "log8-rel"
+    spec: Optional[GuardSpec] = None     # the guard settings (default GuardSpec()); the fields below override it
+    tau: Optional[float] = None
+    clip: Optional[float] = None
+    codec: Optional[str] = None
+    bound: Optional[str] = None
+    partition: Optional[str] = None
     weight_decay: Optional[float] = None
     betas: Optional[tuple] = None
     eps: Optional[float] = None
@@ -223,6 +228,12 @@ class GuardedSave(ocp.args.CheckpointArgs):
         if self.params is None:
             raise CheckpointError("GuardedSave needs params=...: the guard certifies the next update against the "
                                   "parameters the state belongs to")
+        self.guard_spec()   # bad settings fail here, in one line
+
+    def guard_spec(self) -> GuardSpec:
+        """The save's `GuardSpec`: `spec` with the given fields (`jaxguard.core.config.save_spec`)."""
+        return save_spec(self.spec, tau=self.tau, clip=self.clip, codec=self.codec, bound=self.bound,
+                         partition=self.partition)
 
 
 @ocp.args.register_with_handler(GuardedCheckpointHandler, for_restore=True)

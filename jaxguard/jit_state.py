@@ -46,7 +46,8 @@ from jaxguard import audit, writer
 from jaxguard.format import container
 from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig
+from jaxguard.core.config import save_spec
+from jaxguard.core.guard import GuardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +114,14 @@ def _layout(x, name):
     return None, None
 
 
-def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, tau=0.01,
-                    clip=0.2, codec=DEFAULT_CODEC) -> StateConstants:
+def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, spec=None,
+                    tau=None, clip=None, codec=None, bound=None, partition=None) -> StateConstants:
     """Host: the constants and static plan for `encode_state_jit` at one step.
 
     Args:
       opt_state, params: the state and params (arrays with their shardings; abstract
         shapes are not enough: the Adam sites' hyperparameters are read from the state).
-      lr, weight_decay, betas, eps, tau, clip, codec: as `jaxguard.save`.
+      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition: as `jaxguard.save`.
       step: the optax ``count`` of the state that will be encoded (default: the count
         in `opt_state`); a state encoded right after an update has the next count.
     Returns:
@@ -130,9 +131,9 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
       CheckpointError / UnsupportedOptimizerError / ConfigError as `jaxguard.save`;
       bfloat16 ``mu`` is not supported here (use `jaxguard.save`).
     """
-    sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, tau=tau, clip=clip,
-                                                            codec=codec, weight_decay=weight_decay, betas=betas,
-                                                            eps=eps)
+    guard = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay,
+                                                            betas=betas, eps=eps, spec=guard)
     ks, configs = [], []
     for i, sm in enumerate(sites_meta):
         cfg = GuardConfig.from_json(sm["config"])
@@ -152,7 +153,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
         plans.append(MomentPlan(pr["entry"], pr["mu_path"], pr["nu_path"], pr["param"], site, static,
                                 tuple(np.shape(pr["mu"])), mesh, spec))
     host = {"configs": configs, "sites": sites_meta, "leaves": leaves, "treedef": treedef,
-            "tau": tau, "clip": clip, "codec": codec}
+            "tau": guard.tau, "clip": guard.clip, "codec": guard.codec}
     return StateConstants(ks, tuple(plans), host)
 
 

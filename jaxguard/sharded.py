@@ -55,7 +55,7 @@ from jaxguard.format import container, reader, storage
 from jaxguard import audit, optax_state, writer
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted, moment_pairs
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.core.guard import DEFAULT_CODEC
+from jaxguard.core.config import save_spec
 
 MANIFEST = "manifest.json"
 SCHEMA = "jaxguard-sharded"
@@ -228,8 +228,7 @@ def aligned(x, like):
 
 
 # ---------------------------------------------------------------- plan (what every leaf becomes)
-def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, weight_decay=None,
-               betas=None, eps=None, prefix="state"):
+def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state"):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
     names as `optax_adapter.state_records`, without touching any array's data.
 
@@ -237,7 +236,8 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16").
 
     Args:
-      opt_state, params, lr, tau, clip, codec, weight_decay, betas, eps: as `jaxguard.save`.
+      opt_state, params, lr, weight_decay, betas, eps: as `jaxguard.save`.
+      spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves.
 
     Returns:
@@ -255,8 +255,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     oflat = flat_by_dotted(opt_state, "opt_state")
     roles, pairs, sites_meta = {}, [], []
     for si, site in enumerate(sites):
-        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau,
-                                        clip=clip, codec=codec)
+        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec)
         sites_meta.append({"path": site.name, "config": cfg.to_json(), "count_path": site.leaf_path("count")})
         for pair in moment_pairs(site, pflat):
             mfull, nfull = pair.mu_path, pair.nu_path
@@ -630,13 +629,14 @@ def remove_process_files(directory, process: int, save_id: str) -> None:
             pass
 
 
-def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, weight_decay=None,
-         betas=None, eps=None, include_params=False, primary=0) -> dict:
+def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
+         codec=None, bound=None, partition=None, include_params=False, primary=0) -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
     Args:
       path: the checkpoint directory (the same on every process).
-      opt_state, params, lr, tau, clip, codec, weight_decay, betas, eps, include_params: as `jaxguard.save`.
+      opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
+        include_params: as `jaxguard.save`.
       primary: the process that writes host leaves and commits the manifest.
 
     Returns:
@@ -649,8 +649,9 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     """
     t0 = time.perf_counter()
     d = _dir(path)
-    sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
-                                                    weight_decay=weight_decay, betas=betas, eps=eps)
+    spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas,
+                                                    eps=eps, spec=spec)
     prepare_directory(d, primary)
     try:
         items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
@@ -659,7 +660,7 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
         raise CheckpointError(f"{d}: a collective failed while certifying the shards ({_first_line(exc)}); another "
                               "process of this job probably stopped; nothing was written, the previous "
                               "checkpoint there is kept") from None
-    common = common_meta(sites_meta, leaves, treedef, tau=tau, clip=clip, codec=codec,
+    common = common_meta(sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
                          params_meta=param_leaves(params) if include_params else None)
     return write_and_commit(d, items, totals, common, primary=primary, t0=t0)
 
