@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxguard.errors import ContainerError
 from jaxguard.format import packed, rans, spec
 
 MAGIC = b"JAXGUARD"
@@ -60,7 +61,7 @@ CODE_DTYPES = _RegistryView(lambda s: (s.m_code_dtype, s.v_code_dtype))
 PARAM_WIDTH = _RegistryView(lambda s: (s.m_params, s.v_params))
 
 
-class ReaderError(ValueError):
+class ReaderError(ContainerError):
     """The file is not a valid jaxguard container (message says what failed)."""
 
 
