@@ -10,17 +10,17 @@ import os
 import shutil
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
-import _dcp_worker as W
-import torch_compat
-from jaxguard import cli
-from jaxguard.audit import gradient_grid
-from jaxguard.errors import CheckpointError
-from torch_compat import dcp as tdcp
+import _dcp_worker as W  # noqa: E402
+import torch_compat  # noqa: E402
+from jaxguard import cli  # noqa: E402
+from jaxguard.audit import gradient_grid  # noqa: E402
+from jaxguard.errors import CheckpointError  # noqa: E402
+from torch_compat import dcp as tdcp  # noqa: E402
 
 WORLD = 2
 

@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from torch_compat.state import prefetched
+pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from torch_compat.state import prefetched  # noqa: E402
 
 
 def _raws(k, size=10):

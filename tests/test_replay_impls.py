@@ -4,13 +4,13 @@ implementation recorded in the param group (issue 16). The >= 5M-coordinate and
 131k-case runs are in bench/replay_impls.py (results in bench/results/replay_impls.md)."""
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import torch_compat
-from torch_compat.enclosure import audit_enclosure
-from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from torch_compat import replay
-from torch_compat.state import check_optimizer_state, implementation_of
+import torch_compat  # noqa: E402
+from torch_compat.enclosure import audit_enclosure  # noqa: E402
+from jaxguard.errors import ConfigError, UnsupportedOptimizerError  # noqa: E402
+from torch_compat import replay  # noqa: E402
+from torch_compat.state import check_optimizer_state, implementation_of  # noqa: E402
 
 CONFIGS = (
     dict(step=0, lr=6e-4, weight_decay=0.01, decoupled=False),   # coupled decay: add(alpha=) fusing shows

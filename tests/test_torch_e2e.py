@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import torch_compat
-from torch_compat import models
-from jaxguard.format import reader
+import torch_compat  # noqa: E402
+from torch_compat import models  # noqa: E402
+from jaxguard.format import reader  # noqa: E402
 
 TAU = 0.01
 GRID = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
