@@ -75,7 +75,7 @@ def _guarded_save_error(tmp_path, state):
 def test_resharded_load_into_one_plain_process(saved):
     root, _ = saved
     ref = _load_plain(f"{root}/plain", None)
-    test = _load_plain(f"{root}/guarded", tdcp.GuardedLoadPlanner())
+    test = _load_plain(f"{root}/guarded", tdcp.GuardedLoadPlanner(f"{root}/guarded"))
     for a, b in zip(ref[0].parameters(), test[0].parameters()):
         assert torch.equal(a, b)
         assert torch.equal(ref[1].state[a]["step"], test[1].state[b]["step"])
@@ -116,7 +116,7 @@ def test_cli_restore_compress_inspect_verify(saved, tmp_path, capsys):
     assert cli.main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["format"] == tdcp.FORMAT and info["world_size"] == 1 and info["coordinates"] == s["coordinates"]
-    test = _load_plain(str(out), tdcp.GuardedLoadPlanner())
+    test = _load_plain(str(out), tdcp.GuardedLoadPlanner(str(out)))
     for a_, b in zip(ref[0].parameters(), test[0].parameters()):
         assert torch.equal(a_, b)
 
