@@ -1,39 +1,19 @@
 import os
 import sys
-import tempfile
 
 # JAXGUARD_BLOCK_IMPORTS=torch,lightning makes those top-level packages (and their
 # submodules) unimportable in this process, before any test module is collected, and in
-# the Python subprocesses the tests start (a sitecustomize.py put first on PYTHONPATH):
-# the suite's "runs without torch" check, on a machine where torch is installed.
+# the Python subprocesses the tests start (tests/blocking.py): the suite's "runs without
+# torch" check, on a machine where torch is installed.
 #   PYTHONPATH=$PWD JAXGUARD_BLOCK_IMPORTS=torch python -m pytest -q tests
-BLOCK_IMPORTS = '''
-import os, sys
-
-class _BlockImports:
-    """A meta-path finder that refuses the packages named in JAXGUARD_BLOCK_IMPORTS."""
-
-    blocked = tuple(n.strip() for n in os.environ.get("JAXGUARD_BLOCK_IMPORTS", "").split(",") if n.strip())
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".", 1)[0] in self.blocked:
-            raise ModuleNotFoundError(f"No module named {name!r} (JAXGUARD_BLOCK_IMPORTS)", name=name)
-        return None
-
-if _BlockImports.blocked:
-    sys.meta_path.insert(0, _BlockImports())
-'''
-
 if os.environ.get("JAXGUARD_BLOCK_IMPORTS", "").strip():
+    import blocking
     _blocked = {n.strip() for n in os.environ["JAXGUARD_BLOCK_IMPORTS"].split(",")}
     _loaded = sorted(m for m in sys.modules if m.split(".", 1)[0] in _blocked)
     if _loaded:   # a pytest plugin imported it before this file ran: the block would be a lie
         raise RuntimeError(f"JAXGUARD_BLOCK_IMPORTS: {_loaded[:3]} imported before tests/conftest.py")
-    exec(compile(BLOCK_IMPORTS, "<JAXGUARD_BLOCK_IMPORTS>", "exec"))
-    _site = tempfile.mkdtemp(prefix="jaxguard-block-")
-    with open(os.path.join(_site, "sitecustomize.py"), "w") as _f:
-        _f.write(BLOCK_IMPORTS)
-    os.environ["PYTHONPATH"] = os.pathsep.join([_site] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    exec(compile(blocking.SITECUSTOMIZE, "<JAXGUARD_BLOCK_IMPORTS>", "exec"))
+    os.environ["PYTHONPATH"] = os.pathsep.join([blocking.site_dir()] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402
