@@ -116,3 +116,15 @@ def test_audit_of_an_unrelated_pair_is_one_line(tmp_path):
     r = _cli("audit", str(tmp_path / "a.pt"), str(tmp_path / "b.jg"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "does not hold this checkpoint's optimizer state" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_migrate_takes_an_optimizer_built_from_model_parameters():
+    from jaxguard.format import reader
+    from torch_compat import migrate
+    ckpt, _ = _trained(_mlp())
+    data, summary = migrate.torch_to_container(ckpt)
+    assert summary["coordinates"] == sum(t.numel() for t in ckpt["model"].values())
+    header, _ = reader.parse(data)
+    assert sorted(e["config"]["param"] for e in header["entries"] if e["kind"] == "moments") == \
+        sorted(ckpt["model"]), header["entries"]   # one moments entry per parameter, by its model name
+    assert "param_names" not in ckpt["optimizer"]["param_groups"][0]   # the caller's dict is not modified

@@ -305,6 +305,26 @@ def infer_param_names(opt_sd, model_sd) -> list:
     return out
 
 
+def with_param_names(opt_sd, model_sd):
+    """`opt_sd` itself when every group has ``param_names``, else a copy whose groups carry
+    the names `infer_param_names` maps them to (state tensors shared, not copied).
+
+    Args:
+      opt_sd: an optimizer state_dict.
+      model_sd: the model state_dict it belongs to.
+
+    Returns:
+      An optimizer state_dict with ``param_names`` in every group.
+
+    Raises:
+      CheckpointError: as `infer_param_names`.
+    """
+    if all("param_names" in g for g in opt_sd["param_groups"]):
+        return opt_sd
+    names = infer_param_names(opt_sd, model_sd)
+    return {**opt_sd, "param_groups": [{**g, "param_names": list(n)} for g, n in zip(opt_sd["param_groups"], names)]}
+
+
 def param_index(opt_sd, model_sd=None):
     """The name and group of every parameter of an optimizer state_dict.
 
@@ -754,7 +774,8 @@ def restore_tree(path):
 
 
 # ---------------------------------------------------------------- optimizer-level API
-def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=False):
+def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: float = 0.01, clip: float = 0.2,
+         codec: str = DEFAULT_CODEC, progress: bool = False) -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Args:
@@ -865,8 +886,6 @@ def check_layout(sd, optimizer, where="the state") -> None:
 
 
 # ---------------------------------------------------------------- first-update audit
-gradient_grid = jg_audit.gradient_grid
-
 
 def torch_step(p, m, v, g, step, group, decoupled):
     """One real torch Adam/AdamW step of one parameter, with the param group's flags.
@@ -923,7 +942,7 @@ def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, prog
 
 
 def _audit(original, restored, *, tau, clip, grads, grid, progress):
-    grid = gradient_grid(clip) if grid is None else grid
+    grid = jg_audit.gradient_grid(clip) if grid is None else grid
     for what, ck in (("the original checkpoint", original), ("the restored checkpoint", restored)):
         if not isinstance(ck, dict) or "optimizer" not in ck or (ck is original and "model" not in ck):
             raise CheckpointError(f"{what} has no {'model and ' if ck is original else ''}optimizer state "
