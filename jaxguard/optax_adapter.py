@@ -16,9 +16,11 @@ Hyperparameters of the next update, per Adam state: ``lr`` (argument, required: 
 number, or the optax schedule, evaluated at the state's ``count``; an `inject_hyperparams`
 state holds the last update's rate, which a schedule may have changed); ``b1``, ``b2``, ``eps`` and
 ``weight_decay`` likewise from the enclosing `inject_hyperparams` state, else from the
-arguments.  The state alone cannot show an ``add_decayed_weights`` in a chain (its state
+arguments.  The state does not record an ``add_decayed_weights`` in a chain (its state
 is ``EmptyState``): for `optax.adamw` pass ``weight_decay=`` (or use
-``inject_hyperparams(optax.adamw)``, whose state carries it).  ``weight_decay > 0``
+``inject_hyperparams(optax.adamw)``, whose state carries it); a state laid out as
+``optax.adamw``'s saved without it is refused in one line, never guessed (optax.adamw's
+default decay is 1e-4, not 0).  ``weight_decay > 0``
 selects the ``optax-adamw`` op model.  `nesterov=True` and ``eps_root != 0`` are outside
 the pinned op model and cannot be detected from the state: do not use them.
 
@@ -37,8 +39,6 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 from __future__ import annotations
 
 from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
-import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +46,18 @@ import numpy as np
 import optax
 
 from jaxguard.format import container
-from jaxguard.core import codecs as _codecs
-from jaxguard.core import guard as _guard
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.guard import GuardConfig, encode
+from jaxguard.core.guard import GuardConfig
 from jaxguard import audit as _audit
+from jaxguard import writer
 from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted, dtype_name,  # noqa: F401
                                   find_adam_states, flat_by_dotted, key_str, moment_pairs)
 
-BF16_TAU_FACTOR = 1.02
+BF16_TAU_FACTOR = writer.BF16_TAU_FACTOR
 
+ADAMW_LAYOUT = ("the Adam state at {path!r} is laid out as optax.adamw's (scale_by_adam, a stateless transform, "
+                "then the learning rate), whose weight decay the state does not record: pass weight_decay= "
+                "(optax.adamw's default is 1e-4; weight_decay=0.0 if the chain has no add_decayed_weights)")
 NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
          "update, a float, or the optax schedule, evaluated at the state's count)")
 LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learning_rate {last:g} is the last "
@@ -83,8 +85,9 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
       The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
 
     Raises:
-      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`, or a bad
-        hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
+      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`; no
+        ``weight_decay`` for a state laid out as ``optax.adamw``'s (the state does not
+        record it: never guessed); a bad hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
       CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
     """
     hp = site.hparams
@@ -106,6 +109,8 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
         lr_ = hp.get("learning_rate")
     if lr_ is None:
         raise CheckpointError(NO_LR.format(path=site.name))
+    if weight_decay is None and "weight_decay" not in hp and site.decay_layout:
+        raise ConfigError(ADAMW_LAYOUT.format(path=site.name))
     wd = weight_decay if weight_decay is not None else hp.get("weight_decay", 0.0)
     b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
     e = eps if eps is not None else hp.get("eps", 1e-8)
@@ -116,40 +121,12 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
                        weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam", codec=codec)
 
 
-# ---------------------------------------------------------------- nu-only guard (bfloat16 mu)
-def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
-    """Code only `v`; `m` is kept exactly elsewhere (the m channel is all zeros).
-
-    Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring);
-    ``logrel-aw`` falls back to log8-rel's fixed-width v codes.
-
-    Args:
-      m: the first moment, the bfloat16 mu as float32 (stored exactly beside the codes).
-      v: the float32 second moment to code.
-      p: the float32 parameter.
-      config: the `GuardConfig` (its tau is divided by `BF16_TAU_FACTOR` here).
-
-    Returns:
-      The `Encoded` v codes; ``stats["payload_bytes"]`` includes the 2 bytes per
-      coordinate of the exact bfloat16 mu.
-    """
-    cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
-    if _codecs.get(cfg.codec).propose is None:   # host-chosen widths (logrel-aw/-ans): the nu-only path
-        cfg = dataclasses.replace(cfg, codec="log8-rel")   # codes v alone, with log8-rel's fixed-width v codes
-    enc = _guard.encode_v_only(m, v, p, cfg)
-    enc.stats["payload_bytes"] += 2 * enc.n   # the bfloat16 mu, stored exactly beside
-    return enc
-
-
-# ---------------------------------------------------------------- compress
-def _raw_entry(name, leaf):
-    arr = np.asarray(leaf)
-    return ("raw", name, arr, container.numpy_dtype_name(arr))
-
-
-def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
-                   betas=None, eps=None, prefix="state"):
-    """Certify and encode every Adam moment pair of `opt_state`; every other leaf raw.
+# ---------------------------------------------------------------- records for the writer
+def state_records(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
+                  betas=None, eps=None, prefix="state"):
+    """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
+    ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
+    `Raw` record per other leaf.
 
     Args:
       opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
@@ -158,9 +135,8 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
       prefix: the entry-name prefix of the state's leaves in the container.
 
     Returns:
-      ``(entries, state meta, totals)``: the container entries, the meta that `restore_state`
-      reads (``leaves``, ``sites``, ``treedef``) and the summed guard stats
-      (`jaxguard.audit.TOTAL_KEYS`).
+      ``(records, state meta)``: the records and the meta that `restore_state` reads
+      (``leaves``, ``sites``, ``treedef``).
 
     Raises:
       CheckpointError: no Adam state, moments without a matching param, shapes that differ,
@@ -174,9 +150,8 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
         raise CheckpointError(NO_ADAM)
     pflat = flat_by_dotted(params, "params")
     roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
-    entries = []
+    records = []
     sites_meta = []
-    totals = _audit.new_totals()
     for site in sites:
         cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
                           codec=codec)
@@ -184,19 +159,15 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
         for pair in moment_pairs(site, pflat):
             ename = f"{prefix}/moments/{pair.mu_path}"
             if pair.mu_dtype == "float32":
-                enc = encode(np.asarray(pair.mu), np.asarray(pair.nu), np.asarray(pair.p), cfg)
+                records.append(writer.MomentJob(ename, pair.mu, pair.nu, pair.p, cfg, {"param": pair.param}))
                 roles[pair.mu_path] = ("mu", ename)
-                info = {**cfg.to_json(), "mu_mode": "coded", "param": pair.param}
             else:
-                m32 = np.asarray(jnp.asarray(pair.mu).astype(jnp.float32))
-                enc = encode_nu_only(m32, np.asarray(pair.nu), np.asarray(pair.p), cfg)
                 raw_name = f"{prefix}/{pair.mu_path}"
-                entries.append(_raw_entry(raw_name, pair.mu))
+                records.append(_raw(raw_name, pair.mu))
+                records.append(writer.MomentJob(ename, np.asarray(jnp.asarray(pair.mu).astype(jnp.float32)), pair.nu,
+                                                pair.p, cfg, {"param": pair.param}, mu="exact"))
                 roles[pair.mu_path] = ("raw", raw_name)
-                info = {**cfg.to_json(), "mu_mode": "raw-bfloat16", "param": pair.param}
             roles[pair.nu_path] = ("nu", ename)
-            entries.append(("moments", ename, enc, info))
-            _audit.add_stats(totals, enc.stats)
     leaves_meta = []
     flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     seen = set()
@@ -208,11 +179,16 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
         kind, ename = roles.get(d, (None, None))
         if kind is None:
             ename = f"{prefix}/{d}"
-            entries.append(_raw_entry(ename, leaf))
+            records.append(_raw(ename, leaf))
             kind = "raw"
         leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
                             "shape": list(np.shape(leaf))})
-    return entries, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}, totals
+    return records, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}
+
+
+def _raw(name, leaf):
+    arr = np.asarray(leaf)
+    return writer.Raw(name, arr, container.numpy_dtype_name(arr))
 
 
 def summary(totals, container_bytes, raw_state_bytes=None):
@@ -256,22 +232,15 @@ def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_C
     Raises:
       ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
     """
-    t0 = time.perf_counter()
-    entries, smeta, totals = compress_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
-                                            weight_decay=weight_decay, betas=betas, eps=eps)
+    records, smeta = state_records(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
+                                   weight_decay=weight_decay, betas=betas, eps=eps)
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
     if include_params:
-        pentries = []
-        for name, leaf in flat_by_dotted(params, "params").items():
-            pentries.append(_raw_entry(f"params/{name}", leaf))
-        entries = entries + pentries
-        meta["params"] = [e[1][len("params/"):] for e in pentries]
-    cfgs = [s["config"] for s in smeta["sites"]]
-    extra = {"op_model": cfgs[0]["op_model"], "tau": tau, "clip": clip, "codec": codec}
-    data = container.build(entries, meta, extra_header=extra)
-    totals["encode_seconds"] = time.perf_counter() - t0
-    return data, summary(totals, len(data), state_nbytes(opt_state))
+        pnames = list(flat_by_dotted(params, "params"))
+        records += [_raw(f"params/{name}", leaf) for name, leaf in flat_by_dotted(params, "params").items()]
+        meta["params"] = pnames
+    return writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
 
 
 def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,

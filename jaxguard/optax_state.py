@@ -107,6 +107,9 @@ class AdamSite:
     path: tuple
     state: Any
     hparams: dict
+    # the state sits where optax.adamw's chain puts it (scale_by_adam, a stateless or
+    # masked transform, then the learning rate): its weight decay is not in the state
+    decay_layout: bool = False
 
     @property
     def name(self) -> str:
@@ -142,6 +145,27 @@ def _is_stop(x):
     return isinstance(x, (optax.ScaleByAdamState,) + INJECT_STATES)
 
 
+def _adamw_layouts(node, found=None) -> set:
+    """ids of the `ScaleByAdamState`s that a chain state holds as ``optax.adamw`` lays it
+    out: the Adam state, then an `EmptyState` or `MaskedState` (``add_decayed_weights``
+    is stateless), then at least one more state (the learning rate); ``optax.adam`` has
+    only the Adam state and the learning rate's."""
+    found = set() if found is None else found
+    if isinstance(node, optax.ScaleByAdamState):
+        return found
+    if isinstance(node, tuple) and not hasattr(node, "_fields"):
+        for i, x in enumerate(node):
+            if (isinstance(x, optax.ScaleByAdamState) and len(node) >= i + 3
+                    and isinstance(node[i + 1], (optax.EmptyState, optax.MaskedState))):
+                found.add(id(x))
+    children = node if isinstance(node, (tuple, list)) else node.values() if isinstance(node, dict) else ()
+    if hasattr(node, "_fields"):
+        children = tuple(node)
+    for x in children:
+        _adamw_layouts(x, found)
+    return found
+
+
 def find_adam_states(opt_state) -> list[AdamSite]:
     """Every `optax.ScaleByAdamState` in `opt_state`, in flattening order.
 
@@ -154,12 +178,13 @@ def find_adam_states(opt_state) -> list[AdamSite]:
       `inject_hyperparams` states enclosing it (inner ones win).
     """
     out: list[AdamSite] = []
+    decay_layout = _adamw_layouts(opt_state)
 
     def walk(node, prefix, hp):
         for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_stop)[0]:
             full = prefix + tuple(path)
             if isinstance(leaf, optax.ScaleByAdamState):
-                out.append(AdamSite(full, leaf, hp))
+                out.append(AdamSite(full, leaf, hp, id(leaf) in decay_layout))
             elif isinstance(leaf, INJECT_STATES):
                 walk(leaf.inner_state, full + (jax.tree_util.GetAttrKey("inner_state"),), {**hp, **_hparams(leaf)})
 

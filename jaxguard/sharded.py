@@ -31,6 +31,7 @@ every other leaf is restored bit-exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -41,10 +42,10 @@ import numpy as np
 from etils import epath
 
 from jaxguard.format import container, reader
-from jaxguard import audit, optax_adapter, optax_state
+from jaxguard import audit, optax_adapter, optax_state, writer
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted, moment_pairs
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.core.guard import DEFAULT_CODEC, encode_many
+from jaxguard.core.guard import DEFAULT_CODEC
 
 MANIFEST = "manifest.json"
 SCHEMA = "jaxguard-sharded"
@@ -226,30 +227,34 @@ def _rebased(e, b):
     return e
 
 
+def _renamed(record, name):
+    return dataclasses.replace(record, name=name) if isinstance(record, writer.MomentJob) else record._replace(name=name)
+
+
 def build_local(items, totals, *, process, extra_header):
-    """Container bytes and the index (per shard: global placement, byte range, SHA-256)
-    of one process's shards.
+    """Encode one process's shards (the one writer, `jaxguard.writer`) and build its
+    container bytes and index (per shard: global placement, byte range, SHA-256).
 
     Args:
-      items: [(entry, start, ("raw", array, dtype) | ("moments", Encoded, info))].
-      totals: this process's summed guard stats (stored in the index).
+      items: [(entry, start, record)]: a writer record (`MomentJob`, `Raw`, or an
+        encoded `Moments`) per shard, renamed here to the shard's entry name.
+      totals: this process's totals (`jaxguard.writer.new_totals()`), added to in place
+        and stored in the index.
       process: this process's index (names the file).
       extra_header: top-level header fields (op_model, tau, clip, codec).
 
     Returns:
       ``(container bytes, index dict)``.
     """
-    entries, placement = [], {}
-    for entry, start, obj in items:
+    records, placement = [], {}
+    for entry, start, record in items:
         name = _shard_name(entry, start)
-        if obj[0] == "raw":
-            entries.append(("raw", name, obj[1], obj[2]))
-        else:
-            entries.append(("moments", name, obj[1], obj[2]))
+        records.append(_renamed(record, name))
         placement[name] = (entry, list(start))
     meta = {"framework": "optax-shards", "process": process,
             "shards": [{"name": n, "entry": e, "start": s} for n, (e, s) in placement.items()]}
-    data = container.build(entries, meta, extra_header=extra_header)
+    data, summ = writer.to_bytes(records, meta, extra_header=extra_header)
+    audit.add_stats(totals, summ)
     _, _, _, hlen = reader.PREFIX.unpack_from(data, 0)
     header = json.loads(bytes(data[reader.PREFIX.size:reader.PREFIX.size + hlen]))
     base = reader.PREFIX.size + hlen
@@ -288,7 +293,9 @@ def write_bytes_atomic(path: epath.Path, data) -> None:
 
 
 def encode_local(pairs, leaves, opt_state, params, *, include_params=False, primary=0):
-    """This process's shard items and totals: every replica-0 shard it holds, certified.
+    """This process's shard records: every replica-0 shard it holds (moment pairs as
+    `MomentJob`s against the same shard of their parameter, other leaves `Raw`); the
+    encoding itself happens in `build_local`.
 
     Args:
       pairs, leaves: from `plan_state`.
@@ -297,16 +304,14 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
       primary: the process that writes host leaves.
 
     Returns:
-      ``(items for build_local, totals, param names)``.
+      ``(items for build_local, zeroed totals, param names)``.
     """
     oflat = flat_by_dotted(opt_state, "opt_state")
-    items, coded = [], []
-    totals = audit.new_totals()
+    items, coded = [], []     # float32 pairs after the bfloat16-mu ones (the order files have always had)
     done = set()
     for pr in pairs:
         mu = pr["mu"]
         nu_s, p_s = aligned(pr["nu"], mu), aligned(pr["p"], mu)
-        info = {**pr["config"].to_json(), "mu_mode": pr["mu_mode"], "param": pr["param"]}
         for dev, start, mdata in local_shards(mu, primary):
             if dev is None:
                 nd, pd = nu_s, p_s
@@ -314,32 +319,29 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
                 nd, pd = nu_s[dev], p_s[dev]
             m, v, p = np.asarray(mdata), np.asarray(nd), np.asarray(pd)
             if pr["mu_mode"] == "coded":
-                coded.append((pr["entry"], start, m, v, p, pr["config"], info))
+                coded.append((pr["entry"], start, writer.MomentJob(pr["entry"], m, v, p, pr["config"],
+                                                                   {"param": pr["param"]})))
             else:
-                items.append((f"state/{pr['mu_path']}", start, ("raw", m, "bfloat16")))
-                enc = optax_adapter.encode_nu_only(np.asarray(jnp.asarray(m).astype(jnp.float32)), v, p, pr["config"])
-                items.append((pr["entry"], start, ("moments", enc, info)))
-                audit.add_stats(totals, enc.stats)
+                items.append((f"state/{pr['mu_path']}", start, writer.Raw("", m, "bfloat16")))
+                m32 = np.asarray(jnp.asarray(m).astype(jnp.float32))
+                items.append((pr["entry"], start, writer.MomentJob(pr["entry"], m32, v, p, pr["config"],
+                                                                   {"param": pr["param"]}, mu="exact")))
         done.update({pr["mu_path"], pr["nu_path"]})
-    if coded:
-        encs = encode_many([(m, v, p, cfg) for _, _, m, v, p, cfg, _ in coded])
-        for (entry, start, *_rest, info), enc in zip(coded, encs):
-            items.append((entry, start, ("moments", enc, info)))
-            audit.add_stats(totals, enc.stats)
+    items += coded
     for leaf in leaves:
         if leaf["path"] in done:
             continue
         for _, start, data in local_shards(oflat[leaf["path"]], primary):
             arr = np.asarray(data)
-            items.append((leaf["entry"], start, ("raw", arr, container.numpy_dtype_name(arr))))
+            items.append((leaf["entry"], start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
     param_names = []
     if include_params:
         for name, x in flat_by_dotted(params, "params").items():
             param_names.append(name)
             for _, start, data in local_shards(x, primary):
                 arr = np.asarray(data)
-                items.append((f"params/{name}", start, ("raw", arr, container.numpy_dtype_name(arr))))
-    return items, totals, param_names
+                items.append((f"params/{name}", start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
+    return items, audit.new_totals(), param_names
 
 
 def param_leaves(params) -> list:
