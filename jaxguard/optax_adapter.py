@@ -340,7 +340,6 @@ def load_params(path) -> dict:
 
 
 # ---------------------------------------------------------------- first-update audit with real optax
-gradient_grid = _audit.gradient_grid
 
 
 def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0,
@@ -364,7 +363,7 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
       {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
       "worst": (g, dotted param) of the largest gap} (`jaxguard.audit.AuditSummary`).
     """
-    grid = gradient_grid(clip) if grid is None else np.asarray(grid, np.float32)
+    grid = _audit.gradient_grid(clip) if grid is None else np.asarray(grid, np.float32)
 
     @jax.jit
     def step(state, g):

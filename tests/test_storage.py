@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import torch_compat
-from jaxguard.format import container, storage
-from jaxguard.errors import ContainerError
+import torch_compat  # noqa: E402
+from jaxguard.format import container, storage  # noqa: E402
+from jaxguard.errors import ContainerError  # noqa: E402
 
 fsspec = pytest.importorskip("fsspec")
 

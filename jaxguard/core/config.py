@@ -20,9 +20,7 @@ from jaxguard.errors import ConfigError
 from jaxguard.format import spec as _spec
 
 CODECS = _spec.codec_ids()   # the registry's writable ids
-# log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
-# trained transformers, ~100x fewer escapes at early checkpoints (see README).
-DEFAULT_CODEC = "log8-rel"
+DEFAULT_CODEC = _spec.DEFAULT_CODEC   # defined once, in the registry
 BOUNDS = ("shared", "separate")
 PARTITIONS = ("mixed", "linear")
 # A policy id kept for the CLI, the demo, the bench and old files: block8 codes with the
