@@ -110,6 +110,14 @@ class GuardConfig:
         """The config of one parameter group: the save's settings `spec` (its op model is
         ignored: each group's comes from its optimizer) and the next update's hyperparameters.
 
+        Args:
+          spec: the save's `GuardSpec` (tau, clip, codec, bound, partition, joint, certify).
+          lr, step, betas, eps, weight_decay: the next update's hyperparameters.
+          op_model: the group's operation model.
+
+        Returns:
+          The `GuardConfig`.
+
         Raises:
           ConfigError: as the constructor.
         """
