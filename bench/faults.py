@@ -236,7 +236,7 @@ def write_md(out, md):
     fz, fz0 = (os.path.join(os.path.dirname(md), n) for n in ("fuzz_manifest.json", "fuzz_manifest_before_fix.json"))
     if os.path.exists(fz) and os.path.exists(fz0):
         a, b = json.load(open(fz0)), json.load(open(fz))
-        lines += ["", "## The sharded manifest reader, fuzzed (bench/fuzz_manifest.py)", "",
+        lines += ["", "## The sharded manifest reader, fuzzed (bench/fuzz/fuzz_manifest.py)", "",
                   f"Before the fix: {a['executions']} executions in {a['seconds']} s, {len(a['findings'])} findings "
                   f"(exceptions other than a one-line JaxguardError): " + "; ".join(f"`{x}`" for x in a["findings"])
                   + ".", "",

@@ -90,7 +90,7 @@ CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "sharded_manifes
 
 
 def test_manifest_fuzz_corpus_replays(tmp_path):
-    """bench/fuzz_manifest.py's findings (all fixed) and refusals: each manifest loads or is
+    """bench/fuzz/fuzz_manifest.py's findings (all fixed) and refusals: each manifest loads or is
     refused with one JaxguardError line, never another exception."""
     seed = os.path.join(CORPUS, "seed")
     cases = sorted(os.listdir(os.path.join(CORPUS, "cases")))

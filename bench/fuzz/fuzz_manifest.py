@@ -33,7 +33,10 @@ import time
 import traceback
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from fuzz_reader import get, paths  # noqa: E402  (the JSON walk the container fuzzer mutates by)
 CORPUS = os.path.join(ROOT, "tests", "fuzz_corpus", "sharded_manifest")
 
 
@@ -71,22 +74,6 @@ def make_seed(out):
 VALUES = [0, 1, -1, 2, 7, 2 ** 31, 2 ** 63, -2 ** 63, 10 ** 30, True, False, None, 0.5, float("nan"), "", "x",
           "../../etc/passwd", "/abs", "process_00000.jaxguard", [], [0], [0, 0], [-1, 5], [1, 2 ** 62], {}, {"a": 1},
           "raw", "moments", "mu", "nu", "float32", "bfloat16", "object", [[[[[]]]]], [2 ** 40, 2 ** 40]]
-
-
-def paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from paths(v, prefix + (i,))
-
-
-def get(obj, p):
-    for k in p:
-        obj = obj[k]
-    return obj
 
 
 def mutate_json(man, rnd):
