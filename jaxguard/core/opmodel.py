@@ -43,7 +43,74 @@ from jaxguard.errors import ConfigError
 TORCH_IMPLEMENTATIONS = {"single": "", "foreach": "-foreach", "fused": "-fused"}
 TORCH_OP_MODELS = tuple(base + suffix for suffix in TORCH_IMPLEMENTATIONS.values()
                         for base in ("torch-adam", "torch-adamw"))
-OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw") + TORCH_OP_MODELS[2:]
+CPU_OP_MODELS = ("torch-adam", "torch-adamw", "optax-adam", "optax-adamw") + TORCH_OP_MODELS[2:]
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKernel:
+    """One GPU kernel family an op model names (simulated on CPU: docs/gpu.md).
+
+    framework: ``"torch"`` or ``"optax"``; implementation: torch's ``"single"``,
+    ``"foreach"``, ``"foreach-capturable"``, ``"fused-f64"`` (fused_adam_utils.cuh up to
+    about torch 2.10: moments and step size in double, rounded once) or ``"fused-f32"``
+    (after pytorch PRs 172505/173224: float, explicit FMA), or ``"xla-gpu"`` for optax;
+    device_constants: the bias corrections are formed on the device in float32 from a
+    float32 step with ``powf`` (so the betas enter as float32 and the step must stay
+    below 2**24); pow_ulps, div_ulps, sqrt_ulps: the error allowed for the device's
+    ``powf``, its float32 division and its sqrt (0.5 = IEEE, correctly rounded).
+    """
+
+    framework: str
+    implementation: str
+    device_constants: bool
+    pow_ulps: float = 0.0
+    div_ulps: float = 0.5
+    sqrt_ulps: float = 0.5
+
+
+# CUDA's math API documents powf within 4 ulp (not measured here: docs/gpu.md); allowed 8.
+# PTX's div.full.f32 (XLA:GPU's float division) is documented within 2 ulp.
+CUDA_POWF_ULPS = 8.0
+DIV_FULL_ULPS = 2.0
+GPU_KERNELS = {
+    "cuda": GpuKernel("torch", "single", False),
+    "cuda-foreach": GpuKernel("torch", "foreach", False),
+    "cuda-foreach-capturable": GpuKernel("torch", "foreach-capturable", True, CUDA_POWF_ULPS),
+    "cuda-fused-f64": GpuKernel("torch", "fused-f64", False),
+    "cuda-fused-f32": GpuKernel("torch", "fused-f32", True, CUDA_POWF_ULPS),
+    "gpu": GpuKernel("optax", "xla-gpu", True, CUDA_POWF_ULPS, DIV_FULL_ULPS, 2.0),
+}
+# torch-adam-cuda, torch-adamw-cuda-foreach, ..., optax-adam-gpu, optax-adamw-gpu: the CPU
+# name plus the kernel's suffix (torch-adam* / torch-adamw* prefixes keep their meaning)
+GPU_OP_MODELS = {f"{base}-{suffix}": kernel for suffix, kernel in GPU_KERNELS.items()
+                 for base in (("torch-adam", "torch-adamw") if kernel.framework == "torch"
+                              else ("optax-adam", "optax-adamw"))}
+OP_MODELS = CPU_OP_MODELS + tuple(GPU_OP_MODELS)
+DEVICE_STEP_LIMIT = 2**24    # a float32 step counter stops counting here
+
+
+def gpu_kernel(op_model: str):
+    """The `GpuKernel` of a GPU op model, or None for a CPU one.
+
+    Args:
+      op_model: an op model name.
+
+    Returns:
+      A `GpuKernel` (``op_model in GPU_OP_MODELS``) or None.
+    """
+    return GPU_OP_MODELS.get(op_model)
+
+
+def is_decoupled(op_model: str) -> bool:
+    """True for the AdamW op models (decoupled weight decay), CPU or GPU.
+
+    Args:
+      op_model: one of `OP_MODELS`.
+
+    Returns:
+      Whether the name is an ``-adamw`` model.
+    """
+    return op_model.startswith(("torch-adamw", "optax-adamw"))
 
 
 def torch_op_model(*, decoupled: bool, implementation: str = "single") -> str:
@@ -150,17 +217,21 @@ def validate_hparams(lr, betas, eps, step, weight_decay=0.0, op_model=None):
         raise ConfigError(f"lr={lr!r} must be > 0 in float32; pass the learning rate of the next update")
     if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0):
         raise ConfigError(f"betas={tuple(betas)!r} must lie in [0, 1); use e.g. (0.9, 0.999)")
-    if op_model is not None and op_model.startswith("optax"):
+    kernel = gpu_kernel(op_model) if op_model is not None else None
+    if op_model is not None and (op_model.startswith("optax") or (kernel is not None and kernel.device_constants)):
         for name, b in (("beta1", b1), ("beta2", b2)):
             if f32(b) == 1.0:
-                raise ConfigError(f"{name}={b!r} rounds to 1.0 in float32, so optax's 1 - {name}**t is 0 (a division "
-                                  "by zero); use a beta <= 0.99999994")
+                raise ConfigError(f"{name}={b!r} rounds to 1.0 in float32, so {op_model}'s float32 1 - {name}**t is 0 "
+                                  "(a division by zero); use a beta <= 0.99999994")
     if eps <= 0 or f32(eps) == 0:
         raise ConfigError(f"eps={eps!r} must be > 0 in float32 (the update divides by sqrt(v) + eps); use e.g. 1e-8")
     if weight_decay < 0:
         raise ConfigError(f"weight_decay={weight_decay!r} must be >= 0")
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ConfigError(f"step={step!r} must be an integer >= 0 (the optimizer's step count at the checkpoint)")
+    if kernel is not None and kernel.device_constants and step + 1 >= DEVICE_STEP_LIMIT:
+        raise ConfigError(f"step={step!r}: {op_model} keeps the step in float32 on the device, which stops counting "
+                          f"at 2**24; certify a step below {DEVICE_STEP_LIMIT - 1} or name a host-step op model")
 
 
 def step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), eps=1e-8,
@@ -209,6 +280,9 @@ def _step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), 
     t = int(step) + 1
     bc1 = 1.0 - b1**t
     bc2 = 1.0 - b2**t
+    kernel = gpu_kernel(op_model)
+    if kernel is not None:
+        return _gpu_step_constants(op_model, kernel, lr=lr, t=t, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if op_model.startswith("torch"):
         a = f32(1.0 - b1)
         keep = 1.0 - a
@@ -233,5 +307,67 @@ def _step_constants(op_model: str, *, lr: float, step: int, betas=(0.9, 0.999), 
         S=S, B=B, eps=f32(eps), weight_decay=float(weight_decay),
         decay_in_update=(op_model == "optax-adamw" and weight_decay > 0),
         coupled_decay=(op_model.startswith("torch") and not split_torch_op_model(op_model)[0] and weight_decay > 0),
+        const_rel=const_rel,
+    )
+
+
+def _device_bias_rel(pow_ulps: float, bt: float, bc: float) -> float:
+    """Relative error of ``1 - powf(b, t)`` formed in float32 on the device: powf within
+    `pow_ulps` ulp (one ulp <= 2u of the value), then one rounding of the subtraction."""
+    return pow_ulps * 2.0**-23 * bt / bc + 2.0**-24
+
+
+def _gpu_step_constants(op_model: str, kernel: GpuKernel, *, lr, t, b1, b2, eps, weight_decay) -> StepConstants:
+    """`step_constants` of a GPU op model (the kernels' sequences: torch_compat.gpu_sim).
+
+    Host-constant torch kernels (single, foreach, fused-f64) take torch's Python-double
+    scalars exactly as the CPU models do (fused-f64 keeps the betas in double: its
+    ``keep``, ``a`` are the doubles, rounded by `bound.pack_constants`, within ``u`` of the
+    kernel's; the bound's per-branch moment allowance covers that gap).  Device-constant
+    kernels (foreach-capturable, fused-f32, XLA:GPU) form ``1 - b**t`` in float32 from the
+    float32 betas with ``powf``: S and B here are the exact values from the float32 betas,
+    and ``const_rel`` covers powf's allowed error and the float32 roundings after it.
+    """
+    u = 2.0**-24
+    b1f, b2f = f32(b1), f32(b2)
+    decoupled = is_decoupled(op_model)
+    impl = kernel.implementation
+    if not kernel.device_constants:
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        if impl == "fused-f64":
+            keep, a, b2w, c2 = b1, 1.0 - b1, b2, 1.0 - b2
+        else:
+            a = f32(1.0 - b1)
+            keep, b2w, c2 = 1.0 - a, b2f, f32(1.0 - b2)
+        S, B, const_rel = f32(lr / bc1), f32(math.sqrt(bc2)), 2.0**-20
+    else:
+        b1t, b2t = b1f ** t, b2f ** t
+        bc1, bc2 = 1.0 - b1t, 1.0 - b2t
+        S, B = f32(lr) / bc1, math.sqrt(bc2)
+        d1 = _device_bias_rel(kernel.pow_ulps, b1t, bc1)
+        d2 = _device_bias_rel(kernel.pow_ulps, b2t, bc2)
+        if impl == "foreach-capturable":
+            # S = 1 / ((b1^t - 1) / lr): sub, div, reciprocal; B = sqrt(-(b2^t - 1)).  The
+            # step is m / (denom / S): denom / S may be subnormal (absolute error 2**-150,
+            # relative <= 2**-150 S / eps), and must not overflow.
+            const_rel = max(2.0**-20, 2 * (d1 + 2 * u) + 2.0**-150 * S / f32(eps), 2 * (d2 / 2 + u))
+            if (2.0**60 / B + f32(eps)) / S > 2.0**120:
+                raise ConfigError(f"lr={lr!r}: {op_model} divides the denominator by the step size "
+                                  f"{S:.3g}, which could overflow float32; use a learning rate above 1e-20")
+        else:
+            const_rel = max(2.0**-20, 2 * (d1 + u), 2 * (d2 / 2 + u))
+        if kernel.framework == "optax":
+            keep, a, b2w, c2 = b1f, f32(1.0 - b1), b2f, f32(1.0 - b2)
+        elif impl == "fused-f32":
+            keep, a, b2w, c2 = b1f, 1.0 - b1f, b2f, 1.0 - b2f    # fma(b1, m, fma(-b1, g, g))
+        else:
+            a = f32(1.0 - b1)
+            keep, b2w, c2 = 1.0 - a, b2f, f32(1.0 - b2)
+    optax = kernel.framework == "optax"
+    return StepConstants(
+        op_model=op_model, lr=float(lr), keep=keep, a=a, b2f=b2w, c2=c2, S=S, B=B, eps=f32(eps),
+        weight_decay=float(weight_decay),
+        decay_in_update=(optax and decoupled and weight_decay > 0),
+        coupled_decay=(not optax and not decoupled and weight_decay > 0),
         const_rel=const_rel,
     )
