@@ -180,6 +180,23 @@ def _edge_cases(rng, d, sel):
     d["clip"][sel] = np.where(rc < 0.2, _loguniform(rng, 1e10, 1e20, n), d["clip"][sel]).astype(np.float32)
 
 
+# GPU op models only: odd hyperparameter groups and subnormal parameters and gradients
+ODD_BETAS = ((0.0, 0.5), (0.3, 0.9), (0.5, 0.999), (0.6, 0.95), (0.99, 0.99999), (0.9, 0.9999999), (0.95, 0.98))
+ODD_EPS = (1e-30, 1e-16, 1e-8, 1e-3, 1.0)
+
+
+def _subnormal_cases(rng, d):
+    """GPU audits: 4% of the cases get a subnormal parameter, 4% a clip whose cells hold
+    subnormal gradients (the GPU kernels keep subnormals: no flush to zero)."""
+    n = d["p"].size
+    r = rng.random(n)
+    sp = r < 0.04
+    d["p"][sp] = (_loguniform(rng, 2.0**-149, 2.0**-126, int(sp.sum())) * rng.choice([-1.0, 1.0], int(sp.sum()))
+                  ).astype(np.float32)
+    sc = (r >= 0.04) & (r < 0.08)
+    d["clip"][sc] = _loguniform(rng, 2.0**-140, 2.0**-100, int(sc.sum())).astype(np.float32)
+
+
 def cell_points(rng, gl, gh):
     """The gradient magnitudes at which the audit replays each cell.
 
@@ -267,9 +284,14 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     if decoupled:   # decay factor 1 - lr wd from 0.5 down to -29: across |1 - lr wd| = 1
         lrs = np.where(edge_group, _loguniform(rng, 1e-2, 10.0, n_groups), lrs)
         wds = np.where(edge_group, _loguniform(rng, 0.5, 30.0, n_groups) / lrs, wds)
-    ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=BETAS, eps=EPS,
+    group_betas, group_eps = [BETAS] * n_groups, [EPS] * n_groups
+    if gpu:   # a quarter of the groups with odd hyperparameters (lerp's weight >= 0.5 branch included)
+        for i in np.flatnonzero(sim_rng.random(n_groups) < 0.25):
+            group_betas[i] = ODD_BETAS[sim_rng.integers(len(ODD_BETAS))]
+            group_eps[i] = ODD_EPS[sim_rng.integers(len(ODD_EPS))]
+    ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=bb, eps=ee,
                                                         weight_decay=float(w)), 0.01)
-                   for s, lr, w in zip(steps, lrs, wds)])
+                   for s, lr, w, bb, ee in zip(steps, lrs, wds, group_betas, group_eps)])
     failures = 0
     max_ratio = 0.0
     worst = None
@@ -284,6 +306,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         d = draw_cases(rng, n)
         edge = rng.random(n) < edge_fraction
         _edge_cases(rng, d, np.flatnonzero(edge))
+        if gpu:
+            _subnormal_cases(sim_rng, d)
         gid = (c0 + np.arange(n)) // GROUP
         k = ks[gid]
         pabs = np.abs(d["p"])
@@ -299,7 +323,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             nr = rows.size
             pp = np.repeat(d["p"][rows], P)
             gg = g[rows].reshape(-1)
-            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=BETAS, eps=EPS, weight_decay=float(wds[grp]))
+            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=group_betas[grp], eps=group_eps[grp],
+                        weight_decay=float(wds[grp]))
             if gpu:
                 fma = np.repeat(sim_rng.random(nr) < 0.5, P)
                 out, _, _ = simulate_step(op_model, np.concatenate([pp, pp]), np.concatenate([gg, gg]),

@@ -16,8 +16,8 @@ import torch
 
 from jaxguard import audit as jg_audit
 from jaxguard.format import container
-from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.core.opmodel import torch_op_model
+from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.core.opmodel import resolve_op_model, torch_op_model
 from jaxguard.format.spec import BLOCK, DEFAULT_CODEC
 from torch_compat.replay import TORCH_FLAGS
 
@@ -207,12 +207,7 @@ def check_optimizer_state(opt_sd) -> None:
                 raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
         if idx in groups and isinstance(st["exp_avg"], torch.Tensor) and st["exp_avg"].device.type != "cpu":
             gi, g = groups[idx]
-            implementation = implementation_of(g, gi)
-            if implementation != "single":
-                raise UnsupportedOptimizerError(
-                    f"param group {gi} has {implementation}=True with its state on {st['exp_avg'].device}; jaxguard "
-                    f"models torch's {implementation} Adam on CPU only (the {st['exp_avg'].device.type} kernels "
-                    "differ): load the checkpoint with map_location='cpu' only if it was trained on CPU")
+            op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
         for key in ("exp_avg", "exp_avg_sq"):
             if st[key].dtype != torch.float32:
                 raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
@@ -258,27 +253,57 @@ def param_index(opt_sd):
     return out
 
 
-def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed") -> GuardConfig:
+def op_model_of(group, device_type="cpu", op_model=None, gi=0) -> str:
+    """The op model of the kernel a param group runs on `device_type`, resolved as torch
+    resolves it (`jaxguard.core.opmodel.resolve_op_model`; foreach=None on CUDA is
+    foreach), or the one the user names (`op_model`, the kernel the run resumes on).
+
+    Args:
+      group: the param group dict.
+      device_type: where its state lives (``tensor.device.type``).
+      op_model: the named op model, or None.
+      gi: the group's index, for the error.
+
+    Returns:
+      An op model name (on CPU without `op_model`: exactly `implementation_of`'s model).
+
+    Raises:
+      UnsupportedOptimizerError: (one line) no op model covers the group's kernel.
+    """
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    if device_type == "cpu" and op_model is None:
+        return torch_op_model(decoupled=decoupled, implementation=implementation_of(group, gi))
+    try:
+        return resolve_op_model(device_type, foreach=group.get("foreach"), fused=group.get("fused"),
+                                capturable=bool(group.get("capturable", False)), decoupled=decoupled,
+                                torch_version=torch.__version__, differentiable=bool(group.get("differentiable", False)),
+                                lr_is_tensor=isinstance(group.get("lr"), torch.Tensor), op_model=op_model)
+    except ConfigError as exc:
+        raise UnsupportedOptimizerError(f"param group {gi}: {exc}") from None
+
+
+def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed", device_type="cpu",
+                 op_model=None) -> GuardConfig:
     """The `GuardConfig` of one param group's next step.
 
     Args:
       group: the param group (lr, betas, eps, weight_decay, decoupled_weight_decay, flags).
       step: the steps already taken.
       tau, clip, codec, bound, partition: the contract and the guard's options.
+      device_type, op_model: as `op_model_of` (where the state lives; the named kernel).
 
     Returns:
-      The config, with the torch op model of the group's implementation.
+      The config, with the torch op model of the group's implementation on that device.
 
     Raises:
       CheckpointError: a tensor lr or beta of more than one element.
       UnsupportedOptimizerError: fused and foreach both set.
     """
     from jaxguard.core.guard import GuardConfig   # jax: only compress pays for it, not restore
-    decoupled = bool(group.get("decoupled_weight_decay", False))
     return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
                        betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
                        weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
-                       op_model=torch_op_model(decoupled=decoupled, implementation=implementation_of(group)),
+                       op_model=op_model_of(group, device_type, op_model),
                        codec=codec, bound=bound, partition=partition)
 
 
@@ -365,7 +390,7 @@ class MappedSource:
 
 
 def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
-                   partition="mixed", progress=False):
+                   partition="mixed", progress=False, op_model=None):
     """Encode every Adam moment pair of `opt_sd` against `params` {name: tensor}.
 
     Args:
@@ -373,6 +398,7 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
       params: {name: tensor} of the live parameters.
       tau, clip, codec, bound, partition: the contract and the guard's options.
       progress: show a tqdm bar.
+      op_model: the kernel the run resumes on (`op_model_of`; None: the state's own).
 
     Returns:
       ``(optimizer skeleton, container entries, totals dict)``.
@@ -382,7 +408,7 @@ def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CO
     """
     totals = jg_audit.new_totals()
     opt_sk, stream = compress_state_stream(opt_sd, params, totals, tau=tau, clip=clip, codec=codec, bound=bound,
-                                           partition=partition, progress=progress)
+                                           partition=partition, progress=progress, op_model=op_model)
     entries = list(stream)
     return opt_sk, entries, totals
 
@@ -393,7 +419,7 @@ SLAB = 1 << 20           # = guard.PROPOSE_CHUNK blocks
 
 
 def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC,
-                          bound="shared", partition="mixed", progress=False, slab=None, release=None):
+                          bound="shared", partition="mixed", progress=False, slab=None, release=None, op_model=None):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, entry iterator).
 
     The iterator encodes the moments in slabs of about `slab` coordinates (tensors in
@@ -402,7 +428,7 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
     before the first yield, so a bad checkpoint fails before any work or output.
 
     Args:
-      opt_sd, params, tau, clip, codec, bound, partition, progress: as `compress_state`.
+      opt_sd, params, tau, clip, codec, bound, partition, progress, op_model: as `compress_state`.
       totals: the dict the guard stats are added to (`jaxguard.audit.new_totals`).
       slab: coordinates per encode call (default `SLAB`).
       release: called with a slab's source tensors (both moments and the parameter) once
@@ -435,7 +461,7 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
         cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound,
-                           partition=partition)
+                           partition=partition, device_type=st["exp_avg"].device.type, op_model=op_model)
         jobs.append((idx, name, st, cfg))
         ename = f"optimizer/state/{idx}"
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
@@ -554,7 +580,8 @@ def prefetched(entries, ahead=AHEAD):
         worker.join()
 
 
-def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant, release=None):
+def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant, release=None,
+                       op_model=None):
     """(entry iterator, meta, extra header) of a CKPT dict.  ``variant`` is recorded in the
     header (informational: the guard covers every variant); a callable is called only
     after the checkpoint has been validated, so bad input fails before the slow variant
@@ -566,7 +593,8 @@ def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, prog
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     opt_sk, moments = compress_state_stream(ckpt["optimizer"], ckpt["model"], totals, tau=tau, clip=clip, codec=codec,
-                                            bound=bound, partition=partition, progress=progress, release=release)
+                                            bound=bound, partition=partition, progress=progress, release=release,
+                                            op_model=op_model)
     if callable(variant):
         variant = variant()
     raws: list = []
@@ -592,13 +620,14 @@ def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, prog
 
 
 def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                        progress=False, variant=None):
+                        progress=False, variant=None, op_model=None):
     """Compress a torch checkpoint dict in memory.
 
     Args:
       ckpt: ``{"model": state_dict, "optimizer": state_dict, ...}`` (other keys stored exactly).
       tau, clip, codec, bound, partition, progress: as `compress_state`.
       variant: the replay variant report stored in the header (``jaxguard compress``).
+      op_model: the kernel the run resumes on (`op_model_of`; None: the state's own).
 
     Returns:
       ``(container bytes, summary dict)`` (the `compress --json` fields).
@@ -610,11 +639,11 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
         data = container.build(list(entries), meta, extra_header=extra)
         return data, len(data)
     return _compress_checkpoint(ckpt, build, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                progress=progress, variant=variant)
+                                progress=progress, variant=variant, op_model=op_model)
 
 
 def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                           progress=False, variant=None, release=None):
+                           progress=False, variant=None, release=None, op_model=None):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
@@ -622,6 +651,7 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     Args:
       path: the output file or URL.
       ckpt, tau, clip, codec, bound, partition, progress, variant: as `compress_checkpoint`.
+      op_model: the kernel the run resumes on (`op_model_of`; None: the state's own).
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -635,7 +665,7 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     def write(entries, meta, extra):   # encode the next slab while this one is written
         return None, container.write_stream(path, prefetched(entries), meta, extra_header=extra)
     return _compress_checkpoint(ckpt, write, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                progress=progress, variant=variant, release=release)[1]
+                                progress=progress, variant=variant, release=release, op_model=op_model)[1]
 
 
 def _compress_checkpoint(ckpt, emit, *, variant, **guard):
@@ -679,13 +709,14 @@ def restore_tree(path):
 
 
 # ---------------------------------------------------------------- optimizer-level API
-def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=False):
+def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=False, op_model=None):
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Args:
       path: the output file.
       optimizer: a `torch.optim.Adam` or `AdamW` (unnamed params get ``group{g}.param{i}`` names).
-      tau, clip, codec, progress: as `compress_state`.
+      tau, clip, codec, progress, op_model: as `compress_state` (CUDA state: the kernel
+        torch runs there, resolved as torch does, unless `op_model` names another).
 
     Returns:
       The summary dict.
@@ -704,9 +735,11 @@ def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=F
         g["param_names"] = names
         for name, p in zip(names, live["params"]):
             params[name] = p.detach()
-    opt_sk, entries, totals = compress_state(sd, params, tau=tau, clip=clip, codec=codec, progress=progress)
+    opt_sk, entries, totals = compress_state(sd, params, tau=tau, clip=clip, codec=codec, progress=progress,
+                                             op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
-    data = container.build(entries, meta, extra_header={"tau": tau, "clip": clip, "codec": codec})
+    certified = next((e[3]["op_model"] for e in entries if e[0] == "moments"), None)
+    data = container.build(entries, meta, extra_header={"tau": tau, "clip": clip, "codec": codec, "op_model": certified})
     container.atomic_write(path, data)
     return _summary(totals, len(data))
 

@@ -371,3 +371,131 @@ def _gpu_step_constants(op_model: str, kernel: GpuKernel, *, lr, t, b1, b2, eps,
         coupled_decay=(not optax and not decoupled and weight_decay > 0),
         const_rel=const_rel,
     )
+
+
+# ---------------------------------------------------------------- choosing the model as torch does
+# fused_adam_utils.cuh: double-evaluated moments up to torch 2.10 (read from source: docs/gpu.md);
+# float with std::fma from 2.13 (read in torch 2.13.0's installed header).  2.11 and 2.12 are
+# not known here: refused unless the user names the kernel.
+FUSED_F64_LAST = (2, 10)
+FUSED_F32_FIRST = (2, 13)
+FOREACH_DEVICES = ("cuda", "xpu", "mtia")     # torch's _get_foreach_kernels_supported_devices (+ privateuse1)
+
+
+def _torch_minor(torch_version) -> tuple:
+    """``(major, minor)`` of a torch version string such as ``"2.13.0+cu128"``."""
+    head = str(torch_version).split("+")[0].split(".")
+    try:
+        return int(head[0]), int("".join(ch for ch in head[1] if ch.isdigit()) or "x")
+    except (IndexError, ValueError):
+        raise ConfigError(f"torch_version={torch_version!r} is not a torch version; pass torch.__version__") from None
+
+
+def resolve_op_model(device_type: str, *, foreach=None, fused=None, capturable=False, decoupled=False,
+                     torch_version=None, differentiable=False, lr_is_tensor=False, op_model=None) -> str:
+    """The op model of the torch Adam/AdamW kernel that a param group runs, resolved as torch does.
+
+    torch's ``adam()``: with ``foreach`` and ``fused`` both None it calls
+    ``_default_to_fused_or_foreach(params, differentiable, use_fused=False)``, which picks
+    foreach for plain tensors on cuda/xpu/mtia and the single-tensor loop elsewhere (CPU),
+    then keeps the single-tensor loop where ``lr`` is a tensor and capturable is off.
+
+    Args:
+      device_type: where the state lives and the run resumes (``"cpu"``, ``"cuda"``).
+      foreach, fused, capturable, differentiable: the param group's flags (None: unset).
+      decoupled: AdamW (decoupled weight decay).
+      torch_version: ``torch.__version__`` of the run (CUDA fused only: which generation).
+      lr_is_tensor: the group's lr is a tensor.
+      op_model: the kernel the user names (overrides the resolution; checked).
+
+    Returns:
+      One of `OP_MODELS` (``torch-adam``, ``torch-adamw-cuda-foreach``, ...).
+
+    Raises:
+      ConfigError: (one line) a named op model that is unknown or of the other optimizer,
+        fused and foreach both True, a combination no op model covers (capturable on CPU,
+        capturable single-tensor CUDA, another device type), or a fused CUDA kernel of a
+        torch version whose numeric generation is not known.
+    """
+    base = "torch-adamw" if decoupled else "torch-adam"
+    if op_model is not None:
+        if op_model not in OP_MODELS or not op_model.startswith("torch"):
+            raise ConfigError(f"op_model={op_model!r} is not a torch op model; use one of "
+                              f"{', '.join(m for m in OP_MODELS if m.startswith('torch'))}")
+        if is_decoupled(op_model) != bool(decoupled):
+            raise ConfigError(f"op_model={op_model!r} is {'AdamW' if is_decoupled(op_model) else 'Adam'} but the "
+                              f"param group is {'AdamW' if decoupled else 'Adam'}; name the {base}* model")
+        return op_model
+    if fused and foreach:
+        raise ConfigError("fused=True and foreach=True together, which torch rejects; set one of them")
+    if fused is None and foreach is None:
+        foreach = device_type in FOREACH_DEVICES and not differentiable and not (lr_is_tensor and not capturable)
+    fused, foreach = bool(fused), bool(foreach)
+    if device_type == "cpu":
+        if capturable:
+            raise ConfigError("capturable=True on CPU is not a torch Adam kernel jaxguard models; save the state with "
+                              "capturable=False or name the kernel the run resumes on (op_model=)")
+        return base + TORCH_IMPLEMENTATIONS["fused" if fused else "foreach" if foreach else "single"]
+    if device_type != "cuda":
+        raise ConfigError(f"device_type={device_type!r}: jaxguard models torch Adam on cpu and cuda only; name the "
+                          "kernel the run resumes on with op_model= (e.g. torch-adam-cuda-foreach)")
+    if fused:
+        if torch_version is None:
+            raise ConfigError("fused=True on cuda needs torch_version (the fused kernel's numerics changed after "
+                              "torch 2.10); pass torch.__version__ or op_model=")
+        ver = _torch_minor(torch_version)
+        if ver <= FUSED_F64_LAST:
+            return base + "-cuda-fused-f64"
+        if ver >= FUSED_F32_FIRST:
+            return base + "-cuda-fused-f32"
+        raise ConfigError(f"torch {torch_version}: which fused CUDA Adam kernel generation it runs (double moments up "
+                          f"to 2.10, float with fma from 2.13) is not known; pass op_model='{base}-cuda-fused-f32' or "
+                          f"'{base}-cuda-fused-f64' after checking its fused_adam_utils.cuh (or bench/gpu_check.py)")
+    if foreach:
+        return base + ("-cuda-foreach-capturable" if capturable else "-cuda-foreach")
+    if capturable:
+        raise ConfigError("capturable=True with the single-tensor CUDA kernel (foreach=False) is not modelled; "
+                          "use foreach (the CUDA default) or capturable=False")
+    return base + "-cuda"
+
+
+# ---------------------------------------------------------------- stage 2 coverage of the GPU kernels
+def stage2_budget(op_model: str) -> dict:
+    """First-order error of a GPU kernel's op sequence, in units of ``u = 2**-24``, per
+    chain of the bound's stage 2 (docs/bound.md, section 9), beside what stage 2 allows.
+
+    One ulp is at most ``2u`` relative; an IEEE op errs by ``u``.  ``denominator``: relative
+    error of ``sqrt(v')/B + eps`` (allowed ``64u``: `bound.rho_d` less ``const_rel``);
+    ``step``: relative error the step's own ops add to ``S m'/d`` (allowed ``24u``);
+    ``moment``: error of ``m'`` in units of ``u (|m| + |g|)`` (allowed ``24``: ``e_m =
+    3 R(2|m| + |g|)``).  The constants' gap is ``const_rel`` (`step_constants`), added
+    to both allowances by the bound.
+
+    Args:
+      op_model: one of `GPU_OP_MODELS`.
+
+    Returns:
+      ``{"denominator": (need, allowed), "step": (need, allowed), "moment": (need, allowed)}``.
+
+    Raises:
+      ConfigError: not a GPU op model.
+    """
+    k = gpu_kernel(op_model)
+    if k is None:
+        raise ConfigError(f"op_model={op_model!r} is not a GPU op model; use one of {', '.join(GPU_OP_MODELS)}")
+    div, sq = 2 * max(k.div_ulps, 0.5), 2 * max(k.sqrt_ulps, 0.5)   # in units of u
+    impl = k.implementation
+    v_new = 3.0                  # b2*v, g*g (or c2*g), then the add/fma: nonnegative terms
+    if impl == "xla-gpu":
+        v_over_bc = v_new + div                      # nu / bc2 (div.full)
+        den = v_over_bc / 2 + sq + 1                 # sqrt, + eps
+        step = div + div + 1                         # mu / bc1, / den, * -lr
+    elif impl == "fused-f64":
+        den = (1.0 + 2.0**-26) / 2 + 1 + 1.01        # v' rounded once; sqrtf; (double / B + eps) rounded once
+        step = 2.0                                   # S * m, / den
+    else:
+        scale = 2.0 if impl == "single" else 1.0     # single: reciprocal of B, then a multiply
+        den = v_new / 2 + 1 + scale + 1              # sqrt, / B, + eps
+        step = 2.0                                   # m / den, * S (capturable: den / S, m / that)
+    moment = {"fused-f64": 3.0, "fused-f32": 2.0}.get(impl, 3.0)   # lerp: g - m, w*diff, + m
+    return {"denominator": (den, 64.0), "step": (step, 24.0), "moment": (moment, 24.0)}
