@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxguard.core.opmodel import GPU_OP_MODELS, f32, gpu_kernel, is_decoupled, validate_hparams
+from jaxguard.core.opmodel import GPU_OP_MODELS, gpu_kernel, is_decoupled, validate_hparams
 from jaxguard.errors import ConfigError
 from torch_compat.float32 import fma_float32_numpy
 
@@ -58,7 +58,7 @@ class GpuArithmetic:
         hash that picks each rounding's side.
     """
 
-    def __init__(self, *, fma=False, approx="nearest", rng=None, lerp_weight_below_half=True):
+    def __init__(self, *, fma=False, approx="nearest", rng=None, lerp_weight_below_half=True, pow_fn=None):
         if approx not in APPROX_MODES:
             raise ConfigError(f"approx={approx!r} is unknown; use one of {', '.join(APPROX_MODES)}")
         if approx == "adversarial" and rng is None:
@@ -67,6 +67,7 @@ class GpuArithmetic:
         self.approx_mode = approx
         self.rng = rng
         self.lerp_weight_below_half = lerp_weight_below_half
+        self.pow_fn = pow_fn
         self.salt = np.uint64(rng.integers(0, 2**63)) if rng is not None else np.uint64(0)
 
     @staticmethod
@@ -74,28 +75,67 @@ class GpuArithmetic:
         return np.asarray(x, np.float32)
 
     def add(self, a, b):
+        """IEEE float32 ``a + b``.
+
+        Args:
+          a, b: float32 operands (broadcastable).
+        """
         return self._f32(a) + self._f32(b)
 
     def sub(self, a, b):
+        """IEEE float32 ``a - b``.
+
+        Args:
+          a, b: float32 operands.
+        """
         return self._f32(a) - self._f32(b)
 
     def mul(self, a, b):
+        """IEEE float32 ``a * b``.
+
+        Args:
+          a, b: float32 operands.
+        """
         return self._f32(a) * self._f32(b)
 
     def div(self, a, b):
+        """IEEE float32 ``a / b`` (nvcc's default ``--prec-div=true``).
+
+        Args:
+          a, b: float32 operands.
+        """
         return self._f32(a) / self._f32(b)
 
     def neg(self, a):
+        """``-a`` (exact).
+
+        Args:
+          a: a float32 operand.
+        """
         return -self._f32(a)
 
     def sqrt(self, x):
+        """IEEE float32 square root (nvcc's default ``--prec-sqrt=true``).
+
+        Args:
+          x: a float32 operand.
+        """
         return np.sqrt(self._f32(x))
 
     def fma(self, a, b, c):
+        """Correctly rounded float32 ``fma(a, b, c)`` (an explicit ``std::fma``).
+
+        Args:
+          a, b, c: float32 operands.
+        """
         return fma_float32_numpy(a, b, c)
 
     def madd(self, a, b, c):
-        """``a*b + c`` as the compiler may emit it: fused where `contract` is true."""
+        """``a*b + c`` as the compiler may emit it: fused where `contract` is true.
+
+        Args:
+          a, b, c: float32 operands.
+        """
         if self.contract is False:
             return self.add(self.mul(a, b), c)
         if self.contract is True:
@@ -106,7 +146,15 @@ class GpuArithmetic:
         """An approximate op's float32 result from its (float64) value: the nearest float32,
         or (adversarial) per element the farthest float32 within `ulps` ulp of the value
         on a random side (or the nearest), never of the other sign; an exact zero stays
-        zero.  ``ulps = 1`` picks one of the two float32 that bracket the value."""
+        zero.  ``ulps = 1`` picks one of the two float32 that bracket the value.
+
+        Args:
+          x64: the op's value (float64 array).
+          ulps: its documented error bound in float32 ulp.
+
+        Returns:
+          float32 array.
+        """
         x64 = np.asarray(x64, np.float64)
         near = x64.astype(np.float32)
         if self.approx_mode == "nearest":
@@ -128,21 +176,43 @@ class GpuArithmetic:
 
     def round64(self, x64):
         """A float64 evaluation rounded once to float32 (adversarial: either neighbour, a
-        1-ulp allowance that also covers FMA contraction inside the double evaluation)."""
+        1-ulp allowance that also covers FMA contraction inside the double evaluation).
+
+        Args:
+          x64: the double result.
+        """
         return self.approx(x64, 1.0)
 
     def div_approx(self, a, b, ulps):
-        """float32 ``a / b`` within `ulps` ulp (PTX ``div.full.f32``: 2)."""
+        """float32 ``a / b`` within `ulps` ulp (PTX ``div.full.f32``: 2).
+
+        Args:
+          a, b: float32 operands.
+          ulps: the error allowed.
+        """
         return self.approx(np.asarray(a, np.float64) / np.asarray(b, np.float64), ulps)
 
     def sqrt_approx(self, x, ulps):
-        """float32 sqrt within `ulps` ulp (0.5: IEEE)."""
+        """float32 sqrt within `ulps` ulp (0.5: IEEE).
+
+        Args:
+          x: a float32 operand.
+          ulps: the error allowed.
+        """
         if ulps <= 0.5:
             return self.sqrt(x)
         return self.approx(np.sqrt(np.asarray(x, np.float64)), ulps)
 
     def pow_approx(self, x, y, ulps):
-        """float32 ``powf(x, y)`` within `ulps` ulp (CUDA's powf: documented 4, allowed 8)."""
+        """float32 ``powf(x, y)`` within `ulps` ulp (CUDA's powf: documented 4, allowed 8);
+        `pow_fn` (the device's own powf, bench/gpu_check.py) replaces it when given.
+
+        Args:
+          x, y: base and exponent (float32 scalars).
+          ulps: the error allowed.
+        """
+        if self.pow_fn is not None:
+            return np.float32(self.pow_fn(float(x), float(y)))
         return self.approx(np.power(np.asarray(x, np.float64), np.asarray(y, np.float64)), ulps)
 
 
@@ -162,7 +232,7 @@ class GpuScalars(NamedTuple):
     t: int
 
 
-def gpu_scalars(*, step, lr, betas, eps, weight_decay) -> GpuScalars:
+def _gpu_scalars(*, step, lr, betas, eps, weight_decay) -> GpuScalars:
     """The host-side scalars, as torch's Python code forms them (the step is ``step + 1``)."""
     b1, b2 = float(betas[0]), float(betas[1])
     t = int(step) + 1
@@ -196,7 +266,7 @@ def _torch_moments(ar, g, m, v, s: GpuScalars):
     return m_new, v_new
 
 
-def ops_torch_single(ar, p, g, m, v, s: GpuScalars, decoupled):
+def _ops_torch_single(ar, p, g, m, v, s: GpuScalars, decoupled):
     """`_single_tensor_adam` on CUDA (capturable=False): the division by the host scalar
     ``bias_correction2_sqrt`` is a multiply by its float32 reciprocal (BinaryDivTrueKernel)."""
     p, g = _torch_prologue(ar, p, g, s, decoupled)
@@ -207,7 +277,7 @@ def ops_torch_single(ar, p, g, m, v, s: GpuScalars, decoupled):
     return p_new, m_new, v_new
 
 
-def ops_torch_foreach(ar, p, g, m, v, s: GpuScalars, decoupled):
+def _ops_torch_foreach(ar, p, g, m, v, s: GpuScalars, decoupled):
     """`_multi_tensor_adam` on CUDA, capturable=False: host-double bias corrections, true
     division by ``bc2**0.5``, addcdiv ``p + step_size*(m/denom)``."""
     p, g = _torch_prologue(ar, p, g, s, decoupled)
@@ -222,7 +292,7 @@ def _device_bias(ar, beta, t, pow_ulps):
     return ar.sub(np.float32(1), ar.pow_approx(np.float32(beta), np.float32(t), pow_ulps))
 
 
-def ops_torch_foreach_capturable(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
+def _ops_torch_foreach_capturable(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
     """`_multi_tensor_adam` on CUDA, capturable=True: ``_foreach_pow(beta, steps)``, sub 1,
     neg (bc2), div by lr, reciprocal (``-step_size``), sqrt (bc2), then
     ``p + m / ((sqrt(v)/bc2_sqrt + eps) / -step_size)``."""
@@ -240,7 +310,7 @@ def ops_torch_foreach_capturable(ar, p, g, m, v, s: GpuScalars, decoupled, pow_u
     return p_new, m_new, v_new
 
 
-def ops_torch_fused_f64(ar, p, g, m, v, s: GpuScalars, decoupled):
+def _ops_torch_fused_f64(ar, p, g, m, v, s: GpuScalars, decoupled):
     """fused_adam_utils.cuh up to about torch 2.10: double hyperparameters, so the moment
     updates, ``step_size = lr/bc1`` and ``sqrt(v')/bc2_sqrt + eps`` are double
     expressions rounded once to float; ``param -= step_size*exp_avg/denom`` is float."""
@@ -261,7 +331,7 @@ def ops_torch_fused_f64(ar, p, g, m, v, s: GpuScalars, decoupled):
     return p_new, m_new, v_new
 
 
-def ops_torch_fused_f32(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
+def _ops_torch_fused_f32(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
     """fused_adam_utils.cuh after pytorch PRs 172505/173224: float throughout,
     ``exp_avg = fma(b1, m, fma(-b1, g, g))``, ``exp_avg_sq = fma(b2, v, fma(-b2, g*g, g*g))``,
     bias corrections by powf from the float step."""
@@ -282,7 +352,7 @@ def ops_torch_fused_f32(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
     return p_new, m_new, v_new
 
 
-def ops_optax_gpu(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps, div_ulps, sqrt_ulps):
+def _ops_optax_gpu(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps, div_ulps, sqrt_ulps):
     """optax ``scale_by_adam`` + ``add_decayed_weights`` + ``scale_by_learning_rate`` +
     ``apply_updates`` as XLA:GPU runs it: float32 ``decay**count`` by powf, divisions
     ``div.full.f32`` (2 ulp), sqrt through libdevice."""
@@ -302,7 +372,7 @@ def ops_optax_gpu(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps, div_ulps, 
 
 
 def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                  fma=False, approx="nearest", rng=None):
+                  fma=False, approx="nearest", rng=None, pow_fn=None):
     """One Adam step of a GPU op model's kernel, simulated in numpy float32 (on CPU).
 
     Args:
@@ -313,6 +383,8 @@ def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-
       fma: contract multiply-adds (bool, or a bool array per element).
       approx: ``"nearest"`` or ``"adversarial"`` (module docstring).
       rng: a `numpy.random.Generator`, for ``approx="adversarial"``.
+      pow_fn: ``pow_fn(base, exponent) -> float32``, the device's powf for the bias
+        corrections (a bit-exact replay on a GPU feeds the device's value in).
 
     Returns:
       ``(p_new, m_new, v_new)``, float32 arrays.
@@ -329,18 +401,19 @@ def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-
     for name, x in zip("pgmv", arrays):
         if x.dtype != np.float32:
             raise ConfigError(f"{name} has dtype {x.dtype}; the GPU simulations are float32: pass float32 arrays")
-    s = gpu_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    ar = GpuArithmetic(fma=fma, approx=approx, rng=rng, lerp_weight_below_half=bool(abs(s.lerp_weight) < 0.5))
+    s = _gpu_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    ar = GpuArithmetic(fma=fma, approx=approx, rng=rng, lerp_weight_below_half=bool(abs(s.lerp_weight) < 0.5),
+                       pow_fn=pow_fn)
     decoupled = is_decoupled(op_model)
     impl = kernel.implementation
     extra = {"foreach-capturable": (kernel.pow_ulps,), "fused-f32": (kernel.pow_ulps,),
              "xla-gpu": (kernel.pow_ulps, kernel.div_ulps, kernel.sqrt_ulps)}.get(impl, ())
-    fn = {"single": ops_torch_single, "foreach": ops_torch_foreach,
-          "foreach-capturable": ops_torch_foreach_capturable, "fused-f64": ops_torch_fused_f64,
-          "fused-f32": ops_torch_fused_f32, "xla-gpu": ops_optax_gpu}[impl]
+    fn = {"single": _ops_torch_single, "foreach": _ops_torch_foreach,
+          "foreach-capturable": _ops_torch_foreach_capturable, "fused-f64": _ops_torch_fused_f64,
+          "fused-f32": _ops_torch_fused_f32, "xla-gpu": _ops_optax_gpu}[impl]
     with np.errstate(all="ignore"):
         out = fn(ar, *arrays, s, decoupled, *extra)
     return tuple(np.asarray(x, np.float32) for x in out)
 
 
-__all__ = ["APPROX_MODES", "GpuArithmetic", "GpuScalars", "gpu_scalars", "simulate_step", "f32"]
+__all__ = ["APPROX_MODES", "GpuArithmetic", "GpuScalars", "simulate_step"]
