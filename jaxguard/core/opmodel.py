@@ -21,8 +21,18 @@ count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
   ``const_rel`` bounds their relative gap to optax's float32 ``pow`` values (4 ulp
   allowed, 0.70 measured), which the native allowance in `jaxguard.core.bound` adds.
 
+* GPU op models (`GPU_OP_MODELS`: ``torch-adam[w]-cuda``, ``-cuda-foreach``,
+  ``-cuda-foreach-capturable``, ``-cuda-fused-f64``, ``-cuda-fused-f32``,
+  ``optax-adam[w]-gpu``; read from source, simulated on CPU, not measured on a GPU:
+  docs/gpu.md): host-constant kernels take the torch constants above (fused-f64 its
+  double betas); device-constant ones (capturable, fused-f32, XLA:GPU) form
+  ``1 - powf(f32(b), t)`` in float32, so `S`, `B` are exact from the float32 betas and
+  ``const_rel`` covers powf's 8 ulp and the roundings after it (docs/bound.md, section
+  9); they keep the step in float32 and refuse ``step + 1 >= 2**24``.
+  `resolve_op_model` picks the model as torch's ``_default_to_fused_or_foreach`` does.
+
 The bit-exact replay of torch's update (and the textbook one that fails it) live in
-torch_compat.replay.
+torch_compat.replay; the GPU kernels' simulations in torch_compat.gpu_sim.
 """
 from __future__ import annotations
 
