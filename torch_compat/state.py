@@ -207,7 +207,13 @@ def check_optimizer_state(opt_sd) -> None:
                 raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
         if idx in groups and isinstance(st["exp_avg"], torch.Tensor) and st["exp_avg"].device.type != "cpu":
             gi, g = groups[idx]
-            op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
+            try:
+                op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
+            except UnsupportedOptimizerError as exc:
+                impl = implementation_of(g, gi)
+                has = f"has {impl}=True" if impl != "single" else "runs the single-tensor kernel"
+                raise UnsupportedOptimizerError(f"param group {gi} {has} with its state on {st['exp_avg'].device}: "
+                                                f"{str(exc).split(': ', 1)[-1]}") from None
         for key in ("exp_avg", "exp_avg_sq"):
             if st[key].dtype != torch.float32:
                 raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
