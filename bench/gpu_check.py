@@ -140,12 +140,16 @@ def part_replay(n, lines, torch):
             row = []
             for fma in (True, False):
                 pow_fn = foreach_pow if "capturable" in cand else tensor_pow if "fused" in cand else None
-                sim = simulate_step(cand, p, g, m, v, step=step, lr=lr, weight_decay=flags.get("weight_decay", 0.0),
-                                    fma=fma, pow_fn=pow_fn)
-                mis = [int((~_same(a, b)).sum()) for a, b in zip(got, sim)]
-                row.append("/".join(map(str, mis)))
-                if sum(mis) == 0 and matched is None:
-                    matched = f"{cand} (FMA {'on' if fma else 'off'})"
+                cells_fma = []
+                for recip in ((False, True) if "foreach" in cand else (False,)):
+                    sim = simulate_step(cand, p, g, m, v, step=step, lr=lr,
+                                        weight_decay=flags.get("weight_decay", 0.0), fma=fma, pow_fn=pow_fn,
+                                        recip=recip)
+                    mis = [int((~_same(a, b)).sum()) for a, b in zip(got, sim)]
+                    cells_fma.append("/".join(map(str, mis)) + (" (recip)" if recip else ""))
+                    if sum(mis) == 0 and matched is None:
+                        matched = f"{cand} (FMA {'on' if fma else 'off'}{', reciprocal' if recip else ''})"
+                row.append("; ".join(cells_fma))
             cells.append((cand, row))
         for cand, row in cells:
             lines.append(f"| {label} | {cand}{' (resolved)' if cand == resolved else ''} | {row[0]} | {row[1]} | "

@@ -105,6 +105,9 @@ def test_simulations_are_the_documented_arithmetic():
     for fma in (False, True):
         out = simulate_step("torch-adam-cuda-fused-f32", p, g, m, v, step=step, lr=lr, fma=fma)
         np.testing.assert_array_equal(out[1], fma_float32_numpy(F(b1), m, fma_float32_numpy(-F(b1), g, g)))
+    # foreach's division by the host scalar: true division, or (recip) the reciprocal multiply
+    out = simulate_step("torch-adamw-cuda-foreach", p, g, m, v, step=step, lr=lr, eps=eps, weight_decay=wd, recip=True)
+    np.testing.assert_array_equal(out[0], p_dec + S * (m1 / (np.sqrt(v1) * (F(1) / Bsq) + F(eps))))
     # contraction: torch's addcmul as fma(c2, g*g, v*b2)
     out = simulate_step("torch-adam-cuda-foreach", p, g, m, v, step=step, lr=lr, fma=True)
     np.testing.assert_array_equal(out[2], fma_float32_numpy(c2, g * g, v * F(b2)))

@@ -241,7 +241,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         whichever is given.
       approx: GPU op models only (`torch_compat.gpu_sim`): ``"adversarial"`` rounds every
         approximate op to the worst float32 its error allows, ``"nearest"`` to the nearest;
-        each case's kernel contracts multiply-adds to FMA or not (drawn, 50%).
+        each case's kernel contracts multiply-adds to FMA or not, and (foreach) divides
+        by a host scalar through its reciprocal or not (drawn, 50% each).
 
     Returns:
       A dict: cases, failures (finite bound below the actual difference, or a NaN
@@ -327,10 +328,12 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                         weight_decay=float(wds[grp]))
             if gpu:
                 fma = np.repeat(sim_rng.random(nr) < 0.5, P)
+                recip = np.repeat(sim_rng.random(nr) < 0.5, P)
                 out, _, _ = simulate_step(op_model, np.concatenate([pp, pp]), np.concatenate([gg, gg]),
                                           np.concatenate([np.repeat(d["m"][rows], P), np.repeat(d["mt"][rows], P)]),
                                           np.concatenate([np.repeat(d["v"][rows], P), np.repeat(d["vt"][rows], P)]),
-                                          fma=np.concatenate([fma, fma]), approx=approx, rng=sim_rng, **args)
+                                          fma=np.concatenate([fma, fma]), recip=np.concatenate([recip, recip]),
+                                          approx=approx, rng=sim_rng, **args)
                 p1, p2 = out[:nr * P].astype(np.float64), out[nr * P:].astype(np.float64)
                 with np.errstate(invalid="ignore"):
                     diff = np.where(np.isfinite(p1) & np.isfinite(p2), np.abs(p1 - p2), np.inf)
@@ -392,7 +395,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         "op_model": op_model, "weight_decay": wd if not decoupled else "0.01; edge groups lr*wd in [0.5, 30]",
         "betas": list(BETAS), "eps": EPS,
         "levels": list(LEVEL_RANGE), "partition": "mixed",
-        "variant": ({"simulation": "torch_compat.gpu_sim (CPU, not a GPU)", "approx": approx, "fma": "per case, 50%"}
+        "variant": ({"simulation": "torch_compat.gpu_sim (CPU, not a GPU)", "approx": approx, "fma": "per case, 50%",
+                     "recip": "per case, 50% (foreach scalar division)"}
                     if gpu else variant.to_dict()),
         "implementation": implementation, "tail_cases": tail_cases,
         "worst": worst, "failure_examples": examples,

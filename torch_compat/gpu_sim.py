@@ -58,7 +58,8 @@ class GpuArithmetic:
         hash that picks each rounding's side.
     """
 
-    def __init__(self, *, fma=False, approx="nearest", rng=None, lerp_weight_below_half=True, pow_fn=None):
+    def __init__(self, *, fma=False, approx="nearest", rng=None, lerp_weight_below_half=True, pow_fn=None,
+                 recip=False):
         if approx not in APPROX_MODES:
             raise ConfigError(f"approx={approx!r} is unknown; use one of {', '.join(APPROX_MODES)}")
         if approx == "adversarial" and rng is None:
@@ -68,6 +69,7 @@ class GpuArithmetic:
         self.rng = rng
         self.lerp_weight_below_half = lerp_weight_below_half
         self.pow_fn = pow_fn
+        self.recip = recip
         self.salt = np.uint64(rng.integers(0, 2**63)) if rng is not None else np.uint64(0)
 
     @staticmethod
@@ -129,6 +131,20 @@ class GpuArithmetic:
           a, b, c: float32 operands.
         """
         return fma_float32_numpy(a, b, c)
+
+    def div_scalar(self, a, b):
+        """``a / b`` for a host scalar `b`: true division, or (where `recip` is true) a
+        multiply by the float32 reciprocal, as CUDA's scalar-division kernels may do.
+
+        Args:
+          a: float32 array; b: float32 scalar.
+        """
+        if self.recip is False:
+            return self.div(a, b)
+        by_recip = self.mul(a, self.div(np.float32(1), b))
+        if self.recip is True:
+            return by_recip
+        return np.where(self.recip, by_recip, self.div(a, b)).astype(np.float32)
 
     def madd(self, a, b, c):
         """``a*b + c`` as the compiler may emit it: fused where `contract` is true.
@@ -279,10 +295,11 @@ def _ops_torch_single(ar, p, g, m, v, s: GpuScalars, decoupled):
 
 def _ops_torch_foreach(ar, p, g, m, v, s: GpuScalars, decoupled):
     """`_multi_tensor_adam` on CUDA, capturable=False: host-double bias corrections, true
-    division by ``bc2**0.5``, addcdiv ``p + step_size*(m/denom)``."""
+    division by ``bc2**0.5`` (or, ``recip``, a multiply by its reciprocal), addcdiv
+    ``p + step_size*(m/denom)``."""
     p, g = _torch_prologue(ar, p, g, s, decoupled)
     m_new, v_new = _torch_moments(ar, g, m, v, s)
-    denom = ar.add(ar.div(ar.sqrt(v_new), s.bias_correction2_sqrt), np.float32(s.eps))
+    denom = ar.add(ar.div_scalar(ar.sqrt(v_new), s.bias_correction2_sqrt), np.float32(s.eps))
     p_new = ar.madd(s.neg_step_size, ar.div(m_new, denom), p)
     return p_new, m_new, v_new
 
@@ -302,7 +319,7 @@ def _ops_torch_foreach_capturable(ar, p, g, m, v, s: GpuScalars, decoupled, pow_
     b2t = ar.pow_approx(np.float32(s.beta2), np.float32(s.t), pow_ulps)
     bc1 = ar.sub(b1t, np.float32(1))                              # beta1^t - 1 (negative)
     bc2 = ar.neg(ar.sub(b2t, np.float32(1)))                      # 1 - beta2^t
-    neg_step = ar.div(np.float32(1), ar.div(bc1, np.float32(s.lr)))   # lr / (beta1^t - 1)
+    neg_step = ar.div(np.float32(1), ar.div_scalar(bc1, np.float32(s.lr)))   # lr / (beta1^t - 1)
     bc2_sqrt = ar.sqrt(bc2)
     denom = ar.add(ar.div(ar.sqrt(v_new), bc2_sqrt), np.float32(s.eps))
     denom = ar.div(denom, neg_step)
@@ -372,7 +389,7 @@ def _ops_optax_gpu(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps, div_ulps,
 
 
 def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                  fma=False, approx="nearest", rng=None, pow_fn=None):
+                  fma=False, approx="nearest", rng=None, pow_fn=None, recip=False):
     """One Adam step of a GPU op model's kernel, simulated in numpy float32 (on CPU).
 
     Args:
@@ -383,6 +400,8 @@ def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-
       fma: contract multiply-adds (bool, or a bool array per element).
       approx: ``"nearest"`` or ``"adversarial"`` (module docstring).
       rng: a `numpy.random.Generator`, for ``approx="adversarial"``.
+      recip: foreach kernels: divide by a host scalar through its reciprocal (bool or
+        bool array per element; not known from source which, so both are covered).
       pow_fn: ``pow_fn(base, exponent) -> float32``, the device's powf for the bias
         corrections (a bit-exact replay on a GPU feeds the device's value in).
 
@@ -403,7 +422,7 @@ def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-
             raise ConfigError(f"{name} has dtype {x.dtype}; the GPU simulations are float32: pass float32 arrays")
     s = _gpu_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     ar = GpuArithmetic(fma=fma, approx=approx, rng=rng, lerp_weight_below_half=bool(abs(s.lerp_weight) < 0.5),
-                       pow_fn=pow_fn)
+                       pow_fn=pow_fn, recip=recip)
     decoupled = is_decoupled(op_model)
     impl = kernel.implementation
     extra = {"foreach-capturable": (kernel.pow_ulps,), "fused-f32": (kernel.pow_ulps,),
