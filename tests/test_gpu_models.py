@@ -236,3 +236,23 @@ def test_cli_compress_help_lists_the_op_models():
     text = " ".join(out.stdout.split())
     for name in ("torch-adam-cuda-foreach-capturable", "torch-adamw-cuda-fused-f64"):
         assert name in text.replace("- ", "-")
+
+
+def test_cli_compress_for_the_gpu_kernel(tmp_path):
+    import subprocess
+    import sys
+    torch.manual_seed(1)
+    model = torch.nn.Linear(32, 8)
+    opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step()
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
+    out = subprocess.run([sys.executable, "-m", "jaxguard", "compress", str(ckpt), "-o", str(tmp_path / "c.jg"),
+                          "--op-model", "torch-adam-cuda-foreach", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    _, header = torch_compat.restore_tree(tmp_path / "c.jg")
+    assert header["op_model"] == "torch-adam-cuda-foreach"
