@@ -177,7 +177,8 @@ def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
     dev = torch.device(DEVICE)
     lines.append("## 3. Real CUDA torch audit of a guarded checkpoint\n")
     lines.append("| optimizer | certified op model | escape rate | max gap / lr | over tau |\n|---|---|---|---|---|")
-    grid = np.concatenate([np.linspace(-clip, clip, 17), clip * 2.0 ** -np.arange(1, 30), -clip * 2.0 ** -np.arange(1, 30)])
+    tiny = clip * 2.0 ** -np.arange(1, 30)
+    grid = np.concatenate([np.linspace(-clip, clip, 17), tiny, -tiny])
     for cls, flags in (("Adam", {}), ("AdamW", dict(fused=True, weight_decay=0.01))):
         model, opt = _train(torch, cls, flags, dev)
         with tempfile.TemporaryDirectory() as d:

@@ -82,7 +82,8 @@ def main(argv=None):
     lines = [f"# GPU op models: enclosure audit against the CPU simulations ({a.cases:,} cases each)", "",
              "Simulated on CPU (`torch_compat/gpu_sim.py`): **no GPU ran**. Adversarial rounding of every approximate "
              "op (powf 8 ulp, div.full.f32 2 ulp, libdevice sqrt 2 ulp, double-then-float either neighbour), FMA "
-             "contraction and (foreach) reciprocal-multiply scalar division drawn per case, 25% of cases at float32's edges, 25% of groups with odd betas/eps, 8% "
+             "contraction and (foreach) reciprocal-multiply scalar division drawn per case, 25% of cases at "
+             "float32's edges, 25% of groups with odd betas/eps, 8% "
              "subnormal p or g. Machine: 2-core AMD EPYC shared with other work (times are not quiet-machine "
              f"times). `PYTHONPATH=$PWD python bench/gpu_enclosure.py --cases {a.cases}` ({result['seconds']:.0f} s).",
              "", "| op model | failures | closed-form failures | max actual/bound | escaped | edge finite | "

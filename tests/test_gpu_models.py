@@ -23,7 +23,8 @@ def test_bound_encloses_gpu_simulation(op_model):
     cases at float32's edges, odd hyperparameter groups, subnormal p and g."""
     rep = audit_enclosure(8192, op_model=op_model, seed=11)
     assert rep["cases"] == 8192 and rep["nan_bounds"] == 0
-    assert rep["failures"] == 0 and rep["fast"]["failures"] == 0, rep["failure_examples"] + rep["fast"]["failure_examples"]
+    examples = rep["failure_examples"] + rep["fast"]["failure_examples"]
+    assert rep["failures"] == 0 and rep["fast"]["failures"] == 0, examples
     assert 0 < rep["max_ratio"] <= 1 and rep["edge_finite"] > 0
     assert rep["variant"]["approx"] == "adversarial"
 

@@ -282,7 +282,8 @@ def op_model_of(group, device_type="cpu", op_model=None, gi=0) -> str:
     try:
         return resolve_op_model(device_type, foreach=group.get("foreach"), fused=group.get("fused"),
                                 capturable=bool(group.get("capturable", False)), decoupled=decoupled,
-                                torch_version=torch.__version__, differentiable=bool(group.get("differentiable", False)),
+                                torch_version=torch.__version__,
+                                differentiable=bool(group.get("differentiable", False)),
                                 lr_is_tensor=isinstance(group.get("lr"), torch.Tensor), op_model=op_model)
     except ConfigError as exc:
         raise UnsupportedOptimizerError(f"param group {gi}: {exc}") from None
@@ -745,7 +746,8 @@ def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=F
                                              op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
     certified = next((e[3]["op_model"] for e in entries if e[0] == "moments"), None)
-    data = container.build(entries, meta, extra_header={"tau": tau, "clip": clip, "codec": codec, "op_model": certified})
+    data = container.build(entries, meta,
+                           extra_header={"tau": tau, "clip": clip, "codec": codec, "op_model": certified})
     container.atomic_write(path, data)
     return _summary(totals, len(data))
 
