@@ -16,7 +16,7 @@ and certification throughput from 1M to 100M coordinates.
    (``XDG_CACHE_HOME``): it pays the variant detection and the XLA compilations and fills
    the caches; then one compress with ``jax_log_compiles`` counts the programs compiled
    vs read from the persistent cache, and whether the variant came from its cache.
-3. In-process encode throughput (`torch_compat.state.compress_state_stream`, slabs as in
+3. In-process encode throughput (`jaxguard.writer.encode` of `torch_compat.state.state_records`, slabs as in
    the CLI) on the trained state tiled to each --sweep size (millions of coordinates),
    after one warm-up; the least-squares slope seconds/coordinate is reported.
 
@@ -146,11 +146,12 @@ def sweep(base, sizes_m, codec="log8-rel"):
         ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
         totals = new_totals()
         t = time.perf_counter()
-        _, stream = S.compress_state_stream(ck["optimizer"], ck["model"], totals, codec=codec)
+        from jaxguard import writer
+        _, records = S.state_records(ck["optimizer"], ck["model"], codec=codec)
         fast = 0
-        for kind, _, enc, _ in stream:
-            if kind == "moments":
-                fast += enc.stats["certified_fast"]
+        for e in writer.encode(records, totals):
+            if isinstance(e, writer.Moments):
+                fast += e.encoded.stats["certified_fast"]
         return time.perf_counter() - t, totals, fast
 
     run(2)   # warm-up: compiles every slab shape once

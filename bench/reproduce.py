@@ -1,6 +1,7 @@
-"""Reproduce the paper's full-checkpoint figures (PAPERS.md section A) on the small models
-of torch_compat.models: a byte-level transformer (stdlib source text) and a residual CNN with
-BatchNorm (sklearn digits), 4 seeds each, Adam checkpoints at 10/50/100% of training.
+"""Reproduce the full-checkpoint figures of guarded compression with shared-gradient bounds
+(docs/papers.md section A) on the small models of torch_compat.models: a byte-level
+transformer (stdlib source text) and a residual CNN with BatchNorm (sklearn digits), 4 seeds
+each, Adam checkpoints at 10/50/100% of training.
 
 Usage:
     python bench/reproduce.py                 # full run (resumable; ~40-60 min on 2 shared cores)
@@ -72,7 +73,7 @@ PAPER_ABLATION = {"separate ranges": (988_820, 1.2663), "shared, linear partitio
 PAPER_COORDS = 1_000_000
 MODEL_NAMES = {"transformer": "ByteTransformer (stdlib source bytes)",
                "cnn": "ResidualCNN (BatchNorm, sklearn digits)"}
-# PAPERS.md A, full checkpoints: (10%, 50%, 100%)
+# the paper's full-checkpoint table (docs/papers.md A): (10%, 50%, 100%)
 PAPER = {
     "transformer": {"name": "OPT-125M", "log8_reduction": (71.67, 69.44, 67.35), "vs_bf16": (45.08, 40.76, 36.69),
                     "vs_block8": (27.33, 29.08, 31.49), "container_reduction": (48.77, 48.46, 47.09),
@@ -427,7 +428,7 @@ def write_markdown(path, result, codecs):
                          f"({s['loss_delta']['min']:+.1e}..{s['loss_delta']['max']:+.1e}) |")
     # paper comparison (its figures are log8's)
     if "log8" in codecs:
-        L += ["", "## Beside the paper (PAPERS.md A; ours: mean over seeds)", "",
+        L += ["", "## Beside the paper (docs/papers.md A; ours: mean over seeds)", "",
               "| model (paper's) | figure | ours " + " / ".join(f"{int(100 * f)}%" for f in fracs)
               + " | paper 10% / 50% / 100% |", "|---|---|---|---|"]
     for m in (models if "log8" in codecs else ()):

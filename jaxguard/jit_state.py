@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxguard.core import codes, jit_encode
 from jaxguard import sharded
-from jaxguard import audit
+from jaxguard import audit, writer
+from jaxguard.format import container
 from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig
@@ -243,7 +244,8 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
                     nxt = offs[i + 1][0] if i + 1 < len(offs) else total
                     parts.append(jnp.concatenate([x, jnp.zeros((nxt - o - n,), jnp.float32)]))
                 cols.append(jnp.concatenate(parts))
-            je = jit_encode.encode_traced(cols[0], cols[1], cols[2], k, cfg, capacity, E)
+            sample = np.concatenate([o + jit_encode.sample_positions(n, container.SAMPLE_EVERY) for o, n in offs])
+            je = jit_encode.encode_traced(cols[0], cols[1], cols[2], k, cfg, capacity, E, sample=sample)
             return jax.tree_util.tree_map(lambda a: a[None], je)
 
         if mesh is None:
@@ -311,7 +313,8 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
         offs, _ = _group_offsets(plans)
         cfg = host["configs"][site]
         shards = {k: {s.device: s.data for s in a.addressable_shards} for k, a in je.arrays.items()}
-        for pl, (o, n) in zip(plans, offs):
+        starts = np.cumsum([0] + [jit_encode.sample_positions(n, container.SAMPLE_EVERY).size for _, n in offs])
+        for pl, (o, n), s0, s1 in zip(plans, offs, starts[:-1], starts[1:]):
             if mesh is None:
                 dev = next(iter(shards["m_codes"]))
                 writers = {dev: (0, (0,) * len(pl.shape))} if dev.process_index == me else {}
@@ -333,14 +336,15 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
                           "escape_m": a["escape_m"][:idx.size][sel], "escape_v": a["escape_v"][:idx.size][sel],
                           "escape_count": np.int32(sel.sum()), "overflow": np.int32(0)}
                 enc = jit_encode.to_encoded(jit_encode.JitEncoded(arrays, je.codec, _local_shape(pl)))
-                items.append((pl.entry, start, ("moments", enc, info)))
-                for k in ("coordinates", "escapes", "payload_bytes", "raw_fp32_bytes"):
-                    totals[k] += enc.stats[k]
+                # what this device's program certified, at the blocks the container writer checks
+                enc.decoded = {"positions": jit_encode.sample_positions(n, container.SAMPLE_EVERY),
+                               "m": a["sample_m"][s0:s1], "v": a["sample_v"][s0:s1]}
+                items.append((pl.entry, start, writer.Moments("", enc, info)))
     for path_, leaf in encoded.raw.items():
         entry = next(lf["entry"] for lf in host["leaves"] if lf["path"] == path_)
         for _, start, data in sharded.local_shards(leaf, primary):
             arr = np.asarray(data)
-            items.append((entry, start, ("raw", arr, sharded.container.numpy_dtype_name(arr))))
+            items.append((entry, start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
     common = sharded.common_meta(host["sites"], host["leaves"], host["treedef"], tau=host["tau"],
                                  clip=host["clip"], codec=host["codec"])
     return sharded.write_and_commit(d, items, totals, common, primary=primary)

@@ -16,9 +16,11 @@ Hyperparameters of the next update, per Adam state: ``lr`` (argument, required: 
 number, or the optax schedule, evaluated at the state's ``count``; an `inject_hyperparams`
 state holds the last update's rate, which a schedule may have changed); ``b1``, ``b2``, ``eps`` and
 ``weight_decay`` likewise from the enclosing `inject_hyperparams` state, else from the
-arguments.  The state alone cannot show an ``add_decayed_weights`` in a chain (its state
+arguments.  The state does not record an ``add_decayed_weights`` in a chain (its state
 is ``EmptyState``): for `optax.adamw` pass ``weight_decay=`` (or use
-``inject_hyperparams(optax.adamw)``, whose state carries it).  ``weight_decay > 0``
+``inject_hyperparams(optax.adamw)``, whose state carries it); a state laid out as
+``optax.adamw``'s saved without it is refused in one line, never guessed (optax.adamw's
+default decay is 1e-4, not 0).  ``weight_decay > 0``
 selects the ``optax-adamw`` op model.  `nesterov=True` and ``eps_root != 0`` are outside
 the pinned op model and cannot be detected from the state: do not use them.
 
@@ -37,8 +39,6 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 from __future__ import annotations
 
 from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
-import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -46,110 +46,22 @@ import numpy as np
 import optax
 
 from jaxguard.format import container
-from jaxguard.core import codecs as _codecs
-from jaxguard.core import guard as _guard
-from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.guard import GuardConfig, encode
+from jaxguard.errors import CheckpointError
 from jaxguard import audit as _audit
+from jaxguard import sharded as _sharded
+from jaxguard import writer
 from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted, dtype_name,  # noqa: F401
-                                  find_adam_states, flat_by_dotted, key_str, moment_pairs)
+                                  find_adam_states, flat_by_dotted, key_str, moment_pairs, site_config,
+                                  stored_like_leaf)
 
-BF16_TAU_FACTOR = 1.02
+BF16_TAU_FACTOR = writer.BF16_TAU_FACTOR
 
-NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
-         "update, a float, or the optax schedule, evaluated at the state's count)")
-LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learning_rate {last:g} is the last "
-           "update's and a schedule may change it: pass lr= (the next update's learning rate, e.g. lr={last:g} "
-           "for a constant one, or lr=schedule, evaluated at the state's count {count})")
-
-
-def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
-                codec=_DEFAULT_CODEC, lr_from_state=False) -> GuardConfig:
-    """The `GuardConfig` of one Adam site: the next update's hyperparameters.
-
-    Args:
-      lr: the next update's learning rate: a number, or a schedule (callable of the step
-        count, as given to optax) evaluated at the Adam state's ``count``, which is what
-        the next ``tx.update`` feeds it.  Required: an `inject_hyperparams` state holds the
-        *last* update's rate, which a schedule may already have changed.
-      lr_from_state: take a missing ``lr`` from the `inject_hyperparams` state anyway
-        (for conversions that certify nothing, e.g. `torch_compat.from_optax`).
-      site: from `jaxguard.optax_state.find_adam_states`.
-      weight_decay, betas, eps: override the `inject_hyperparams` values (defaults
-        0, (0.9, 0.999), 1e-8 when neither gives them).
-      tau, clip, codec: the contract and the codec id.
-
-    Returns:
-      The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
-
-    Raises:
-      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`, or a bad
-        hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
-      CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
-    """
-    hp = site.hparams
-    count = np.asarray(site.state.count)
-    if count.shape != () or not np.issubdtype(count.dtype, np.integer):
-        raise CheckpointError(f"{site.name}.count is {count.dtype}{list(count.shape)}; expected an integer scalar "
-                              "(the optax step count)")
-    if callable(lr):
-        lr_ = np.asarray(lr(count))
-        if lr_.shape != () or not np.issubdtype(lr_.dtype, np.number):
-            raise ConfigError(f"lr schedule returned {lr_.dtype}{list(lr_.shape)} at count {int(count)}; pass a "
-                              "schedule that returns a scalar learning rate")
-        lr_ = float(lr_)
-    elif lr is not None:
-        lr_ = lr
-    elif "learning_rate" in hp and not lr_from_state:
-        raise ConfigError(LAST_LR.format(path=site.name, last=hp["learning_rate"], count=int(count)))
-    else:
-        lr_ = hp.get("learning_rate")
-    if lr_ is None:
-        raise CheckpointError(NO_LR.format(path=site.name))
-    wd = weight_decay if weight_decay is not None else hp.get("weight_decay", 0.0)
-    b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
-    e = eps if eps is not None else hp.get("eps", 1e-8)
-    if hp.get("eps_root", 0.0):
-        raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
-                                        "optax op model covers eps_root=0 only")
-    return GuardConfig(lr=float(lr_), step=int(count), tau=tau, clip=clip, betas=b, eps=float(e),
-                       weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam", codec=codec)
-
-
-# ---------------------------------------------------------------- nu-only guard (bfloat16 mu)
-def encode_nu_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
-    """Code only `v`; `m` is kept exactly elsewhere (the m channel is all zeros).
-
-    Certified with ``m~ == m`` and ``tau / BF16_TAU_FACTOR`` (module docstring);
-    ``logrel-aw`` falls back to log8-rel's fixed-width v codes.
-
-    Args:
-      m: the first moment, the bfloat16 mu as float32 (stored exactly beside the codes).
-      v: the float32 second moment to code.
-      p: the float32 parameter.
-      config: the `GuardConfig` (its tau is divided by `BF16_TAU_FACTOR` here).
-
-    Returns:
-      The `Encoded` v codes; ``stats["payload_bytes"]`` includes the 2 bytes per
-      coordinate of the exact bfloat16 mu.
-    """
-    cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
-    if _codecs.get(cfg.codec).propose is None:   # host-chosen widths (logrel-aw/-ans): the nu-only path
-        cfg = dataclasses.replace(cfg, codec="log8-rel")   # codes v alone, with log8-rel's fixed-width v codes
-    enc = _guard.encode_v_only(m, v, p, cfg)
-    enc.stats["payload_bytes"] += 2 * enc.n   # the bfloat16 mu, stored exactly beside
-    return enc
-
-
-# ---------------------------------------------------------------- compress
-def _raw_entry(name, leaf):
-    arr = np.asarray(leaf)
-    return ("raw", name, arr, container.numpy_dtype_name(arr))
-
-
-def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
-                   betas=None, eps=None, prefix="state"):
-    """Certify and encode every Adam moment pair of `opt_state`; every other leaf raw.
+# ---------------------------------------------------------------- records for the writer
+def state_records(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
+                  betas=None, eps=None, prefix="state"):
+    """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
+    ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
+    `Raw` record per other leaf.
 
     Args:
       opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
@@ -158,9 +70,8 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
       prefix: the entry-name prefix of the state's leaves in the container.
 
     Returns:
-      ``(entries, state meta, totals)``: the container entries, the meta that `restore_state`
-      reads (``leaves``, ``sites``, ``treedef``) and the summed guard stats
-      (`jaxguard.audit.TOTAL_KEYS`).
+      ``(records, state meta)``: the records and the meta that `restore_state` reads
+      (``leaves``, ``sites``, ``treedef``).
 
     Raises:
       CheckpointError: no Adam state, moments without a matching param, shapes that differ,
@@ -174,9 +85,8 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
         raise CheckpointError(NO_ADAM)
     pflat = flat_by_dotted(params, "params")
     roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
-    entries = []
+    records = []
     sites_meta = []
-    totals = _audit.new_totals()
     for site in sites:
         cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
                           codec=codec)
@@ -184,19 +94,15 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
         for pair in moment_pairs(site, pflat):
             ename = f"{prefix}/moments/{pair.mu_path}"
             if pair.mu_dtype == "float32":
-                enc = encode(np.asarray(pair.mu), np.asarray(pair.nu), np.asarray(pair.p), cfg)
+                records.append(writer.MomentJob(ename, pair.mu, pair.nu, pair.p, cfg, {"param": pair.param}))
                 roles[pair.mu_path] = ("mu", ename)
-                info = {**cfg.to_json(), "mu_mode": "coded", "param": pair.param}
             else:
-                m32 = np.asarray(jnp.asarray(pair.mu).astype(jnp.float32))
-                enc = encode_nu_only(m32, np.asarray(pair.nu), np.asarray(pair.p), cfg)
                 raw_name = f"{prefix}/{pair.mu_path}"
-                entries.append(_raw_entry(raw_name, pair.mu))
+                records.append(_raw(raw_name, pair.mu))
+                records.append(writer.MomentJob(ename, np.asarray(jnp.asarray(pair.mu).astype(jnp.float32)), pair.nu,
+                                                pair.p, cfg, {"param": pair.param}, mu="exact"))
                 roles[pair.mu_path] = ("raw", raw_name)
-                info = {**cfg.to_json(), "mu_mode": "raw-bfloat16", "param": pair.param}
             roles[pair.nu_path] = ("nu", ename)
-            entries.append(("moments", ename, enc, info))
-            _audit.add_stats(totals, enc.stats)
     leaves_meta = []
     flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
     seen = set()
@@ -208,11 +114,16 @@ def compress_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEF
         kind, ename = roles.get(d, (None, None))
         if kind is None:
             ename = f"{prefix}/{d}"
-            entries.append(_raw_entry(ename, leaf))
+            records.append(_raw(ename, leaf))
             kind = "raw"
         leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
                             "shape": list(np.shape(leaf))})
-    return entries, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}, totals
+    return records, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}
+
+
+def _raw(name, leaf):
+    arr = np.asarray(leaf)
+    return writer.Raw(name, arr, container.numpy_dtype_name(arr))
 
 
 def summary(totals, container_bytes, raw_state_bytes=None):
@@ -256,22 +167,15 @@ def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_C
     Raises:
       ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
     """
-    t0 = time.perf_counter()
-    entries, smeta, totals = compress_state(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
-                                            weight_decay=weight_decay, betas=betas, eps=eps)
+    records, smeta = state_records(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
+                                   weight_decay=weight_decay, betas=betas, eps=eps)
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
     if include_params:
-        pentries = []
-        for name, leaf in flat_by_dotted(params, "params").items():
-            pentries.append(_raw_entry(f"params/{name}", leaf))
-        entries = entries + pentries
-        meta["params"] = [e[1][len("params/"):] for e in pentries]
-    cfgs = [s["config"] for s in smeta["sites"]]
-    extra = {"op_model": cfgs[0]["op_model"], "tau": tau, "clip": clip, "codec": codec}
-    data = container.build(entries, meta, extra_header=extra)
-    totals["encode_seconds"] = time.perf_counter() - t0
-    return data, summary(totals, len(data), state_nbytes(opt_state))
+        pnames = list(flat_by_dotted(params, "params"))
+        records += [_raw(f"params/{name}", leaf) for name, leaf in flat_by_dotted(params, "params").items()]
+        meta["params"] = pnames
+    return writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
 
 
 def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
@@ -299,7 +203,6 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
       CheckpointError, UnsupportedOptimizerError: see `compress_state`.
     """
     if sharded or (sharded is None and jax.process_count() > 1):
-        from jaxguard import sharded as _sharded
         return _sharded.save(path, opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
                              weight_decay=weight_decay, betas=betas, eps=eps, include_params=include_params)
     data, s = to_bytes(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec, weight_decay=weight_decay,
@@ -335,35 +238,6 @@ def _as_dtype(arr, dtype_name):
     if dtype_name == "bfloat16":
         return np.asarray(arr).view(jnp.bfloat16)
     return np.asarray(arr)
-
-
-def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
-    """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape and dtype.
-
-    Args:
-      stored: {dotted path: leaf record} of the saved state (``meta["state"]["leaves"]``).
-      d: the leaf's dotted path.
-      leaf: `like`'s leaf there.
-      source: how to name the checkpoint in the error.
-
-    Returns:
-      The record (``path``, ``kind``, ``entry``, ``dtype``, ``shape``).
-
-    Raises:
-      CheckpointError: one line naming the fix when the leaf is missing or its shape or dtype differs.
-    """
-    if d not in stored:
-        raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
-                              "optax transformation and params as the one saved (e.g. tx.init(params))")
-    s = stored[d]
-    shape, dt = tuple(np.shape(leaf)), dtype_name(leaf)
-    if tuple(s["shape"]) != shape:
-        raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
-                              "state initialised from params of the saved shapes")
-    if s["dtype"] != dt:
-        raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
-                              "with the same dtypes (e.g. the same mu_dtype)")
-    return s
 
 
 def restore_state(header, arrays, like, *, source="the file"):
@@ -430,7 +304,6 @@ def load(path, like):
       CheckpointError: `like` does not match what was saved, or the file is not optax state.
       ContainerError, ReaderError: the file is damaged.
     """
-    from jaxguard import sharded as _sharded
     if _sharded.is_sharded(path):
         return _sharded.load(path, like)
     header, arrays = read(path)
@@ -449,7 +322,6 @@ def load_params(path) -> dict:
     Raises:
       CheckpointError: the checkpoint holds no params.
     """
-    from jaxguard import sharded as _sharded
     if _sharded.is_sharded(path):
         man = _sharded.read_manifest(path)
         like = {p["path"]: np.zeros(p["shape"], jnp.bfloat16 if p["dtype"] == "bfloat16" else p["dtype"])

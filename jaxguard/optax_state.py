@@ -19,7 +19,9 @@ import jax
 import numpy as np
 import optax
 
-from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
+from jaxguard.core.config import DEFAULT_CODEC
+from jaxguard.core.guard import GuardConfig
+from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 
 INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
                                   getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
@@ -107,6 +109,9 @@ class AdamSite:
     path: tuple
     state: Any
     hparams: dict
+    # the state sits where optax.adamw's chain puts it (scale_by_adam, a stateless or
+    # masked transform, then the learning rate): its weight decay is not in the state
+    decay_layout: bool = False
 
     @property
     def name(self) -> str:
@@ -142,6 +147,27 @@ def _is_stop(x):
     return isinstance(x, (optax.ScaleByAdamState,) + INJECT_STATES)
 
 
+def _adamw_layouts(node, found=None) -> set:
+    """ids of the `ScaleByAdamState`s that a chain state holds as ``optax.adamw`` lays it
+    out: the Adam state, then an `EmptyState` or `MaskedState` (``add_decayed_weights``
+    is stateless), then at least one more state (the learning rate); ``optax.adam`` has
+    only the Adam state and the learning rate's."""
+    found = set() if found is None else found
+    if isinstance(node, optax.ScaleByAdamState):
+        return found
+    if isinstance(node, tuple) and not hasattr(node, "_fields"):
+        for i, x in enumerate(node):
+            if (isinstance(x, optax.ScaleByAdamState) and len(node) >= i + 3
+                    and isinstance(node[i + 1], (optax.EmptyState, optax.MaskedState))):
+                found.add(id(x))
+    children = node if isinstance(node, (tuple, list)) else node.values() if isinstance(node, dict) else ()
+    if hasattr(node, "_fields"):
+        children = tuple(node)
+    for x in children:
+        _adamw_layouts(x, found)
+    return found
+
+
 def find_adam_states(opt_state) -> list[AdamSite]:
     """Every `optax.ScaleByAdamState` in `opt_state`, in flattening order.
 
@@ -154,12 +180,13 @@ def find_adam_states(opt_state) -> list[AdamSite]:
       `inject_hyperparams` states enclosing it (inner ones win).
     """
     out: list[AdamSite] = []
+    decay_layout = _adamw_layouts(opt_state)
 
     def walk(node, prefix, hp):
         for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_stop)[0]:
             full = prefix + tuple(path)
             if isinstance(leaf, optax.ScaleByAdamState):
-                out.append(AdamSite(full, leaf, hp))
+                out.append(AdamSite(full, leaf, hp, id(leaf) in decay_layout))
             elif isinstance(leaf, INJECT_STATES):
                 walk(leaf.inner_state, full + (jax.tree_util.GetAttrKey("inner_state"),), {**hp, **_hparams(leaf)})
 
@@ -218,3 +245,99 @@ def moment_pairs(site: AdamSite, params_by_dotted: dict) -> list[MomentPair]:
             raise UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and bfloat16 mu")
         out.append(MomentPair(sub, site.leaf_path("mu", mpath), site.leaf_path("nu", npath), mu, nu, p, mdt))
     return out
+
+
+# ---------------------------------------------------------------- the next update of one site
+ADAMW_LAYOUT = ("the Adam state at {path!r} is laid out as optax.adamw's (scale_by_adam, a stateless transform, "
+                "then the learning rate), whose weight decay the state does not record: pass weight_decay= "
+                "(optax.adamw's default is 1e-4; weight_decay=0.0 if the chain has no add_decayed_weights)")
+NO_LR = ("no learning rate for the Adam state at {path!r}: pass lr= (the learning rate of the next "
+         "update, a float, or the optax schedule, evaluated at the state's count)")
+LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learning_rate {last:g} is the last "
+           "update's and a schedule may change it: pass lr= (the next update's learning rate, e.g. lr={last:g} "
+           "for a constant one, or lr=schedule, evaluated at the state's count {count})")
+
+
+def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
+                codec=DEFAULT_CODEC, lr_from_state=False) -> GuardConfig:
+    """The `GuardConfig` of one Adam site: the next update's hyperparameters.
+
+    Args:
+      lr: the next update's learning rate: a number, or a schedule (callable of the step
+        count, as given to optax) evaluated at the Adam state's ``count``, which is what
+        the next ``tx.update`` feeds it.  Required: an `inject_hyperparams` state holds the
+        *last* update's rate, which a schedule may already have changed.
+      lr_from_state: take a missing ``lr`` from the `inject_hyperparams` state anyway
+        (for conversions that certify nothing, e.g. `torch_compat.from_optax`).
+      site: from `jaxguard.optax_state.find_adam_states`.
+      weight_decay, betas, eps: override the `inject_hyperparams` values (defaults
+        0, (0.9, 0.999), 1e-8 when neither gives them).
+      tau, clip, codec: the contract and the codec id.
+
+    Returns:
+      The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
+
+    Raises:
+      ConfigError: no ``lr`` although the state is inside `inject_hyperparams`; no
+        ``weight_decay`` for a state laid out as ``optax.adamw``'s (the state does not
+        record it: never guessed); a bad hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
+      CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
+    """
+    hp = site.hparams
+    count = np.asarray(site.state.count)
+    if count.shape != () or not np.issubdtype(count.dtype, np.integer):
+        raise CheckpointError(f"{site.name}.count is {count.dtype}{list(count.shape)}; expected an integer scalar "
+                              "(the optax step count)")
+    if callable(lr):
+        lr_ = np.asarray(lr(count))
+        if lr_.shape != () or not np.issubdtype(lr_.dtype, np.number):
+            raise ConfigError(f"lr schedule returned {lr_.dtype}{list(lr_.shape)} at count {int(count)}; pass a "
+                              "schedule that returns a scalar learning rate")
+        lr_ = float(lr_)
+    elif lr is not None:
+        lr_ = lr
+    elif "learning_rate" in hp and not lr_from_state:
+        raise ConfigError(LAST_LR.format(path=site.name, last=hp["learning_rate"], count=int(count)))
+    else:
+        lr_ = hp.get("learning_rate")
+    if lr_ is None:
+        raise CheckpointError(NO_LR.format(path=site.name))
+    if weight_decay is None and "weight_decay" not in hp and site.decay_layout:
+        raise ConfigError(ADAMW_LAYOUT.format(path=site.name))
+    wd = weight_decay if weight_decay is not None else hp.get("weight_decay", 0.0)
+    b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
+    e = eps if eps is not None else hp.get("eps", 1e-8)
+    if hp.get("eps_root", 0.0):
+        raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
+                                        "optax op model covers eps_root=0 only")
+    return GuardConfig(lr=float(lr_), step=int(count), tau=tau, clip=clip, betas=b, eps=float(e),
+                       weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam", codec=codec)
+
+
+def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
+    """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape and dtype.
+
+    Args:
+      stored: {dotted path: leaf record} of the saved state (``meta["state"]["leaves"]``).
+      d: the leaf's dotted path.
+      leaf: `like`'s leaf there.
+      source: how to name the checkpoint in the error.
+
+    Returns:
+      The record (``path``, ``kind``, ``entry``, ``dtype``, ``shape``).
+
+    Raises:
+      CheckpointError: one line naming the fix when the leaf is missing or its shape or dtype differs.
+    """
+    if d not in stored:
+        raise CheckpointError(f"like has a leaf {d!r} that {source} does not hold; pass a state of the same "
+                              "optax transformation and params as the one saved (e.g. tx.init(params))")
+    s = stored[d]
+    shape, dt = tuple(np.shape(leaf)), dtype_name(leaf)
+    if tuple(s["shape"]) != shape:
+        raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
+                              "state initialised from params of the saved shapes")
+    if s["dtype"] != dt:
+        raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
+                              "with the same dtypes (e.g. the same mu_dtype)")
+    return s

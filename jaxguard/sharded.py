@@ -31,6 +31,7 @@ every other leaf is restored bit-exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -41,10 +42,10 @@ import numpy as np
 from etils import epath
 
 from jaxguard.format import container, reader
-from jaxguard import audit, optax_adapter, optax_state
+from jaxguard import audit, optax_state, writer
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted, moment_pairs
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.core.guard import DEFAULT_CODEC, encode_many
+from jaxguard.core.guard import DEFAULT_CODEC
 
 MANIFEST = "manifest.json"
 SCHEMA = "jaxguard-sharded"
@@ -163,7 +164,7 @@ def aligned(x, like):
 def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, weight_decay=None,
                betas=None, eps=None, prefix="state"):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
-    names as `optax_adapter.compress_state`, without touching any array's data.
+    names as `optax_adapter.state_records`, without touching any array's data.
 
     A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
     name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16").
@@ -177,7 +178,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
 
     Raises:
       CheckpointError, UnsupportedOptimizerError, ConfigError: as
-        `optax_adapter.compress_state` (no Adam state, mismatched params, dtypes, lr).
+        `optax_adapter.state_records` (no Adam state, mismatched params, dtypes, lr).
     """
     hstate = host_scalars(opt_state)
     sites = find_adam_states(hstate)
@@ -187,7 +188,7 @@ def plan_state(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=DEFAULT_
     oflat = flat_by_dotted(opt_state, "opt_state")
     roles, pairs, sites_meta = {}, [], []
     for si, site in enumerate(sites):
-        cfg = optax_adapter.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau,
+        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau,
                                         clip=clip, codec=codec)
         sites_meta.append({"path": site.name, "config": cfg.to_json(), "count_path": site.leaf_path("count")})
         for pair in moment_pairs(site, pflat):
@@ -226,30 +227,34 @@ def _rebased(e, b):
     return e
 
 
+def _renamed(record, name):
+    return dataclasses.replace(record, name=name) if isinstance(record, writer.MomentJob) else record._replace(name=name)
+
+
 def build_local(items, totals, *, process, extra_header):
-    """Container bytes and the index (per shard: global placement, byte range, SHA-256)
-    of one process's shards.
+    """Encode one process's shards (the one writer, `jaxguard.writer`) and build its
+    container bytes and index (per shard: global placement, byte range, SHA-256).
 
     Args:
-      items: [(entry, start, ("raw", array, dtype) | ("moments", Encoded, info))].
-      totals: this process's summed guard stats (stored in the index).
+      items: [(entry, start, record)]: a writer record (`MomentJob`, `Raw`, or an
+        encoded `Moments`) per shard, renamed here to the shard's entry name.
+      totals: this process's totals (`jaxguard.writer.new_totals()`), added to in place
+        and stored in the index.
       process: this process's index (names the file).
       extra_header: top-level header fields (op_model, tau, clip, codec).
 
     Returns:
       ``(container bytes, index dict)``.
     """
-    entries, placement = [], {}
-    for entry, start, obj in items:
+    records, placement = [], {}
+    for entry, start, record in items:
         name = _shard_name(entry, start)
-        if obj[0] == "raw":
-            entries.append(("raw", name, obj[1], obj[2]))
-        else:
-            entries.append(("moments", name, obj[1], obj[2]))
+        records.append(_renamed(record, name))
         placement[name] = (entry, list(start))
     meta = {"framework": "optax-shards", "process": process,
             "shards": [{"name": n, "entry": e, "start": s} for n, (e, s) in placement.items()]}
-    data = container.build(entries, meta, extra_header=extra_header)
+    data, summ = writer.to_bytes(records, meta, extra_header=extra_header)
+    audit.add_stats(totals, summ)
     _, _, _, hlen = reader.PREFIX.unpack_from(data, 0)
     header = json.loads(bytes(data[reader.PREFIX.size:reader.PREFIX.size + hlen]))
     base = reader.PREFIX.size + hlen
@@ -288,7 +293,9 @@ def write_bytes_atomic(path: epath.Path, data) -> None:
 
 
 def encode_local(pairs, leaves, opt_state, params, *, include_params=False, primary=0):
-    """This process's shard items and totals: every replica-0 shard it holds, certified.
+    """This process's shard records: every replica-0 shard it holds (moment pairs as
+    `MomentJob`s against the same shard of their parameter, other leaves `Raw`); the
+    encoding itself happens in `build_local`.
 
     Args:
       pairs, leaves: from `plan_state`.
@@ -297,16 +304,14 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
       primary: the process that writes host leaves.
 
     Returns:
-      ``(items for build_local, totals, param names)``.
+      ``(items for build_local, zeroed totals, param names)``.
     """
     oflat = flat_by_dotted(opt_state, "opt_state")
-    items, coded = [], []
-    totals = audit.new_totals()
+    items, coded = [], []     # float32 pairs after the bfloat16-mu ones (the order files have always had)
     done = set()
     for pr in pairs:
         mu = pr["mu"]
         nu_s, p_s = aligned(pr["nu"], mu), aligned(pr["p"], mu)
-        info = {**pr["config"].to_json(), "mu_mode": pr["mu_mode"], "param": pr["param"]}
         for dev, start, mdata in local_shards(mu, primary):
             if dev is None:
                 nd, pd = nu_s, p_s
@@ -314,32 +319,29 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
                 nd, pd = nu_s[dev], p_s[dev]
             m, v, p = np.asarray(mdata), np.asarray(nd), np.asarray(pd)
             if pr["mu_mode"] == "coded":
-                coded.append((pr["entry"], start, m, v, p, pr["config"], info))
+                coded.append((pr["entry"], start, writer.MomentJob(pr["entry"], m, v, p, pr["config"],
+                                                                   {"param": pr["param"]})))
             else:
-                items.append((f"state/{pr['mu_path']}", start, ("raw", m, "bfloat16")))
-                enc = optax_adapter.encode_nu_only(np.asarray(jnp.asarray(m).astype(jnp.float32)), v, p, pr["config"])
-                items.append((pr["entry"], start, ("moments", enc, info)))
-                audit.add_stats(totals, enc.stats)
+                items.append((f"state/{pr['mu_path']}", start, writer.Raw("", m, "bfloat16")))
+                m32 = np.asarray(jnp.asarray(m).astype(jnp.float32))
+                items.append((pr["entry"], start, writer.MomentJob(pr["entry"], m32, v, p, pr["config"],
+                                                                   {"param": pr["param"]}, mu="exact")))
         done.update({pr["mu_path"], pr["nu_path"]})
-    if coded:
-        encs = encode_many([(m, v, p, cfg) for _, _, m, v, p, cfg, _ in coded])
-        for (entry, start, *_rest, info), enc in zip(coded, encs):
-            items.append((entry, start, ("moments", enc, info)))
-            audit.add_stats(totals, enc.stats)
+    items += coded
     for leaf in leaves:
         if leaf["path"] in done:
             continue
         for _, start, data in local_shards(oflat[leaf["path"]], primary):
             arr = np.asarray(data)
-            items.append((leaf["entry"], start, ("raw", arr, container.numpy_dtype_name(arr))))
+            items.append((leaf["entry"], start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
     param_names = []
     if include_params:
         for name, x in flat_by_dotted(params, "params").items():
             param_names.append(name)
             for _, start, data in local_shards(x, primary):
                 arr = np.asarray(data)
-                items.append((f"params/{name}", start, ("raw", arr, container.numpy_dtype_name(arr))))
-    return items, totals, param_names
+                items.append((f"params/{name}", start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
+    return items, audit.new_totals(), param_names
 
 
 def param_leaves(params) -> list:
@@ -519,7 +521,7 @@ def write_and_commit(d: epath.Path, items, totals, common, *, primary=0, t0=None
     barrier(f"jaxguard_save_committed:{d}")
     man = read_manifest(d)
     totals["encode_seconds"] = time.perf_counter() - t0
-    s = optax_adapter.summary(totals, len(data))
+    s = audit.compression_summary(totals, len(data))
     s.update(process_index=pid, process_count=n, total=man["summary"],
              checkpoint_bytes=sum(f["bytes"] for f in man["files"].values()))
     return s
@@ -693,7 +695,7 @@ def load(path, like, *, what="state"):
     asm = _Assembler(ShardReader(path, man))
     paths = [optax_state.dotted(p) for p, _ in flat]
     for d, (_, leaf) in zip(paths, flat):
-        optax_adapter.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
+        optax_state.stored_like_leaf(stored, d, leaf, source)   # presence, shape and dtype
     extra = sorted(set(stored) - set(paths))
     if extra:
         raise CheckpointError(f"{source} holds {len(extra)} leaves that like lacks (first {extra[0]!r}); pass a "

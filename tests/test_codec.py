@@ -103,8 +103,8 @@ def _small_container(tmp_path, codec="log8"):
         v = rng.lognormal(-12, 1, n).astype(np.float32)
         m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.2).astype(np.float32)
         e = jg.encode(m, v, rng.normal(0, 0.05, n).astype(np.float32), jg.GuardConfig(lr=1e-3, step=50, codec=codec))
-        entries.append(("moments", f"t{i}", e, {}))
-    entries.append(("raw", "step", np.array(50, np.int64), None))
+        entries.append(container.Moments(f"t{i}", e, {}))
+    entries.append(container.Raw("step", np.array(50, np.int64), None))
     path = tmp_path / f"c_{codec}.jg"
     container.atomic_write(path, container.build(entries, {"framework": "test"}))
     return path, entries

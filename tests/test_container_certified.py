@@ -39,13 +39,13 @@ def test_certified_values_are_what_every_decoder_restores(codec):
     m_dec, v_dec = enc.decoded
     assert np.array_equal(m_dec.view(np.uint32), mt.view(np.uint32))
     assert np.array_equal(v_dec.view(np.uint32), vt.view(np.uint32))
-    data = container.build([("moments", "x", enc, info)], {})
+    data = container.build([container.Moments("x", enc, info)], {})
     header, payload = reader.parse(data)
     assert reader.decoded_digest(header, payload) == header["decoded_sha256"]
     # the reader's full decode (no certified values at hand) writes the very same bytes
     plain = guard.Encoded(enc.arrays, enc.codec, enc.shape, enc.stats)
     assert plain.decoded is None
-    assert container.build([("moments", "x", plain, info)], {}) == data
+    assert container.build([container.Moments("x", plain, info)], {}) == data
 
 
 def _tampered(enc, coordinate):
@@ -61,11 +61,11 @@ def test_writer_refuses_certified_values_the_reader_disagrees_with_in_the_sample
     nb = -(-N // spec.BLOCK)
     i = (block % nb) * spec.BLOCK + 1
     with pytest.raises(ContainerError, match=r"entry 'x'.*coordinate %d" % i):
-        container.build([("moments", "x", _tampered(enc, i), info)], {})
+        container.build([container.Moments("x", _tampered(enc, i), info)], {})
     out = tmp_path / "c.jg"
     out.write_bytes(b"old")
     with pytest.raises(ContainerError, match="entry 'x'"):
-        container.write_stream(out, iter([("moments", "x", _tampered(enc, i), info)]), {})
+        container.write_stream(out, iter([container.Moments("x", _tampered(enc, i), info)]), {})
     assert out.read_bytes() == b"old"     # nothing was written
 
 
@@ -73,7 +73,7 @@ def test_disagreement_outside_the_sample_fails_verify_and_restore(tmp_path, caps
     enc, info = _encode("log8-rel")
     i = 5 * spec.BLOCK + 7                      # block 5 is not in the writer's sample
     out = tmp_path / "c.jg"
-    container.write_stream(out, [("moments", "x", _tampered(enc, i), info)], {"framework": "none"})
+    container.write_stream(out, [container.Moments("x", _tampered(enc, i), info)], {"framework": "none"})
     with pytest.raises(reader.ReaderError, match="decoded moments SHA-256 mismatch"):
         reader.verify_file(out)
     with pytest.raises(ContainerError, match="decoded moments SHA-256 mismatch"):
@@ -88,7 +88,7 @@ def test_disagreement_outside_the_sample_fails_verify_and_restore(tmp_path, caps
     assert len(lines) == 1 and "decoded moments SHA-256 mismatch" in lines[0], lines
     # the untampered values verify
     good = tmp_path / "good.jg"
-    container.write_stream(good, [("moments", "x", enc, info)], {"framework": "none"})
+    container.write_stream(good, [container.Moments("x", enc, info)], {"framework": "none"})
     assert reader.verify_file(good)["decoded_sha256"] == reader.parse(good.read_bytes())[0]["decoded_sha256"]
 
 
@@ -96,7 +96,7 @@ def test_certified_values_of_the_wrong_size_are_refused():
     enc, info = _encode("log8-rel", n=1000)
     bad = guard.Encoded(enc.arrays, enc.codec, enc.shape, enc.stats, decoded=(enc.decoded[0][:-1], enc.decoded[1]))
     with pytest.raises(ContainerError, match=r"entry 'x'.*float32\[1000\]"):
-        container.build([("moments", "x", bad, info)], {})
+        container.build([container.Moments("x", bad, info)], {})
 
 
 def test_decoded_values_only_when_asked_for():
@@ -120,6 +120,6 @@ def test_joint_rescued_coordinates_are_hashed_as_their_new_codes_decode():
     mt, vt = (np.asarray(x).reshape(-1) for x in guard.decode(enc))
     assert np.array_equal(enc.decoded[0].view(np.uint32), mt.view(np.uint32))
     assert np.array_equal(enc.decoded[1].view(np.uint32), vt.view(np.uint32))
-    data = container.build([("moments", "x", enc, cfg.to_json())], {})
+    data = container.build([container.Moments("x", enc, cfg.to_json())], {})
     header, payload = reader.parse(data)
     assert reader.decoded_digest(header, payload) == header["decoded_sha256"]

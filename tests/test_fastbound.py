@@ -150,8 +150,8 @@ def test_stream_writer_matches_build(tmp_path):
     entries = []
     for codec in ("log8-rel", "block8"):
         enc = guard.encode(m, v, p, guard.GuardConfig(lr=1e-3, step=10, codec=codec))
-        entries.append(("moments", f"x/{codec}", enc, {"codec": codec}))
-    entries.append(("raw", "p", p, None))
+        entries.append(container.Moments(f"x/{codec}", enc, {"codec": codec}))
+    entries.append(container.Raw("p", p, None))
     data = container.build(entries, {"framework": "test"})
     size = container.write_stream(tmp_path / "s.jg", iter(entries), {"framework": "test"})
     got = (tmp_path / "s.jg").read_bytes()

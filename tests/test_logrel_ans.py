@@ -118,7 +118,7 @@ def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), k
     for k in ("widths", "v_params", "m_params"):
         assert np.array_equal(ea.arrays[k], en.arrays[k]), k
-    hdr, pay = reader.parse(container.build([("moments", "x", en, {})], {}))
+    hdr, pay = reader.parse(container.build([container.Moments("x", en, {})], {}))
     assert "mv_rans" in hdr["entries"][0]["sections"]
     rm, rv = reader.read_moments(hdr["entries"][0], pay, {})
     gm, gv = G.decode(en)
@@ -245,7 +245,7 @@ def _two_entry_container():
         v = rng.lognormal(-14, 1, n).astype(np.float32)
         m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
         e = G.encode(m, v, rng.normal(0, .05, n).astype(np.float32), G.GuardConfig(lr=1e-3, step=100, codec=ANS))
-        ents.append(("moments", name, e, {}))
+        ents.append(container.Moments(name, e, {}))
     data = container.build(ents, {})
     hdr, _ = reader.parse(data)
     assert all("mv_rans" in e["sections"] for e in hdr["entries"])
@@ -391,7 +391,7 @@ def _wide_container():
         m, v, p = _two_populations(n, seed=len(name) + n, ratio=12.0 if name == "a" else 0.9)
         e = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS))
         assert (np.maximum(*packed.split_widths(e.arrays["widths"])) > 8).any()
-        ents.append(("moments", name, e, {}))
+        ents.append(container.Moments(name, e, {}))
     return container.build(ents, {}), ents
 
 

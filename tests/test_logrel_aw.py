@@ -36,7 +36,7 @@ def test_golden_decode_bit_identical_in_jax_numpy_torch():
                                  t["v_params"][:, 3], n)
     tv = codes_torch.log_decode(t["v_codes"], t["v_params"][:, 0], t["v_params"][:, 1], n)
     # numpy: from the packed bytes of the container, escapes removed (bits before escapes)
-    hdr, pay = reader.parse(container.build([("moments", "x", e, {})], {}))
+    hdr, pay = reader.parse(container.build([container.Moments("x", e, {})], {}))
     nm, nv = reader.read_moments(hdr["entries"][0], pay, {})
     nm, nv = nm.copy(), nv.copy()
     esc = GOLDEN["escape_index"]
@@ -163,7 +163,7 @@ def test_sparse_and_mask_escape_sections_both_decode():
     many[::3] = np.nan                                       # a third: bitmask
     for mm, kind in ((few, "escape_index"), (many, "escape_mask")):
         e = G.encode(mm, v, p, G.GuardConfig(lr=1e-3, step=100, codec=AW))
-        hdr, pay = reader.parse(container.build([("moments", "x", e, {})], {}))
+        hdr, pay = reader.parse(container.build([container.Moments("x", e, {})], {}))
         assert kind in hdr["entries"][0]["sections"]
         rm, rv = reader.read_moments(hdr["entries"][0], pay, {})
         gm, gv = G.decode(e)
@@ -196,7 +196,7 @@ def _sparse_container():
     m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
     m[[5, 300]] = np.nan
     e = G.encode(m, v, rng.normal(0, 0.05, n).astype(np.float32), G.GuardConfig(lr=1e-3, step=100, codec=AW))
-    return container.build([("moments", "x", e, {})], {})
+    return container.build([container.Moments("x", e, {})], {})
 
 
 CORRUPT = {
@@ -236,7 +236,7 @@ def test_wrong_section_set_and_bad_params_refused():
     enc.arrays["v_params"] = enc.arrays["v_params"].copy()
     enc.arrays["v_params"][0, 1] = np.nextafter(enc.arrays["v_params"][0, 1], np.float32(np.inf))
     with pytest.raises(ContainerError, match="lo = wlo\\*wlo"):
-        container.build([("moments", "x", enc, {})], {})
+        container.build([container.Moments("x", enc, {})], {})
 
 
 def test_jit_paths_refuse_logrel_aw_clearly():

@@ -1,5 +1,9 @@
 """jaxguard.save / jaxguard.load on optax state: trained models, first-update audit with
 the real jitted optax update, every wrapper kind, bfloat16 mu, and bad input."""
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +172,23 @@ def test_bad_input(tmp_path):
         jg.load(tmp_path / "s.jg", like=optax.sgd(LR, momentum=0.9).init(p))
     with pytest.raises(jg.CheckpointError, match="shape"):
         jg.save(tmp_path / "x.jg", st, {"a": {"w": jnp.zeros((3,))}, "b": params["b"]}, lr=LR)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.adamw(LR), lambda: optax.adamw(LR, mask={"w": True}),
+                                  lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR))])
+def test_adamw_state_without_weight_decay_is_refused_not_guessed(tmp_path, make):
+    """optax.adamw's state does not record its weight decay (add_decayed_weights is
+    stateless, default 1e-4): saving it without weight_decay= used to certify it as
+    optax-adam without a word.  Now one line names the fix; an explicit value is taken."""
+    params = {"w": jnp.linspace(-1, 1, 300, dtype=jnp.float32)}
+    st = make().init(params)
+    with pytest.raises(jg.ConfigError, match="pass weight_decay=") as info:
+        jg.save(tmp_path / "a.jg", st, params, lr=LR)
+    assert "\n" not in str(info.value) and not (tmp_path / "a.jg").exists()
+    jg.save(tmp_path / "b.jg", st, params, lr=LR, weight_decay=1e-4)
+    assert jg.load(tmp_path / "b.jg", like=st) is not None
+    header = json.loads(subprocess.run([sys.executable, "-m", "jaxguard", "inspect", str(tmp_path / "b.jg"), "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert header["op_model"] == "optax-adamw"
+    # optax.adam's layout (the Adam state, then the learning rate's) needs nothing
+    jg.save(tmp_path / "c.jg", optax.adam(LR).init(params), params, lr=LR)

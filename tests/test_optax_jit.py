@@ -48,7 +48,7 @@ def test_matches_eager_guard_and_subnormals_escape():
     assert np.array_equal(_bits(vj)[200:233], _bits(v)[200:233])
     assert np.array_equal(np.asarray(vj) == 0, v == 0)
     # the container accepts it and the numpy reader reproduces the decoded values
-    data = container.build([("moments", "x", enc, CFG.to_json())], {"framework": "test"})
+    data = container.build([container.Moments("x", enc, CFG.to_json())], {"framework": "test"})
     assert len(data) > 0
 
 

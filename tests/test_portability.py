@@ -7,6 +7,7 @@ The full-size matrix is ``python bench/portability.py`` (bench/results/portabili
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,8 +20,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import portability  # noqa: E402
+BENCH = ROOT / "bench" / "portability.py"
+
+
+def _load_bench():
+    """bench/portability.py as a module, by its path (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_portability", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+portability = _load_bench()
 
 import torch_compat  # noqa: E402
 from torch_compat.enclosure import audit_enclosure  # noqa: E402
@@ -38,7 +49,7 @@ def test_matrix_cell(cell):
     env = {k: v for k, v in os.environ.items() if k not in portability.FACTORS}
     env.update(cell)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "portability.py"), "--cell", "--mode", "quick"],
+    done = subprocess.run([sys.executable, str(BENCH), "--cell", "--mode", "quick"],
                           env=env, capture_output=True, text=True, timeout=900)
     reason = portability.unrunnable(cell, done.returncode, portability.cpu_flags())
     if reason:  # reported, not skipped: it passes only because the CPU really lacks the flags

@@ -1,4 +1,4 @@
-"""`torch_compat.state.prefetched`: the encoder runs ahead of the container writer in a
+"""`jaxguard.writer.prefetched`: the encoder runs ahead of the container writer in a
 thread; order, errors and early stops behave as with the plain iterator."""
 import threading
 import time
@@ -6,18 +6,19 @@ import time
 import numpy as np
 import pytest
 
-from torch_compat.state import prefetched
+from jaxguard.format import container
+from jaxguard.writer import prefetched
 
 
 def _raws(k, size=10):
     for i in range(k):
-        yield ("raw", f"x{i}", np.full(size, i, np.float32), None)
+        yield container.Raw(f"x{i}", np.full(size, i, np.float32), None)
 
 
 def test_order_and_values_are_kept():
     got = list(prefetched(_raws(50), ahead=25))
-    assert [e[1] for e in got] == [f"x{i}" for i in range(50)]
-    assert all(float(e[2][0]) == i for i, e in enumerate(got))
+    assert [e.name for e in got] == [f"x{i}" for i in range(50)]
+    assert all(float(e.array[0]) == i for i, e in enumerate(got))
 
 
 def test_producer_stays_within_its_budget():
@@ -25,13 +26,13 @@ def test_producer_stays_within_its_budget():
 
     def entries():
         for e in _raws(40):
-            made.append(e[1])
+            made.append(e.name)
             yield e
 
     it = prefetched(entries(), ahead=30)          # three entries of 10 elements
     first = next(it)
     time.sleep(0.3)
-    assert first[1] == "x0"
+    assert first.name == "x0"
     assert len(made) <= 1 + 3 + 1, made           # the one taken, three queued, one waiting to be queued
     rest = list(it)
     assert len(rest) == 39
@@ -45,7 +46,7 @@ def test_producer_error_reaches_the_consumer_after_the_entries_before_it():
     got = []
     with pytest.raises(ValueError, match="bad tensor x3"):
         for e in prefetched(entries()):
-            got.append(e[1])
+            got.append(e.name)
     assert got == ["x0", "x1", "x2"]
 
 
@@ -54,7 +55,7 @@ def test_consumer_stopping_early_stops_the_producer():
 
     def entries():
         for e in _raws(10_000):
-            made.append(e[1])
+            made.append(e.name)
             yield e
 
     before = threading.active_count()

@@ -80,7 +80,7 @@ def test_rate_pass_container_reads_back_what_was_certified(moments, with_and_wit
     on, _ = with_and_without
     m, v, p = moments
     enc = G.encode(m, v, p, _config(), keep_decoded=True)
-    data = container.build([("moments", "w", enc, {})], {})
+    data = container.build([container.Moments("w", enc, {})], {})
     header, payload = reader.parse(data)
     rm, rv = reader.read_moments(header["entries"][0], payload, {})
     dm, dv = enc.decoded

@@ -4,7 +4,7 @@ Corruption (bit flips, truncation, appends, foreign files) must always be refuse
 numpy-only reader; the CLI must fail with one line and no output file; atomic writes
 survive SIGKILL; a malicious pickle is never run; odd float values are stored exactly;
 and the guard's contract holds against the real torch Adam.  Also replays the fuzz corpus
-written by bench/fuzz_reader.py.
+written by bench/fuzz/fuzz_reader.py.
 """
 from __future__ import annotations
 
@@ -309,7 +309,7 @@ def test_atomic_write_survives_sigkill(tmp_path):
     blobs = []
     for k in range(2):
         arr = rng.standard_normal(1_000_000).astype(np.float32)         # 4 MB container
-        blobs.append(container.build([("raw", f"x{k}", arr, None)], {"k": k}))
+        blobs.append(container.build([container.Raw(f"x{k}", arr, None)], {"k": k}))
         reader.verify_bytes(blobs[-1])
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(blobs[0])

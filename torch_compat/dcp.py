@@ -64,9 +64,10 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
     from torch.distributed._tensor import DTensor
 
 from jaxguard import audit as jg_audit
+from jaxguard import writer
 from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig, encode_many
+from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig
 
 from torch_compat import state as _state
 
@@ -262,26 +263,25 @@ class GuardedSavePlanner(DefaultSavePlanner):
                     continue
                 loc = [find_state_dict_object(self.state_dict, i).detach().cpu().contiguous() for i in (mi, vi, pi)]
                 jobs.append((prefix, entry, off, size, cfg, loc))
-        encs = encode_many([(m.numpy(), v.numpy(), p.numpy(), cfg) for *_, cfg, (m, v, p) in jobs])
+        records = [writer.MomentJob(prefix, m.numpy(), v.numpy(), p.numpy(), cfg,
+                                    {"param": entry["param"], "offsets": list(off), "global_shape": entry["shape"]})
+                   for prefix, entry, off, size, cfg, (m, v, p) in jobs]
         moments = {prefix: {**entry, "shards": []} for prefix, entry in entries.items()}
-        totals = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "container_bytes": 0}
-        for (prefix, entry, off, size, cfg, _), enc in zip(jobs, encs):
+        totals = {**writer.new_totals(), "container_bytes": 0}
+        for (prefix, entry, off, size, cfg, _), e in zip(jobs, writer.encode(records, totals)):
             key = _offsets_key(SHARD_PREFIX + prefix, off)
-            info = {**cfg.to_json(), "param_name": entry["param"], "offsets": list(off), "global_shape": entry["shape"]}
-            data = container.build([("moments", prefix, enc, info)],
-                                   {"framework": "torch-dcp", "moment": prefix, "offsets": list(off)},
+            data = container.build([e], {"framework": "torch-dcp", "moment": prefix, "offsets": list(off)},
                                    extra_header={"op_model": cfg.op_model, "tau": cfg.tau, "clip": cfg.clip,
                                                  "codec": cfg.codec, "bound": cfg.bound, "partition": cfg.partition})
             header, _ = reader.parse(data)
             self._blobs[key] = data
             self.state_dict[key] = key  # a placeholder: DCP plans a bytes item, resolve_data returns the container
-            stats = {k: enc.stats[k] for k in ("coordinates", "escapes", "exact", "payload_bytes", "raw_fp32_bytes")}
+            stats = {k: e.encoded.stats[k] for k in ("coordinates", "escapes", "exact", "payload_bytes", "raw_fp32_bytes")}
             moments[prefix]["shards"].append({
                 "key": key, "offsets": list(off), "sizes": list(size), "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(), "decoded_sha256": header["decoded_sha256"],
                 "config": cfg.to_json(), "stats": stats})
-            for k in totals:
-                totals[k] += len(data) if k == "container_bytes" else enc.stats[k]
+            totals["container_bytes"] += len(data)
         for (root, fqn), keys in pairs.items():  # even a rank with only empty shards drops the tensors
             for k in keys.values():
                 self.state_dict.pop(k, None)

@@ -9,16 +9,16 @@ nothing is pickled).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
 
 from jaxguard import audit as jg_audit
+from jaxguard import writer
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.opmodel import resolve_op_model, torch_op_model
-from jaxguard.format.spec import BLOCK, DEFAULT_CODEC
+from jaxguard.format.spec import DEFAULT_CODEC
 from torch_compat.replay import TORCH_FLAGS
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -71,7 +71,7 @@ def to_skeleton(obj, path, raws):
     Args:
       obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None.
       path: the entry-name prefix of `obj` (``"model"``, ``"optimizer/state/0"``).
-      raws: the list the ``("raw", name, array, dtype)`` entries are appended to.
+      raws: the list the `container.Raw` records are appended to.
 
     Returns:
       The skeleton (``{"__tensor__": name}``, ``{"__dict__": [[k, v], ...]}``, ...).
@@ -81,7 +81,7 @@ def to_skeleton(obj, path, raws):
     """
     if isinstance(obj, torch.Tensor):
         arr, dt = tensor_to_numpy(obj)
-        raws.append(("raw", path, arr, dt))
+        raws.append(container.Raw(path, arr, dt))
         return {"__tensor__": path}
     if isinstance(obj, dict):
         items = []
@@ -396,53 +396,26 @@ class MappedSource:
                     self._madvise(b, e - b, self.MADV_DONTNEED)
 
 
-def compress_state(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
-                   partition="mixed", progress=False, op_model=None):
-    """Encode every Adam moment pair of `opt_sd` against `params` {name: tensor}.
+def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
+                  partition="mixed", prefix="optimizer", op_model=None):
+    """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
+
+    The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
+    ``exp_avg_sq`` and the parameter, as zero-copy numpy views; ``source`` holds the
+    three tensors) in state order, then a `Raw` record per other tensor of the state.
+    Everything is validated before this returns, so a bad checkpoint fails before any
+    encoding or output.
 
     Args:
       opt_sd: the optimizer state_dict (with ``param_names``).
       params: {name: tensor} of the live parameters.
       tau, clip, codec, bound, partition: the contract and the guard's options.
-      progress: show a tqdm bar.
-      op_model: the kernel the run resumes on (`op_model_of`; None: the state's own).
+      prefix: the entry-name prefix (``"optimizer"``).
+      op_model: the kernel the run resumes on (`op_model_of`; None: the one torch runs
+        where the state lives, e.g. foreach for CUDA state saved with foreach=None).
 
     Returns:
-      ``(optimizer skeleton, container entries, totals dict)``.
-
-    Raises:
-      CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
-    """
-    totals = jg_audit.new_totals()
-    opt_sk, stream = compress_state_stream(opt_sd, params, totals, tau=tau, clip=clip, codec=codec, bound=bound,
-                                           partition=partition, progress=progress, op_model=op_model)
-    entries = list(stream)
-    return opt_sk, entries, totals
-
-
-# Coordinates encoded per `encode_many` call when streaming: bounds the working memory
-# (~40 bytes per coordinate) independently of the checkpoint's size.
-SLAB = 1 << 20           # = guard.PROPOSE_CHUNK blocks
-
-
-def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC,
-                          bound="shared", partition="mixed", progress=False, slab=None, release=None, op_model=None):
-    """Validate `opt_sd` against `params` now; return (optimizer skeleton, entry iterator).
-
-    The iterator encodes the moments in slabs of about `slab` coordinates (tensors in
-    order, a tensor never split) and yields container entries (moments, then the raw
-    state tensors) as each slab is done, adding to `totals`; everything is validated
-    before the first yield, so a bad checkpoint fails before any work or output.
-
-    Args:
-      opt_sd, params, tau, clip, codec, bound, partition, progress, op_model: as `compress_state`.
-      totals: the dict the guard stats are added to (`jaxguard.audit.new_totals`).
-      slab: coordinates per encode call (default `SLAB`).
-      release: called with a slab's source tensors (both moments and the parameter) once
-        its entries were consumed, e.g. `MappedSource.release`.
-
-    Returns:
-      ``(optimizer skeleton, iterator of container entries)``.
+      ``(optimizer skeleton, list of records)``.
 
     Raises:
       CheckpointError: parameters missing from `params` or of other shapes, bad steps,
@@ -469,161 +442,47 @@ def compress_state_stream(opt_sd, params: dict, totals: dict, *, tau=0.01, clip=
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
         cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound,
                            partition=partition, device_type=st["exp_avg"].device.type, op_model=op_model)
-        jobs.append((idx, name, st, cfg))
-        ename = f"optimizer/state/{idx}"
+        ename = f"{prefix}/state/{idx}"
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        jobs.append(writer.MomentJob(ename, _host_view(m), _host_view(v), _host_view(p), cfg, {"param": name},
+                                     source=(m, v, p)))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
-        sk = to_skeleton(rest, f"optimizer/state/{idx}", raws)
+        sk = to_skeleton(rest, ename, raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
                            ["exp_avg_sq", {"__moment__": ename, "which": "v"}]]
         state_sk.append([idx, sk])
-    groups_sk = to_skeleton(opt_sd["param_groups"], "optimizer/param_groups", raws)
+    groups_sk = to_skeleton(opt_sd["param_groups"], f"{prefix}/param_groups", raws)
     opt_sk = {"__dict__": [["state", {"__dict__": state_sk}], ["param_groups", groups_sk]]}
-
-    slab = SLAB if slab is None else slab
-
-    from jaxguard.core.guard import encode_many
-
-    def stream():
-        # a slab holds at most `slab` coordinates in whole blocks (one compiled shape per
-        # step of the guard); a larger tensor is a slab of its own
-        cap = -(-slab // BLOCK)
-        slabs, cur, size = [], [], 0
-        for job in jobs:
-            nb = -(-job[2]["exp_avg"].numel() // BLOCK)
-            if cur and size + nb > cap:
-                slabs.append(cur)
-                cur, size = [], 0
-            cur.append(job)
-            size += nb
-        if cur:
-            slabs.append(cur)
-        for part in slabs:
-            encs = encode_many([(st["exp_avg"].detach().cpu().numpy(), st["exp_avg_sq"].detach().cpu().numpy(),
-                                 params[name].detach().cpu().numpy(), cfg) for idx, name, st, cfg in part],
-                               progress=progress, keep_decoded=True)   # the writer hashes what was certified
-            for (idx, name, st, cfg), enc in zip(part, encs):
-                for key in totals:
-                    totals[key] += enc.stats[key]
-                yield ("moments", f"optimizer/state/{idx}", enc, {**cfg.to_json(), "param_name": name})
-            del encs
-            if release is not None:
-                release([t for _, name, st, _ in part for t in (st["exp_avg"], st["exp_avg_sq"], params[name])])
-        yield from raws
-
-    return opt_sk, stream()
+    return opt_sk, jobs + raws
 
 
-# Entries the encoder may run ahead of the writer, in coordinates (one slab: the writer
-# hashes and writes it while the next is encoded).
-AHEAD = SLAB
+def _host_view(t):
+    """A float32 tensor as a numpy array on the host (a view for CPU tensors; a CUDA
+    tensor is copied to the host here: the on-device DLPack path is not built)."""
+    return t.detach().cpu().numpy()
 
 
-def prefetched(entries, ahead=AHEAD):
-    """Iterate `entries` produced in a background thread, at most about `ahead` coordinates
-    ahead of the consumer, so that encoding (XLA, numpy) and writing (SHA-256, file I/O;
-    both release the GIL) overlap.  An exception in the producer is raised in the consumer;
-    a consumer that stops early stops the producer.
-
-    Args:
-      entries: an iterable of container entries (``(kind, name, obj, info)``).
-      ahead: how many coordinates (moments) or elements (raw arrays) may wait in the queue;
-        one entry always may, whatever its size.
-
-    Returns:
-      An iterator of the same entries, in order.
-
-    Raises:
-      Whatever iterating `entries` raised, once the entries before it were consumed.
-    """
-    import collections
-    import threading
-
-    cond = threading.Condition()
-    box = {"queue": collections.deque(), "held": 0, "done": False, "error": None, "stop": False}
-
-    def cost(e):
-        return int(getattr(e[2], "n", None) or np.size(e[2])) if e[0] == "moments" else int(np.size(e[2]))
-
-    def produce():
-        try:
-            for e in entries:
-                c = cost(e)
-                with cond:
-                    while box["queue"] and box["held"] + c > ahead and not box["stop"]:
-                        cond.wait()
-                    if box["stop"]:
-                        return
-                    box["queue"].append((e, c))
-                    box["held"] += c
-                    cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            with cond:
-                box["error"] = exc
-        finally:
-            with cond:
-                box["done"] = True
-                cond.notify_all()
-
-    worker = threading.Thread(target=produce, name="jaxguard-encode", daemon=True)
-    worker.start()
-    try:
-        while True:
-            with cond:
-                while not box["queue"] and not box["done"]:
-                    cond.wait()
-                if box["queue"]:
-                    e, c = box["queue"].popleft()
-                    box["held"] -= c
-                    cond.notify_all()
-                elif box["error"] is not None:
-                    raise box["error"]
-                else:
-                    return
-            yield e
-    finally:
-        with cond:
-            box["stop"] = True
-            cond.notify_all()
-        worker.join()
-
-
-def _checkpoint_stream(ckpt, totals, *, tau, clip, codec, bound, partition, progress, variant, release=None,
-                       op_model=None):
-    """(entry iterator, meta, extra header) of a CKPT dict.  ``variant`` is recorded in the
-    header (informational: the guard covers every variant); a callable is called only
-    after the checkpoint has been validated, so bad input fails before the slow variant
-    detection."""
+def _checkpoint_records(ckpt, *, tau, clip, codec, bound, partition, op_model=None):
+    """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
+    the first moments entry (`jaxguard.writer`)."""
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"the checkpoint is a {type(ckpt).__name__}; expected a dict with 'model' and 'optimizer' keys")
     for key in ("model", "optimizer"):
         if key not in ckpt:
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
-    opt_sk, moments = compress_state_stream(ckpt["optimizer"], ckpt["model"], totals, tau=tau, clip=clip, codec=codec,
-                                            bound=bound, partition=partition, progress=progress, release=release,
-                                            op_model=op_model)
-    if callable(variant):
-        variant = variant()
-    raws: list = []
+    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], tau=tau, clip=clip, codec=codec,
+                                    bound=bound, partition=partition, op_model=op_model)
     top = []
     for k, v in ckpt.items():
-        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), raws)])
+        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records)])
     meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__}
-    extra = {"op_model": None, "tau": tau, "clip": clip, "codec": codec,
-             "bound": bound, "partition": partition, "variant": variant}
+    extra = {"tau": tau, "clip": clip, "codec": codec, "bound": bound, "partition": partition}
+    return records, meta, extra
 
-    def entries():
-        for e in moments:   # the header (written last) names the first moments entry's op model
-            if e[0] == "moments" and extra["op_model"] is None:
-                extra["op_model"] = e[3]["op_model"]
-            yield e
-            if release is not None and e[0] == "raw":   # written by now
-                release([e[2]])
-        for e in raws:
-            yield e
-            if release is not None:
-                release([e[2]])
-    return entries(), meta, extra
+
+def _variant_of(variant):
+    return variant() if callable(variant) else variant
 
 
 def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
@@ -632,21 +491,24 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
 
     Args:
       ckpt: ``{"model": state_dict, "optimizer": state_dict, ...}`` (other keys stored exactly).
-      tau, clip, codec, bound, partition, progress: as `compress_state`.
-      variant: the replay variant report stored in the header (``jaxguard compress``).
-      op_model: the kernel the run resumes on (`op_model_of`; None: the state's own).
+      tau, clip, codec, bound, partition: the contract and the guard's options.
+      progress: show a tqdm bar.
+      variant: the replay variant report stored in the header (``jaxguard compress``;
+        informational: the guard covers every variant); a callable is called only after
+        the checkpoint has been validated, so bad input fails before the slow detection.
+      op_model: the kernel the run resumes on (`state_records`).
 
     Returns:
       ``(container bytes, summary dict)`` (the `compress --json` fields).
 
     Raises:
-      CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
+      CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    def build(entries, meta, extra):
-        data = container.build(list(entries), meta, extra_header=extra)
-        return data, len(data)
-    return _compress_checkpoint(ckpt, build, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                progress=progress, variant=variant, op_model=op_model)
+    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                                               op_model=op_model)
+    extra["variant"] = variant = _variant_of(variant)
+    data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress)
+    return data, _with_variant(summary, variant)
 
 
 def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
@@ -657,8 +519,7 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
 
     Args:
       path: the output file or URL.
-      ckpt, tau, clip, codec, bound, partition, progress, variant: as `compress_checkpoint`.
-      op_model: the kernel the run resumes on (`op_model_of`; None: the state's own).
+      ckpt, tau, clip, codec, bound, partition, progress, variant, op_model: as `compress_checkpoint`.
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -667,26 +528,18 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
       The summary dict.
 
     Raises:
-      CheckpointError, UnsupportedOptimizerError: as `compress_state_stream`.
+      CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    def write(entries, meta, extra):   # encode the next slab while this one is written
-        return None, container.write_stream(path, prefetched(entries), meta, extra_header=extra)
-    return _compress_checkpoint(ckpt, write, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                progress=progress, variant=variant, release=release, op_model=op_model)[1]
+    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                                               op_model=op_model)
+    extra["variant"] = variant = _variant_of(variant)
+    rel = None if release is None else (lambda sources: release([t for s in sources for t in
+                                                                 (s if isinstance(s, tuple) else (s,))]))
+    summary = writer.to_file(path, records, meta, extra_header=extra, progress=progress, release=rel)
+    return _with_variant(summary, variant)
 
 
-def _compress_checkpoint(ckpt, emit, *, variant, **guard):
-    """Stream `ckpt`'s entries into `emit(entries, meta, extra) -> (data, size)`; (data, summary)."""
-    t0 = time.perf_counter()
-    totals = jg_audit.new_totals()
-    entries, meta, extra = _checkpoint_stream(ckpt, totals, variant=variant, **guard)
-    data, size = emit(entries, meta, extra)
-    totals["encode_seconds"] = time.perf_counter() - t0
-    return data, _summary(totals, size, extra["variant"])
-
-
-def _summary(t, container_bytes, variant=None):
-    summary = jg_audit.compression_summary(t, container_bytes)
+def _with_variant(summary, variant=None):
     if isinstance(variant, dict):
         summary.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
     return summary
@@ -722,8 +575,9 @@ def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=F
     Args:
       path: the output file.
       optimizer: a `torch.optim.Adam` or `AdamW` (unnamed params get ``group{g}.param{i}`` names).
-      tau, clip, codec, progress, op_model: as `compress_state` (CUDA state: the kernel
-        torch runs there, resolved as torch does, unless `op_model` names another).
+      tau, clip, codec, progress: as `compress_state`.
+      op_model: the kernel the run resumes on (`state_records`; the header records the
+        op model that certified the state).
 
     Returns:
       The summary dict.
@@ -742,14 +596,12 @@ def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=F
         g["param_names"] = names
         for name, p in zip(names, live["params"]):
             params[name] = p.detach()
-    opt_sk, entries, totals = compress_state(sd, params, tau=tau, clip=clip, codec=codec, progress=progress,
-                                             op_model=op_model)
+    opt_sk, records = state_records(sd, params, tau=tau, clip=clip, codec=codec, op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
-    certified = next((e[3]["op_model"] for e in entries if e[0] == "moments"), None)
-    data = container.build(entries, meta,
-                           extra_header={"tau": tau, "clip": clip, "codec": codec, "op_model": certified})
+    data, summary = writer.to_bytes(records, meta, extra_header={"tau": tau, "clip": clip, "codec": codec},
+                                    progress=progress)
     container.atomic_write(path, data)
-    return _summary(totals, len(data))
+    return summary
 
 
 def load(path, optimizer):

@@ -387,7 +387,7 @@ def _pad(x, size):
     return jnp.concatenate([x, jnp.zeros((size - x.shape[0],), x.dtype)]) if size > x.shape[0] else x
 
 
-def encode_v_only(m, v, p, config: GuardConfig) -> Encoded:
+def encode_v_only(m, v, p, config: GuardConfig, *, keep_decoded: bool = False) -> Encoded:
     """Guarded encoding of `v` alone: `m` is kept exactly elsewhere (e.g. a bfloat16 mu).
 
     Certified with ``m~ == m``: only ``v`` is coded and only its error is bounded; the
@@ -396,6 +396,8 @@ def encode_v_only(m, v, p, config: GuardConfig) -> Encoded:
     Args:
       m, v, p: arrays of one shape, taken as float32 (`m` as it will be restored).
       config: a `GuardConfig` with a fixed-width codec (`codecs.propose`).
+      keep_decoded: also keep what the reader restores from this entry as certified
+        (`Encoded.decoded`: the all-zero m channel and the certified v~, escapes exact).
     Returns:
       An `Encoded` of `config.spec.codec`; ``stats["payload_bytes"]`` counts the v side
       and the shared block metadata only (add what stores `m`).
@@ -435,7 +437,12 @@ def encode_v_only(m, v, p, config: GuardConfig) -> Encoded:
     arrays = {"m_codes": np.asarray(mq).reshape(-1)[:n], "v_codes": np.asarray(vq).reshape(-1)[:n],
               "m_params": np.asarray(mp[:nb], np.float32), "v_params": np.asarray(vp[:nb], np.float32),
               "escape_index": esc, "escape_m": np.zeros(esc.size, np.float32), "escape_v": vh[:n][esc]}
-    enc = Encoded(arrays, spec.codec, shape)
+    decoded = None
+    if keep_decoded:
+        v_dec = np.array(vt[:n], np.float32)
+        v_dec[esc] = vh[:n][esc]
+        decoded = (np.zeros(n, np.float32), v_dec)
+    enc = Encoded(arrays, spec.codec, shape, decoded=decoded)
     enc.stats = {"coordinates": n, "escapes": int(esc.size), "exact": int(exact.sum()),
                  "uncertifiable": int((~exact & ~ok).sum()), "certified_by_level": levels,
                  "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,

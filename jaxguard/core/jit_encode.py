@@ -57,7 +57,7 @@ class JitEncoded(ArrayPytree):
     shape: tuple
 
 
-def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
+def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample=None):
     """The body of `encode_jit`, traceable inside a caller's ``jit`` or ``shard_map``.
 
     Args:
@@ -66,6 +66,9 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
       spec: the static `GuardSpec`.
       capacity: candidates the cell levels examine (static).
       escape_capacity: length of the escape buffers (static).
+      sample: flat positions (a numpy int array, static) whose certified values the
+        result also carries as ``sample_m``/``sample_v`` (escapes exact): what this
+        program certified, for the container writer's check against the reader.
 
     Returns:
       A `JitEncoded`.
@@ -130,7 +133,32 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity):
         "escape_v": jnp.where(inside, vf[safe], 0.0), "escape_count": count,
         "overflow": jnp.maximum(count - E, 0),
     }
+    if sample is not None:
+        at = jnp.asarray(np.asarray(sample, np.int32))
+        arrays["sample_m"] = jnp.where(escape[at], mf[at], mt[at])
+        arrays["sample_v"] = jnp.where(escape[at], vf[at], vt[at])
     return JitEncoded(arrays, spec.codec, shape)
+
+
+def sample_positions(n: int, every: int) -> np.ndarray:
+    """The flat positions of a tensor of `n` coordinates that the container writer checks:
+    every `every`-th 256-block and the last one, whole blocks, clipped to `n`.
+
+    Args:
+      n: the coordinate count.
+      every: the block stride (`jaxguard.format.container.SAMPLE_EVERY`).
+
+    Returns:
+      Sorted int64 positions in ``[0, n)``.
+    """
+    nb = codes.num_blocks(n)
+    if nb == 0:
+        return np.zeros(0, np.int64)
+    blocks = np.arange(0, nb, every)
+    if blocks[-1] != nb - 1:
+        blocks = np.append(blocks, nb - 1)
+    pos = (blocks[:, None] * codes.BLOCK + np.arange(codes.BLOCK)).reshape(-1)
+    return pos[pos < n]
 
 
 encode_jitted = jax.jit(encode_traced, static_argnums=(4, 5, 6))

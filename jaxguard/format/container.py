@@ -16,6 +16,7 @@ import io
 import json
 import os
 import tempfile
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,32 @@ from jaxguard.format import packed, rans, reader, spec
 from jaxguard.errors import ContainerError
 
 SCHEMA = "jaxguard-container"
+
+
+class Raw(NamedTuple):
+    """A container entry stored exactly: `array` as it is (``dtype``: the container dtype
+    name when it is not numpy's, e.g. ``"bfloat16"`` for uint16 bits; None: numpy's name)."""
+
+    name: str
+    array: Any
+    dtype: str | None = None
+
+
+class Moments(NamedTuple):
+    """A guarded moment pair: `encoded` is a `jaxguard.core.encoded.Encoded` (arrays, codec,
+    shape, stats and, from the one writer `jaxguard.writer`, the certified values ``decoded``);
+    `info` is the entry's ``config`` (the `GuardConfig` JSON plus the adapter's fields)."""
+
+    name: str
+    encoded: Any
+    info: dict
+
+
+def _checked_entry(e):
+    if isinstance(e, (Raw, Moments)):
+        return e
+    raise ContainerError(f"a container entry is a {type(e).__name__}; pass jaxguard.format.container.Raw or "
+                         "Moments (jaxguard.writer builds them from MomentJob / Raw records)")
 
 
 class _Payload:
@@ -60,8 +87,7 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
     """The bytes of a container holding `entries`, in memory.
 
     Args:
-      entries: a list of ``("raw", name, ndarray, dtype_name | None)`` (stored as is) and
-        ``("moments", name, Encoded, config_dict)`` (a guarded moment pair).
+      entries: a list of `Raw` (stored as is) and `Moments` (a guarded moment pair) entries.
       meta: a JSON-able dict stored as the header's ``meta``.
       extra_header: more top-level header fields (e.g. the op model, the replay variant).
 
@@ -141,17 +167,18 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
     # a list is scanned first so that the tables lead the payload (the layout `build`
     # always wrote); a stream adds them before its first entry that uses them
     if isinstance(entries, (list, tuple)):
-        for e in entries:
-            if e[0] == "moments":
-                _add_tables(pay, tables, table_arrays, _codec_spec(e[2].codec, e[1]).tables)
-    for kind, name, obj, info in entries:
-        if kind == "raw":
-            arr = np.asarray(obj)
-            dtype = info or numpy_dtype_name(arr)
+        for e in map(_checked_entry, entries):
+            if isinstance(e, Moments):
+                _add_tables(pay, tables, table_arrays, _codec_spec(e.encoded.codec, e.name).tables)
+    for e in map(_checked_entry, entries):
+        name = e.name
+        if isinstance(e, Raw):
+            arr = np.asarray(e.array)
+            dtype = e.dtype or numpy_dtype_name(arr)
             header_entries.append({"name": name, "kind": "raw", "dtype": dtype, "shape": list(arr.shape),
                                    "offsets": pay.add(arr)})
             continue
-        enc = obj
+        enc, info = e.encoded, e.info
         a = enc.arrays
         n = enc.n
         cs = _codec_spec(enc.codec, name)
@@ -215,11 +242,17 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
     bit for bit.  Without them (another writer) the reader decodes the whole entry."""
     name = entry["name"]
     try:
-        if certified is None:
-            return reader.read_moments(entry, body, tables)
-        codes = reader.read_codes(entry, body, tables)
+        if certified is None or isinstance(certified, dict):
+            m, v = reader.read_moments(entry, body, tables)
+        else:
+            codes = reader.read_codes(entry, body, tables)
     except reader.ReaderError as exc:
         raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
+    if certified is None:
+        return m, v
+    if isinstance(certified, dict):   # a sample of what a jitted encode certified (jaxguard.jit_state)
+        _check_sampled(name, m, v, certified)
+        return m, v
     m, v = (np.asarray(x).reshape(-1) for x in certified)
     if m.dtype != np.float32 or v.dtype != np.float32 or m.size != n or v.size != n:
         raise ContainerError(f"entry {name!r}: its certified values are {m.dtype}[{m.size}] and {v.dtype}[{v.size}], "
@@ -227,6 +260,24 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
     if n:
         sample.add(name, entry["codec"], codes, m, v, n)
     return m, v
+
+
+def _check_sampled(name, m, v, certified):
+    """The reader's decode `m`, `v` of an entry against the certified values at
+    ``certified["positions"]`` (``"m"``, ``"v"``), bit for bit."""
+    pos = np.asarray(certified["positions"], np.int64)
+    cm, cv = (np.asarray(certified[k], np.float32).reshape(-1) for k in ("m", "v"))
+    m, v = np.asarray(m).reshape(-1), np.asarray(v).reshape(-1)
+    if cm.size != pos.size or cv.size != pos.size or (pos.size and (pos.min() < 0 or pos.max() >= m.size)):
+        raise ContainerError(f"entry {name!r}: its certified sample does not match the entry ({pos.size} positions, "
+                             f"{cm.size} and {cv.size} values, {m.size} coordinates); encode it again")
+    bad = (m[pos].view(np.uint32) != cm.view(np.uint32)) | (v[pos].view(np.uint32) != cv.view(np.uint32))
+    if bad.any():
+        j = int(np.argmax(bad))
+        i = int(pos[j])
+        raise ContainerError(f"entry {name!r}: the numpy reader decodes coordinate {i} (block {i // spec.BLOCK}) "
+                             f"to ({m[i]!r}, {v[i]!r}) but the guard certified ({cm[j]!r}, {cv[j]!r}); "
+                             "nothing was written")
 
 
 class _SampleCheck:

@@ -421,7 +421,7 @@ def entry_sections(arrays, n, entropy=False):
     codes = {"m_codes": pack(qm + lm, bm, n), "v_codes": pack(qv, bv, n), "m_params": scale_to_u16(mp[:, 0])}
     if entropy and n:
         # compact models only: the 4-bit-level form (kind 1) was never the smaller on the
-        # 59 rANS tensors of bench/results/compact_models.md and cost a second encode
+        # 59 rANS tensors of bench/experiments/results/compact_models.md and cost a second encode
         mv = rans.encode(np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv]), n,
                          lane_tails=codes["m_params"], compact_models=True)
         if len(mv) < sum(a.nbytes for a in codes.values()):
@@ -433,7 +433,7 @@ def entry_sections(arrays, n, entropy=False):
 def entry_payload_bytes(arrays, n, entropy=False):
     """Moment payload of one logrel-aw / logrel-ans entry: its exact section sizes
     (`entry_sections`; for logrel-ans this rANS-encodes each tensor twice, with compact and
-    with 4-bit-level models: ~2.5 s for the demo checkpoint's 30 tensors, bench/results/compact_models.md).
+    with 4-bit-level models: ~2.5 s for the demo checkpoint's 30 tensors, bench/experiments/results/compact_models.md).
 
     Args:
       arrays: the encoded arrays, as for `entry_sections`.

@@ -140,7 +140,7 @@ def _blocked(symbols, bits, counts, single):
 # frequencies follow from them by `model_freqs` (integers only), so the table of a width-w
 # model is ceil(2**w / 2) bytes whatever P is.  Level k > 0 weighs round(2**(0.75*(k-1))):
 # steps of 2**0.75 cost ~0.02 bits per symbol against exact frequencies (measured:
-# bench/results/entropy_probe.md), over a 2**10.5 range.
+# bench/experiments/results/entropy_probe.md), over a 2**10.5 range.
 LEVEL_WEIGHTS = (0, 1, 2, 3, 5, 8, 13, 23, 38, 64, 108, 181, 304, 512, 861, 1448)
 _W = np.array(LEVEL_WEIGHTS, np.int64)
 

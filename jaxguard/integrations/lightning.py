@@ -32,26 +32,13 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from jaxguard.format import container, storage
+from jaxguard import writer
+from jaxguard.format import storage
 from jaxguard.errors import CheckpointError
 from jaxguard.core.guard import DEFAULT_CODEC
 
 NO_NAMES = ("optimizer_states[{i}] has no 'param_names'; build the optimizer from named parameters in "
             "configure_optimizers, e.g. torch.optim.AdamW(self.named_parameters(), lr=1e-3)")
-
-
-def _reprefix(sk, old: str, new: str):
-    """The skeleton with every tensor/moment reference under `old` moved under `new`."""
-    if isinstance(sk, dict):
-        out = {k: _reprefix(v, old, new) for k, v in sk.items()}
-        for key in ("__tensor__", "__moment__"):
-            ref = out.get(key)
-            if isinstance(ref, str) and ref.startswith(old):
-                out[key] = new + ref[len(old):]
-        return out
-    if isinstance(sk, list):
-        return [_reprefix(v, old, new) for v in sk]
-    return sk
 
 
 class GuardedCheckpointIO(CheckpointIO):
@@ -89,9 +76,8 @@ class GuardedCheckpointIO(CheckpointIO):
                                   "model weights (do not save with weights_only of the optimizer alone)")
         params = checkpoint["state_dict"]
         raws: list = []
-        entries: list = []
+        records: list = []
         top = []
-        totals: dict = {}
         for key, value in checkpoint.items():
             if key != "optimizer_states":
                 top.append([key, tstate.to_skeleton(value, str(key), raws)])
@@ -100,18 +86,15 @@ class GuardedCheckpointIO(CheckpointIO):
             for i, sd in enumerate(value):
                 if any("param_names" not in g for g in sd.get("param_groups", [])):
                     raise CheckpointError(NO_NAMES.format(i=i))
-                opt_sk, ents, t = tstate.compress_state(sd, params, tau=self.tau, clip=self.clip, codec=self.codec)
-                new = f"optimizer_states/{i}/"
-                entries += [(k, new + n[len("optimizer/"):], o, info) for k, n, o, info in ents]
-                opts.append(_reprefix(opt_sk, "optimizer/", new))
-                for k, v in t.items():
-                    totals[k] = totals.get(k, 0) + v
+                opt_sk, recs = tstate.state_records(sd, params, tau=self.tau, clip=self.clip, codec=self.codec,
+                                                    prefix=f"optimizer_states/{i}")
+                records += recs
+                opts.append(opt_sk)
             top.append([key, {"__list__": opts}])
         meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__,
                 "source": "lightning"}
         extra = {"tau": self.tau, "clip": self.clip, "codec": self.codec}
-        data = container.build(entries + raws, meta, extra_header=extra)
-        return data, {**totals, "container_bytes": len(data)}
+        return writer.to_bytes(records + raws, meta, extra_header=extra)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         """Write `checkpoint` atomically as a guarded container (Lightning's CheckpointIO API).

@@ -41,9 +41,9 @@ def main():
     mb, vb, pb = big_inputs()
     ms, vs, ps = (x[:256] for x in inputs())
     eb, es = G.encode(mb, vb, pb, cfg), G.encode(ms, vs, ps, cfg)
-    entries = [("moments", "layer/w", eb, {"config": cfg.to_json()}), ("raw", "layer/w.param", pb, None),
-               ("moments", "layer/small", es, {"config": cfg.to_json()}), ("raw", "layer/small.param", ps, None),
-               ("raw", "step", np.asarray(100, np.int64), None)]
+    entries = [C.Moments("layer/w", eb, {"config": cfg.to_json()}), C.Raw("layer/w.param", pb, None),
+               C.Moments("layer/small", es, {"config": cfg.to_json()}), C.Raw("layer/small.param", ps, None),
+               C.Raw("step", np.asarray(100, np.int64), None)]
     data = C.build(entries, {"source": "golden", "codec": CODEC})
     header, payload = R.parse(data)
     forms = {e["name"]: ("mv_rans" in e["sections"]) for e in header["entries"] if e["kind"] == "moments"}

@@ -36,9 +36,9 @@ def main():
                "layer/tiny": tuple(x[:16] for x in inputs())}
     entries = []
     for name, (m, v, p) in tensors.items():
-        entries += [("moments", name, G.encode(m, v, p, cfg, keep_decoded=True), {"config": cfg.to_json()}),
-                    ("raw", f"{name}.param", p, None)]
-    entries.append(("raw", "step", np.asarray(100, np.int64), None))
+        entries += [C.Moments(name, G.encode(m, v, p, cfg, keep_decoded=True), {"config": cfg.to_json()}),
+                    C.Raw(f"{name}.param", p, None)]
+    entries.append(C.Raw("step", np.asarray(100, np.int64), None))
     data = C.build(entries, {"source": "golden", "codec": CODEC})
     header, payload = R.parse(data)
     forms = {e["name"]: (int(payload[e["sections"]["mv_rans"][0]]) if "mv_rans" in e["sections"] else None,

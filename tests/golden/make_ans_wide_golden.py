@@ -45,9 +45,9 @@ def main():
     eb, es = G.encode(mb, vb, pb, cfg), G.encode(ms, vs, ps, cfg)
     for e in (eb, es):
         assert (np.maximum(*P.split_widths(e.arrays["widths"])) > 8).any()
-    entries = [("moments", "layer/w", eb, {"config": cfg.to_json()}), ("raw", "layer/w.param", pb, None),
-               ("moments", "layer/small", es, {"config": cfg.to_json()}), ("raw", "layer/small.param", ps, None),
-               ("raw", "step", np.asarray(100, np.int64), None)]
+    entries = [C.Moments("layer/w", eb, {"config": cfg.to_json()}), C.Raw("layer/w.param", pb, None),
+               C.Moments("layer/small", es, {"config": cfg.to_json()}), C.Raw("layer/small.param", ps, None),
+               C.Raw("step", np.asarray(100, np.int64), None)]
     data = C.build(entries, {"source": "golden", "codec": CODEC})
     header, payload = R.parse(data)
     forms = {e["name"]: sorted(k for k in e["sections"] if k in ("mv_rans", "m_low", "v_low", "m_codes"))

@@ -39,9 +39,9 @@ def main():
     for codec in CODECS:
         cfg = G.GuardConfig(lr=1e-3, step=100, codec=codec)
         enc = G.encode(m, v, p, cfg)
-        entries = [("moments", "layer/w", enc, {"config": cfg.to_json()}),
-                   ("raw", "layer/w.param", p, None),
-                   ("raw", "step", np.asarray(100, np.int64), None)]
+        entries = [C.Moments("layer/w", enc, {"config": cfg.to_json()}),
+                   C.Raw("layer/w.param", p, None),
+                   C.Raw("step", np.asarray(100, np.int64), None)]
         data = C.build(entries, {"source": "golden", "codec": codec})
         path = os.path.join(HERE, f"{codec}.jaxguard")
         C.atomic_write(path, data)

@@ -1,6 +1,6 @@
 """Mutation fuzzer for rANS buffers with compact models (kinds 3 and 4), aimed at the model bits.
 
-    nice python bench/fuzz_rans_models.py SECONDS
+    nice python bench/fuzz/fuzz_rans_models.py SECONDS
 
 Seeds: compact-model buffers of 1 and 2 streams over widths 0..8 (kind 3) and 0..12 (kind 4:
 a block wider than 8 bits; half the seeds) (smooth, gap-toothed,
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 
 from jaxguard.format import rans  # noqa: E402

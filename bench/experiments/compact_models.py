@@ -1,6 +1,6 @@
 """Compact rANS models (kind 3) against 4-bit-level models (kind 1) on logrel-ans (issue 17).
 
-    nice python bench/compact_models.py [--out bench/results] [--cache bench/.cache]
+    nice python bench/experiments/compact_models.py [--out bench/experiments/results] [--cache bench/.cache]
 
 Checkpoints: bench/reproduce.py's (``checkpoints(kind, seed, steps, cache)``): the CNN
 (ResidualCNN, 300 steps) seeds 701 and 702 at 10% and 100% of training, the
@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -178,7 +178,7 @@ def speed(streams, reps=3):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "experiments" / "results"))
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     a = ap.parse_args(argv)
     import jax
@@ -214,7 +214,7 @@ def main(argv=None):
     print(json.dumps(sp), flush=True)
     res = {"rows": rows, "speed": sp, "machine": reproduce.machine_info(), "loadavg_start": load0,
            "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - t_run, "tau": TAU, "clip": CLIP,
-           "command": "nice python bench/compact_models.py"}
+           "command": "nice python bench/experiments/compact_models.py"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compact_models.json").write_text(json.dumps(res, indent=1))
@@ -222,7 +222,7 @@ def main(argv=None):
 
 
 def write_md(path, res):
-    L = ["# Compact rANS models on logrel-ans (bench/compact_models.py)", "",
+    L = ["# Compact rANS models on logrel-ans (bench/experiments/compact_models.py)", "",
          f"Command: `{res['command']}`.  tau = {res['tau']}, C = {res['clip']}; moments payload % of FP32.  "
          "before = kind-1 models (4-bit level per symbol; main's writer rule), after = the smaller of kind 3 "
          "(compact) and kind 1 per tensor (this writer; `writer` = the payload of the real "

@@ -2,8 +2,8 @@
 changes to the bound (issue 10: the float32-edge checks must cost nothing here).
 
 Usage:
-    PYTHONPATH=$PWD python bench/edge_cost.py --out bench/results/edge_cost_after.json [--cache /tmp/c]
-    python bench/edge_cost.py --compare BEFORE.json AFTER.json --md bench/results/edge_cost.md
+    PYTHONPATH=$PWD python bench/experiments/edge_cost.py --out bench/experiments/results/edge_cost_after.json [--cache /tmp/c]
+    python bench/experiments/edge_cost.py --compare BEFORE.json AFTER.json --md bench/experiments/results/edge_cost.md
 
 Checkpoints (deterministic, cached with --cache): the demo's ByteTransformer after 150
 torch Adam steps (`jaxguard demo`), the same model with AdamW (wd 0.01) after 60 steps,

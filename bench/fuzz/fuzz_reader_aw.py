@@ -1,6 +1,6 @@
 """Section-targeted mutation fuzzer for the logrel-aw and logrel-ans sections of the numpy reader.
 
-    nice python bench/fuzz_reader_aw.py SECONDS [OUT_DIR] [--codec logrel-aw|logrel-ans|both]
+    nice python bench/fuzz/fuzz_reader_aw.py SECONDS [OUT_DIR] [--codec logrel-aw|logrel-ans|both]
 
 Seeds, per codec: the odd-values checkpoint (sparse escape index, several entries) and a
 tensor with a third of its coordinates escaped (bitmask); for logrel-ans also a container
@@ -26,7 +26,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 from fuzz_reader import split, reseal  # noqa: E402
 from jaxguard.format import reader  # noqa: E402
@@ -57,16 +58,16 @@ def seeds_for(codec):
     out = [torch_compat.compress_checkpoint(odd_values_checkpoint(), codec=codec)[0]]
     rng0 = np.random.default_rng(1)
     cfg = G.GuardConfig(lr=1e-3, step=100, codec=codec)
-    out.append(container.build([("moments", "x", G.encode(*_tensor(rng0, 256 * 8, 3), cfg), {})], {}))
+    out.append(container.build([container.Moments("x", G.encode(*_tensor(rng0, 256 * 8, 3), cfg), {})], {}))
     if codec == "logrel-ans":
-        ents = [("moments", f"t{k}", G.encode(*_tensor(rng0, n), cfg), {})
+        ents = [container.Moments(f"t{k}", G.encode(*_tensor(rng0, n), cfg), {})
                 for k, n in enumerate((256 * 12 + 5, 256 * 3, 700))]
         out.append(container.build(ents, {}))
         out.append(container.build(ents[:1], {}))
         assert any("mv_rans" in e["sections"] for d in out for e in split(d)[0]["entries"]
                    if e.get("kind") == "moments"), "no seed has an mv_rans section"
     # 9..12-bit blocks: packed fields up to 12 bits; for logrel-ans an mv_rans of kind 4 (whole fields)
-    wide = [("moments", f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
+    wide = [container.Moments(f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
             for k, n in enumerate((256 * 6 + 77, 256 * 2))]
     out.append(container.build(wide, {}))
     if codec == "logrel-ans":
@@ -74,7 +75,7 @@ def seeds_for(codec):
         assert any(pay[e["sections"]["mv_rans"][0]] & 0x0F == 4 for e in hdr["entries"]
                    if e.get("kind") == "moments" and "mv_rans" in e["sections"]), "no kind-4 mv_rans seed"
         # the layout written before kind 4: mv_rans (kind 3) + m_low + v_low
-        with open(os.path.join(os.path.dirname(HERE), "tests", "golden", "containers", "logrel-ans-wide.jaxguard"),
+        with open(os.path.join(ROOT, "tests", "golden", "containers", "logrel-ans-wide.jaxguard"),
                   "rb") as f:
             out.append(f.read())
     for d in out:

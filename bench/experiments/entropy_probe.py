@@ -1,6 +1,6 @@
 """How much would rANS-coding logrel-aw's code streams save?  (issue 17, entropy coding probe)
 
-    nice python bench/entropy_probe.py [--steps 20] [--out bench/results] [--cache bench/.cache]
+    nice python bench/experiments/entropy_probe.py [--steps 20] [--out bench/experiments/results] [--cache bench/.cache]
 
 Checkpoints: bench/logrel_aw.py's (the `bench/reproduce.py --tiny` conditions: CNN and
 ByteTransformer, seed 701, 20 steps, checkpoints at 10/50/100%; and the demo checkpoint,
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -217,7 +217,7 @@ def speed(streams, reps=3):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "experiments" / "results"))
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     a = ap.parse_args(argv)
     import jax
@@ -272,7 +272,7 @@ def main(argv=None):
     print(json.dumps(sp), flush=True)
     res = {"rows": rows, "speed": sp, "machine": reproduce.machine_info(), "loadavg_start": load0,
            "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - t_run, "tau": TAU, "clip": CLIP,
-           "command": "nice python bench/entropy_probe.py --steps %d" % a.steps}
+           "command": "nice python bench/experiments/entropy_probe.py --steps %d" % a.steps}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "entropy_probe.json").write_text(json.dumps(res, indent=1))
@@ -284,7 +284,7 @@ def write_md(path, res):
             "entropy floor",
             "logrel-aw, entropy-priced widths (packed)", "rans-joint+entropy-widths",
             "rans-joint, shared models+entropy-widths"]
-    L = ["# rANS on logrel-aw's code streams (bench/entropy_probe.py)", "",
+    L = ["# rANS on logrel-aw's code streams (bench/experiments/entropy_probe.py)", "",
          f"Command: `{res['command']}`.  tau = {res['tau']}, C = {res['clip']}; moments payload % of FP32 (container "
          "sections of the moments entries; the rANS columns replace the m/v code sections by the actual encoded "
          "bytes, models and lane states included, per tensor only where smaller).  Machine: "

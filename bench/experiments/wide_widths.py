@@ -1,8 +1,8 @@
 """logrel-ans before / after the 9..12-bit per-block widths (issue 17, H17-wide).
 
-    PYTHONPATH=/work/main nice python bench/wide_widths.py --label before   # main's jaxguard
-    PYTHONPATH=$PWD      nice python bench/wide_widths.py --label after    # this tree's
-    python bench/wide_widths.py --report      # bench/results/wide_widths.md from both JSONs
+    PYTHONPATH=/work/main nice python bench/experiments/wide_widths.py --label before   # main's jaxguard
+    PYTHONPATH=$PWD      nice python bench/experiments/wide_widths.py --label after    # this tree's
+    python bench/experiments/wide_widths.py --report      # bench/experiments/results/wide_widths.md from both JSONs
 
 Checkpoints: the optax MLP of bench/reproduce.py run_optax (64-128-10 on sklearn digits,
 optax.adam(1e-3), 300 steps, seeds 701-704, checkpoints at 10/50/100%: 12 checkpoints;
@@ -30,9 +30,9 @@ import torch_compat  # noqa: F401
 import torch_compat.models  # noqa: F401
 import torch_compat.state  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(1, str(ROOT / "bench"))
-OUT = ROOT / "bench" / "results"
+OUT = ROOT / "bench" / "experiments" / "results"
 CODEC = "logrel-ans"
 
 
@@ -71,7 +71,7 @@ def run(label, cache):
 def report():
     before, after = (json.loads((OUT / f"wide_widths_{x}.json").read_text()) for x in ("before", "after"))
     b = {r["checkpoint"]: r for r in before["rows"]}
-    L = ["# logrel-ans with 9..12-bit block widths: before / after (bench/wide_widths.py)", "",
+    L = ["# logrel-ans with 9..12-bit block widths: before / after (bench/experiments/wide_widths.py)", "",
          f"before: {before['jaxguard']} (widths 4..8); after: {after['jaxguard']} (then {after['wide_pairs']} on "
          "the blocks that still escape).  tau = 0.01, C = 0.2.  Audit: the real jitted optax.adam update (MLP) or "
          "the real torch.optim.Adam (next-batch gradient + gradient grid).  Payload: moment payload / FP32 moments.  "

@@ -1,8 +1,8 @@
 """Timed adversarial search for guarantee violations (issue 10), torch and optax.
 
 Usage:
-    PYTHONPATH=$PWD python bench/adversarial.py --minutes 10 --out bench/results/adversarial
-    PYTHONPATH=$PWD python bench/adversarial.py --minutes 1 --seed 1 --out /tmp/adv   # quick
+    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 10 --out bench/results/adversarial
+    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 1 --seed 1 --out /tmp/adv   # quick
 
 30% of the cases are targeted at the families of issue 10's counterexamples
 (`targeted_case`).  The others: a state of 512 or 1024 coordinates made of 256-blocks, each block drawn from
@@ -300,7 +300,7 @@ def main():
            "violation_examples": examples}
     with open(args.out + ".json", "w") as f:
         json.dump(rep, f, indent=1)
-    lines = [f"# Adversarial search (bench/adversarial.py, seed {args.seed}, {rep['seconds']} s)", "",
+    lines = [f"# Adversarial search (bench/fuzz/adversarial.py, seed {args.seed}, {rep['seconds']} s)", "",
              f"Commit {commit}{' (dirty)' if dirty else ''}; {rep['machine']}; torch {torch.__version__}, "
              f"jax {jax.__version__}, optax {optax.__version__}.", "",
              "| framework | cases | coordinates | coded (not exact) | escapes | config errors | crashes | violations | "

@@ -1,6 +1,6 @@
 """Mutation fuzzer for the numpy-only container reader (`jaxguard.format.reader.verify_bytes`).
 
-    nice -n 19 python bench/fuzz_reader.py --seconds 600 [--seed 0] [--corpus tests/fuzz_corpus]
+    nice -n 19 python bench/fuzz/fuzz_reader.py --seconds 600 [--seed 0] [--corpus tests/fuzz_corpus]
 
 Starts from valid containers (a small torch Linear model + Adam state with NaN/Inf/negative
 moments, codecs log8, block8, bf16 and logrel-aw) and applies, at random:
@@ -202,7 +202,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fuzz_corpus"))
+    ap.add_argument("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fuzz_corpus"))
     ap.add_argument("--max-interesting", type=int, default=40)
     a = ap.parse_args(argv)
     os.makedirs(a.corpus, exist_ok=True)

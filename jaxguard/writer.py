@@ -1,0 +1,329 @@
+"""The one write path: typed records in, one container out.
+
+Every adapter (optax file, sharded directory, orbax item, jit save hook, torch file,
+DCP item, Lightning) turns its state into records and hands them here:
+
+* `MomentJob` -- a float32 moment pair to certify and encode, with its parameter and
+  `GuardConfig` (``mu="exact"``: only ``v`` is coded, ``m`` is stored exactly elsewhere);
+* `container.Raw` -- a leaf stored exactly;
+* `container.Moments` -- a pair encoded elsewhere (the jitted save hook) that carries
+  the values its program certified (`Encoded.decoded`, whole or sampled).
+
+`encode` turns records into container entries in their order (moment jobs batched in
+slabs through `guard.encode_many`, always keeping the certified values, so the
+container's decoded hash records what was certified and its sample check compares
+them with the numpy reader), summing one set of totals (`jaxguard.audit.TOTAL_KEYS`).
+`to_bytes` and `to_file` build the container into memory or a file / URL (streaming,
+the encoder one slab ahead of the writer in a thread).
+
+Numerical contract
+------------------
+What a `MomentJob` certifies is `jaxguard.core.guard.encode`'s contract for its
+`GuardConfig`; with ``mu="exact"`` it is `encode_v_only`'s with ``tau / BF16_TAU_FACTOR``
+(an optax ``mu_dtype=bfloat16`` state: optax computes ``b1 * mu`` in bfloat16, ``b1``
+rounds to 0.8984375, a relative change < 0.6% of the ``m'`` the bound assumes, which
+the 2% margin covers).  The writer never changes a code: a file holds exactly the
+codes the guard certified, or nothing is written (`ContainerError`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from jaxguard import audit
+from jaxguard.core import codecs as _codecs
+from jaxguard.core import guard as _guard
+from jaxguard.core.config import GuardConfig
+from jaxguard.format import container
+from jaxguard.format.container import Moments, Raw
+from jaxguard.format.spec import BLOCK
+
+__all__ = ["MomentJob", "Raw", "Moments", "encode", "to_bytes", "to_file", "prefetched",
+           "new_totals", "BF16_TAU_FACTOR", "SLAB"]
+
+BF16_TAU_FACTOR = 1.02
+# Coordinates encoded per `guard.encode_many` call: bounds the working memory (~40 bytes
+# per coordinate) independently of the checkpoint's size.
+SLAB = 1 << 20
+# Entries the encoder may run ahead of the file writer, in coordinates (one slab).
+AHEAD = SLAB
+new_totals = audit.new_totals
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MomentJob:
+    """One moment pair to certify and store as the container entry `name`.
+
+    Attributes:
+      name: the container entry name.
+      m, v, p: float32 arrays of one shape (numpy, or anything `np.asarray` takes
+        without copying: a CPU tensor's ``.numpy()``, a host JAX array).
+      config: the next update's `GuardConfig`.
+      info: the adapter's entry fields stored beside the config (``param``: the
+        parameter's name; ``mu_mode``; DCP offsets, ...).
+      mu: ``"coded"`` (both moments coded) or ``"exact"`` (only v coded; m stored
+        exactly in another entry).
+      source: handed to the writer's ``release`` once the entry is written (e.g. the
+        torch tensors of a memory-mapped checkpoint).
+    """
+
+    name: str
+    m: Any
+    v: Any
+    p: Any
+    config: GuardConfig
+    info: dict = dataclasses.field(default_factory=dict)
+    mu: str = "coded"
+    source: Any = None
+
+    @property
+    def size(self) -> int:
+        return int(np.size(self.m))
+
+
+def _entry_info(job: MomentJob) -> dict:
+    return {**job.config.to_json(), "mu_mode": "coded" if job.mu == "coded" else "raw-bfloat16", **job.info}
+
+
+def encode_v_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
+    """Code only `v` beside an exact `m` (`MomentJob(mu="exact")`; module docstring).
+
+    Args:
+      m: the first moment as float32 (stored exactly beside the codes).
+      v, p: the float32 second moment and parameter.
+      config: the `GuardConfig` (its tau is divided by `BF16_TAU_FACTOR`); a codec whose
+        widths are chosen on the host (logrel-aw/-ans) codes v with log8-rel's codes.
+
+    Returns:
+      The `Encoded` v codes, with the certified values kept; ``stats["payload_bytes"]``
+      includes 2 bytes per coordinate of the exact bfloat16 m.
+    """
+    cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
+    if _codecs.get(cfg.codec).propose is None:
+        cfg = dataclasses.replace(cfg, codec="log8-rel")
+    enc = _guard.encode_v_only(m, v, p, cfg, keep_decoded=True)
+    enc.stats["payload_bytes"] += 2 * enc.n
+    return enc
+
+
+def _slabs(jobs, slab):
+    """Consecutive jobs in slabs of at most `slab` coordinates in whole blocks (one
+    compiled shape per step of the guard); a larger job is a slab of its own."""
+    cap = -(-slab // BLOCK)
+    cur, size = [], 0
+    for job in jobs:
+        nb = -(-job.size // BLOCK)
+        if cur and size + nb > cap:
+            yield cur
+            cur, size = [], 0
+        cur.append(job)
+        size += nb
+    if cur:
+        yield cur
+
+
+def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
+           release: Callable | None = None) -> Iterator:
+    """Container entries (`Raw`, `Moments`) of `records`, in their order.
+
+    Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
+    coordinates; every encoding keeps its certified values.  Each entry's stats are
+    added to `totals` as it is produced.
+
+    Args:
+      records: an iterable of `MomentJob`, `Raw` and `Moments`.
+      totals: the dict to add the guard's stats to (`new_totals()`); None: not kept.
+      slab: coordinates per `guard.encode_many` call (default `SLAB`).
+      progress: show the guard's progress bars.
+      release: called with a list of the `source`s (or raw arrays) of entries the
+        consumer has taken, after it took them.
+
+    Returns:
+      An iterator of container entries.
+    """
+    slab = SLAB if slab is None else slab
+    pending: list = []
+
+    def add(stats):
+        if totals is not None:   # the guard's stats (other keys of `totals` are the caller's)
+            for k in audit.TOTAL_KEYS:
+                totals[k] = totals.get(k, 0) + stats[k]
+
+    def flush():
+        for part in _slabs(pending, slab):
+            encs = _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
+                                      progress=progress, keep_decoded=True)
+            for job, enc in zip(part, encs):
+                add(enc.stats)
+                yield Moments(job.name, enc, _entry_info(job))
+            del encs
+            if release is not None:
+                release([job.source for job in part if job.source is not None])
+        pending.clear()
+
+    for r in records:
+        if isinstance(r, MomentJob) and r.mu == "coded":
+            pending.append(r)
+            continue
+        yield from flush()
+        if isinstance(r, MomentJob):
+            enc = encode_v_only(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
+            add(enc.stats)
+            yield Moments(r.name, enc, _entry_info(r))
+            if release is not None and r.source is not None:
+                release([r.source])
+        elif isinstance(r, Moments):   # encoded elsewhere; -1 marks a stat its encoder does not count
+            add({k: max(int(r.encoded.stats.get(k, 0)), 0) for k in audit.TOTAL_KEYS})
+            yield r
+        else:
+            yield container._checked_entry(r)
+            if release is not None:
+                release([r.array])
+    yield from flush()
+
+
+class _Header(dict):
+    """Header fields; those left out (or None) are filled from the first moments entry
+    that passes (the header is written after the payload)."""
+
+    GUARD_FIELDS = ("op_model", "tau", "clip", "codec", "bound", "partition")
+
+    def watch(self, entries):
+        filled = False
+        for e in entries:
+            if not filled and isinstance(e, Moments):
+                for k in self.GUARD_FIELDS:
+                    if self.get(k) is None:
+                        self[k] = e.info.get(k)
+                filled = True
+            yield e
+
+
+def _timed_summary(totals, size, t0, raw_state_bytes=None):
+    totals["encode_seconds"] = time.perf_counter() - t0
+    return audit.compression_summary(totals, size, raw_state_bytes)
+
+
+def to_bytes(records: Iterable, meta: dict, *, extra_header: dict | None = None, progress: bool = False,
+             raw_state_bytes: int | None = None) -> tuple[bytes, dict]:
+    """Encode `records` and build the container in memory.
+
+    Args:
+      records: `MomentJob`, `Raw` and `Moments` records (see `encode`).
+      meta: the header's ``meta`` (the adapter's tree and framework).
+      extra_header: more top-level header fields; the guard fields default to the first
+        moments entry's config (`header_fields`).
+      progress: show the guard's progress bars.
+      raw_state_bytes: the uncompressed state's size, for the summary's ``container_ratio``.
+
+    Returns:
+      ``(container bytes, summary)``: `jaxguard.audit.compression_summary` of the totals,
+      with ``encode_seconds``.
+
+    Raises:
+      ContainerError: certified values the reader disagrees with, or a bad entry:
+        nothing is returned.
+    """
+    t0 = time.perf_counter()
+    totals = new_totals()
+    header = _Header(extra_header or {})
+    entries = list(header.watch(encode(records, totals, progress=progress)))
+    data = container.build(entries, meta, extra_header=header)
+    return data, _timed_summary(totals, len(data), t0, raw_state_bytes)
+
+
+def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = None, progress: bool = False,
+            release: Callable | None = None, slab: int | None = None, raw_state_bytes: int | None = None) -> dict:
+    """Encode `records` and write the container to `path` atomically, streaming: the
+    encoder runs one slab ahead of the writer in a thread and each entry is written as
+    soon as it is ready, so memory holds about two slabs, never the container.
+
+    Args:
+      path: a local path (its directory must exist) or an fsspec URL.
+      records, meta, extra_header, progress, raw_state_bytes: as `to_bytes`.
+      release: as `encode`.
+      slab: as `encode`.
+
+    Returns:
+      The summary (as `to_bytes`); ``container_bytes`` is the file's size.
+
+    Raises:
+      ContainerError: as `to_bytes`; the target is then left as it was.
+    """
+    t0 = time.perf_counter()
+    totals = new_totals()
+    header = _Header(extra_header or {})
+    entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab))
+    size = container.write_stream(path, header.watch(entries), meta, extra_header=header)
+    return _timed_summary(totals, size, t0, raw_state_bytes)
+
+
+def prefetched(entries: Iterable, ahead: int = AHEAD) -> Iterator:
+    """Iterate `entries` produced in a background thread, at most about `ahead` coordinates
+    ahead of the consumer, so that encoding (XLA, numpy) and writing (SHA-256, file I/O;
+    both release the GIL) overlap.  An exception in the producer is raised in the consumer;
+    a consumer that stops early stops the producer.
+
+    Args:
+      entries: an iterable of container entries (`Raw`, `Moments`).
+      ahead: how many coordinates (moments) or elements (raw arrays) may wait in the queue;
+        one entry always may, whatever its size.
+
+    Returns:
+      An iterator of the same entries, in order.
+
+    Raises:
+      Whatever iterating `entries` raised, once the entries before it were consumed.
+    """
+    cond = threading.Condition()
+    box = {"queue": collections.deque(), "held": 0, "done": False, "error": None, "stop": False}
+
+    def cost(e):
+        return int(e.encoded.n) if isinstance(e, Moments) else int(np.size(e.array))
+
+    def produce():
+        try:
+            for e in entries:
+                c = cost(e)
+                with cond:
+                    while box["queue"] and box["held"] + c > ahead and not box["stop"]:
+                        cond.wait()
+                    if box["stop"]:
+                        return
+                    box["queue"].append((e, c))
+                    box["held"] += c
+                    cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            with cond:
+                box["error"] = exc
+        finally:
+            with cond:
+                box["done"] = True
+                cond.notify_all()
+
+    worker = threading.Thread(target=produce, name="jaxguard-encode", daemon=True)
+    worker.start()
+    try:
+        while True:
+            with cond:
+                while not box["queue"] and not box["done"]:
+                    cond.wait()
+                if box["queue"]:
+                    e, c = box["queue"].popleft()
+                    box["held"] -= c
+                    cond.notify_all()
+                elif box["error"] is not None:
+                    raise box["error"]
+                else:
+                    return
+            yield e
+    finally:
+        with cond:
+            box["stop"] = True
+            cond.notify_all()
+        worker.join()
