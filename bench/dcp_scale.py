@@ -132,7 +132,7 @@ def _case(rank, world, root, opt_name, width, steps, repeats, phase, mesh):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from torch_compat.dcp import GuardedLoadPlanner, GuardedSavePlanner, first_update_audit
-    from torch_compat.state import gradient_grid
+    from jaxguard.audit import gradient_grid
     res = {"rank": rank, "world": world, "rss_mb": {"start": _rss_mb()}}
     if phase == "train":
         model, opt = build(width, opt_name, mesh)
@@ -163,7 +163,7 @@ def _case(rank, world, root, opt_name, width, steps, repeats, phase, mesh):
         del model, opt, msd, osd
     plain, res["load_plain_s"] = _load(f"{root}/plain", width, opt_name, mesh, None)
     res["rss_mb"]["plain_loaded"] = _rss_mb()
-    guarded, res["load_guarded_s"] = _load(f"{root}/guarded", width, opt_name, mesh, GuardedLoadPlanner())
+    guarded, res["load_guarded_s"] = _load(f"{root}/guarded", width, opt_name, mesh, GuardedLoadPlanner(f"{root}/guarded"))
     res["rss_mb"]["guarded_loaded"] = _rss_mb()
     res["weights_bit_identical"] = all(torch.equal(_local(a), _local(b)) for a, b in
                                        zip(plain[0].parameters(), guarded[0].parameters()))

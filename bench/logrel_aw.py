@@ -51,7 +51,7 @@ def _median_s(fn, reps):
 def torch_row(label, ckpt, grads, codec, tau, tmpdir, timing=False):
     import torch_compat
     from jaxguard.format.container import atomic_write
-    from torch_compat.state import gradient_grid
+    from jaxguard.audit import gradient_grid
     if timing:
         torch_compat.compress_checkpoint(ckpt, tau=tau, clip=CLIP, codec=codec)   # warm-up (jit)
     enc_s, (data, s) = _median_s(lambda: torch_compat.compress_checkpoint(ckpt, tau=tau, clip=CLIP, codec=codec),

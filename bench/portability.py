@@ -211,7 +211,7 @@ def run_cell(mode: str) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     from torch_compat.enclosure import audit_enclosure
-    from torch_compat._variant import variant_record
+    from torch_compat.variant_cache import variant_record
 
     sizes = SIZES[mode]
     env = {k: os.environ[k] for k in FACTORS if k in os.environ}
@@ -226,7 +226,7 @@ def run_cell(mode: str) -> dict:
     parity = run_parity(variant, sizes)
     enclosure = audit_enclosure(sizes["enclosure"], seed=1, variant=variant)
     guard = run_guard_audit(sizes["model_width"])
-    from torch_compat._variant import torch_sqrt_table
+    from torch_compat.variant import torch_sqrt_table
 
     table = torch_sqrt_table()
     return {

@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 from torch_compat.enclosure import audit_enclosure  # noqa: E402
 from torch_compat import replay  # noqa: E402
-from torch_compat._variant import detect_implementation_variant, environment_fingerprint  # noqa: E402
+from torch_compat.replay import detect_implementation_variant  # noqa: E402
+from torch_compat.variant import environment_fingerprint  # noqa: E402
 
 CONFIGS = (
     dict(step=0, lr=6e-4, weight_decay=0.01, decoupled=False),

@@ -19,10 +19,11 @@ numerical contract); only the primary host writes it.
 
 Multi-process jobs (or ``GuardedSave(..., sharded=True)``): the item directory holds a
 sharded checkpoint (jaxguard.sharded): every process certifies its replica-0 shards
-during `save` and writes ``process_NNNNN.jaxguard`` (through `etils.epath`, so any
-epath/fsspec URL orbax accepts) in its commit future; `finalize`, which orbax runs on the
-primary process after every process has finished writing, merges the per-process
-indexes into ``manifest.json``.  orbax renames the temporary step directory only after
+during `save` and writes ``process_NNNNN.<save id>.jaxguard`` (through
+`jaxguard.format.storage`: local paths and fsspec URLs, each file atomic) in its commit
+future; `finalize`, which orbax runs on the primary process after every process has
+finished writing, merges the per-process indexes into ``manifest.json`` (one atomic
+write, as `jaxguard.sharded.commit_manifest`).  orbax renames the temporary step directory only after
 that, so a checkpoint is visible only when complete.  `GuardedRestore(like)` reads either
 layout, into `like`'s shardings (any mesh or process count).
 """
@@ -40,6 +41,7 @@ from orbax.checkpoint import future
 
 from jaxguard.format import container
 from jaxguard import optax_adapter
+from jaxguard.core.config import GuardSpec, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
 
@@ -86,11 +88,11 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
-        data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, tau=args.tau,
-                                               clip=args.clip, codec=args.codec, weight_decay=args.weight_decay,
-                                               betas=args.betas, eps=args.eps, include_params=args.include_params)
+        data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, weight_decay=args.weight_decay,
+                                               betas=args.betas, eps=args.eps, spec=args.guard_spec(),
+                                               include_params=args.include_params)
         self.last_summary = summary
-        path = epath.Path(directory) / self._filename
+        path = str(epath.Path(directory) / self._filename)
 
         async def write():
             if ocp.utils.is_primary_host(self._primary_host):
@@ -99,23 +101,25 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
 
     def _async_save_sharded(self, directory, args):
-        kw = dict(lr=args.lr, tau=args.tau, clip=args.clip, codec=args.codec, weight_decay=args.weight_decay,
-                  betas=args.betas, eps=args.eps)
-        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, **kw)
+        spec = args.guard_spec()
+        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, lr=args.lr,
+                                                                 weight_decay=args.weight_decay, betas=args.betas,
+                                                                 eps=args.eps, spec=spec)
         primary = self._primary_host or 0
         items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
                                                  include_params=args.include_params, primary=primary)
-        extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": args.tau, "clip": args.clip,
-                 "codec": args.codec}
+        extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": spec.tau, "clip": spec.clip,
+                 "codec": spec.codec}
         pid = jax.process_index()
+        save_id = _sharded.new_save_id(primary)   # a collective, here on the calling thread of every process
         data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
-        self._common[str(directory)] = _sharded.common_meta(
-            sites_meta, leaves, treedef, tau=args.tau, clip=args.clip, codec=args.codec,
-            params_meta=_sharded.param_leaves(args.params) if args.include_params else None)
+        self._common[str(directory)] = (_sharded.common_meta(
+            sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
+            params_meta=_sharded.param_leaves(args.params) if args.include_params else None), save_id)
         self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
 
         async def write():
-            _sharded.write_process_files(epath.Path(directory), data, index, pid)
+            _sharded.write_process_files(str(directory), data, index, pid, save_id)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]
 
@@ -153,7 +157,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise CheckpointError("restoring guarded optax state needs args=jaxguard.checkpoint.GuardedRestore(like), "
                                   "with like a state of the same structure (e.g. tx.init(params))")
         if (epath.Path(directory) / _sharded.MANIFEST).exists():
-            return _sharded.load(epath.Path(directory), args.like)
+            return _sharded.load(str(directory), args.like)
         path = epath.Path(directory) / self._filename
         if not path.exists():
             raise CheckpointError(f"{path} does not exist; was this item saved with GuardedSave?")
@@ -170,7 +174,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
           save), or None when the directory holds no container.
         """
         if (epath.Path(directory) / _sharded.MANIFEST).exists():
-            man = _sharded.read_manifest(epath.Path(directory))
+            man = _sharded.read_manifest(str(directory))
             return {k: man.get(k) for k in ("op_model", "tau", "clip", "codec", "process_count")}
         path = epath.Path(directory) / self._filename
         if not path.exists():
@@ -186,12 +190,13 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         Args:
           directory: the item directory.
         """
-        common = self._common.pop(str(directory), None)
-        if common is None and len(self._common) == 1 and (epath.Path(directory) / (_sharded.file_name(0)
-                                                                                  + _sharded.INDEX_SUFFIX)).exists():
-            common = self._common.pop(next(iter(self._common)))
-        if common is not None:
-            _sharded.commit_manifest(epath.Path(directory), common, jax.process_count())
+        got = self._common.pop(str(directory), None)
+        if got is None and len(self._common) == 1:
+            sid = next(iter(self._common.values()))[1]
+            if (epath.Path(directory) / (_sharded.file_name(0, sid) + _sharded.INDEX_SUFFIX)).exists():
+                got = self._common.pop(next(iter(self._common)))
+        if got is not None:
+            _sharded.commit_manifest(str(directory), got[0], jax.process_count(), got[1])
 
     def close(self):
         """Nothing to release (orbax's handler protocol)."""
@@ -207,9 +212,12 @@ class GuardedSave(ocp.args.CheckpointArgs):
     opt_state: Any
     params: Any = None
     lr: Any = None          # the next update's lr (required): a number or the optax schedule
-    tau: float = 0.01
-    clip: float = 0.2
-    codec: str = "log8-rel"
+    spec: Optional[GuardSpec] = None     # the guard settings (default GuardSpec()); the fields below override it
+    tau: Optional[float] = None
+    clip: Optional[float] = None
+    codec: Optional[str] = None
+    bound: Optional[str] = None
+    partition: Optional[str] = None
     weight_decay: Optional[float] = None
     betas: Optional[tuple] = None
     eps: Optional[float] = None
@@ -220,6 +228,12 @@ class GuardedSave(ocp.args.CheckpointArgs):
         if self.params is None:
             raise CheckpointError("GuardedSave needs params=...: the guard certifies the next update against the "
                                   "parameters the state belongs to")
+        self.guard_spec()   # bad settings fail here, in one line
+
+    def guard_spec(self) -> GuardSpec:
+        """The save's `GuardSpec`: `spec` with the given fields (`jaxguard.core.config.save_spec`)."""
+        return save_spec(self.spec, tau=self.tau, clip=self.clip, codec=self.codec, bound=self.bound,
+                         partition=self.partition)
 
 
 @ocp.args.register_with_handler(GuardedCheckpointHandler, for_restore=True)

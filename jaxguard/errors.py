@@ -24,3 +24,18 @@ class CheckpointError(JaxguardError):
 
 class ContainerError(JaxguardError):
     """A jaxguard container is corrupt, truncated, foreign or of another version."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install the optional dependencies `extra` (``"torch"``, ``"remote"``, ...).
+
+    jaxguard is installed from a clone (no release is on an index yet), so the first form
+    is the one that works today.
+
+    Args:
+      extra: the name of an ``[project.optional-dependencies]`` group of pyproject.toml.
+
+    Returns:
+      ``pip install -e ".[extra]" in the jaxguard clone (or pip install "jaxguard[extra]")``.
+    """
+    return f'pip install -e ".[{extra}]" in the jaxguard clone (or pip install "jaxguard[{extra}]")'

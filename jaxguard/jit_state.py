@@ -38,7 +38,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxguard.core import codes, jit_encode
@@ -47,7 +46,8 @@ from jaxguard import audit, writer
 from jaxguard.format import container
 from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig
+from jaxguard.core.config import save_spec
+from jaxguard.core.guard import GuardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +114,14 @@ def _layout(x, name):
     return None, None
 
 
-def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, tau=0.01,
-                    clip=0.2, codec=DEFAULT_CODEC) -> StateConstants:
+def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, spec=None,
+                    tau=None, clip=None, codec=None, bound=None, partition=None) -> StateConstants:
     """Host: the constants and static plan for `encode_state_jit` at one step.
 
     Args:
       opt_state, params: the state and params (arrays with their shardings; abstract
         shapes are not enough: the Adam sites' hyperparameters are read from the state).
-      lr, weight_decay, betas, eps, tau, clip, codec: as `jaxguard.save`.
+      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition: as `jaxguard.save`.
       step: the optax ``count`` of the state that will be encoded (default: the count
         in `opt_state`); a state encoded right after an update has the next count.
     Returns:
@@ -131,9 +131,9 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
       CheckpointError / UnsupportedOptimizerError / ConfigError as `jaxguard.save`;
       bfloat16 ``mu`` is not supported here (use `jaxguard.save`).
     """
-    sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, tau=tau, clip=clip,
-                                                            codec=codec, weight_decay=weight_decay, betas=betas,
-                                                            eps=eps)
+    guard = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay,
+                                                            betas=betas, eps=eps, spec=guard)
     ks, configs = [], []
     for i, sm in enumerate(sites_meta):
         cfg = GuardConfig.from_json(sm["config"])
@@ -153,7 +153,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
         plans.append(MomentPlan(pr["entry"], pr["mu_path"], pr["nu_path"], pr["param"], site, static,
                                 tuple(np.shape(pr["mu"])), mesh, spec))
     host = {"configs": configs, "sites": sites_meta, "leaves": leaves, "treedef": treedef,
-            "tau": tau, "clip": clip, "codec": codec}
+            "tau": guard.tau, "clip": guard.clip, "codec": guard.codec}
     return StateConstants(ks, tuple(plans), host)
 
 
@@ -280,7 +280,7 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
     Every process calls it with the same `path`; each writes the shards of its devices.
 
     Args:
-      path: a directory (local or an epath URL), read back with `jaxguard.load`.
+      path: a directory (local or an fsspec URL), read back with `jaxguard.load`.
       encoded: the `EncodedState` returned by the jitted step (concrete arrays).
       constants: the host `StateConstants` from `state_constants` for that step.
     Returns:
@@ -303,7 +303,7 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
             raise CheckpointError(f"the state's {sm['count_path']} is {int(np.asarray(sharded.host_scalar(cnt)))} "
                                   f"but the constants certify step {cfg.step}; build state_constants(..., "
                                   "step=<the count of the encoded state>)")
-    d = epath.Path(path)
+    d = str(path)
     sharded.prepare_directory(d, primary)
     items = []
     totals = audit.new_totals()

@@ -38,7 +38,7 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
-from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
+from jaxguard.core.config import save_spec
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +57,7 @@ from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, 
 BF16_TAU_FACTOR = writer.BF16_TAU_FACTOR
 
 # ---------------------------------------------------------------- records for the writer
-def state_records(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None,
-                  betas=None, eps=None, prefix="state"):
+def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state"):
     """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
     ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
     `Raw` record per other leaf.
@@ -66,7 +65,8 @@ def state_records(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFA
     Args:
       opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
       params: the parameter pytree the state belongs to.
-      lr, tau, clip, codec, weight_decay, betas, eps: see `save` and `site_config`.
+      lr, weight_decay, betas, eps: see `save` and `site_config`.
+      spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves in the container.
 
     Returns:
@@ -88,8 +88,7 @@ def state_records(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFA
     records = []
     sites_meta = []
     for site in sites:
-        cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, tau=tau, clip=clip,
-                          codec=codec)
+        cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec)
         sites_meta.append({"path": site.name, "config": cfg.to_json()})
         for pair in moment_pairs(site, pflat):
             ename = f"{prefix}/moments/{pair.mu_path}"
@@ -153,12 +152,13 @@ def state_nbytes(tree) -> int:
     return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
-def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
-             eps=None, include_params=False, extra_meta=None):
+def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
+             include_params=False, extra_meta=None) -> tuple[bytes, dict]:
     """Container bytes and a summary dict (see `save`).
 
     Args:
-      opt_state, params, lr, tau, clip, codec, weight_decay, betas, eps, include_params: as `save`.
+      opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
+        include_params: as `save`.
       extra_meta: more keys for the container's meta (e.g. ``{"source": ...}``).
 
     Returns:
@@ -167,8 +167,8 @@ def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_C
     Raises:
       ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
     """
-    records, smeta = state_records(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
-                                   weight_decay=weight_decay, betas=betas, eps=eps)
+    spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec)
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
     if include_params:
@@ -178,8 +178,8 @@ def to_bytes(opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_C
     return writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
 
 
-def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC, weight_decay=None, betas=None,
-         eps=None, include_params=False, sharded=None) -> dict:
+def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
+         include_params: bool = False, sharded: bool | None = None) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
     Args:
@@ -189,7 +189,10 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
       lr: the next update's learning rate, required: a number, or the optax schedule
         (evaluated at the Adam state's ``count``).  An `inject_hyperparams` state's
         ``learning_rate`` is the last update's and is not used.
-      tau, clip, codec, weight_decay, betas, eps: see the module docstring.
+      weight_decay, betas, eps: the next update's, see the module docstring.
+      spec: the guard settings, a `jaxguard.GuardSpec` (tau, clip, codec, bound, partition;
+        default ``GuardSpec()``: tau 0.01, clip 0.2, log8-rel, shared bound, mixed partition).
+      tau, clip, codec, bound, partition: override the spec's field when given.
       sharded: write a checkpoint *directory* instead of one file (default:
         ``jax.process_count() > 1``): every process certifies and writes only its own
         shards and calls `save` with the same `path` (jaxguard.sharded).
@@ -203,10 +206,11 @@ def save(path, opt_state, params, *, lr=None, tau=0.01, clip=0.2, codec=_DEFAULT
       CheckpointError, UnsupportedOptimizerError: see `compress_state`.
     """
     if sharded or (sharded is None and jax.process_count() > 1):
-        return _sharded.save(path, opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec,
-                             weight_decay=weight_decay, betas=betas, eps=eps, include_params=include_params)
-    data, s = to_bytes(opt_state, params, lr=lr, tau=tau, clip=clip, codec=codec, weight_decay=weight_decay,
-                       betas=betas, eps=eps, include_params=include_params)
+        return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                             spec=spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                             include_params=include_params)
+    data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, tau=tau,
+                       clip=clip, codec=codec, bound=bound, partition=partition, include_params=include_params)
     container.atomic_write(path, data)
     return s
 
@@ -336,7 +340,6 @@ def load_params(path) -> dict:
 
 
 # ---------------------------------------------------------------- first-update audit with real optax
-gradient_grid = _audit.gradient_grid
 
 
 def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0,
@@ -360,7 +363,7 @@ def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, 
       {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
       "worst": (g, dotted param) of the largest gap} (`jaxguard.audit.AuditSummary`).
     """
-    grid = gradient_grid(clip) if grid is None else np.asarray(grid, np.float32)
+    grid = _audit.gradient_grid(clip) if grid is None else np.asarray(grid, np.float32)
 
     @jax.jit
     def step(state, g):

@@ -19,8 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxguard.core.config import DEFAULT_CODEC
-from jaxguard.core.guard import GuardConfig
+from jaxguard.core.config import GuardConfig, GuardSpec, save_spec
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 
 INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
@@ -258,8 +257,8 @@ LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learnin
            "for a constant one, or lr=schedule, evaluated at the state's count {count})")
 
 
-def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, tau=0.01, clip=0.2,
-                codec=DEFAULT_CODEC, lr_from_state=False) -> GuardConfig:
+def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, spec: GuardSpec | None = None,
+                lr_from_state=False) -> GuardConfig:
     """The `GuardConfig` of one Adam site: the next update's hyperparameters.
 
     Args:
@@ -272,7 +271,7 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
       site: from `jaxguard.optax_state.find_adam_states`.
       weight_decay, betas, eps: override the `inject_hyperparams` values (defaults
         0, (0.9, 0.999), 1e-8 when neither gives them).
-      tau, clip, codec: the contract and the codec id.
+      spec: the save's guard settings (`jaxguard.core.config.save_spec`; None: the defaults).
 
     Returns:
       The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
@@ -310,8 +309,8 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
     if hp.get("eps_root", 0.0):
         raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
                                         "optax op model covers eps_root=0 only")
-    return GuardConfig(lr=float(lr_), step=int(count), tau=tau, clip=clip, betas=b, eps=float(e),
-                       weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam", codec=codec)
+    return GuardConfig.from_spec(save_spec(spec), lr=float(lr_), step=int(count), betas=b, eps=float(e),
+                                 weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam")
 
 
 def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:

@@ -83,6 +83,7 @@ class MomentJob:
 
     @property
     def size(self) -> int:
+        """Returns: the pair's coordinate count."""
         return int(np.size(self.m))
 
 

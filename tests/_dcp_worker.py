@@ -111,8 +111,8 @@ def run(rank, world, port, root):
 
     # same-size resume: plain and guarded, audited with the real FSDP2 Adam step
     plain = load_into(f"{root}/plain", mesh, None)
-    guarded = load_into(f"{root}/guarded", mesh, GuardedLoadPlanner())
-    asynced = load_into(f"{root}/async", mesh, GuardedLoadPlanner())
+    guarded = load_into(f"{root}/guarded", mesh, GuardedLoadPlanner(f"{root}/guarded"))
+    asynced = load_into(f"{root}/async", mesh, GuardedLoadPlanner(f"{root}/async"))
     ps, gs, As = local_state(*plain), local_state(*guarded), local_state(*asynced)
     res["plain_equals_original"] = same(ps, original)
     res["weights_bit_identical"] = all(torch.equal(a[0], b[0]) for a, b in zip(ps, gs))
@@ -152,7 +152,7 @@ def run(rank, world, port, root):
         before = local_state(model, opt)
         err = None
         try:
-            dcp.load({"model": msd, "optim": osd}, checkpoint_id=bad, planner=GuardedLoadPlanner())
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=bad, planner=GuardedLoadPlanner(bad))
         except CheckpointException as exc:
             errs = [e for e, _ in exc.failures.values()]
             err = [type(e).__name__ + ": " + str(e) for e in errs]

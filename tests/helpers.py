@@ -14,7 +14,7 @@ import shutil
 import textwrap
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 
 @contextlib.contextmanager

@@ -144,7 +144,7 @@ def write_job():
     rep["expected_share"] = local_share(state)
     man = json.load(open(f"{OUT}/jg/manifest.json"))
     mine = {(e, tuple(r["start"]), tuple(r["shape"])) for e, recs in man["shards"].items() for r in recs
-            if r["file"] == f"process_{PID:05d}.jaxguard"}
+            if r["file"] == f"process_{PID:05d}.{s['save_id']}.jaxguard"}
     held = set()
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         d = dotted(path)

@@ -6,12 +6,12 @@ import sys
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import jaxguard as jg
-import jaxguard.core.guard as G
-from jaxguard.format import container, reader, spec
-from torch_compat import codes_torch
+import jaxguard as jg  # noqa: E402
+import jaxguard.core.guard as G  # noqa: E402
+from jaxguard.format import container, reader, spec  # noqa: E402
+from torch_compat import codes_torch  # noqa: E402
 
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_v1.npz"))
 CODECS = ("log8", "log8-rel", "bf16", "block8")

@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
-import jaxguard as jg
-import torch_compat
-from jaxguard import optax_adapter as oa
-from jaxguard.errors import ConfigError
+import jaxguard as jg  # noqa: E402
+import torch_compat  # noqa: E402
+from jaxguard import optax_adapter as oa  # noqa: E402
+from jaxguard.errors import ConfigError  # noqa: E402
 
 TAU, C = 0.01, 0.2
 FLT_MAX = float(np.finfo(np.float32).max)

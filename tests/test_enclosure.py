@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxguard.core import bound
-from torch_compat.enclosure import POINTS_PER_CASE, audit_enclosure, cell_points, draw_cases
+pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from torch_compat.enclosure import POINTS_PER_CASE, audit_enclosure, cell_points, draw_cases  # noqa: E402
 
 
 def test_bound_encloses_replay():

@@ -5,11 +5,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-from jaxguard.core import bound, fastbound, guard
-from torch_compat.enclosure import audit_enclosure, draw_cases
-from jaxguard.core.opmodel import step_constants
+from jaxguard.core import bound, fastbound, guard  # noqa: E402
+from torch_compat.enclosure import audit_enclosure, draw_cases  # noqa: E402
+from jaxguard.core.opmodel import step_constants  # noqa: E402
 
 
 def _k(op_model="torch-adam", lr=1e-3, step=100, tau=0.01, wd=0.0, betas=(0.9, 0.999), eps=1e-8):

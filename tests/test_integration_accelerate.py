@@ -13,9 +13,9 @@ Tolerances (reason):
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2
-from helpers import one_torch_thread  # noqa: F401 - an autouse fixture
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2  # noqa: E402
+from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
-from helpers import assert_first_update_within_tau, assert_losses_within_noise
-from helpers import one_torch_thread  # noqa: F401 - an autouse fixture
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from helpers import assert_first_update_within_tau, assert_losses_within_noise  # noqa: E402
+from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 
 L = pytest.importorskip("lightning")
 

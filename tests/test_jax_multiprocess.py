@@ -70,8 +70,9 @@ def test_each_process_certifies_only_its_shards(reports):
         assert 0 < x["save"]["coordinates"] < total
         assert x["file_holds_exactly_my_shards"], x
     assert sum(x["save"]["coordinates"] for x in w) == total == 64 * 96 + 96 + 96 * 16 + 200 * 16
-    files = sorted(f for f in os.listdir(os.path.join(out, "jg")) if not f.startswith("."))
-    assert files == ["manifest.json", "process_00000.jaxguard", "process_00001.jaxguard"]
+    files = sorted(f for f in os.listdir(os.path.join(out, "jg")))
+    sid = json.load(open(os.path.join(out, "jg", "manifest.json")))["save_id"]
+    assert files == ["manifest.json", f"process_00000.{sid}.jaxguard", f"process_00001.{sid}.jaxguard"]
 
 
 def test_restores_decode_the_same_bits_in_any_topology(reports):

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from jaxguard.errors import install_hint
+
 ROOT = Path(__file__).resolve().parent.parent
-TORCH_LINE = 'needs torch; install it with pip install "jaxguard[torch]"'
+TORCH_LINE = f"needs torch; install it with {install_hint('torch')}"
 
 # ------------------------------------------------------------------ (a) without torch
 

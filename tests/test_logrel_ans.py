@@ -13,13 +13,13 @@ import sys
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import jaxguard.core.guard as G
-import torch_compat
-from jaxguard.format import container, packed, rans, reader, spec
-from torch_compat import models
-from helpers import one_torch_thread  # noqa: F401  (autouse)
+import jaxguard.core.guard as G  # noqa: E402
+import torch_compat  # noqa: E402
+from jaxguard.format import container, packed, rans, reader, spec  # noqa: E402
+from torch_compat import models  # noqa: E402
+from helpers import one_torch_thread  # noqa: E402,F401  (autouse)
 
 ANS, AW = "logrel-ans", packed.CODEC
 TAU = 0.01

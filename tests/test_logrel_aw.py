@@ -7,13 +7,13 @@ import os
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import jaxguard.core.guard as G
-import torch_compat
-from jaxguard.format import container, packed, reader
-from jaxguard.errors import ConfigError, ContainerError
-from torch_compat import codes_torch
+import jaxguard.core.guard as G  # noqa: E402
+import torch_compat  # noqa: E402
+from jaxguard.format import container, packed, reader  # noqa: E402
+from jaxguard.errors import ConfigError, ContainerError  # noqa: E402
+from torch_compat import codes_torch  # noqa: E402
 
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_aw_v1.npz"))
 AW = packed.CODEC

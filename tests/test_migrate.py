@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import torch_compat
-from jaxguard import cli, optax_adapter
-from torch_compat import migrate
+import torch_compat  # noqa: E402
+from jaxguard import cli, optax_adapter  # noqa: E402
+from torch_compat import migrate  # noqa: E402
 
 LR, TAU, CLIP = 1e-3, 0.01, 0.2
 GRID = [-0.2, -0.05, -1e-4, -1e-7, 0.0, 1e-7, 1e-4, 0.05, 0.2]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "portability.py"
@@ -123,5 +123,6 @@ def test_variant_detection_runs_only_after_the_checkpoint_validates():
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
-        torch_compat.compress_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict()}, variant=detect)
+        ambiguous = {**model.state_dict(), "running_mean": torch.zeros(2)}   # no param_names, a float buffer
+        torch_compat.compress_checkpoint({"model": ambiguous, "optimizer": opt.state_dict()}, variant=detect)
     assert calls == []

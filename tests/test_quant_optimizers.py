@@ -13,7 +13,7 @@ import pytest
 
 from jaxguard.quant import apollo, came, quantized
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 # Tolerances (relative to max |p|, per step), with the reason for each nonzero entry.
 TOLERANCES = {

@@ -11,11 +11,11 @@ code 0 in both.  Its uniform 8-bit momentum uses ``absmax/128`` and codes -128..
 """
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-from jaxguard.errors import CheckpointError, ConfigError
-from jaxguard.quant import al_decode, al_encode, uf8_decode, uf8_encode
-from torch_compat.quant_adamw import QuantAdamW, decode_state_tensor, encode_state_tensor, state_fields
+from jaxguard.errors import CheckpointError, ConfigError  # noqa: E402
+from jaxguard.quant import al_decode, al_encode, uf8_decode, uf8_encode  # noqa: E402
+from torch_compat.quant_adamw import QuantAdamW, decode_state_tensor, encode_state_tensor, state_fields  # noqa: E402
 
 
 def _v_like(seed=0, n=4096):

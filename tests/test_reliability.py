@@ -22,11 +22,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
-from hypothesis import given, settings, strategies as st
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from jaxguard.format import reader
-from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
+from jaxguard.format import reader  # noqa: E402
+from jaxguard.format.reader import PREFIX, TRAILER, ReaderError  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent

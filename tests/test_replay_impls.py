@@ -4,13 +4,14 @@ implementation recorded in the param group (issue 16). The >= 5M-coordinate and
 131k-case runs are in bench/replay_impls.py (results in bench/results/replay_impls.md)."""
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import torch_compat
-from torch_compat.enclosure import audit_enclosure
-from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from torch_compat import replay
-from torch_compat.state import check_optimizer_state, implementation_of
+import torch_compat  # noqa: E402
+from torch_compat.enclosure import audit_enclosure  # noqa: E402
+from jaxguard.audit import gradient_grid  # noqa: E402
+from jaxguard.errors import ConfigError, UnsupportedOptimizerError  # noqa: E402
+from torch_compat import replay  # noqa: E402
+from torch_compat.state import check_optimizer_state, implementation_of  # noqa: E402
 
 CONFIGS = (
     dict(step=0, lr=6e-4, weight_decay=0.01, decoupled=False),   # coupled decay: add(alpha=) fusing shows
@@ -122,7 +123,7 @@ def test_guard_certifies_recorded_implementation_real_torch_audit(implementation
     assert header["op_model"] == want
     assert restored["optimizer"]["param_groups"][0][implementation] is True
     assert summary["escape_rate"] < 0.5, summary
-    grid = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
+    grid = gradient_grid(0.2, n_linear=4, n_log=8)
     a = torch_compat.audit(ckpt, restored, tau=0.01, clip=0.2, grid=grid)  # real optimizer, the group's flags
     assert a["violations"] == 0 and a["max_gap_lr"] <= 0.01, a
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 from jaxguard.errors import ConfigError, JaxguardError, UnsupportedOptimizerError  # noqa: E402
 from torch_compat import replay  # noqa: E402

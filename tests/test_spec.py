@@ -54,6 +54,7 @@ def registered():
 def test_registry_covers_every_decodable_id_and_nothing_else():
     # every base decode has a numpy and a torch implementation, and no implementation is
     # keyed by an id the registry does not have
+    pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
     torch_decoders = pytest.importorskip("torch_compat.codes_torch").DECODERS
     assert set(reader.DECODERS) == set(spec.decode_ids()) == set(torch_decoders)
     for codec_id, s in spec.CODECS.items():
@@ -92,6 +93,7 @@ def test_unknown_codec_is_one_line_reader_error_naming_the_registered_ids():
 def test_codec_registered_at_run_time_is_read_by_reader_and_torch(registered, base):
     """One registry entry, `decode=` an existing id, and nothing else: the numpy reader and
     the torch decoder read its containers bit for bit."""
+    pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
     codes_torch = pytest.importorskip("torch_compat.codes_torch")
     b = spec.get(base)
     new = registered(spec.CodecSpec(f"{base}-copy", "test", b.m_code_dtype, b.v_code_dtype, b.m_params, b.v_params,
@@ -183,6 +185,7 @@ def test_one_block_size():
     from jaxguard.core import codes
     from jaxguard.format import packed
     assert reader.BLOCK == packed.BLOCK == codes.BLOCK == spec.BLOCK == 256
+    pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
     codes_torch = pytest.importorskip("torch_compat.codes_torch")
     assert codes_torch.BLOCK == spec.BLOCK
     for path in ("jaxguard/format/reader.py", "jaxguard/format/packed.py", "jaxguard/format/container.py",

@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-import torch_compat
-from jaxguard.format import container, storage
-from jaxguard.errors import ContainerError
+import torch_compat  # noqa: E402
+from jaxguard.format import container, storage  # noqa: E402
+from jaxguard.errors import ContainerError  # noqa: E402
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -299,3 +299,41 @@ def test_cli_compress_streams_to_a_url(tmp_path, capsys):
     restored, _ = torch_compat.restore_tree(url)
     assert restored["optimizer"]["state"].keys() == opt.state_dict()["state"].keys()
     storage.remove(url)
+
+
+def test_published_file_honours_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        storage.atomic_write(tmp_path / "a.jg", b"x")
+        container.atomic_write_with(str(tmp_path / "b.jg"), lambda fh: fh.write(b"y"))
+        os.umask(0o077)
+        storage.atomic_write(tmp_path / "c.jg", b"z")
+    finally:
+        os.umask(old)
+    modes = [os.stat(tmp_path / n).st_mode & 0o777 for n in ("a.jg", "b.jg", "c.jg")]
+    assert modes == [0o644, 0o644, 0o600]      # what open(path, "wb") / torch.save give
+
+
+@pytest.mark.parametrize("base", ["memory://jg-dirops/{u}", "{tmp}/d"])
+def test_directory_operations_local_and_url(base, tmp_path):
+    import uuid
+    d = base.format(u=uuid.uuid4().hex, tmp=tmp_path)
+    assert not storage.is_dir(d) and storage.listdir(d) == []
+    storage.mkdir(d)
+    storage.atomic_write(storage.join(d, "b.bin"), bytes(range(100)))
+    storage.atomic_write(storage.join(d, "a.bin"), b"abc")
+    assert storage.is_dir(d) and not storage.is_dir(storage.join(d, "a.bin"))
+    assert storage.listdir(d) == ["a.bin", "b.bin"]
+    assert storage.read_range(storage.join(d, "b.bin"), 10, 14) == bytes([10, 11, 12, 13])
+    storage.remove(storage.join(d, "a.bin"))
+    storage.remove(storage.join(d, "a.bin"))     # a missing one is fine
+    assert storage.listdir(d) == ["b.bin"]
+    with pytest.raises(ContainerError, match="no such file"):
+        storage.read_range(storage.join(d, "a.bin"), 0, 1)
+
+
+def test_storage_does_not_import_the_container_writer():
+    code = "import sys, jaxguard.format.storage; print('jaxguard.format.container' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert out.stdout.strip() == "False", out.stderr[-500:]

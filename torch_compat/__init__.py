@@ -1,17 +1,19 @@
 """torch parity layer: torch state_dicts in and out of jaxguard containers, and a
 bit-exact JAX replay of torch's single-tensor FP32 Adam/AdamW.
 
-Needs torch >= 2.4 (``pip install "jaxguard[torch]"``); the rest of jaxguard does not.
+Needs torch >= 2.4 (``pip install -e ".[torch]"`` in the clone); the rest of jaxguard does not.
 """
 import re as _re
+
+from jaxguard.errors import install_hint as _install_hint
 
 try:
     import torch as _torch
 except ImportError:
-    raise ImportError('torch_compat needs torch; install it with pip install "jaxguard[torch]"') from None
+    raise ImportError(f"torch_compat needs torch; install it with {_install_hint('torch')}") from None
 if tuple(int(x) for x in _re.findall(r"\d+", _torch.__version__)[:2]) < (2, 4):
     raise ImportError(f"torch_compat needs torch >= 2.4 (this is torch {_torch.__version__}); "
-                      'upgrade it with pip install "jaxguard[torch]"')
+                      f"upgrade it with {_install_hint('torch')}")
 
 # the public names are imported on first use (as in jaxguard/__init__.py), so that
 # `jaxguard restore` (torch and the numpy reader) does not pay for jax, optax and the replay

@@ -4,7 +4,7 @@
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path,
              planner=GuardedSavePlanner(tau=0.01, clip=0.2))      # or dcp.async_save
     state = {"model": msd, "optim": osd}                           # any world size
-    dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner())
+    dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner(checkpoint_id=path))
 
 Save: each rank encodes **its own local shards** of every ``exp_avg``/``exp_avg_sq`` pair
 (DTensor local tensors, or whole tensors in a plain process) with `jaxguard.encode_many`,
@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import inspect
 import io
 import math
 import os
@@ -385,22 +384,6 @@ class _Stager(LoadPlanner):
         pass
 
 
-def _find_storage_reader():
-    """The storage reader of the ``dcp.load`` call that is setting this planner up."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(12):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                break
-            obj = frame.f_locals.get("storage_reader")
-            if isinstance(obj, StorageReader):
-                return obj
-    finally:
-        del frame
-    return None
-
-
 def _stage_items(md, keys):
     """ReadItems that read whole stored chunks / bytes items `keys` ({(kind, fqn, offsets)})."""
     items = []
@@ -515,9 +498,17 @@ def _window(lo, hi, origin):
 class GuardedLoadPlanner(DefaultLoadPlanner):
     """Load a checkpoint written with `GuardedSavePlanner` at any world size, all or nothing.
 
+    The planner reads and verifies the stored data while DCP plans (before any target is
+    written), which DCP's planner API gives it no reader for, so it is told where to read:
+
+        dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner(checkpoint_id=path))
+        dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+
     Args:
-      storage_reader: optional; by default the planner uses the storage reader of the
-        ``dcp.load`` call it is passed to.
+      checkpoint_id: the checkpoint directory given to ``dcp.load`` (read through a
+        `FileSystemReader` of the planner's own).
+      storage_reader: the storage reader given to ``dcp.load`` (the same object: it is set
+        up by DCP); exactly one of the two.
       allow_partial_load: as `DefaultLoadPlanner`.
 
     Every stored chunk and guarded shard a rank's targets overlap is read, hashed and
@@ -527,11 +518,22 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
 
     Raises (wrapped by DCP in a ``CheckpointException`` listing the failing ranks):
       CheckpointError: a rank file is missing, truncated or altered (one line naming the
-        file); a key is missing; shapes differ.
+        file); a key is missing; shapes differ; `storage_reader` is not the reader
+        ``dcp.load`` reads with, or `checkpoint_id` holds another checkpoint.
+      ConfigError (at construction): neither or both of `checkpoint_id` and `storage_reader`.
     """
 
-    def __init__(self, *, storage_reader: StorageReader | None = None, allow_partial_load: bool = False):
+    def __init__(self, checkpoint_id: str | os.PathLike | None = None, *,
+                 storage_reader: StorageReader | None = None, allow_partial_load: bool = False):
+        if (checkpoint_id is None) == (storage_reader is None):
+            raise ConfigError("GuardedLoadPlanner reads the checkpoint while DCP plans and needs to know where: pass "
+                              "GuardedLoadPlanner(checkpoint_id=path) with the path given to dcp.load (or "
+                              "storage_reader=the reader given to dcp.load), one of the two")
+        if storage_reader is not None and not isinstance(storage_reader, StorageReader):
+            raise ConfigError(f"storage_reader is a {type(storage_reader).__name__}; pass the "
+                              "torch.distributed.checkpoint StorageReader given to dcp.load")
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        self._checkpoint_id = checkpoint_id
         self._given_reader = storage_reader
         self._apply: list = []
 
@@ -545,8 +547,29 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
           CheckpointError: the checkpoint's manifest is of another format version.
         """
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._reader = self._given_reader or _find_storage_reader()
+        self._reader = self._given_reader or self._own_reader(metadata, is_coordinator)
+        sm = getattr(metadata, "storage_meta", None)
+        ours, theirs = getattr(self._given_reader, "load_id", None), getattr(sm, "load_id", None)
+        if ours is not None and theirs is not None and ours != theirs:   # FileSystemReader stamps its load_id
+            raise CheckpointError("GuardedLoadPlanner(storage_reader=...) is not the storage reader dcp.load is "
+                                  "reading with; pass the same object to both")
         self.manifest = manifest_of(metadata)
+
+    def _own_reader(self, metadata, is_coordinator):
+        """A `FileSystemReader` of `checkpoint_id`, set up, after checking that it holds the
+        checkpoint whose metadata ``dcp.load`` read (the same save id)."""
+        path = os.fspath(self._checkpoint_id)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError(f"GuardedLoadPlanner(checkpoint_id={path!r}): no DCP checkpoint there (no "
+                                  ".metadata); pass the path given to dcp.load, or storage_reader= for other storage")
+        fs = FileSystemReader(path)
+        mine = getattr(getattr(fs.read_metadata(), "storage_meta", None), "save_id", None)
+        want = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+        if mine is not None and want is not None and mine != want:
+            raise CheckpointError(f"GuardedLoadPlanner(checkpoint_id={path!r}) holds another checkpoint than the one "
+                                  "dcp.load is reading; pass the path given to dcp.load")
+        fs.set_up_storage_reader(metadata, is_coordinator)
+        return fs
 
     def create_local_plan(self):
         """Read and verify everything this rank's targets need, before anything is written.
@@ -557,9 +580,6 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         Raises:
           CheckpointError: see the class docstring.
         """
-        if self._reader is None:
-            raise CheckpointError("GuardedLoadPlanner could not find the storage reader of this dcp.load call; pass "
-                                  "GuardedLoadPlanner(storage_reader=FileSystemReader(path))")
         man = self.manifest
         md = self.metadata.state_dict_metadata
         moment_of = {}
@@ -933,39 +953,3 @@ def _restore_snapshot(opt, ps, snap) -> None:
                     opt.state[p][k].copy_(v)
                 else:
                     opt.state[p][k] = v
-
-
-def cli_command(verb, a, *, print_summary, print_info) -> int:
-    """`jaxguard compress|restore|inspect|verify` when the input is a DCP directory.
-
-    Args:
-      verb: ``"compress"``, ``"restore"``, ``"inspect"`` or ``"verify"``.
-      a: the parsed CLI arguments.
-      print_summary, print_info: the CLI's printers (text or ``--json``).
-
-    Returns:
-      The exit status (0, or 1 when verify fails).
-    """
-    if verb == "compress":
-        s = compress_dir(a.ckpt, a.output, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
-        src = inspect_dir(a.ckpt)["bytes_on_disk"]
-        s.update(container_bytes=inspect_dir(a.output)["bytes_on_disk"], source_bytes=src)
-        s["container_ratio"] = s["container_bytes"] / max(src, 1)
-        print_summary(s, a.json)
-        return 0
-    if verb == "restore":
-        r = restore_dir(a.container, a.output)
-        print(f"restored {a.container} -> {a.output} (one torch checkpoint: {', '.join(r['keys'])})")
-        return 0
-    if verb == "inspect":
-        print_info(inspect_dir(a.container), a.json)
-        return 0
-    try:
-        res = verify_dir(a.container)
-    except JaxguardError as exc:
-        print(f"FAILED {a.container}: {exc}")
-        return 1
-    print(f"ok {a.container}: {res['files']} rank files, {res['tensor_chunks']} tensor chunks, "
-          f"{res['bytes_items']} bytes items and {res['guarded_shards']} guarded shards match their SHA-256; "
-          "decoded moments reproduced")
-    return 0

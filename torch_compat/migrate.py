@@ -46,7 +46,8 @@ import optax
 from jaxguard import optax_adapter
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
 
-from torch_compat.state import check_optimizer_state, param_index, scalar_value, step_count, tensor_to_numpy
+from torch_compat.state import (check_optimizer_state, param_index, scalar_value, step_count, tensor_to_numpy,
+                                with_param_names)
 
 MIGRATE_TAU_FACTOR = 0.99
 
@@ -280,14 +281,15 @@ def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
     """
     if not isinstance(ckpt, dict) or "model" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError("the checkpoint must be a dict with 'model' (state_dict) and 'optimizer' "
-                              "(Adam/AdamW state_dict with param_names) keys")
-    spec = tx_spec(ckpt["optimizer"])
-    names = [n for n, _ in param_index(ckpt["optimizer"]).values()]
+                              "(Adam/AdamW state_dict) keys")
+    osd = with_param_names(ckpt["optimizer"], ckpt["model"])   # a model.parameters() optimizer: by order
+    spec = tx_spec(osd)
+    names = [n for n, _ in param_index(osd).values()]
     missing = [n for n in names if n not in ckpt["model"]]
     if missing:
         raise CheckpointError(f"parameter {missing[0]!r} is in the optimizer but not in the model state_dict")
     params = {n: _to_numpy(ckpt["model"][n]) for n in names}
-    opt_state, _ = to_optax(ckpt["optimizer"], params)
+    opt_state, _ = to_optax(osd, params)
     if spec["name"] == "adam+l2":  # Adam sees g + wd*p: widen the certified gradient range
         pmax = max((float(np.max(np.abs(np.asarray(p, np.float32)))) for p in params.values() if np.size(p)), default=0.0)
         clip = (clip + spec["weight_decay"] * pmax) * (1 + 2.0**-20)

@@ -1,14 +1,16 @@
 """torch state_dict <-> jaxguard container, and the first-update audit with real torch.
 
 A checkpoint ("CKPT") is a dict with the model ``state_dict`` under ``"model"`` and an
-Adam/AdamW optimizer ``state_dict`` under ``"optimizer"`` whose param groups carry
-``param_names`` (build the optimizer from ``model.named_parameters()``).  Every other
-key passes through exactly (tensors as raw arrays, numbers/strings/lists/dicts as JSON;
-nothing is pickled).
+Adam/AdamW optimizer ``state_dict`` under ``"optimizer"``.  Its param groups carry
+``param_names`` when the optimizer was built from ``model.named_parameters()``; one
+built from ``model.parameters()`` is mapped by order when that is unambiguous
+(`infer_param_names`).  Every other key passes through exactly (tensors as raw arrays,
+numbers/strings/lists/dicts as JSON; nothing is pickled).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -24,6 +26,8 @@ from torch_compat.replay import TORCH_FLAGS
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
             "model.named_parameters(), e.g. torch.optim.Adam(model.named_parameters(), lr=1e-3)")
+BY_ORDER_FIX = ("build the optimizer from model.named_parameters(), e.g. "
+                "torch.optim.Adam(model.named_parameters(), lr=1e-3), or save with torch_compat.save(path, optimizer)")
 
 
 # ---------------------------------------------------------------- generic tree <-> JSON skeleton
@@ -178,15 +182,18 @@ def check_param_group(gi, g, *, who="jaxguard") -> None:
                                             f"{flag}=False only (rebuild the optimizer with {flag}=False)")
 
 
-def check_optimizer_state(opt_sd) -> None:
+def check_optimizer_state(opt_sd, model_sd=None) -> None:
     """Check that `opt_sd` is a torch Adam/AdamW state_dict jaxguard can certify.
 
     Args:
-      opt_sd: ``optimizer.state_dict()`` (with ``param_names`` in its groups, torch >= 2.6).
+      opt_sd: ``optimizer.state_dict()``, with ``param_names`` in its groups (an optimizer
+        built from ``model.named_parameters()``, torch >= 2.6) or without (then
+        `model_sd` is needed and must map by order, `infer_param_names`).
+      model_sd: the model ``state_dict`` the optimizer belongs to, optional.
 
     Raises:
-      CheckpointError: not an optimizer state_dict, no ``param_names``, a state without
-        ``exp_avg``/``exp_avg_sq``/``step``.
+      CheckpointError: not an optimizer state_dict, no ``param_names`` and no unambiguous
+        order mapping, a state without ``exp_avg``/``exp_avg_sq``/``step``.
       UnsupportedOptimizerError: not Adam/AdamW, an unsupported flag, foreach/fused state
         off the CPU, moments that are not float32.
     """
@@ -196,10 +203,12 @@ def check_optimizer_state(opt_sd) -> None:
     for gi, g in enumerate(opt_sd["param_groups"]):
         check_param_group(gi, g)
         implementation_of(g, gi)
-        if "param_names" not in g:
-            raise CheckpointError(NO_NAMES)
-        if len(g["param_names"]) != len(g["params"]):
+        if "param_names" in g and len(g["param_names"]) != len(g["params"]):
             raise CheckpointError(f"param group {gi} has {len(g['param_names'])} param_names for {len(g['params'])} params")
+    if not all("param_names" in g for g in opt_sd["param_groups"]):
+        if model_sd is None:
+            raise CheckpointError(NO_NAMES)
+        infer_param_names(opt_sd, model_sd)
     groups = {idx: (gi, g) for gi, g in enumerate(opt_sd["param_groups"]) for idx in g.get("params", ())}
     for idx, st in opt_sd["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -243,18 +252,104 @@ def implementation_of(group, gi=0) -> str:
     return "fused" if fused else "foreach" if foreach else "single"
 
 
-def param_index(opt_sd):
+def infer_param_names(opt_sd, model_sd) -> list:
+    """The parameter names of an optimizer built from ``model.parameters()`` (no ``param_names``).
+
+    torch numbers an optimizer's parameters 0, 1, ... in the order it was given them, and
+    ``model.parameters()`` yields them in ``model.state_dict()`` order.  The mapping by
+    order is taken only when it cannot be confused, by this rule:
+
+    - no param group has ``param_names`` (a mix is refused);
+    - the groups list the indices 0..N-1, in order;
+    - the model state_dict holds exactly N floating-point tensors (integer buffers such as
+      BatchNorm's ``num_batches_tracked`` are not candidates; a floating buffer such as
+      ``running_mean``, a tied weight listed twice, or a frozen parameter left out of the
+      optimizer makes the count differ, so the order says nothing and it is refused);
+    - every state's ``exp_avg`` has the shape of the tensor at its position.
+
+    Args:
+      opt_sd: the optimizer state_dict.
+      model_sd: the model state_dict ({name: tensor}).
+
+    Returns:
+      One list of names per param group (parallel to its ``params``).
+
+    Raises:
+      CheckpointError: the rule does not hold (one line saying which part, and the fix:
+        build the optimizer from ``model.named_parameters()``).
+    """
+    groups = opt_sd["param_groups"]
+    if any("param_names" in g for g in groups):
+        raise CheckpointError("some param groups have 'param_names' and some do not; " + BY_ORDER_FIX)
+    if not isinstance(model_sd, dict):
+        raise CheckpointError(f"the model state_dict is a {type(model_sd).__name__}; save model.state_dict() under 'model'")
+    indices = [idx for g in groups for idx in g["params"]]
+    if indices != list(range(len(indices))):
+        raise CheckpointError(f"the optimizer has no 'param_names' and its parameter indices are not 0..{len(indices) - 1} "
+                              "in order, so they cannot be mapped to the model; " + BY_ORDER_FIX)
+    floats = [k for k, t in model_sd.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len(floats) != len(indices):
+        raise CheckpointError(f"the optimizer has no 'param_names' and {len(indices)} parameters, but the model "
+                              f"state_dict has {len(floats)} floating-point tensors (buffers, tied or frozen weights), "
+                              "so the order does not say which is which; " + BY_ORDER_FIX)
+    for idx, st in opt_sd["state"].items():
+        m = st.get("exp_avg") if isinstance(st, dict) else None
+        if isinstance(idx, int) and 0 <= idx < len(floats) and isinstance(m, torch.Tensor) \
+                and tuple(m.shape) != tuple(model_sd[floats[idx]].shape):
+            raise CheckpointError(f"the optimizer has no 'param_names'; by order, parameter {idx} would be "
+                                  f"{floats[idx]!r} of shape {tuple(model_sd[floats[idx]].shape)}, but its state has "
+                                  f"shape {tuple(m.shape)}; " + BY_ORDER_FIX)
+    out, i = [], 0
+    for g in groups:
+        out.append(floats[i:i + len(g["params"])])
+        i += len(g["params"])
+    return out
+
+
+def with_param_names(opt_sd, model_sd):
+    """`opt_sd` itself when every group has ``param_names``, else a copy whose groups carry
+    the names `infer_param_names` maps them to (state tensors shared, not copied).
+
+    Args:
+      opt_sd: an optimizer state_dict.
+      model_sd: the model state_dict it belongs to.
+
+    Returns:
+      An optimizer state_dict with ``param_names`` in every group.
+
+    Raises:
+      CheckpointError: as `infer_param_names`.
+    """
+    if all("param_names" in g for g in opt_sd["param_groups"]):
+        return opt_sd
+    names = infer_param_names(opt_sd, model_sd)
+    return {**opt_sd, "param_groups": [{**g, "param_names": list(n)} for g, n in zip(opt_sd["param_groups"], names)]}
+
+
+def param_index(opt_sd, model_sd=None):
     """The name and group of every parameter of an optimizer state_dict.
 
     Args:
-      opt_sd: an optimizer state_dict whose groups have ``param_names``.
+      opt_sd: an optimizer state_dict, with ``param_names`` in its groups or without
+        (then mapped by order to `model_sd`, `infer_param_names`).
+      model_sd: the model state_dict, needed only without ``param_names``.
 
     Returns:
       {state index: (name, group dict)}.
+
+    Raises:
+      CheckpointError: no ``param_names`` and no unambiguous order mapping.
     """
+    groups = opt_sd["param_groups"]
+    if all("param_names" in g for g in groups):
+        names = [g["param_names"] for g in groups]
+    elif model_sd is None:
+        raise CheckpointError(NO_NAMES)
+    else:
+        names = infer_param_names(opt_sd, model_sd)
     out = {}
-    for g in opt_sd["param_groups"]:
-        for name, idx in zip(g["param_names"], g["params"]):
+    for g, gnames in zip(groups, names):
+        for name, idx in zip(gnames, g["params"]):
             out[idx] = (name, g)
     return out
 
@@ -422,8 +517,8 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
         not an optimizer state_dict (`check_optimizer_state`).
       UnsupportedOptimizerError: not float32, not Adam/AdamW, an unsupported flag.
     """
-    check_optimizer_state(opt_sd)
-    names = param_index(opt_sd)
+    check_optimizer_state(opt_sd, params)
+    names = param_index(opt_sd, params)
     state_sk = []
     raws: list = []
     jobs = []
@@ -569,7 +664,8 @@ def restore_tree(path):
 
 
 # ---------------------------------------------------------------- optimizer-level API
-def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=False, op_model=None):
+def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: float = 0.01, clip: float = 0.2,
+         codec: str = DEFAULT_CODEC, progress: bool = False, op_model: str | None = None) -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Args:
@@ -604,8 +700,13 @@ def save(path, optimizer, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, progress=F
     return summary
 
 
-def load(path, optimizer):
+def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Load a container written by `save` (or `jaxguard compress`) into `optimizer`.
+
+    The target layout is checked before anything is written into `optimizer`: the same
+    number of param groups and of parameters in each, the same ``param_names`` where both
+    sides have them, and for every saved state a live parameter of its moments' shape and
+    dtype (float32).
 
     Args:
       path: the container.
@@ -615,24 +716,69 @@ def load(path, optimizer):
       `optimizer`, its state loaded.
 
     Raises:
-      CheckpointError: another parameter layout, or not a torch container.
+      CheckpointError: another parameter layout (one line naming the first difference),
+        or not a torch container; `optimizer` is then left as it was.
     """
     tree, _ = restore_tree(path)
+    if not isinstance(tree, dict) or "optimizer" not in tree:
+        raise CheckpointError(f"{path} holds no optimizer state (keys: {', '.join(map(str, tree))}); "
+                              "write it with torch_compat.save or jaxguard compress")
     sd = tree["optimizer"]
-    live = optimizer.state_dict()
-    if len(live["param_groups"]) != len(sd["param_groups"]) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(live["param_groups"], sd["param_groups"])):
-        raise CheckpointError(f"{path} holds state for a different parameter layout than this optimizer")
-    if not any(g.get("param_names") for g in live["param_groups"]):
+    check_layout(sd, optimizer, str(path))
+    if not any(g.get("param_names") for g in optimizer.state_dict()["param_groups"]):
         for g in sd["param_groups"]:
             g.pop("param_names", None)
     optimizer.load_state_dict(sd)
     return optimizer
 
 
-# ---------------------------------------------------------------- first-update audit
-gradient_grid = jg_audit.gradient_grid
+def check_layout(sd, optimizer, where="the state") -> None:
+    """Check that optimizer state_dict `sd` fits `optimizer`'s parameters (see `load`).
 
+    Args:
+      sd: a saved optimizer state_dict.
+      optimizer: the live optimizer it is to be loaded into.
+      where: what `sd` came from, for the error.
+
+    Raises:
+      CheckpointError: the first difference (groups, parameter counts, names, shapes,
+        dtypes), in one line.
+    """
+    live_groups = optimizer.param_groups
+    names_live = optimizer.state_dict()["param_groups"]
+    if len(live_groups) != len(sd["param_groups"]):
+        raise CheckpointError(f"{where} has {len(sd['param_groups'])} param groups, this optimizer "
+                              f"{len(live_groups)}; load it into an optimizer over the same parameters")
+    index = {}
+    for gi, (g, live, lsd) in enumerate(zip(sd["param_groups"], live_groups, names_live)):
+        if len(g["params"]) != len(live["params"]):
+            raise CheckpointError(f"{where}: param group {gi} has {len(g['params'])} parameters, this optimizer's "
+                                  f"{len(live['params'])}; load it into an optimizer over the same parameters")
+        a, b = g.get("param_names"), lsd.get("param_names")
+        if a and b and list(a) != list(b):
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            raise CheckpointError(f"{where}: param group {gi} parameter {k} is {a[k]!r}, this optimizer's is "
+                                  f"{b[k]!r}; load it into an optimizer over the same named parameters")
+        for i, (idx, p) in enumerate(zip(g["params"], live["params"])):
+            index[idx] = (gi, i, (a or b or [None] * len(g["params"]))[i], p)
+    for idx, st in sd["state"].items():
+        if idx not in index:
+            raise CheckpointError(f"{where} has state for parameter index {idx}, which no param group lists")
+        gi, i, name, p = index[idx]
+        label = f"{name!r}" if name else f"group {gi} parameter {i}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = st.get(key)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{where}: {label} has {key} of shape {tuple(t.shape)}, this optimizer's "
+                                      f"parameter is {tuple(p.shape)}; load it into an optimizer over the same parameters")
+            if t.dtype != p.dtype:
+                raise CheckpointError(f"{where}: {label} has {key} {t.dtype}, this optimizer's parameter is "
+                                      f"{p.dtype}; torch would cast the restored moments (keep the parameters {t.dtype})")
+
+
+# ---------------------------------------------------------------- first-update audit
 
 def torch_step(p, m, v, g, step, group, decoupled):
     """One real torch Adam/AdamW step of one parameter, with the param group's flags.
@@ -689,10 +835,25 @@ def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, prog
 
 
 def _audit(original, restored, *, tau, clip, grads, grid, progress):
-    grid = gradient_grid(clip) if grid is None else grid
+    grid = jg_audit.gradient_grid(clip) if grid is None else grid
+    for what, ck in (("the original checkpoint", original), ("the restored checkpoint", restored)):
+        if not isinstance(ck, dict) or "optimizer" not in ck or (ck is original and "model" not in ck):
+            raise CheckpointError(f"{what} has no {'model and ' if ck is original else ''}optimizer state "
+                                  "to audit; pass {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     o_sd, r_sd = original["optimizer"], restored["optimizer"]
-    check_optimizer_state(o_sd)
-    names = param_index(o_sd)
+    check_optimizer_state(o_sd, original["model"])
+    names = param_index(o_sd, original["model"])
+    r_state = r_sd.get("state", {}) if isinstance(r_sd, dict) else {}
+    for idx, st in o_sd["state"].items():
+        rst = r_state.get(idx)
+        name = names[idx][0] if idx in names else idx
+        got = None if not isinstance(rst, dict) else [tuple(getattr(rst.get(k), "shape", ())) for k in
+                                                      ("exp_avg", "exp_avg_sq")]
+        want = [tuple(st[k].shape) for k in ("exp_avg", "exp_avg_sq")]
+        if got != want or name not in original["model"]:
+            raise CheckpointError(f"the container does not hold this checkpoint's optimizer state (parameter "
+                                  f"{name!r}: moments {want[0]} in CKPT, {'missing' if got is None else got[0]} in the "
+                                  "container); audit the container written from this CKPT")
     tally = jg_audit.AuditTally(tau)
     gen = torch.Generator().manual_seed(0)
     items = list(o_sd["state"].items())

@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxguard.errors import ConfigError
+from jaxguard.errors import ConfigError, install_hint
 from torch_compat.float32 import MANTISSA_BITS
 
 SQRT_TABLE_SIZE = 1 << (MANTISSA_BITS + 1)  # exponent parity x 2^23 mantissas
@@ -146,7 +146,7 @@ def require_torch():
     try:
         import torch
     except ImportError:
-        raise ConfigError('torch is not importable; install it with pip install "jaxguard[torch]" '
+        raise ConfigError(f"torch is not importable; install it with {install_hint('torch')} "
                           "or pass variant= explicitly") from None
     return torch
 

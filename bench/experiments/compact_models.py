@@ -133,7 +133,7 @@ def audit_and_compare(label, kind, ck, data_aw, tmp):
     import torch_compat
     from jaxguard.format import reader
     from jaxguard.format.container import atomic_write
-    from torch_compat.state import gradient_grid
+    from jaxguard.audit import gradient_grid
     data, s = torch_compat.compress_checkpoint(ck, tau=TAU, clip=CLIP, codec="logrel-ans")
     path = os.path.join(tmp, "ans.jg")
     atomic_write(path, data)

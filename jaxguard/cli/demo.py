@@ -35,6 +35,7 @@ def run_demo(steps=150, as_json=False, seed=0):
 
     import torch_compat
     from torch_compat import models
+    from jaxguard.audit import gradient_grid
     from jaxguard.format import reader
     from jaxguard.format.container import atomic_write
 
@@ -49,7 +50,7 @@ def run_demo(steps=150, as_json=False, seed=0):
     bar.close()
     ckpt = ckpts[1.0]
     grads = models.next_gradients("transformer", ckpt, sample)
-    grid = torch_compat.state.gradient_grid(0.2, n_linear=4, n_log=8)
+    grid = gradient_grid(0.2, n_linear=4, n_log=8)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "demo.jg")

@@ -12,7 +12,7 @@ import pickle
 import sys
 import time
 
-from jaxguard.errors import JaxguardError, CheckpointError
+from jaxguard.errors import CheckpointError, JaxguardError, install_hint
 
 EXIT_USAGE = 2
 # the verbs that read or write torch checkpoints or run torch; the rest (inspect, verify
@@ -33,7 +33,7 @@ def _torch_missing(verb: str) -> str | None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        return f'{verb} needs torch; install it with pip install "jaxguard[torch]"'
+        return f"{verb} needs torch; install it with {install_hint('torch')}"
     try:
         import torch_compat  # noqa: F401
     except ImportError as exc:
@@ -126,7 +126,9 @@ def _cmd_inspect(a):
     n = sum(e["stats"]["coordinates"] for e in ents)
     esc = sum(e["stats"]["escapes"] for e in ents)
     pay = sum(e["stats"]["payload_bytes"] for e in ents)
-    info = {k: header.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "bound", "partition", "variant")}
+    info = {"version": header.get("version")}
+    info.update({k: _setting(header, ents, k) for k in ("op_model", "tau", "clip", "codec", "bound", "partition")})
+    info["variant"] = header.get("variant")
     info.update({"framework": header["meta"].get("framework"), "entries": len(header["entries"]),
                  "moment_tensors": len(ents), "certified": uncertified == 0,
                  "uncertified": uncertified, "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
@@ -140,12 +142,28 @@ def _cmd_inspect(a):
     return 0
 
 
+def _setting(header, ents, key):
+    """A guard setting for `inspect`: the header's, else the moments entries' own configs
+    (some writers record it per entry only): their one value, or "per entry: a, b" when they
+    differ; None only when no entry records it either."""
+    if header.get(key) is not None:
+        return header[key]
+    vals = []
+    for e in ents:
+        v = (e.get("config") or {}).get(key, e.get(key))
+        if v is not None and v not in vals:
+            vals.append(v)
+    if len(vals) > 1:
+        return "per entry: " + ", ".join(map(str, vals))
+    return vals[0] if vals else None
+
+
 def _print_info(info, as_json):
     if as_json:
         print(json.dumps(info, sort_keys=True))
     else:
         for k, v in info.items():
-            print(f"{k:>16}: {v}")
+            print(f"{k:>16}: {'not recorded' if v is None else v}")
 
 
 def _cmd_verify(a):
@@ -215,20 +233,56 @@ def _cmd_demo(a):
     return run_demo(steps=a.steps, as_json=a.json)
 
 
-# torch.distributed.checkpoint directories: the same verbs, handled by torch_compat.dcp
+# torch.distributed.checkpoint directories: the same verbs, handled by jaxguard.cli.dcp_verbs
 def _dcp_dir_aware(verb, attr):
     def wrap(fn):
         def run(a):
+            if verb in ("inspect", "verify") and _jax_sharded_dir(getattr(a, attr)):
+                return _jax_sharded_command(verb, a)
             if os.path.isdir(getattr(a, attr)):
                 missing = _torch_missing(f"{verb} of a torch.distributed.checkpoint directory")
                 if missing:
                     return _die(missing)
-                from torch_compat import dcp
-                return dcp.cli_command(verb, a, print_summary=_print_summary, print_info=_print_info)
+                from jaxguard.cli import dcp_verbs
+                return dcp_verbs.run(verb, a, print_summary=_print_summary, print_info=_print_info)
             return fn(a)
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__
         return run
     return wrap
+
+
+def _jax_sharded_dir(path):
+    """A `jaxguard.sharded` checkpoint directory: its manifest, or process files without one (incomplete)."""
+    from jaxguard.format import storage
+    names = storage.listdir(path) if storage.is_dir(path) else []
+    return ".metadata" not in names and any(n == "manifest.json" or (n.startswith("process_") and n.endswith(
+        ".jaxguard")) for n in names)
+
+
+def _jax_sharded_command(verb, a):
+    from jaxguard import sharded
+    path = a.container
+    if verb == "verify":
+        try:
+            r = sharded.verify(path)
+        except JaxguardError as exc:
+            print(f"FAILED {path}: {exc}")
+            return 1
+        print(f"ok {path}: {r['files']} process files and {r['shards']} shards match manifest.json (save "
+              f"{r['save_id'] or 'of the older layout'}), each file's SHA-256 and decoded hash checked")
+        return 0
+    man = sharded.read_manifest(path)
+    sharded.check_files(man, path)
+    tot = man.get("summary") or {}
+    n, esc = tot.get("coordinates", 0), tot.get("escapes", 0)
+    info = {k: man.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "process_count", "save_id")}
+    info.update({"framework": "optax-sharded", "files": len(man["files"]),
+                 "shards": sum(len(v) for v in man["shards"].values()), "leaves": len(man["state"]["leaves"]),
+                 "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
+                 "payload_bytes": tot.get("payload_bytes"), "raw_fp32_bytes": 8 * n,
+                 "checkpoint_bytes": sum(f["bytes"] for f in man["files"].values())})
+    _print_info(info, a.json)
+    return 0
 
 
 _cmd_compress = _dcp_dir_aware("compress", "ckpt")(_cmd_compress)
@@ -287,7 +341,7 @@ def build_parser():
     mg.add_argument("-o", "--output", required=True)
     mg.add_argument("--tau", type=float, default=0.01)
     mg.add_argument("--clip", type=float, default=0.2)
-    mg.add_argument("--codec", default="log8", choices=spec.codec_ids())
+    mg.add_argument("--codec", default=spec.DEFAULT_CODEC, choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
     mg.set_defaults(fn=_cmd_migrate)
     _add_audit_enclosure(sub)

@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from jaxguard.core.floatbits import TINY_MOMENT
 from jaxguard.core.opmodel import StepConstants
+from jaxguard.errors import ConfigError
 
 U = 2.0**-24                 # unit roundoff of float32
 N_MIN = 2.0**-126            # smallest normal float32
@@ -87,7 +88,7 @@ def unit_edges(level: int, partition: str = "mixed") -> np.ndarray:
         j = np.arange(0, GEOMETRIC_OCTAVES * sub + 1)
         edges.append(2.0 ** (-j / sub))
     elif partition not in ("mixed", "linear"):
-        raise ValueError(f"partition={partition!r}; use 'mixed' or 'linear'")
+        raise ConfigError(f"partition={partition!r}; use 'mixed' or 'linear'")
     e = np.unique(np.concatenate(edges + [np.array([0.0, 1.0])]).astype(np.float32))
     return e
 

@@ -20,9 +20,7 @@ from jaxguard.errors import ConfigError
 from jaxguard.format import spec as _spec
 
 CODECS = _spec.codec_ids()   # the registry's writable ids
-# log8-rel codes m relative to sqrt(v~): same bytes as log8 (+8 B per block) and, on
-# trained transformers, ~100x fewer escapes at early checkpoints (see README).
-DEFAULT_CODEC = "log8-rel"
+DEFAULT_CODEC = _spec.DEFAULT_CODEC   # defined once, in the registry
 BOUNDS = ("shared", "separate")
 PARTITIONS = ("mixed", "linear")
 # A policy id kept for the CLI, the demo, the bench and old files: block8 codes with the
@@ -75,17 +73,17 @@ class GuardConfig:
 
     lr: float
     step: int
-    tau: float = 0.01
-    clip: float = 0.2
+    tau: float = GuardSpec.tau          # every guard setting's default is GuardSpec's
+    clip: float = GuardSpec.clip
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    op_model: str = "torch-adam"
-    codec: str = DEFAULT_CODEC
-    bound: str = "shared"
-    partition: str = "mixed"
-    joint: bool = False
-    certify: bool = True
+    op_model: str = GuardSpec.op_model
+    codec: str = GuardSpec.codec
+    bound: str = GuardSpec.bound
+    partition: str = GuardSpec.partition
+    joint: bool = GuardSpec.joint
+    certify: bool = GuardSpec.certify
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
@@ -105,6 +103,19 @@ class GuardConfig:
                     or not 0 < f32(val) < np.inf):
                 raise ConfigError(f"{name}={val!r} must be a number > 0 that is finite and nonzero in float32")
         self.constants()  # validates the hyperparameters
+
+    @classmethod
+    def from_spec(cls, spec: GuardSpec, *, lr, step, op_model, betas=(0.9, 0.999), eps=1e-8,
+                  weight_decay=0.0) -> "GuardConfig":
+        """The config of one parameter group: the save's settings `spec` (its op model is
+        ignored: each group's comes from its optimizer) and the next update's hyperparameters.
+
+        Raises:
+          ConfigError: as the constructor.
+        """
+        return cls(lr=lr, step=step, tau=spec.tau, clip=spec.clip, betas=betas, eps=eps, weight_decay=weight_decay,
+                   op_model=op_model, codec=spec.codec, bound=spec.bound, partition=spec.partition,
+                   joint=spec.joint, certify=spec.certify)
 
     @property
     def spec(self) -> GuardSpec:
@@ -152,3 +163,34 @@ class GuardConfig:
           ConfigError: as the constructor.
         """
         return cls(**{**d, "betas": tuple(d["betas"])})
+
+
+def save_spec(spec: GuardSpec | None = None, *, tau=None, clip=None, codec=None, bound=None, partition=None) -> GuardSpec:
+    """The guard settings of one save, resolved once at an adapter's entry point.
+
+    Every adapter takes ``spec=`` (a `GuardSpec`) and, for convenience, the keywords below;
+    a keyword that is not None overrides the spec's field, and every default is
+    `GuardSpec`'s (defined once).  The op model is not a save setting: each parameter
+    group's comes from its optimizer (torch) or its weight decay (optax).
+
+    Args:
+      spec: a `GuardSpec`, or None for the defaults.
+      tau, clip, codec, bound, partition: overrides (None: keep the spec's).
+
+    Returns:
+      The `GuardSpec`, checked.
+
+    Raises:
+      ConfigError: a spec that is not a `GuardSpec`, or a value the guard does not take
+        (one line naming it and the choices).
+    """
+    if spec is None:
+        spec = GuardSpec()
+    elif not isinstance(spec, GuardSpec):
+        raise ConfigError(f"spec is a {type(spec).__name__}; pass jaxguard.GuardSpec(tau=..., clip=..., codec=...)")
+    over = {k: v for k, v in (("tau", tau), ("clip", clip), ("codec", codec), ("bound", bound),
+                              ("partition", partition)) if v is not None}
+    spec = dataclasses.replace(spec, **over) if over else spec
+    # the constructor's checks, on a config with neutral hyperparameters
+    GuardConfig.from_spec(spec, lr=1e-3, step=0, op_model=GuardSpec.op_model)
+    return spec

@@ -10,7 +10,6 @@ only the standard library, numpy, `jaxguard.errors` and `jaxguard.format`.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -20,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxguard.format import packed, rans, reader, spec
+from jaxguard.format import packed, rans, reader, spec, storage
 from jaxguard.errors import ContainerError
 
 SCHEMA = "jaxguard-container"
@@ -122,7 +121,6 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None)
     Raises:
       ContainerError: as `build`; the target is then left as it was.
     """
-    from jaxguard.format import storage
     directory = None
     if not storage.is_url(path):
         directory = os.path.dirname(os.path.abspath(storage.local_path(path))) or "."
@@ -381,59 +379,32 @@ def _jsonable(x):
 
 
 def atomic_write(path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one.
-
-    An fsspec URL (``s3://``, ``memory://``, ...) goes to `storage.atomic_write`.
+    """Write `data` to `path` so that a crash leaves either the old file or the new one
+    (`jaxguard.format.storage.atomic_write`: local paths and fsspec URLs).
 
     Args:
       path: a local path or an fsspec URL.
       data: the whole file.
 
     Raises:
-      OSError: the write failed; no partial file is left.
+      ContainerError: the write failed (one line, e.g. a full disk); no partial file is left.
     """
-    atomic_write_with(path, lambda fh: fh.write(data))
+    storage.atomic_write(path, data)
 
 
 def atomic_write_with(path, write) -> None:
-    """`atomic_write` for a writer: ``write(fh)`` fills a temporary file in the target
-    directory (e.g. ``torch.save(obj, fh)``: no in-memory copy of the output), which is
-    then fsynced and renamed over `path`; on any error the temporary file is removed.
-    An fsspec URL is written in memory first, then committed by `storage.atomic_write`.
+    """`atomic_write` for a writer (`jaxguard.format.storage.atomic_write_with`): ``write(fh)``
+    fills a temporary file beside `path` (e.g. ``torch.save(obj, fh)``), then renamed over it.
 
     Args:
       path: a local path or an fsspec URL.
       write: ``write(fh)`` writes the file's content to the binary file object `fh`.
 
     Raises:
-      OSError: the write failed (or whatever `write` raised); no partial file is left.
+      ContainerError: the write failed (one line); no partial file is left.
+      Whatever `write` raised otherwise; no partial file is left.
     """
-    from jaxguard.format import storage
-    if storage.is_url(path):
-        buf = io.BytesIO()
-        write(buf)
-        return storage.atomic_write(path, buf.getvalue())
-    path = storage.local_path(path)
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(directory):
-        raise ContainerError(f"output directory {directory} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    storage.atomic_write_with(path, write)
 
 
 def read(path, *, verify_decoded: bool = True):
@@ -450,8 +421,7 @@ def read(path, *, verify_decoded: bool = True):
       ContainerError: one line naming the file and what failed (bad magic, checksum, layout,
         decoded hash, ...).
     """
-    from jaxguard.format.storage import read_bytes
-    data = read_bytes(path)  # a writable buffer for local files: raw arrays can be used in place
+    data = storage.read_bytes(path)  # a writable buffer for local files: raw arrays can be used in place
     try:
         header, payload = reader.parse(data)
         if verify_decoded and reader.decoded_digest(header, payload) != header.get("decoded_sha256"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxguard.errors import JaxguardError
 from jaxguard.format import rans
 from jaxguard.format.spec import BLOCK
 
@@ -42,7 +43,7 @@ RANS_WIDTH = rans.NARROW_WIDTH  # logrel-ans files of rANS kind 3 code the top 8
 MAX_VARINT_BYTES = 7       # 49 bits: more than any tensor the reader accepts (2**40)
 
 
-class PackError(ValueError):
+class PackError(JaxguardError):
     """A packed section is malformed (the message says which and how)."""
 
 

@@ -47,7 +47,7 @@ Numerical contract
 ------------------
 Integer arithmetic only (uint64 numpy, no floats on the decode path): ``decode(encode(s))``
 returns ``s`` exactly, for every stream, width, model and size, on every platform.  The
-decoder checks, and raises `RansError` (a ValueError, one line) instead of returning
+decoder checks, and raises `RansError` (a `JaxguardError`, so also a ValueError; one line) instead of returning
 wrong symbols or reading out of range: the kind byte; every model byte (width 0..8, 0..12 in kind 4,
 P max(1, width)..15, widths ascending, none missing for a coded block), no level past the
 alphabet, at least one symbol per model (kind 3: also lo <= hi, the mode, every knot level
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxguard.errors import JaxguardError
 BLOCK = 256
 KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
 KIND_COMPACT = 3                     # first byte: models in the buffer, in the compact bit layout
@@ -80,7 +81,7 @@ MAX_PROB_BITS = 15
 PROB_BITS = tuple(range(8, 16))   # totals 2**P the encoder tries per model (fewest coded bits wins)
 
 
-class RansError(ValueError):
+class RansError(JaxguardError):
     """An rANS buffer or its arguments are malformed (the message says which and how)."""
 
 

@@ -22,10 +22,10 @@ import hashlib
 import json
 import struct
 import sys
-from collections.abc import Mapping
 
 import numpy as np
 
+from jaxguard.errors import ContainerError
 from jaxguard.format import packed, rans, spec
 
 MAGIC = b"JAXGUARD"
@@ -39,28 +39,7 @@ DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2
           "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
 
 
-class _RegistryView(Mapping):
-    """A read-only, live view of one field of every registry entry (`jaxguard.format.spec`)."""
-
-    def __init__(self, field):
-        self._field = field
-
-    def __getitem__(self, codec):
-        return self._field(spec.get(codec))
-
-    def __iter__(self):
-        return iter(spec.CODECS)
-
-    def __len__(self):
-        return len(spec.CODECS)
-
-
-# the first release's module attributes, now views of the registry (which is the source)
-CODE_DTYPES = _RegistryView(lambda s: (s.m_code_dtype, s.v_code_dtype))
-PARAM_WIDTH = _RegistryView(lambda s: (s.m_params, s.v_params))
-
-
-class ReaderError(ValueError):
+class ReaderError(ContainerError):
     """The file is not a valid jaxguard container (message says what failed)."""
 
 

@@ -147,6 +147,9 @@ def unregister(codec_id: str) -> None:
     del CODECS[codec_id]
 
 
+# The one default codec of every writer, verb and adapter (imported from here).  log8-rel
+# codes m relative to sqrt(v~): the bytes of log8 (+8 B per block) and, on trained
+# transformers, ~100x fewer escapes at early checkpoints (bench/results/).
 DEFAULT_CODEC = "log8-rel"
 
 

@@ -1,14 +1,20 @@
-"""Where containers live: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``, ``file://``).
+"""Where checkpoints live: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://``, ``file://``).
 
-`atomic_write` and `read_bytes` dispatch on the path: a plain path, an ``os.PathLike``
-or a ``file://`` URL goes to the local atomic writer (`container.atomic_write`:
-temporary file, fsync, rename, fsync of the directory); any other ``scheme://`` goes to
-fsspec, imported only then (``pip install jaxguard[remote]`` for s3fs/gcsfs).
+The one module that owns file I/O and atomicity for the whole library: `atomic_write`,
+`atomic_write_with`, `read_bytes`, `read_range`, `exists`, `is_dir`, `mkdir`, `listdir`,
+`size`, `remove` and `join` dispatch on the path.  A plain path, an ``os.PathLike`` or a
+``file://`` URL is local; any other ``scheme://`` goes to fsspec, imported only then
+(``pip install jaxguard[remote]`` for s3fs/gcsfs).
+
+Local writes: a temporary file ``.<name>.<random>.tmp`` in the target directory, created
+with mode 0666 less the umask (as ``open(path, "wb")`` or ``torch.save`` would), fsync,
+``os.replace`` over the target, fsync of the directory.  A failure (a full disk, ...)
+removes the temporary file and raises one `ContainerError` line; the target is untouched.
 
 Visibility contract (all-or-nothing, as for local files): a reader of the target key
 sees either the previous complete object or the new complete object, never a prefix.
 
-- Object stores (s3, gcs, azure; `ATOMIC_PUT`): the complete container is sent with one
+- Object stores (s3, gcs, azure; `ATOMIC_PUT`): the complete object is sent with one
   ``pipe_file`` call, i.e. one PUT, or a multipart upload that the store publishes only
   on its final *complete* request. Both are atomic by the store's own semantics; a
   writer killed mid-upload leaves the previous object in place (an abandoned multipart
@@ -24,6 +30,7 @@ every read (`container.read`), wherever the bytes came from.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import uuid
@@ -83,6 +90,80 @@ def _protocols(fs) -> set:
     return {p} if isinstance(p, str) else set(p)
 
 
+def join(base, *names) -> str:
+    """`base` / `names` for a local path (``os.path.join``) or a URL (``/``).
+
+    Args:
+      base: a local path, ``os.PathLike`` or URL.
+      names: path components to append.
+
+    Returns:
+      The joined path (str).
+    """
+    base = os.fspath(base)
+    if is_url(base):
+        return "/".join([base.rstrip("/"), *names])
+    return os.path.join(local_path(base), *names)
+
+
+def tmp_name(name: str) -> str:
+    """Args: name: a file name.  Returns: a fresh temporary name beside it (``.<name>.<random>.tmp``)."""
+    return f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def _write_error(path, exc) -> ContainerError:
+    why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+    return ContainerError(f"cannot write {path}: {why}; nothing was replaced (the previous file, if any, is intact)")
+
+
+def atomic_write_with(path, write, *, storage_options: dict | None = None) -> None:
+    """Write a file through ``write(fh)``, all-or-nothing (module docstring).
+
+    Local: ``write(fh)`` fills a temporary file in the target directory (e.g.
+    ``torch.save(obj, fh)``: no in-memory copy of the output), which is fsynced and
+    renamed over `path`.  URL: ``write`` fills a buffer, sent as by `atomic_write`.
+
+    Args:
+      path: a local path, ``file://`` URL or any fsspec URL.
+      write: ``write(fh)`` writes the file's content to the binary file object `fh`.
+      storage_options: keyword arguments for the fsspec filesystem (URLs only).
+
+    Raises:
+      ContainerError: the directory does not exist, or the write failed (one line with
+        the OS's reason, e.g. a full disk); no partial file is left, the target is as it was.
+      Whatever `write` raises that is not an OSError (the temporary file is removed).
+    """
+    if is_url(path):
+        buf = io.BytesIO()
+        write(buf)
+        return atomic_write(path, buf.getvalue(), storage_options=storage_options)
+    path = local_path(path)
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(directory):
+        raise ContainerError(f"output directory {directory} does not exist; create it first")
+    tmp = os.path.join(directory, tmp_name(os.path.basename(path)))
+    try:
+        # mode 0666 less the umask, as a plain open() would give (mkstemp's 0600 would not)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from None
+        raise
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
 def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> None:
     """Write `data` to a local path or fsspec URL, all-or-nothing (module docstring).
 
@@ -92,12 +173,12 @@ def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> N
       storage_options: keyword arguments for the fsspec filesystem (``endpoint_url``, ...).
 
     Raises:
-      ContainerError: the local directory does not exist, the filesystem is unknown,
-        or the store reports a size different from ``len(data)`` after the write.
+      ContainerError: the local directory does not exist, the write failed (one line: a
+        full disk, ...; the target is as it was), the filesystem is unknown, or the store
+        reports a size different from ``len(data)`` after the write.
     """
     if not is_url(path):
-        from jaxguard.format.container import atomic_write as local_write
-        return local_write(local_path(path), data)
+        return atomic_write_with(path, lambda fh: fh.write(data))
     fs, key = _fs(path, storage_options)
     data = bytes(data)
     if _protocols(fs) & ATOMIC_PUT:
@@ -105,15 +186,19 @@ def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> N
             fs.pipe_file(key, data)
         except FileNotFoundError:
             raise ContainerError(f"{path}: the bucket or container does not exist; create it first") from None
+        except OSError as exc:
+            raise _write_error(path, exc) from None
     else:
         parent, name = key.rsplit("/", 1) if "/" in key else ("", key)
-        tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else f".{name}.{uuid.uuid4().hex}.tmp"
+        tmp = f"{parent}/{tmp_name(name)}" if parent else tmp_name(name)
         try:
             fs.pipe_file(tmp, data)
             fs.mv(tmp, key)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 fs.rm_file(tmp)
+            if isinstance(exc, OSError):
+                raise _write_error(path, exc) from None
             raise
     with contextlib.suppress(AttributeError):
         fs.invalidate_cache(key)
@@ -152,6 +237,100 @@ def read_bytes(path, *, storage_options: dict | None = None) -> bytes:
         raise ContainerError(f"{path}: no such file; pass the path of a jaxguard container") from None
     except OSError as exc:
         raise ContainerError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def read_range(path, start: int, end: int, *, storage_options: dict | None = None) -> bytes:
+    """Bytes ``[start, end)`` of a local file or fsspec object (fewer when it is shorter).
+
+    Args:
+      path: a local path or an fsspec URL.
+      start, end: the byte range.
+      storage_options: keyword arguments for the fsspec filesystem (URLs only).
+
+    Returns:
+      The bytes read.
+
+    Raises:
+      ContainerError: the object does not exist or cannot be read (one line naming it).
+    """
+    try:
+        if not is_url(path):
+            with open(local_path(path), "rb") as fh:
+                fh.seek(start)
+                return fh.read(end - start)
+        fs, key = _fs(path, storage_options)
+        return fs.cat_file(key, start=start, end=end)
+    except FileNotFoundError:
+        raise ContainerError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ContainerError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def is_dir(path) -> bool:
+    """Whether a local path or fsspec URL is a directory (a prefix with objects under it).
+
+    Args:
+      path: a local path or an fsspec URL.
+
+    Returns:
+      bool; False for a file, a missing path or an unreachable URL.
+    """
+    try:
+        if not is_url(path):
+            return os.path.isdir(local_path(path))
+        fs, key = _fs(path)
+        return bool(fs.isdir(key))
+    except Exception:  # noqa: BLE001 - an unreachable URL is not a directory
+        return False
+
+
+def mkdir(path) -> None:
+    """Create a directory (and its parents); an existing one is fine.
+
+    Args:
+      path: a local path or an fsspec URL (object stores have no directories: a no-op there).
+
+    Raises:
+      ContainerError: it cannot be created (one line with the reason).
+    """
+    try:
+        if not is_url(path):
+            os.makedirs(local_path(path), exist_ok=True)
+            return
+        fs, key = _fs(path)
+        fs.makedirs(key, exist_ok=True)
+    except OSError as exc:
+        raise ContainerError(f"cannot create directory {path}: {exc.strerror or exc}") from None
+
+
+def listdir(path) -> list:
+    """The names directly under a directory (files and subdirectories), sorted.
+
+    Args:
+      path: a local path or an fsspec URL.
+
+    Returns:
+      A sorted list of names; empty for a missing directory.
+    """
+    if not is_url(path):
+        try:
+            return sorted(os.listdir(local_path(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    fs, key = _fs(path)
+    try:
+        got = fs.ls(key, detail=False, refresh=True) if "refresh" in _ls_args(fs) else fs.ls(key, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted({str(x).rstrip("/").rsplit("/", 1)[-1] for x in got if str(x).rstrip("/") != key.rstrip("/")})
+
+
+def _ls_args(fs):
+    import inspect
+    try:
+        return inspect.signature(fs.ls).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 def exists(path) -> bool:

@@ -1,0 +1,292 @@
+"""The fault matrix of the sharded JAX save (2 processes x 2 CPU devices, gloo on localhost)
+and of the single-file save: what survives each fault and the line the user sees.
+
+    nice -n 19 python bench/faults.py [--out bench/results/faults.json] [--only kill_mid_file]
+
+Every row starts from a committed checkpoint (4 training steps) copied to its own path,
+then the same job 4 steps later saves to that path with the fault injected into the real
+write path of one process (tests/fault_jax_worker.py says where each fault hits).  A row
+passes when the checkpoint that `load` returns afterwards is the last committed one
+(same save id, the same decoded bits, real optax first-update audit 0 over tau) and the
+next save to that path commits and leaves only its own files.  bench/results/faults.md is
+written from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import fault_harness as H  # noqa: E402
+
+KILLS = [("kill_encode", 1), ("kill_before_write", 1), ("kill_mid_file", 0), ("kill_mid_file", 1),
+         ("kill_after_files", 1), ("kill_before_manifest", 0), ("kill_mid_manifest", 0),
+         ("kill_after_manifest", 0), ("raise", 0), ("raise", 1)]
+
+
+def seen(r, victim):
+    out = []
+    for i in sorted(set(range(2)) | set(r["reports"])):
+        rep = r["reports"].get(i)
+        if rep is None:
+            out.append(f"p{i}: " + ("SIGKILLed" if i == victim and r["returncodes"][i] == -9 else
+                                    "torn down (blocked in the save's agreement)" if i in r["killed"] else
+                                    f"exit {r['returncodes'][i]}"))
+        else:
+            out.append(f"p{i}: " + ("saved" if rep["ok"] else rep["error"]))
+    return out
+
+
+def next_save_cleans(path):
+    """A 1-process save to the same path: it commits and leaves only its own file."""
+    import jaxguard as jg
+    _, params, state = H.truth(path + ".truth.npz")
+    s = jg.save(path, state, params, lr=H.LR, weight_decay=H.WD, sharded=True)
+    return sorted(os.listdir(path)) == ["manifest.json", f"process_00000.{s['save_id']}.jaxguard"]
+
+
+def row_kill(w, base, c0, fault, victim):
+    f = os.path.join(w, f"{fault}_{victim}")
+    H.copy_checkpoint(base, f)
+    t = time.time()
+    r = H.run_save(f, 8, fault, victim)
+    from jaxguard import sharded
+    named = set(sharded.read_manifest(f)["files"]) | {sharded.MANIFEST}
+    left = sorted(set(os.listdir(f)) - named)          # what no manifest names: the next save removes it
+    if fault == "kill_after_manifest":     # the new save had committed: it is the checkpoint now
+        c = H.check(f, f + ".new.truth.npz")
+        survived = "new checkpoint (committed before the kill)" if c.get("violations") == 0 and \
+            c.get("save_id") != c0["save_id"] else "LOST"
+    else:
+        c = H.check(f, f + ".truth.npz")
+        survived = "previous checkpoint" if c == c0 else "LOST"
+    return {"path": "jaxguard.save sharded (2 proc)", "fault": fault, "victim": victim, "survived": survived,
+            "check": c, "seen": seen(r, victim), "leftovers": left, "next_save_cleans": next_save_cleans(f),
+            "seconds": round(time.time() - t, 1)}
+
+
+def row_full_tmpfs(w, base, c0):
+    mnt = os.path.join(w, "tmpfs")
+    os.makedirs(mnt, exist_ok=True)
+    used = sum(os.path.getsize(os.path.join(base, n)) for n in os.listdir(base))
+    size = (used * 3 // 2 // 4096 + 2) * 4096          # room for the old checkpoint and half a new one
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], capture_output=True, text=True)
+    if m.returncode:
+        return {"path": "jaxguard.save sharded (2 proc)", "fault": "full disk (tmpfs)", "victim": "-",
+                "survived": "SKIPPED", "seen": [f"cannot mount a tmpfs: {m.stderr.strip()[:100]}"]}
+    try:
+        f = os.path.join(mnt, "ck")
+        shutil.copytree(base, f)
+        truth = os.path.join(w, "tmpfs_ck.truth.npz")
+        shutil.copy(base + ".truth.npz", truth)
+        r = H.run_save(f, 8, "full_disk", -1, truth=os.path.join(w, "tmpfs_new.truth.npz"),
+                       report=os.path.join(w, "tmpfs_ck.report"))
+        c = H.check(f, truth)
+        return {"path": "jaxguard.save sharded (2 proc)", "fault": f"full disk (tmpfs {size} B)", "victim": "-",
+                "survived": "previous checkpoint" if c == c0 else "LOST", "check": c, "seen": seen(r, -1),
+                "leftovers": sorted(set(os.listdir(f)) - set(os.listdir(base)))}
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def row_concurrent(w):
+    import jax
+    import numpy as np
+    import optax
+    import jaxguard as jg
+    from jaxguard import sharded
+    d = os.path.join(w, "shared")
+    t = time.time()
+    reps = H.run_loops(d, [3, 7], rounds=10)
+    like = jax.tree_util.tree_map(np.asarray, optax.adamw(H.LR, weight_decay=H.WD).init(
+        {"w1": np.zeros((64, 96), np.float32), "b1": np.zeros(96, np.float32), "emb": np.zeros((200, 96), np.float32)}))
+    dig, digf = H.digest(jg.load(d, like)), H.digest(jg.load(d + ".jg", like))
+    which = [i for i, r in enumerate(reps) if r["digest"] == dig]
+    whichf = [i for i, r in enumerate(reps) if r["digest_file"] == digf]
+    sid = sharded.read_manifest(d)["save_id"]
+    only = sorted(os.listdir(d)) == ["manifest.json", f"process_00000.{sid}.jaxguard"]
+    errors = sorted({e for r in reps for e in r["errors"]})
+    return {"path": "two 1-process jobs, same path (sharded + one file)", "fault": "concurrent writers x10 rounds",
+            "victim": "-", "survived": (f"job {which[0]}'s whole sharded checkpoint, job {whichf[0]}'s whole file"
+                                        if which and whichf and only else "MIXED"),
+            "seen": errors[:3] or ["both saved every round"], "refused_commits": sum(len(r["errors"]) for r in reps),
+            "seconds": round(time.time() - t, 1)}
+
+
+def row_orbax(w, shard):
+    d = os.path.join(w, f"orbax_{int(shard)}")
+    t = time.time()
+    rc, log = H.run_orbax(d, 4, "none", shard)
+    assert rc == 0, log
+    c0 = H.check_orbax(d, d + ".truth4.npz")
+    rc, log = H.run_orbax(d, 8, "kill_mid_file", shard)
+    c = H.check_orbax(d, d + ".truth4.npz")
+    left = sorted(n for n in os.listdir(d) if n not in ("4",))
+    return {"path": f"orbax CheckpointManager async + GuardedSave({'sharded=True' if shard else 'one file'})",
+            "fault": "kill_mid_file", "victim": 0,
+            "survived": "previous checkpoint (step 4)" if c == c0 and c0.get("violations") == 0 else "LOST",
+            "check": c, "seen": [f"p0: {'SIGKILLed' if rc == -9 else f'exit {rc}'} in orbax's commit thread",
+                                 "restore: CheckpointManager.latest_step() is 4"],
+            "leftovers": left, "seconds": round(time.time() - t, 1)}
+
+
+def rows_full_disk_in_process(w):
+    """One process: a full tmpfs and a full fsspec filesystem under the single-file and sharded saves."""
+    import errno
+    import uuid
+    import fsspec
+    import jax
+    import numpy as np
+    from fsspec.implementations.memory import MemoryFileSystem
+    import jaxguard as jg
+    tx, params, state = H.truth(os.path.join(w, "base.truth.npz"))
+    _, params2, state2 = H.truth(os.path.join(w, "kill_encode_1.new.truth.npz")) \
+        if os.path.exists(os.path.join(w, "kill_encode_1.new.truth.npz")) else (tx, params, state)
+    like = jax.tree_util.tree_map(np.asarray, state)
+
+    class Quota(MemoryFileSystem):
+        protocol = ("quota",)
+        store, pseudo_dirs, quota = {}, [""], 1 << 40
+
+        def pipe_file(self, path, value, **kw):
+            if sum(len(f.getvalue()) for f in self.store.values()) + len(value) > self.quota:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().pipe_file(path, value, **kw)
+
+    fsspec.register_implementation("quota", Quota, clobber=True)
+    rows = []
+    for where in ("tmpfs", "fsspec"):
+        for kw in ({}, {"sharded": True}):
+            if where == "tmpfs":
+                mnt = os.path.join(w, f"tmpfs_{len(rows)}")
+                os.makedirs(mnt)
+                m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt], capture_output=True)
+                if m.returncode:
+                    continue
+                path = os.path.join(mnt, "ck")
+            else:
+                path = f"quota://{uuid.uuid4().hex}/ck"
+            try:
+                jg.save(path, state, params, lr=H.LR, weight_decay=H.WD, **kw)
+                ref = H.digest(jg.load(path, like))
+                if where == "tmpfs":
+                    fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
+                    try:
+                        while os.write(fd, b"\0" * 65536):
+                            pass
+                    except OSError:
+                        pass
+                    os.close(fd)
+                else:
+                    Quota.quota = sum(len(f.getvalue()) for f in Quota.store.values()) + 4096
+                try:
+                    jg.save(path, state2, params2, lr=H.LR, weight_decay=H.WD, **kw)
+                    line = "saved (no error)"
+                except Exception as exc:  # noqa: BLE001 - the line the user sees
+                    line = f"{type(exc).__name__}: {exc}"
+                got = H.digest(jg.load(path, like))
+                rows.append({"path": "jaxguard.save " + ("sharded (1 proc)" if kw else "one file"),
+                             "fault": "full disk (tmpfs 1 MiB)" if where == "tmpfs" else "full fsspec filesystem "
+                             "(quota, ENOSPC)", "victim": "-",
+                             "survived": "previous checkpoint" if got == ref else "LOST", "seen": [line]})
+            finally:
+                Quota.quota = 1 << 40
+                if where == "tmpfs":
+                    subprocess.run(["umount", "-l", mnt], check=False)
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def write_md(out, md):
+    lines = ["# Faults during saves: what survives, what the user sees", "",
+             f"Written by `bench/faults.py` ({out['machine']}; {out['seconds']} s). Each row starts from a committed "
+             "checkpoint (2 JAX processes x 2 CPU devices, gloo on localhost, an optax adamw state of 25,440 "
+             "Adam coordinates, 64x96 + 96 + 200x96, trained 4 steps), then the same job 4 steps later saves to the same path with the "
+             "fault injected into the real write path of one process (tests/fault_jax_worker.py). *Survived* means: "
+             "`jaxguard.load` afterwards returns the last committed checkpoint: the same save id, the same decoded "
+             "bits (SHA-256 of every restored leaf), and the real optax first update is within tau*lr of the "
+             "exact state's (audit: 44 gradient values x all coordinates + 1 uniform draw, 0 over tau). Survivors of "
+             "a SIGKILL are torn down after 3 s, as a scheduler would. *Next save* is a 1-process save to the same "
+             "path: it commits, and the directory then holds only its manifest and its file. The in-process rows "
+             "(one process) compare the decoded bits only.", "",
+             *([out["note"] + ".", ""] if out.get("note") else []),
+             f"Baseline: digest `{out['baseline']['digest'][:16]}`, audit {out['baseline']['violations']} over tau, "
+             f"worst gap {out['baseline']['max_gap_lr']:.4f} lr (tau 0.01).", "",
+             "| path | fault | killed / failing process | survived | audit over tau | what the user saw | files no "
+             "manifest names, after the fault | next save cleans |", "|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        c = r.get("check") or {}
+        audit_ = c.get("violations", "-") if "violations" in c else ("-" if not c else c.get("error", "-"))
+        seen_ = "<br>".join(x.replace("|", "\\|") for x in r["seen"])
+        left = ", ".join(f"`{x}`" for x in r.get("leftovers", [])) if r.get("leftovers") else "none"
+        nxt = {True: "yes", False: "NO", None: "-"}[r.get("next_save_cleans")]
+        lines.append(f"| {r['path']} | {r['fault']} | {r['victim']} | {r['survived']} | {audit_} | {seen_} | "
+                     f"{left} | {nxt} |")
+    lines += ["", "Not covered here (not done in this round): torch DCP `save` / `async_save` under faults, the "
+              "trainer integrations (Lightning), orbax with several processes under a kill, and 3-4 process jobs. "
+              "The suite runs a subset (tests/test_faults.py: SIGKILL mid-file, a raise in one process, two jobs on "
+              "one path, full tmpfs and full fsspec filesystem for both save paths)."]
+    fz, fz0 = (os.path.join(os.path.dirname(md), n) for n in ("fuzz_manifest.json", "fuzz_manifest_before_fix.json"))
+    if os.path.exists(fz) and os.path.exists(fz0):
+        a, b = json.load(open(fz0)), json.load(open(fz))
+        lines += ["", "## The sharded manifest reader, fuzzed (bench/fuzz_manifest.py)", "",
+                  f"Before the fix: {a['executions']} executions in {a['seconds']} s, {len(a['findings'])} findings "
+                  f"(exceptions other than a one-line JaxguardError): " + "; ".join(f"`{x}`" for x in a["findings"])
+                  + ".", "",
+                  f"After: {b['executions']} executions in {b['seconds']} s (seed {b['seed']}), "
+                  f"{len(b['findings'])} findings, {b['distinct_outcomes']} distinct refusals. The findings and 40 "
+                  "refusals are kept in tests/fuzz_corpus/sharded_manifest/ and replayed by tests/test_sharded.py."]
+    open(md, "w").write("\n".join(lines) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--md-from", default=None, help="only rewrite faults.md from this JSON")
+    a = ap.parse_args()
+    if a.md_from:
+        write_md(json.load(open(a.md_from)), os.path.join(os.path.dirname(a.md_from), "faults.md"))
+        return
+    w = tempfile.mkdtemp(prefix="jg_faults_")
+    base = os.path.join(w, "base")
+    t0 = time.time()
+    r = H.run_save(base, 4)
+    assert all(x["ok"] for x in r["reports"].values()), r["log"]
+    c0 = H.check(base, base + ".truth.npz")
+    rows = []
+    for fault, victim in KILLS:
+        if a.only and a.only != fault:
+            continue
+        rows.append(row_kill(w, base, c0, fault, victim))
+        print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "full_disk":
+        rows.append(row_full_tmpfs(w, base, c0))
+        print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "orbax":
+        for shard in (False, True):
+            rows.append(row_orbax(w, shard))
+            print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "concurrent":
+        rows.append(row_concurrent(w))
+        print(json.dumps(rows[-1]), flush=True)
+    if not a.only or a.only == "full_disk":
+        rows += rows_full_disk_in_process(w)
+    out = {"machine": "2-core AMD EPYC, shared with other work", "baseline": c0, "rows": rows,
+           "seconds": round(time.time() - t0, 1)}
+    with open(a.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+    if not a.only:
+        write_md(out, os.path.join(os.path.dirname(a.out), "faults.md"))
+    shutil.rmtree(w, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

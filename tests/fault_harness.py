@@ -1,0 +1,158 @@
+"""Runs tests/fault_jax_worker.py jobs (real processes, gloo on localhost) and checks what
+a fault left behind; shared by tests/test_faults.py (a subset) and bench/faults.py (the matrix)."""
+import glob
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "fault_jax_worker.py")
+LR, WD, CLIP = 1e-3, 1e-2, 0.2
+GRACE = 3.0   # seconds the survivors of a SIGKILL get before the "scheduler" tears the job down
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("XLA_FLAGS", None)
+    e["JAX_PLATFORMS"] = "cpu"
+    return e
+
+
+def run_save(d, steps, fault="none", victim=-1, nproc=2, timeout=600, truth=None, report=None):
+    """One multi-process save of a `steps`-step state to `d` with `fault` in process `victim`.
+
+    Returns:
+      {"reports": {pid: report}, "returncodes": [...], "killed": [pids torn down], "log": tail}.
+    """
+    report = report or d.rstrip("/") + ".report"
+    for f in glob.glob(report + ".*.json"):
+        os.unlink(f)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, "save", str(i), str(nproc), str(port), d, str(steps), fault,
+                               str(victim), report] + ([truth] if truth else []), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(nproc)]
+    killed = []
+    t_end = time.time() + timeout
+    try:
+        if fault.startswith("kill") and 0 <= victim < nproc:
+            procs[victim].wait(timeout=timeout)
+            grace_end = time.time() + GRACE
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.1, grace_end - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    killed.append(i)
+        for p in procs:
+            p.wait(timeout=max(1, t_end - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    logs = [p.stdout.read()[-3000:] for p in procs]
+    reports = {}
+    for i in range(nproc):
+        f = f"{report}.{i}.json"
+        if os.path.exists(f):
+            reports[i] = json.load(open(f))
+    return {"reports": reports, "returncodes": [p.returncode for p in procs], "killed": killed, "log": logs}
+
+
+def run_loops(d, steps_list, rounds):
+    """Jobs (one process each) saving to the same `d` at once; returns their reports."""
+    procs = [subprocess.Popen([sys.executable, WORKER, "loop", d, str(s), str(rounds), f"{d}.loop{s}.json"],
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in steps_list]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [json.load(open(f"{d}.loop{s}.json")) for s in steps_list]
+
+
+def copy_checkpoint(src, dst):
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    shutil.copy(src + ".truth.npz", dst + ".truth.npz")
+
+
+def truth(npz):
+    """(tx, params, state) of the exact state a save wrote (``DIR.truth.npz``)."""
+    import jax
+    import optax
+    from jaxguard.optax_state import dotted
+    z = np.load(npz)
+    tx = optax.adamw(LR, weight_decay=WD)
+    hp = {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith("params.")}
+    tmpl = {"params": hp, "state": tx.init(hp)}
+    flat, tdef = jax.tree_util.tree_flatten_with_path(tmpl)
+    full = jax.tree_util.tree_unflatten(tdef, [z[dotted(p)] for p, _ in flat])
+    return tx, full["params"], full["state"]
+
+
+def digest(tree):
+    import jax
+    h = hashlib.sha256()
+    for x in jax.tree_util.tree_leaves(tree):
+        h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+    return h.hexdigest()
+
+
+def check(d, npz):
+    """Load `d` (1 process, host arrays) and audit it against the exact state in `npz`.
+
+    Returns:
+      {"digest", "violations", "max_gap_lr", "save_id"} or {"error": the one line}.
+    """
+    import jax
+    import jaxguard as jg
+    from jaxguard import sharded
+    from jaxguard.optax_adapter import audit
+    tx, params, state = truth(npz)
+    like = jax.tree_util.tree_map(np.asarray, state)
+    try:
+        r = jg.load(d, like)
+    except Exception as exc:  # noqa: BLE001 - the line the user sees
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    res = audit(tx, state, r, params, lr=LR, clip=CLIP)
+    return {"digest": digest(r), "violations": int(res["violations"]), "max_gap_lr": float(res["max_gap_lr"]),
+            "save_id": sharded.read_manifest(d).get("save_id") if os.path.isdir(d) else None}
+
+
+def run_orbax(d, steps, fault="none", sharded=False, timeout=600):
+    """One 1-process orbax CheckpointManager (async) + GuardedSave job; returns (returncode, log tail)."""
+    p = subprocess.run([sys.executable, WORKER, "orbax", d, str(steps), fault, "1" if sharded else "0"], env=env(),
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, (p.stdout + p.stderr)[-3000:]
+
+
+def check_orbax(d, npz):
+    """Restore the latest step orbax reports at `d` and audit it against `npz`."""
+    import jax
+    import orbax.checkpoint as ocp
+    import jaxguard.checkpoint as jgc
+    from jaxguard.optax_adapter import audit
+    tx, params, state = truth(npz)
+    like = jax.tree_util.tree_map(np.asarray, state)
+    try:
+        with ocp.CheckpointManager(d) as mngr:
+            step = mngr.latest_step()
+            r = mngr.restore(step, args=ocp.args.Composite(opt_state=jgc.GuardedRestore(like)))["opt_state"]
+    except Exception as exc:  # noqa: BLE001 - the line the user sees
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    res = audit(tx, state, r, params, lr=LR, clip=CLIP)
+    return {"step": step, "digest": digest(r), "violations": int(res["violations"]),
+            "max_gap_lr": float(res["max_gap_lr"])}

@@ -1,0 +1,53 @@
+"""GuardedLoadPlanner is told where to read (no frame walking): checkpoint_id= or the
+same storage_reader= as dcp.load, and a one-line error for anything else."""
+import pytest
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
+
+from jaxguard.errors import CheckpointError, ConfigError  # noqa: E402
+from torch_compat.dcp import GuardedLoadPlanner  # noqa: E402
+
+
+def _saved(path, seed):
+    torch.manual_seed(seed)
+    state = {"model": torch.nn.Linear(4, 3).state_dict()}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def _target():
+    return {"model": {k: torch.zeros_like(v) for k, v in torch.nn.Linear(4, 3).state_dict().items()}}
+
+
+def test_planner_reads_where_it_is_told(tmp_path):
+    a = _saved(tmp_path / "a", 0)
+    _saved(tmp_path / "b", 1)
+    got = _target()
+    dcp.load(got, checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(str(tmp_path / "a")), no_dist=True)
+    assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+    fs = FileSystemReader(str(tmp_path / "a"))
+    got = _target()
+    dcp.load(got, storage_reader=fs, planner=GuardedLoadPlanner(storage_reader=fs), no_dist=True)
+    assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+
+
+def _load_error(**kw):
+    with pytest.raises(BaseException) as info:
+        dcp.load(_target(), no_dist=True, **kw)
+    failures = getattr(info.value, "failures", None)   # DCP wraps a rank's error
+    return next(iter(failures.values()))[0] if failures else info.value
+
+
+def test_planner_without_a_place_or_with_another_one_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"GuardedLoadPlanner\(checkpoint_id=path\)"):
+        GuardedLoadPlanner()
+    _saved(tmp_path / "a", 0)
+    _saved(tmp_path / "b", 1)
+    err = _load_error(checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(str(tmp_path / "b")))
+    assert isinstance(err, CheckpointError) and "holds another checkpoint" in str(err), err
+    err = _load_error(checkpoint_id=str(tmp_path / "a"),
+                      planner=GuardedLoadPlanner(storage_reader=FileSystemReader(str(tmp_path / "a"))))
+    assert isinstance(err, CheckpointError) and "not the storage reader dcp.load" in str(err), err
+    assert "\n" not in str(err)
