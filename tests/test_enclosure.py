@@ -65,3 +65,13 @@ def test_cli_json():
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep["cases"] == 5000 and rep["failures"] == 0
+
+
+def test_cli_gpu_op_model():
+    """A GPU op model is audited against its CPU simulation (torch_compat.gpu_sim)."""
+    out = subprocess.run([sys.executable, "-m", "jaxguard", "audit-enclosure", "--cases", "3000", "--json",
+                          "--op-model", "torch-adamw-cuda-fused-f32"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["op_model"] == "torch-adamw-cuda-fused-f32" and rep["failures"] == 0
+    assert rep["variant"]["approx"] == "adversarial"

@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxguard.core import bound as _bound
 from jaxguard.core import fastbound as _fastbound
-from jaxguard.core.opmodel import TORCH_OP_MODELS, split_torch_op_model, step_constants
+from jaxguard.core.opmodel import GPU_OP_MODELS, TORCH_OP_MODELS, is_decoupled, split_torch_op_model, step_constants
 from jaxguard.errors import ConfigError
 
 POINTS_PER_CASE = 32         # 16 fixed points of the cell + 16 random interior ones
@@ -54,12 +54,13 @@ _INTERIOR = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144], np.float64) / 233
 
 
 # ---------------------------------------------------------------- bound (jitted, vmapped)
-def _one_cell(k, m, v, mt, vt, pabs, clip, e, sgn, no_radius):
+def _one_cell(k, m, v, mt, vt, pabs, clip, e, sgn, no_radius, row_decay=False):
     if no_radius:
         gl, gh = clip * e[:1], clip * e[1:]
         b = _bound.shared_ideal(k, sgn * m, v, sgn * mt, vt, gl, gh)[0]
     else:
-        rows = _bound.cell_bounds(k, m, v, mt, vt, pabs, clip, e)
+        # row_decay: optax-adamw's decay-in-update flag is read from the row (GPU models only)
+        rows = _bound.cell_bounds(k, m, v, mt, vt, pabs, clip, e, **({"decay_in_update": None} if row_decay else {}))
         b = jnp.where(sgn > 0, rows[0, 0], rows[1, 0])
     return b
 
@@ -71,9 +72,9 @@ def _fast_bounds(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     return jnp.where(usable, b, jnp.nan), usable
 
 
-@functools.partial(jax.jit, static_argnames=("no_radius",))
-def _bounds(k, m, v, mt, vt, pabs, clip, e, sgn, *, no_radius=False):
-    f = functools.partial(_one_cell, no_radius=no_radius)
+@functools.partial(jax.jit, static_argnames=("no_radius", "row_decay"))
+def _bounds(k, m, v, mt, vt, pabs, clip, e, sgn, *, no_radius=False, row_decay=False):
+    f = functools.partial(_one_cell, no_radius=no_radius, row_decay=row_decay)
     return jax.vmap(f)(k, m, v, mt, vt, pabs, clip, e, sgn)
 
 
@@ -179,6 +180,23 @@ def _edge_cases(rng, d, sel):
     d["clip"][sel] = np.where(rc < 0.2, _loguniform(rng, 1e10, 1e20, n), d["clip"][sel]).astype(np.float32)
 
 
+# GPU op models only: odd hyperparameter groups and subnormal parameters and gradients
+ODD_BETAS = ((0.0, 0.5), (0.3, 0.9), (0.5, 0.999), (0.6, 0.95), (0.99, 0.99999), (0.9, 0.9999999), (0.95, 0.98))
+ODD_EPS = (1e-30, 1e-16, 1e-8, 1e-3, 1.0)
+
+
+def _subnormal_cases(rng, d):
+    """GPU audits: 4% of the cases get a subnormal parameter, 4% a clip whose cells hold
+    subnormal gradients (the GPU kernels keep subnormals: no flush to zero)."""
+    n = d["p"].size
+    r = rng.random(n)
+    sp = r < 0.04
+    d["p"][sp] = (_loguniform(rng, 2.0**-149, 2.0**-126, int(sp.sum())) * rng.choice([-1.0, 1.0], int(sp.sum()))
+                  ).astype(np.float32)
+    sc = (r >= 0.04) & (r < 0.08)
+    d["clip"][sc] = _loguniform(rng, 2.0**-140, 2.0**-100, int(sc.sum())).astype(np.float32)
+
+
 def cell_points(rng, gl, gh):
     """The gradient magnitudes at which the audit replays each cell.
 
@@ -203,7 +221,7 @@ def cell_points(rng, gl, gh):
 
 # ---------------------------------------------------------------- audit
 def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", keep_failures=20,
-                    edge_fraction=0.25, variant=None) -> dict:
+                    edge_fraction=0.25, variant=None, approx="adversarial") -> dict:
     """Check `bound.cell_bounds` against the bit-exact torch replay (module docstring).
 
     Args:
@@ -213,12 +231,18 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
       seed: the draw's seed (the same seed draws the same cases for every op model).
       op_model: any torch op model: ``torch-adam[w]`` replays the single-tensor kernels,
         ``-foreach`` foreach=True, ``-fused`` the fused CPU kernel (half the cases through
-        its scalar tail, counted in ``tail_cases``).
+        its scalar tail, counted in ``tail_cases``); a GPU op model
+        (`jaxguard.core.opmodel.GPU_OP_MODELS`) is evaluated by its numpy simulation
+        (`torch_compat.gpu_sim.simulate_step`, on CPU).
       keep_failures: how many failure examples the report keeps.
       edge_fraction: the share of cases (and adamw groups) drawn at float32's edges.
       variant: the torch replay's operation variant (default: the detected one for the
         op model's implementation); the bound covers every variant, so the audit must pass
         whichever is given.
+      approx: GPU op models only (`torch_compat.gpu_sim`): ``"adversarial"`` rounds every
+        approximate op to the worst float32 its error allows, ``"nearest"`` to the nearest;
+        each case's kernel contracts multiply-adds to FMA or not, and (foreach) divides
+        by a host scalar through its reciprocal or not (drawn, 50% each).
 
     Returns:
       A dict: cases, failures (finite bound below the actual difference, or a NaN
@@ -231,11 +255,20 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     """
     from torch_compat.replay import adam_step, detect_implementation_variant
 
-    if op_model not in TORCH_OP_MODELS:
-        raise ConfigError(f"op_model={op_model!r} is not a torch op model; use one of {', '.join(TORCH_OP_MODELS)}")
-    decoupled, implementation = split_torch_op_model(op_model)
+    gpu = op_model in GPU_OP_MODELS
+    if op_model not in TORCH_OP_MODELS and not gpu:
+        raise ConfigError(f"op_model={op_model!r} is not a torch or GPU op model; use one of "
+                          f"{', '.join(TORCH_OP_MODELS + tuple(GPU_OP_MODELS))}")
+    if gpu:
+        from torch_compat.gpu_sim import simulate_step
+        decoupled, implementation = is_decoupled(op_model), GPU_OP_MODELS[op_model].implementation
+        # the simulation's own randomness (FMA per case, adversarial roundings) is drawn
+        # apart, so the cases are those every other op model sees for the same seed
+        sim_rng = np.random.default_rng([seed, 24])
+    else:
+        decoupled, implementation = split_torch_op_model(op_model)
+        variant = variant or detect_implementation_variant(implementation)
     wd = ADAMW_WD if decoupled else 0.0
-    variant = variant or detect_implementation_variant(implementation)
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     # fused: half the cases (drawn apart, so the other op models' cases do not change) are
@@ -252,9 +285,14 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     if decoupled:   # decay factor 1 - lr wd from 0.5 down to -29: across |1 - lr wd| = 1
         lrs = np.where(edge_group, _loguniform(rng, 1e-2, 10.0, n_groups), lrs)
         wds = np.where(edge_group, _loguniform(rng, 0.5, 30.0, n_groups) / lrs, wds)
-    ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=BETAS, eps=EPS,
+    group_betas, group_eps = [BETAS] * n_groups, [EPS] * n_groups
+    if gpu:   # a quarter of the groups with odd hyperparameters (lerp's weight >= 0.5 branch included)
+        for i in np.flatnonzero(sim_rng.random(n_groups) < 0.25):
+            group_betas[i] = ODD_BETAS[sim_rng.integers(len(ODD_BETAS))]
+            group_eps[i] = ODD_EPS[sim_rng.integers(len(ODD_EPS))]
+    ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=bb, eps=ee,
                                                         weight_decay=float(w)), 0.01)
-                   for s, lr, w in zip(steps, lrs, wds)])
+                   for s, lr, w, bb, ee in zip(steps, lrs, wds, group_betas, group_eps)])
     failures = 0
     max_ratio = 0.0
     worst = None
@@ -269,11 +307,13 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         d = draw_cases(rng, n)
         edge = rng.random(n) < edge_fraction
         _edge_cases(rng, d, np.flatnonzero(edge))
+        if gpu:
+            _subnormal_cases(sim_rng, d)
         gid = (c0 + np.arange(n)) // GROUP
         k = ks[gid]
         pabs = np.abs(d["p"])
         b = np.asarray(_bounds(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], d["e"], d["sgn"],
-                               no_radius=no_radius), np.float64)
+                               no_radius=no_radius, **({"row_decay": True} if gpu else {})), np.float64)
         gl = (d["clip"] * d["e"][:, 0]).astype(np.float32)
         gh = (d["clip"] * d["e"][:, 1]).astype(np.float32)
         g = cell_points(rng, gl, gh) * d["sgn"][:, None]
@@ -284,8 +324,22 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             nr = rows.size
             pp = np.repeat(d["p"][rows], P)
             gg = g[rows].reshape(-1)
-            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=BETAS, eps=EPS, weight_decay=float(wds[grp]),
-                        decoupled=decoupled, variant=variant, implementation=implementation)
+            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=group_betas[grp], eps=group_eps[grp],
+                        weight_decay=float(wds[grp]))
+            if gpu:
+                fma = np.repeat(sim_rng.random(nr) < 0.5, P)
+                recip = np.repeat(sim_rng.random(nr) < 0.5, P)
+                out, _, _ = simulate_step(op_model, np.concatenate([pp, pp]), np.concatenate([gg, gg]),
+                                          np.concatenate([np.repeat(d["m"][rows], P), np.repeat(d["mt"][rows], P)]),
+                                          np.concatenate([np.repeat(d["v"][rows], P), np.repeat(d["vt"][rows], P)]),
+                                          fma=np.concatenate([fma, fma]), recip=np.concatenate([recip, recip]),
+                                          approx=approx, rng=sim_rng, **args)
+                p1, p2 = out[:nr * P].astype(np.float64), out[nr * P:].astype(np.float64)
+                with np.errstate(invalid="ignore"):
+                    diff = np.where(np.isfinite(p1) & np.isfinite(p2), np.abs(p1 - p2), np.inf)
+                actual[rows] = diff.reshape(nr, P)
+                continue
+            args.update(decoupled=decoupled, variant=variant, implementation=implementation)
             if tail_rng is not None:
                 in_tail = np.repeat(tail_rng.random(nr) < 0.5, P)
                 tail_cases += int(in_tail.sum()) // P
@@ -340,7 +394,10 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         "seconds": round(time.perf_counter() - t0, 2), "no_radius": bool(no_radius), "seed": int(seed),
         "op_model": op_model, "weight_decay": wd if not decoupled else "0.01; edge groups lr*wd in [0.5, 30]",
         "betas": list(BETAS), "eps": EPS,
-        "levels": list(LEVEL_RANGE), "partition": "mixed", "variant": variant.to_dict(),
+        "levels": list(LEVEL_RANGE), "partition": "mixed",
+        "variant": ({"simulation": "torch_compat.gpu_sim (CPU, not a GPU)", "approx": approx, "fma": "per case, 50%",
+                     "recip": "per case, 50% (foreach scalar division)"}
+                    if gpu else variant.to_dict()),
         "implementation": implementation, "tail_cases": tail_cases,
         "worst": worst, "failure_examples": examples,
         "fast": {"usable": fast_usable, "certified_at_tau_0.01": fast_certified, "failures": fast_failures,

@@ -18,8 +18,8 @@ import torch
 from jaxguard import audit as jg_audit
 from jaxguard import writer
 from jaxguard.format import container
-from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.core.opmodel import torch_op_model
+from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.core.opmodel import resolve_op_model, torch_op_model
 from jaxguard.format.spec import DEFAULT_CODEC
 from torch_compat.replay import TORCH_FLAGS
 
@@ -216,12 +216,13 @@ def check_optimizer_state(opt_sd, model_sd=None) -> None:
                 raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
         if idx in groups and isinstance(st["exp_avg"], torch.Tensor) and st["exp_avg"].device.type != "cpu":
             gi, g = groups[idx]
-            implementation = implementation_of(g, gi)
-            if implementation != "single":
-                raise UnsupportedOptimizerError(
-                    f"param group {gi} has {implementation}=True with its state on {st['exp_avg'].device}; jaxguard "
-                    f"models torch's {implementation} Adam on CPU only (the {st['exp_avg'].device.type} kernels "
-                    "differ): load the checkpoint with map_location='cpu' only if it was trained on CPU")
+            try:
+                op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
+            except UnsupportedOptimizerError as exc:
+                impl = implementation_of(g, gi)
+                has = f"has {impl}=True" if impl != "single" else "runs the single-tensor kernel"
+                raise UnsupportedOptimizerError(f"param group {gi} {has} with its state on {st['exp_avg'].device}: "
+                                                f"{str(exc).split(': ', 1)[-1]}") from None
         for key in ("exp_avg", "exp_avg_sq"):
             if st[key].dtype != torch.float32:
                 raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
@@ -353,27 +354,58 @@ def param_index(opt_sd, model_sd=None):
     return out
 
 
-def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed") -> GuardConfig:
+def op_model_of(group, device_type="cpu", op_model=None, gi=0) -> str:
+    """The op model of the kernel a param group runs on `device_type`, resolved as torch
+    resolves it (`jaxguard.core.opmodel.resolve_op_model`; foreach=None on CUDA is
+    foreach), or the one the user names (`op_model`, the kernel the run resumes on).
+
+    Args:
+      group: the param group dict.
+      device_type: where its state lives (``tensor.device.type``).
+      op_model: the named op model, or None.
+      gi: the group's index, for the error.
+
+    Returns:
+      An op model name (on CPU without `op_model`: exactly `implementation_of`'s model).
+
+    Raises:
+      UnsupportedOptimizerError: (one line) no op model covers the group's kernel.
+    """
+    decoupled = bool(group.get("decoupled_weight_decay", False))
+    if device_type == "cpu" and op_model is None:
+        return torch_op_model(decoupled=decoupled, implementation=implementation_of(group, gi))
+    try:
+        return resolve_op_model(device_type, foreach=group.get("foreach"), fused=group.get("fused"),
+                                capturable=bool(group.get("capturable", False)), decoupled=decoupled,
+                                torch_version=torch.__version__,
+                                differentiable=bool(group.get("differentiable", False)),
+                                lr_is_tensor=isinstance(group.get("lr"), torch.Tensor), op_model=op_model)
+    except ConfigError as exc:
+        raise UnsupportedOptimizerError(f"param group {gi}: {exc}") from None
+
+
+def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed", device_type="cpu",
+                 op_model=None) -> GuardConfig:
     """The `GuardConfig` of one param group's next step.
 
     Args:
       group: the param group (lr, betas, eps, weight_decay, decoupled_weight_decay, flags).
       step: the steps already taken.
       tau, clip, codec, bound, partition: the contract and the guard's options.
+      device_type, op_model: as `op_model_of` (where the state lives; the named kernel).
 
     Returns:
-      The config, with the torch op model of the group's implementation.
+      The config, with the torch op model of the group's implementation on that device.
 
     Raises:
       CheckpointError: a tensor lr or beta of more than one element.
       UnsupportedOptimizerError: fused and foreach both set.
     """
     from jaxguard.core.guard import GuardConfig   # jax: only compress pays for it, not restore
-    decoupled = bool(group.get("decoupled_weight_decay", False))
     return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
                        betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
                        weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
-                       op_model=torch_op_model(decoupled=decoupled, implementation=implementation_of(group)),
+                       op_model=op_model_of(group, device_type, op_model),
                        codec=codec, bound=bound, partition=partition)
 
 
@@ -460,7 +492,7 @@ class MappedSource:
 
 
 def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
-                  partition="mixed", prefix="optimizer"):
+                  partition="mixed", prefix="optimizer", op_model=None):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
 
     The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
@@ -474,6 +506,8 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
       params: {name: tensor} of the live parameters.
       tau, clip, codec, bound, partition: the contract and the guard's options.
       prefix: the entry-name prefix (``"optimizer"``).
+      op_model: the kernel the run resumes on (`op_model_of`; None: the one torch runs
+        where the state lives, e.g. foreach for CUDA state saved with foreach=None).
 
     Returns:
       ``(optimizer skeleton, list of records)``.
@@ -502,7 +536,7 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
         cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound,
-                           partition=partition)
+                           partition=partition, device_type=st["exp_avg"].device.type, op_model=op_model)
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, _host_view(m), _host_view(v), _host_view(p), cfg, {"param": name},
@@ -518,11 +552,12 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
 
 
 def _host_view(t):
-    """A float32 tensor as a numpy array on the host (a view for CPU tensors)."""
+    """A float32 tensor as a numpy array on the host (a view for CPU tensors; a CUDA
+    tensor is copied to the host here: the on-device DLPack path is not built)."""
     return t.detach().cpu().numpy()
 
 
-def _checkpoint_records(ckpt, *, tau, clip, codec, bound, partition):
+def _checkpoint_records(ckpt, *, tau, clip, codec, bound, partition, op_model=None):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
     the first moments entry (`jaxguard.writer`)."""
     if not isinstance(ckpt, dict):
@@ -532,7 +567,7 @@ def _checkpoint_records(ckpt, *, tau, clip, codec, bound, partition):
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], tau=tau, clip=clip, codec=codec,
-                                    bound=bound, partition=partition)
+                                    bound=bound, partition=partition, op_model=op_model)
     top = []
     for k, v in ckpt.items():
         top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records)])
@@ -546,7 +581,7 @@ def _variant_of(variant):
 
 
 def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                        progress=False, variant=None):
+                        progress=False, variant=None, op_model=None):
     """Compress a torch checkpoint dict in memory.
 
     Args:
@@ -556,6 +591,7 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
       variant: the replay variant report stored in the header (``jaxguard compress``;
         informational: the guard covers every variant); a callable is called only after
         the checkpoint has been validated, so bad input fails before the slow detection.
+      op_model: the kernel the run resumes on (`state_records`).
 
     Returns:
       ``(container bytes, summary dict)`` (the `compress --json` fields).
@@ -563,21 +599,22 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                                               op_model=op_model)
     extra["variant"] = variant = _variant_of(variant)
     data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress)
     return data, _with_variant(summary, variant)
 
 
 def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                           progress=False, variant=None, release=None):
+                           progress=False, variant=None, release=None, op_model=None):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
 
     Args:
       path: the output file or URL.
-      ckpt, tau, clip, codec, bound, partition, progress, variant: as `compress_checkpoint`.
+      ckpt, tau, clip, codec, bound, partition, progress, variant, op_model: as `compress_checkpoint`.
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -588,7 +625,8 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
+                                               op_model=op_model)
     extra["variant"] = variant = _variant_of(variant)
     rel = None if release is None else (lambda sources: release([t for s in sources for t in
                                                                  (s if isinstance(s, tuple) else (s,))]))
@@ -627,13 +665,15 @@ def restore_tree(path):
 
 # ---------------------------------------------------------------- optimizer-level API
 def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: float = 0.01, clip: float = 0.2,
-         codec: str = DEFAULT_CODEC, progress: bool = False) -> dict:
+         codec: str = DEFAULT_CODEC, progress: bool = False, op_model: str | None = None) -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Args:
       path: the output file.
       optimizer: a `torch.optim.Adam` or `AdamW` (unnamed params get ``group{g}.param{i}`` names).
       tau, clip, codec, progress: as `compress_state`.
+      op_model: the kernel the run resumes on (`state_records`; the header records the
+        op model that certified the state).
 
     Returns:
       The summary dict.
@@ -652,7 +692,7 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: floa
         g["param_names"] = names
         for name, p in zip(names, live["params"]):
             params[name] = p.detach()
-    opt_sk, records = state_records(sd, params, tau=tau, clip=clip, codec=codec)
+    opt_sk, records = state_records(sd, params, tau=tau, clip=clip, codec=codec, op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
     data, summary = writer.to_bytes(records, meta, extra_header={"tau": tau, "clip": clip, "codec": codec},
                                     progress=progress)

@@ -98,7 +98,7 @@ def _cmd_compress(a):
     source = None if storage.is_url(a.ckpt) else torch_compat.state.MappedSource(storage.local_path(a.ckpt))
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
-                                                       variant=variant_record,
+                                                       variant=variant_record, op_model=a.op_model,
                                                        release=source.release if source else None)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
@@ -309,6 +309,11 @@ def build_parser():
     c.add_argument("--bound", default="shared", choices=["shared", "separate"])
     c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
     c.add_argument("--json", action="store_true")
+    from jaxguard.core.opmodel import OP_MODELS   # numpy only
+    torch_models = [m for m in OP_MODELS if m.startswith("torch")]
+    c.add_argument("--op-model", default=None, choices=torch_models, metavar="NAME",
+                   help="the kernel the run resumes on (default: the state's own, resolved as torch does); one of "
+                        + ", ".join(torch_models))
     c.set_defaults(fn=_cmd_compress)
     r = sub.add_parser("restore", help="write a torch checkpoint with the moments restored")
     r.add_argument("container")
@@ -346,14 +351,15 @@ def build_parser():
 def _add_audit_enclosure(sub):
     """The ``audit-enclosure`` verb; `torch_compat.enclosure` (jax, torch) is imported only
     when it runs, so building the parser costs no heavy import."""
-    from jaxguard.core.opmodel import TORCH_OP_MODELS   # numpy only
+    from jaxguard.core.opmodel import GPU_OP_MODELS, TORCH_OP_MODELS   # numpy only
     a = sub.add_parser("audit-enclosure", help="check the bound against the bit-exact torch replay")
     a.add_argument("--cases", type=int, default=1048576)
     a.add_argument("--no-radius", action="store_true", help="ideal stage only (the audit must find failures)")
     a.add_argument("--json", action="store_true")
     a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS),
-                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU)")
+    a.add_argument("--op-model", default="torch-adam", choices=list(TORCH_OP_MODELS) + list(GPU_OP_MODELS),
+                   help="torch Adam/AdamW and its implementation (-foreach: foreach=True, -fused: fused=True on CPU); "
+                        "the GPU models (-cuda*, optax-*-gpu) are checked against their CPU simulations")
     a.add_argument("--edge-fraction", type=float, default=0.25,
                    help="share of cases (and adamw groups) drawn at float32's edges")
     a.set_defaults(fn=_cmd_audit_enclosure)
