@@ -118,9 +118,9 @@ def test_container_decodes_to_what_jax_decodes(tmp_path, codec):
     header, payload, tables = container.read(path)
     got = container.entries_by_name(header, payload, tables)
     by_name = {e["name"]: e for e in header["entries"]}
-    for kind, name, enc, _ in entries:
-        if kind == "moments":
-            m, v = (np.asarray(x) for x in jg.decode(enc))
+    for e in entries:
+        if isinstance(e, container.Moments):
+            name, (m, v) = e.name, (np.asarray(x) for x in jg.decode(e.encoded))
             tm, tv = (x.numpy() for x in codes_torch.read_moments(by_name[name], payload, tables))
             for got_m, got_v in ((got[name][0], got[name][1]), (tm, tv)):
                 assert np.array_equal(got_m.view(np.uint32), m.view(np.uint32))
