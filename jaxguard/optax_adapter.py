@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError
 from jaxguard import audit as _audit
@@ -129,7 +130,7 @@ def summary(totals, container_bytes, raw_state_bytes=None):
     """The save summary from the totals (`jaxguard.audit.compression_summary`).
 
     Args:
-      totals: the summed guard stats from `compress_state`.
+      totals: the summed guard stats (`jaxguard.audit.TOTAL_KEYS`).
       container_bytes: the size written.
       raw_state_bytes: the uncompressed state's size (`state_nbytes`), when known.
 
@@ -203,7 +204,7 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     Raises:
       ConfigError: no ``lr`` (one line saying what to pass) or a hyperparameter that is
         invalid in float32 (e.g. a beta that rounds to 1.0); nothing is written.
-      CheckpointError, UnsupportedOptimizerError: see `compress_state`.
+      CheckpointError, UnsupportedOptimizerError: see `state_records`.
     """
     if sharded or (sharded is None and jax.process_count() > 1):
         return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
@@ -342,7 +343,7 @@ def load_params(path) -> dict:
 # ---------------------------------------------------------------- first-update audit with real optax
 
 
-def audit(tx, original, restored, params, *, lr, tau=0.01, clip=0.2, grid=None, random_draws=1, seed=0,
+def audit(tx, original, restored, params, *, lr, tau=DEFAULT_TAU, clip=DEFAULT_CLIP, grid=None, random_draws=1, seed=0,
           gradients=()):
     """Run the real jitted ``tx.update`` + ``optax.apply_updates`` from `original` and
     `restored` for every gradient of a grid across ``[-clip, clip]`` (the same g for every

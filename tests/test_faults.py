@@ -173,7 +173,7 @@ def test_an_older_save_does_not_replace_a_newer_commit(tmp_path, small):
     p, st = states[2]
     pairs = sharded.plan_state(st, p, lr=1e-3, weight_decay=1e-2)
     items, totals, _ = sharded.encode_local(pairs[1], pairs[2], st, p)
-    common = sharded.common_meta(pairs[0], pairs[2], pairs[3], tau=0.01, clip=0.2, codec=sharded.DEFAULT_CODEC)
+    common = sharded.common_meta(pairs[0], pairs[2], pairs[3], tau=0.01, clip=0.2, codec=jg.DEFAULT_CODEC)
     with pytest.raises(jg.CheckpointError, match="started later") as e:
         sharded.write_and_commit(d, items, totals, common, save_id=older)
     assert ONE_LINE.match(str(e.value))

@@ -64,9 +64,10 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
 
 from jaxguard import audit as jg_audit
 from jaxguard import writer
+from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC, GuardConfig
+from jaxguard.core.config import save_spec
 
 from torch_compat import state as _state
 
@@ -151,9 +152,12 @@ class GuardedSavePlanner(DefaultSavePlanner):
     """A `DefaultSavePlanner` that writes every Adam/AdamW moment pair as guarded shards.
 
     Args:
-      tau: the update-difference bound, as a fraction of lr (default 0.01).
-      clip: the gradient range ``|g| <= clip`` the certificate covers (default 0.2).
-      codec, bound, partition: as `jaxguard.GuardConfig` (defaults: log8-rel, shared, mixed).
+      tau: the update-difference bound, as a fraction of lr (default: the spec's, 0.01).
+      clip: the gradient range ``|g| <= clip`` the certificate covers (default: the spec's, 0.2).
+      spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``); `tau`,
+        `clip`, `codec`, `bound`, `partition` override its fields when given.
+      op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
+        one torch runs where the state lives).
       **kwargs: passed to `DefaultSavePlanner` (``flatten_state_dict`` must stay True;
         plan caching is refused: the hashes change with every save).
 
@@ -168,15 +172,17 @@ class GuardedSavePlanner(DefaultSavePlanner):
         parameter is missing.
     """
 
-    def __init__(self, tau: float = 0.01, clip: float = 0.2, *, codec: str = DEFAULT_CODEC, bound: str = "shared",
-                 partition: str = "mixed", **kwargs):
+    def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
+                 bound: str | None = None, partition: str | None = None, op_model: str | None = None, **kwargs):
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
             raise ConfigError("GuardedSavePlanner does not support enable_plan_caching=True: every save records new hashes")
         super().__init__(**kwargs)
-        GuardConfig(lr=1e-3, step=1, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)  # validates
-        self.tau, self.clip, self.codec, self.bound, self.partition = float(tau), float(clip), codec, bound, partition
+        self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+        self.op_model = op_model
+        s = self.spec
+        self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
         self.summary: dict = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
@@ -236,8 +242,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
             gi, group = _group_of(osd, fqn, root)
             _state.check_param_group(gi, group, who="GuardedSavePlanner")
             step = _state.step_count(osd["state"][fqn], fqn)
-            cfg = _state.guard_config(group, step, tau=self.tau, clip=self.clip, codec=self.codec, bound=self.bound,
-                                      partition=self.partition)
+            cfg = _state.guard_config(group, step, spec=self.spec, op_model=self.op_model,
+                                      device_type=osd["state"][fqn]["exp_avg"].device.type)
             m_key, v_key = keys["exp_avg"], keys["exp_avg_sq"]
             p_key = self._param_key(fqn, root)
             m, v, p = self.state_dict[m_key], self.state_dict[v_key], self.state_dict[p_key]
@@ -778,13 +784,14 @@ def restore_dir(path, output) -> dict:
     return {"output": os.fspath(output), "keys": sorted(map(str, ckpt)), "seconds": time.perf_counter() - t0}
 
 
-def compress_dir(src, dst, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed") -> dict:
+def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
+                 op_model=None) -> dict:
     """``jaxguard compress DIR -o DIR2``: a plain DCP directory -> a guarded one (one rank file).
 
     Args:
       src: the plain DCP directory.
       dst: a new (or empty) output directory.
-      tau, clip, codec, bound, partition: as `GuardedSavePlanner`.
+      spec, tau, clip, codec, bound, partition, op_model: as `GuardedSavePlanner`.
 
     Returns:
       The save summary (totals, ``escape_rate``, ``payload_ratio``, ``encode_seconds``, ``output``).
@@ -803,7 +810,8 @@ def compress_dir(src, dst, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="sh
         raise CheckpointError(f"output directory {parent} does not exist; create it first")
     t0 = time.perf_counter()
     state = load_full(src)
-    planner = GuardedSavePlanner(tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, bound=bound, partition=partition,
+                                 op_model=op_model)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dst)) + ".", dir=parent)
     try:
         with _unwrapped():
@@ -887,7 +895,7 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def first_update_audit(ref, test, *, tau=0.01, clip=0.2, grid=None, grads=()):
+def first_update_audit(ref, test, *, tau=DEFAULT_TAU, clip=DEFAULT_CLIP, grid=None, grads=()):
     """The first real optimizer step after two resumes, compared coordinate by coordinate.
 
     Args:

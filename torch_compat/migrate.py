@@ -35,7 +35,7 @@ difference torch cannot reproduce).
 """
 from __future__ import annotations
 
-from jaxguard.core.guard import DEFAULT_CODEC as _DEFAULT_CODEC
+from jaxguard.core.config import save_spec
 import numpy as np
 import torch
 
@@ -259,12 +259,14 @@ def container_to_torch(path):
     return _torch_ckpt(items, params)
 
 
-def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
+def torch_to_container(ckpt, *, spec=None, tau=None, clip=None, codec=None):
     """torch checkpoint dict -> (optax container bytes, summary), moments guarded against
     the target optax op model with ``tau * MIGRATE_TAU_FACTOR``; params stored.
 
     Args:
       ckpt: ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``.
+      spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``); the
+        arguments below override its fields.
       tau: the first-update tolerance as a fraction of lr (shrunk by MIGRATE_TAU_FACTOR).
       clip: the gradient bound C; for torch's coupled L2 decay it is widened by
         ``wd * max|p|`` (optax's adam then sees ``g + wd p``).
@@ -282,6 +284,8 @@ def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
     if not isinstance(ckpt, dict) or "model" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError("the checkpoint must be a dict with 'model' (state_dict) and 'optimizer' "
                               "(Adam/AdamW state_dict) keys")
+    guard = save_spec(spec, tau=tau, clip=clip, codec=codec)
+    clip = guard.clip
     osd = with_param_names(ckpt["optimizer"], ckpt["model"])   # a model.parameters() optimizer: by order
     spec = tx_spec(osd)
     names = [n for n, _ in param_index(osd).values()]
@@ -294,7 +298,7 @@ def torch_to_container(ckpt, *, tau=0.01, clip=0.2, codec=_DEFAULT_CODEC):
         pmax = max((float(np.max(np.abs(np.asarray(p, np.float32)))) for p in params.values() if np.size(p)), default=0.0)
         clip = (clip + spec["weight_decay"] * pmax) * (1 + 2.0**-20)
     data, summary = optax_adapter.to_bytes(
-        opt_state, params, lr=spec["learning_rate"], tau=tau * MIGRATE_TAU_FACTOR, clip=clip, codec=codec,
+        opt_state, params, lr=spec["learning_rate"], spec=guard, tau=guard.tau * MIGRATE_TAU_FACTOR, clip=clip,
         weight_decay=spec["weight_decay"] if spec["name"] == "adamw" else 0.0,
         betas=(spec["b1"], spec["b2"]), eps=spec["eps"], include_params=True,
         extra_meta={"tx": spec, "migrated_from": "torch"})

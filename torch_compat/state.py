@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from jaxguard import audit as jg_audit
 from jaxguard import writer
+from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.opmodel import resolve_op_model, torch_op_model
-from jaxguard.format.spec import DEFAULT_CODEC
 from torch_compat.replay import TORCH_FLAGS
+
+if TYPE_CHECKING:
+    from jaxguard.core.config import GuardSpec
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
@@ -384,14 +388,13 @@ def op_model_of(group, device_type="cpu", op_model=None, gi=0) -> str:
         raise UnsupportedOptimizerError(f"param group {gi}: {exc}") from None
 
 
-def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mixed", device_type="cpu",
-                 op_model=None) -> GuardConfig:
+def guard_config(group, step, *, spec, device_type="cpu", op_model=None) -> GuardConfig:
     """The `GuardConfig` of one param group's next step.
 
     Args:
       group: the param group (lr, betas, eps, weight_decay, decoupled_weight_decay, flags).
       step: the steps already taken.
-      tau, clip, codec, bound, partition: the contract and the guard's options.
+      spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       device_type, op_model: as `op_model_of` (where the state lives; the named kernel).
 
     Returns:
@@ -402,11 +405,10 @@ def guard_config(group, step, *, tau, clip, codec, bound="shared", partition="mi
       UnsupportedOptimizerError: fused and foreach both set.
     """
     from jaxguard.core.guard import GuardConfig   # jax: only compress pays for it, not restore
-    return GuardConfig(lr=float(scalar_value(group["lr"], "lr")), step=int(step), tau=tau, clip=clip,
-                       betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]), eps=float(group["eps"]),
-                       weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
-                       op_model=op_model_of(group, device_type, op_model),
-                       codec=codec, bound=bound, partition=partition)
+    return GuardConfig.from_spec(spec, lr=float(scalar_value(group["lr"], "lr")), step=int(step),
+                                 betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]),
+                                 eps=float(group["eps"]), weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
+                                 op_model=op_model_of(group, device_type, op_model))
 
 
 def step_count(st, idx):
@@ -491,8 +493,7 @@ class MappedSource:
                     self._madvise(b, e - b, self.MADV_DONTNEED)
 
 
-def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared",
-                  partition="mixed", prefix="optimizer", op_model=None):
+def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
 
     The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
@@ -504,7 +505,7 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
     Args:
       opt_sd: the optimizer state_dict (with ``param_names``).
       params: {name: tensor} of the live parameters.
-      tau, clip, codec, bound, partition: the contract and the guard's options.
+      spec: the save's `GuardSpec` (None: the defaults).
       prefix: the entry-name prefix (``"optimizer"``).
       op_model: the kernel the run resumes on (`op_model_of`; None: the one torch runs
         where the state lives, e.g. foreach for CUDA state saved with foreach=None).
@@ -517,6 +518,7 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
         not an optimizer state_dict (`check_optimizer_state`).
       UnsupportedOptimizerError: not float32, not Adam/AdamW, an unsupported flag.
     """
+    spec = _save_spec(spec)
     check_optimizer_state(opt_sd, params)
     names = param_index(opt_sd, params)
     state_sk = []
@@ -535,8 +537,8 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
                                   f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
-        cfg = guard_config(group, step_count(st, idx), tau=tau, clip=clip, codec=codec, bound=bound,
-                           partition=partition, device_type=st["exp_avg"].device.type, op_model=op_model)
+        cfg = guard_config(group, step_count(st, idx), spec=spec, device_type=st["exp_avg"].device.type,
+                           op_model=op_model)
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, _host_view(m), _host_view(v), _host_view(p), cfg, {"param": name},
@@ -551,13 +553,18 @@ def state_records(opt_sd, params: dict, *, tau=0.01, clip=0.2, codec=DEFAULT_COD
     return opt_sk, jobs + raws
 
 
+def _save_spec(spec=None, **overrides):
+    from jaxguard.core.config import save_spec   # jax: only compress pays for it, not restore
+    return save_spec(spec, **overrides)
+
+
 def _host_view(t):
     """A float32 tensor as a numpy array on the host (a view for CPU tensors; a CUDA
     tensor is copied to the host here: the on-device DLPack path is not built)."""
     return t.detach().cpu().numpy()
 
 
-def _checkpoint_records(ckpt, *, tau, clip, codec, bound, partition, op_model=None):
+def _checkpoint_records(ckpt, *, spec, op_model=None):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
     the first moments entry (`jaxguard.writer`)."""
     if not isinstance(ckpt, dict):
@@ -566,13 +573,12 @@ def _checkpoint_records(ckpt, *, tau, clip, codec, bound, partition, op_model=No
         if key not in ckpt:
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
-    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], tau=tau, clip=clip, codec=codec,
-                                    bound=bound, partition=partition, op_model=op_model)
+    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model)
     top = []
     for k, v in ckpt.items():
         top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records)])
     meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__}
-    extra = {"tau": tau, "clip": clip, "codec": codec, "bound": bound, "partition": partition}
+    extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound, "partition": spec.partition}
     return records, meta, extra
 
 
@@ -580,13 +586,15 @@ def _variant_of(variant):
     return variant() if callable(variant) else variant
 
 
-def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                        progress=False, variant=None, op_model=None):
+def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False, variant=None,
+                        op_model=None):
     """Compress a torch checkpoint dict in memory.
 
     Args:
       ckpt: ``{"model": state_dict, "optimizer": state_dict, ...}`` (other keys stored exactly).
-      tau, clip, codec, bound, partition: the contract and the guard's options.
+      spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``: tau 0.01,
+        clip 0.2, log8-rel, shared bound, mixed partition).
+      tau, clip, codec, bound, partition: override the spec's field when given.
       progress: show a tqdm bar.
       variant: the replay variant report stored in the header (``jaxguard compress``;
         informational: the guard covers every variant); a callable is called only after
@@ -599,22 +607,22 @@ def compress_checkpoint(ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound=
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                               op_model=op_model)
+    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model)
     extra["variant"] = variant = _variant_of(variant)
     data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress)
     return data, _with_variant(summary, variant)
 
 
-def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODEC, bound="shared", partition="mixed",
-                           progress=False, variant=None, release=None, op_model=None):
+def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False,
+                           variant=None, release=None, op_model=None):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
 
     Args:
       path: the output file or URL.
-      ckpt, tau, clip, codec, bound, partition, progress, variant, op_model: as `compress_checkpoint`.
+      ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model: as `compress_checkpoint`.
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -625,8 +633,8 @@ def compress_checkpoint_to(path, ckpt, *, tau=0.01, clip=0.2, codec=DEFAULT_CODE
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    records, meta, extra = _checkpoint_records(ckpt, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                                               op_model=op_model)
+    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model)
     extra["variant"] = variant = _variant_of(variant)
     rel = None if release is None else (lambda sources: release([t for s in sources for t in
                                                                  (s if isinstance(s, tuple) else (s,))]))
@@ -664,14 +672,19 @@ def restore_tree(path):
 
 
 # ---------------------------------------------------------------- optimizer-level API
-def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: float = 0.01, clip: float = 0.2,
-         codec: str = DEFAULT_CODEC, progress: bool = False, op_model: str | None = None) -> dict:
+def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: GuardSpec | None = None,
+         tau: float | None = None,
+         clip: float | None = None, codec: str | None = None, bound: str | None = None, partition: str | None = None,
+         progress: bool = False, op_model: str | None = None) -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Args:
       path: the output file.
       optimizer: a `torch.optim.Adam` or `AdamW` (unnamed params get ``group{g}.param{i}`` names).
-      tau, clip, codec, progress: as `compress_state`.
+      spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``: tau 0.01,
+        clip 0.2, log8-rel, shared bound, mixed partition).
+      tau, clip, codec, bound, partition: override the spec's field when given.
+      progress: show a tqdm bar.
       op_model: the kernel the run resumes on (`state_records`; the header records the
         op model that certified the state).
 
@@ -680,7 +693,7 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: floa
 
     Raises:
       UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover.
-      CheckpointError: as `compress_state_stream`.
+      CheckpointError: as `state_records`.
     """
     if not isinstance(optimizer, torch.optim.Adam):
         raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "
@@ -692,10 +705,11 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, tau: floa
         g["param_names"] = names
         for name, p in zip(names, live["params"]):
             params[name] = p.detach()
-    opt_sk, records = state_records(sd, params, tau=tau, clip=clip, codec=codec, op_model=op_model)
+    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
-    data, summary = writer.to_bytes(records, meta, extra_header={"tau": tau, "clip": clip, "codec": codec},
-                                    progress=progress)
+    data, summary = writer.to_bytes(records, meta, extra_header={"tau": spec.tau, "clip": spec.clip,
+                                                                 "codec": spec.codec}, progress=progress)
     container.atomic_write(path, data)
     return summary
 
@@ -804,7 +818,7 @@ def torch_step(p, m, v, g, step, group, decoupled):
     return p.detach()
 
 
-def audit(original, restored, *, tau=0.01, clip=0.2, grads=None, grid=None, progress=False):
+def audit(original, restored, *, tau=DEFAULT_TAU, clip=DEFAULT_CLIP, grads=None, grid=None, progress=False):
     """Run the real torch Adam/AdamW (with the param group's foreach/fused flags) one step from the
     original and the restored state for every gradient of a grid across [-clip, clip]
     (the same g for every coordinate, plus one random per-coordinate draw) and for any

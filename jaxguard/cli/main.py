@@ -186,8 +186,8 @@ def _cmd_audit(a):
     import torch_compat
     ckpt = load_torch_checkpoint(a.ckpt)
     restored, header = torch_compat.restore_tree(a.container)
-    tau = header.get("tau") or 0.01
-    clip = header.get("clip") or 0.2
+    tau = header.get("tau") or spec.DEFAULT_TAU
+    clip = header.get("clip") or spec.DEFAULT_CLIP
     res = torch_compat.audit(ckpt, restored, tau=tau, clip=clip, progress=not a.json)
     res.update({"tau": tau, "clip": clip, "passed": res["violations"] == 0})
     if a.json:
@@ -303,11 +303,11 @@ def build_parser():
     c = sub.add_parser("compress", help="compress a torch checkpoint's Adam moments")
     c.add_argument("ckpt")
     c.add_argument("-o", "--output", required=True)
-    c.add_argument("--tau", type=float, default=0.01)
-    c.add_argument("--clip", type=float, default=0.2)
+    c.add_argument("--tau", type=float, default=spec.DEFAULT_TAU)
+    c.add_argument("--clip", type=float, default=spec.DEFAULT_CLIP)
     c.add_argument("--codec", default=spec.DEFAULT_CODEC, choices=spec.codec_ids())
-    c.add_argument("--bound", default="shared", choices=["shared", "separate"])
-    c.add_argument("--partition", default="mixed", choices=["mixed", "linear"])
+    c.add_argument("--bound", default=spec.DEFAULT_BOUND, choices=["shared", "separate"])
+    c.add_argument("--partition", default=spec.DEFAULT_PARTITION, choices=["mixed", "linear"])
     c.add_argument("--json", action="store_true")
     from jaxguard.core.opmodel import OP_MODELS   # numpy only
     torch_models = [m for m in OP_MODELS if m.startswith("torch")]
@@ -339,8 +339,8 @@ def build_parser():
     mg.add_argument("ckpt")
     mg.add_argument("--to", required=True, choices=["optax", "torch"])
     mg.add_argument("-o", "--output", required=True)
-    mg.add_argument("--tau", type=float, default=0.01)
-    mg.add_argument("--clip", type=float, default=0.2)
+    mg.add_argument("--tau", type=float, default=spec.DEFAULT_TAU)
+    mg.add_argument("--clip", type=float, default=spec.DEFAULT_CLIP)
     mg.add_argument("--codec", default=spec.DEFAULT_CODEC, choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
     mg.set_defaults(fn=_cmd_migrate)

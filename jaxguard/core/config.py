@@ -42,11 +42,11 @@ class GuardSpec:
     """
 
     codec: str = DEFAULT_CODEC
-    bound: str = "shared"
-    partition: str = "mixed"
+    bound: str = _spec.DEFAULT_BOUND
+    partition: str = _spec.DEFAULT_PARTITION
     op_model: str = "torch-adam"
-    tau: float = 0.01
-    clip: float = 0.2
+    tau: float = _spec.DEFAULT_TAU
+    clip: float = _spec.DEFAULT_CLIP
     joint: bool = False
     certify: bool = True
 

@@ -151,6 +151,12 @@ def unregister(codec_id: str) -> None:
 # codes m relative to sqrt(v~): the bytes of log8 (+8 B per block) and, on trained
 # transformers, ~100x fewer escapes at early checkpoints (bench/results/).
 DEFAULT_CODEC = "log8-rel"
+# The other guard settings' defaults, defined here once (numpy-only, so the CLI and the
+# reader know them without JAX); `jaxguard.GuardSpec` takes its defaults from these.
+DEFAULT_TAU = 0.01        # |u1 - u2| <= tau * lr
+DEFAULT_CLIP = 0.2        # for every gradient |g| <= clip
+DEFAULT_BOUND = "shared"
+DEFAULT_PARTITION = "mixed"
 
 
 def get(codec_id: str) -> CodecSpec:

@@ -28,7 +28,6 @@ import contextlib
 import os
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC
 from jaxguard.integrations._common import check_supported, unwrap, zero_lr_groups
 
 
@@ -61,14 +60,16 @@ def _optimizers_held_out(accelerator):
         accelerator._optimizers[:] = held
 
 
-def save_state(accelerator, output_dir: str | None = None, *, tau: float = 0.01, clip: float = 0.2,
-               codec: str = DEFAULT_CODEC, **kwargs) -> str:
+def save_state(accelerator, output_dir: str | None = None, *, tau: float | None = None, clip: float | None = None,
+               codec: str | None = None, spec=None, **kwargs) -> str:
     """``accelerator.save_state`` with each optimizer stored guarded (module docstring).
 
     Args:
       accelerator: an ``accelerate.Accelerator`` whose optimizers were prepared.
       output_dir: as for ``Accelerator.save_state`` (None: its automatic naming).
-      tau, clip, codec: the guard's tolerance (fraction of lr), gradient bound and codec.
+      tau, clip, codec: the guard's tolerance (fraction of lr), gradient bound and codec
+        (default: the spec's).
+      spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``).
       **kwargs: passed to ``Accelerator.save_state``.
 
     Returns:
@@ -88,8 +89,8 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float = 0.01,
         location = accelerator.save_state(output_dir, **kwargs)
     if accelerator.is_main_process:
         for i, opt in enumerate(opts):
-            torch_compat.save(os.path.join(location, optimizer_file(i)), unwrap(opt), tau=tau, clip=clip,
-                              codec=codec)
+            torch_compat.save(os.path.join(location, optimizer_file(i)), unwrap(opt), spec=spec, tau=tau,
+                              clip=clip, codec=codec)
     accelerator.wait_for_everyone()
     return location
 

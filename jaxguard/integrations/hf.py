@@ -31,7 +31,6 @@ import torch
 from transformers import Trainer
 
 from jaxguard.errors import UnsupportedOptimizerError
-from jaxguard.core.guard import DEFAULT_CODEC
 from jaxguard.integrations._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
 
 SCHEDULER_NAME = "scheduler.pt"
@@ -46,6 +45,8 @@ class GuardedTrainer(Trainer):
       jaxguard_tau: the first-update tolerance, a fraction of ``lr`` (default 0.01).
       jaxguard_clip: the gradient bound ``C`` the guarantee covers (default 0.2).
       jaxguard_codec: the moment codec (default ``jaxguard.DEFAULT_CODEC``).
+      jaxguard_spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``);
+        the three arguments above override its fields.
 
     Raises:
       UnsupportedOptimizerError: at optimizer creation, for an optimizer or option outside
@@ -54,10 +55,13 @@ class GuardedTrainer(Trainer):
         for DeepSpeed/FSDP/XLA/SageMaker MP.
     """
 
-    def __init__(self, *args, jaxguard_tau: float = 0.01, jaxguard_clip: float = 0.2,
-                 jaxguard_codec: str = DEFAULT_CODEC, **kwargs):
+    def __init__(self, *args, jaxguard_tau: float | None = None, jaxguard_clip: float | None = None,
+                 jaxguard_codec: str | None = None, jaxguard_spec=None, **kwargs):
+        from jaxguard.core.config import save_spec
+        spec = save_spec(jaxguard_spec, tau=jaxguard_tau, clip=jaxguard_clip, codec=jaxguard_codec)   # fails early
         super().__init__(*args, **kwargs)
-        self.jaxguard_tau, self.jaxguard_clip, self.jaxguard_codec = jaxguard_tau, jaxguard_clip, jaxguard_codec
+        self.jaxguard_spec = spec
+        self.jaxguard_tau, self.jaxguard_clip, self.jaxguard_codec = spec.tau, spec.clip, spec.codec
         self.jaxguard_last_summary: dict | None = None
 
     def create_optimizer(self, *args, **kwargs):
@@ -98,8 +102,7 @@ class GuardedTrainer(Trainer):
         if self.args.should_save:
             import torch_compat
             self.jaxguard_last_summary = torch_compat.save(
-                os.path.join(output_dir, OPTIMIZER_FILE), unwrap(self.optimizer), tau=self.jaxguard_tau,
-                clip=self.jaxguard_clip, codec=self.jaxguard_codec)
+                os.path.join(output_dir, OPTIMIZER_FILE), unwrap(self.optimizer), spec=self.jaxguard_spec)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -35,7 +35,6 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from jaxguard import writer
 from jaxguard.format import storage
 from jaxguard.errors import CheckpointError
-from jaxguard.core.guard import DEFAULT_CODEC
 
 NO_NAMES = ("optimizer_states[{i}] has no 'param_names'; build the optimizer from named parameters in "
             "configure_optimizers, e.g. torch.optim.AdamW(self.named_parameters(), lr=1e-3)")
@@ -45,13 +44,16 @@ class GuardedCheckpointIO(CheckpointIO):
     """Lightning checkpoints as jaxguard containers (module docstring).
 
     Args:
-      tau: the first-update tolerance, a fraction of ``lr`` (default 0.01).
-      clip: the gradient bound ``C`` the guarantee covers (default 0.2).
-      codec: the moment codec (default ``jaxguard.DEFAULT_CODEC``).
+      tau: the first-update tolerance, a fraction of ``lr`` (default: the spec's, 0.01).
+      clip: the gradient bound ``C`` the guarantee covers (default: the spec's, 0.2).
+      codec: the moment codec (default: the spec's, ``jaxguard.DEFAULT_CODEC``).
+      spec: the guard settings, a `jaxguard.GuardSpec`; the arguments above override it.
     """
 
-    def __init__(self, tau: float = 0.01, clip: float = 0.2, codec: str = DEFAULT_CODEC):
-        self.tau, self.clip, self.codec = tau, clip, codec
+    def __init__(self, tau: float | None = None, clip: float | None = None, codec: str | None = None, *, spec=None):
+        from jaxguard.core.config import save_spec
+        self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
+        self.tau, self.clip, self.codec = self.spec.tau, self.spec.clip, self.spec.codec
         self.last_summary: dict | None = None
 
     def to_bytes(self, checkpoint: dict[str, Any]) -> tuple[bytes, dict]:
@@ -86,7 +88,7 @@ class GuardedCheckpointIO(CheckpointIO):
             for i, sd in enumerate(value):
                 if any("param_names" not in g for g in sd.get("param_groups", [])):
                     raise CheckpointError(NO_NAMES.format(i=i))
-                opt_sk, recs = tstate.state_records(sd, params, tau=self.tau, clip=self.clip, codec=self.codec,
+                opt_sk, recs = tstate.state_records(sd, params, spec=self.spec,
                                                     prefix=f"optimizer_states/{i}")
                 records += recs
                 opts.append(opt_sk)
