@@ -130,6 +130,7 @@ def whole_process(src, work, repeats, env, codec="log8-rel"):
 def sweep(base, sizes_m, codec="log8-rel"):
     import torch_compat.state as S
     from jaxguard.audit import new_totals
+    from jaxguard.core.config import GuardSpec
     rows = []
     per = sum(st["exp_avg"].numel() for st in base["optimizer"]["state"].values())
 
@@ -147,7 +148,7 @@ def sweep(base, sizes_m, codec="log8-rel"):
         totals = new_totals()
         t = time.perf_counter()
         from jaxguard import writer
-        _, records = S.state_records(ck["optimizer"], ck["model"], codec=codec)
+        _, records = S.state_records(ck["optimizer"], ck["model"], spec=GuardSpec(codec=codec))
         fast = 0
         for e in writer.encode(records, totals):
             if isinstance(e, writer.Moments):

@@ -185,7 +185,7 @@ def real_gradient(kind, ckpt):
 def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed, tmpdir, warmup=True):
     import torch_compat
     from jaxguard.format.container import atomic_write
-    from torch_compat.state import gradient_grid
+    from jaxguard.audit import gradient_grid
 
     t_cond = time.perf_counter()
     fp_before = fingerprint(ckpt)

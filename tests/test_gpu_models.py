@@ -3,6 +3,8 @@ simulation under adversarial rounding, the simulations are the documented arithm
 and the model is chosen as torch chooses it."""
 import numpy as np
 import pytest
+
+from jaxguard.core.config import GuardSpec
 import torch
 
 import torch_compat
@@ -199,7 +201,7 @@ def test_named_kernel_overrides_the_resolution():
 def test_guard_config_on_cuda_state_and_named_kernel():
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "foreach": None, "fused": None,
              "decoupled_weight_decay": True, "weight_decay": 0.01}
-    kw = dict(tau=0.01, clip=0.2, codec="log8")
+    kw = dict(spec=GuardSpec(codec="log8"))
     assert torch_compat.state.guard_config(group, 3, **kw).op_model == "torch-adamw"          # CPU: unchanged
     assert torch_compat.state.guard_config(group, 3, device_type="cuda", **kw).op_model == "torch-adamw-cuda-foreach"
     assert torch_compat.state.guard_config(group, 3, op_model="torch-adamw-cuda-fused-f32",

@@ -404,7 +404,7 @@ def test_wide_blocks_decode_bit_identically_in_numpy_jax_and_torch():
     a = next(e for e in hdr["entries"] if e["name"] == "a")
     assert pay[a["sections"]["mv_rans"][0]] == rans.KIND_COMPACT_WIDE | rans.TAILS_FLAG   # rANS codes whole fields
     assert reader.verify_bytes(data)["ok"]
-    for entry, (_, _, enc, _) in zip(hdr["entries"], ents):
+    for entry, (_, enc, _) in zip(hdr["entries"], ents):
         bm, bv = packed.split_widths(enc.arrays["widths"])     # 16-bit codes where a block is wider than 8
         assert enc.arrays["m_codes"].dtype == (np.int16 if bm.max() > 8 else np.int8)
         assert enc.arrays["v_codes"].dtype == (np.uint16 if bv.max() > 8 else np.uint8)

@@ -4,6 +4,8 @@ implementation recorded in the param group (issue 16). The >= 5M-coordinate and
 131k-case runs are in bench/replay_impls.py (results in bench/results/replay_impls.md)."""
 import numpy as np
 import pytest
+
+from jaxguard.core.config import GuardSpec
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat  # noqa: E402
@@ -135,7 +137,7 @@ def test_foreach_none_is_the_single_tensor_path_on_cpu():
     assert _default_to_fused_or_foreach([p], differentiable=False, use_fused=False) == (False, False)
     assert implementation_of({"foreach": None, "fused": None}) == "single"
     cfg = torch_compat.state.guard_config({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "foreach": None}, 3,
-                                          tau=0.01, clip=0.2, codec="log8")
+                                          spec=GuardSpec(codec="log8"))
     assert cfg.op_model == "torch-adam"
 
 
