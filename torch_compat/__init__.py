@@ -1,6 +1,17 @@
 """torch parity layer: torch state_dicts in and out of jaxguard containers, and a
 bit-exact JAX replay of torch's single-tensor FP32 Adam/AdamW.
 
+Two parts, which never import each other upward:
+
+* the arithmetic model of torch's Adam (JAX and numpy, no torch I/O): ``float32`` <-
+  ``variant`` (+ ``variant_cache``) <- ``calibrate`` <- ``replay``; ``enclosure`` (the
+  audit of the bound against the replay) and ``gpu_sim`` (numpy simulations of the CUDA
+  and XLA:GPU kernels);
+* torch I/O on top of it: ``state`` (state_dict <-> container records, the first-update
+  audit with real torch), ``dcp`` (torch.distributed.checkpoint planners), ``migrate``
+  (torch <-> optax), ``codes_torch`` (the torch decoder), ``quant_adamw``, ``models``
+  (the demo zoo).
+
 Needs torch >= 2.4 (``pip install -e ".[torch]"`` in the clone); the rest of jaxguard does not.
 """
 import re as _re
