@@ -39,6 +39,7 @@ every other leaf is restored bit-exactly.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -472,20 +473,41 @@ def commit_manifest(directory, common: dict, process_count: int, save_id: str | 
     d = _dir(directory)
     man = make_manifest(d, common, process_count, save_id)
     _check_coverage(man, d)
-    check_files(man, d)
-    cur = _current_save_id(d)
-    if save_id is not None and cur and cur > save_id:
-        raise CheckpointError(f"{d}: a save that started later ({cur}) committed to this path while this one "
-                              f"({save_id}) ran; this save is dropped and that checkpoint kept")
-    storage.atomic_write(storage.join(d, MANIFEST), json.dumps(man, separators=(",", ":")).encode())
-    for pid in range(process_count):
-        try:
-            storage.remove(storage.join(d, _index_name(pid, save_id)))
-        except Exception:  # noqa: BLE001 - committed: a stale index is only garbage for the next save
-            pass
-    if save_id is not None:
-        remove_unnamed(d, save_id)
+    with _commit_lock(d):   # two jobs: check, replace and clean up one after the other
+        check_files(man, d)
+        cur = _current_save_id(d)
+        if save_id is not None and cur and cur > save_id:
+            raise CheckpointError(f"{d}: a save that started later ({cur}) committed to this path while this one "
+                                  f"({save_id}) ran; this save is dropped and that checkpoint kept")
+        storage.atomic_write(storage.join(d, MANIFEST), json.dumps(man, separators=(",", ":")).encode())
+        for pid in range(process_count):
+            try:
+                storage.remove(storage.join(d, _index_name(pid, save_id)))
+            except Exception:  # noqa: BLE001 - committed: a stale index is only garbage for the next save
+                pass
+        if save_id is not None:
+            remove_unnamed(d, save_id)
     return man
+
+
+@contextlib.contextmanager
+def _commit_lock(d):
+    """An exclusive lock on a local checkpoint directory's commit step (``flock`` on the
+    directory itself: no file is added, and the lock is released when the process dies,
+    so a killed primary never blocks the next save).  Without it,
+    a save that checked the manifest just before another job replaced it and removed the
+    older save's files could publish a manifest naming removed files.  fsspec URLs have
+    no such lock: one job per path there (docs/format.md)."""
+    if storage.is_url(d):
+        yield
+        return
+    import fcntl
+    fd = os.open(storage.local_path(d), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def remove_unnamed(directory, save_id: str) -> list:
