@@ -3,6 +3,13 @@ and certification throughput from 1M to 100M coordinates.
 
     python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100] [--codec log8-rel]
                                 [--out bench/results/codec_speed] [--work DIR]
+    python bench/codec_speed.py --gpt2 [--steps 3] --sweep "" --out bench/results/codec_speed_gpt2
+
+With ``--gpt2`` the checkpoint is GPT-2 small instead (transformers' ``GPT2LMHeadModel(GPT2Config())``,
+built here, no download: 124,439,808 parameters, the real ``torch.optim.AdamW`` over
+``model.named_parameters()`` for --steps steps on the standard library's source bytes as tokens),
+saved as ``{"model": sd, "optimizer": osd}`` (~1.5 GB); ``--src FILE`` reuses a checkpoint built
+before; ``--sweep ""`` skips the in-process sweep.
 
 1. A ByteTransformer (d=128, 4 layers, 867,328 Adam coordinates) is trained for --steps
    Adam steps on the standard library's source; its checkpoint is replicated --replicas
@@ -55,6 +62,22 @@ def train_checkpoint(steps):
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
+def train_gpt2(steps, batch=2, ctx=128):
+    """GPT-2 small (124M parameters) trained `steps` AdamW steps on standard-library bytes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from torch_compat import models
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config())
+    sample = models.text_batches(0, batch=batch, ctx=ctx)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=3e-4, weight_decay=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = sample(True)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
 def replicate(ckpt, r):
     """One param group, every parameter and its Adam state repeated r times (renamed)."""
     model, opt = ckpt["model"], ckpt["optimizer"]
@@ -78,6 +101,8 @@ def run_child(argv, env):
     The peak RSS comes from GNU time (``/usr/bin/time -f %M``): ``wait4`` on a child
     forked from this (large) process would count the parent's pages it shared before
     exec."""
+    if not os.path.exists("/usr/bin/time"):
+        return _run_child_wait4(argv, env)
     with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
         cmd = ["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv]
         t = time.perf_counter()
@@ -87,6 +112,24 @@ def run_child(argv, env):
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         peak_kib = int(rss.read().strip().splitlines()[-1])
     return wall, peak_kib * 1024, proc.stdout, proc.stderr
+
+
+def _run_child_wait4(argv, env):
+    """`run_child` without GNU time: the child's own ``ru_maxrss`` (KiB on Linux) from
+    ``wait4`` (its high-water mark also counts the pages of this process it touched before
+    exec, so it can read high)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        text, etext = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {etext[-2000:]}")
+    return wall, usage.ru_maxrss * 1024, text, etext
 
 
 def whole_process(src, work, repeats, env, codec="log8-rel"):
@@ -175,7 +218,9 @@ def plot(result, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    s = result["sweep"]
+    fig, ax = plt.subplots(1, 2 if s else 1, figsize=(11 if s else 6, 4), squeeze=False)
+    ax = ax[0]
     w = result["whole_process"]
     keys = ("plain", "compress", "restore")
     t = [w["median"][k]["seconds"] for k in keys]
@@ -188,7 +233,10 @@ def plot(result, path):
     ax[0].set_ylabel("wall seconds (blue)")
     ax0b.set_ylabel("peak RSS MiB (orange)")
     ax[0].set_title(f"{w['summary']['coordinates']:,} coordinates, whole processes (medians)")
-    s = result["sweep"]
+    if not s:
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        return
     x = np.array([q["coordinates"] for q in s["rows"]])
     y = np.array([q["seconds"] for q in s["rows"]])
     ax[1].plot(x / 1e6, y, "o-", label="encode (in process)")
@@ -212,23 +260,37 @@ def main(argv=None):
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--codec", default="log8-rel", help="the codec compressed with")
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
+    ap.add_argument("--gpt2", action="store_true", help="GPT-2 small (124M) trained --steps AdamW steps, not the "
+                                                        "replicated ByteTransformer")
+    ap.add_argument("--src", default=None, help="a checkpoint built before by this bench (skips training)")
     a = ap.parse_args(argv)
 
     import jax
+    try:
+        load0 = os.getloadavg()
+    except OSError:
+        load0 = None
     work = a.work or tempfile.mkdtemp(prefix="jaxguard-speed-")
     os.makedirs(work, exist_ok=True)
     cache = os.path.join(work, "xdg-cache")
     shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
     env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    base = train_checkpoint(a.steps)
-    src = os.path.join(work, "src.pt")
-    torch.save(replicate(base, a.replicas), src)
+    if a.src:
+        src, base = a.src, None
+    else:
+        base = train_gpt2(a.steps) if a.gpt2 else train_checkpoint(a.steps)
+        src = os.path.join(work, "src.pt")
+        torch.save(base if a.gpt2 else replicate(base, a.replicas), src)
+        if a.gpt2:
+            base = None
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
     whole = whole_process(src, work, a.repeats, env, a.codec)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
-    sw = sweep(base, sizes, a.codec)
+    if sizes and base is None:
+        base = train_checkpoint(a.steps)
+    sw = sweep(base, sizes, a.codec) if sizes else None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     except OSError:
@@ -243,6 +305,7 @@ def main(argv=None):
                                   "interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
               "commit": commit, "codec": a.codec, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
+              "model": "gpt2" if a.gpt2 else "byte-transformer", "load_at_start": load0,
               "whole_process": whole, "sweep": sw}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
@@ -260,10 +323,13 @@ def write_md(res, path):
     mib = lambda b: b / 2**20  # noqa: E731
     sm = w["summary"]
     lines = [
-        f"# Codec speed: {sm['coordinates']:,} Adam coordinates (ByteTransformer x{res['replicas']}, {res.get('codec', 'log8-rel')})",
+        f"# Codec speed: {sm['coordinates']:,} Adam coordinates ("
+        + ("GPT-2 small, transformers' GPT2Config(), AdamW" if res.get("model") == "gpt2"
+           else f"ByteTransformer x{res['replicas']}") + f", {res.get('codec', 'log8-rel')})",
         "",
         f"Machine: {res['machine']['processor'] or platform.machine()}, {res['machine']['cpus']} cores, "
-        f"{res['machine']['note']}; load average at the end {res['machine']['loadavg_at_end']}. "
+        f"{res['machine']['note']}; load average at the start {res.get('load_at_start')}, at the end "
+        f"{res['machine']['loadavg_at_end']}. "
         f"Commit {res['commit']}, torch {res['versions']['torch']}, jax {res['versions']['jax']}.",
         "",
         f"## Whole processes (medians of {res['repeats']}, interleaved)",
@@ -288,7 +354,12 @@ def write_md(res, path):
         f"Result: {sm['escapes']:,} escapes ({100 * sm['escape_rate']:.4f}%), payload {100 * sm['payload_ratio']:.3f}% "
         f"of FP32, container {w['container_bytes']:,} bytes ({100 * w['container_bytes'] / w['source_bytes']:.1f}% of "
         f"the {w['source_bytes']:,}-byte torch file).",
-        "",
+        ""]
+    if not s:
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines))
+        return
+    lines += [
         "## In-process encode throughput vs size (trained state tiled)",
         "",
         "| coordinates | seconds | M coords/s | closed-form tier | escapes | payload/FP32 |",
