@@ -132,39 +132,52 @@ def _run_child_wait4(argv, env):
     return wall, usage.ru_maxrss * 1024, text, etext
 
 
-def whole_process(src, work, repeats, env, codec="log8-rel"):
+def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
     out = os.path.join(work, "c.jg")
     compress = [py, "-m", "jaxguard", "compress", src, "-o", out, "--json", "--codec", codec]
     restore = [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back.pt")]
-    res = {"cold_compress": None, "plain": [], "compress": [], "restore": []}
-    w, r, text, _ = run_child(compress, env)
-    res["cold_compress"] = {"seconds": w, "peak_rss": r}
-    summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
-    # a second fresh process: what does it compile, and does it detect the variant again?
-    probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
-             "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
-             "--codec", codec]
-    w, r, out_, err_ = run_child(probe, env)
-    text = out_ + err_
-    compiled = text.count("Compiling ")
-    hits = text.count("Persistent compilation cache hit")
-    res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
-                         "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
-    for _ in range(repeats):        # interleaved: the same load for all three
-        for key, argv in (("plain", plain), ("compress", compress), ("restore", restore)):
-            w, r, _, _ = run_child(argv, env)
+    res = {"cold_compress": None, "second_run": None, "plain": [], "compress": [], "restore": []}
+    summary = None
+    if cold:
+        w, r, text, _ = run_child(compress, env)
+        res["cold_compress"] = {"seconds": w, "peak_rss": r}
+        summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+        # a second fresh process: what does it compile, and does it detect the variant again?
+        probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
+                 "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
+                 "--codec", codec]
+        w, r, out_, err_ = run_child(probe, env)
+        text = out_ + err_
+        compiled = text.count("Compiling ")
+        hits = text.count("Persistent compilation cache hit")
+        res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
+                             "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
+    runs = [("plain", plain, env), ("compress", compress, env), ("restore", restore, env)]
+    if before:   # the restore of another checkout (e.g. `git archive` of the commit before), same container
+        res["restore_before"] = []
+        runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
+                     {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}))
+    keys = [k for k, _, _ in runs]
+    for _ in range(repeats):        # interleaved: the same load for all of them
+        for key, argv, env_k in runs:
+            w, r, text, _ = run_child(argv, env_k)
             res[key].append({"seconds": w, "peak_rss": r})
-            print(f"  {key:>8}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
+            if key == "compress" and summary is None:
+                summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+            print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
     med = {k: {"seconds": statistics.median(x["seconds"] for x in res[k]),
-               "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in ("plain", "compress", "restore")}
+               "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in keys}
     ratios = {"compress_time": med["compress"]["seconds"] / med["plain"]["seconds"],
               "restore_time": med["restore"]["seconds"] / med["plain"]["seconds"],
               "compress_rss": med["compress"]["peak_rss"] / med["plain"]["peak_rss"],
               "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
-    per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in ("compress", "restore")}
+    if before:
+        ratios.update(restore_before_time=med["restore_before"]["seconds"] / med["plain"]["seconds"],
+                      restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"])
+    per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in keys if k != "plain"}
                for i in range(repeats)]
     return {**res, "median": med, "ratios": ratios, "per_repeat_time_ratios": per_run, "summary": summary,
             "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
@@ -263,6 +276,10 @@ def main(argv=None):
     ap.add_argument("--gpt2", action="store_true", help="GPT-2 small (124M) trained --steps AdamW steps, not the "
                                                         "replicated ByteTransformer")
     ap.add_argument("--src", default=None, help="a checkpoint built before by this bench (skips training)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold compress and the compile probe (keeps the "
+                                                           "caller's XDG cache: the caches are warm)")
+    ap.add_argument("--before", default=None, help="a checkout of the code before (e.g. `git archive` of a commit): "
+                                                   "its restore runs interleaved as one more process")
     a = ap.parse_args(argv)
 
     import jax
@@ -272,9 +289,11 @@ def main(argv=None):
         load0 = None
     work = a.work or tempfile.mkdtemp(prefix="jaxguard-speed-")
     os.makedirs(work, exist_ok=True)
-    cache = os.path.join(work, "xdg-cache")
-    shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
-    env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if not a.no_cold:
+        cache = os.path.join(work, "xdg-cache")
+        shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
+        env["XDG_CACHE_HOME"] = cache
     if a.src:
         src, base = a.src, None
     else:
@@ -284,7 +303,7 @@ def main(argv=None):
         if a.gpt2:
             base = None
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
-    whole = whole_process(src, work, a.repeats, env, a.codec)
+    whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold, before=a.before)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
@@ -342,14 +361,19 @@ def write_md(res, path):
         f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
         f"{mib(med['restore']['peak_rss']):.0f} | {rat['restore_rss']:.2f} |",
         "",
-        "Per repeat (compress/plain, restore/plain): " + ", ".join(
-            f"{x['compress']:.2f}/{x['restore']:.2f}" for x in w["per_repeat_time_ratios"]) + ".",
+        *([f"| `jaxguard restore` before (`--before` checkout) | {med['restore_before']['seconds']:.2f} | "
+           f"{rat['restore_before_time']:.2f} | {mib(med['restore_before']['peak_rss']):.0f} | "
+           f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
         "",
-        f"Cold first compress (empty cache: variant detection + XLA compilation): "
-        f"{w['cold_compress']['seconds']:.1f} s. Second fresh process: {w['second_run']['programs']} programs, "
-        f"{w['second_run']['persistent_cache_hits']} read from the persistent cache, "
-        f"{w['second_run']['compiled_anew']} compiled anew; variant detection warning printed: "
-        f"{w['second_run']['variant_detection_warning']}.",
+        "Per repeat (" + ", ".join(f"{k}/plain" for k in w["per_repeat_time_ratios"][0]) + "): " + ", ".join(
+            "/".join(f"{v:.2f}" for v in x.values()) for x in w["per_repeat_time_ratios"]) + ".",
+        "",
+        (f"Cold first compress (empty cache: variant detection + XLA compilation): "
+         f"{w['cold_compress']['seconds']:.1f} s. Second fresh process: {w['second_run']['programs']} programs, "
+         f"{w['second_run']['persistent_cache_hits']} read from the persistent cache, "
+         f"{w['second_run']['compiled_anew']} compiled anew; variant detection warning printed: "
+         f"{w['second_run']['variant_detection_warning']}." if w.get("cold_compress") else
+         "No cold compress (--no-cold): the persistent XLA / export caches were warm."),
         "",
         f"Result: {sm['escapes']:,} escapes ({100 * sm['escape_rate']:.4f}%), payload {100 * sm['payload_ratio']:.3f}% "
         f"of FP32, container {w['container_bytes']:,} bytes ({100 * w['container_bytes'] / w['source_bytes']:.1f}% of "

@@ -190,7 +190,7 @@ class _Pickle:
 
 
 # ---------------------------------------------------------------- the decoder thread
-CHUNK = 1 << 21    # coordinates of one decode task (a whole number of blocks)
+CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks; 4 MiB per float32 temporary)
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
 
 
@@ -314,6 +314,39 @@ def _zinfo(name, offset, size, align):
     return zi
 
 
+class _Writeback:
+    """Starts the disk writes of what was written so far (``fdatasync`` in a thread, every
+    `EVERY` bytes), so that the fsync `container.atomic_write_with` makes before its
+    rename waits for the last part only; the same durability, overlapped with the work."""
+
+    EVERY = 1 << 28
+
+    def __init__(self, fh):
+        try:
+            self.fd = fh.fileno()
+        except (AttributeError, OSError, ValueError):   # an in-memory buffer (URL outputs)
+            self.fd = None
+        self.since, self.th = 0, None
+
+    def wrote(self, n):
+        self.since += n
+        if self.fd is None or self.since < self.EVERY or (self.th is not None and self.th.is_alive()):
+            return
+        self.since = 0
+        self.th = threading.Thread(target=self._sync, name="jaxguard-writeback", daemon=True)
+        self.th.start()
+
+    def _sync(self):
+        try:
+            os.fdatasync(self.fd)
+        except OSError:   # the final fsync reports what matters
+            pass
+
+    def join(self):
+        if self.th is not None:
+            self.th.join()
+
+
 def restore(path, output) -> bool:
     """Write the torch checkpoint held by container `path` to `output` (torch.save's format).
 
@@ -370,10 +403,12 @@ def restore(path, output) -> bool:
     def write(fh):
         dec = _Decoder(header, payload, tables)
         dec.start()
+        flusher = _Writeback(fh)
         try:
             with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
                 def record(name, buf, align=False):
                     zf.writestr(_zinfo(name, zf.fp.tell(), len(buf), align), buf)
+                    flusher.wrote(len(buf))
                 record("data.pkl", pkl)
                 record(".format_version", b"1")
                 record(".storage_alignment", str(ALIGN).encode())
@@ -402,6 +437,7 @@ def restore(path, output) -> bool:
             raise
         finally:
             dec.stop.set()
+            flusher.join()
 
     container.atomic_write_with(output, write)
     return True
