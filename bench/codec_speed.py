@@ -95,18 +95,18 @@ def replicate(ckpt, r):
                                               "param_groups": [{**g0, "params": idxs, "param_names": names}]}}
 
 
-def run_child(argv, env):
+def run_child(argv, env, cwd=None):
     """(wall seconds, peak RSS bytes of that child alone, stdout, stderr) of one process.
 
     The peak RSS comes from GNU time (``/usr/bin/time -f %M``): ``wait4`` on a child
     forked from this (large) process would count the parent's pages it shared before
     exec."""
     if not os.path.exists("/usr/bin/time"):
-        return _run_child_wait4(argv, env)
+        return _run_child_wait4(argv, env, cwd)
     with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
         cmd = ["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=cwd)
         wall = time.perf_counter() - t
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -114,13 +114,13 @@ def run_child(argv, env):
     return wall, peak_kib * 1024, proc.stdout, proc.stderr
 
 
-def _run_child_wait4(argv, env):
+def _run_child_wait4(argv, env, cwd=None):
     """`run_child` without GNU time: the child's own ``ru_maxrss`` (KiB on Linux) from
     ``wait4`` (its high-water mark also counts the pages of this process it touched before
     exec, so it can read high)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err)
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -130,6 +130,22 @@ def _run_child_wait4(argv, env):
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {etext[-2000:]}")
     return wall, usage.ru_maxrss * 1024, text, etext
+
+
+def same_tree(x, y) -> bool:
+    """The same object: types, keys in order, tensors' dtype/shape/stride and bytes."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(same_tree(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same_tree(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        if (x.dtype, x.shape, x.stride()) != (y.dtype, y.shape, y.stride()):
+            return False
+        a, b = x.contiguous().reshape(-1), y.contiguous().reshape(-1)
+        return a.numel() == 0 or bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    return x == y or (x != x and y != y)
 
 
 def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None):
@@ -155,19 +171,22 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
         hits = text.count("Persistent compilation cache hit")
         res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
                              "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
-    runs = [("plain", plain, env), ("compress", compress, env), ("restore", restore, env)]
+    runs = [("plain", plain, env, ROOT), ("compress", compress, env, ROOT), ("restore", restore, env, ROOT)]
     if before:   # the restore of another checkout (e.g. `git archive` of the commit before), same container
-        res["restore_before"] = []
+        res["restore_before"] = []   # run from that directory: `python -m` puts the cwd first on the path
         runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
-                     {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}))
-    keys = [k for k, _, _ in runs]
+                     {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}, before))
+    keys = [k for k, _, _, _ in runs]
     for _ in range(repeats):        # interleaved: the same load for all of them
-        for key, argv, env_k in runs:
-            w, r, text, _ = run_child(argv, env_k)
+        for key, argv, env_k, cwd in runs:
+            w, r, text, _ = run_child(argv, env_k, cwd)
             res[key].append({"seconds": w, "peak_rss": r})
             if key == "compress" and summary is None:
                 summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
             print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
+    if before:
+        res["restored_identical_to_before"] = same_tree(torch.load(os.path.join(work, "back0.pt"), weights_only=True),
+                                                        torch.load(os.path.join(work, "back.pt"), weights_only=True))
     med = {k: {"seconds": statistics.median(x["seconds"] for x in res[k]),
                "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in keys}
     ratios = {"compress_time": med["compress"]["seconds"] / med["plain"]["seconds"],
@@ -287,7 +306,7 @@ def main(argv=None):
         load0 = os.getloadavg()
     except OSError:
         load0 = None
-    work = a.work or tempfile.mkdtemp(prefix="jaxguard-speed-")
+    work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="jaxguard-speed-"))
     os.makedirs(work, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if not a.no_cold:
@@ -295,7 +314,7 @@ def main(argv=None):
         shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
         env["XDG_CACHE_HOME"] = cache
     if a.src:
-        src, base = a.src, None
+        src, base = os.path.abspath(a.src), None
     else:
         base = train_gpt2(a.steps) if a.gpt2 else train_checkpoint(a.steps)
         src = os.path.join(work, "src.pt")
@@ -303,7 +322,9 @@ def main(argv=None):
         if a.gpt2:
             base = None
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
-    whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold, before=a.before)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
+                          before=os.path.abspath(a.before) if a.before else None)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
@@ -318,7 +339,13 @@ def main(argv=None):
         load = os.getloadavg()
     except OSError:
         load = None
-    result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    result = {"machine": {"platform": platform.platform(), "processor": cpu, "cpus": os.cpu_count(),
                           "loadavg_at_end": load,
                           "note": a.note + ("; " if a.note else "") + "the ratios were measured side by side, "
                                   "interleaved"},
@@ -360,11 +387,12 @@ def write_md(res, path):
         f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |",
         f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
         f"{mib(med['restore']['peak_rss']):.0f} | {rat['restore_rss']:.2f} |",
-        "",
         *([f"| `jaxguard restore` before (`--before` checkout) | {med['restore_before']['seconds']:.2f} | "
            f"{rat['restore_before_time']:.2f} | {mib(med['restore_before']['peak_rss']):.0f} | "
            f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
         "",
+        *([f"The restored files of both restores load to the same tensors, bit for bit: "
+           f"{w['restored_identical_to_before']}.", ""] if "restored_identical_to_before" in w else []),
         "Per repeat (" + ", ".join(f"{k}/plain" for k in w["per_repeat_time_ratios"][0]) + "): " + ", ".join(
             "/".join(f"{v:.2f}" for v in x.values()) for x in w["per_repeat_time_ratios"]) + ".",
         "",
