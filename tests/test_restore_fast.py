@@ -85,9 +85,14 @@ def _split(data):
     return json.loads(data[PREFIX.size:PREFIX.size + h]), data[PREFIX.size + h:len(data) - TRAILER]
 
 
+@pytest.mark.parametrize("chunk", [None, 512])
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.jaxguard")))
-def test_golden_codecs_restore_identically(name, tmp_path):
-    """Every codec's golden container (rANS included), its entries given a torch tree."""
+def test_golden_codecs_restore_identically(name, chunk, tmp_path, monkeypatch):
+    """Every codec's golden container (rANS included), its entries given a torch tree; with
+    chunk=512 every entry over two blocks is decoded in block ranges on the thread pool."""
+    if chunk:
+        monkeypatch.setattr(torchfile, "CHUNK", chunk)
+        monkeypatch.setattr(torchfile, "WINDOW", 3 * chunk)
     header, payload = _split((GOLDEN / f"{name}.jaxguard").read_bytes())
     state = []
     for i, e in enumerate(x for x in header["entries"] if x["kind"] == "moments"):
