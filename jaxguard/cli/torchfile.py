@@ -347,6 +347,28 @@ class _Writeback:
             self.th.join()
 
 
+def _read(path):
+    """The container's bytes, read once (hashed and decoded from this one copy): a local
+    file into a numpy buffer (numpy asks for transparent huge pages: a fraction of a
+    bytearray's page faults), a URL through `storage.read_bytes`."""
+    from jaxguard.format import storage
+    if storage.is_url(path):
+        return storage.read_bytes(path)
+    try:
+        with open(storage.local_path(path), "rb", buffering=0) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            buf = memoryview(np.empty(size, np.uint8))
+            got = 0
+            while got < size:
+                k = fh.readinto(buf[got:])
+                if not k:
+                    break
+                got += k
+    except OSError:
+        return storage.read_bytes(path)      # its one-line error naming the file
+    return buf[:got]
+
+
 def restore(path, output) -> bool:
     """Write the torch checkpoint held by container `path` to `output` (torch.save's format).
 
@@ -363,8 +385,8 @@ def restore(path, output) -> bool:
       CheckpointError: the container holds another framework's checkpoint or names an
         entry it does not hold.
     """
-    from jaxguard.format import container, storage
-    data = storage.read_bytes(path)
+    from jaxguard.format import container
+    data = _read(path)
     try:
         header, payload, wait = reader.parse_deferred(data)
     except reader.ReaderError as exc:
