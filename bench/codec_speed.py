@@ -3,6 +3,13 @@ and certification throughput from 1M to 100M coordinates.
 
     python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100] [--codec log8-rel]
                                 [--out bench/results/codec_speed] [--work DIR]
+    python bench/codec_speed.py --gpt2 [--steps 3] --sweep "" --out bench/results/codec_speed_gpt2
+
+With ``--gpt2`` the checkpoint is GPT-2 small instead (transformers' ``GPT2LMHeadModel(GPT2Config())``,
+built here, no download: 124,439,808 parameters, the real ``torch.optim.AdamW`` over
+``model.named_parameters()`` for --steps steps on the standard library's source bytes as tokens),
+saved as ``{"model": sd, "optimizer": osd}`` (~1.5 GB); ``--src FILE`` reuses a checkpoint built
+before; ``--sweep ""`` skips the in-process sweep.
 
 1. A ByteTransformer (d=128, 4 layers, 867,328 Adam coordinates) is trained for --steps
    Adam steps on the standard library's source; its checkpoint is replicated --replicas
@@ -55,6 +62,22 @@ def train_checkpoint(steps):
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
+def train_gpt2(steps, batch=2, ctx=128):
+    """GPT-2 small (124M parameters) trained `steps` AdamW steps on standard-library bytes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from torch_compat import models
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config())
+    sample = models.text_batches(0, batch=batch, ctx=ctx)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=3e-4, weight_decay=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = sample(True)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
 def replicate(ckpt, r):
     """One param group, every parameter and its Adam state repeated r times (renamed)."""
     model, opt = ckpt["model"], ckpt["optimizer"]
@@ -72,16 +95,18 @@ def replicate(ckpt, r):
                                               "param_groups": [{**g0, "params": idxs, "param_names": names}]}}
 
 
-def run_child(argv, env):
+def run_child(argv, env, cwd=None):
     """(wall seconds, peak RSS bytes of that child alone, stdout, stderr) of one process.
 
     The peak RSS comes from GNU time (``/usr/bin/time -f %M``): ``wait4`` on a child
     forked from this (large) process would count the parent's pages it shared before
     exec."""
+    if not os.path.exists("/usr/bin/time"):
+        return _run_child_wait4(argv, env, cwd)
     with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
         cmd = ["/usr/bin/time", "-f", "%M", "-o", rss.name, *argv]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=cwd)
         wall = time.perf_counter() - t
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -89,39 +114,89 @@ def run_child(argv, env):
     return wall, peak_kib * 1024, proc.stdout, proc.stderr
 
 
-def whole_process(src, work, repeats, env, codec="log8-rel"):
+def _run_child_wait4(argv, env, cwd=None):
+    """`run_child` without GNU time: the child's own ``ru_maxrss`` (KiB on Linux) from
+    ``wait4`` (its high-water mark also counts the pages of this process it touched before
+    exec, so it can read high)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=cwd)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        text, etext = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {etext[-2000:]}")
+    return wall, usage.ru_maxrss * 1024, text, etext
+
+
+def same_tree(x, y) -> bool:
+    """The same object: types, keys in order, tensors' dtype/shape/stride and bytes."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(same_tree(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same_tree(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        if (x.dtype, x.shape, x.stride()) != (y.dtype, y.shape, y.stride()):
+            return False
+        a, b = x.contiguous().reshape(-1), y.contiguous().reshape(-1)
+        return a.numel() == 0 or bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    return x == y or (x != x and y != y)
+
+
+def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
     out = os.path.join(work, "c.jg")
     compress = [py, "-m", "jaxguard", "compress", src, "-o", out, "--json", "--codec", codec]
     restore = [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back.pt")]
-    res = {"cold_compress": None, "plain": [], "compress": [], "restore": []}
-    w, r, text, _ = run_child(compress, env)
-    res["cold_compress"] = {"seconds": w, "peak_rss": r}
-    summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
-    # a second fresh process: what does it compile, and does it detect the variant again?
-    probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
-             "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
-             "--codec", codec]
-    w, r, out_, err_ = run_child(probe, env)
-    text = out_ + err_
-    compiled = text.count("Compiling ")
-    hits = text.count("Persistent compilation cache hit")
-    res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
-                         "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
-    for _ in range(repeats):        # interleaved: the same load for all three
-        for key, argv in (("plain", plain), ("compress", compress), ("restore", restore)):
-            w, r, _, _ = run_child(argv, env)
+    res = {"cold_compress": None, "second_run": None, "plain": [], "compress": [], "restore": []}
+    summary = None
+    if cold:
+        w, r, text, _ = run_child(compress, env)
+        res["cold_compress"] = {"seconds": w, "peak_rss": r}
+        summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+        # a second fresh process: what does it compile, and does it detect the variant again?
+        probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
+                 "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
+                 "--codec", codec]
+        w, r, out_, err_ = run_child(probe, env)
+        text = out_ + err_
+        compiled = text.count("Compiling ")
+        hits = text.count("Persistent compilation cache hit")
+        res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
+                             "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
+    runs = [("plain", plain, env, ROOT), ("compress", compress, env, ROOT), ("restore", restore, env, ROOT)]
+    if before:   # the restore of another checkout (e.g. `git archive` of the commit before), same container
+        res["restore_before"] = []   # run from that directory: `python -m` puts the cwd first on the path
+        runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
+                     {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}, before))
+    keys = [k for k, _, _, _ in runs]
+    for _ in range(repeats):        # interleaved: the same load for all of them
+        for key, argv, env_k, cwd in runs:
+            w, r, text, _ = run_child(argv, env_k, cwd)
             res[key].append({"seconds": w, "peak_rss": r})
-            print(f"  {key:>8}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
+            if key == "compress" and summary is None:
+                summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+            print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
+    if before:
+        res["restored_identical_to_before"] = same_tree(torch.load(os.path.join(work, "back0.pt"), weights_only=True),
+                                                        torch.load(os.path.join(work, "back.pt"), weights_only=True))
     med = {k: {"seconds": statistics.median(x["seconds"] for x in res[k]),
-               "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in ("plain", "compress", "restore")}
+               "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in keys}
     ratios = {"compress_time": med["compress"]["seconds"] / med["plain"]["seconds"],
               "restore_time": med["restore"]["seconds"] / med["plain"]["seconds"],
               "compress_rss": med["compress"]["peak_rss"] / med["plain"]["peak_rss"],
               "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
-    per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in ("compress", "restore")}
+    if before:
+        ratios.update(restore_before_time=med["restore_before"]["seconds"] / med["plain"]["seconds"],
+                      restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"])
+    per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in keys if k != "plain"}
                for i in range(repeats)]
     return {**res, "median": med, "ratios": ratios, "per_repeat_time_ratios": per_run, "summary": summary,
             "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
@@ -176,7 +251,9 @@ def plot(result, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    s = result["sweep"]
+    fig, ax = plt.subplots(1, 2 if s else 1, figsize=(11 if s else 6, 4), squeeze=False)
+    ax = ax[0]
     w = result["whole_process"]
     keys = ("plain", "compress", "restore")
     t = [w["median"][k]["seconds"] for k in keys]
@@ -189,7 +266,10 @@ def plot(result, path):
     ax[0].set_ylabel("wall seconds (blue)")
     ax0b.set_ylabel("peak RSS MiB (orange)")
     ax[0].set_title(f"{w['summary']['coordinates']:,} coordinates, whole processes (medians)")
-    s = result["sweep"]
+    if not s:
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        return
     x = np.array([q["coordinates"] for q in s["rows"]])
     y = np.array([q["seconds"] for q in s["rows"]])
     ax[1].plot(x / 1e6, y, "o-", label="encode (in process)")
@@ -213,23 +293,45 @@ def main(argv=None):
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--codec", default="log8-rel", help="the codec compressed with")
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
+    ap.add_argument("--gpt2", action="store_true", help="GPT-2 small (124M) trained --steps AdamW steps, not the "
+                                                        "replicated ByteTransformer")
+    ap.add_argument("--src", default=None, help="a checkpoint built before by this bench (skips training)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold compress and the compile probe (keeps the "
+                                                           "caller's XDG cache: the caches are warm)")
+    ap.add_argument("--before", default=None, help="a checkout of the code before (e.g. `git archive` of a commit): "
+                                                   "its restore runs interleaved as one more process")
     a = ap.parse_args(argv)
 
     import jax
-    work = a.work or tempfile.mkdtemp(prefix="jaxguard-speed-")
+    try:
+        load0 = os.getloadavg()
+    except OSError:
+        load0 = None
+    work = os.path.abspath(a.work or tempfile.mkdtemp(prefix="jaxguard-speed-"))
     os.makedirs(work, exist_ok=True)
-    cache = os.path.join(work, "xdg-cache")
-    shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
-    env = {**os.environ, "XDG_CACHE_HOME": cache, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    base = train_checkpoint(a.steps)
-    src = os.path.join(work, "src.pt")
-    torch.save(replicate(base, a.replicas), src)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if not a.no_cold:
+        cache = os.path.join(work, "xdg-cache")
+        shutil.rmtree(cache, ignore_errors=True)          # the first compress starts cold
+        env["XDG_CACHE_HOME"] = cache
+    if a.src:
+        src, base = os.path.abspath(a.src), None
+    else:
+        base = train_gpt2(a.steps) if a.gpt2 else train_checkpoint(a.steps)
+        src = os.path.join(work, "src.pt")
+        torch.save(base if a.gpt2 else replicate(base, a.replicas), src)
+        if a.gpt2:
+            base = None
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
-    whole = whole_process(src, work, a.repeats, env, a.codec)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
+                          before=os.path.abspath(a.before) if a.before else None)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
-    sw = sweep(base, sizes, a.codec)
+    if sizes and base is None:
+        base = train_checkpoint(a.steps)
+    sw = sweep(base, sizes, a.codec) if sizes else None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     except OSError:
@@ -238,12 +340,19 @@ def main(argv=None):
         load = os.getloadavg()
     except OSError:
         load = None
-    result = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    result = {"machine": {"platform": platform.platform(), "processor": cpu, "cpus": os.cpu_count(),
                           "loadavg_at_end": load,
                           "note": a.note + ("; " if a.note else "") + "the ratios were measured side by side, "
                                   "interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
               "commit": commit, "codec": a.codec, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
+              "model": "gpt2" if a.gpt2 else "byte-transformer", "load_at_start": load0,
               "whole_process": whole, "sweep": sw}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
@@ -261,10 +370,13 @@ def write_md(res, path):
     mib = lambda b: b / 2**20  # noqa: E731
     sm = w["summary"]
     lines = [
-        f"# Codec speed: {sm['coordinates']:,} Adam coordinates (ByteTransformer x{res['replicas']}, {res.get('codec', 'log8-rel')})",
+        f"# Codec speed: {sm['coordinates']:,} Adam coordinates ("
+        + ("GPT-2 small, transformers' GPT2Config(), AdamW" if res.get("model") == "gpt2"
+           else f"ByteTransformer x{res['replicas']}") + f", {res.get('codec', 'log8-rel')})",
         "",
         f"Machine: {res['machine']['processor'] or platform.machine()}, {res['machine']['cpus']} cores, "
-        f"{res['machine']['note']}; load average at the end {res['machine']['loadavg_at_end']}. "
+        f"{res['machine']['note']}; load average at the start {res.get('load_at_start')}, at the end "
+        f"{res['machine']['loadavg_at_end']}. "
         f"Commit {res['commit']}, torch {res['versions']['torch']}, jax {res['versions']['jax']}.",
         "",
         f"## Whole processes (medians of {res['repeats']}, interleaved)",
@@ -276,20 +388,31 @@ def write_md(res, path):
         f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |",
         f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
         f"{mib(med['restore']['peak_rss']):.0f} | {rat['restore_rss']:.2f} |",
+        *([f"| `jaxguard restore` before (`--before` checkout) | {med['restore_before']['seconds']:.2f} | "
+           f"{rat['restore_before_time']:.2f} | {mib(med['restore_before']['peak_rss']):.0f} | "
+           f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
         "",
-        "Per repeat (compress/plain, restore/plain): " + ", ".join(
-            f"{x['compress']:.2f}/{x['restore']:.2f}" for x in w["per_repeat_time_ratios"]) + ".",
+        *([f"The restored files of both restores load to the same tensors, bit for bit: "
+           f"{w['restored_identical_to_before']}.", ""] if "restored_identical_to_before" in w else []),
+        "Per repeat (" + ", ".join(f"{k}/plain" for k in w["per_repeat_time_ratios"][0]) + "): " + ", ".join(
+            "/".join(f"{v:.2f}" for v in x.values()) for x in w["per_repeat_time_ratios"]) + ".",
         "",
-        f"Cold first compress (empty cache: variant detection + XLA compilation): "
-        f"{w['cold_compress']['seconds']:.1f} s. Second fresh process: {w['second_run']['programs']} programs, "
-        f"{w['second_run']['persistent_cache_hits']} read from the persistent cache, "
-        f"{w['second_run']['compiled_anew']} compiled anew; variant detection warning printed: "
-        f"{w['second_run']['variant_detection_warning']}.",
+        (f"Cold first compress (empty cache: variant detection + XLA compilation): "
+         f"{w['cold_compress']['seconds']:.1f} s. Second fresh process: {w['second_run']['programs']} programs, "
+         f"{w['second_run']['persistent_cache_hits']} read from the persistent cache, "
+         f"{w['second_run']['compiled_anew']} compiled anew; variant detection warning printed: "
+         f"{w['second_run']['variant_detection_warning']}." if w.get("cold_compress") else
+         "No cold compress (--no-cold): the persistent XLA / export caches were warm."),
         "",
         f"Result: {sm['escapes']:,} escapes ({100 * sm['escape_rate']:.4f}%), payload {100 * sm['payload_ratio']:.3f}% "
         f"of FP32, container {w['container_bytes']:,} bytes ({100 * w['container_bytes'] / w['source_bytes']:.1f}% of "
         f"the {w['source_bytes']:,}-byte torch file).",
-        "",
+        ""]
+    if not s:
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines))
+        return
+    lines += [
         "## In-process encode throughput vs size (trained state tiled)",
         "",
         "| coordinates | seconds | M coords/s | closed-form tier | escapes | payload/FP32 |",

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from jaxguard import audit as jg_audit
-from jaxguard import writer
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
@@ -26,6 +25,20 @@ from torch_compat.replay import TORCH_FLAGS
 
 if TYPE_CHECKING:
     from jaxguard.core.config import GuardSpec
+
+class _LazyModule:
+    """A module imported at its first attribute access: `jaxguard.writer` pulls in JAX
+    (the guard), which compress needs and restore (numpy reader + torch) does not."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        import importlib
+        return getattr(importlib.import_module(self._name), attr)
+
+
+writer = _LazyModule("jaxguard.writer")   # compress only: restore never imports JAX
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "

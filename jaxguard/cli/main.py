@@ -43,6 +43,27 @@ def _torch_missing(verb: str) -> str | None:
     return None
 
 
+def _torch_installed(verb: str) -> str | None:
+    """`_torch_missing` without importing torch (a verb whose output only torch reads):
+    the package found and its version >= 2.4 (torch_compat's check)."""
+    import importlib.metadata
+    import importlib.util
+    import re
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return f'{verb} needs torch; install it with pip install "jaxguard[torch]"'
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return _torch_missing(verb)
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < (2, 4):
+        return _torch_missing(verb)
+    return None
+
+
 def load_torch_checkpoint(path):
     """torch.load with weights_only=True: loading never runs pickled code.
 
@@ -108,11 +129,17 @@ def _cmd_compress(a):
 
 
 def _cmd_restore(a):
-    """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded."""
-    import torch_compat
-    from torch_compat.state import save_torch
-    tree, _ = torch_compat.restore_tree(a.container)
-    save_torch(a.output, tree)
+    """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded.
+
+    Written in torch.save's format without importing torch (`jaxguard.cli.torchfile`: the
+    same tensors, every check of the reader); a tree it does not cover goes through
+    `torch_compat.restore_tree` and torch.save."""
+    from jaxguard.cli import torchfile
+    if not torchfile.restore(a.container, a.output):
+        import torch_compat
+        from torch_compat.state import save_torch
+        tree, _ = torch_compat.restore_tree(a.container)
+        save_torch(a.output, tree)
     print(f"restored {a.container} -> {a.output}")
     return 0
 
@@ -409,6 +436,19 @@ def _return_freed_memory():
         pass
 
 
+def _reuse_freed_memory():
+    """glibc, for restore: keep freed decode buffers (at most 32 MiB each: `torchfile.CHUNK`
+    coordinates) in the heap for the next block range instead of returning them and
+    page-faulting fresh ones (no effect elsewhere)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)    # M_MMAP_THRESHOLD (its maximum on 64-bit)
+        libc.mallopt(-1, 256 << 20)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None) -> int:
     """The ``jaxguard`` console script.
 
@@ -421,12 +461,14 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb in TORCH_VERBS:   # before parsing: without torch, audit-enclosure's options are unknown
-        missing = _torch_missing(verb)
+        missing = _torch_installed(verb) if verb == "restore" else _torch_missing(verb)
         if missing:
             return _die(missing)
     args = build_parser().parse_args(argv)
-    if args.cmd in ("compress", "restore"):
+    if args.cmd == "compress":
         _return_freed_memory()
+    elif args.cmd == "restore":
+        _reuse_freed_memory()
     if args.cmd not in NUMPY_VERBS:
         _enable_compile_cache()
     try:

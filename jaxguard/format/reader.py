@@ -46,6 +46,8 @@ class ReaderError(ContainerError):
 # ---------------------------------------------------------------- decoding (numpy)
 def _blocks(q, n):
     nb = max(1, -(-n // BLOCK))
+    if n == nb * BLOCK and q.size == n:     # whole blocks: a view, no copy
+        return q.reshape(nb, BLOCK)
     out = np.zeros(nb * BLOCK, q.dtype)
     out[:n] = q
     return out.reshape(nb, BLOCK)
@@ -90,7 +92,13 @@ def log_decode(q, lo, r, n, bits=8):
             out[narrow] = log_decode(qb[narrow].reshape(-1), lo[narrow], r[narrow],
                                      int(narrow.sum()) * BLOCK).reshape(-1, BLOCK)
         return out.reshape(-1)[:n]
-    nb = qb.shape[0]
+    table = _log_table(lo, r)
+    return table.reshape(-1)[_table_index(qb)].reshape(-1)[:n]
+
+
+def _log_table(lo, r):
+    """[nb, 257] float32: column q holds ``lo * r**(q-1)`` formed as `log_decode` forms it."""
+    nb = lo.shape[0]
     table = np.empty((nb, 257), np.float32)       # column q holds the value of code q
     table[:, 0] = 0.0
     table[:, 1] = lo.astype(np.float32)
@@ -100,10 +108,15 @@ def log_decode(q, lo, r, n, bits=8):
             w = 1 << j
             np.multiply(table[:, 1:1 + w], p, out=table[:, 1 + w:1 + 2 * w])
             p = (p * p).astype(np.float32)
-    # one flat gather of row offsets + codes (int32 indices while they fit: half the traffic)
+    return table
+
+
+def _table_index(qb):
+    """Flat indices of [nb, 256] 8-bit codes into an [nb, 257] table (int32 while they fit:
+    half the traffic of int64)."""
+    nb = qb.shape[0]
     itype = np.int32 if nb * 257 < 2**31 else np.int64
-    idx = np.add(qb, (np.arange(nb, dtype=itype) * 257)[:, None], dtype=itype)
-    return table.reshape(-1)[idx].reshape(-1)[:n]
+    return np.add(qb, (np.arange(nb, dtype=itype) * 257)[:, None], dtype=itype)
 
 
 def _log_decode_bitwise(qb, lo, r, n, bits):
@@ -150,8 +163,23 @@ def _decode_log8(n, mq, vq, mp, vp, tables):
 
 
 def _decode_log8_rel(n, mq, vq, mp, vp, tables):
+    if np.dtype(vq.dtype).itemsize == 1:
+        # 8-bit v codes: w and v are two tables gathered at the same indices (w's column 0,
+        # for q == 0, is code 1's value); m~ = (q*scale)*w: the same float32 roundings
+        qb = _blocks(vq, n)
+        idx = _table_index(qb)
+        tw = _log_table(vp[:, 2], vp[:, 3])
+        tw[:, 0] = tw[:, 1]
+        w = tw.reshape(-1)[idx]
+        del tw
+        v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx]
+        del idx
+        m = _blocks(mq, n).astype(np.float32)
+        m *= mp[:, 0].astype(np.float32)[:, None]
+        m *= w
+        return m.reshape(-1)[:n], v.reshape(-1)[:n]
     # uint16 v codes: logrel-aw / logrel-ans blocks up to 12 bits (the same formula, more powers)
-    bits = 8 if np.dtype(vq.dtype).itemsize == 1 else packed.MAX_WIDTH
+    bits = packed.MAX_WIDTH
     w = log_decode(np.where(vq == 0, 1, vq).astype(vq.dtype), vp[:, 2], vp[:, 3], n, bits)
     m = (_blocks(mq, n).astype(np.float32).reshape(-1)[:n]
          * np.repeat(mp[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
@@ -258,6 +286,75 @@ def parse(data: bytes):
         raise ReaderError("payload SHA-256 mismatch")
     _check_layout(header, len(payload))
     return header, payload
+
+
+def _digest_thread(buf):
+    """A started thread computing ``sha256(buf)`` (hashlib releases the GIL): ``.join()``
+    then ``.digest``."""
+    import threading
+
+    def run():
+        th.digest = hashlib.sha256(buf).digest()
+    th = threading.Thread(target=run, name="jaxguard-sha256", daemon=True)
+    th.digest = None
+    th.start()
+    return th
+
+
+def parse_deferred(data):
+    """`parse` whose two SHA-256 (the trailer's and the payload's) run in background threads
+    while the caller decodes: the same checks, reported in the same order, but the caller
+    must call ``wait()`` before it trusts anything it decoded (and before it commits any
+    output); ``wait()`` raises the trailer's mismatch first, then the payload's.
+
+    An error in the envelope, header or layout is reported as `parse` reports it (`parse`
+    is run again, so that the first failing check in `parse`'s order names it).
+
+    Args:
+      data: the whole container (bytes, bytearray or a memoryview).
+
+    Returns:
+      (header dict, payload memoryview, wait).
+
+    Raises:
+      ReaderError: one line saying what failed.
+    """
+    if len(data) < PREFIX.size + TRAILER:
+        parse(data)
+    magic, version, flags, hlen = PREFIX.unpack_from(data, 0)
+    if (magic != MAGIC or version != VERSION or flags != 0 or hlen > MAX_HEADER
+            or PREFIX.size + hlen + TRAILER > len(data)):
+        header, payload = parse(data)    # raises what parse names first
+        return header, payload, lambda: None
+    view = memoryview(data)
+    payload = view[PREFIX.size + hlen:len(data) - TRAILER]
+    whole, pay = _digest_thread(view[:-TRAILER]), _digest_thread(payload)
+    header = None
+
+    def wait():
+        whole.join()
+        if whole.digest != bytes(view[-TRAILER:]):
+            raise ReaderError("file checksum mismatch: the file is corrupt or truncated (trailing SHA-256)")
+        pay.join()
+        if header is None or pay.digest.hex() != header.get("payload_sha256"):
+            raise ReaderError("payload SHA-256 mismatch")
+
+    try:
+        try:
+            header = json.loads(bytes(data[PREFIX.size:PREFIX.size + hlen]).decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
+            raise ReaderError(f"header is not valid JSON: {str(exc)[:120]}") from None
+        if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
+            raise ReaderError("header has no 'entries' list")
+        if header.get("payload_bytes") != len(payload):
+            raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
+        _check_layout(header, len(payload))
+    except ReaderError:
+        whole.join()
+        pay.join()
+        parse(data)      # the error parse names first (a checksum before the header's)
+        raise
+    return header, payload, wait
 
 
 MOMENT_SECTIONS = spec.FIXED_SECTIONS
@@ -415,7 +512,9 @@ def read_moments(entry, payload, tables, rans_symbols=None):
     codes = read_codes(entry, payload, tables, rans_symbols)
     m, v = decode_codes(entry["codec"], n, codes["m_codes"], codes["v_codes"], codes["m_params"],
                         codes["v_params"], tables)
-    m, v = m.copy(), v.copy()
+    # the decodes return fresh arrays; copy only one that is not ours to write the escapes into
+    whole = np.frombuffer(payload, np.uint8)
+    m, v = (x if x.flags.writeable and not np.may_share_memory(x, whole) else x.copy() for x in (m, v))
     idx, pairs = codes["escape_index"], codes["escape_pairs"]
     m[idx] = pairs[:, 0]
     v[idx] = pairs[:, 1]

@@ -1,0 +1,473 @@
+"""``jaxguard restore`` without importing torch: the container's tree written in torch.save's
+zip format by the standard library and numpy.
+
+`torch_compat.state.restore_tree` + ``torch.save`` (the other restore path) imports torch
+(1.4-4 s), builds every tensor, and ``torch.save`` copies each one into the file again.  Here
+the pickle of the tree (`data.pkl`) is written from the container's header before any data,
+the raw entries pass from the container's buffer into the file as they are, and the moments
+are decoded in a thread one entry ahead of the writer, so decoding, hashing, CRC-32 and the
+writes share the cores.  What torch.load returns is the same object, tensor for tensor and
+bit for bit, as ``torch.save(restore_tree(path)[0])`` (tests/test_restore_fast.py).
+
+Every check of `restore_tree` runs: the trailer's and the payload's SHA-256 (in threads,
+`reader.parse_deferred`), the layout, every raw entry's dtype and range, every moments
+entry's decode, and the decoded-moments SHA-256; the output is renamed into place only after
+all of them passed (`container.atomic_write_with`), so a file that fails leaves nothing.
+
+The file: records ``data.pkl``, ``.format_version`` (1), ``.storage_alignment`` (64),
+``byteorder`` (little), ``data/<key>`` (stored, 64-byte aligned, one storage per tensor,
+keys in pickling order), ``version`` (3), ``.data/serialization_id``: what torch 2.x writes.
+The pickle is protocol 2 with only the globals torch's ``weights_only`` loader allows
+(``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict``, ``torch.<Type>Storage``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import queue
+import struct
+import threading
+import zipfile
+
+import numpy as np
+
+from jaxguard.errors import CheckpointError, ContainerError
+from jaxguard.format import reader
+
+# container dtype -> torch storage class (torch.save's ``_pickle_storage_type``)
+STORAGES = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
+            "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
+            "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
+ALIGN = 64
+AHEAD = 2          # decoded moments entries the decoder thread may hold ahead of the writer
+
+
+class Unsupported(Exception):
+    """The tree holds something this writer does not write (the caller uses torch.save)."""
+
+
+# ---------------------------------------------------------------- the pickle (protocol 2)
+class _Pickle:
+    def __init__(self):
+        self.out = [pickle.PROTO + b"\x02"]
+        self.storages = []          # (entry name, which: None | "m" | "v", container dtype, shape)
+
+    def plain(self, x):
+        """A JSON value as ``from_skeleton`` returns it (no tags inside)."""
+        w = self.out.append
+        if x is None:
+            w(pickle.NONE)
+        elif x is True:
+            w(pickle.NEWTRUE)
+        elif x is False:
+            w(pickle.NEWFALSE)
+        elif isinstance(x, int):
+            if 0 <= x < 256:
+                w(pickle.BININT1 + bytes([x]))
+            elif 0 <= x < 65536:
+                w(pickle.BININT2 + struct.pack("<H", x))
+            elif -2**31 <= x < 2**31:
+                w(pickle.BININT + struct.pack("<i", x))
+            else:
+                enc = pickle.encode_long(x)
+                if len(enc) >= 256:
+                    raise Unsupported("an integer too long for LONG1")
+                w(pickle.LONG1 + bytes([len(enc)]) + enc)
+        elif isinstance(x, float):
+            w(pickle.BINFLOAT + struct.pack(">d", x))
+        elif isinstance(x, str):
+            b = x.encode("utf-8", "surrogatepass")
+            w(pickle.BINUNICODE + struct.pack("<I", len(b)) + b)
+        elif isinstance(x, list):
+            w(pickle.EMPTY_LIST)
+            if x:
+                w(pickle.MARK)
+                for v in x:
+                    self.plain(v)
+                w(pickle.APPENDS)
+        elif isinstance(x, dict):
+            w(pickle.EMPTY_DICT)
+            if x:
+                w(pickle.MARK)
+                for k, v in x.items():
+                    self.plain(k)
+                    self.plain(v)
+                w(pickle.SETITEMS)
+        else:
+            raise Unsupported(type(x).__name__)
+
+    def tuple_(self, items):
+        if not items:
+            self.out.append(pickle.EMPTY_TUPLE)
+            return
+        self.out.append(pickle.MARK)
+        for v in items:
+            self.plain(v)
+        self.out.append(pickle.TUPLE)
+
+    def tensor(self, name, which, dtype, shape):
+        storage = STORAGES.get(dtype)
+        if storage is None:
+            raise Unsupported(f"dtype {dtype}")
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        stride, acc = [], 1
+        for d in reversed(shape):
+            stride.append(acc)
+            acc *= max(d, 1)
+        w = self.out.append
+        w(pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n")
+        w(pickle.MARK)
+        w(pickle.MARK)
+        self.plain("storage")
+        w(pickle.GLOBAL + b"torch\n" + storage.encode() + b"\n")
+        self.plain(str(len(self.storages)))
+        self.plain("cpu")
+        self.plain(numel)
+        w(pickle.TUPLE)
+        w(pickle.BINPERSID)
+        self.plain(0)
+        self.tuple_(list(shape))
+        self.tuple_(stride[::-1])
+        w(pickle.NEWFALSE)
+        w(pickle.GLOBAL + b"collections\nOrderedDict\n")
+        w(pickle.EMPTY_TUPLE)
+        w(pickle.REDUCE)
+        w(pickle.TUPLE)
+        w(pickle.REDUCE)
+        self.storages.append((name, which, dtype, tuple(shape)))
+
+    def tree(self, sk, entries):
+        """`torch_compat.state.from_skeleton`'s object, pickled."""
+        if isinstance(sk, dict):
+            ref = sk.get("__tensor__", sk.get("__moment__"))
+            if ref is not None and (not isinstance(ref, str) or ref not in entries):
+                raise CheckpointError(f"the container's tree names a tensor {str(ref)[:80]!r} it does not hold; "
+                                      "the file is inconsistent (was it edited?)")
+            if "__tensor__" in sk:
+                e = entries[ref]
+                if e["kind"] != "raw":
+                    raise Unsupported("a __tensor__ naming a moments entry")
+                return self.tensor(ref, None, e.get("dtype"), e["shape"])
+            if "__moment__" in sk:
+                e = entries[ref]
+                if e["kind"] != "moments":
+                    raise Unsupported("a __moment__ naming a raw entry")
+                return self.tensor(ref, "m" if sk["which"] == "m" else "v", "float32", e["shape"])
+            w = self.out.append
+            if "__dict__" in sk:
+                w(pickle.EMPTY_DICT)
+                if sk["__dict__"]:
+                    w(pickle.MARK)
+                    for k, v in sk["__dict__"]:
+                        self.plain(k)
+                        self.tree(v, entries)
+                    w(pickle.SETITEMS)
+                return
+            if "__list__" in sk:
+                w(pickle.EMPTY_LIST)
+                if sk["__list__"]:
+                    w(pickle.MARK)
+                    for v in sk["__list__"]:
+                        self.tree(v, entries)
+                    w(pickle.APPENDS)
+                return
+            if "__tuple__" in sk:
+                if not sk["__tuple__"]:
+                    w(pickle.EMPTY_TUPLE)
+                    return
+                w(pickle.MARK)
+                for v in sk["__tuple__"]:
+                    self.tree(v, entries)
+                w(pickle.TUPLE)
+                return
+            if "__float__" in sk:
+                return self.plain(float(sk["__float__"]))
+        return self.plain(sk)
+
+    def bytes(self):
+        return b"".join(self.out) + pickle.STOP
+
+
+# ---------------------------------------------------------------- the decoder thread
+CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks; 4 MiB per float32 temporary)
+WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
+
+
+def _decode_part(cs_id, a, b, codes, tables, m, v):
+    """Decode coordinates [a, b) of an entry's fixed-form codes into `m`, `v` (the decodes
+    are per block and per coordinate: a block range decodes as it does in the whole)."""
+    ba, bb = a // reader.BLOCK, -(-b // reader.BLOCK)
+    mm, vv = reader.decode_codes(cs_id, b - a, codes["m_codes"][a:b], codes["v_codes"][a:b],
+                                 codes["m_params"][ba:bb], codes["v_params"][ba:bb], tables)
+    m[a:b] = mm
+    v[a:b] = vv
+
+
+class _Decoder(threading.Thread):
+    """Decodes every moments entry in header order on a pool of `workers` threads (large
+    entries split into block ranges, small ones whole), hashing the decoded moments in
+    header order as the writer's ``decoded_sha256`` was computed; entries are handed to
+    the writer in that order, at most about `WINDOW` coordinates ahead of it."""
+
+    def __init__(self, header, payload, tables, workers=None):
+        super().__init__(name="jaxguard-restore-decode", daemon=True)
+        self.header, self.payload, self.tables = header, payload, tables
+        self.workers = workers or min(8, os.cpu_count() or 1)
+        self.q = queue.Queue(AHEAD)
+        self.stop = threading.Event()
+        self.digest = hashlib.sha256()
+        self.stash = {}
+
+    def _submit(self, pool, k, e, pre):
+        """(entry, futures, finish) of one entry's decode tasks."""
+        _, n = reader._shape_size(e)
+        if n <= CHUNK:
+            fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.get(k))
+            return e, [fut], lambda: fut.result()
+        codes = reader.read_codes(e, self.payload, self.tables, pre.get(k))
+        cs_id = e["codec"]
+        m, v = np.empty(n, np.float32), np.empty(n, np.float32)
+        futs = [pool.submit(_decode_part, cs_id, a, min(a + CHUNK, n), codes, self.tables, m, v)
+                for a in range(0, n, CHUNK)]
+
+        def finish():
+            for f in futs:
+                f.result()
+            idx, pairs = codes["escape_index"], codes["escape_pairs"]
+            m[idx] = pairs[:, 0]
+            v[idx] = pairs[:, 1]
+            shape = e["shape"]
+            return m.reshape(shape), v.reshape(shape)
+        return e, futs, finish
+
+    def run(self):
+        from concurrent.futures import ThreadPoolExecutor
+        from collections import deque
+        try:
+            entries = self.header["entries"]
+            pre = reader.decode_rans_entries(entries, self.payload)
+            todo = deque((k, e) for k, e in enumerate(entries) if e.get("kind") == "moments")
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="jaxguard-decode") as pool:
+                pending, ahead = deque(), 0
+                while todo or pending:
+                    while todo and (not pending or ahead < WINDOW) and not self.stop.is_set():
+                        k, e = todo.popleft()
+                        pending.append(self._submit(pool, k, e, pre))
+                        ahead += reader._shape_size(e)[1]
+                    if self.stop.is_set():
+                        return
+                    e, _, finish = pending.popleft()
+                    ahead -= reader._shape_size(e)[1]
+                    m, v = finish()
+                    m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
+                    self.digest.update(m)
+                    self.digest.update(v)
+                    self._put((e["name"], (m, v)))
+            self._put(None)
+        except BaseException as exc:   # noqa: BLE001 - handed to the writer, which raises it
+            self._put(exc)
+
+    def _put(self, item):
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _next(self):
+        item = self.q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def take(self, name):
+        """The decoded (m~, v~) of moments entry `name` (entries decoded before it are kept)."""
+        while name not in self.stash:
+            item = self._next()
+            if item is None:
+                raise ContainerError(f"moments entry {name!r} was not decoded")
+            self.stash[item[0]] = item[1]
+        return self.stash[name]
+
+    def drop(self, name):
+        self.stash.pop(name, None)
+
+    def finish(self):
+        """Decode the rest (entries the tree does not name still count in the hash)."""
+        while True:
+            item = self._next()
+            if item is None:
+                return self.digest.hexdigest()
+
+
+# ---------------------------------------------------------------- restore
+def _zinfo(name, offset, size, align):
+    zi = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+    zi.compress_type = zipfile.ZIP_STORED
+    if align:
+        z64 = 20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0
+        base = offset + 30 + len(zi.filename.encode("utf-8")) + 4 + z64
+        pad = (-base) % ALIGN
+        zi.extra = b"FB" + struct.pack("<H", pad) + b"\0" * pad
+    return zi
+
+
+class _Writeback:
+    """Starts the disk writes of what was written so far (``fdatasync`` in a thread, every
+    `EVERY` bytes), so that the fsync `container.atomic_write_with` makes before its
+    rename waits for the last part only; the same durability, overlapped with the work."""
+
+    EVERY = 1 << 28
+
+    def __init__(self, fh):
+        try:
+            self.fd = fh.fileno()
+        except (AttributeError, OSError, ValueError):   # an in-memory buffer (URL outputs)
+            self.fd = None
+        self.since, self.th = 0, None
+
+    def wrote(self, n):
+        self.since += n
+        if self.fd is None or self.since < self.EVERY or (self.th is not None and self.th.is_alive()):
+            return
+        self.since = 0
+        self.th = threading.Thread(target=self._sync, name="jaxguard-writeback", daemon=True)
+        self.th.start()
+
+    def _sync(self):
+        try:
+            os.fdatasync(self.fd)
+        except OSError:   # the final fsync reports what matters
+            pass
+
+    def join(self):
+        if self.th is not None:
+            self.th.join()
+
+
+def _read(path):
+    """The container's bytes, read once (hashed and decoded from this one copy): a local
+    file into a numpy buffer (numpy asks for transparent huge pages: a fraction of a
+    bytearray's page faults), a URL through `storage.read_bytes`."""
+    from jaxguard.format import storage
+    if storage.is_url(path):
+        return storage.read_bytes(path)
+    try:
+        with open(storage.local_path(path), "rb", buffering=0) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            buf = memoryview(np.empty(size, np.uint8))
+            got = 0
+            while got < size:
+                k = fh.readinto(buf[got:])
+                if not k:
+                    break
+                got += k
+    except OSError:
+        return storage.read_bytes(path)      # its one-line error naming the file
+    return buf[:got]
+
+
+def restore(path, output) -> bool:
+    """Write the torch checkpoint held by container `path` to `output` (torch.save's format).
+
+    Args:
+      path: the container (local path or fsspec URL).
+      output: the torch file to write (atomically: nothing is left if a check fails).
+
+    Returns:
+      True when written; False (nothing written, nothing raised) when the tree holds
+      something only torch.save writes (the caller then uses `restore_tree` + torch.save).
+
+    Raises:
+      ContainerError: the file is damaged (a hash, the layout, an entry).
+      CheckpointError: the container holds another framework's checkpoint or names an
+        entry it does not hold.
+    """
+    from jaxguard.format import container
+    data = _read(path)
+    try:
+        header, payload, wait = reader.parse_deferred(data)
+    except reader.ReaderError as exc:
+        raise ContainerError(f"{path}: {exc}") from None
+    try:
+        tables = reader.read_tables(header, payload)
+        entries = {}
+        raws = {}
+        for e in header["entries"]:
+            entries[e["name"]] = e
+            if e["kind"] == "raw":
+                raws[e["name"]] = reader.read_raw(e, payload)   # every raw entry checked, as restore_tree does
+    except reader.ReaderError as exc:
+        wait_named(wait, path)
+        raise ContainerError(str(exc)) from None
+    meta = header.get("meta", {})
+    if meta.get("framework") != "torch":
+        wait_named(wait, path)
+        raise CheckpointError(f"{path} holds a {meta.get('framework')!r} checkpoint; use jaxguard.load for optax state "
+                              "or `jaxguard migrate` to convert it")
+    pk = _Pickle()
+    try:
+        pk.tree(meta.get("tree"), entries)
+    except Unsupported:
+        wait_named(wait, path)
+        return False
+    except CheckpointError:
+        wait_named(wait, path)
+        raise
+    pkl = pk.bytes()
+    uses = {}
+    for name, which, _, _ in pk.storages:
+        if which is not None:
+            uses[name] = uses.get(name, 0) + 1
+
+    def write(fh):
+        dec = _Decoder(header, payload, tables)
+        dec.start()
+        flusher = _Writeback(fh)
+        try:
+            with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                def record(name, buf, align=False):
+                    zf.writestr(_zinfo(name, zf.fp.tell(), len(buf), align), buf)
+                    flusher.wrote(len(buf))
+                record("data.pkl", pkl)
+                record(".format_version", b"1")
+                record(".storage_alignment", str(ALIGN).encode())
+                record("byteorder", b"little")
+                for key, (name, which, _, _) in enumerate(pk.storages):
+                    if which is None:
+                        arr = raws[name]
+                    else:
+                        m, v = dec.take(name)
+                        arr = m if which == "m" else v
+                        uses[name] -= 1
+                        if not uses[name]:
+                            dec.drop(name)
+                    record(f"data/{key}", memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)), True)
+                record("version", b"3\n")
+                record(".data/serialization_id", str(int.from_bytes(os.urandom(16), "big")).zfill(40)[:40].encode())
+                digest = dec.finish()
+            wait()
+            if digest != header.get("decoded_sha256"):
+                raise ContainerError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
+        except Exception as exc:
+            dec.stop.set()
+            wait_named(wait, path)      # a damaged file is named by its checksum first
+            if isinstance(exc, reader.ReaderError):
+                raise ContainerError(str(exc)) from None
+            raise
+        finally:
+            dec.stop.set()
+            flusher.join()
+
+    container.atomic_write_with(output, write)
+    return True
+
+
+def wait_named(wait, path):
+    """``wait()`` of `reader.parse_deferred`, its error as a `ContainerError` naming `path`."""
+    try:
+        wait()
+    except reader.ReaderError as exc:
+        raise ContainerError(f"{path}: {exc}") from None
