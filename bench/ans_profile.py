@@ -44,16 +44,15 @@ def main():
     ap.add_argument("--save", help="write the profiled encode's container here")
     ap.add_argument("--move-max-level", default="default",
                     help="jaxguard.core.rate.MOVE_MAX_LEVEL for this run (an int, or none: every level)")
-    ap.add_argument("--search-max-level", default="default", help="jaxguard.core.adaptive.SEARCH_MAX_LEVEL")
+    ap.add_argument("--search-max-level", default="default", help="jaxguard.core.rate.SEARCH_MAX_LEVEL")
     args = ap.parse_args()
     from jaxguard import writer
     from jaxguard.core import rate
     if args.move_max_level != "default":
         rate.MOVE_MAX_LEVEL = None if args.move_max_level.lower() == "none" else int(args.move_max_level)
-    from jaxguard.core import adaptive
     if args.search_max_level != "default":
-        adaptive.SEARCH_MAX_LEVEL = None if args.search_max_level.lower() == "none" else int(args.search_max_level)
-    print(f"adaptive.SEARCH_MAX_LEVEL = {getattr(adaptive, 'SEARCH_MAX_LEVEL', 'n/a')}")
+        rate.SEARCH_MAX_LEVEL = None if args.search_max_level.lower() == "none" else int(args.search_max_level)
+    print(f"rate.SEARCH_MAX_LEVEL = {getattr(rate, 'SEARCH_MAX_LEVEL', 'n/a')}")
     print(f"rate.MOVE_MAX_LEVEL = {getattr(rate, 'MOVE_MAX_LEVEL', 'n/a')}")
     t0 = time.perf_counter()
     data, _ = writer.to_bytes(records(args.ckpt, args.codec), {})

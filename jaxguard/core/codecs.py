@@ -159,9 +159,10 @@ def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, 
 
 
 def _choose_logrel_ans(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
-    """logrel-aw's widths, then the codes moved to certified neighbours of fewer rANS-coded
-    bits (`jaxguard.core.rate`)."""
-    mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
+    """logrel-aw's widths (searched with certificates up to `rate.SEARCH_MAX_LEVEL`), then the
+    codes moved to certified neighbours of fewer rANS-coded bits (`jaxguard.core.rate`)."""
+    mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
+                                                          max_level=_rate.SEARCH_MAX_LEVEL)
     mq, vq, mt, vt = _rate.optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn,
                                     lambda qm, qv: _decode_flat(qm, qv, mp, vp, mq.dtype, vq.dtype))
     return mq, vq, mp, vp, widths, mt, vt

@@ -232,10 +232,10 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         # certified again from scratch below
         K, pabs, clip = _group_constants(items, gidx, ph)
 
-        def certify_candidates(a, b, idx):
+        def certify_candidates(a, b, idx, max_level=None):
             if not certified:   # the guard is off: every certifiable candidate is kept
                 return np.zeros(idx.shape[0], np.int8)
-            return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition)
+            return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level)
 
         def classified(a, b):
             return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
