@@ -13,7 +13,9 @@ share the lanes) of numpy operations across all blocks, never a loop over coordi
 Several streams of the same blocks (e.g. the m and the v codes) may share the lanes: lane
 ``b`` codes position ``i`` of stream 0, then of stream 1, ..., then position ``i + 1``;
 sharing halves the per-lane state cost (4 bytes per lane, not per stream).  `decode_many`
-runs the same loop over the lanes of many buffers at once (every tensor of a container).
+runs the same loop over the lanes of many buffers at once (every tensor of a container),
+and `encode_many` likewise encodes many buffers in one loop, each to the bytes `encode`
+gives it.
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
