@@ -462,3 +462,25 @@ def _section(data, name, section):
     hdr, pay = reader.parse(data)
     e = next(x for x in hdr["entries"] if x["name"] == name)
     return bytes(pay[slice(*e["sections"][section])])
+
+
+def test_each_tensor_is_rans_encoded_once_per_save(monkeypatch):
+    """The guard's payload stat builds the sections; the writer stores those (no second
+    encode), and the payload is byte for byte the one of an unwatched save."""
+    ck, _ = _trained()
+    calls = []
+    real = rans.encode_many
+
+    def counted(items, *a, **k):
+        items = list(items)
+        calls.append(len(items))
+        return real(items, *a, **k)
+
+    monkeypatch.setattr(rans, "encode_many", counted)
+    data, s = torch_compat.compress_checkpoint(ck, tau=TAU, codec=ANS)
+    header = reader.parse(data)[0]
+    n_moments = sum(e["kind"] == "moments" for e in header["entries"])
+    assert sum(calls) == n_moments and len(calls) <= 2, calls     # one lane loop per guard group
+    assert any("mv_rans" in e["sections"] for e in header["entries"] if e["kind"] == "moments")
+    monkeypatch.undo()
+    assert header["payload_sha256"] == _both()[ANS][2]["payload_sha256"]      # the same bytes either way

@@ -502,3 +502,23 @@ def test_golden_v2_compact_decodes_identically():
         again = rans.encode(sym, bits, n, stored, compact_models=True,
                             lane_tails=g[f"tails_{k}"] if tails else None)
         assert again == buf, name
+
+
+def test_encode_many_gives_each_buffer_the_bytes_of_encode_and_names_the_bad_one():
+    rng = np.random.default_rng(26)
+    items = []
+    for n in (1, 255, 256, 300, 0, 2049, 256 * 5):
+        nb = max(1, -(-n // 256))
+        bits = rng.integers(4, 13, size=(2, nb))
+        sym = np.where(_coded(n, nb), (rng.geometric(0.2, size=bits.shape + (256,)) - 1) % (1 << bits)[..., None], 0)
+        items.append((sym, bits, n, None, rng.integers(0, 1 << 16, nb)))
+    many = rans.encode_many(items, compact_models=True, lane_tails=True)
+    assert many == [rans.encode(s, b, n, lane_tails=t, compact_models=True) for s, b, n, _, t in items]
+    got = rans.decode_many([(buf, b, n) for buf, (_, b, n, _, _) in zip(many, items)], lane_tails=True)
+    for (sym, tails), (s, _, _, _, t) in zip(got, items):
+        assert (sym == s).all() and (tails == t).all()
+    bad = list(items)
+    s, b, n, _, t = bad[3]
+    bad[3] = (s, b, n, rans.fit_models(np.zeros_like(s), b, n, compact=True), t)
+    with pytest.raises(rans.RansError, match=r"^rans\[3\]: stream 0: a symbol has frequency 0"):
+        rans.encode_many(bad, compact_models=True, lane_tails=True)

@@ -110,3 +110,31 @@ def test_escapes_take_free_codes_and_exact_coordinates_keep_theirs():
     assert set(range(50, 60)) <= set(a["escape_index"].tolist())
     mt, vt = G.decode(enc)
     assert np.array_equal(mt[50:60], m[50:60])
+
+
+def test_capped_certificate_is_the_full_one_stopped_early(moments):
+    """`certify_pc(max_level=L)` (the rate pass's and the width search's cheap answer)
+    certifies a subset of what the full certificate does, at the same levels, and refuses
+    what needs a finer level than L: a cap can cost payload, never the guarantee."""
+    from jaxguard.core import bound, certify
+    m, v, p = moments
+    n = m.size
+    cfg = _config()
+    K = bound.stack_rows([bound.pack_constants(cfg.constants(), cfg.tau)])
+    gidx = np.zeros(n, np.int32)
+    rng = np.random.default_rng(5)
+    # decoded values a few relative steps off: many need the refinement levels
+    mt = (m * (1 + rng.choice([-1, 1], n) * 10.0 ** rng.uniform(-3, -1.3, n))).astype(np.float32)
+    vt = (v * (1 + rng.choice([-1, 1], n) * 10.0 ** rng.uniform(-3, -1.3, n))).astype(np.float32)
+    clip = np.full(n, CLIP, np.float32)
+    idx = np.arange(n)
+    full = certify.certify_pc(K, gidx, m, v, mt, vt, np.abs(p), clip, idx, "shared", "mixed")
+    assert ((full >= 0) & (full < certify.FAST_TIER)).any() and (full < 0).any()
+    deep = int(full[(full >= 0) & (full < certify.FAST_TIER)].max())
+    assert deep >= 1, np.bincount(full[(full >= 0) & (full < 100)])
+    cap = deep - 1
+    capped = certify.certify_pc(K, gidx, m, v, mt, vt, np.abs(p), clip, idx, "shared", "mixed", max_level=cap)
+    kept = capped >= 0
+    assert (full[kept] >= 0).all() and (capped[kept] == full[kept]).all()
+    assert (capped[(full > cap) & (full < certify.FAST_TIER)] == -1).all()
+    assert (capped[(full <= cap) | (full == certify.FAST_TIER)] == full[(full <= cap) | (full == certify.FAST_TIER)]).all()

@@ -139,7 +139,7 @@ def _bucket_rows(rows):
 
 
 def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, pairs=None, code_bits=None,
-                       wide_pairs=None):
+                       wide_pairs=None, max_level=None):
     """Try every width pair, keep per block the cheapest; return the assembled proposal.
 
     Cost of a block: its code bits plus `ESCAPE_COST` bytes per escape; ties keep the
@@ -160,6 +160,10 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
         (summed over the in-tensor coordinates); default the packed width, ``bm + bv``.
       wide_pairs: the pairs then tried on the blocks that still escape (default
         `WIDE_PAIRS`; ``()`` keeps every block at <= 8 bits).
+      max_level: certify each pair's codes up to this refinement level only
+        (``certify_fn(..., max_level=)``; a coordinate needing more counts as an escape of
+        that pair: a cheaper search, never a weaker guarantee, as the final certificate
+        is the full one); None: every level.
 
     Returns:
       (mq, vq, mp, vp, widths [nb] uint8) with codes flat over the padded group (int8 /
@@ -199,7 +203,7 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
             exact, ok = classify(mt, vt)
             cand = np.flatnonzero(sub_in & ~exact & ok)
             esc = sub_in & ~exact & ~ok
-            lv = certify_fn(mt, vt, cand)
+            lv = certify_fn(mt, vt, cand) if max_level is None else certify_fn(mt, vt, cand, max_level=max_level)
             esc[cand[lv < 0]] = True
             nesc = esc.reshape(nb, codes.BLOCK)[rows].sum(1)
             bits = (bm + bv) * count[rows] if code_bits is None else (code_bits(mq, vq, bm, bv) * inb[rows]).sum(1)

@@ -179,7 +179,8 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     return out
 
 
-def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True):
+def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
+               max_level=None):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
     of [G] arrays, `bound.stack_rows`).
 
@@ -196,6 +197,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       partition: ``"mixed"`` or ``"linear"`` cell edges.
       progress: show a tqdm bar.
       fast: try the closed-form tier first (shared bound, mixed partition only).
+      max_level: stop after this refinement level (default: all); what it has not
+        certified by then is -1 (a cheaper, more conservative answer).
 
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
@@ -211,7 +214,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)
         level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
-                                    fast=False)
+                                    fast=False, max_level=max_level)
         return level_of
     thr = K.threshold[gidx[idx]]
 
@@ -235,7 +238,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                                                      clip[take]))[:cnt]
     pending = np.flatnonzero(~(lower > thr))
     bar.update(idx.size - pending.size)
-    for level in range(len(_bound.LEVELS)):
+    for level in range(len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
         if pending.size == 0:
             break
         bar.set_postfix(level=level)

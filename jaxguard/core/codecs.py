@@ -130,6 +130,19 @@ def _ans_payload(arrays, n):
     return _packed.entry_payload_bytes(arrays, n, entropy=True)
 
 
+SECTIONS_ATTR = "_sections"   # an Encoded's stored sections: (the arrays they were built from, sections)
+
+
+def _ans_payload_many(encs):
+    """logrel-ans: each encoding's sections built once (every tensor's rANS buffer in one lane
+    loop) and kept on it for the container writer, which then does not encode again; returns
+    each one's payload in bytes."""
+    secs = _packed.entry_sections_many([(e.arrays, e.n) for e in encs], entropy=True)
+    for e, sec in zip(encs, secs):
+        setattr(e, SECTIONS_ATTR, (dict(e.arrays), sec))
+    return [int(sum(a.nbytes for a in sec.values())) for sec in secs]
+
+
 # ---------------------------------------------------------------- host-side width choice (logrel-aw)
 def _decode_flat(qm, qv, mp, vp, m_dtype, v_dtype):
     """Flat codes (as `m_dtype` / `v_dtype`) -> flat (m~, v~), as the reader decodes them."""
@@ -146,9 +159,10 @@ def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, 
 
 
 def _choose_logrel_ans(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
-    """logrel-aw's widths, then the codes moved to certified neighbours of fewer rANS-coded
-    bits (`jaxguard.core.rate`)."""
-    mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn)
+    """logrel-aw's widths (searched with certificates up to `rate.SEARCH_MAX_LEVEL`), then the
+    codes moved to certified neighbours of fewer rANS-coded bits (`jaxguard.core.rate`)."""
+    mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
+                                                          max_level=_rate.SEARCH_MAX_LEVEL)
     mq, vq, mt, vt = _rate.optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn,
                                     lambda qm, qv: _decode_flat(qm, qv, mp, vp, mq.dtype, vq.dtype))
     return mq, vq, mp, vp, widths, mt, vt
@@ -167,6 +181,8 @@ class CoreCodec:
       decode_points: single coordinates with their blocks' parameter rows -> (m~, v~);
         None where the joint search does not apply.
       payload_bytes: ``(arrays, n)`` -> moment payload in bytes.
+      payload_many: optional ``[Encoded] -> [bytes]``, the payloads of many encodings at
+        once (logrel-ans: builds their sections once and keeps them for the writer).
     """
 
     id: str
@@ -175,6 +191,7 @@ class CoreCodec:
     choose: Optional[Callable] = None
     decode_points: Optional[Callable] = None
     payload_bytes: Callable = _fixed_payload
+    payload_many: Optional[Callable] = None
 
     @property
     def spec(self) -> _spec.CodecSpec:
@@ -189,7 +206,8 @@ def _entries():
     block8 = CoreCodec("block8", _decode_block8, _propose_block8)
     unguarded = dataclasses.replace(block8, id="block8-unguarded")       # registry: decode="block8", certified=False
     aw = CoreCodec(_packed.CODEC, _decode_log8_rel, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
-    ans = dataclasses.replace(aw, id="logrel-ans", choose=_choose_logrel_ans, payload_bytes=_ans_payload)
+    ans = dataclasses.replace(aw, id="logrel-ans", choose=_choose_logrel_ans, payload_bytes=_ans_payload,
+                              payload_many=_ans_payload_many)
     return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw, ans)}
 
 

@@ -180,7 +180,8 @@ def _join_pieces(pieces, shape):
                 stats[k] = [x + y for x, y in zip(stats.get(k, [0] * len(val)), val)]
             else:
                 stats[k] = stats.get(k, 0) + val
-    stats["payload_bytes"] = payload_bytes(enc)
+    many = _codecs.get(enc.codec).payload_many
+    stats["payload_bytes"] = payload_bytes(enc) if many is None else many([enc])[0]
     enc.stats = stats
     return enc
 
@@ -231,10 +232,10 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         # certified again from scratch below
         K, pabs, clip = _group_constants(items, gidx, ph)
 
-        def certify_candidates(a, b, idx):
+        def certify_candidates(a, b, idx, max_level=None):
             if not certified:   # the guard is off: every certifiable candidate is kept
                 return np.zeros(idx.shape[0], np.int8)
-            return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition)
+            return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level)
 
         def classified(a, b):
             return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
@@ -282,6 +283,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         m_dec[esc_all], v_dec[esc_all] = mh[esc_all], vh[esc_all]
     elapsed = time.perf_counter() - t0
     total = max(sum(ns), 1)
+    payload_many = _codecs.get(codec).payload_many
     encs = []
     for i, (n, shape) in enumerate(zip(ns, shapes)):
         b, nb = int(offs[i]) * codes.BLOCK, int(nbs[i])
@@ -301,10 +303,13 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             "certified_by_level": [int((lv == L).sum()) for L in range(len(_bound.LEVELS))],
             "certified_fast": int((lv == FAST_TIER).sum()),
             "joint_rescued": int(rescued[b:b + n].sum()),
-            "payload_bytes": payload_bytes(enc), "raw_fp32_bytes": 8 * n,
+            "payload_bytes": payload_bytes(enc) if payload_many is None else 0, "raw_fp32_bytes": 8 * n,
             "encode_seconds": elapsed * n / total,
         }
         encs.append(enc)
+    if payload_many is not None:   # logrel-ans: the sections built once, kept for the writer
+        for enc, pb in zip(encs, payload_many(encs)):
+            enc.stats["payload_bytes"] = pb
     return encs
 
 

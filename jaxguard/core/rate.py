@@ -12,7 +12,8 @@ recounts and repeats while a round saves at least `MIN_GAIN` of the coded bits (
 `ROUNDS`).  The counts sharpen round by round, so the codes gather on fewer symbols where
 the guard lets them (rate-distortion optimized quantization, with the certificate as the
 only distortion measure).  Every coordinate is certified in full once; afterwards an
-accepted pair is known to be certified.  A coordinate that escapes takes any certified
+accepted pair is known to be certified.  A move is certified up to `MOVE_MAX_LEVEL` (the
+finest cells cost most and decide few moves); a move that needs more is not taken.  A coordinate that escapes takes any certified
 pair; one that still escapes (stored exactly; the reader overwrites its decoded codes)
 takes its stream's cheapest codes.
 
@@ -44,6 +45,17 @@ ROUNDS = 4
 MIN_GAIN = 0.003       # stop when a round saves less than this fraction of the coded bits
 ORDER_CHUNK = 1 << 16  # coordinates whose move order is sorted at once (bounds the temporaries)
 UNSEEN_BITS = 3.0      # a symbol no coordinate uses yet costs this much more than one used once
+# A candidate move is certified up to this refinement level (`jaxguard.core.bound.LEVELS`);
+# one that needs the finest cells is rejected (always safe: the coordinate keeps a pair it
+# has).  The finest level costs ~37 us a coordinate against ~14 at level 3 and took 40% of a
+# logrel-ans encode (bench/results/logrel_ans_certify_split_before.md); None: every level.
+MOVE_MAX_LEVEL = 3
+# Measured on a 137,216-coordinate transformer (bench/results/logrel_ans_speed.md): encode
+# 81 -> 47 s, payload 19.55 -> 19.69% of FP32.  logrel-ans's width search
+# (`jaxguard.core.adaptive.choose_and_certify`) may likewise stop at a level: 3 here gave
+# 23 s and 19.71%, but then logrel-ans's widths are no longer logrel-aw's (whose search,
+# golden-tested, keeps every level), so the default (None) keeps every level.
+SEARCH_MAX_LEVEL = None
 
 
 def _cost_tables(qm, qv, bm, bv, tensors):
@@ -94,14 +106,16 @@ def _moved(qm, qv, dm, dv, lim_m, lim_v):
     return np.clip(qm + dm, -lim_m, lim_m), np.where(qv == 0, 0, np.clip(qv + dv, 1, lim_v))
 
 
-def _certified(mt, vt, idx, classify, certify_fn):
-    """Of the coordinates idx, those whose (mt, vt) the guard keeps: exact or certified."""
+def _certified(mt, vt, idx, classify, certify_fn, max_level=None):
+    """Of the coordinates idx, those whose (mt, vt) the guard keeps: exact or certified
+    (by refinement level `max_level` at the latest, when given)."""
     exact, ok = classify(mt, vt)
     keep = exact[idx]
     test = idx[ok[idx] & ~exact[idx]]
     if test.size:
         good = np.zeros(mt.size, bool)
-        good[test[certify_fn(mt, vt, test) >= 0]] = True
+        lv = certify_fn(mt, vt, test) if max_level is None else certify_fn(mt, vt, test, max_level=max_level)
+        good[test[lv >= 0]] = True
         keep |= good[idx]
     return keep
 
@@ -117,7 +131,9 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
       tensors: per tensor of the group, ``(first block, coordinates)``: each tensor gets
         its own models, as the writer codes it.
       classify: ``classify(mt, vt) -> (exact, ok)`` over the group (as for the width search).
-      certify_fn: ``certify_fn(mt, vt, idx) -> level per idx`` (< 0: escapes).
+      certify_fn: ``certify_fn(mt, vt, idx, max_level=None) -> level per idx`` (< 0: escapes
+        or, with `max_level`, not certified by that level); moves are certified up to
+        `MOVE_MAX_LEVEL`.
       decode: ``decode(mq, vq) -> (m~, v~)`` flat, exactly as the reader decodes.
       rounds: at most this many rounds of moves and refits (default `ROUNDS`; 0: the pass is
         off, the codes stay the width search's).
@@ -169,7 +185,7 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
             tm, tv = mt.copy(), vt.copy()
             dm_, dv_ = decode(sm, sv)
             tm[idx], tv[idx] = dm_[idx], dv_[idx]
-            ok = _certified(tm, tv, idx, classify, certify_fn)
+            ok = _certified(tm, tv, idx, classify, certify_fn, MOVE_MAX_LEVEL)
             new_m[idx[ok]], new_v[idx[ok]] = cm[ok], cv[ok]
             kept[searching[ok]] = True
             searching = searching[~ok]

@@ -354,9 +354,17 @@ def _add_tables(pay, tables, table_arrays, names):
 
 def _aw_sections(pay, enc, entropy=False) -> dict:
     """Sections of a logrel-aw / logrel-ans entry (`packed.entry_sections`), appended to `pay`
-    in the order the first release wrote them (the escape positions first)."""
+    in the order the first release wrote them (the escape positions first).  An encoding
+    whose sections the guard already built from these very arrays (logrel-ans: the payload
+    stat) is not encoded again."""
+    kept = getattr(enc, "_sections", None)
+    if (kept is not None and kept[0].keys() == enc.arrays.keys()
+            and all(enc.arrays[k] is a for k, a in kept[0].items())):
+        arrays = kept[1]
+    else:
+        arrays = None
     try:
-        arrays = packed.entry_sections(enc.arrays, enc.n, entropy=entropy)
+        arrays = arrays if arrays is not None else packed.entry_sections(enc.arrays, enc.n, entropy=entropy)
     except (packed.PackError, rans.RansError) as exc:
         raise ContainerError(f"cannot store {enc.codec} moments: {exc}") from None
     esc = next(k for k in arrays if k in spec.ESCAPE_FORMS)

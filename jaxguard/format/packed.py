@@ -397,6 +397,11 @@ def entry_sections(arrays, n, entropy=False):
       PackError: a code that does not fit its block's width, parameters not of the stored
         form (``lo = wlo*wlo``, ``r = rr*rr``, a bf16 m-scale), or bad widths.
     """
+    return entry_sections_many([(arrays, n)], entropy=entropy)[0]
+
+
+def _plain_sections(arrays, n):
+    """The packed sections of one entry and, for its rANS form, (symbols [2, nb, 256], widths [2, nb])."""
     widths = np.asarray(arrays["widths"], np.uint8)
     nb = widths.size
     bm, bv = check_widths(widths)
@@ -420,21 +425,46 @@ def entry_sections(arrays, n, entropy=False):
         mask[idx] = True
         esc = np.packbits(mask, bitorder="little")
     codes = {"m_codes": pack(qm + lm, bm, n), "v_codes": pack(qv, bv, n), "m_params": scale_to_u16(mp[:, 0])}
-    if entropy and n:
-        # compact models only: the 4-bit-level form (kind 1) was never the smaller on the
-        # 59 rANS tensors of bench/experiments/results/compact_models.md and cost a second encode
-        mv = rans.encode(np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv]), n,
-                         lane_tails=codes["m_params"], compact_models=True)
-        if len(mv) < sum(a.nbytes for a in codes.values()):
-            codes = {"mv_rans": np.frombuffer(mv, np.uint8)}
-    return {"widths": widths, **codes, "v_params": np.ascontiguousarray(vp[:, 2:4]), kind: esc,
+    rest = {"v_params": np.ascontiguousarray(vp[:, 2:4]), kind: esc,
             "escape_pairs": np.stack([arrays["escape_m"], arrays["escape_v"]], axis=1).astype(np.float32)}
+    streams = (np.stack([(qm + lm).reshape(nb, BLOCK), qv.reshape(nb, BLOCK)]), np.stack([bm, bv]))
+    return widths, codes, rest, streams
+
+
+def entry_sections_many(items, entropy=False):
+    """`entry_sections` of many entries, their rANS buffers coded in one lane loop
+    (`jaxguard.format.rans.encode_many`): the same sections, byte for byte.
+
+    Args:
+      items: sequence of ``(arrays, n)`` as for `entry_sections`.
+      entropy: as for `entry_sections`, for every entry.
+
+    Returns:
+      list of section dicts, one per item.
+
+    Raises:
+      PackError: as `entry_sections`.
+    """
+    plain = [_plain_sections(arrays, n) for arrays, n in items]
+    coded = [k for k, (_, n) in enumerate(items) if entropy and n]
+    # compact models only: the 4-bit-level form (kind 1) was never the smaller on the
+    # 59 rANS tensors of bench/experiments/results/compact_models.md and cost a second encode
+    bufs = rans.encode_many([plain[k][3] + (items[k][1], None, plain[k][1]["m_params"]) for k in coded],
+                            compact_models=True, lane_tails=True)
+    out = []
+    mv = dict(zip(coded, bufs))
+    for k, (widths, codes, rest, _) in enumerate(plain):
+        if k in mv and len(mv[k]) < sum(a.nbytes for a in codes.values()):
+            codes = {"mv_rans": np.frombuffer(mv[k], np.uint8)}
+        out.append({"widths": widths, **codes, **rest})
+    return out
 
 
 def entry_payload_bytes(arrays, n, entropy=False):
     """Moment payload of one logrel-aw / logrel-ans entry: its exact section sizes
-    (`entry_sections`; for logrel-ans this rANS-encodes each tensor twice, with compact and
-    with 4-bit-level models: ~2.5 s for the demo checkpoint's 30 tensors, bench/experiments/results/compact_models.md).
+    (`entry_sections`; for logrel-ans this rANS-encodes the tensor: the guard keeps the
+    sections it counted with the encoding, `jaxguard.core.guard`, so the writer does not
+    encode again).
 
     Args:
       arrays: the encoded arrays, as for `entry_sections`.

@@ -13,7 +13,9 @@ share the lanes) of numpy operations across all blocks, never a loop over coordi
 Several streams of the same blocks (e.g. the m and the v codes) may share the lanes: lane
 ``b`` codes position ``i`` of stream 0, then of stream 1, ..., then position ``i + 1``;
 sharing halves the per-lane state cost (4 bytes per lane, not per stream).  `decode_many`
-runs the same loop over the lanes of many buffers at once (every tensor of a container).
+runs the same loop over the lanes of many buffers at once (every tensor of a container),
+and `encode_many` likewise encodes many buffers in one loop, each to the bytes `encode`
+gives it.
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
@@ -45,7 +47,7 @@ in the buffer: the caller stores them (logrel-aw's ``widths`` section).
 
 Numerical contract
 ------------------
-Integer arithmetic only (uint64 numpy, no floats on the decode path): ``decode(encode(s))``
+Integer arithmetic only (uint32 / uint64 numpy, no floats on the decode path): ``decode(encode(s))``
 returns ``s`` exactly, for every stream, width, model and size, on every platform.  The
 decoder checks, and raises `RansError` (a `JaxguardError`, so also a ValueError; one line) instead of returning
 wrong symbols or reading out of range: the kind byte; every model byte (width 0..8, 0..12 in kind 4,
@@ -614,58 +616,143 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
     Raises:
       RansError: shapes, widths or symbols that do not fit, or a symbol its model lacks.
     """
+    return encode_many([(symbols, alphabet_bits, n, models, lane_tails)], prob_bits, inline_models,
+                       compact_models=compact_models, lane_tails=lane_tails is not None)[0]
+
+
+def _prepare(symbols, alphabet_bits, n, models, prob_bits, inline_models, lane_tails, compact_models, what):
+    """Check one buffer's inputs and fit its models -> (s [S, nb, 256], bits, counts, models, tails)."""
     bits, counts, single = _shapes(alphabet_bits, n)
     if not (compact_models and inline_models) and int(bits.max(initial=0)) > NARROW_WIDTH:
-        raise RansError(f"alphabet width {int(bits.max())} needs the compact inline models (kind "
+        raise RansError(f"{what}alphabet width {int(bits.max())} needs the compact inline models (kind "
                         f"{KIND_COMPACT_WIDE}); pass compact_models=True, inline_models=True, or widths <= {NARROW_WIDTH}")
     s, _ = _blocked(symbols, bits, counts, single)
     models = fit_models(s if not single else s[0], bits if not single else bits[0], n, prob_bits,
                         compact=compact_models) if models is None else models
     S, nb = bits.shape
     if len(models) != S:
-        raise RansError(f"{len(models)} model sets for {S} streams")
+        raise RansError(f"{what}{len(models)} model sets for {S} streams")
     for st in range(S):
         for w in np.unique(bits[st][counts > 0]).tolist():
             if w not in models[st]:
-                raise RansError(f"stream {st} has no model for width {w}")
-    tabs = _lane_tables(models, bits)
-    lane_ok = np.arange(BLOCK)[None] < counts[:, None]
-    for st in range(S):
-        idx = (tabs[st]["sym_base"][:, None] + s[st].astype(np.uint64))[lane_ok]
-        if idx.size and (tabs[st]["freq"][idx] == 0).any():
-            raise RansError(f"stream {st}: a symbol has frequency 0 in its model (fit the models on these symbols)")
-    x = np.full(nb, STATE_LOW, np.uint64)
+                raise RansError(f"{what}stream {st} has no model for width {w}")
+    tails = None
     if lane_tails is not None:
         tails = np.asarray(lane_tails).astype(np.int64).reshape(-1)
         if tails.shape != (nb,) or (tails < 0).any() or (tails >= STATE_LOW).any():
-            raise RansError(f"lane_tails must be {nb} ints in 0..65535 (got shape {np.shape(lane_tails)})")
-        x += tails.astype(np.uint64)
-    chunks = []
-    clast = int(counts[-1]) if nb else 0
-    for i in range(BLOCK - 1, -1, -1):
-        nl = nb if i < clast else nb - 1
-        if nl <= 0:
-            continue
-        xs = x[:nl]
+            raise RansError(f"{what}lane_tails must be {nb} ints in 0..65535 (got shape {np.shape(lane_tails)})")
+    return s, bits, counts, models, tails
+
+
+def encode_many(items, prob_bits=None, inline_models=True, compact_models=False, lane_tails=False):
+    """Several buffers (e.g. every tensor of a slab) encoded in ONE lane loop: each buffer's
+    bytes are exactly `encode`'s for it (the lanes are independent; each buffer keeps its
+    own models and words), in 256 x S numpy steps over all lanes instead of per buffer.
+
+    Args:
+      items: sequence of ``(symbols, alphabet_bits, n)``, ``(..., models)`` or
+        ``(..., models, lane_tails)``, all with the same number of streams; as for `encode`
+        (models None: fitted per buffer).
+      prob_bits, inline_models, compact_models: as for `encode`, for every buffer.
+      lane_tails: True if every item carries its lane tails (item[4]), else none does.
+
+    Returns:
+      list of bytes, one per item.
+
+    Raises:
+      RansError: as `encode` (``what[k]:`` names the k-th buffer when there are several),
+        or a different number of streams.
+    """
+    items = list(items)
+    parts = []
+    for k, it in enumerate(items):
+        tails = it[4] if len(it) > 4 else None
+        if lane_tails and tails is None:
+            raise RansError(f"item {k} has no lane tails; pass them for every item or for none")
+        parts.append(_prepare(it[0], it[1], it[2], it[3] if len(it) > 3 else None, prob_bits, inline_models,
+                              tails if lane_tails else None, compact_models, f"rans[{k}]: " if len(items) > 1 else ""))
+    if not parts:
+        return []
+    S = parts[0][1].shape[0]
+    if any(p[1].shape[0] != S for p in parts):
+        raise RansError("the buffers code different numbers of streams; encode them in separate calls")
+    nbs = [p[1].shape[1] for p in parts]
+    G = len(parts)
+    group = np.repeat(np.arange(G), nbs)
+    counts = np.concatenate([p[2] for p in parts])
+    tabs = []
+    for st in range(S):                # per stream, one symbol table over every buffer's models
+        ts = [_lane_tables([p[3][st]], p[1][st:st + 1])[0] for p in parts]
+        sb = np.cumsum([0] + [t["freq"].size for t in ts[:-1]]).astype(np.uint64)
+        base = np.concatenate([t["sym_base"] + sb[g] for g, t in enumerate(ts)])
+        # a last entry (frequency 1) for the positions past n, which are never coded
+        freq = np.concatenate([t["freq"] for t in ts] + [np.ones(1, np.uint64)])
+        start = np.concatenate([t["start"] for t in ts] + [np.zeros(1, np.uint64)])
+        p = np.concatenate([t["p"] for t in ts])
+        sym = np.concatenate([p_[0][st] for p_ in parts]).astype(np.uint64)     # [NL, 256]
+        coded = np.arange(BLOCK)[None] < counts[:, None]
+        idx = np.where(coded, base[:, None] + sym, np.uint64(freq.size - 1))
+        zero = freq[idx] == 0
+        if zero.any():
+            g = int(group[np.nonzero(zero)[0][0]])
+            raise RansError(f"{'rans[%d]: ' % g if G > 1 else ''}stream {st}: a symbol has frequency 0 in its "
+                            f"model (fit the models on these symbols)")
+        idx = np.ascontiguousarray(idx.T)                                          # [256, NL], position-major
+        # per coded symbol: its frequency, start and renormalization limit (f << (32 - P)) - 1,
+        # all in uint32: a state stays below 2**32 and (x // f) << P + x % f + c does too
+        f = freq[idx]
+        tabs.append((f.astype(np.uint32), start[idx].astype(np.uint32),
+                     ((f << (np.uint64(32) - p)[None]) - np.uint64(1)).astype(np.uint32), p.astype(np.uint32)))
+    x = np.full(counts.size, STATE_LOW, np.uint32)
+    if lane_tails:
+        x += np.concatenate([p[4] for p in parts]).astype(np.uint32)
+    lanes, vals = [], []
+    cmin, cmax = (int(counts.min()), int(counts.max())) if counts.size else (0, 0)
+    low16, sh16 = np.uint32(0xFFFF), np.uint32(16)
+    for i in range(cmax - 1, -1, -1):
+        act = None if i < cmin else np.flatnonzero(counts > i)   # a partial last block codes fewer
+        xs = x if act is None else x[act]
         for st in range(S - 1, -1, -1):
-            t = tabs[st]
-            idx = t["sym_base"][:nl] + s[st, :nl, i].astype(np.uint64)
-            f, c, p = t["freq"][idx], t["start"][idx], t["p"][:nl]
-            emit = xs >= (f << (np.uint64(32) - p))
-            chunks.append((i, st, (xs[emit] & np.uint64(0xFFFF)).astype("<u2")))
-            xs[emit] >>= np.uint64(16)
-            xs[:] = ((xs // f) << p) + xs % f + c
-    chunks.sort(key=lambda k: (k[0], k[1]))
-    words = np.concatenate([k[2] for k in chunks]) if chunks else np.zeros(0, "<u2")
-    flag = TAILS_FLAG if lane_tails is not None else 0
-    if not inline_models:
-        head = bytes([KIND_EXTERNAL | flag])
-    elif compact_models:
-        kind = KIND_COMPACT_WIDE if int(bits.max(initial=0)) > NARROW_WIDTH else KIND_COMPACT
-        head = bytes([kind | flag]) + encode_compact_models(models)
+            f, c, lim, p = tabs[st]
+            f, c, lim = f[i], c[i], lim[i]
+            if act is not None:
+                f, c, lim, p = f[act], c[act], lim[act], p[act]
+            em = np.flatnonzero(xs > lim)
+            lanes.append(em if act is None else act[em])
+            vals.append(xs[em] & low16)
+            xs[em] >>= sh16
+            q, r = np.divmod(xs, f)
+            xs = (q << p) + r + c
+        if act is None:
+            x = xs
+        else:
+            x[act] = xs
+    # the words in decoding order: position ascending, stream ascending, lanes ascending
+    lanes.reverse()
+    vals.reverse()
+    lanes = np.concatenate(lanes) if lanes else np.zeros(0, np.int64)
+    vals = np.concatenate(vals).astype("<u2") if vals else np.zeros(0, "<u2")
+    if G > 1:
+        order = np.argsort(group[lanes], kind="stable")
+        vals = vals[order]
+        wcount = np.bincount(group[lanes], minlength=G)
     else:
-        head = bytes([KIND_INLINE | flag]) + encode_models(models)
-    return head + x.astype("<u4").tobytes() + words.tobytes()
+        wcount = np.array([vals.size])
+    wend = np.cumsum(wcount)
+    first = np.concatenate([[0], np.cumsum(nbs)])
+    flag = TAILS_FLAG if lane_tails else 0
+    out = []
+    for g, (_, bits, _, models, _) in enumerate(parts):
+        if not inline_models:
+            head = bytes([KIND_EXTERNAL | flag])
+        elif compact_models:
+            kind = KIND_COMPACT_WIDE if int(bits.max(initial=0)) > NARROW_WIDTH else KIND_COMPACT
+            head = bytes([kind | flag]) + encode_compact_models(models)
+        else:
+            head = bytes([KIND_INLINE | flag]) + encode_models(models)
+        out.append(head + x[first[g]:first[g + 1]].astype("<u4").tobytes()
+                   + vals[wend[g] - wcount[g]:wend[g]].tobytes())
+    return out
 
 
 def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True,
@@ -805,41 +892,45 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
 
 def _decode_lanes(parts, what):
     """The lane loop over one or more parsed buffers (their lanes side by side): 256 x S
-    steps of numpy operations across every lane; each buffer reads its own words."""
+    steps of numpy operations across every lane; each buffer reads its own words.  States
+    and table entries are uint32: ``f * (x >> P) + slot - c < 2**32`` for any state below
+    2**32, and a refill shifts a state below 2**16."""
     S = parts[0][0].shape[0]
     nbs = [p[0].shape[1] for p in parts]
     G = len(parts)
     group = np.repeat(np.arange(G), nbs)
     counts = np.concatenate([p[1] for p in parts])
-    x = np.concatenate([p[4] for p in parts])
-    words = np.concatenate([p[5] for p in parts]) if G > 1 else parts[0][5]
+    x = np.concatenate([p[4] for p in parts]).astype(np.uint32)
+    words = (np.concatenate([p[5] for p in parts]) if G > 1 else parts[0][5]).astype(np.uint32)
     wend = np.cumsum([p[5].size for p in parts])
     ptr = np.concatenate([[0], wend[:-1]]).astype(np.int64)     # next word of each buffer
     first = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64)
+    bounds = np.concatenate([first, [x.size]])                  # lane range of each buffer
     tabs = []
     sym_dtype = np.uint16 if max(int(p[0].max(initial=0)) for p in parts) > NARROW_WIDTH else np.uint8
     for st in range(S):                # one table per stream over all buffers' models
         ts = [p[3][st] for p in parts]
         lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
-        tabs.append({"sym": np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype),
-                     "freq": np.concatenate([t["slot_freq"] for t in ts]),
-                     "bias": np.concatenate([t["slot_bias"] for t in ts]),
-                     "slot_base": np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)]),
-                     "p": np.concatenate([t["p"] for t in ts])})
-        tabs[-1]["mask"] = (np.uint64(1) << tabs[-1]["p"]) - np.uint64(1)
+        slot_base = np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)])
+        p = np.concatenate([t["p"] for t in ts])
+        mask = (np.uint64(1) << p) - np.uint64(1)
         idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
-        tabs[-1]["slot_base"][idle], tabs[-1]["mask"][idle] = 0, 0
+        slot_base[idle], mask[idle] = 0, 0
+        tabs.append((np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype),
+                     np.concatenate([t["slot_freq"] for t in ts]).astype(np.uint32),
+                     np.concatenate([t["slot_bias"] for t in ts]).astype(np.uint32),
+                     slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
     nl_all = x.size
-    out = np.zeros((S, nl_all, BLOCK), sym_dtype)
-    low = np.uint64(STATE_LOW)
+    out = np.zeros((S, BLOCK, nl_all), sym_dtype)             # position-major: row writes
+    low, sh16 = np.uint32(STATE_LOW), np.uint32(16)
     cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
     for i in range(cmax):
         act = None if i < cmin else counts > i      # a partial last block stops early: keep its state
         for st in range(S):
-            t = tabs[st]
-            si = t["slot_base"] + (x & t["mask"])
-            out[st, :, i] = t["sym"][si]
-            xn = t["freq"][si] * (x >> t["p"]) + t["bias"][si]
+            sym, freq, bias, slot_base, mask, p = tabs[st]
+            si = slot_base + (x & mask)
+            out[st, i] = sym[si]
+            xn = freq[si] * (x >> p) + bias[si]
             x = xn if act is None else np.where(act, xn, x)    # an idle lane stays >= L: reads nothing
             k = np.flatnonzero(x < low)
             if G == 1:
@@ -847,16 +938,17 @@ def _decode_lanes(parts, what):
                 ptr[0] += k.size
                 over = pos >= wend[0]
             else:                      # rank of each needing lane within its buffer
-                gk = group[k]
-                per = np.bincount(gk, minlength=G)
-                pos = ptr[gk] + np.arange(k.size) - np.concatenate([[0], np.cumsum(per)[:-1]])[gk]
+                cut = np.searchsorted(k, bounds)
+                per = np.diff(cut)
+                pos = np.arange(k.size) + np.repeat(ptr - cut[:-1], per)
                 ptr += per
-                over = pos >= wend[gk]
+                over = pos >= np.repeat(wend, per)
             if over.any():
                 bad = int(group[k[np.flatnonzero(over)[0]]])
                 name = f"{what}[{bad}]" if G > 1 else what
                 raise RansError(f"{name}: the words end at position {i} of stream {st} (truncated buffer)")
-            x[k] = (x[k] << np.uint64(16)) | words[pos]
+            x[k] = (x[k] << sh16) | words[pos]
+    out = np.ascontiguousarray(out.transpose(0, 2, 1))     # [S, lanes, 256], as returned
     if cmin < BLOCK:
         out[:, np.arange(BLOCK)[None] >= counts[:, None]] = 0
     return out, x, ptr, wend, first
