@@ -12,8 +12,9 @@ recounts and repeats while a round saves at least `MIN_GAIN` of the coded bits (
 `ROUNDS`).  The counts sharpen round by round, so the codes gather on fewer symbols where
 the guard lets them (rate-distortion optimized quantization, with the certificate as the
 only distortion measure).  Every coordinate is certified in full once; afterwards an
-accepted pair is known to be certified.  A move is certified up to `MOVE_MAX_LEVEL` (the
-finest cells cost most and decide few moves); a move that needs more is not taken.  A coordinate that escapes takes any certified
+accepted pair is known to be certified.  A move may be certified up to `MOVE_MAX_LEVEL`
+only (the finest cells cost most and decide few moves; off by default); a move that needs
+more is then not taken.  A coordinate that escapes takes any certified
 pair; one that still escapes (stored exactly; the reader overwrites its decoded codes)
 takes its stream's cheapest codes.
 
@@ -49,10 +50,11 @@ UNSEEN_BITS = 3.0      # a symbol no coordinate uses yet costs this much more th
 # one that needs the finest cells is rejected (always safe: the coordinate keeps a pair it
 # has).  The finest level costs ~37 us a coordinate against ~14 at level 3 and took 40% of a
 # logrel-ans encode (bench/results/logrel_ans_certify_split_before.md); None: every level.
-MOVE_MAX_LEVEL = 3
-# Measured on a 137,216-coordinate transformer (bench/results/logrel_ans_speed.md): encode
-# 81 -> 47 s, payload 19.55 -> 19.69% of FP32.  logrel-ans's width search
-# (`jaxguard.core.adaptive.choose_and_certify`) may likewise stop at a level: 3 here gave
+# Off (None) by default: files stay byte-identical to earlier releases and the payload
+# does not grow.  Measured with 3 on a 137,216-coordinate transformer
+# (bench/results/logrel_ans_speed.md): encode 81 -> 47 s, payload 19.55 -> 19.69% of FP32.
+MOVE_MAX_LEVEL = None
+# logrel-ans's width search (`jaxguard.core.adaptive.choose_and_certify`) may likewise stop at a level: 3 here gave
 # 23 s and 19.71%, but then logrel-ans's widths are no longer logrel-aw's (whose search,
 # golden-tested, keeps every level), so the default (None) keeps every level.
 SEARCH_MAX_LEVEL = None
