@@ -1,7 +1,7 @@
 """rANS encode / decode of one container's ``mv_rans`` buffers, an older `rans.py` beside this
 tree's, interleaved, medians of --repeats (a shared machine: compare the ratios).
 
-    python bench/rans_speed.py CONTAINER.jg [--old-rev HEAD~1] [--repeats 5] [--tile 1]
+    python bench/experiments/rans_speed.py CONTAINER.jg [--old-rev HEAD~1] [--repeats 5] [--tile 1]
 
 The old module is `git show REV:jaxguard/format/rans.py`, loaded from a temp file.  Encode:
 the old `rans.encode` per buffer (as the guard's payload stat and the writer each called
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_old(rev):

@@ -2,7 +2,7 @@
 pass's moves (`rate.MOVE_MAX_LEVEL`) and the width search (`rate.SEARCH_MAX_LEVEL`).
 The final certificate of every stored code is the full one in every variant.
 
-    python bench/ans_levels.py CKPT.pt [--variants none:none,3:none,3:3,2:none] [--rounds 1]
+    python bench/experiments/ans_levels.py CKPT.pt [--variants none:none,3:none,3:3,2:none] [--rounds 1]
 
 One warm-up encode, then the variants interleaved --rounds times (a shared machine:
 compare within a run).  Prints payload (% of FP32), escapes and median encode seconds.

@@ -2,7 +2,7 @@
 guard timed (synchronously) and grouped by caller stage (rate pass, width search, final
 certificate) and kernel (closed-form tier, level-0 lower bound, cell levels by chunk).
 
-    python bench/ans_certify_split.py CKPT.pt
+    python bench/experiments/ans_certify_split.py CKPT.pt
 
 One warm-up encode, then one timed encode of `writer.to_bytes` on the checkpoint's records.
 """

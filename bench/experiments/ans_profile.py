@@ -1,7 +1,7 @@
 """Where a logrel-ans encode spends its time: cProfile of `writer.to_bytes` (guard + container
 writer) of one fixed torch checkpoint, grouped by stage.
 
-    python bench/ans_profile.py CKPT.pt [--codec logrel-ans] [--top 25] [--save OUT.jg] [--move-max-level N|none]
+    python bench/experiments/ans_profile.py CKPT.pt [--codec logrel-ans] [--top 25] [--save OUT.jg] [--move-max-level N|none]
                                 [--search-max-level N|none]
 
 CKPT.pt: a dict with ``model`` and ``optimizer`` (torch_compat.models.train's checkpoint).
