@@ -466,7 +466,15 @@ def restore(path, output) -> bool:
 
 
 def wait_named(wait, path):
-    """``wait()`` of `reader.parse_deferred`, its error as a `ContainerError` naming `path`."""
+    """``wait()`` of `reader.parse_deferred`, its error as a `ContainerError` naming `path`.
+
+    Args:
+      wait: the waiter `reader.parse_deferred` returned (joins the hash threads).
+      path: the container, for the message.
+
+    Raises:
+      ContainerError: a checksum or layout check failed (one line naming `path`).
+    """
     try:
         wait()
     except reader.ReaderError as exc:
