@@ -54,7 +54,7 @@ def _torch_installed(verb: str) -> str | None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        return f'{verb} needs torch; install it with pip install "jaxguard[torch]"'
+        return f"{verb} needs torch; install it with {install_hint('torch')}"
     try:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:

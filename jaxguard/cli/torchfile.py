@@ -32,7 +32,7 @@ import zipfile
 
 import numpy as np
 
-from jaxguard.errors import CheckpointError, ContainerError
+from jaxguard.errors import CheckpointError, ContainerError, JaxguardError
 from jaxguard.format import reader
 
 # container dtype -> torch storage class (torch.save's ``_pickle_storage_type``)
@@ -43,7 +43,7 @@ ALIGN = 64
 AHEAD = 2          # decoded moments entries the decoder thread may hold ahead of the writer
 
 
-class Unsupported(Exception):
+class Unsupported(JaxguardError):
     """The tree holds something this writer does not write (the caller uses torch.save)."""
 
 
