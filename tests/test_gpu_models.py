@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxguard.core.config import GuardSpec
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat
 from jaxguard.core.bound import CONST_REL, RHO_MAX

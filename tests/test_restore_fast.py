@@ -15,7 +15,7 @@ import sys
 import zipfile
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat
 from jaxguard import cli
