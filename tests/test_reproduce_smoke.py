@@ -7,6 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("torch", reason="the reproduction trains torch models (pip install -e '.[torch]')")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
