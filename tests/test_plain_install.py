@@ -7,6 +7,7 @@ subprocesses that do it, so an undeclared import (orbax, etils, torch, ...) fail
 as it would in a fresh venv.
 """
 import importlib.metadata as md
+import importlib.util
 import os
 import subprocess
 import sys
@@ -115,11 +116,13 @@ def test_plain_install_saves_loads_inspects_and_verifies_optax_state(tmp_path):
     closure = dependency_closure()
     assert {"jax", "optax", "numpy"} <= closure and "torch" not in closure and "orbax-checkpoint" not in closure
     blocked = undeclared_modules(closure) - {"jaxguard", "torch_compat"}
-    assert {"torch", "orbax"} <= blocked, sorted(blocked)[:20]
+    installed = {m for m in ("torch", "orbax") if importlib.util.find_spec(m) is not None}
+    assert installed <= blocked, sorted(blocked)[:20]     # what is installed but undeclared is blocked
     env = blocking.blocked_env(blocked, where=str(tmp_path), env={**os.environ, "JAX_PLATFORMS": "cpu"})
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"].split(os.pathsep)[0], ROOT])
-    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
-    assert probe.returncode != 0 and "JAXGUARD_BLOCK_IMPORTS" in probe.stderr, probe.stderr[-500:]
+    for mod in sorted(installed):   # the block holds in the subprocesses (nothing to block where it is absent)
+        probe = subprocess.run([sys.executable, "-c", f"import {mod}"], env=env, capture_output=True, text=True)
+        assert probe.returncode != 0 and "JAXGUARD_BLOCK_IMPORTS" in probe.stderr, probe.stderr[-500:]
     path = str(tmp_path / "adamw.jaxguard")
 
     def run(what, *args):
