@@ -55,7 +55,6 @@ from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, 
                                   find_adam_states, flat_by_dotted, key_str, moment_pairs, site_config,
                                   stored_like_leaf)
 
-BF16_TAU_FACTOR = writer.BF16_TAU_FACTOR
 
 # ---------------------------------------------------------------- records for the writer
 def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state"):

@@ -182,7 +182,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
             add({k: max(int(r.encoded.stats.get(k, 0)), 0) for k in audit.TOTAL_KEYS})
             yield r
         else:
-            yield container._checked_entry(r)
+            yield container.checked_entry(r)
             if release is not None:
                 release([r.array])
     yield from flush()

@@ -44,7 +44,18 @@ class Moments(NamedTuple):
     info: dict
 
 
-def _checked_entry(e):
+def checked_entry(e):
+    """`e` if it is a container entry (`Raw` or `Moments`).
+
+    Args:
+      e: what a writer was handed as an entry.
+
+    Returns:
+      `e`.
+
+    Raises:
+      ContainerError: anything else (e.g. the untyped tuples of older code), in one line.
+    """
     if isinstance(e, (Raw, Moments)):
         return e
     raise ContainerError(f"a container entry is a {type(e).__name__}; pass jaxguard.format.container.Raw or "
@@ -165,10 +176,10 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
     # a list is scanned first so that the tables lead the payload (the layout `build`
     # always wrote); a stream adds them before its first entry that uses them
     if isinstance(entries, (list, tuple)):
-        for e in map(_checked_entry, entries):
+        for e in map(checked_entry, entries):
             if isinstance(e, Moments):
                 _add_tables(pay, tables, table_arrays, _codec_spec(e.encoded.codec, e.name).tables)
-    for e in map(_checked_entry, entries):
+    for e in map(checked_entry, entries):
         name = e.name
         if isinstance(e, Raw):
             arr = np.asarray(e.array)
