@@ -90,7 +90,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             return self._async_save_sharded(directory, args)
         data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, weight_decay=args.weight_decay,
                                                betas=args.betas, eps=args.eps, spec=args.guard_spec(),
-                                               include_params=args.include_params)
+                                               include_params=args.include_params, op_model=args.op_model)
         self.last_summary = summary
         path = str(epath.Path(directory) / self._filename)
 
@@ -104,7 +104,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         spec = args.guard_spec()
         sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, lr=args.lr,
                                                                  weight_decay=args.weight_decay, betas=args.betas,
-                                                                 eps=args.eps, spec=spec)
+                                                                 eps=args.eps, spec=spec, op_model=args.op_model)
         primary = self._primary_host or 0
         items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
                                                  include_params=args.include_params, primary=primary)
@@ -223,6 +223,7 @@ class GuardedSave(ocp.args.CheckpointArgs):
     eps: Optional[float] = None
     include_params: bool = False
     sharded: Optional[bool] = None
+    op_model: Optional[str] = None       # the optax kernel the run resumes on (see jaxguard.save)
 
     def __post_init__(self):
         if self.params is None:

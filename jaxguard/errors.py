@@ -26,6 +26,11 @@ class ContainerError(JaxguardError):
     """A jaxguard container is corrupt, truncated, foreign or of another version."""
 
 
+class JaxguardWarning(UserWarning):
+    """A restore or save that works but whose guarantee may not hold as stated (e.g. state
+    restored onto another device or kernel than the op model that certified it)."""
+
+
 def install_hint(extra: str) -> str:
     """How to install the optional dependencies `extra` (``"torch"``, ``"remote"``, ...).
 

@@ -53,11 +53,12 @@ from jaxguard import sharded as _sharded
 from jaxguard import writer
 from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted, dtype_name,  # noqa: F401
                                   find_adam_states, flat_by_dotted, key_str, moment_pairs, site_config,
-                                  stored_like_leaf)
+                                  stored_like_leaf, warn_other_platform)
 
 
 # ---------------------------------------------------------------- records for the writer
-def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state"):
+def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
+                  op_model=None):
     """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
     ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
     `Raw` record per other leaf.
@@ -68,6 +69,7 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
       lr, weight_decay, betas, eps: see `save` and `site_config`.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves in the container.
+      op_model: the kernel the run resumes on (`site_config`; None: where the state lives).
 
     Returns:
       ``(records, state meta)``: the records and the meta that `restore_state` reads
@@ -88,7 +90,7 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
     records = []
     sites_meta = []
     for site in sites:
-        cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec)
+        cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, op_model=op_model)
         sites_meta.append({"path": site.name, "config": cfg.to_json()})
         for pair in moment_pairs(site, pflat):
             ename = f"{prefix}/moments/{pair.mu_path}"
@@ -153,12 +155,12 @@ def state_nbytes(tree) -> int:
 
 
 def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-             include_params=False, extra_meta=None) -> tuple[bytes, dict]:
+             include_params=False, extra_meta=None, op_model=None) -> tuple[bytes, dict]:
     """Container bytes and a summary dict (see `save`).
 
     Args:
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params: as `save`.
+        include_params, op_model: as `save`.
       extra_meta: more keys for the container's meta (e.g. ``{"source": ...}``).
 
     Returns:
@@ -168,7 +170,8 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
       ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
     """
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec)
+    records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
+                                   op_model=op_model)
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
     if include_params:
@@ -179,7 +182,7 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
 
 
 def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-         include_params: bool = False, sharded: bool | None = None) -> dict:
+         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
     Args:
@@ -196,21 +199,27 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
       sharded: write a checkpoint *directory* instead of one file (default:
         ``jax.process_count() > 1``): every process certifies and writes only its own
         shards and calls `save` with the same `path` (jaxguard.sharded).
+      op_model: the optax kernel the run resumes on: ``optax-adam``/``optax-adamw`` (XLA:CPU)
+        or ``optax-adam-gpu``/``optax-adamw-gpu`` (XLA:GPU), matching the weight decay.
+        None: the GPU model when the Adam moments are `jax.Array`s on a GPU, else the CPU
+        one.  The container header records it (``jaxguard inspect`` shows it).
 
     Returns:
       A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes, ...
 
     Raises:
-      ConfigError: no ``lr`` (one line saying what to pass) or a hyperparameter that is
-        invalid in float32 (e.g. a beta that rounds to 1.0); nothing is written.
+      ConfigError: no ``lr`` (one line saying what to pass), a hyperparameter that is
+        invalid in float32 (e.g. a beta that rounds to 1.0), or an `op_model` of torch or
+        of the other optimizer (adam vs adamw); nothing is written.
       CheckpointError, UnsupportedOptimizerError: see `state_records`.
     """
     if sharded or (sharded is None and jax.process_count() > 1):
         return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                              spec=spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                             include_params=include_params)
+                             include_params=include_params, op_model=op_model)
     data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, tau=tau,
-                       clip=clip, codec=codec, bound=bound, partition=partition, include_params=include_params)
+                       clip=clip, codec=codec, bound=bound, partition=partition, include_params=include_params,
+                       op_model=op_model)
     container.atomic_write(path, data)
     return s
 
@@ -259,6 +268,10 @@ def restore_state(header, arrays, like, *, source="the file"):
     Raises:
       CheckpointError: `like` has leaves, shapes or dtypes the container does not hold,
         or lacks leaves it holds.
+
+    Warns:
+      JaxguardWarning: `like`'s moments live on another kind of device than the op model
+        that certified them (`optax_state.warn_other_platform`).
     """
     meta = header["meta"]
     stored = {leaf["path"]: leaf for leaf in meta["state"]["leaves"]}
@@ -288,6 +301,7 @@ def restore_state(header, arrays, like, *, source="the file"):
     if extra:
         raise CheckpointError(f"{source} holds {len(extra)} state leaves that like lacks (first {extra[0]!r}); pass "
                               "a state of the same optax transformation as the one saved")
+    warn_other_platform(meta["state"].get("sites") or [], like, source)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

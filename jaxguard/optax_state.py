@@ -13,6 +13,7 @@ paths, which is how torch names map to JAX params (torch_compat.migrate).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +21,8 @@ import numpy as np
 import optax
 
 from jaxguard.core.config import GuardConfig, GuardSpec, save_spec
-from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled, resolve_optax_op_model
+from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning, UnsupportedOptimizerError
 
 INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
                                   getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
@@ -257,8 +259,26 @@ LAST_LR = ("the Adam state at {path!r} sits in inject_hyperparams, whose learnin
            "for a constant one, or lr=schedule, evaluated at the state's count {count})")
 
 
+def platforms_of(tree) -> set:
+    """The jax platforms (``Device.platform``: ``"cpu"``, ``"gpu"``, ...) `tree`'s arrays live on.
+
+    Args:
+      tree: any pytree; only its `jax.Array` leaves (and `jax.ShapeDtypeStruct`s with a
+        sharding) count: numpy and Python leaves are host values and name no device.
+
+    Returns:
+      The set of platform names (empty when no leaf names a device).
+    """
+    out = set()
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+        if sharding is not None:
+            out |= {d.platform for d in sharding.device_set}
+    return out
+
+
 def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=None, spec: GuardSpec | None = None,
-                lr_from_state=False) -> GuardConfig:
+                lr_from_state=False, op_model=None) -> GuardConfig:
     """The `GuardConfig` of one Adam site: the next update's hyperparameters.
 
     Args:
@@ -272,14 +292,20 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
       weight_decay, betas, eps: override the `inject_hyperparams` values (defaults
         0, (0.9, 0.999), 1e-8 when neither gives them).
       spec: the save's guard settings (`jaxguard.core.config.save_spec`; None: the defaults).
+      op_model: the kernel the run resumes on (``optax-adam-gpu``, ...; checked against
+        the weight decay); None: chosen where the site's ``mu``/``nu`` live
+        (`jaxguard.core.opmodel.resolve_optax_op_model`: the XLA:GPU model when they are
+        on a GPU, else the CPU one).
 
     Returns:
-      The `GuardConfig` (op model ``optax-adamw`` when weight decay > 0, else ``optax-adam``).
+      The `GuardConfig` (op model ``optax-adamw[-gpu]`` when weight decay > 0, else
+      ``optax-adam[-gpu]``).
 
     Raises:
       ConfigError: no ``lr`` although the state is inside `inject_hyperparams`; no
         ``weight_decay`` for a state laid out as ``optax.adamw``'s (the state does not
-        record it: never guessed); a bad hyperparameter (`jaxguard.core.opmodel.validate_hparams`).
+        record it: never guessed); a bad hyperparameter (`jaxguard.core.opmodel.validate_hparams`);
+        an `op_model` that is not optax's or not this optimizer's (adam vs adamw).
       CheckpointError: no ``lr`` and no `inject_hyperparams` learning rate; a bad count.
     """
     hp = site.hparams
@@ -309,8 +335,40 @@ def site_config(site: AdamSite, *, lr=None, weight_decay=None, betas=None, eps=N
     if hp.get("eps_root", 0.0):
         raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
                                         "optax op model covers eps_root=0 only")
+    model = resolve_optax_op_model(decoupled=wd > 0, op_model=op_model,
+                                   platforms=platforms_of((site.state.mu, site.state.nu)))
     return GuardConfig.from_spec(save_spec(spec), lr=float(lr_), step=int(count), betas=b, eps=float(e),
-                                 weight_decay=float(wd), op_model="optax-adamw" if wd > 0 else "optax-adam")
+                                 weight_decay=float(wd), op_model=model)
+
+
+def warn_other_platform(sites_meta, like, source="the checkpoint") -> None:
+    """Warn (one line, `JaxguardWarning`) when `like`'s Adam moments live on another kind of
+    device than the op model that certified them runs on: the guarantee is stated for
+    that model's update (XLA:GPU for ``optax-adam[w]-gpu``, XLA:CPU for the others).
+
+    Args:
+      sites_meta: the container's ``meta["state"]["sites"]`` (each with its ``config``).
+      like: the state being restored into (only its `jax.Array` moments name a platform).
+      source: how to name the checkpoint.
+    """
+    sites = {s.name: s for s in find_adam_states(like)}
+    for sm in sites_meta:
+        certified = (sm.get("config") or {}).get("op_model")
+        site = sites.get(sm.get("path"))
+        if site is None or not certified:
+            continue
+        platforms = platforms_of((site.state.mu, site.state.nu))
+        if not platforms:
+            continue
+        on_gpu = all(p in GPU_PLATFORMS for p in platforms)
+        if on_gpu != (gpu_kernel(certified) is not None):
+            base = "optax-adamw" if is_decoupled(certified) else "optax-adam"
+            runs = base + ("-gpu" if on_gpu else "")
+            warnings.warn(f"{source} was certified for {certified} but its Adam state at {site.name!r} is restored "
+                          f"onto {', '.join(sorted(platforms))}, whose update is {runs}: the tau guarantee holds for "
+                          f"{certified}; resume where it was certified, or save the original state again with "
+                          f"op_model={runs!r}", JaxguardWarning, stacklevel=3)
+            return
 
 
 def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:

@@ -229,7 +229,8 @@ def aligned(x, like):
 
 
 # ---------------------------------------------------------------- plan (what every leaf becomes)
-def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state"):
+def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
+               op_model=None):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
     names as `optax_adapter.state_records`, without touching any array's data.
 
@@ -237,7 +238,7 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16").
 
     Args:
-      opt_state, params, lr, weight_decay, betas, eps: as `jaxguard.save`.
+      opt_state, params, lr, weight_decay, betas, eps, op_model: as `jaxguard.save`.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves.
 
@@ -256,7 +257,8 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     oflat = flat_by_dotted(opt_state, "opt_state")
     roles, pairs, sites_meta = {}, [], []
     for si, site in enumerate(sites):
-        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec)
+        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
+                                      op_model=op_model)
         sites_meta.append({"path": site.name, "config": cfg.to_json(), "count_path": site.leaf_path("count")})
         for pair in moment_pairs(site, pflat):
             mfull, nfull = pair.mu_path, pair.nu_path
@@ -652,13 +654,13 @@ def remove_process_files(directory, process: int, save_id: str) -> None:
 
 
 def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
-         codec=None, bound=None, partition=None, include_params=False, primary=0) -> dict:
+         codec=None, bound=None, partition=None, include_params=False, primary=0, op_model=None) -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
     Args:
       path: the checkpoint directory (the same on every process).
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params: as `jaxguard.save`.
+        include_params, op_model: as `jaxguard.save`.
       primary: the process that writes host leaves and commits the manifest.
 
     Returns:
@@ -673,7 +675,7 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     d = _dir(path)
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas,
-                                                    eps=eps, spec=spec)
+                                                    eps=eps, spec=spec, op_model=op_model)
     prepare_directory(d, primary)
     try:
         items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
@@ -1092,6 +1094,8 @@ def load(path, like, *, what="state"):
     if what == "params" and not stored:
         raise CheckpointError(f"{path} holds no params; save with jaxguard.save(..., include_params=True)")
     source = str(path)
+    if what == "state":
+        optax_state.warn_other_platform(man["state"].get("sites") or [], like, source)
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     asm = _Assembler(ShardReader(path, man))
     paths = [optax_state.dotted(p) for p, _ in flat]

@@ -469,6 +469,49 @@ def resolve_op_model(device_type: str, *, foreach=None, fused=None, capturable=F
     return base + "-cuda"
 
 
+# jax Device.platform of a GPU (CUDA and ROCm devices report "gpu"; the plugin names too)
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+OPTAX_OP_MODELS = tuple(m for m in OP_MODELS if m.startswith("optax"))
+
+
+def resolve_optax_op_model(*, decoupled: bool, platforms=(), op_model=None) -> str:
+    """The op model of optax's Adam/AdamW update where the state lives, or the named one.
+
+    The CPU model (``optax-adam[w]``, XLA:CPU) unless every platform the state's arrays
+    live on is a GPU (`GPU_PLATFORMS`): then ``optax-adam[w]-gpu`` (XLA:GPU).
+
+    Args:
+      decoupled: the update has decoupled weight decay (weight_decay > 0: AdamW).
+      platforms: the jax ``Device.platform`` of every device the state's arrays live on
+        (empty: host arrays, the CPU model).
+      op_model: the kernel the run resumes on, named by the user (checked).
+
+    Returns:
+      One of `OPTAX_OP_MODELS`.
+
+    Raises:
+      ConfigError: (one line) a named model that is not an optax one, or of the other
+        optimizer (adam for a weight decay > 0, adamw for none); state spread over a GPU
+        and another platform without a named model.
+    """
+    base = "optax-adamw" if decoupled else "optax-adam"
+    if op_model is not None:
+        if op_model not in OPTAX_OP_MODELS:
+            raise ConfigError(f"op_model={op_model!r} is not an optax op model; use one of {', '.join(OPTAX_OP_MODELS)}")
+        if is_decoupled(op_model) != bool(decoupled):
+            has = "a weight decay > 0 (AdamW)" if decoupled else "no weight decay (Adam)"
+            raise ConfigError(f"op_model={op_model!r} is {'AdamW' if is_decoupled(op_model) else 'Adam'} but the "
+                              f"state has {has}; name {base}{'-gpu' if op_model.endswith('-gpu') else ''} or pass "
+                              "the weight_decay of the next update")
+        return op_model
+    platforms = {str(p).lower() for p in platforms}
+    gpu = {p for p in platforms if p in GPU_PLATFORMS}
+    if gpu and gpu != platforms:
+        raise ConfigError(f"the optax state lives on {', '.join(sorted(platforms))} devices, whose updates run "
+                          f"different kernels; name the one the run resumes on (op_model='{base}-gpu' or '{base}')")
+    return base + "-gpu" if gpu else base
+
+
 # ---------------------------------------------------------------- stage 2 coverage of the GPU kernels
 def stage2_budget(op_model: str) -> dict:
     """First-order error of a GPU kernel's op sequence, in units of ``u = 2**-24``, per
