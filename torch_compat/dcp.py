@@ -266,9 +266,9 @@ class GuardedSavePlanner(DefaultSavePlanner):
             for (off, size, mi), (_, _, vi), (_, _, pi) in zip(*chunks):
                 if math.prod(size) == 0:
                     continue
-                loc = [find_state_dict_object(self.state_dict, i).detach().cpu().contiguous() for i in (mi, vi, pi)]
+                loc = [_state.encoder_view(find_state_dict_object(self.state_dict, i)) for i in (mi, vi, pi)]
                 jobs.append((prefix, entry, off, size, cfg, loc))
-        records = [writer.MomentJob(prefix, m.numpy(), v.numpy(), p.numpy(), cfg,
+        records = [writer.MomentJob(prefix, m, v, p, cfg,
                                     {"param": entry["param"], "offsets": list(off), "global_shape": entry["shape"]})
                    for prefix, entry, off, size, cfg, (m, v, p) in jobs]
         moments = {prefix: {**entry, "shards": []} for prefix, entry in entries.items()}

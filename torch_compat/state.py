@@ -554,7 +554,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
                            op_model=op_model)
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
-        jobs.append(writer.MomentJob(ename, _host_view(m), _host_view(v), _host_view(p), cfg, {"param": name},
+        jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg, {"param": name},
                                      source=(m, v, p)))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
@@ -571,10 +571,79 @@ def _save_spec(spec=None, **overrides):
     return save_spec(spec, **overrides)
 
 
-def _host_view(t):
-    """A float32 tensor as a numpy array on the host (a view for CPU tensors; a CUDA
-    tensor is copied to the host here: the on-device DLPack path is not built)."""
-    return t.detach().cpu().numpy()
+def encoder_view(t, *, dlpack=None):
+    """A float32 tensor as the encoder takes it (`jaxguard.writer.MomentJob`'s m, v, p),
+    where it lives: the one place torch_compat hands tensors to the encoder.
+
+    * A tensor on a device JAX has a backend for (CPU; CUDA when JAX has its GPU plugin)
+      goes into JAX through DLPack (`jax.dlpack.from_dlpack`): zero-copy for a contiguous
+      tensor (JAX copies one whose data is not aligned as XLA wants); a non-contiguous one
+      is made contiguous on its device first.
+    * Otherwise (a CUDA tensor with CPU-only JAX, or ``dlpack=False``) a `HostTensor`:
+      copied to the host only when the writer reads it (`numpy.asarray`), one slab of
+      tensors at a time, never the whole state at once.
+
+    Either way the encoder sees the same float32 bits, so the bytes written do not depend
+    on the route.
+
+    Args:
+      t: a float32 tensor (detached here).
+      dlpack: None: DLPack where JAX has a backend for ``t.device``; False: host slabs.
+
+    Returns:
+      A `jax.Array` (on the tensor's device) or a `HostTensor`.
+    """
+    t = t.detach()
+    if dlpack is None:
+        dlpack = jax_platform_of(t.device.type) is not None
+    if not dlpack:
+        return HostTensor(t)
+    import jax.dlpack
+    return jax.dlpack.from_dlpack(t if t.is_contiguous() else t.contiguous())
+
+
+def jax_platform_of(device_type: str):
+    """The JAX platform that takes tensors of torch `device_type` through DLPack, or None.
+
+    Args:
+      device_type: ``tensor.device.type`` (``"cpu"``, ``"cuda"``, ...).
+
+    Returns:
+      ``"cpu"`` for CPU tensors, ``"gpu"`` for CUDA ones when JAX has a GPU backend
+      (its CUDA or ROCm plugin), else None (the tensor is read on the host).
+    """
+    if device_type == "cpu":
+        return "cpu"
+    if device_type != "cuda":
+        return None
+    import jax
+    try:
+        return "gpu" if jax.devices("gpu") else None
+    except RuntimeError:   # JAX without a GPU backend
+        return None
+
+
+class HostTensor:
+    """A tensor the encoder reads on the host: ``numpy.asarray`` copies it there (the
+    writer does so one slab of tensors at a time); shape, dtype and size need no copy.
+
+    Args:
+      t: the (detached) float32 tensor, on any device.
+    """
+
+    def __init__(self, t):
+        if t.dtype != torch.float32:
+            raise UnsupportedOptimizerError(f"a {t.dtype} tensor reached the encoder; jaxguard certifies float32 "
+                                            "moments and parameters only")
+        self.tensor = t
+        self.shape = tuple(t.shape)
+        self.ndim = t.dim()
+        self.size = t.numel()
+        self.dtype = np.dtype(np.float32)
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.tensor.cpu().contiguous().numpy()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
 def _checkpoint_records(ckpt, *, spec, op_model=None):
@@ -733,7 +802,8 @@ def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.opt
     The target layout is checked before anything is written into `optimizer`: the same
     number of param groups and of parameters in each, the same ``param_names`` where both
     sides have them, and for every saved state a live parameter of its moments' shape and
-    dtype (float32).
+    dtype (float32).  The restored tensors land on each parameter's device (torch's
+    ``load_state_dict`` moves them; ``step`` stays on the CPU unless capturable or fused).
 
     Args:
       path: the container.
@@ -745,8 +815,12 @@ def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.opt
     Raises:
       CheckpointError: another parameter layout (one line naming the first difference),
         or not a torch container; `optimizer` is then left as it was.
+
+    Warns:
+      JaxguardWarning: a param group resumes on another device or foreach/fused setting
+        than the op model that certified it (`warn_other_kernel`).
     """
-    tree, _ = restore_tree(path)
+    tree, header = restore_tree(path)
     if not isinstance(tree, dict) or "optimizer" not in tree:
         raise CheckpointError(f"{path} holds no optimizer state (keys: {', '.join(map(str, tree))}); "
                               "write it with torch_compat.save or jaxguard compress")
@@ -755,8 +829,59 @@ def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.opt
     if not any(g.get("param_names") for g in optimizer.state_dict()["param_groups"]):
         for g in sd["param_groups"]:
             g.pop("param_names", None)
-    optimizer.load_state_dict(sd)
+    certified = certified_by_group(header, sd)
+    optimizer.load_state_dict(sd)    # torch moves each state tensor to its parameter's device
+    warn_other_kernel(certified, optimizer, str(path))
     return optimizer
+
+
+def certified_by_group(header, sd, prefix="optimizer") -> list:
+    """The op models that certified each param group's moments in a container.
+
+    Args:
+      header: the container header (`restore_tree`).
+      sd: the optimizer state_dict restored from it.
+      prefix: the entry-name prefix of the optimizer's state (``"optimizer"``).
+
+    Returns:
+      One sorted list of op model names per param group of `sd` (empty for a group
+      without saved state).
+    """
+    models = {e.get("name"): (e.get("config") or {}).get("op_model") for e in header.get("entries", [])}
+    return [sorted({models[f"{prefix}/state/{idx}"] for idx in g.get("params", ())
+                    if models.get(f"{prefix}/state/{idx}")}) for g in sd["param_groups"]]
+
+
+def warn_other_kernel(certified, optimizer, where="the checkpoint") -> None:
+    """Warn (one line, `jaxguard.errors.JaxguardWarning`) when a param group of `optimizer`
+    will run another kernel than the op model that certified its state: its parameters'
+    device and its foreach/fused/capturable flags resolve (`op_model_of`) to another op
+    model, or to none.  The first such group is named.
+
+    Args:
+      certified: per param group, the op models that certified it (`certified_by_group`).
+      optimizer: the optimizer after ``load_state_dict`` (its groups carry the saved flags
+        and the live parameters).
+      where: how to name the checkpoint.
+    """
+    import warnings
+    from jaxguard.errors import JaxguardWarning
+    for gi, (models, group) in enumerate(zip(certified, optimizer.param_groups)):
+        devices = sorted({p.device.type for p in group["params"]})
+        for dev in devices:
+            try:
+                runs = op_model_of(group, dev, gi=gi)
+            except UnsupportedOptimizerError:
+                runs = None
+            if models and (runs is None or any(m != runs for m in models)):
+                flags = f"foreach={group.get('foreach')}, fused={group.get('fused')}" + \
+                    (", capturable=True" if group.get("capturable") else "")
+                what = f"whose update is {runs}" if runs else "which no op model covers"
+                fix = f", or save the original state again with op_model={runs!r}" if runs else ""
+                warnings.warn(f"{where} was certified for {', '.join(models)} but param group {gi} resumes on {dev} "
+                              f"({flags}), {what}: the tau guarantee holds for {models[0]} only; resume on that "
+                              f"kernel{fix}", JaxguardWarning, stacklevel=3)
+                return
 
 
 def check_layout(sd, optimizer, where="the state") -> None:
