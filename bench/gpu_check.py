@@ -21,7 +21,15 @@ Parts (each says whether it ran on a GPU):
 5. PTX facts (GPU): XLA's PTX for the jitted optax update (``--xla_dump_to``): counts of
    ``div.full.f32``, ``div.rn.f32``, ``fma.rn.f32``, ``sqrt.rn.f32``/``sqrt.approx``;
 6. throughput (GPU): jitted encode on the device (coordinates per second) beside
-   ``torch.save`` of the same state.
+   ``torch.save`` of the same state and `torch_compat.save` of it from CUDA tensors
+   (DLPack into JAX's GPU backend, or host slabs without one).
+
+Part 3 also checks the restore paths: the load into the CUDA optimizer is silent, the
+load into a CPU one warns once (`JaxguardWarning`), the restored moments are on the
+parameters' device, and which route (`torch_compat.state.encoder_view`) the CUDA
+tensors took.  Part 4 also saves the GPU state with `jaxguard.save` (no ``op_model``:
+it must pick ``optax-adam-gpu`` from the arrays' platform), loads it back on the GPU
+without a warning and audits that state too.
 
 Nothing here has run on a GPU yet (docs/gpu.md).  Exit code 1 if a GPU part ran and failed.
 """
@@ -172,11 +180,15 @@ def _train(torch, cls, flags, dev, steps=20):
 
 
 def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
+    import warnings
     import torch_compat
+    from jaxguard.errors import JaxguardWarning
+    from torch_compat.state import encoder_view
     failed = False
     dev = torch.device(DEVICE)
     lines.append("## 3. Real CUDA torch audit of a guarded checkpoint\n")
-    lines.append("| optimizer | certified op model | escape rate | max gap / lr | over tau |\n|---|---|---|---|---|")
+    lines.append("| optimizer | certified op model | escape rate | max gap / lr | over tau | warnings (same, CPU) "
+                 "| encoder route | restored on device |\n|---|---|---|---|---|---|---|---|")
     tiny = clip * 2.0 ** -np.arange(1, 30)
     grid = np.concatenate([np.linspace(-clip, clip, 17), tiny, -tiny])
     for cls, flags in (("Adam", {}), ("AdamW", dict(fused=True, weight_decay=0.01))):
@@ -187,7 +199,17 @@ def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
             _, header = torch_compat.restore_tree(path)
             model2, opt2 = _train(torch, cls, flags, dev, steps=0)
             model2.load_state_dict(model.state_dict())
-            torch_compat.load(path, opt2)
+            with warnings.catch_warnings(record=True) as same:     # resumes on the certified kernel: silent
+                warnings.simplefilter("always", JaxguardWarning)
+                torch_compat.load(path, opt2)
+            _, opt_cpu = _train(torch, cls, flags, "cpu", steps=0)
+            with warnings.catch_warnings(record=True) as other:    # onto the CPU kernel: one warning
+                warnings.simplefilter("always", JaxguardWarning)
+                torch_compat.load(path, opt_cpu)
+        warned = (sum(issubclass(w.category, JaxguardWarning) for w in same),
+                  sum(issubclass(w.category, JaxguardWarning) for w in other))
+        route = type(encoder_view(next(iter(opt.state.values()))["exp_avg"])).__name__
+        on_device = all(st["exp_avg"].device.type == dev.type for st in opt2.state.values())
         worst, over = 0.0, 0
         base = {k: t.detach().clone() for k, t in model.state_dict().items()}
         sd1, sd2 = copy.deepcopy(opt.state_dict()), copy.deepcopy(opt2.state_dict())   # step() updates in place
@@ -204,8 +226,8 @@ def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
             worst = max(worst, float(gap.max()))
             over += int((gap > tau).sum())
         lines.append(f"| {cls} {flags or '(defaults)'} | {header['op_model']} | {summary['escape_rate']:.4f} | "
-                     f"{worst:.3g} | {over} |")
-        failed |= over > 0
+                     f"{worst:.3g} | {over} | {warned[0]}, {warned[1]} | {route} | {on_device} |")
+        failed |= over > 0 or warned != (0, 1) or not on_device
     lines.append("")
     return failed
 
@@ -236,17 +258,40 @@ def part_optax(n, lines, tau=0.01, clip=0.2):
     jax.block_until_ready(mt)
     enc_s = time.perf_counter() - t0
     restored = (adam._replace(mu=mt, nu=vt),) + tuple(state[1:])
-    worst, over = 0.0, 0
-    for gv in np.concatenate([np.linspace(-clip, clip, 17), clip * 2.0 ** -np.arange(1, 30)]):
-        g = jnp.full((n,), F(gv))
-        p1 = train(state, params, g)[1]
-        p2 = train(restored, params, g)[1]
-        gap = np.abs(np.asarray(p1, np.float64) - np.asarray(p2, np.float64)) / 1e-3
-        worst, over = max(worst, float(gap.max())), over + int((gap > tau).sum())
+
+    def gaps(restored):
+        worst, over = 0.0, 0
+        for gv in np.concatenate([np.linspace(-clip, clip, 17), clip * 2.0 ** -np.arange(1, 30)]):
+            g = jnp.full((n,), F(gv))
+            p1 = train(state, params, g)[1]
+            p2 = train(restored, params, g)[1]
+            gap = np.abs(np.asarray(p1, np.float64) - np.asarray(p2, np.float64)) / 1e-3
+            worst, over = max(worst, float(gap.max())), over + int((gap > tau).sum())
+        return worst, over
+    worst, over = gaps(restored)
     esc = int(je.arrays["escape_count"])
     lines.append(f"{n:,} coordinates: escapes {esc:,}; max gap / lr {worst:.3g}; over tau {over}; first encode+decode "
                  f"(with compile) {enc_s:.2f} s\n")
-    return over > 0, (tx, state, params, cfg)
+    # the file path: jaxguard.save picks the XLA:GPU model from the arrays' platform, load is silent on the GPU
+    import warnings
+    import jaxguard as jg
+    from jaxguard.errors import JaxguardWarning
+    from jaxguard.format import container
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "optax.jg")
+        t0 = time.perf_counter()
+        summary = jg.save(path, state, params, lr=1e-3, tau=tau, clip=clip)
+        save_s = time.perf_counter() - t0
+        model = container.read(path, verify_decoded=False)[0].get("op_model")
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always", JaxguardWarning)
+            loaded = jg.load(path, tx.init(params))
+    warned = sum(issubclass(x.category, JaxguardWarning) for x in w)
+    worst2, over2 = gaps(loaded)
+    lines.append(f"jaxguard.save of the GPU state: op model {model} (chosen from the arrays' platform; want "
+                 f"optax-adam-gpu), escape rate {summary['escape_rate']:.4f}, {save_s:.2f} s with compile; "
+                 f"jaxguard.load onto the GPU: {warned} warnings; max gap / lr {worst2:.3g}; over tau {over2}\n")
+    return over > 0 or over2 > 0 or warned > 0 or model != "optax-adam-gpu", (tx, state, params, cfg)
 
 
 def part_ptx(lines):
@@ -283,10 +328,23 @@ def part_throughput(n, lines, torch, optax_bits):
     buf = io.BytesIO()
     torch.save(sd, buf)
     save_s = time.perf_counter() - t0
+    # torch_compat.save of the same CUDA state (DLPack into JAX's GPU, or host slabs without it), after a warm-up
+    import torch_compat
+    from torch_compat.state import encoder_view
+    prm = torch.nn.Parameter(torch.from_numpy(np.asarray(params)).to(DEVICE))
+    opt = torch.optim.Adam([prm], lr=1e-3)
+    opt.state[prm] = {"step": torch.tensor(float(adam.count)), **sd}
+    route = type(encoder_view(sd["exp_avg"])).__name__
+    with tempfile.TemporaryDirectory() as d:
+        torch_compat.save(os.path.join(d, "warm.jg"), opt)
+        t0 = time.perf_counter()
+        guarded = torch_compat.save(os.path.join(d, "state.jg"), opt)
+        guard_s = time.perf_counter() - t0
     lines.append("## 6. Throughput on the GPU\n")
     lines.append(f"jitted encode: {rate:,.0f} coordinates/s ({n:,} coordinates, {reps} calls after one warm-up); "
                  f"torch.save of the same two CUDA moments: {save_s:.3f} s ({n / save_s:,.0f} coordinates/s, "
-                 f"{buf.tell():,} bytes)\n")
+                 f"{buf.tell():,} bytes); torch_compat.save of that CUDA state (encoder route {route}): "
+                 f"{guard_s:.3f} s ({n / guard_s:,.0f} coordinates/s, {guarded['container_bytes']:,} bytes)\n")
 
 
 def main(argv=None):

@@ -201,8 +201,9 @@ def test_cpu_tensors_reach_jax_through_dlpack_without_a_copy():
     a = encoder_view(t)
     assert isinstance(a, jax.Array) and a.unsafe_buffer_pointer() == t.data_ptr()
     assert np.asarray(a).view(np.uint32).tolist() == t.numpy().view(np.uint32).tolist()
-    nc = torch.randn(8, 6).t()                    # not contiguous: made contiguous first
-    assert np.array_equal(np.asarray(encoder_view(nc)), nc.contiguous().numpy())
+    for view in (torch.randn(8, 6).t(), torch.randn(1030)[3:]):   # strided; 12 bytes off: read on the host
+        h = encoder_view(view)
+        assert isinstance(h, HostTensor) and np.array_equal(np.asarray(h), view.contiguous().numpy())
     assert encoder_view(torch.zeros(0)).shape == (0,)
     assert jax_platform_of("cpu") == "cpu" and jax_platform_of("meta") is None
     if not any(d.platform == "gpu" for d in jax.devices()):

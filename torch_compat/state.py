@@ -571,35 +571,41 @@ def _save_spec(spec=None, **overrides):
     return save_spec(spec, **overrides)
 
 
+# XLA aliases a DLPack buffer only at this alignment (jax 0.10.2 on CPU copies one at 4..32
+# bytes off, measured); an unaligned or strided tensor is read on the host instead, lazily,
+# so that no copy of the whole state is made up front.
+DLPACK_ALIGNMENT = 64
+
+
 def encoder_view(t, *, dlpack=None):
     """A float32 tensor as the encoder takes it (`jaxguard.writer.MomentJob`'s m, v, p),
     where it lives: the one place torch_compat hands tensors to the encoder.
 
-    * A tensor on a device JAX has a backend for (CPU; CUDA when JAX has its GPU plugin)
-      goes into JAX through DLPack (`jax.dlpack.from_dlpack`): zero-copy for a contiguous
-      tensor (JAX copies one whose data is not aligned as XLA wants); a non-contiguous one
-      is made contiguous on its device first.
-    * Otherwise (a CUDA tensor with CPU-only JAX, or ``dlpack=False``) a `HostTensor`:
-      copied to the host only when the writer reads it (`numpy.asarray`), one slab of
-      tensors at a time, never the whole state at once.
+    * A contiguous tensor whose data is 64-byte aligned, on a device JAX has a backend
+      for (CPU; CUDA when JAX has its GPU plugin), goes into JAX through DLPack
+      (`jax.dlpack.from_dlpack`): zero-copy, the JAX array aliases the tensor.
+    * Otherwise (a CUDA tensor with CPU-only JAX, a strided or unaligned view, or
+      ``dlpack=False``) a `HostTensor`: copied to the host only when the writer reads it
+      (`numpy.asarray`), one slab of tensors at a time, never the whole state at once.
 
     Either way the encoder sees the same float32 bits, so the bytes written do not depend
     on the route.
 
     Args:
       t: a float32 tensor (detached here).
-      dlpack: None: DLPack where JAX has a backend for ``t.device``; False: host slabs.
+      dlpack: None: DLPack where it is zero-copy; False: host slabs.
 
     Returns:
       A `jax.Array` (on the tensor's device) or a `HostTensor`.
     """
     t = t.detach()
     if dlpack is None:
-        dlpack = jax_platform_of(t.device.type) is not None
+        dlpack = (jax_platform_of(t.device.type) is not None and t.is_contiguous()
+                  and t.data_ptr() % DLPACK_ALIGNMENT == 0)
     if not dlpack:
         return HostTensor(t)
     import jax.dlpack
-    return jax.dlpack.from_dlpack(t if t.is_contiguous() else t.contiguous())
+    return jax.dlpack.from_dlpack(t)
 
 
 def jax_platform_of(device_type: str):
