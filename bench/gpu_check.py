@@ -179,6 +179,14 @@ def _train(torch, cls, flags, dev, steps=20):
     return model, opt
 
 
+def _route(x):
+    """How `torch_compat.state.encoder_view` handed a tensor to the encoder."""
+    import jax
+    if isinstance(x, jax.Array):
+        return f"DLPack, jax.Array on {', '.join(sorted(d.platform for d in x.devices()))}"
+    return "host slabs (HostTensor)"
+
+
 def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
     import warnings
     import torch_compat
@@ -208,7 +216,7 @@ def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
                 torch_compat.load(path, opt_cpu)
         warned = (sum(issubclass(w.category, JaxguardWarning) for w in same),
                   sum(issubclass(w.category, JaxguardWarning) for w in other))
-        route = type(encoder_view(next(iter(opt.state.values()))["exp_avg"])).__name__
+        route = _route(encoder_view(next(iter(opt.state.values()))["exp_avg"]))
         on_device = all(st["exp_avg"].device.type == dev.type for st in opt2.state.values())
         worst, over = 0.0, 0
         base = {k: t.detach().clone() for k, t in model.state_dict().items()}
@@ -334,7 +342,7 @@ def part_throughput(n, lines, torch, optax_bits):
     prm = torch.nn.Parameter(torch.from_numpy(np.asarray(params)).to(DEVICE))
     opt = torch.optim.Adam([prm], lr=1e-3)
     opt.state[prm] = {"step": torch.tensor(float(adam.count)), **sd}
-    route = type(encoder_view(sd["exp_avg"])).__name__
+    route = _route(encoder_view(sd["exp_avg"]))
     with tempfile.TemporaryDirectory() as d:
         torch_compat.save(os.path.join(d, "warm.jg"), opt)
         t0 = time.perf_counter()
