@@ -3,8 +3,9 @@
 `save(path, opt_state, params, lr=...)` finds every `optax.ScaleByAdamState` anywhere in
 an optax state pytree (`optax.adam`, `adamw`, `chain`s with clipping, `inject_hyperparams`,
 `multi_transform`, `masked`, `named_chain`), compresses each ``mu``/``nu`` leaf pair with
-the guard against the ``optax-adam`` / ``optax-adamw`` op model and stores every other
-leaf exactly.  `load(path, like=opt_state)` rebuilds the tree of `like`: same structure,
+the guard against the ``optax-adam`` / ``optax-adamw`` op model (XLA:CPU; the
+``-gpu`` XLA:GPU model when the moments live on a GPU, or the one named by
+``op_model=``: docs/gpu.md) and stores every other leaf exactly.  `load(path, like=opt_state)` rebuilds the tree of `like`: same structure,
 dtypes and (for `jax.Array` leaves) shardings.
 
 Leaves are matched by their *dotted path*: the key path of the leaf with dict keys,
