@@ -29,7 +29,8 @@ count ``t`` (bias corrections at ``t + 1``), as the framework rounds them:
   ``1 - powf(f32(b), t)`` in float32, so `S`, `B` are exact from the float32 betas and
   ``const_rel`` covers powf's 8 ulp and the roundings after it (docs/bound.md, section
   9); they keep the step in float32 and refuse ``step + 1 >= 2**24``.
-  `resolve_op_model` picks the model as torch's ``_default_to_fused_or_foreach`` does.
+  `resolve_op_model` picks the model as torch's ``_default_to_fused_or_foreach`` does;
+  `resolve_optax_op_model` by the platform the optax state's arrays live on.
 
 The bit-exact replay of torch's update (and the textbook one that fails it) live in
 torch_compat.replay; the GPU kernels' simulations in torch_compat.gpu_sim.
