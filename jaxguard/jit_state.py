@@ -115,13 +115,14 @@ def _layout(x, name):
 
 
 def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, spec=None,
-                    tau=None, clip=None, codec=None, bound=None, partition=None) -> StateConstants:
+                    tau=None, clip=None, codec=None, bound=None, partition=None, op_model=None) -> StateConstants:
     """Host: the constants and static plan for `encode_state_jit` at one step.
 
     Args:
       opt_state, params: the state and params (arrays with their shardings; abstract
         shapes are not enough: the Adam sites' hyperparameters are read from the state).
-      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition: as `jaxguard.save`.
+      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition, op_model: as
+        `jaxguard.save` (the default op model follows the platform the moments live on).
       step: the optax ``count`` of the state that will be encoded (default: the count
         in `opt_state`); a state encoded right after an update has the next count.
     Returns:
@@ -133,7 +134,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
     """
     guard = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay,
-                                                            betas=betas, eps=eps, spec=guard)
+                                                            betas=betas, eps=eps, spec=guard, op_model=op_model)
     ks, configs = [], []
     for i, sm in enumerate(sites_meta):
         cfg = GuardConfig.from_json(sm["config"])

@@ -231,3 +231,17 @@ def test_bytes_do_not_depend_on_the_route():
         header, payload = reader.parse(writer.to_bytes(rec, {"framework": "test"})[0])[:2]
         outs.append((header["payload_sha256"], header["decoded_sha256"], bytes(payload)))
     assert outs[0] == outs[1] == outs[2]    # the header differs only in encode_seconds
+
+
+def test_jitted_save_hook_takes_op_model_and_load_on_cpu_warns(tmp_path):
+    tx = optax.adam(1e-3)
+    params, st = _optax_state(tx, seed=2)
+    k = jg.state_constants(st, params, lr=1e-3, op_model="optax-adam-gpu")
+    enc = jax.jit(lambda s, p, k: jg.encode_state_jit(s, p, k))(st, params, k)
+    jg.write(tmp_path / "jit", enc, k)
+    man = json.loads((tmp_path / "jit" / "manifest.json").read_text())
+    assert man["op_model"] == "optax-adam-gpu"
+    _, msg = _one_warning(jg.load, tmp_path / "jit", tx.init(params))
+    assert "optax-adam-gpu" in msg and "onto cpu" in msg
+    with pytest.raises(ConfigError, match="torch-adam"):
+        jg.state_constants(st, params, lr=1e-3, op_model="torch-adam")
