@@ -156,3 +156,89 @@ def check_orbax(d, npz):
     res = audit(tx, state, r, params, lr=LR, clip=CLIP)
     return {"step": step, "digest": digest(r), "violations": int(res["violations"]),
             "max_gap_lr": float(res["max_gap_lr"])}
+
+
+# ---------------------------------------------------------------- torch DCP (tests/fault_dcp_worker.py)
+DCP_WORKER = os.path.join(HERE, "fault_dcp_worker.py")
+
+
+def run_dcp_save(d, steps, fault="none", victim=-1, api="save", nproc=2, timeout=600, report=None):
+    """One `nproc`-rank guarded DCP save (FSDP2, gloo) of a `steps`-step state to `d`; as `run_save`."""
+    report = report or d.rstrip("/") + ".report"
+    for f in glob.glob(report + ".*.json"):
+        os.unlink(f)
+    port = free_port()
+    e = env()
+    e["OMP_NUM_THREADS"] = "1"
+    procs = [subprocess.Popen([sys.executable, DCP_WORKER, str(i), str(nproc), str(port), d, str(steps), fault,
+                               str(victim), api, report], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(nproc)]
+    killed = []
+    try:
+        if fault.startswith("kill") and 0 <= victim < nproc:
+            procs[victim].wait(timeout=timeout)
+            grace_end = time.time() + GRACE
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.1, grace_end - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    killed.append(i)
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    logs = [p.stdout.read()[-3000:] for p in procs]
+    reports = {i: json.load(open(f"{report}.{i}.json")) for i in range(nproc) if os.path.exists(f"{report}.{i}.json")}
+    return {"reports": reports, "returncodes": [p.returncode for p in procs], "killed": killed, "log": logs}
+
+
+def _dcp_load(path, guarded):
+    sys.path.insert(0, HERE)
+    import _dcp_worker as W
+    from torch_compat.dcp import GuardedLoadPlanner
+    return W.load_into(path, None, GuardedLoadPlanner(path) if guarded else None)
+
+
+def check_dcp(d, plain):
+    """Load guarded DCP `d` into one plain process (GuardedLoadPlanner) and audit it against the
+    plain DCP save `plain` with the real torch Adam step.
+
+    Returns:
+      {"digest", "violations", "max_gap_lr", "weights_identical"} or {"error": the one line}.
+    """
+    import torch
+    from jaxguard.audit import gradient_grid
+    from torch_compat.dcp import first_update_audit
+    try:
+        test = _dcp_load(d, True)
+    except BaseException as exc:  # noqa: BLE001 - the line the user sees
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                "lines": len(str(exc).strip().splitlines())}
+    ref = _dcp_load(plain, False)
+    h = hashlib.sha256()
+    for p in test[0].parameters():
+        h.update(p.detach().numpy().tobytes())
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            h.update(test[1].state[p][k].detach().numpy().tobytes())
+    same_w = all(torch.equal(a, b) for a, b in zip(ref[0].parameters(), test[0].parameters()))
+    a = first_update_audit(ref, test, tau=0.01, clip=CLIP, grid=gradient_grid(CLIP))
+    return {"digest": h.hexdigest(), "violations": int(a["violations"]), "max_gap_lr": float(a["max_gap_lr"]),
+            "weights_identical": same_w}
+
+
+def dcp_refusal(d):
+    """The line `jaxguard verify` (torch_compat.dcp.verify_dir) and a guarded dcp.load give for `d`."""
+    from torch_compat.dcp import verify_dir
+    out = {}
+    for who, fn in (("verify", lambda: verify_dir(d)), ("dcp.load", lambda: _dcp_load(d, True))):
+        try:
+            fn()
+            out[who] = "loaded (no error)"
+        except BaseException as exc:  # noqa: BLE001 - the line the user sees
+            s = str(exc).strip()
+            out[who] = f"{type(exc).__name__}: {s.splitlines()[0] if s else ''}"[:300]
+            out[who + "_lines"] = len(s.splitlines())
+    return out

@@ -70,6 +70,7 @@ from jaxguard.errors import CheckpointError, ConfigError, ContainerError, Jaxgua
 from jaxguard.core.config import save_spec
 
 from torch_compat import state as _state
+from torch_compat.dcp_metadata import check_manifest, load_metadata
 
 FORMAT = "jaxguard-dcp/1"
 MANIFEST_KEY = "__jaxguard__"
@@ -144,6 +145,7 @@ def manifest_of(metadata):
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise CheckpointError(f"the checkpoint's jaxguard manifest is {str(man.get('format') if isinstance(man, dict) else man)[:40]!r}, "
                               f"this version reads {FORMAT!r}; upgrade jaxguard")
+    check_manifest(man, metadata)
     return man
 
 
@@ -452,7 +454,8 @@ def read_verified(storage_reader, metadata, manifest, keys, *, describe=None):
         try:
             storage_reader.read_data(LoadPlan([it for it, _ in pairs]), stager).wait()
         except Exception as exc:  # noqa: BLE001 - any reader failure is this file's fault
-            raise CheckpointError(f"{path}: cannot be read ({_one_line(exc)})") from None
+            raise CheckpointError(f"{path}: does not match .metadata (overwritten in place by a save that did not "
+                                  f"finish, or altered): {_one_line(exc)[:90]}") from None
         for item, _ in pairs:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.TENSOR:
@@ -539,6 +542,8 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             raise ConfigError(f"storage_reader is a {type(storage_reader).__name__}; pass the "
                               "torch.distributed.checkpoint StorageReader given to dcp.load")
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        if checkpoint_id is not None and "://" not in os.fspath(checkpoint_id):
+            load_metadata(checkpoint_id)   # before dcp.load unpickles it: one line, no code run
         self._checkpoint_id = checkpoint_id
         self._given_reader = storage_reader
         self._apply: list = []
@@ -681,13 +686,7 @@ def read_metadata(path):
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory; pass a torch.distributed.checkpoint directory")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(f"{path}: no .metadata file; not a torch.distributed.checkpoint directory (or the save "
-                              "did not finish)")
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{os.path.join(path, '.metadata')}: cannot be read ({_one_line(exc)})") from None
+    metadata = load_metadata(path)
     return metadata, manifest_of(metadata)
 
 
