@@ -3,7 +3,8 @@
     python tests/fault_dcp_worker.py RANK WORLD PORT DIR STEPS FAULT VICTIM API REPORT
 
 WORLD gloo ranks train the FSDP2 model of tests/_dcp_worker.py STEPS steps and save it with
-``dcp.save`` (API ``save``) or ``dcp.async_save(...).result()`` (API ``async``) and
+``dcp.save`` (API ``save``) or ``dcp.async_save(...).result()`` (API ``async``; ``save_overwrite``: ``dcp.save`` with
+``GuardedSavePlanner(overwrite=True)``) and
 `GuardedSavePlanner` to DIR; with FAULT ``none`` a plain DCP save goes to ``DIR.plain``
 too (the exact state the audit compares with).  In rank VICTIM the fault is injected into
 the real write path (torch's FileSystemWriter and jaxguard's encoder run unchanged around it):
@@ -14,7 +15,8 @@ the real write path (torch's FileSystemWriter and jaxguard's encoder run unchang
   kill_before_metadata SIGKILL (coordinator) with every data file written, before .metadata
   raise                an OSError (EIO) while writing its data file: the save raises
 
-Each rank that returns writes REPORT.<rank>.json: {"ok", "error" (the one line)}.
+Each rank that returns writes REPORT.<rank>.json: {"ok", "error" (the first line), "lines",
+"inner" (the first error DCP's CheckpointException wraps, when it is one)}.
 """
 import errno
 import json
@@ -86,7 +88,7 @@ def main():
         inject(fault)
     rep = {"rank": rank}
     try:
-        planner = GuardedSavePlanner(tau=W.TAU, clip=W.CLIP)
+        planner = GuardedSavePlanner(tau=W.TAU, clip=W.CLIP, overwrite=api == "save_overwrite")
         if api == "async":
             dcp.async_save(state, checkpoint_id=d, planner=planner).result()
         else:
@@ -96,6 +98,9 @@ def main():
         text = str(exc).strip().splitlines()
         rep.update(ok=False, error=f"{type(exc).__name__}: {text[0] if text else ''}"[:300],
                    lines=len(str(exc).splitlines()))
+        inner = [e for e, _ in getattr(exc, "failures", {}).values()]
+        if inner:
+            rep["inner"] = f"{type(inner[0]).__name__}: {str(inner[0]).strip().splitlines()[0][:240]}"
     json.dump(rep, open(f"{report}.{rank}.json", "w"))
     try:
         dist.destroy_process_group()

@@ -241,4 +241,11 @@ def dcp_refusal(d):
             s = str(exc).strip()
             out[who] = f"{type(exc).__name__}: {s.splitlines()[0] if s else ''}"[:300]
             out[who + "_lines"] = len(s.splitlines())
+            inner = [e for e, _ in getattr(exc, "failures", {}).values()]
+            if inner:   # DCP's CheckpointException: the rank errors it wraps
+                out[who + "_inner"] = sorted({f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240]}"
+                                              for e in inner})
+                out[who + "_inner_one_line_jaxguard"] = all(
+                    type(e).__name__ in ("CheckpointError", "ContainerError") and "\n" not in str(e).strip()
+                    for e in inner)
     return out

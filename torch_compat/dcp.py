@@ -160,6 +160,9 @@ class GuardedSavePlanner(DefaultSavePlanner):
         `clip`, `codec`, `bound`, `partition` override its fields when given.
       op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
         one torch runs where the state lives).
+      overwrite: save into a directory that already holds a DCP checkpoint (default False:
+        refused, since DCP rewrites its rank files in place and an interrupted save then
+        leaves neither checkpoint; a directory per step keeps the last one whole).
       **kwargs: passed to `DefaultSavePlanner` (``flatten_state_dict`` must stay True;
         plan caching is refused: the hashes change with every save).
 
@@ -175,7 +178,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
-                 bound: str | None = None, partition: str | None = None, op_model: str | None = None, **kwargs):
+                 bound: str | None = None, partition: str | None = None, op_model: str | None = None,
+                 overwrite: bool = False, **kwargs):
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
@@ -183,6 +187,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         self.op_model = op_model
+        self.overwrite = overwrite
         s = self.spec
         self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
         self.summary: dict = {}
@@ -195,6 +200,12 @@ class GuardedSavePlanner(DefaultSavePlanner):
         """
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self._nested = state_dict
+        where = getattr(storage_meta, "checkpoint_id", None)
+        if not self.overwrite and where is not None and os.path.isfile(os.path.join(os.fspath(where), ".metadata")):
+            # DCP rewrites the rank files of a directory in place: a save that stops half way loses the old one
+            raise CheckpointError(f"{where} holds a committed DCP checkpoint, which DCP would overwrite in place (a "
+                                  "save that stops half way loses it); save each step to its own directory, or "
+                                  "pass GuardedSavePlanner(overwrite=True)")
 
     def create_local_plan(self):
         """Certify and encode this rank's moment shards, then plan the rest as DCP would.
@@ -686,7 +697,7 @@ def read_metadata(path):
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory; pass a torch.distributed.checkpoint directory")
-    metadata = load_metadata(path)
+    metadata = load_metadata(path, check_files=True)
     return metadata, manifest_of(metadata)
 
 

@@ -11,9 +11,11 @@ Every refusal is one `CheckpointError` line naming the file and the field.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pathlib
 import pickle
+import pickletools
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
@@ -53,11 +55,32 @@ def _nats(xs, n=None) -> bool:
     return isinstance(xs, (list, tuple)) and (n is None or len(xs) == n) and all(_nat(x) for x in xs)
 
 
-def load_metadata(path):
+def _paths_ok(paths) -> bool:
+    """Planner paths (tuples of str keys / int list indices) build one nested state_dict:
+    no path is a prefix of another, and the children of a node are all keys or all indices."""
+    kinds: dict = {}
+    for p in paths:
+        if not isinstance(p, (tuple, list)) or not p or not isinstance(p[0], str) or \
+                not all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20)
+                        for x in p):
+            return False
+        for i in range(1, len(p)):
+            kinds.setdefault(tuple(p[:i]), set()).add(type(p[i]))
+    leaves = {tuple(p) for p in paths}
+    return all(len(v) == 1 for v in kinds.values()) and not (leaves & set(kinds)) and len(leaves) == len(paths)
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def load_metadata(path, check_files=False):
     """The DCP `Metadata` of directory `path`, unpickled without running code and checked.
 
     Args:
       path: a local DCP checkpoint directory.
+      check_files: also check that every rank file the metadata names is there and holds
+        the bytes it lists (before anything is allocated from the metadata's sizes).
 
     Returns:
       The `Metadata` (``storage_meta`` filled in as torch's reader does).
@@ -75,12 +98,27 @@ def load_metadata(path):
         raise CheckpointError(f"{f}: {size} bytes, more than a DCP .metadata file can hold ({MAX_METADATA_BYTES})")
     try:
         with open(f, "rb") as fh:
-            md = _Unpickler(io.BytesIO(fh.read())).load()
+            data = fh.read()
+        for _ in pickletools.genops(data):   # every length field checked against the bytes there, before
+            pass                             # the C unpickler allocates what one says
+        md = _Unpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is this file's
         text = str(exc).strip().splitlines()
         raise CheckpointError(f"{f}: refused without running it ({type(exc).__name__}: "
                               f"{(text[0] if text else '')[:120]})") from None
     _check_metadata(md, f)
+    if check_files:
+        need: dict = {}
+        for info in md.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for rel, n in sorted(need.items()):
+            p = os.path.join(os.fspath(path), rel)
+            if not os.path.isfile(p):
+                raise CheckpointError(f"{p}: rank file is missing; the checkpoint is incomplete (copy the whole "
+                                      "directory, or save it again)")
+            if os.path.getsize(p) < n:
+                raise CheckpointError(f"{p}: rank file is truncated ({os.path.getsize(p)} bytes, the metadata needs "
+                                      f"{n}); the checkpoint is incomplete")
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = _md.StorageMeta()
     return md
@@ -112,6 +150,8 @@ def _check_metadata(md, f) -> None:
             if not isinstance(c, _md.ChunkStorageMetadata) or not _nats(off, len(size)) or not _nats(sz, len(size)) \
                     or any(o + s > d for o, s, d in zip(off, sz, size)):
                 bad(f"{k!r} has a chunk {str(c)[:60]} outside its size {list(size)}")
+        if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
+            bad(f"the chunks of {k!r} do not cover its size {list(size)} once")
     sd = getattr(md, "storage_data", None)
     if not isinstance(sd, dict):
         bad("storage_data is not a dict")
@@ -128,8 +168,24 @@ def _check_metadata(md, f) -> None:
                 f"{str(getattr(info, 'length', None))[:20]}")
         if getattr(info, "transform_descriptors", None) not in (None, [], ()):
             bad(f"storage for {idx.fqn!r} names stream transforms, which guarded DCP checkpoints never use")
-    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        m = sdm[idx.fqn]
+        if isinstance(m, _md.TensorStorageMetadata):
+            chunk = next((c for c in m.chunks if idx.offset is not None and tuple(c.offsets) == tuple(idx.offset)), None)
+            if chunk is None or info.length < math.prod(chunk.sizes) * _itemsize(m.properties.dtype):
+                bad(f"storage for {idx.fqn!r} at {str(idx.offset)[:40]} is no chunk of it, or shorter than the chunk")
+        elif idx.offset is not None:
+            bad(f"storage for bytes item {idx.fqn!r} has tensor offsets")
+    for k, m in sdm.items():
+        if isinstance(m, _md.TensorStorageMetadata) and any(_md.MetadataIndex(k, c.offsets) not in sd for c in m.chunks):
+            bad(f"a chunk of {k!r} has no storage")
+        if isinstance(m, _md.BytesStorageMetadata) and _md.MetadataIndex(k) not in sd:
+            bad(f"bytes item {k!r} has no storage")
+    pd = getattr(md, "planner_data", None)
+    if not isinstance(pd, (dict, type(None))):
         bad("planner_data is not a dict")
+    maps = {k: v for k, v in (pd or {}).items() if k != "__jaxguard__"}
+    if not all(isinstance(k, str) and k in sdm for k in maps) or not _paths_ok(list(maps.values())):
+        bad("planner_data holds paths that do not form one state_dict")
 
 
 def check_manifest(man, metadata) -> None:
@@ -151,6 +207,16 @@ def check_manifest(man, metadata) -> None:
         if not all(isinstance(a, str) and isinstance(b, str) for a, b in man[k].items()):
             bad(f"{k} table holds a non-string entry")
     sdm = getattr(metadata, "state_dict_metadata", {}) or {}
+    chunk_keys = {f"{k}@{','.join(str(int(o)) for o in c.offsets)}" for k, m in sdm.items()
+                  if isinstance(m, _md.TensorStorageMetadata) for c in m.chunks}
+    if set(man["bytes"]) != {k for k, m in sdm.items() if isinstance(m, _md.BytesStorageMetadata)} or \
+            set(man["tensors"]) != chunk_keys:
+        bad("does not list the same items as the DCP metadata")
+    shard_keys = [s.get("key") for e in man["moments"].values() if isinstance(e, dict)
+                  for s in (e.get("shards") if isinstance(e.get("shards"), list) else []) if isinstance(s, dict)]
+    if sorted(map(str, shard_keys)) != sorted(k for k in sdm if k.startswith("__jaxguard__/")):
+        bad("does not name every guarded shard of the DCP metadata once")
+    maps = [v for k, v in (metadata.planner_data or {}).items() if k != "__jaxguard__"]
     for prefix, e in man["moments"].items():
         if not isinstance(e, dict):
             bad(f"entry {str(prefix)[:60]!r} is not a record")
@@ -165,6 +231,10 @@ def check_manifest(man, metadata) -> None:
         shape, shards = e.get("shape"), e.get("shards")
         if not _nats(shape) or not isinstance(shards, list):
             bad(f"entry {str(prefix)[:60]!r} has shape {str(shape)[:40]} / shards {type(shards).__name__}")
+        p = sdm.get(e["param_key"]) if isinstance(e.get("param_key"), str) else None
+        if not isinstance(p, _md.TensorStorageMetadata) or list(p.size) != shape:
+            bad(f"entry {str(prefix)[:60]!r} has shape {shape[:8]}, not its parameter's")
+        maps += [e["m_path"], e["v_path"]]
         for s in shards:
             if not isinstance(s, dict) or not isinstance(s.get("key"), str) or s["key"] not in sdm \
                     or not _nats(s.get("offsets"), len(shape)) or not _nats(s.get("sizes"), len(shape)) \
@@ -174,3 +244,7 @@ def check_manifest(man, metadata) -> None:
                     or not all(_nat(s["stats"].get(k)) for k in ("coordinates", "escapes", "payload_bytes")):
                 bad(f"entry {str(prefix)[:60]!r} has a shard record {str(s)[:60]!r} that is incomplete or "
                     "outside the moment")
+        if sum(math.prod(s["sizes"]) for s in shards) != math.prod(shape):
+            bad(f"entry {str(prefix)[:60]!r}: its shards do not cover the shape {shape[:8]} once")
+    if not _paths_ok(maps):
+        bad("holds moment paths that do not form one state_dict with the other items")
