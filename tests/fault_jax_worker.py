@@ -63,6 +63,8 @@ from jaxguard.optax_state import dotted, flat_by_dotted  # noqa: E402
 LR, WD, CLIP = 1e-3, 1e-2, 0.2
 TX = optax.adamw(LR, weight_decay=WD)
 SPECS = {"w1": P("a", "b"), "b1": P(), "emb": P("a", None)}
+if NPROC == 3:   # axis "a" has 3 processes: shard the dimensions 3 divides (96), rows over "b"
+    SPECS = {"w1": P("b", "a"), "b1": P(), "emb": P(None, "a")}
 
 
 def host_params():
