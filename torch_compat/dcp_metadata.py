@@ -47,6 +47,14 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"names {module}.{name}, which a DCP save never writes")
 
 
+def _show(x) -> str:
+    """A short text of `x`; a mutated dataclass may lack the fields its repr reads."""
+    try:
+        return str(x)[:60]
+    except Exception:  # noqa: BLE001
+        return f"a malformed {type(x).__name__}"
+
+
 def _nat(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
 
@@ -144,21 +152,21 @@ def _check_metadata(md, f) -> None:
             bad(f"{k!r} has no torch dtype")
         size, chunks = getattr(v, "size", None), getattr(v, "chunks", None)
         if not _nats(size) or not isinstance(chunks, list):
-            bad(f"{k!r} has size {str(size)[:40]} / chunks {type(chunks).__name__}")
+            bad(f"{k!r} has size {_show(size)} / chunks {type(chunks).__name__}")
         for c in chunks:
             off, sz = getattr(c, "offsets", None), getattr(c, "sizes", None)
             if not isinstance(c, _md.ChunkStorageMetadata) or not _nats(off, len(size)) or not _nats(sz, len(size)) \
                     or any(o + s > d for o, s, d in zip(off, sz, size)):
-                bad(f"{k!r} has a chunk {str(c)[:60]} outside its size {list(size)}")
+                bad(f"{k!r} has a chunk {_show(c)} outside its size {list(size)}")
         if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
             bad(f"the chunks of {k!r} do not cover its size {list(size)} once")
     sd = getattr(md, "storage_data", None)
     if not isinstance(sd, dict):
         bad("storage_data is not a dict")
     for idx, info in sd.items():
-        if not isinstance(idx, _md.MetadataIndex) or not isinstance(idx.fqn, str) or idx.fqn not in sdm \
-                or not (idx.offset is None or _nats(idx.offset)):
-            bad(f"storage_data names {str(idx)[:60]}, which state_dict_metadata does not hold")
+        if not isinstance(idx, _md.MetadataIndex) or not isinstance(getattr(idx, "fqn", None), str) \
+                or idx.fqn not in sdm or not hasattr(idx, "offset") or not (idx.offset is None or _nats(idx.offset)):
+            bad(f"storage_data names {_show(idx)}, which state_dict_metadata does not hold")
         rel = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or not rel or rel in (".", "..") \
                 or os.path.basename(rel) != rel or "\\" in rel or "\0" in rel:
