@@ -139,6 +139,37 @@ def run_orbax(d, steps, fault="none", sharded=False, timeout=600):
     return p.returncode, (p.stdout + p.stderr)[-3000:]
 
 
+def run_orbax_mp(d, steps, fault="none", victim=-1, nproc=2, timeout=600):
+    """An `nproc`-process orbax CheckpointManager (async) + GuardedSave job (gloo).
+
+    Returns:
+      {"returncodes": [...], "killed": [pids torn down], "log": tails}.
+    """
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, "orbaxmp", str(i), str(nproc), str(port), d, str(steps), fault,
+                               str(victim)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(nproc)]
+    killed = []
+    try:
+        if fault.startswith("kill") and 0 <= victim < nproc:
+            procs[victim].wait(timeout=timeout)
+            grace_end = time.time() + GRACE
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.1, grace_end - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    killed.append(i)
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    return {"returncodes": [p.returncode for p in procs], "killed": killed,
+            "log": [p.stdout.read()[-3000:] for p in procs]}
+
+
 def check_orbax(d, npz):
     """Restore the latest step orbax reports at `d` and audit it against `npz`."""
     import jax
