@@ -139,6 +139,37 @@ def run_orbax(d, steps, fault="none", sharded=False, timeout=600):
     return p.returncode, (p.stdout + p.stderr)[-3000:]
 
 
+def run_orbax_mp(d, steps, fault="none", victim=-1, nproc=2, timeout=600):
+    """An `nproc`-process orbax CheckpointManager (async) + GuardedSave job (gloo).
+
+    Returns:
+      {"returncodes": [...], "killed": [pids torn down], "log": tails}.
+    """
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, "orbaxmp", str(i), str(nproc), str(port), d, str(steps), fault,
+                               str(victim)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(nproc)]
+    killed = []
+    try:
+        if fault.startswith("kill") and 0 <= victim < nproc:
+            procs[victim].wait(timeout=timeout)
+            grace_end = time.time() + GRACE
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.1, grace_end - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    killed.append(i)
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    return {"returncodes": [p.returncode for p in procs], "killed": killed,
+            "log": [p.stdout.read()[-3000:] for p in procs]}
+
+
 def check_orbax(d, npz):
     """Restore the latest step orbax reports at `d` and audit it against `npz`."""
     import jax
@@ -156,3 +187,96 @@ def check_orbax(d, npz):
     res = audit(tx, state, r, params, lr=LR, clip=CLIP)
     return {"step": step, "digest": digest(r), "violations": int(res["violations"]),
             "max_gap_lr": float(res["max_gap_lr"])}
+
+
+# ---------------------------------------------------------------- torch DCP (tests/fault_dcp_worker.py)
+DCP_WORKER = os.path.join(HERE, "fault_dcp_worker.py")
+
+
+def run_dcp_save(d, steps, fault="none", victim=-1, api="save", nproc=2, timeout=600, report=None):
+    """One `nproc`-rank guarded DCP save (FSDP2, gloo) of a `steps`-step state to `d`; as `run_save`."""
+    report = report or d.rstrip("/") + ".report"
+    for f in glob.glob(report + ".*.json"):
+        os.unlink(f)
+    port = free_port()
+    e = env()
+    e["OMP_NUM_THREADS"] = "1"
+    procs = [subprocess.Popen([sys.executable, DCP_WORKER, str(i), str(nproc), str(port), d, str(steps), fault,
+                               str(victim), api, report], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(nproc)]
+    killed = []
+    try:
+        if fault.startswith("kill") and 0 <= victim < nproc:
+            procs[victim].wait(timeout=timeout)
+            grace_end = time.time() + GRACE
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.1, grace_end - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    killed.append(i)
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    logs = [p.stdout.read()[-3000:] for p in procs]
+    reports = {i: json.load(open(f"{report}.{i}.json")) for i in range(nproc) if os.path.exists(f"{report}.{i}.json")}
+    return {"reports": reports, "returncodes": [p.returncode for p in procs], "killed": killed, "log": logs}
+
+
+def _dcp_load(path, guarded):
+    sys.path.insert(0, HERE)
+    import _dcp_worker as W
+    from torch_compat.dcp import GuardedLoadPlanner
+    return W.load_into(path, None, GuardedLoadPlanner(path) if guarded else None)
+
+
+def check_dcp(d, plain):
+    """Load guarded DCP `d` into one plain process (GuardedLoadPlanner) and audit it against the
+    plain DCP save `plain` with the real torch Adam step.
+
+    Returns:
+      {"digest", "violations", "max_gap_lr", "weights_identical"} or {"error": the one line}.
+    """
+    import torch
+    from jaxguard.audit import gradient_grid
+    from torch_compat.dcp import first_update_audit
+    try:
+        test = _dcp_load(d, True)
+    except BaseException as exc:  # noqa: BLE001 - the line the user sees
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                "lines": len(str(exc).strip().splitlines())}
+    ref = _dcp_load(plain, False)
+    h = hashlib.sha256()
+    for p in test[0].parameters():
+        h.update(p.detach().numpy().tobytes())
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            h.update(test[1].state[p][k].detach().numpy().tobytes())
+    same_w = all(torch.equal(a, b) for a, b in zip(ref[0].parameters(), test[0].parameters()))
+    a = first_update_audit(ref, test, tau=0.01, clip=CLIP, grid=gradient_grid(CLIP))
+    return {"digest": h.hexdigest(), "violations": int(a["violations"]), "max_gap_lr": float(a["max_gap_lr"]),
+            "weights_identical": same_w}
+
+
+def dcp_refusal(d):
+    """The line `jaxguard verify` (torch_compat.dcp.verify_dir) and a guarded dcp.load give for `d`."""
+    from torch_compat.dcp import verify_dir
+    out = {}
+    for who, fn in (("verify", lambda: verify_dir(d)), ("dcp.load", lambda: _dcp_load(d, True))):
+        try:
+            fn()
+            out[who] = "loaded (no error)"
+        except BaseException as exc:  # noqa: BLE001 - the line the user sees
+            s = str(exc).strip()
+            out[who] = f"{type(exc).__name__}: {s.splitlines()[0] if s else ''}"[:300]
+            out[who + "_lines"] = len(s.splitlines())
+            inner = [e for e, _ in getattr(exc, "failures", {}).values()]
+            if inner:   # DCP's CheckpointException: the rank errors it wraps
+                out[who + "_inner"] = sorted({f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240]}"
+                                              for e in inner})
+                out[who + "_inner_one_line_jaxguard"] = all(
+                    type(e).__name__ in ("CheckpointError", "ContainerError") and "\n" not in str(e).strip()
+                    for e in inner)
+    return out

@@ -24,6 +24,11 @@ Each process that returns writes REPORT.<pid>.json: {"ok", "error" (the one line
 DIR.jg (one file), and once to DIR.own (its private copy); a second job does the same with
 other STEPS at the same time (two jobs, one path).
 
+`orbaxmp PID NPROC PORT DIR STEPS FAULT VICTIM`: NPROC processes (gloo) save step STEPS with
+orbax `CheckpointManager` (async) + `GuardedSave` (sharded, as every multi-process save is)
+to DIR, FAULT injected in process VICTIM as above; with FAULT ``none`` process 0 writes
+the exact state to ``DIR.truth<STEPS>.npz``.
+
 `orbax`: one process saves step STEPS with orbax `CheckpointManager` (async) +
 `GuardedSave(..., sharded=SHARDED)` to DIR, FAULT injected as above into the commit
 thread's write; with FAULT ``none`` the exact state goes to ``DIR.truth<STEPS>.npz``.
@@ -40,7 +45,7 @@ MODE = sys.argv[1]
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jax  # noqa: E402
 
-if MODE == "save":
+if MODE in ("save", "orbaxmp"):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     PID, NPROC, PORT = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     jax.distributed.initialize(f"localhost:{PORT}", num_processes=NPROC, process_id=PID)
@@ -63,6 +68,8 @@ from jaxguard.optax_state import dotted, flat_by_dotted  # noqa: E402
 LR, WD, CLIP = 1e-3, 1e-2, 0.2
 TX = optax.adamw(LR, weight_decay=WD)
 SPECS = {"w1": P("a", "b"), "b1": P(), "emb": P("a", None)}
+if NPROC == 3:   # axis "a" has 3 processes: shard the dimensions 3 divides (96), rows over "b"
+    SPECS = {"w1": P("b", "a"), "b1": P(), "emb": P(None, "a")}
 
 
 def host_params():
@@ -229,5 +236,23 @@ def orbax_job():
         mngr.wait_until_finished()
 
 
+def orbaxmp_job():
+    import orbax.checkpoint as ocp
+    import jaxguard.checkpoint as jgc
+    d, steps, fault, victim = sys.argv[5], int(sys.argv[6]), sys.argv[7], int(sys.argv[8])
+    mesh = Mesh(np.array(jax.devices()).reshape(NPROC, 2), ("a", "b"))
+    params, state = trained(steps, mesh)
+    full = gathered({"params": params, "state": state})
+    if fault == "none" and PID == 0:
+        np.savez(f"{d}.truth{steps}.npz", **flat_by_dotted(full))
+    if PID == victim:
+        inject(fault)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True)
+    with ocp.CheckpointManager(d, options=opts) as mngr:
+        mngr.save(steps, args=ocp.args.Composite(opt_state=jgc.GuardedSave(state, params=params, lr=LR,
+                                                                            weight_decay=WD)))
+        mngr.wait_until_finished()
+
+
 if __name__ == "__main__":
-    {"save": save_job, "loop": loop_job, "orbax": orbax_job}[MODE]()
+    {"save": save_job, "loop": loop_job, "orbax": orbax_job, "orbaxmp": orbaxmp_job}[MODE]()

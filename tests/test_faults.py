@@ -257,3 +257,105 @@ def test_full_bucket_keeps_the_previous_checkpoint(small, kw):
     assert not _same(jg.load(url, like), ref)
     if kw:
         assert storage.listdir(url) == ["manifest.json", f"process_00000.{s['save_id']}.jaxguard"]
+
+
+# ---------------------------------------------------------------- torch DCP (2 gloo ranks, FSDP2)
+@pytest.fixture(scope="module")
+def dcp_base(tmp_path_factory):
+    pytest.importorskip("torch", reason="needs torch")
+    w = str(tmp_path_factory.mktemp("dcp_faults"))
+    d = os.path.join(w, "step4")
+    r = H.run_dcp_save(d, 4)
+    assert r["returncodes"] == [0, 0] and all(x["ok"] for x in r["reports"].values()), r["log"]
+    c = H.check_dcp(d, d + ".plain")
+    assert c.get("violations") == 0 and c["weights_identical"], c
+    return w, d, c
+
+
+def test_dcp_kill_mid_file_keeps_the_previous_step_and_the_torn_one_is_refused(dcp_base):
+    """One directory per step (as DCP users keep them): rank 1 SIGKILLed with half its rank
+    file written; step 4 still loads bit-identically and audits 0 over tau; loading step 8
+    is refused in one line naming what is missing, before torch reads anything."""
+    w, d, c0 = dcp_base
+    root = os.path.join(w, "kill")
+    import shutil
+    shutil.copytree(d, os.path.join(root, "step4"))
+    r = H.run_dcp_save(os.path.join(root, "step8"), 8, "kill_mid_file", 1)
+    assert r["returncodes"][1] == -9 and not any(x.get("ok") for x in r["reports"].values()), r
+    assert H.check_dcp(os.path.join(root, "step4"), d + ".plain") == c0
+    assert os.path.exists(os.path.join(root, "step8", "__1_0.distcp"))       # the fault was real: a torn file
+    ref = H.dcp_refusal(os.path.join(root, "step8"))
+    for who in ("verify", "dcp.load"):
+        assert ref[who].startswith("CheckpointError: ") and ref.get(who + "_lines") == 1, ref
+        assert "no .metadata file; the DCP save did not finish" in ref[who], ref
+
+
+def test_dcp_save_into_a_committed_directory_is_refused_and_keeps_it(tmp_path):
+    """DCP rewrites rank files in place; GuardedSavePlanner refuses that by default (nothing is
+    written), and with overwrite=True a torn overwrite is refused by the loader in one line."""
+    pytest.importorskip("torch", reason="needs torch")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import _dcp_worker as W
+    from jaxguard.errors import CheckpointError
+    from torch_compat import dcp as tdcp
+    d = str(tmp_path / "ck")
+    model, opt = W.build(None)
+    W.train_step(model, opt, 0, 0, 1)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=d, planner=tdcp.GuardedSavePlanner(), no_dist=True)
+    before = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    W.train_step(model, opt, 1, 0, 1)
+    msd, osd = get_state_dict(model, opt)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=d, planner=tdcp.GuardedSavePlanner(), no_dist=True)
+    (err, _), = info.value.failures.values()
+    assert isinstance(err, CheckpointError) and "holds a committed DCP checkpoint" in str(err)
+    assert {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)} == before
+    tdcp.verify_dir(d)
+    # overwrite=True, and the new rank file torn (half of it): old .metadata, new bytes
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "new"),
+             planner=tdcp.GuardedSavePlanner(overwrite=True), no_dist=True)
+    new = open(tmp_path / "new" / "__0_0.distcp", "rb").read()
+    open(os.path.join(d, "__0_0.distcp"), "wb").write(new[:len(new) // 2])
+    with pytest.raises(CheckpointError) as info:
+        tdcp.verify_dir(d)
+    assert ONE_LINE.match(str(info.value)) and "__0_0.distcp" in str(info.value), info.value
+
+
+DCP_CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "dcp_manifest")
+
+
+def test_dcp_manifest_fuzz_corpus_replays(tmp_path):
+    """bench/fuzz/fuzz_dcp_manifest.py's findings (all fixed) and refusals: each .metadata loads or
+    is refused in one JaxguardError line before torch sees it; no pickled callable runs."""
+    pytest.importorskip("torch", reason="needs torch")
+    import pickle
+    import shutil
+    from jaxguard.errors import JaxguardError
+    from torch_compat import dcp as tdcp
+    cases = sorted(os.listdir(os.path.join(DCP_CORPUS, "cases")))
+    assert any(c.startswith("finding-") for c in cases) and len(cases) > 20
+    d = str(tmp_path / "dir")
+    shutil.copytree(os.path.join(DCP_CORPUS, "seed"), d)
+    tdcp.load_full(d)   # the seed itself loads
+    canary = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+    blobs = [open(os.path.join(DCP_CORPUS, "cases", c), "rb").read() for c in cases] + [pickle.dumps(Evil())]
+    refused = 0
+    for i, data in enumerate(blobs):
+        open(os.path.join(d, ".metadata"), "wb").write(data)
+        try:
+            tdcp.verify_dir(d)
+            tdcp.inspect_dir(d)
+            tdcp.load_full(d)
+        except JaxguardError as exc:
+            assert ONE_LINE.match(str(exc)) and "torch.distributed.checkpoint failed" not in str(exc), (i, str(exc))
+            refused += 1
+    assert not canary.exists()
+    assert refused >= len(blobs) - 5
+    assert "refused without running it" in str(pytest.raises(JaxguardError, tdcp.GuardedLoadPlanner, d).value)

@@ -70,6 +70,7 @@ from jaxguard.errors import CheckpointError, ConfigError, ContainerError, Jaxgua
 from jaxguard.core.config import save_spec
 
 from torch_compat import state as _state
+from torch_compat.dcp_metadata import check_manifest, load_metadata
 
 FORMAT = "jaxguard-dcp/1"
 MANIFEST_KEY = "__jaxguard__"
@@ -144,6 +145,7 @@ def manifest_of(metadata):
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise CheckpointError(f"the checkpoint's jaxguard manifest is {str(man.get('format') if isinstance(man, dict) else man)[:40]!r}, "
                               f"this version reads {FORMAT!r}; upgrade jaxguard")
+    check_manifest(man, metadata)
     return man
 
 
@@ -158,6 +160,9 @@ class GuardedSavePlanner(DefaultSavePlanner):
         `clip`, `codec`, `bound`, `partition` override its fields when given.
       op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
         one torch runs where the state lives).
+      overwrite: save into a directory that already holds a DCP checkpoint (default False:
+        refused, since DCP rewrites its rank files in place and an interrupted save then
+        leaves neither checkpoint; a directory per step keeps the last one whole).
       **kwargs: passed to `DefaultSavePlanner` (``flatten_state_dict`` must stay True;
         plan caching is refused: the hashes change with every save).
 
@@ -173,7 +178,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
-                 bound: str | None = None, partition: str | None = None, op_model: str | None = None, **kwargs):
+                 bound: str | None = None, partition: str | None = None, op_model: str | None = None,
+                 overwrite: bool = False, **kwargs):
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
@@ -181,6 +187,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         self.op_model = op_model
+        self.overwrite = overwrite
         s = self.spec
         self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
         self.summary: dict = {}
@@ -193,6 +200,12 @@ class GuardedSavePlanner(DefaultSavePlanner):
         """
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self._nested = state_dict
+        where = getattr(storage_meta, "checkpoint_id", None)
+        if not self.overwrite and where is not None and os.path.isfile(os.path.join(os.fspath(where), ".metadata")):
+            # DCP rewrites the rank files of a directory in place: a save that stops half way loses the old one
+            raise CheckpointError(f"{where} holds a committed DCP checkpoint, which DCP would overwrite in place (a "
+                                  "save that stops half way loses it); save each step to its own directory, or "
+                                  "pass GuardedSavePlanner(overwrite=True)")
 
     def create_local_plan(self):
         """Certify and encode this rank's moment shards, then plan the rest as DCP would.
@@ -452,7 +465,8 @@ def read_verified(storage_reader, metadata, manifest, keys, *, describe=None):
         try:
             storage_reader.read_data(LoadPlan([it for it, _ in pairs]), stager).wait()
         except Exception as exc:  # noqa: BLE001 - any reader failure is this file's fault
-            raise CheckpointError(f"{path}: cannot be read ({_one_line(exc)})") from None
+            raise CheckpointError(f"{path}: does not match .metadata (overwritten in place by a save that did not "
+                                  f"finish, or altered): {_one_line(exc)[:90]}") from None
         for item, _ in pairs:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.TENSOR:
@@ -539,6 +553,8 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             raise ConfigError(f"storage_reader is a {type(storage_reader).__name__}; pass the "
                               "torch.distributed.checkpoint StorageReader given to dcp.load")
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        if checkpoint_id is not None and "://" not in os.fspath(checkpoint_id):
+            load_metadata(checkpoint_id)   # before dcp.load unpickles it: one line, no code run
         self._checkpoint_id = checkpoint_id
         self._given_reader = storage_reader
         self._apply: list = []
@@ -681,13 +697,7 @@ def read_metadata(path):
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory; pass a torch.distributed.checkpoint directory")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(f"{path}: no .metadata file; not a torch.distributed.checkpoint directory (or the save "
-                              "did not finish)")
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{os.path.join(path, '.metadata')}: cannot be read ({_one_line(exc)})") from None
+    metadata = load_metadata(path, check_files=True)
     return metadata, manifest_of(metadata)
 
 
