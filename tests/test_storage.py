@@ -337,3 +337,21 @@ def test_storage_does_not_import_the_container_writer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
     assert out.stdout.strip() == "False", out.stderr[-500:]
+
+
+def test_a_local_write_removes_what_a_killed_writer_left_of_the_same_target(tmp_path):
+    """SIGKILL leaves ``.<name>.<random>.tmp``; the next write of that target removes it once
+    it is older than STALE_TMP_SECONDS, and keeps a fresh one (a live concurrent writer's)
+    and other targets' files."""
+    from jaxguard.format import storage
+    target = tmp_path / "last.ckpt"
+    stale, fresh = tmp_path / storage.tmp_name("last.ckpt"), tmp_path / storage.tmp_name("last.ckpt")
+    other = tmp_path / storage.tmp_name("other.ckpt")
+    for p in (stale, fresh, other):
+        p.write_bytes(b"partial")
+    old = time.time() - storage.STALE_TMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    storage.atomic_write(str(target), b"complete")
+    assert target.read_bytes() == b"complete"
+    assert not stale.exists() and fresh.exists() and other.exists()

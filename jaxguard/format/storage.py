@@ -10,6 +10,9 @@ Local writes: a temporary file ``.<name>.<random>.tmp`` in the target directory,
 with mode 0666 less the umask (as ``open(path, "wb")`` or ``torch.save`` would), fsync,
 ``os.replace`` over the target, fsync of the directory.  A failure (a full disk, ...)
 removes the temporary file and raises one `ContainerError` line; the target is untouched.
+A writer killed mid-write (SIGKILL, power loss) cannot remove its temporary file: the next
+successful write of the same target removes that target's temporary files left untouched
+for `STALE_TMP_SECONDS` (a live writer's file is newer: it is being written).
 
 Visibility contract (all-or-nothing, as for local files): a reader of the target key
 sees either the previous complete object or the new complete object, never a prefix.
@@ -33,6 +36,7 @@ import contextlib
 import io
 import os
 import re
+import time
 import uuid
 
 from jaxguard.errors import ContainerError
@@ -106,9 +110,24 @@ def join(base, *names) -> str:
     return os.path.join(local_path(base), *names)
 
 
+STALE_TMP_SECONDS = 3600.0
+
+
 def tmp_name(name: str) -> str:
     """Args: name: a file name.  Returns: a fresh temporary name beside it (``.<name>.<random>.tmp``)."""
     return f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def _remove_stale_tmps(directory: str, name: str) -> None:
+    """Remove ``.<name>.<random>.tmp`` files in `directory` unmodified for `STALE_TMP_SECONDS`."""
+    pattern = re.compile(r"\." + re.escape(name) + r"\.[0-9a-f]{12}\.tmp")
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if pattern.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+                        os.unlink(entry.path)
 
 
 def _write_error(path, exc) -> ContainerError:
@@ -162,6 +181,7 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    _remove_stale_tmps(directory, os.path.basename(path))
 
 
 def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> None:
