@@ -50,7 +50,7 @@ __all__ = ["MomentJob", "Raw", "Moments", "encode", "to_bytes", "to_file", "pref
 
 BF16_TAU_FACTOR = 1.02
 # Coordinates encoded per `guard.encode_many` call: bounds the working memory (~40 bytes
-# per coordinate) independently of the checkpoint's size.
+# per coordinate, per encoding thread) independently of the checkpoint's size.
 SLAB = 1 << 20
 # Slabs encoded at once (one thread each; memory ~40 bytes per coordinate per slab):
 # every core the process may run on, at most this many.
@@ -148,7 +148,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
-    coordinates; every encoding keeps its certified values.  Each entry's stats are
+    coordinates, `encode_threads()` slabs at once (one thread each, handed on in order);
+    every encoding keeps its certified values.  Each entry's stats are
     added to `totals` as it is produced.
 
     Args:
