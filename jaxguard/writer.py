@@ -28,7 +28,9 @@ codes the guard certified, or nothing is written (`ContainerError`).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -48,8 +50,11 @@ __all__ = ["MomentJob", "Raw", "Moments", "encode", "to_bytes", "to_file", "pref
 
 BF16_TAU_FACTOR = 1.02
 # Coordinates encoded per `guard.encode_many` call: bounds the working memory (~40 bytes
-# per coordinate) independently of the checkpoint's size.
+# per coordinate, per encoding thread) independently of the checkpoint's size.
 SLAB = 1 << 20
+# Slabs encoded at once (one thread each; memory ~40 bytes per coordinate per slab):
+# every core the process may run on, at most this many.
+MAX_ENCODE_THREADS = 8
 # Entries the encoder may run ahead of the file writer, in coordinates (one slab).
 AHEAD = SLAB
 new_totals = audit.new_totals
@@ -85,6 +90,16 @@ class MomentJob:
     def size(self) -> int:
         """Returns: the pair's coordinate count."""
         return int(np.size(self.m))
+
+
+def encode_threads() -> int:
+    """Returns: slabs `encode` certifies at once: the cores this process may run on
+    (``os.sched_getaffinity``), 1 to `MAX_ENCODE_THREADS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_ENCODE_THREADS, cores))
 
 
 def _entry_info(job: MomentJob) -> dict:
@@ -133,7 +148,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
-    coordinates; every encoding keeps its certified values.  Each entry's stats are
+    coordinates, `encode_threads()` slabs at once (one thread each, handed on in order);
+    every encoding keeps its certified values.  Each entry's stats are
     added to `totals` as it is produced.
 
     Args:
@@ -155,17 +171,39 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
             for k in audit.TOTAL_KEYS:
                 totals[k] = totals.get(k, 0) + stats[k]
 
+    def encode_slab(part):
+        return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
+                                  progress=progress, keep_decoded=True)
+
     def flush():
-        for part in _slabs(pending, slab):
-            encs = _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
-                                      progress=progress, keep_decoded=True)
-            for job, enc in zip(part, encs):
-                add(enc.stats)
-                yield Moments(job.name, enc, _entry_info(job))
-            del encs
-            if release is not None:
-                release([job.source for job in part if job.source is not None])
+        # XLA runs one program on one core: `workers` slabs are encoded at once, each in
+        # its own thread, and handed on in order (each slab's result does not depend on
+        # the others, so the bytes are those of one thread)
+        parts = _slabs(pending, slab)
+        workers = encode_threads()
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-slab") as pool:
+            inflight: collections.deque = collections.deque()
+            try:
+                for part in parts:
+                    inflight.append((part, pool.submit(encode_slab, part)))
+                    if len(inflight) < workers:
+                        continue
+                    yield from handed(*inflight.popleft())
+                while inflight:
+                    yield from handed(*inflight.popleft())
+            finally:   # a consumer that stops early waits for no more than the slabs in flight
+                for _, fut in inflight:
+                    fut.cancel()
         pending.clear()
+
+    def handed(part, fut):
+        encs = fut.result()
+        for job, enc in zip(part, encs):
+            add(enc.stats)
+            yield Moments(job.name, enc, _entry_info(job))
+        del encs
+        if release is not None:
+            release([job.source for job in part if job.source is not None])
 
     for r in records:
         if isinstance(r, MomentJob) and r.mu == "coded":

@@ -35,6 +35,8 @@ import numpy as np
 from jaxguard.core import bound as _bound
 from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
+from jaxguard.core import fastbound as _fastbound
+from jaxguard.core import floatbits as _fbits
 from jaxguard.core import programs as _programs
 from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
                                    certify_pc, classify, device_classify, device_masks, fast_accept, v_positive)
@@ -187,10 +189,21 @@ def _join_pieces(pieces, shape):
 
 
 def _group_constants(items, gidx, ph):
-    """(K rows, |p|, per-coordinate clip) of a group laid side by side (`gidx`: item per coordinate)."""
+    """(K rows, row of each coordinate, |p|, per-coordinate clip) of a group laid side by
+    side (`gidx`: item per coordinate).  Items with bitwise-equal rows share one row: a
+    checkpoint's tensors mostly share one step, and the kernels then read one row, not a
+    gather per coordinate."""
     consts = [cfg.constants() for *_, cfg in items]
     rows = [_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)]
-    K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
+    first: dict = {}
+    item_row = np.array([first.setdefault(tuple(np.float32(x).tobytes() for x in r), len(first)) for r in rows],
+                        np.int32)
+    rows = [rows[int(i)] for i in np.unique(item_row, return_index=True)[1]]
+    if len(rows) == 1:
+        K, kidx = _bound.stack_rows(rows), np.zeros_like(gidx)
+    else:
+        K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
+        kidx = item_row[gidx]
     pabs = np.abs(ph)
     clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
     wd_rows = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)
@@ -198,7 +211,7 @@ def _group_constants(items, gidx, ph):
         wd_coupled = wd_rows[gidx]
         with np.errstate(invalid="ignore", over="ignore"):  # non-finite p escapes anyway
             clip = np.where(wd_coupled > 0, (clip + wd_coupled * pabs) * np.float32(1 + 2.0**-20), clip)
-    return K, pabs, clip.astype(np.float32, copy=False)
+    return K, kidx, pabs, clip.astype(np.float32, copy=False)
 
 
 def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False):
@@ -222,7 +235,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         in_tensor[b:b + n] = True
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     mf, vf = mh, vh
-    widths = None
+    widths = fast = K = None
     entry = _codecs.get(propose_codec)
     if entry.choose is not None:
         valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
@@ -230,12 +243,12 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         # codes chosen on the host (logrel-aw: per-block widths on certified escapes); the
         # assembled codes come back decoded exactly as the reader decodes them and are
         # certified again from scratch below
-        K, pabs, clip = _group_constants(items, gidx, ph)
+        K, kidx, pabs, clip = _group_constants(items, gidx, ph)
 
         def certify_candidates(a, b, idx, max_level=None):
             if not certified:   # the guard is off: every certifiable candidate is kept
                 return np.zeros(idx.shape[0], np.int8)
-            return certify_pc(K, gidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level)
+            return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level)
 
         def classified(a, b):
             return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
@@ -243,21 +256,27 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor, classified,
                                                       certify_candidates, list(zip(offs[:-1].tolist(), ns)))
         exact, ok = classified(mt, vt)
-    else:   # the masks, the proposal and the classification in one program per chunk
-        mq, vq, mp, vp, mt, vt, exact, ok = _propose_chunked(*(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)),
-                                                              propose_codec)
+    else:   # the masks, the proposal, the classification (and the closed-form tier) in one program per chunk
+        tier = None
+        if certified and bound == "shared" and partition == "mixed":
+            K, kidx, pabs, clip = _group_constants(items, gidx, ph)
+            tier = (K, kidx, clip)
+        mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
+            *(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)), propose_codec, tier)
     level_of = np.full(npad, -1, np.int8)
     if not certified:
         escape = in_tensor & ~exact & ~ok
     else:
-        K, pabs, clip = _group_constants(items, gidx, ph)
+        if K is None:
+            K, kidx, pabs, clip = _group_constants(items, gidx, ph)
         cand_mask = in_tensor & ~exact & ok
         if bound == "shared" and partition == "mixed":   # closed-form tier (the ablations keep their own)
-            fast = cand_mask & fast_accept(K, gidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
+            if fast is None:
+                fast = cand_mask & fast_accept(K, kidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
             level_of[fast] = FAST_TIER
             cand_mask &= ~fast
         cand = np.flatnonzero(cand_mask)
-        level_of[cand] = certify_pc(K, gidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
+        level_of[cand] = certify_pc(K, kidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
                                     fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
     mq, vq = mq.reshape(-1), vq.reshape(-1)
@@ -268,7 +287,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             if cfg.joint:
                 joint_on[int(offs[i]) * codes.BLOCK:int(offs[i] + nbs[i]) * codes.BLOCK] = True
         rescued = _joint_search(codec, np.flatnonzero(escape & ok & joint_on), mq, vq, mp, vp, mh, vh, pabs, clip,
-                                K, gidx, bound, partition)
+                                K, kidx, bound, partition)
         escape &= ~rescued
         if rescued.any():   # the rescued coordinates decode from their new codes (as certified)
             r = np.flatnonzero(rescued)
@@ -336,7 +355,7 @@ def _joint_search(codec, idx, mq, vq, mp, vp, mh, vh, pabs, clip, K, gidx, bound
         qv0 = vq[todo].astype(np.int32)
         qv = np.where(qv0 == 0, 0, np.clip(qv0 + dv, 1, 255))    # v == 0 keeps code 0
         mt, vt = _decode_points(codec, qm, qv, mp[b], vp[b])
-        lv = certify_pc(K, gidx, mh[todo], vh[todo], mt, vt, pabs[todo], clip[todo],
+        lv = certify_pc(K, gidx[todo], mh[todo], vh[todo], mt, vt, pabs[todo], clip[todo],
                         np.arange(todo.size), bound, partition)
         ok = lv >= 0
         hit = todo[ok]
@@ -357,17 +376,36 @@ def _decode_points(codec, qm, qv, mp_rows, vp_rows):
 PROPOSE_CHUNK = 4096     # blocks per `_propose` call once a group exceeds it (one compiled shape)
 
 
-def _propose_chunked(mb, vb, pb, in_tensor, codec):
+def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
     """`_propose_classified` over host blocks in pieces of `PROPOSE_CHUNK` blocks -> host
-    arrays (codes, params, then flat m~, v~, exact, ok); a group of <= PROPOSE_CHUNK
-    blocks is one call."""
+    arrays (codes, params, then flat m~, v~, exact, ok, fast); a group of <= PROPOSE_CHUNK
+    blocks is one call.  With `tier` = ``(K, kidx, clip)`` (`_group_constants`) the
+    closed-form tier runs on the proposal's device output (`_fast_tier`): ``fast`` marks
+    the candidates it certifies (else None)."""
     nb = mb.shape[0]
     step = min(nb, PROPOSE_CHUNK)
-    outs = [_programs.call(_propose_classified, mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step],
-                           codec=codec) for s in range(0, nb, step)]
-    mq, vq, mp, vp, mt, vt, exact, ok = (np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1
-                                         else np.array(outs[0][i]) for i in range(8))
-    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1), exact.reshape(-1), ok.reshape(-1)
+    if tier is None:
+        outs = [_programs.call(_propose_classified, mb[s:s + step], vb[s:s + step], pb[s:s + step],
+                               in_tensor[s:s + step], codec=codec) for s in range(0, nb, step)]
+    else:
+        K, kidx, clip = tier
+        K = _bound.as_step_row(K, -1).as_float32(np)
+        one = K.keep.shape[0] == 1
+        if one:   # one row for every coordinate: scalars, no gather
+            K = _bound.StepRow(*(x[0] for x in K))
+        kb, cb = (None if one else kidx.reshape(nb, codes.BLOCK)), clip.reshape(nb, codes.BLOCK)
+        outs = []
+        for s in range(0, nb, step):
+            blocks = (mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step])
+            o = _programs.call(_propose_classified, *blocks, codec=codec)
+            outs.append((*o, _programs.call(_fast_tier, *blocks, *o[4:8], K, None if kb is None else kb[s:s + step],
+                                            cb[s:s + step])))
+    k = len(outs[0])
+    res = [np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1 else np.array(outs[0][i])
+           for i in range(k)]
+    mq, vq, mp, vp, mt, vt, exact, ok = res[:8]
+    fast = res[8].reshape(-1) if k > 8 else None
+    return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1), exact.reshape(-1), ok.reshape(-1), fast
 
 
 @functools.partial(jax.jit, static_argnames=("codec",))
@@ -378,6 +416,25 @@ def _propose_classified(mb, vb, pb, in_tensor, codec):
     mq, vq, mp, vp, mt, vt = _codecs.get(codec).propose(mb, vb, valid, vpos)
     exact, ok = device_classify(mb, vb, pb, mt, vt)
     return mq, vq, mp, vp, mt, vt, exact, ok
+
+
+@jax.jit
+def _fast_tier(mb, vb, pb, in_tensor, mt, vt, exact, ok, K, kidx, clip):
+    """The closed-form tier (`fastbound.batch_fast_accept`'s test) of the candidates of
+    `_propose_classified`'s output, still on the device; `K` is a `bound.StepRow` of
+    scalars (kidx None) or of [G] rows gathered by `kidx`."""
+    shape = mb.shape
+    n = mb.size
+    piece = min(n, FAST_CHUNK)   # XLA keeps the tier's intermediates of one piece in cache
+
+    def one(xs):
+        m, v, p, t, a, b_, e, o, c, k = xs
+        kt = K if k is None else K.take(k)
+        bnd, usable = _fastbound.fast_bound(kt, m, v, a, b_, jnp.abs(p), c)
+        return t & ~e & o & usable & (bnd <= kt.threshold)
+
+    xs = tuple(None if x is None else x.reshape(-1, piece) for x in (mb, vb, pb, in_tensor, mt, vt, exact, ok, clip, kidx))
+    return jax.lax.map(one, xs).reshape(shape)
 
 
 _device_masks = jax.jit(device_masks)
