@@ -190,3 +190,25 @@ def test_joint_search_never_adds_escapes_and_keeps_the_guarantee(codec):
             opt.step()
             outs.append(prm.detach().double())
         assert float((outs[0] - outs[1]).abs().max()) <= 0.01 * 1e-3
+
+
+def test_joint_search_uses_each_tensors_own_step_constants_in_a_mixed_slab():
+    """encode_many lays tensors of different configs side by side; the joint search must
+    certify each rescued coordinate with its own tensor's constants row (a regression: it
+    read rows 0..k of the slab, another tensor's lr and step)."""
+    rng = np.random.default_rng(11)
+    n = 6000
+    pairs = []
+    for _ in range(2):
+        v = rng.lognormal(-14, 2, n).astype(np.float32)
+        m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+        pairs.append((m, v, rng.normal(0, 0.05, n).astype(np.float32)))
+    cfgs = [jg.GuardConfig(lr=1e-3, step=3, codec="log8", joint=True),
+            jg.GuardConfig(lr=3e-2, step=5000, betas=(0.8, 0.99), codec="log8", joint=True)]
+    together = G.encode_many([(m, v, p, c) for (m, v, p), c in zip(pairs[::-1], cfgs[::-1])])[::-1]
+    for (m, v, p), c, enc in zip(pairs, cfgs, together):
+        alone = jg.encode(m, v, p, c)
+        assert alone.stats["joint_rescued"] > 0
+        assert enc.stats["joint_rescued"] == alone.stats["joint_rescued"]
+        for a, b in zip(jg.decode(enc), jg.decode(alone)):
+            assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
