@@ -147,7 +147,8 @@ def main(argv=None):
         for ncores in [int(c) for c in a.cores.split(",")]:
             for label, root in reversed(codes):
                 cpus = ",".join(str(i) for i in range(ncores))
-                env = {**os.environ, "PYTHONPATH": root}
+                # one encode thread per pinned core (the library's default leaves one to the writer)
+                env = {**os.environ, "PYTHONPATH": root, "JAXGUARD_ENCODE_THREADS": str(ncores)}
                 t = time.perf_counter()
                 out = subprocess.run(["taskset", "-c", cpus, sys.executable, os.path.join(ROOT, "bench", "cert_speed.py"),
                                       "--child", "1", "--sizes", a.sizes], env=env, cwd=root, capture_output=True,

@@ -41,6 +41,7 @@ from jaxguard import audit
 from jaxguard.core import codecs as _codecs
 from jaxguard.core import guard as _guard
 from jaxguard.core.config import GuardConfig
+from jaxguard.errors import ConfigError
 from jaxguard.format import container
 from jaxguard.format.container import Moments, Raw
 from jaxguard.format.spec import BLOCK
@@ -52,8 +53,9 @@ BF16_TAU_FACTOR = 1.02
 # Coordinates encoded per `guard.encode_many` call: bounds the working memory (~40 bytes
 # per coordinate, per encoding thread) independently of the checkpoint's size.
 SLAB = 1 << 20
-# Slabs encoded at once (one thread each; memory ~40 bytes per coordinate per slab):
-# every core the process may run on, at most this many.
+# Slabs encoded at once (one thread each; memory ~40 bytes per coordinate per slab): one
+# core is left to the file writer (SHA-256, writes) and the caller's own work (a training
+# step beside an async save), at most this many; JAXGUARD_ENCODE_THREADS overrides it.
 MAX_ENCODE_THREADS = 8
 # Entries the encoder may run ahead of the file writer, in coordinates (one slab).
 AHEAD = SLAB
@@ -93,13 +95,25 @@ class MomentJob:
 
 
 def encode_threads() -> int:
-    """Returns: slabs `encode` certifies at once: the cores this process may run on
-    (``os.sched_getaffinity``), 1 to `MAX_ENCODE_THREADS`."""
+    """Returns: slabs `encode` certifies at once: ``JAXGUARD_ENCODE_THREADS`` if set, else
+    the cores this process may run on (``os.sched_getaffinity``) less one, 1 to
+    `MAX_ENCODE_THREADS` (bench/results/cert_speed.md: on 2 cores a whole-process compress
+    with one encode thread was faster than with two, and its memory stayed flat).
+
+    Raises:
+      ConfigError: ``JAXGUARD_ENCODE_THREADS`` is not a positive integer.
+    """
+    env = os.environ.get("JAXGUARD_ENCODE_THREADS")
+    if env is not None:
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ConfigError(f"JAXGUARD_ENCODE_THREADS={env!r} is not a positive integer; set it to 1, 2, ... "
+                              "or unset it (default: the cores less one)")
+        return int(env)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_ENCODE_THREADS, cores))
+    return max(1, min(MAX_ENCODE_THREADS, cores - 1))
 
 
 def _entry_info(job: MomentJob) -> dict:

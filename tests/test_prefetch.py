@@ -65,3 +65,40 @@ def test_consumer_stopping_early_stops_the_producer():
     it.close()                                    # joins the producer thread
     assert threading.active_count() == before
     assert len(made) < 10_000
+
+
+def test_encode_threads_leaves_a_core_and_the_environment_overrides_it(monkeypatch):
+    from jaxguard import writer
+    from jaxguard.errors import ConfigError
+    monkeypatch.delenv("JAXGUARD_ENCODE_THREADS", raising=False)
+    assert 1 <= writer.encode_threads() <= writer.MAX_ENCODE_THREADS
+    monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", "3")
+    assert writer.encode_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", bad)
+        with pytest.raises(ConfigError, match="JAXGUARD_ENCODE_THREADS"):
+            writer.encode_threads()
+
+
+def test_slabs_encoded_on_several_threads_give_the_entries_of_one_thread(monkeypatch):
+    """writer.encode hands slabs on in order whatever the thread count (the suite's 2-core
+    machine runs one encode thread by default, so the threaded path is forced here)."""
+    import numpy as np
+    from jaxguard import writer
+    from jaxguard.core.config import GuardConfig
+    rng = np.random.default_rng(3)
+    jobs = []
+    for i in range(7):
+        n = 700 + 300 * i
+        v = rng.lognormal(-14, 2, n).astype(np.float32)
+        m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+        jobs.append(writer.MomentJob(f"t{i}", m, v, rng.normal(0, .05, n).astype(np.float32),
+                                     GuardConfig(lr=1e-3, step=10 + i), {}))
+    out = {}
+    for threads in ("1", "3"):
+        monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", threads)
+        totals = writer.new_totals()
+        out[threads] = ([(e.name, *(np.asarray(e.encoded.arrays[k]).tobytes() for k in sorted(e.encoded.arrays)))
+                         for e in writer.encode(jobs, totals, slab=2048)], totals)
+    assert [e[0] for e in out["3"][0]] == [f"t{i}" for i in range(7)]
+    assert out["1"] == out["3"]
