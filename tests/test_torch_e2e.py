@@ -79,6 +79,39 @@ def test_optimizer_save_load_round_trip(tmp_path):
         assert opt2.state[p]["exp_avg"].shape == p.shape
 
 
+def test_load_checks_the_weights_the_state_was_certified_against(tmp_path):
+    """A directory that mixes a save's weights with the previous save's optimizer file (a
+    kill between the two in-place writes of the HF Trainer / accelerate) resumes silently
+    without this check; the integrations raise, torch_compat.load warns by default."""
+    import warnings
+    from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning
+    torch.manual_seed(0)
+    model = torch.nn.Linear(30, 20)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 30)).pow(2).mean().backward()
+        opt.step()
+    torch_compat.save(tmp_path / "o.jg", opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JaxguardWarning)
+        torch_compat.load(tmp_path / "o.jg", torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    with torch.no_grad():
+        model.bias[3] = torch.nextafter(model.bias[3], torch.tensor(1.0))    # one ulp of one weight
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    with pytest.warns(JaxguardWarning, match="'group0.param1' was certified against other weights"):
+        torch_compat.load(tmp_path / "o.jg", fresh)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    with pytest.raises(CheckpointError, match="mixes two saves") as exc:
+        torch_compat.load(tmp_path / "o.jg", fresh, check_weights="raise")
+    assert "\n" not in str(exc.value) and not fresh.state       # the optimizer was left as it was
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JaxguardWarning)
+        torch_compat.load(tmp_path / "o.jg", fresh, check_weights="off")
+    with pytest.raises(ConfigError, match="check_weights='yes'"):
+        torch_compat.load(tmp_path / "o.jg", fresh, check_weights="yes")
+
+
 # ---------------------------------------------------------------- CLI
 def _cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "jaxguard", *map(str, args)], capture_output=True, text=True, cwd=cwd)

@@ -9,6 +9,7 @@ numbers/strings/lists/dicts as JSON; nothing is pickled).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import TYPE_CHECKING
@@ -554,8 +555,8 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
                            op_model=op_model)
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
-        jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg, {"param": name},
-                                     source=(m, v, p)))
+        jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
+                                     {"param": name, "param_sha256": param_digest(p)}, source=(m, v, p)))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
@@ -802,7 +803,8 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
     return summary
 
 
-def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *,
+         check_weights: str = "warn") -> torch.optim.Optimizer:
     """Load a container written by `save` (or `jaxguard compress`) into `optimizer`.
 
     The target layout is checked before anything is written into `optimizer`: the same
@@ -814,13 +816,17 @@ def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.opt
     Args:
       path: the container.
       optimizer: an optimizer over the same parameter layout.
+      check_weights: what a parameter whose values differ from the weights its moments
+        were certified against does (`check_certified_weights`): ``"warn"`` (default), ``"raise"``
+        (the trainer integrations, which load the model first) or ``"off"``.
 
     Returns:
       `optimizer`, its state loaded.
 
     Raises:
       CheckpointError: another parameter layout (one line naming the first difference),
-        or not a torch container; `optimizer` is then left as it was.
+        or not a torch container, or (``check_weights="raise"``) other weights; `optimizer`
+        is then left as it was.
 
     Warns:
       JaxguardWarning: a param group resumes on another device or foreach/fused setting
@@ -832,6 +838,7 @@ def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> torch.opt
                               "write it with torch_compat.save or jaxguard compress")
     sd = tree["optimizer"]
     check_layout(sd, optimizer, str(path))
+    check_certified_weights(header, optimizer, str(path), on_mismatch=check_weights)
     if not any(g.get("param_names") for g in optimizer.state_dict()["param_groups"]):
         for g in sd["param_groups"]:
             g.pop("param_names", None)
@@ -888,6 +895,63 @@ def warn_other_kernel(certified, optimizer, where="the checkpoint") -> None:
                               f"({flags}), {what}: the tau guarantee holds for {models[0]} only; resume on that "
                               f"kernel{fix}", JaxguardWarning, stacklevel=3)
                 return
+
+
+def param_digest(p: torch.Tensor) -> str:
+    """The SHA-256 of a parameter's values: the weights a moment pair was certified
+    against, recorded in its entry's config (``param_sha256``).
+
+    Args:
+      p: the parameter (any device; its bytes as stored are hashed on the host).
+    Returns:
+      The hex digest.
+    """
+    t = p.detach().reshape(-1).contiguous().cpu()
+    return hashlib.sha256(t.view(torch.uint8).numpy() if t.numel() else b"").hexdigest()
+
+
+def check_certified_weights(header, optimizer, where="the checkpoint", *, on_mismatch="warn") -> None:
+    """Compare `optimizer`'s live parameters with the weights each moment pair in `header`
+    was certified against (``param_sha256``; containers written before it have none and
+    are not checked).
+
+    A framework that writes the model's weights and the optimizer's state as separate
+    files in place (the HF Trainer, accelerate) leaves, after a kill between the two, a
+    directory whose weights are the new save's and whose optimizer state is the previous
+    one's; the guarantee (and the resume) was stated for the previous weights.
+
+    Args:
+      header: the container header (`restore_tree`).
+      optimizer: the optimizer about to take the state (its params hold the weights the
+        run resumes from: load the model first).
+      where: how to name the checkpoint.
+      on_mismatch: ``"warn"`` (one `JaxguardWarning` line), ``"raise"`` (one
+        `CheckpointError` line) or ``"off"``.
+    Raises:
+      CheckpointError: ``on_mismatch="raise"`` and a parameter differs.
+      ConfigError: `on_mismatch` is not one of the three.
+    """
+    if on_mismatch not in ("warn", "raise", "off"):
+        raise ConfigError(f"check_weights={on_mismatch!r} is not 'warn', 'raise' or 'off'")
+    if on_mismatch == "off":
+        return
+    want = {e["name"]: (e.get("config") or {}) for e in header.get("entries", []) if e.get("config")}
+    sd_groups = optimizer.state_dict()["param_groups"]
+    for g, live in zip(sd_groups, optimizer.param_groups):
+        for idx, p in zip(g["params"], live["params"]):
+            cfg = want.get(f"optimizer/state/{idx}")
+            if not cfg or not cfg.get("param_sha256") or param_digest(p) == cfg["param_sha256"]:
+                continue
+            msg = (f"{where}: the Adam state of parameter {cfg.get('param') or idx!r} was certified against other "
+                   "weights than the model's (SHA-256 differs): the model was not loaded first, or the directory "
+                   "mixes two saves (weights rewritten in place by a save that was interrupted before the optimizer "
+                   "file); load the matching weights, or resume from an earlier checkpoint")
+            if on_mismatch == "raise":
+                raise CheckpointError(msg)
+            import warnings
+            from jaxguard.errors import JaxguardWarning
+            warnings.warn(msg, JaxguardWarning, stacklevel=3)
+            return
 
 
 def check_layout(sd, optimizer, where="the state") -> None:

@@ -105,7 +105,9 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
 
     Raises:
       ConfigError: `input_dir` is None (pass the directory explicitly).
-      CheckpointError / ContainerError: the optimizer file does not match or is corrupt.
+      CheckpointError / ContainerError: the optimizer file does not match or is corrupt, or
+        its moments were certified against other weights than the loaded model's
+        (a directory mixing two saves: `torch_compat.state.check_certified_weights`).
     """
     import torch_compat
     if input_dir is None:
@@ -116,4 +118,4 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
     with _optimizers_held_out(accelerator) as opts:
         accelerator.load_state(input_dir, **kwargs)
     for i, opt in enumerate(opts):
-        torch_compat.load(os.path.join(input_dir, optimizer_file(i)), unwrap(opt))
+        torch_compat.load(os.path.join(input_dir, optimizer_file(i)), unwrap(opt), check_weights="raise")

@@ -113,7 +113,7 @@ class GuardedTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         self._refuse_other_backends()
         import torch_compat
-        torch_compat.load(path, unwrap(self.optimizer))
+        torch_compat.load(path, unwrap(self.optimizer), check_weights="raise")   # the Trainer loaded the model first
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
