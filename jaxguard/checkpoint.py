@@ -35,6 +35,7 @@ import dataclasses
 from typing import Any, List, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future
@@ -59,6 +60,23 @@ def _run_sync(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
+def _host_copy(x):
+    """A host copy of one leaf that no later step can change: ``np.asarray`` of a CPU JAX
+    array may alias its buffer, which the next (donating) step may overwrite."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return np.array(x, copy=True)
+    return x
+
+
+def _host_record(rec):
+    """A writer record whose arrays are host copies (see `_host_copy`)."""
+    if isinstance(rec, container.Raw):
+        return rec._replace(array=_host_copy(rec.array))
+    if dataclasses.is_dataclass(rec):
+        return dataclasses.replace(rec, **{f: _host_copy(getattr(rec, f)) for f in ("m", "v", "p")})
+    return rec
+
+
 class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Writes/reads optax state as one guarded jaxguard container per checkpoint item."""
 
@@ -68,34 +86,43 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._common = {}
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
-        """Encode the state now and return the futures that write it (orbax's async API).
+        """Copy the state to host memory and return the futures that encode and write it
+        (orbax's async API): the caller is blocked only for the copy, as by orbax's own
+        async save; the guard runs in the commit future, on the copy.
 
         One process (or ``args.sharded=False``): the whole state is encoded into one container
         and the primary host writes it atomically. Several processes (or ``args.sharded=True``):
-        each writes its shards and the manifest is committed in `finalize`.
+        each writes its shards and the manifest is committed in `finalize`.  The bytes written
+        are those of a blocking save of the same state.  A refusal in the background encode
+        (e.g. certified values the reader does not decode to) writes nothing and raises from
+        orbax's ``wait_until_finished`` (or the next save); orbax then leaves the step
+        uncommitted.
 
         Args:
           directory: the item directory orbax gives the handler.
           args: a `GuardedSave` (state, params, lr, tau, clip, codec, ...).
 
         Returns:
-          A list of orbax commit futures; ``self.last_summary`` holds the save's summary.
+          A list of orbax commit futures; once they are done ``self.last_summary`` holds the
+          save's summary.
 
         Raises:
-          CheckpointError: `args` is not a `GuardedSave`.
+          CheckpointError: `args` is not a `GuardedSave` (or, in the futures, the state is not
+            guardable: as `jaxguard.save`).
         """
         if not isinstance(args, GuardedSave):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
-        data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, weight_decay=args.weight_decay,
-                                               betas=args.betas, eps=args.eps, spec=args.guard_spec(),
-                                               include_params=args.include_params)
-        self.last_summary = summary
+        opt_state, params = jax.tree_util.tree_map(_host_copy, (args.opt_state, args.params))
         path = str(epath.Path(directory) / self._filename)
+        primary = ocp.utils.is_primary_host(self._primary_host)
 
         async def write():
-            if ocp.utils.is_primary_host(self._primary_host):
+            data, self.last_summary = optax_adapter.to_bytes(
+                opt_state, params, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
+                spec=args.guard_spec(), include_params=args.include_params)
+            if primary:
                 container.atomic_write(path, data)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
@@ -108,17 +135,18 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         primary = self._primary_host or 0
         items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
                                                  include_params=args.include_params, primary=primary)
+        items = [(entry, start, _host_record(rec)) for entry, start, rec in items]
         extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": spec.tau, "clip": spec.clip,
                  "codec": spec.codec}
         pid = jax.process_index()
         save_id = _sharded.new_save_id(primary)   # a collective, here on the calling thread of every process
-        data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
         self._common[str(directory)] = (_sharded.common_meta(
             sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
             params_meta=_sharded.param_leaves(args.params) if args.include_params else None), save_id)
-        self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
 
         async def write():
+            data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
+            self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
             _sharded.write_process_files(str(directory), data, index, pid, save_id)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]
