@@ -11,15 +11,17 @@
 
 `GuardedSave`/`GuardedRestore` are registered with `GuardedCheckpointHandler` through
 ``orbax.checkpoint.args.register_with_handler``, so `Composite` finds the handler by the
-args' type.  The handler is an `AsyncCheckpointHandler`: the guard runs while `save` is
-called (it reads the arrays of that step), the file is written in the commit future
-(`enable_async_checkpointing=True` writes in the background).  The item directory holds
+args' type.  The handler is an `AsyncCheckpointHandler`: `save` only copies the arrays
+of that step to host memory; the guard and the write run in the commit future, on the copy
+(with ``enable_async_checkpointing=True`` in orbax's background thread, so the training
+step waits only for the copy; a refusal there is raised by ``wait_until_finished`` and
+commits no step).  The item directory holds
 one jaxguard container, ``opt_state.jaxguard`` (see jaxguard.optax_adapter for the
 numerical contract); only the primary host writes it.
 
 Multi-process jobs (or ``GuardedSave(..., sharded=True)``): the item directory holds a
-sharded checkpoint (jaxguard.sharded): every process certifies its replica-0 shards
-during `save` and writes ``process_NNNNN.<save id>.jaxguard`` (through
+sharded checkpoint (jaxguard.sharded): every process copies its replica-0 shards to host
+during `save`, then certifies them and writes ``process_NNNNN.<save id>.jaxguard`` (through
 `jaxguard.format.storage`: local paths and fsspec URLs, each file atomic) in its commit
 future; `finalize`, which orbax runs on the primary process after every process has
 finished writing, merges the per-process indexes into ``manifest.json`` (one atomic
