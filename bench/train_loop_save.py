@@ -193,9 +193,9 @@ def _ratio(rows, plain, guarded):
     return by[guarded]["block_median_s"] / by[plain]["block_median_s"]
 
 
-def write(res):
+def write(res, name="train_loop_save"):
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "train_loop_save.json"), "w") as fh:
+    with open(os.path.join(RESULTS, name + ".json"), "w") as fh:
         json.dump(res, fh, indent=1)
     c = res["config"]
     lines = ["# Training-loop saves: how long a checkpoint blocks the step", "",
@@ -205,7 +205,7 @@ def write(res):
              f"`python bench/train_loop_save.py --hidden {c['hidden']} --layers {c['layers']} --steps {c['steps']} "
              f"--every {c['every']} --torch-steps {c['torch_steps']} --torch-every {c['torch_every']} "
              f"--batch {c['batch']}`: an MLP of {c['layers']} {c['hidden']}x{c['hidden']} "
-             f"layers ({res['jax'][0]['params'] / 1e6:.1f}M parameters, Adam), the same in JAX/optax and torch; "
+             f"layers ({(res['jax'] or res['torch'])[0]['params'] / 1e6:.1f}M parameters, Adam), the same in JAX/optax and torch; "
              "wall time includes waiting for the last save. A save blocks the loop for its call plus, when the "
              "previous save is still running, the wait for it (orbax's `mngr.save` and a DCP loop wait first); "
              "the two are timed apart.", "",
@@ -218,11 +218,12 @@ def write(res):
                          f"{r['steps_per_s']:.2f} | {r['saves']} | "
                          f"{r['block_median_s'] * 1e3:.0f} / {r['block_max_s'] * 1e3:.0f} ms | "
                          f"{r['wait_median_s'] * 1e3:.0f} / {r['wait_max_s'] * 1e3:.0f} ms |")
-    lines += ["", f"Save-call ratio guarded / plain (median per save): orbax **{res['ratio_orbax']:.2f}x**, "
-              f"DCP **{res['ratio_dcp']:.2f}x** (target <= 1.2x); the waits for the previous save are in the "
-              "last column."]
-    lines += [""] + res.get("notes", [])
-    with open(os.path.join(RESULTS, "train_loop_save.md"), "w") as fh:
+    ratios = ", ".join(f"{k} **{res[f'ratio_{k.lower()}']:.2f}x**" for k in ("orbax", "DCP")
+                       if res.get(f"ratio_{k.lower()}") is not None)
+    lines += ["", f"Save-call ratio guarded / plain (median per save): {ratios} (target <= 1.2x); the waits "
+              "for the previous save are in the last column."]
+    lines += ["", res.get("notes", "")]
+    with open(os.path.join(RESULTS, name + ".md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -231,13 +232,16 @@ def write(res):
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
         for ax, fw in zip(axes, ("jax", "torch")):
             rows = [r for r in res[fw] if r["saves"]]
+            if not rows:
+                ax.axis("off")
+                continue
             ax.bar([r["mode"].replace(", ", "\n") for r in rows], [r["block_median_s"] * 1e3 for r in rows])
             ax.set_ylabel("blocked per save, median (ms)")
             ax.set_yscale("log")
             ax.set_title(f"{fw}: {res[fw][0]['params'] / 1e6:.1f}M params (2-core EPYC, shared)")
             ax.tick_params(axis="x", labelsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, "train_loop_save.png"), dpi=110)
+        fig.savefig(os.path.join(RESULTS, name + ".png"), dpi=110)
     except ImportError:
         pass
 
@@ -251,6 +255,7 @@ def main(argv=None):
     ap.add_argument("--torch-steps", type=int, default=40)
     ap.add_argument("--torch-every", type=int, default=20)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--notes", default="", help="a paragraph for the .md")
     ap.add_argument("--machine", default="2-core AMD EPYC (AVX-512), shared with other work")
     ap.add_argument("--only", choices=["jax", "torch"])
     a = ap.parse_args(argv)
@@ -258,13 +263,16 @@ def main(argv=None):
     try:
         res = {"config": {k: getattr(a, k) for k in ("hidden", "layers", "steps", "every", "torch_steps",
                                                       "torch_every", "batch")},
-               "machine": f"{a.machine}; {os.cpu_count()} CPUs visible, {platform.processor() or platform.machine()}"}
+               "machine": f"{a.machine}; {os.cpu_count()} CPUs visible, {platform.processor() or platform.machine()}",
+               "notes": a.notes}
         res["jax"] = jax_bench(a.hidden, a.layers, a.steps, a.every, a.batch, root) if a.only != "torch" else []
         res["torch"] = torch_bench(a.hidden, a.layers, a.torch_steps, a.torch_every, a.batch, root) if a.only != "jax" else []
-        if a.only is None:
+        if res["jax"]:
             res["ratio_orbax"] = _ratio(res["jax"], "orbax async, plain", "orbax async, guarded")
+        if res["torch"]:
             res["ratio_dcp"] = _ratio(res["torch"], "dcp async_save, plain", "dcp async_save, guarded")
-            write(res)
+        write(res, "train_loop_save" if a.only is None else
+              f"train_loop_save_{a.only}_every{a.every if a.only == 'jax' else a.torch_every}")
         print(json.dumps({k: res.get(k) for k in ("ratio_orbax", "ratio_dcp")}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
