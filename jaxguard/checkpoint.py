@@ -66,7 +66,10 @@ def _host_copy(x):
     """A host copy of one leaf that no later step can change: ``np.asarray`` of a CPU JAX
     array may alias its buffer, which the next (donating) step may overwrite."""
     if isinstance(x, (jax.Array, np.ndarray)):
-        return np.array(x, copy=True)
+        try:
+            return np.array(x, copy=True)
+        except TypeError:      # no numpy form (a typed PRNG key): a device copy instead
+            return jax.numpy.copy(x)
     return x
 
 
