@@ -235,9 +235,12 @@ def write(res, name="train_loop_save"):
             if not rows:
                 ax.axis("off")
                 continue
-            ax.bar([r["mode"].replace(", ", "\n") for r in rows], [r["block_median_s"] * 1e3 for r in rows])
+            names = [r["mode"].replace(", ", "\n") for r in rows]
+            calls = [r["block_median_s"] * 1e3 for r in rows]
+            ax.bar(names, calls, label="save call")
+            ax.bar(names, [r["wait_median_s"] * 1e3 for r in rows], bottom=calls, label="waiting for the previous save")
             ax.set_ylabel("blocked per save, median (ms)")
-            ax.set_yscale("log")
+            ax.legend(fontsize=7)
             ax.set_title(f"{fw}: {res[fw][0]['params'] / 1e6:.1f}M params (2-core EPYC, shared)")
             ax.tick_params(axis="x", labelsize=8)
         fig.tight_layout()
@@ -258,7 +261,11 @@ def main(argv=None):
     ap.add_argument("--notes", default="", help="a paragraph for the .md")
     ap.add_argument("--machine", default="2-core AMD EPYC (AVX-512), shared with other work")
     ap.add_argument("--only", choices=["jax", "torch"])
+    ap.add_argument("--replot", metavar="NAME", help="rewrite bench/results/NAME.{md,png} from NAME.json")
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(os.path.join(RESULTS, a.replot + ".json")) as fh:
+            return write(json.load(fh), a.replot)
     root = tempfile.mkdtemp(prefix="jg_trainloop_")
     try:
         res = {"config": {k: getattr(a, k) for k in ("hidden", "layers", "steps", "every", "torch_steps",
