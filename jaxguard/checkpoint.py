@@ -112,8 +112,10 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
           save's summary.
 
         Raises:
-          CheckpointError: `args` is not a `GuardedSave` (or, in the futures, the state is not
-            guardable: as `jaxguard.save`).
+          CheckpointError: `args` is not a `GuardedSave`.  A state the guard refuses (no Adam
+            state, mismatched params, dtypes, lr: as `jaxguard.save`) fails in the futures and
+            is raised by orbax's ``wait_until_finished`` (raising it from this call instead
+            leaves orbax's step-directory signal unsent, and its thread waits out the timeout).
         """
         if not isinstance(args, GuardedSave):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")

@@ -139,6 +139,17 @@ def test_orbax_background_refusal_raises_a_jaxguard_error_and_commits_no_step(tm
     assert not list((tmp_path / "c").rglob(jgc.FILENAME))
 
 
+def test_orbax_async_save_of_a_state_it_cannot_guard_raises_when_waited_for(tmp_path):
+    params = {"w": jnp.ones(300)}
+    st = optax.sgd(1e-3).init(params)                    # no Adam moments to guard
+    with ocp.CheckpointManager(tmp_path / "c", options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True)) as mngr:
+        _save(mngr, 1, params, st)
+        with pytest.raises(jgc.CheckpointError, match="Adam"):
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == []
+
+
 # ---------------------------------------------------------------- DCP on 2 gloo ranks
 def _dcp_rank(rank, world, port, root):
     import time
