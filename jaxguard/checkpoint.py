@@ -100,7 +100,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         each writes its shards and the manifest is committed in `finalize`.  The bytes written
         are those of a blocking save of the same state.  A refusal in the background encode
         (e.g. certified values the reader does not decode to) writes nothing and raises from
-        orbax's ``wait_until_finished`` (or the next save); orbax then leaves the step
+        orbax's ``wait_until_finished``; orbax then leaves the step
         uncommitted.
 
         Args:
