@@ -11,15 +11,17 @@
 
 `GuardedSave`/`GuardedRestore` are registered with `GuardedCheckpointHandler` through
 ``orbax.checkpoint.args.register_with_handler``, so `Composite` finds the handler by the
-args' type.  The handler is an `AsyncCheckpointHandler`: the guard runs while `save` is
-called (it reads the arrays of that step), the file is written in the commit future
-(`enable_async_checkpointing=True` writes in the background).  The item directory holds
+args' type.  The handler is an `AsyncCheckpointHandler`: `save` only copies the arrays
+of that step to host memory; the guard and the write run in the commit future, on the copy
+(with ``enable_async_checkpointing=True`` in orbax's background thread, so the training
+step waits only for the copy; a refusal there is raised by ``wait_until_finished`` and
+commits no step).  The item directory holds
 one jaxguard container, ``opt_state.jaxguard`` (see jaxguard.optax_adapter for the
 numerical contract); only the primary host writes it.
 
 Multi-process jobs (or ``GuardedSave(..., sharded=True)``): the item directory holds a
-sharded checkpoint (jaxguard.sharded): every process certifies its replica-0 shards
-during `save` and writes ``process_NNNNN.<save id>.jaxguard`` (through
+sharded checkpoint (jaxguard.sharded): every process copies its replica-0 shards to host
+during `save`, then certifies them and writes ``process_NNNNN.<save id>.jaxguard`` (through
 `jaxguard.format.storage`: local paths and fsspec URLs, each file atomic) in its commit
 future; `finalize`, which orbax runs on the primary process after every process has
 finished writing, merges the per-process indexes into ``manifest.json`` (one atomic
@@ -35,12 +37,13 @@ import dataclasses
 from typing import Any, List, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future
 
 from jaxguard.format import container
-from jaxguard import optax_adapter
+from jaxguard import optax_adapter, optax_state
 from jaxguard.core.config import GuardSpec, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
@@ -59,6 +62,26 @@ def _run_sync(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
+def _host_copy(x):
+    """A host copy of one leaf that no later step can change: ``np.asarray`` of a CPU JAX
+    array may alias its buffer, which the next (donating) step may overwrite."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        try:
+            return np.array(x, copy=True)
+        except TypeError:      # no numpy form (a typed PRNG key): a device copy instead
+            return jax.numpy.copy(x)
+    return x
+
+
+def _host_record(rec):
+    """A writer record whose arrays are host copies (see `_host_copy`)."""
+    if isinstance(rec, container.Raw):
+        return rec._replace(array=_host_copy(rec.array))
+    if dataclasses.is_dataclass(rec):
+        return dataclasses.replace(rec, **{f: _host_copy(getattr(rec, f)) for f in ("m", "v", "p")})
+    return rec
+
+
 class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Writes/reads optax state as one guarded jaxguard container per checkpoint item."""
 
@@ -68,37 +91,65 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._common = {}
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
-        """Encode the state now and return the futures that write it (orbax's async API).
+        """Copy the state to host memory and return the futures that encode and write it
+        (orbax's async API): the caller is blocked only for the copy, as by orbax's own
+        async save; the guard runs in the commit future, on the copy.
 
         One process (or ``args.sharded=False``): the whole state is encoded into one container
         and the primary host writes it atomically. Several processes (or ``args.sharded=True``):
-        each writes its shards and the manifest is committed in `finalize`.
+        each writes its shards and the manifest is committed in `finalize`.  The bytes written
+        are those of a blocking save of the same state.  A refusal in the background encode
+        (e.g. certified values the reader does not decode to) writes nothing and raises from
+        orbax's ``wait_until_finished``; orbax then leaves the step
+        uncommitted.
 
         Args:
           directory: the item directory orbax gives the handler.
           args: a `GuardedSave` (state, params, lr, tau, clip, codec, ...).
 
         Returns:
-          A list of orbax commit futures; ``self.last_summary`` holds the save's summary.
+          A list of orbax commit futures; once they are done ``self.last_summary`` holds the
+          save's summary.
 
         Raises:
-          CheckpointError: `args` is not a `GuardedSave`.
+          CheckpointError: `args` is not a `GuardedSave`.  A state the guard refuses (no Adam
+            state, mismatched params, dtypes, lr: as `jaxguard.save`) fails in the futures and
+            is raised by orbax's ``wait_until_finished`` (raising it from this call instead
+            leaves orbax's step-directory signal unsent, and its thread waits out the timeout).
         """
         if not isinstance(args, GuardedSave):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
-        data, summary = optax_adapter.to_bytes(args.opt_state, args.params, lr=args.lr, weight_decay=args.weight_decay,
-                                               betas=args.betas, eps=args.eps, spec=args.guard_spec(),
-                                               include_params=args.include_params, op_model=args.op_model)
-        self.last_summary = summary
+        op_model = self._op_model_where_it_lives(args)
+        opt_state, params = jax.tree_util.tree_map(_host_copy, (args.opt_state, args.params))
         path = str(epath.Path(directory) / self._filename)
+        primary = ocp.utils.is_primary_host(self._primary_host)
 
         async def write():
-            if ocp.utils.is_primary_host(self._primary_host):
+            data, self.last_summary = optax_adapter.to_bytes(
+                opt_state, params, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
+                spec=args.guard_spec(), include_params=args.include_params, op_model=op_model)
+            if primary:
                 container.atomic_write(path, data)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
+
+    @staticmethod
+    def _op_model_where_it_lives(args):
+        """The op model the sites resolve to on the device the state lives on (the host copy
+        would name the CPU's): `args.op_model`, or the one model all sites resolve to; None
+        when they differ or the state is refused (the background encode then resolves it
+        per site, or raises the refusal from ``wait_until_finished``)."""
+        if args.op_model is not None:
+            return args.op_model
+        try:
+            models = {optax_state.site_config(site, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas,
+                                              eps=args.eps, spec=args.guard_spec()).op_model
+                      for site in optax_state.find_adam_states(args.opt_state)}
+        except Exception:     # noqa: BLE001 - the background encode raises it where orbax reports it
+            return None
+        return models.pop() if len(models) == 1 else None
 
     def _async_save_sharded(self, directory, args):
         spec = args.guard_spec()
@@ -108,17 +159,18 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         primary = self._primary_host or 0
         items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
                                                  include_params=args.include_params, primary=primary)
+        items = [(entry, start, _host_record(rec)) for entry, start, rec in items]
         extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": spec.tau, "clip": spec.clip,
                  "codec": spec.codec}
         pid = jax.process_index()
         save_id = _sharded.new_save_id(primary)   # a collective, here on the calling thread of every process
-        data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
         self._common[str(directory)] = (_sharded.common_meta(
             sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
             params_meta=_sharded.param_leaves(args.params) if args.include_params else None), save_id)
-        self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
 
         async def write():
+            data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
+            self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
             _sharded.write_process_files(str(directory), data, index, pid, save_id)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]

@@ -161,3 +161,47 @@ def test_checkpoint_through_memory_url(runs, lr_zero):
     exact = all(torch.equal(st[i]["exp_avg_sq"], st0[i]["exp_avg_sq"]) for i in st0)
     assert exact is lr_zero  # guarded moments are coded, uncompressed ones exact
     assert back["global_step"] == ckpt["global_step"]
+
+
+def _canon(data):
+    """A Lightning container as (its entries without their encode timings, payload): the
+    checkpoint's other fields (ModelCheckpoint's dirpath) name the run's directory."""
+    import json
+    from jaxguard.format import reader
+    header, payload = reader.parse(data)
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "encode_seconds"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return json.dumps(strip(header["entries"]), sort_keys=True), header["decoded_sha256"], bytes(payload)
+
+
+def test_async_checkpoint_io_saves_in_the_background_the_blocking_bytes(runs, tmp_path, monkeypatch):
+    """Lightning's AsyncCheckpointIO(GuardedCheckpointIO()): the checkpoints of a real fit are
+    those of the blocking plugin's identical run, and ``trainer.save_checkpoint`` returns before
+    the guard runs (the guard is held until it returned; an encode inside the call times out)."""
+    import threading
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from jaxguard.core import guard
+    L.seed_everything(0, verbose=False)
+    model = MLP()
+    tr = _trainer(tmp_path, N, [AsyncCheckpointIO(GuardedCheckpointIO())], ckpt=True)
+    tr.fit(model, _data(0))
+    assert _canon((tmp_path / f"step={N}.ckpt").read_bytes()) == _canon(runs["gckpt"].read_bytes())
+
+    release, threads, encode_many = threading.Event(), [], guard.encode_many
+
+    def held(items, **kw):
+        threads.append(threading.get_ident())
+        if not release.wait(60):
+            raise AssertionError("the guard was never released: save_checkpoint waited for the encode")
+        return encode_many(items, **kw)
+
+    monkeypatch.setattr(guard, "encode_many", held)
+    tr.save_checkpoint(tmp_path / "again.ckpt")
+    assert not (tmp_path / "again.ckpt").exists() and threading.get_ident() not in threads
+    release.set()
+    tr.strategy.checkpoint_io.teardown()          # waits for the background save
+    assert threads and _canon((tmp_path / "again.ckpt").read_bytes()) == _canon(runs["gckpt"].read_bytes())
