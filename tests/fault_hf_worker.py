@@ -8,7 +8,9 @@ KIND ``hf``: `GuardedTrainer` trains STEPS steps with ``output_dir=DIR`` and sav
 ``DIR/checkpoint-4`` (the Trainer's own save); ``accelerate``: an `accelerate.Accelerator`
 loop trains STEPS steps and `jaxguard.integrations.accelerate.save_state(acc, DIR)`.
 SEED picks the data order (so a second run writes another state to the same place).
-Just before the optimizer file is written, the exact optimizer state and parameters go to
+TRUTH ``resume``: instead, resume from what is there (HF: ``train(resume_from_checkpoint=
+DIR/checkpoint-4)`` for one step; accelerate: `load_state(acc, DIR)`) and print ``RESUMED``.
+Otherwise, just before the optimizer file is written, the exact optimizer state and parameters go to
 TRUTH (``torch.save``).  FAULT ``kill_mid_file``: SIGKILL with half of ``optimizer.jg``
 written (fsynced) to its temporary file; ``none``: save normally.  A save that raises
 prints ``ERROR: <type>: <message>`` as its last line and exits 3.
@@ -69,12 +71,13 @@ def hf(d, seed, truth):
             dump_truth(opt, self.model, truth)
             return super()._save_optimizer_and_scheduler(output_dir)
 
+    resume = os.path.join(d, f"checkpoint-{STEPS}") if truth == "resume" else None
     args = transformers.TrainingArguments(
-        output_dir=d, max_steps=STEPS, per_device_train_batch_size=8, learning_rate=LR, optim="adamw_torch",
+        output_dir=d, max_steps=STEPS + (resume is not None), per_device_train_batch_size=8, learning_rate=LR, optim="adamw_torch",
         lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=CLIP, save_strategy="steps",
         save_steps=STEPS, report_to="none", use_cpu=True, seed=0, data_seed=seed, dataloader_num_workers=0,
         disable_tqdm=True)
-    Trainer(model=tiny_gpt2(SEQ), args=args, train_dataset=Bytes()).train()
+    Trainer(model=tiny_gpt2(SEQ), args=args, train_dataset=Bytes()).train(resume_from_checkpoint=resume)
 
 
 def acc(d, seed, truth):
@@ -84,6 +87,9 @@ def acc(d, seed, truth):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False, fused=False)
     a = accelerate.Accelerator(cpu=True)
     model, opt = a.prepare(model, opt)
+    if truth == "resume":
+        jg_acc.load_state(a, d)
+        return
     x = byte_tokens(SEQ)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     for i in range(STEPS):
@@ -103,6 +109,8 @@ def main():
         kill_mid_optimizer_file()
     try:
         (hf if kind == "hf" else acc)(d, seed, truth)
+        if truth == "resume":
+            print("RESUMED")
     except Exception as exc:  # noqa: BLE001 - the line the user sees
         print(f"ERROR: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         sys.exit(3)
