@@ -74,7 +74,7 @@ def hf(d, seed, truth):
     resume = os.path.join(d, f"checkpoint-{STEPS}") if truth == "resume" else None
     args = transformers.TrainingArguments(
         output_dir=d, max_steps=STEPS + (resume is not None), per_device_train_batch_size=8, learning_rate=LR, optim="adamw_torch",
-        lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=CLIP, save_strategy="steps",
+        lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=CLIP, save_strategy="no" if resume else "steps",
         save_steps=STEPS, report_to="none", use_cpu=True, seed=0, data_seed=seed, dataloader_num_workers=0,
         disable_tqdm=True)
     Trainer(model=tiny_gpt2(SEQ), args=args, train_dataset=Bytes()).train(resume_from_checkpoint=resume)
