@@ -51,3 +51,34 @@ def test_planner_without_a_place_or_with_another_one_is_one_line(tmp_path):
                       planner=GuardedLoadPlanner(storage_reader=FileSystemReader(str(tmp_path / "a"))))
     assert isinstance(err, CheckpointError) and "not the storage reader dcp.load" in str(err), err
     assert "\n" not in str(err)
+
+
+def test_a_moment_restored_onto_another_device_than_its_op_model_warns(tmp_path):
+    """The manifest records each moment's op model; restoring a CUDA-certified state onto
+    CPU tensors warns in one line, a CPU-certified one does not."""
+    import warnings
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from jaxguard.errors import JaxguardWarning
+    from torch_compat.dcp import GuardedSavePlanner
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        opt.step()
+    for name, op_model in (("cpu", None), ("cuda", "torch-adam-cuda-foreach")):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name),
+                 planner=GuardedSavePlanner(op_model=op_model), no_dist=True)
+    for name in ("cpu", "cuda"):
+        msd, osd = get_state_dict(model, opt)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", JaxguardWarning)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name),
+                     planner=GuardedLoadPlanner(str(tmp_path / name)), no_dist=True)
+        msgs = [str(w.message) for w in seen if issubclass(w.category, JaxguardWarning)]
+        if name == "cpu":
+            assert msgs == []
+        else:
+            assert len(msgs) == 1 and "torch-adam-cuda-foreach (cuda) but is restored onto cpu" in msgs[0]

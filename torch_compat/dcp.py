@@ -274,7 +274,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
             prefix = m_key[:-len(".exp_avg")]
             entry = {"m_key": m_key, "v_key": v_key, "m_path": list(self.mappings[m_key]),
                      "v_path": list(self.mappings[v_key]), "param": fqn, "param_key": p_key,
-                     "shape": [int(d) for d in m.shape]}
+                     "shape": [int(d) for d in m.shape], "op_model": cfg.op_model}
             entries[prefix] = entry
             for (off, size, mi), (_, _, vi), (_, _, pi) in zip(*chunks):
                 if math.prod(size) == 0:
@@ -515,6 +515,29 @@ def _window(lo, hi, origin):
     return tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))
 
 
+def _warn_other_device(entry, fqn, target, where) -> bool:
+    """Warn (one line, `JaxguardWarning`) when a moment is restored onto
+    another kind of device than its certified op model's kernel runs on (a CUDA model onto
+    a CPU tensor, or the reverse).  The load planner sees the target tensors, not the
+    optimizer's foreach/fused flags: ``torch_compat.load`` checks those.  Returns whether
+    it warned (the planner warns once per load)."""
+    from jaxguard.core.opmodel import GPU_OP_MODELS
+    model = entry.get("op_model")   # manifests written before it have none
+    device = getattr(getattr(target, "device", None), "type", None)
+    if not model or device in (None, "meta"):
+        return False
+    certified = "cuda" if model in GPU_OP_MODELS else "cpu"
+    if (device == "cpu") != (certified == "cpu"):
+        import warnings
+        from jaxguard.errors import JaxguardWarning
+        warnings.warn(f"{where}: {fqn} was certified for {model} ({certified}) but is restored onto {device}: the "
+                      f"tau guarantee holds for that kernel only; resume on it, or save the original state again "
+                      f"with GuardedSavePlanner(op_model=...) for the kernel this run uses", JaxguardWarning,
+                      stacklevel=3)
+        return True
+    return False
+
+
 class GuardedLoadPlanner(DefaultLoadPlanner):
     """Load a checkpoint written with `GuardedSavePlanner` at any world size, all or nothing.
 
@@ -609,6 +632,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             moment_of[e["m_key"]] = (prefix, 0)
             moment_of[e["v_key"]] = (prefix, 1)
         regular, targets, keys = [], [], set()
+        warned = False
         for fqn, obj in self.state_dict.items():
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
@@ -618,6 +642,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
                 if not isinstance(obj, torch.Tensor) or list(obj.shape) != e["shape"]:
                     raise CheckpointError(f"{fqn} has shape {list(getattr(obj, 'shape', []))} here but "
                                           f"{e['shape']} in the checkpoint; the model differs")
+                warned = warned or _warn_other_device(e, fqn, obj, self._checkpoint_id or "the checkpoint")
                 for chunk in _create_chunk_list(obj):
                     off, size = tuple(chunk.offsets), tuple(chunk.sizes)
                     hits = [s for s in e["shards"] if _overlap(off, size, s["offsets"], s["sizes"])]
