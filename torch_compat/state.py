@@ -19,7 +19,7 @@ import torch
 
 from jaxguard import audit as jg_audit
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
-from jaxguard.format import container
+from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.opmodel import resolve_op_model, torch_op_model
 from torch_compat.replay import TORCH_FLAGS
@@ -138,10 +138,7 @@ def from_skeleton(sk, arrays, dtypes):
       CheckpointError: the skeleton names an entry the container does not hold.
     """
     if isinstance(sk, dict):
-        ref = sk.get("__tensor__", sk.get("__moment__"))
-        if ref is not None and (not isinstance(ref, str) or ref not in arrays):
-            raise CheckpointError(f"the container's tree names a tensor {str(ref)[:80]!r} it does not hold; the file is "
-                                  "inconsistent (was it edited?)")
+        reader.skeleton_ref(sk, arrays)
         if "__tensor__" in sk:
             return numpy_to_tensor(arrays[sk["__tensor__"]], dtypes[sk["__tensor__"]])
         if "__moment__" in sk:

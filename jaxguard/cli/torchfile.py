@@ -140,10 +140,7 @@ class _Pickle:
     def tree(self, sk, entries):
         """`torch_compat.state.from_skeleton`'s object, pickled."""
         if isinstance(sk, dict):
-            ref = sk.get("__tensor__", sk.get("__moment__"))
-            if ref is not None and (not isinstance(ref, str) or ref not in entries):
-                raise CheckpointError(f"the container's tree names a tensor {str(ref)[:80]!r} it does not hold; "
-                                      "the file is inconsistent (was it edited?)")
+            ref = reader.skeleton_ref(sk, entries)
             if "__tensor__" in sk:
                 e = entries[ref]
                 if e["kind"] != "raw":

@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from jaxguard.errors import ContainerError
+from jaxguard.errors import CheckpointError, ContainerError
 from jaxguard.format import packed, rans, spec
 
 MAGIC = b"JAXGUARD"
@@ -682,6 +682,27 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
     pairs = _array(payload, s["escape_pairs"], "<f4", 2 * idx.size, f"{name}.escape_pairs").reshape(-1, 2)
     return {"m_codes": mq, "v_codes": vq, "m_params": scale[:, None],
             "v_params": np.stack([lo, r, wp[:, 0], wp[:, 1]], axis=1), "escape_index": idx, "escape_pairs": pairs}
+
+
+def skeleton_ref(node, held):
+    """The entry a node of a container's tree names (``{"__tensor__": name}`` or
+    ``{"__moment__": name, ...}``), checked against the entries the container holds.
+
+    Args:
+      node: one node of the header's tree (any JSON value).
+      held: the entry names the container holds (a mapping or set).
+    Returns:
+      The entry name, or None for a node that names none.
+    Raises:
+      CheckpointError: the node names an entry the container does not hold (one line).
+    """
+    if not isinstance(node, dict):
+        return None
+    ref = node.get("__tensor__", node.get("__moment__"))
+    if ref is not None and (not isinstance(ref, str) or ref not in held):
+        raise CheckpointError(f"the container's tree names a tensor {str(ref)[:80]!r} it does not hold; the file is "
+                              "inconsistent (was it edited?)")
+    return ref
 
 
 def decoded_digest(header, payload):
