@@ -155,10 +155,15 @@ def test_dynamic_map_matches_bitsandbytes_bit_for_bit():
     F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is the reference for the block8 map")
     from jaxguard.core import codes
     from jaxguard.quant import codecs as qc
+    # bitsandbytes builds its map at run time with torch float32 ops; torch's non-vectorized
+    # kernels (ATEN_CPU_CAPABILITY=default) round 42 (signed) / 31 (unsigned) entries up to 2
+    # ulp differently (measured), so only there the reference is matched to 2 ulp. The format
+    # stores one map as bits and never depends on the kernel.
+    ulps = 2 if torch.backends.cpu.get_cpu_capability() == "DEFAULT" else 0
     for signed, table in ((True, "dynamic8s"), (False, "dynamic8u")):
-        ref = F.create_dynamic_map(signed=signed).numpy().astype(np.float32).view(np.uint32)
-        assert np.array_equal(spec.dynamic_map(signed).view(np.uint32), ref), signed
-        assert np.array_equal(spec.TABLES[table]().view(np.uint32), ref), table
+        ref = F.create_dynamic_map(signed=signed).numpy().astype(np.float32).view(np.int32).astype(np.int64)
+        for got, what in ((spec.dynamic_map(signed), signed), (spec.TABLES[table](), table)):
+            assert np.abs(got.view(np.int32).astype(np.int64) - ref).max() <= ulps, what
     assert codes.dynamic_map is spec.dynamic_map
     x = np.linspace(-1, 1, 512, dtype=np.float32)
     enc = qc.d8_encode(x)
