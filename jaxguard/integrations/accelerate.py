@@ -9,6 +9,15 @@ inverse, and falls back to ``accelerator.load_state`` for a directory holding
 ``optimizer.bin``. Where a param group's lr is 0 (the end of a schedule that decays to 0)
 ``save_state`` keeps the uncompressed ``optimizer.bin``: the guarantee is relative to lr.
 
+A save to a named ``output_dir`` is written into a hidden staging directory beside it and
+published by rename once everything (accelerate's files and the optimizer files) is
+written: a save interrupted anywhere leaves the previous ``output_dir``, if any, as it was
+(accelerate itself writes into ``output_dir`` in place, so a kill half way mixes the new
+weights with the previous optimizer state). The next `save_state` or `load_state` of that
+directory cleans what an interrupted one left. With ``automatic_checkpoint_naming``
+accelerate picks a fresh ``checkpoint_<i>`` directory itself (and refuses an existing one),
+and those saves are written there as accelerate writes them.
+
 Why wrappers rather than a pre-hook alone: accelerate calls the save/load pre-hooks with
 ``(models, weights, dir)`` / ``(models, dir)`` only, and writes/reads ``optimizer.bin``
 after them unconditionally; a hook can add files but cannot stop the uncompressed
@@ -26,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.integrations._common import check_supported, unwrap, zero_lr_groups
+from jaxguard.integrations._common import (check_supported, commit_directory, recover_directory, staging_path, unwrap,
+                                           zero_lr_groups)
 
 
 def optimizer_file(i: int) -> str:
@@ -73,26 +84,52 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
       **kwargs: passed to ``Accelerator.save_state``.
 
     Returns:
-      The directory written (``Accelerator.save_state``'s return value).
+      The directory written: `output_dir`, or the one accelerate's automatic naming chose.
 
     Raises:
       UnsupportedOptimizerError: an optimizer outside the op models, or FSDP/DeepSpeed/Megatron.
     """
-    import torch_compat
     _check_backend(accelerator)
     for opt in accelerator._optimizers:
         check_supported(opt, "jaxguard accelerate integration")
-    if any(zero_lr_groups(opt) for opt in accelerator._optimizers):
-        # lr 0: nothing to certify against (the guarantee is relative to lr); keep optimizer.bin
-        return accelerator.save_state(output_dir, **kwargs)
-    with _optimizers_held_out(accelerator) as opts:
-        location = accelerator.save_state(output_dir, **kwargs)
+    zero_lr = any(zero_lr_groups(opt) for opt in accelerator._optimizers)
+    if output_dir is None or accelerator.project_configuration.automatic_checkpoint_naming:
+        if zero_lr:   # lr 0: nothing to certify against (the guarantee is relative to lr); keep optimizer.bin
+            return accelerator.save_state(output_dir, **kwargs)
+        with _optimizers_held_out(accelerator) as opts:
+            location = accelerator.save_state(output_dir, **kwargs)
+        _write_optimizers(accelerator, opts, location, spec=spec, tau=tau, clip=clip, codec=codec)
+        accelerator.wait_for_everyone()
+        return location
+    final = os.path.normpath(os.fspath(output_dir))
+    stage = staging_path(final)
+    if accelerator.is_main_process:
+        recover_directory(final)
+        os.makedirs(stage)
+    accelerator.wait_for_everyone()
+    try:
+        if zero_lr:
+            accelerator.save_state(stage, **kwargs)
+        else:
+            with _optimizers_held_out(accelerator) as opts:
+                accelerator.save_state(stage, **kwargs)
+            _write_optimizers(accelerator, opts, stage, spec=spec, tau=tau, clip=clip, codec=codec)
+        accelerator.wait_for_everyone()   # every process wrote its RNG state into the stage
+        if accelerator.is_main_process:
+            commit_directory(stage, final)
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _write_optimizers(accelerator, opts, location, **guard):
+    import torch_compat
     if accelerator.is_main_process:
         for i, opt in enumerate(opts):
-            torch_compat.save(os.path.join(location, optimizer_file(i)), unwrap(opt), spec=spec, tau=tau,
-                              clip=clip, codec=codec)
-    accelerator.wait_for_everyone()
-    return location
+            torch_compat.save(os.path.join(location, optimizer_file(i)), unwrap(opt), **guard)
 
 
 def load_state(accelerator, input_dir: str, **kwargs) -> None:
@@ -112,6 +149,9 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
     import torch_compat
     if input_dir is None:
         raise ConfigError("load_state: input_dir is None; pass the directory save_state returned")
+    if accelerator.is_main_process:
+        recover_directory(input_dir)   # a save stopped while publishing: the previous directory comes back
+    accelerator.wait_for_everyone()
     if not os.path.isfile(os.path.join(input_dir, optimizer_file(0))):
         return accelerator.load_state(input_dir, **kwargs)  # a plain accelerate checkpoint
     _check_backend(accelerator)

@@ -5,7 +5,15 @@
 (transformers 4.46 through 5.x): ``checkpoint-N/`` holds ``optimizer.jg`` (a jaxguard
 container, certified against the live parameters, i.e. the weights saved beside it)
 instead of ``optimizer.pt``; ``scheduler.pt``, the model, RNG and trainer state are
-written by the Trainer as usual. ``trainer.train(resume_from_checkpoint=...)`` loads
+written by the Trainer as usual, into a hidden staging directory beside ``checkpoint-N/``
+that is published by rename when the whole checkpoint is written (the Trainer itself
+writes into ``checkpoint-N/`` in place: a save killed half way leaves a directory that
+``resume_from_checkpoint=True`` picks, and whose missing optimizer file the Trainer skips
+without a word). A save interrupted anywhere leaves the previous ``checkpoint-N/``, if
+any, as it was (``jaxguard.integrations._common.commit_directory``); the next save or
+``train()`` cleans what it left. With ``push_to_hub`` the Trainer uploads from the
+checkpoint directory while it trains on, so those saves are written in place as the
+Trainer writes them. ``trainer.train(resume_from_checkpoint=...)`` loads
 ``optimizer.jg`` when present and falls back to the Trainer's own loader for a plain
 checkpoint (one that holds ``optimizer.pt``). A checkpoint taken where a param group's lr
 is 0 (the last step of a schedule that decays to 0, the Trainer's default ``linear``)
@@ -30,8 +38,9 @@ import os
 import torch
 from transformers import Trainer
 
-from jaxguard.errors import UnsupportedOptimizerError
-from jaxguard.integrations._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
+from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
+from jaxguard.integrations._common import (OPTIMIZER_FILE, check_supported, commit_directory, recover_directories,
+                                           recover_directory, staging_path, unwrap, zero_lr_groups)
 
 SCHEDULER_NAME = "scheduler.pt"
 log = logging.getLogger(__name__)
@@ -63,6 +72,73 @@ class GuardedTrainer(Trainer):
         self.jaxguard_spec = spec
         self.jaxguard_tau, self.jaxguard_clip, self.jaxguard_codec = spec.tau, spec.clip, spec.codec
         self.jaxguard_last_summary: dict | None = None
+        self._jaxguard_stage_root: str | None = None
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, after undoing what an interrupted save left in ``output_dir``.
+
+        A save stopped between the two renames that publish it leaves the previous
+        ``checkpoint-N/`` aside under a hidden name: it is moved back here, before the Trainer
+        looks for the checkpoint to resume from; unfinished staging directories are removed.
+
+        Args:
+          *args, **kwargs: as for ``transformers.Trainer.train``.
+
+        Returns:
+          What ``Trainer.train`` returns.
+        """
+        if self.args.should_save:
+            for what in recover_directories(self.args.output_dir):
+                log.warning("GuardedTrainer: %s", what)
+        self.accelerator.wait_for_everyone()
+        return super().train(*args, **kwargs)
+
+    def _get_output_dir(self, trial):
+        return self._jaxguard_stage_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        if self.args.push_to_hub:      # the upload reads the checkpoint directory after this returns
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        stage_root = staging_path(final)
+        if self.args.should_save:
+            for what in filter(None, [recover_directory(final)]):
+                log.warning("GuardedTrainer: %s", what)
+            os.makedirs(stage_root)
+        self.accelerator.wait_for_everyone()
+        self._jaxguard_stage_root = stage_root
+        try:
+            super()._save_checkpoint(model, trial)   # writes stage_root/checkpoint-N; its rotation sees one
+        except BaseException:
+            self._jaxguard_stage_root = None
+            if self.args.should_save:
+                import shutil
+                shutil.rmtree(stage_root, ignore_errors=True)
+            raise
+        self._jaxguard_stage_root = None
+        staged = os.path.join(stage_root, name)
+        if self.state.best_model_checkpoint == staged:   # the Trainer found the best one in the stage
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                from transformers.trainer import TRAINER_STATE_NAME
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()   # every rank wrote its RNG state into the stage
+        if self.args.should_save:
+            commit_directory(staged, final)
+            os.rmdir(stage_root)
+            self._rotate_guarded_checkpoints(run_dir)
+        self.accelerator.wait_for_everyone()
+
+    def _rotate_guarded_checkpoints(self, run_dir):
+        try:
+            from transformers.trainer_utils import rotate_checkpoints
+        except ImportError:                      # transformers < 5: a Trainer method
+            return self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def create_optimizer(self, *args, **kwargs):
         """``Trainer.create_optimizer``, then refuse an optimizer the guard cannot certify.
@@ -110,6 +186,11 @@ class GuardedTrainer(Trainer):
             return
         path = os.path.join(checkpoint, OPTIMIZER_FILE)
         if not os.path.isfile(path):  # a plain Trainer checkpoint: the Trainer's own loader
+            if not self.args.save_only_model and not any(
+                    os.path.isfile(os.path.join(checkpoint, f)) for f in ("optimizer.pt", "optimizer.bin")):
+                raise CheckpointError(f"{checkpoint} holds no optimizer state ({OPTIMIZER_FILE} or optimizer.pt): a "
+                                      "save that did not finish, or one with save_only_model; resuming would "
+                                      "restart Adam from zero; resume from an earlier checkpoint")
             return super()._load_optimizer_and_scheduler(checkpoint)
         self._refuse_other_backends()
         import torch_compat
