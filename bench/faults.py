@@ -424,9 +424,29 @@ def _file_sha(p):
     return hashlib.sha256(open(p, "rb").read()).hexdigest() if os.path.exists(p) else None
 
 
+def _dir_sha(d):
+    """SHA-256 over every file's relative path and bytes under d (None if d is absent)."""
+    import hashlib
+    if not os.path.isdir(d):
+        return None
+    h = hashlib.sha256()
+    for here, dirs, files in sorted(os.walk(d)):
+        dirs.sort()
+        for f in sorted(files):
+            p = os.path.join(here, f)
+            h.update(os.path.relpath(p, d).encode() + b"\0" + open(p, "rb").read())
+    return h.hexdigest()[:16]
+
+
+HF_FAULTS = {"kill_mid_file": "kill mid optimizer.jg", "kill_after_weights": "kill after the weights",
+             "kill_between_renames": "kill between the two renames", "full_disk": "full disk (tmpfs 4 MiB)"}
+
+
 def rows_hf(w):
     """HF Trainer (GuardedTrainer) and accelerate (save_state): a guarded checkpoint committed, then a
-    second run's save to the same place SIGKILLed mid optimizer.jg, and a full tmpfs during the save."""
+    second run's save to the same place SIGKILLed at three points of its write path, and a full tmpfs.
+    *Survived*: after the fault and the integration's own resume, the directory holds the first save's
+    files, every byte (`_dir_sha`), and its optimizer.jg audits within tau."""
     worker = os.path.join(ROOT, "tests", "fault_hf_worker.py")
     names = {"hf": "HF GuardedTrainer checkpoint-4 (1 proc)", "accelerate": "accelerate save_state (1 proc)"}
     rows = []
@@ -440,7 +460,7 @@ def rows_hf(w):
         return r.returncode, (err[-1][7:] if err else None), (r.stdout + r.stderr)[-2000:]
 
     for kind in ("hf", "accelerate"):
-        for fault in ("kill_mid_file", "full_disk"):
+        for fault in HF_FAULTS:
             t = time.time()
             d = os.path.join(w, f"{kind}_{fault}")
             os.makedirs(d)
@@ -460,8 +480,7 @@ def rows_hf(w):
                 assert rc == 0, log
                 c0 = _hf_audit(ck, os.path.join(w, f"{kind}_{fault}.truth0.pt"))
                 assert c0.get("violations") == 0, c0
-                before = set(os.listdir(ck))
-                model0 = _file_sha(os.path.join(ck, "model.safetensors"))
+                dir0 = _dir_sha(ck)
                 if fault.startswith("full_disk"):
                     fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
                     try:
@@ -470,30 +489,28 @@ def rows_hf(w):
                     except OSError:
                         pass
                     os.close(fd)
-                rc, err, log = run(kind, out, 1, "kill_mid_file" if fault == "kill_mid_file" else "none",
+                rc, err, log = run(kind, out, 1, "none" if fault.startswith("full_disk") else fault,
                                    os.path.join(w, f"{kind}_{fault}.truth1.pt"))
-                c = _hf_audit(ck, os.path.join(w, f"{kind}_{fault}.truth0.pt"))
-                model1 = _file_sha(os.path.join(ck, "model.safetensors"))
+                left = sorted(set(os.listdir(os.path.dirname(ck))) - {os.path.basename(ck), "ballast"})
                 seen = ["p0: SIGKILLed" if rc == -9 else err if err else f"p0: exit {rc}" + (
                     f" ({log.strip().splitlines()[-1][:200]})" if rc and log.strip() else "")]
-                seen.append("optimizer.jg: the previous one (same bits)" if c == c0 else
-                            f"optimizer.jg: {c.get('error') or 'other bits'}")
-                seen.append("model.safetensors beside it: " + (
-                    "the previous one" if model1 == model0 else "MISSING" if model1 is None else
-                    f"the new run's ({'the Trainer' if kind == 'hf' else 'accelerate'} writes it in place "
-                    "before optimizer.jg)"))
+                dir1 = _dir_sha(ck)
+                seen.append(f"{os.path.basename(ck)}/ after the fault: " + (
+                    "the previous one, every byte" if dir1 == dir0 else "ABSENT" if dir1 is None else "CHANGED"))
                 if fault.startswith("full_disk"):
                     os.unlink(os.path.join(mnt, "ballast"))
                 rrc, rerr, rlog = run(kind, out, 0, "none", "resume")
-                seen.append("resume from it: " + ("accepted without a word" if rrc == 0 and "RESUMED" in rlog else
-                                                  rerr or f"exit {rrc}"))
-                mixed = c == c0 and model1 != model0
-                rows.append({"path": names[kind], "fault": "kill_mid_file" if fault == "kill_mid_file" else
-                             "full disk (tmpfs 4 MiB)", "victim": 0 if fault == "kill_mid_file" else "-",
-                             "survived": ("previous optimizer.jg, but the weights beside it are the new run's: MIXED"
-                                          if mixed else "previous checkpoint (optimizer.jg and weights)")
-                             if c == c0 else "LOST", "check": c, "seen": seen,
-                             "leftovers": sorted(set(os.listdir(ck)) - before),
+                dir2 = _dir_sha(ck)
+                c = _hf_audit(ck, os.path.join(w, f"{kind}_{fault}.truth0.pt"))
+                seen.append("resume from it: " + ("resumed" if rrc == 0 and "RESUMED" in rlog else rerr or f"exit {rrc}")
+                            + (", from the previous checkpoint, every byte" if dir2 == dir0 else
+                               ", from OTHER files" if rrc == 0 else ""))
+                rows.append({"path": names[kind], "fault": HF_FAULTS[fault],
+                             "victim": "-" if fault.startswith("full_disk") else 0,
+                             "survived": "previous checkpoint (every file, same bytes)" if dir2 == dir0 and c == c0
+                             else "LOST", "check": c, "seen": seen, "leftovers": left,
+                             "next_save_cleans": (not (set(os.listdir(os.path.dirname(ck))) - {os.path.basename(ck),
+                                                                                              "ballast"})) if left else None,
                              "seconds": round(time.time() - t, 1)})
                 print(json.dumps(rows[-1]), flush=True)
             finally:
@@ -552,20 +569,28 @@ def write_md(out, md):
               "**HF Trainer and accelerate rows** (tests/fault_hf_worker.py): one process trains the tiny GPT-2 of "
               "tests/helpers.py (2 layers, 64 wide, torch AdamW, 4 steps) and saves with `GuardedTrainer` "
               "(`checkpoint-4/`) or `jaxguard.integrations.accelerate.save_state`; a second run with another data "
-              "order then saves to the same place, SIGKILLed with half of `optimizer.jg` in its temporary file, or "
-              "with the tmpfs filled by a ballast file. *Survived* compares the `optimizer.jg` there with the "
-              "committed one (SHA-256 of the restored tree) and audits it against the exact state the first run "
-              "dumped (real torch AdamW, `torch_compat.audit`, 0 over tau); *resume* is the integration's own "
-              "load (`train(resume_from_checkpoint=...)` for one step; `load_state`) from what is left. "
-              "`optimizer.jg` is replaced atomically, but the Trainer and accelerate write `model.safetensors` "
-              "(and the other files) into the same directory before it, so a kill during `optimizer.jg` leaves "
-              "the new run's weights beside the previous run's Adam state, and the resume accepts that MIXED "
-              "checkpoint without a word (the optimizer load checks the parameter layout, not the weights it "
-              "was certified against). Not measured here: a plain Trainer/accelerate save under the same kill (it "
-              "writes `optimizer.pt` / `optimizer.bin` with `torch.save` straight to the path). On the full tmpfs the framework's own "
-              "weights write fails first (`SafetensorError`, the previous weights kept), so jaxguard's write is "
-              "not reached; a tmpfs with room for the new weights only was tried and the whole save fitted "
-              "(each replaced file frees its predecessor), so that row was dropped.", "",
+              "order then saves to the same place and is SIGKILLed with half of `optimizer.jg` in its temporary "
+              "file, or when the framework has written the weights and jaxguard starts the optimizer file, or "
+              "between the two renames that publish the directory; or the tmpfs is filled by a ballast file. "
+              "*Survived*: after the fault and the integration's own resume (`train(resume_from_checkpoint=...)` "
+              "for one step; `load_state`), the directory holds the first save's files, every byte (SHA-256 over "
+              "every file), and its `optimizer.jg` audits against the exact state the first run dumped (real "
+              "torch AdamW, `torch_compat.audit`, 0 over tau). Both frameworks write a checkpoint's files into "
+              "the directory in place; the first run of these rows (before bc876dd) found a kill during "
+              "`optimizer.jg` leaving the new run's `model.safetensors` beside the previous Adam state (MIXED, "
+              "and the resume accepted it without a word; the weights check then refused it). The integrations "
+              "now write the whole checkpoint into a hidden staging directory beside it and publish it by two "
+              "renames (the previous directory moved aside, the new one renamed in, the previous one removed); "
+              "a kill between the renames leaves the previous directory under `.NAME.jaxguard-old`, which the "
+              "next `train()` / `save_state` / `load_state` moves back (the *files ... after the fault* column "
+              "lists what each fault left; *next save cleans*: the resume run left none of it). A GuardedTrainer "
+              "resume from a `checkpoint-N/` without any optimizer file (what the Trainer's in-place save leaves "
+              "when killed after the weights; the Trainer resumes from it with Adam restarted from zero, without "
+              "a word) is refused in one line (tests/test_integration_atomic_dirs.py). Not measured here: a plain "
+              "Trainer/accelerate save under the same kills, and DDP (2 ranks; the staging code waits for every "
+              "rank, untested with several processes). With `push_to_hub` (the Trainer uploads from the "
+              "directory after the save returns) and accelerate's `automatic_checkpoint_naming` (a fresh "
+              "directory per save, existing ones refused) the frameworks' in-place writes are kept.", "",
               "Not covered here (not done in this round): orbax with 2 processes killed during encode or under a "
               "full disk (its rows kill the async commit thread's write and the primary before the manifest); "
               "HF/accelerate with DDP (2 ranks) and an `optimizer.jg` ENOSPC inside those integrations (the "

@@ -12,7 +12,10 @@ TRUTH ``resume``: instead, resume from what is there (HF: ``train(resume_from_ch
 DIR/checkpoint-4)`` for one step; accelerate: `load_state(acc, DIR)`) and print ``RESUMED``.
 Otherwise, just before the optimizer file is written, the exact optimizer state and parameters go to
 TRUTH (``torch.save``).  FAULT ``kill_mid_file``: SIGKILL with half of ``optimizer.jg``
-written (fsynced) to its temporary file; ``none``: save normally.  A save that raises
+written (fsynced) to its temporary file; ``kill_after_weights``: SIGKILL when the framework
+has written the weights and jaxguard starts on the optimizer file; ``kill_between_renames``:
+SIGKILL after the commit moved the previous directory aside, before it publishes the new
+one; ``none``: save normally.  A save that raises
 prints ``ERROR: <type>: <message>`` as its last line and exits 3.
 """
 import io
@@ -45,6 +48,22 @@ def kill_mid_optimizer_file():
             os.kill(os.getpid(), signal.SIGKILL)
         return real(p, w, **kw)
     storage.atomic_write_with = half_then_die
+
+
+def kill_after_weights():
+    import torch_compat
+    torch_compat.save = lambda *a, **kw: os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_between_renames():
+    from jaxguard.integrations import _common
+    real = os.rename
+
+    def rename(src, dst):
+        real(src, dst)
+        if str(dst).endswith(_common.OLD_SUFFIX):
+            os.kill(os.getpid(), signal.SIGKILL)
+    _common.os.rename = rename
 
 
 def dump_truth(opt, model, truth):
@@ -105,8 +124,8 @@ def acc(d, seed, truth):
 def main():
     kind, d, seed, fault, truth = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
-    if fault == "kill_mid_file":
-        kill_mid_optimizer_file()
+    {"kill_mid_file": kill_mid_optimizer_file, "kill_after_weights": kill_after_weights,
+     "kill_between_renames": kill_between_renames, "none": lambda: None}[fault]()
     try:
         (hf if kind == "hf" else acc)(d, seed, truth)
         if truth == "resume":
