@@ -111,7 +111,10 @@ def test_hf_stop_while_publishing_is_undone_by_the_next_train(tmp_path, monkeypa
     after = tree_digest(ck)
     assert after == before, {k: (before.get(k), after.get(k)) for k in set(before) | set(after) if before.get(k) != after.get(k)}
     assert tr.state.global_step == STEPS + 1
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], os.listdir(tmp_path)
+    hidden = [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    # the stopped save's stage is named, not removed: it could be another job's save in progress
+    assert len(hidden) == 1 and hidden[0].endswith(_common.STAGING_SUFFIX), hidden
+    assert f"left {tmp_path / hidden[0]}" in caplog.text
 
 
 def test_hf_resave_replaces_the_whole_directory(tmp_path):
@@ -125,6 +128,51 @@ def test_hf_resave_replaces_the_whole_directory(tmp_path):
     assert set(second) == set(first)
     assert second["model.safetensors"] != first["model.safetensors"]
     assert second["optimizer.jg"] != first["optimizer.jg"]
+
+
+def test_a_stage_older_than_an_hour_is_removed_a_younger_one_named(tmp_path):
+    final = tmp_path / "ck"
+    final.mkdir()
+    young, stale = (_common.staging_path(str(final), _common.new_token()) for _ in range(2))
+    for p in (young, stale):
+        os.makedirs(p)
+        open(os.path.join(p, "f"), "wb").close()
+    t = os.stat(stale).st_mtime - 2 * 3600
+    os.utime(os.path.join(stale, "f"), (t, t))
+    os.utime(stale, (t, t))
+    said = _common.recover_directories(str(tmp_path))
+    assert os.path.isdir(young) and not os.path.exists(stale), said
+    assert any(s.startswith(f"left {young}") for s in said) and any(s.startswith(f"removed {stale}") for s in said)
+
+
+def test_two_jobs_publishing_one_directory_leave_one_whole_checkpoint(tmp_path, monkeypatch):
+    """Job A moved the previous directory aside; job B published before A's second rename:
+    B's checkpoint stands, whole, A's commit fails, and the next recovery removes the aside copy."""
+    final = str(tmp_path / "ck")
+    os.makedirs(final)
+    open(os.path.join(final, "prev"), "w").write("previous")
+    stages = {}
+    for job in "AB":
+        tok = _common.new_token()
+        stages[job] = (_common.staging_path(final, tok), tok)
+        os.makedirs(stages[job][0])
+        open(os.path.join(stages[job][0], "who"), "w").write(job)
+    real = os.rename
+
+    def rename(src, dst):
+        real(src, dst)
+        if str(dst).endswith(_common.OLD_SUFFIX) and not rename.done:   # A between its renames: B commits
+            rename.done = True
+            _common.commit_directory(*stages["B"][:1], final, stages["B"][1])
+    rename.done = False
+    monkeypatch.setattr(_common.os, "rename", rename)
+    with pytest.raises(OSError):
+        _common.commit_directory(stages["A"][0], final, stages["A"][1])
+    monkeypatch.undo()
+    assert open(os.path.join(final, "who")).read() == "B" and sorted(os.listdir(final)) == ["who"]
+    said = _common.recover_directory(final)
+    assert any("removed" in s and _common.OLD_SUFFIX in s for s in said), said
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(_common.STAGING_SUFFIX)) == ["ck"]
 
 
 def test_hf_resume_from_a_directory_without_optimizer_state_is_refused(tmp_path):
@@ -184,5 +232,5 @@ def test_accelerate_stop_while_publishing_is_undone_by_load_state(tmp_path, monk
     acc, model, opt = _acc_state(2, steps=0)
     jg_acc.load_state(acc, str(d))
     assert tree_digest(d) == before
-    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]   # the interrupted call removed its own stage
     assert opt.state_dict()["state"]              # the Adam state of the first save is loaded

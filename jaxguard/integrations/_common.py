@@ -3,8 +3,12 @@ wrappers, the early check that the optimizer is one the guard models, and publis
 checkpoint directory as a whole."""
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import time
+import uuid
 
 from jaxguard.errors import UnsupportedOptimizerError
 
@@ -80,28 +84,36 @@ def zero_lr_groups(optimizer) -> list:
 # A checkpoint directory is committed as a whole: the framework writes it into a hidden
 # staging directory beside it, and two renames publish it (the previous directory, if any,
 # moved aside first and removed last).  A kill before the renames leaves the previous
-# checkpoint as it was; a kill between them leaves it under OLD_SUFFIX, which
-# `recover_directory` (run by the next save or load) moves back.
+# checkpoint as it was; a kill between them leaves it aside, and `recover_directory` (run by
+# the next save or load) moves it back.  Every save has its own token in these names, so two
+# jobs saving to one place never write into each other's stage: the last to publish wins,
+# whole, and the other one's rename fails.
 STAGING_SUFFIX = ".jaxguard-staging"
 OLD_SUFFIX = ".jaxguard-old"
+_AUX = re.compile(r"\.(?P<name>.+)\.(?P<token>[0-9a-f]{12})(?P<suffix>\.jaxguard-staging|\.jaxguard-old)")
 
 
-def staging_path(final: str) -> str:
-    """The hidden staging directory beside `final` (``parent/.NAME.jaxguard-staging``).
+def new_token() -> str:
+    """A fresh token naming one save's staging and aside directories (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def _aux(final: str, token: str, suffix: str) -> str:
+    final = os.path.normpath(os.fspath(final))
+    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{token}{suffix}")
+
+
+def staging_path(final: str, token: str) -> str:
+    """The hidden staging directory of one save of `final` (``parent/.NAME.TOKEN.jaxguard-staging``).
 
     Args:
       final: the checkpoint directory a save publishes.
+      token: the save's `new_token` (the same on every rank of the job).
 
     Returns:
       The staging path (no checkpoint-naming pattern matches it: it starts with a dot).
     """
-    final = os.path.normpath(os.fspath(final))
-    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{STAGING_SUFFIX}")
-
-
-def _old_path(final: str) -> str:
-    final = os.path.normpath(os.fspath(final))
-    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{OLD_SUFFIX}")
+    return _aux(final, token, STAGING_SUFFIX)
 
 
 def _fsync_dir(path: str) -> None:
@@ -120,70 +132,94 @@ def _fsync_tree(root: str) -> None:
         _fsync_dir(here)
 
 
-def recover_directory(final: str) -> str | None:
-    """Undo what an interrupted commit of `final` left; the previous checkpoint comes back.
+def _age(path: str) -> float:
+    """Seconds since anything directly in `path` (or `path` itself) was last modified."""
+    newest = os.stat(path).st_mtime
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            with contextlib.suppress(OSError):
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    return time.time() - newest
+
+
+def recover_directory(final: str) -> list:
+    """Undo what interrupted commits of `final` left; the previous checkpoint comes back.
+
+    A directory moved aside by a commit that stopped before publishing is renamed back
+    (the newest, when several); aside directories of commits that published are removed;
+    staging directories unmodified for `jaxguard.format.storage.STALE_TMP_SECONDS` are
+    removed, younger ones (a save that stopped, or one still running in another job) named.
 
     Args:
       final: a checkpoint directory `commit_directory` publishes.
 
     Returns:
-      A one-line description of what was recovered or removed, or None when nothing was left.
+      One-line descriptions of what was restored, removed or left.
     """
+    from jaxguard.format.storage import STALE_TMP_SECONDS
     final = os.path.normpath(os.fspath(final))
+    parent, name = os.path.dirname(final) or ".", os.path.basename(final)
+    found = {OLD_SUFFIX: [], STAGING_SUFFIX: []}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            m = _AUX.fullmatch(entry.name)
+            if m and m["name"] == name and entry.is_dir(follow_symlinks=False):
+                found[m["suffix"]].append(entry.path)
     done = []
-    old = _old_path(final)
-    if os.path.isdir(old):
-        if os.path.exists(final):      # the commit finished its renames, not the removal
-            shutil.rmtree(old, ignore_errors=True)
-            done.append(f"removed {old} (left by a save that committed)")
-        else:                          # stopped between the renames: the previous checkpoint returns
-            os.rename(old, final)
-            _fsync_dir(os.path.dirname(final) or ".")
-            done.append(f"restored {final} from {old} (a save stopped while publishing)")
-    stage = staging_path(final)
-    if os.path.isdir(stage):
-        shutil.rmtree(stage, ignore_errors=True)
-        done.append(f"removed {stage} (an unfinished save)")
-    return "; ".join(done) or None
+    olds = sorted(found[OLD_SUFFIX], key=lambda p: os.stat(p).st_mtime)
+    if olds and not os.path.exists(final):   # a commit stopped between its renames
+        back = olds.pop()
+        os.rename(back, final)
+        _fsync_dir(parent)
+        done.append(f"restored {final} from {back} (a save stopped while publishing it)")
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
+        done.append(f"removed {old} (the previous checkpoint of a save that published)")
+    for stage in found[STAGING_SUFFIX]:
+        age = _age(stage)
+        if age > STALE_TMP_SECONDS:
+            shutil.rmtree(stage, ignore_errors=True)
+            done.append(f"removed {stage} (an unfinished save, {age / 3600:.1f} h old)")
+        else:
+            done.append(f"left {stage}: a save that stopped {age:.0f} s ago or is still running; removed once it "
+                        f"is {STALE_TMP_SECONDS / 3600:g} h old")
+    return done
 
 
 def recover_directories(parent: str) -> list:
-    """`recover_directory` for every checkpoint under `parent` an interrupted commit left.
+    """`recover_directory` for every checkpoint under `parent` that interrupted commits touched.
 
     Args:
       parent: the directory holding the checkpoint directories (a Trainer's output_dir).
 
     Returns:
-      The descriptions of what was recovered or removed.
+      The descriptions of what was restored, removed or left.
     """
-    if not os.path.isdir(parent):
-        return []
-    out = []
-    for name in sorted(os.listdir(parent)):
-        for suffix in (OLD_SUFFIX, STAGING_SUFFIX):
-            if name.startswith(".") and name.endswith(suffix) and len(name) > len(suffix) + 1:
-                what = recover_directory(os.path.join(parent, name[1:-len(suffix)]))
-                if what:
-                    out.append(what)
-    return out
+    names = set()
+    with contextlib.suppress(OSError):
+        names = {m["name"] for m in map(_AUX.fullmatch, os.listdir(parent)) if m}
+    return [what for name in sorted(names) for what in recover_directory(os.path.join(parent, name))]
 
 
-def commit_directory(stage: str, final: str) -> None:
+def commit_directory(stage: str, final: str, token: str) -> None:
     """Publish the finished staging directory `stage` as `final`, replacing what was there.
 
     Every file under `stage` is fsynced first; then the previous `final` (if any) is
     renamed aside, `stage` renamed to `final`, and the previous one removed.
 
     Args:
-      stage: the directory the save wrote (`staging_path(final)` or a directory inside it).
+      stage: the directory the save wrote (its `staging_path` or a directory inside it).
       final: the checkpoint directory to publish.
+      token: the save's token (names the aside directory).
+
+    Raises:
+      OSError: another job published `final` between the two renames (its checkpoint
+        stands, whole; the previous one is removed by the next `recover_directory`).
     """
     final = os.path.normpath(os.fspath(final))
     _fsync_tree(stage)
-    old = _old_path(final)
+    old = _aux(final, token, OLD_SUFFIX)
     if os.path.exists(final):
-        if os.path.exists(old):
-            shutil.rmtree(old)
         os.rename(final, old)
     os.rename(stage, final)
     _fsync_dir(os.path.dirname(final) or ".")

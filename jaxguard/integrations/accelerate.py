@@ -34,12 +34,15 @@ DeepSpeed and Megatron-LM keep their own optimizer files and are refused.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.integrations._common import (check_supported, commit_directory, recover_directory, staging_path, unwrap,
-                                           zero_lr_groups)
+from jaxguard.integrations._common import (check_supported, commit_directory, new_token, recover_directory,
+                                           staging_path, unwrap, zero_lr_groups)
+
+log = logging.getLogger(__name__)
 
 
 def optimizer_file(i: int) -> str:
@@ -101,10 +104,12 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
         _write_optimizers(accelerator, opts, location, spec=spec, tau=tau, clip=clip, codec=codec)
         accelerator.wait_for_everyone()
         return location
+    from accelerate.utils import broadcast_object_list
     final = os.path.normpath(os.fspath(output_dir))
-    stage = staging_path(final)
+    token = broadcast_object_list([new_token()])[0]   # one stage for every process
+    stage = staging_path(final, token)
     if accelerator.is_main_process:
-        recover_directory(final)
+        _log_recovered(final)
         os.makedirs(stage)
     accelerator.wait_for_everyone()
     try:
@@ -116,13 +121,18 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
             _write_optimizers(accelerator, opts, stage, spec=spec, tau=tau, clip=clip, codec=codec)
         accelerator.wait_for_everyone()   # every process wrote its RNG state into the stage
         if accelerator.is_main_process:
-            commit_directory(stage, final)
+            commit_directory(stage, final, token)
     except BaseException:
         if accelerator.is_main_process:
             shutil.rmtree(stage, ignore_errors=True)
         raise
     accelerator.wait_for_everyone()
     return final
+
+
+def _log_recovered(final):
+    for what in recover_directory(final):
+        log.warning("jaxguard accelerate integration: %s", what)
 
 
 def _write_optimizers(accelerator, opts, location, **guard):
@@ -150,7 +160,7 @@ def load_state(accelerator, input_dir: str, **kwargs) -> None:
     if input_dir is None:
         raise ConfigError("load_state: input_dir is None; pass the directory save_state returned")
     if accelerator.is_main_process:
-        recover_directory(input_dir)   # a save stopped while publishing: the previous directory comes back
+        _log_recovered(input_dir)   # a save stopped while publishing: the previous directory comes back
     accelerator.wait_for_everyone()
     if not os.path.isfile(os.path.join(input_dir, optimizer_file(0))):
         return accelerator.load_state(input_dir, **kwargs)  # a plain accelerate checkpoint

@@ -6,6 +6,7 @@
 container, certified against the live parameters, i.e. the weights saved beside it)
 instead of ``optimizer.pt``; ``scheduler.pt``, the model, RNG and trainer state are
 written by the Trainer as usual, into a hidden staging directory beside ``checkpoint-N/``
+(one per save)
 that is published by rename when the whole checkpoint is written (the Trainer itself
 writes into ``checkpoint-N/`` in place: a save killed half way leaves a directory that
 ``resume_from_checkpoint=True`` picks, and whose missing optimizer file the Trainer skips
@@ -39,8 +40,9 @@ import torch
 from transformers import Trainer
 
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.integrations._common import (OPTIMIZER_FILE, check_supported, commit_directory, recover_directories,
-                                           recover_directory, staging_path, unwrap, zero_lr_groups)
+from jaxguard.integrations._common import (OPTIMIZER_FILE, check_supported, commit_directory, new_token,
+                                           recover_directories, recover_directory, staging_path, unwrap,
+                                           zero_lr_groups)
 
 SCHEDULER_NAME = "scheduler.pt"
 log = logging.getLogger(__name__)
@@ -103,9 +105,11 @@ class GuardedTrainer(Trainer):
         run_dir = super()._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final = os.path.join(run_dir, name)
-        stage_root = staging_path(final)
+        from accelerate.utils import broadcast_object_list
+        token = broadcast_object_list([new_token()])[0]   # every rank writes into the same stage
+        stage_root = staging_path(final, token)
         if self.args.should_save:
-            for what in filter(None, [recover_directory(final)]):
+            for what in recover_directory(final):
                 log.warning("GuardedTrainer: %s", what)
             os.makedirs(stage_root)
         self.accelerator.wait_for_everyone()
@@ -127,7 +131,7 @@ class GuardedTrainer(Trainer):
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
         self.accelerator.wait_for_everyone()   # every rank wrote its RNG state into the stage
         if self.args.should_save:
-            commit_directory(staged, final)
+            commit_directory(staged, final, token)
             os.rmdir(stage_root)
             self._rotate_guarded_checkpoints(run_dir)
         self.accelerator.wait_for_everyone()
