@@ -205,7 +205,8 @@ def _group_constants(items, gidx, ph):
         K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
         kidx = item_row[gidx]
     pabs = np.abs(ph)
-    clip = np.array([cfg.clip for *_, cfg in items], np.float32)[gidx]
+    clips = np.array([cfg.clip for *_, cfg in items], np.float32)
+    clip = np.full(gidx.shape, clips[0], np.float32) if (clips == clips[0]).all() else clips[gidx]
     wd_rows = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)
     if (wd_rows > 0).any():   # torch Adam's coupled decay widens the gradient range by wd*|p|
         wd_coupled = wd_rows[gidx]
@@ -314,13 +315,14 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         if widths is not None:
             arrays["widths"] = widths[int(offs[i]):int(offs[i]) + nb].copy()
         enc = Encoded(arrays, codec, tuple(shape), decoded=None if m_dec is None else (m_dec[b:b + n], v_dec[b:b + n]))
-        lv = level_of[b:b + n]
+        per_level = np.bincount(level_of[b:b + n].view(np.uint8), minlength=256)   # one pass; -1 counts at 255
         ex, okk = exact[b:b + n], ok[b:b + n]
+        n_exact = int(np.count_nonzero(ex))
         enc.stats = {
-            "coordinates": n, "escapes": int(esc.size), "exact": int(ex.sum()),
-            "uncertifiable": int((~ex & ~okk).sum()),
-            "certified_by_level": [int((lv == L).sum()) for L in range(len(_bound.LEVELS))],
-            "certified_fast": int((lv == FAST_TIER).sum()),
+            "coordinates": n, "escapes": int(esc.size), "exact": n_exact,
+            "uncertifiable": n - int(np.count_nonzero(ex | okk)),
+            "certified_by_level": [int(c) for c in per_level[:len(_bound.LEVELS)]],
+            "certified_fast": int(per_level[FAST_TIER]),
             "joint_rescued": int(rescued[b:b + n].sum()),
             "payload_bytes": payload_bytes(enc) if payload_many is None else 0, "raw_fp32_bytes": 8 * n,
             "encode_seconds": elapsed * n / total,
