@@ -519,6 +519,98 @@ def rows_hf(w):
     return rows
 
 
+
+def _acc_view(d):
+    """What an accelerate checkpoint directory holds, comparable across saves of one state: every
+    file's SHA-256 except the container's (its header records the encode time) and the RNG
+    states' (a second save of the same state pickles other RNG states: the first consumed some),
+    which count by name, and the restored tree's digest of optimizer.jg."""
+    import hashlib
+    import torch_compat
+    if not os.path.isdir(d):
+        return None
+    files = {f: "present" if f.startswith("random_states") else
+             hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()[:16]
+             for f in sorted(os.listdir(d)) if f != "optimizer.jg"}
+    try:
+        files["optimizer.jg (restored)"] = _tree_digest(torch_compat.restore_tree(os.path.join(d, "optimizer.jg"))[0])
+    except Exception as exc:  # noqa: BLE001 - recorded
+        files["optimizer.jg (restored)"] = f"{type(exc).__name__}: {exc}"[:120]
+    return files
+
+
+def rows_hf_concurrent(w, rounds=5):
+    """Two accelerate jobs (other data orders) save to one directory at the same moment (a file
+    barrier lines them up), `rounds` times; each also saved its state to a private directory first.
+    *Survived*: after every round the shared directory is one job's whole save (every file as in
+    that job's private copy)."""
+    worker = os.path.join(ROOT, "tests", "fault_hf_worker.py")
+    t = time.time()
+    winners, bad, errs = [], 0, []
+    for r in range(rounds):
+        d = os.path.join(w, f"acc_concurrent_{r}", "shared")
+        os.makedirs(os.path.dirname(d))
+        e = H.env()
+        e["OMP_NUM_THREADS"] = "1"
+        procs = [subprocess.Popen([sys.executable, worker, "accelerate", d, str(seed), "concurrent",
+                                   os.path.join(w, f"acc_concurrent_{r}_{seed}.truth.pt")], env=e,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        errs += [ln[7:] for o in outs for ln in o.splitlines() if ln.startswith("ERROR: ")]
+        shared = _acc_view(d)
+        which = [seed for seed in (1, 2) if shared is not None and shared == _acc_view(d + f".job{seed}")]
+        winners.append(which[0] if which else None)
+        bad += not which
+    row = {"path": "accelerate save_state, two jobs, one directory", "fault": f"concurrent writers x{rounds} rounds",
+           "victim": "-", "survived": "one job's whole checkpoint every round" if not bad else f"MIXED in {bad} rounds",
+           "seen": [f"rounds won by job 1 / job 2: {winners.count(1)} / {winners.count(2)}",
+                    "errors: " + ("; ".join(sorted(set(errs)))[:300] if errs else "none")],
+           "leftovers": [], "seconds": round(time.time() - t, 1)}
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def rows_hf_ddp(w):
+    """GuardedTrainer under DDP (torchrun, 2 gloo ranks on CPU): checkpoint-3 committed, then a second
+    run (another data order) saves checkpoint-3 again with rank 1 SIGKILLed after its RNG file, or
+    rank 0 SIGKILLed between the publishing renames; then a 2-rank resume from checkpoint-3."""
+    worker = os.path.join(ROOT, "tests", "fault_hf_ddp_worker.py")
+    rows = []
+    for fault, victim in (("kill_rank1", 1), ("kill_rank0_between_renames", 0)):
+        t = time.time()
+        out = os.path.join(w, f"hfddp_{fault}")
+        ck = os.path.join(out, "checkpoint-3")
+
+        def torchrun(seed, f, *resume, port):
+            e = H.env()
+            e["OMP_NUM_THREADS"] = "1"
+            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_port", str(port), worker, out, str(seed), f, *resume], env=e,
+                               capture_output=True, text=True, timeout=600)
+            err = [x for x in r.stdout.splitlines() if x.startswith("ERROR: ")]
+            return r.returncode, (err[-1][7:] if err else None), r.stdout + r.stderr
+        port = 29700 + 10 * len(rows)
+        rc, _, log = torchrun(0, "none", port=port)
+        assert rc == 0, log[-2000:]
+        dir0 = _dir_sha(ck)
+        rc, err, log = torchrun(1, fault, port=port + 1)
+        left = sorted(set(os.listdir(out)) - {"checkpoint-3"})
+        dir1 = _dir_sha(ck)
+        rrc, rerr, rlog = torchrun(0, "none", ck, port=port + 2)
+        dir2 = _dir_sha(ck)
+        seen = [f"rank {victim}: SIGKILLed; torchrun exit {rc}" + (f" ({err})" if err else ""),
+                "checkpoint-3/ after the fault: " + ("the previous one, every byte" if dir1 == dir0 else
+                                                     "ABSENT" if dir1 is None else "CHANGED"),
+                "2-rank resume from it: " + ("resumed" if rrc == 0 and "RESUMED" in rlog else rerr or f"exit {rrc}")
+                + (", from the previous checkpoint, every byte" if dir2 == dir0 else "")]
+        rows.append({"path": "HF GuardedTrainer checkpoint-3 (DDP, 2 ranks)", "fault": fault.replace("_", " "),
+                     "victim": victim, "survived": "previous checkpoint (every file, same bytes)"
+                     if dir2 == dir0 and rrc == 0 else "LOST", "seen": seen, "leftovers": left,
+                     "next_save_cleans": (not (set(os.listdir(out)) - {"checkpoint-3", "checkpoint-4"})) if left
+                     else None, "seconds": round(time.time() - t, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
 def write_md(out, md):
     lines = ["# Faults during saves: what survives, what the user sees", "",
              f"Written by `bench/faults.py` ({out['machine']}; {out['seconds']} s). Each row starts from a committed "
@@ -702,7 +794,7 @@ def main():
             rows.append(row_kill(w, base, c0, fault, victim, nproc=3))
             print(json.dumps(rows[-1]), flush=True)
     if a.only == "hf":
-        rows += rows_hf(w)
+        rows += rows_hf(w) + rows_hf_concurrent(w) + rows_hf_ddp(w)
     if a.only == "nproc4":
         for fault, victim in (("kill_mid_file", 3), ("kill_before_manifest", 0)):
             rows.append(row_kill(w, base, c0, fault, victim, nproc=4))

@@ -15,7 +15,8 @@ TRUTH (``torch.save``).  FAULT ``kill_mid_file``: SIGKILL with half of ``optimiz
 written (fsynced) to its temporary file; ``kill_after_weights``: SIGKILL when the framework
 has written the weights and jaxguard starts on the optimizer file; ``kill_between_renames``:
 SIGKILL after the commit moved the previous directory aside, before it publishes the new
-one; ``none``: save normally.  A save that raises
+one; ``concurrent`` (accelerate): save the same state to ``DIR.jobSEED`` first, then to DIR
+(two such jobs run at once in bench/faults.py); ``none``: save normally.  A save that raises
 prints ``ERROR: <type>: <message>`` as its last line and exits 3.
 """
 import io
@@ -30,6 +31,7 @@ from helpers import byte_tokens, tiny_gpt2  # noqa: E402
 from jaxguard.format import storage  # noqa: E402
 
 LR, CLIP, SEQ, STEPS = 1e-3, 0.2, 32, 4
+CONCURRENT = False
 
 
 def kill_mid_optimizer_file():
@@ -118,13 +120,22 @@ def acc(d, seed, truth):
         opt.step()
         opt.zero_grad()
     dump_truth(opt.optimizer if hasattr(opt, "optimizer") else opt, model, truth)
+    if CONCURRENT:   # the same state to a private directory first: what this job's whole save holds
+        jg_acc.save_state(a, d + f".job{seed}")
+        import glob
+        import time
+        open(d + f".ready{seed}", "w").close()   # start the shared save together with the other job
+        while len(glob.glob(d + ".ready*")) < 2:
+            time.sleep(0.01)
     jg_acc.save_state(a, d)
 
 
 def main():
     kind, d, seed, fault, truth = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
-    {"kill_mid_file": kill_mid_optimizer_file, "kill_after_weights": kill_after_weights,
+    global CONCURRENT
+    CONCURRENT = fault == "concurrent"
+    {"concurrent": lambda: None, "kill_mid_file": kill_mid_optimizer_file, "kill_after_weights": kill_after_weights,
      "kill_between_renames": kill_between_renames, "none": lambda: None}[fault]()
     try:
         (hf if kind == "hf" else acc)(d, seed, truth)
