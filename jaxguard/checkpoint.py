@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 from typing import Any, List, Optional
 
 import jax
@@ -73,6 +74,48 @@ def _host_copy(x):
     return x
 
 
+class _HostBuffers:
+    """Host buffers for `GuardedCheckpointHandler.async_save`'s copy, lent again to the next
+    save once the encode that read them has finished.  A fresh allocation's first-touch
+    page faults cost about as much again as the copy itself (141 MB of CPU JAX arrays,
+    measured: 15-21 ms into fresh arrays, 7.8 ms into buffers written before), and the copy
+    is the time the training loop is blocked."""
+
+    def __init__(self):
+        self._free: dict = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(x):
+        return tuple(x.shape), np.dtype(x.dtype).str
+
+    def lend(self):
+        """-> (copy, lent): `copy(leaf)` is `_host_copy` into a free buffer of the leaf's shape and
+        dtype where there is one (CPU JAX arrays and numpy arrays); `lent` lists the buffers used."""
+        with self._lock:
+            free, self._free = self._free, {}
+        lent = []
+
+        def copy(x):
+            cpu = isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and x.is_fully_addressable and all(
+                d.platform == "cpu" for d in x.devices()))
+            if cpu and np.dtype(x.dtype).kind in "biuf" and free.get(self._key(x)):
+                buf = free[self._key(x)].pop()
+                np.copyto(buf, np.asarray(x))
+            else:
+                buf = _host_copy(x)
+            if isinstance(buf, np.ndarray):
+                lent.append(buf)
+            return buf
+        return copy, lent
+
+    def give_back(self, lent):
+        """Make `lent` (buffers no encode reads any more) available to the next `lend`."""
+        with self._lock:
+            for b in lent:
+                self._free.setdefault(self._key(b), []).append(b)
+
+
 def _host_record(rec):
     """A writer record whose arrays are host copies (see `_host_copy`)."""
     if isinstance(rec, container.Raw):
@@ -88,6 +131,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
     def __init__(self, filename: Optional[str] = None, primary_host: Optional[int] = 0):
         self._filename = filename or FILENAME
         self._primary_host = primary_host
+        self._buffers = _HostBuffers()
         self._common = {}
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
@@ -122,16 +166,20 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
         op_model = self._op_model_where_it_lives(args)
-        opt_state, params = jax.tree_util.tree_map(_host_copy, (args.opt_state, args.params))
+        copy, lent = self._buffers.lend()
+        opt_state, params = jax.tree_util.tree_map(copy, (args.opt_state, args.params))
         path = str(epath.Path(directory) / self._filename)
         primary = ocp.utils.is_primary_host(self._primary_host)
 
         async def write():
-            data, self.last_summary = optax_adapter.to_bytes(
-                opt_state, params, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
-                spec=args.guard_spec(), include_params=args.include_params, op_model=op_model)
-            if primary:
-                container.atomic_write(path, data)
+            try:
+                data, self.last_summary = optax_adapter.to_bytes(
+                    opt_state, params, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
+                    spec=args.guard_spec(), include_params=args.include_params, op_model=op_model)
+                if primary:
+                    container.atomic_write(path, data)
+            finally:
+                self._buffers.give_back(lent)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
 

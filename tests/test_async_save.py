@@ -110,6 +110,38 @@ def test_orbax_async_save_returns_before_the_guard_and_writes_the_blocking_bytes
     assert optax_adapter.audit(tx, st, r["opt_state"], params, lr=LR)["violations"] == 0
 
 
+def test_orbax_async_saves_reuse_host_buffers_and_each_writes_its_own_state(tmp_path):
+    """Three async saves of a changing state (each step donating the last): the second and third
+    copy into the first's host buffers (lent again once its encode finished), and every step's
+    file is that of a blocking save of the state at that step."""
+    tx, params, st = _state()
+    step = jax.jit(lambda p, s: tx.update(jax.tree_util.tree_map(jnp.sin, p), s, p)[1], donate_argnums=1)
+    handler = jgc.GuardedCheckpointHandler()
+    seen, states = [], []
+    lend = handler._buffers.lend
+
+    def spying_lend():
+        copy, lent = lend()
+        seen.append(lent)
+        return copy, lent
+    handler._buffers.lend = spying_lend
+    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    reg.add("opt_state", jgc.GuardedSave, handler)
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    with ocp.CheckpointManager(tmp_path / "async", options=opts, handler_registry=reg) as mngr:
+        for k in range(1, 4):
+            states.append(jax.tree_util.tree_map(np.array, st))
+            _save(mngr, k, params, st)
+            st = step(params, st)
+            mngr.wait_until_finished()
+    first = {id(b) for b in seen[0]}
+    assert len(seen) == 3 and all({id(b) for b in lent} == first for lent in seen[1:])
+    for k, want_state in enumerate(states, 1):
+        got = open(tmp_path / "async" / str(k) / "opt_state" / jgc.FILENAME, "rb").read()
+        want, _ = optax_adapter.to_bytes(jax.tree_util.tree_map(jnp.asarray, want_state), params, lr=LR)
+        assert _canon(got) == _canon(want), k
+
+
 def test_orbax_background_refusal_raises_a_jaxguard_error_and_commits_no_step(tmp_path, monkeypatch):
     encode_many = guard.encode_many
 
