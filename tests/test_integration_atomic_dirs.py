@@ -234,3 +234,23 @@ def test_accelerate_stop_while_publishing_is_undone_by_load_state(tmp_path, monk
     assert tree_digest(d) == before
     assert sorted(os.listdir(tmp_path)) == ["ck"]   # the interrupted call removed its own stage
     assert opt.state_dict()["state"]              # the Adam state of the first save is loaded
+
+
+def test_hf_rotation_and_best_checkpoint_name_the_published_directories(tmp_path):
+    """The Trainer's save_total_limit rotation and best-model bookkeeping see checkpoint-N/, not the stage."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=LR, optim="adamw_torch",
+        lr_scheduler_type="constant", max_grad_norm=CLIP, save_strategy="steps", save_steps=1, save_total_limit=1,
+        eval_strategy="steps", eval_steps=1, metric_for_best_model="loss", load_best_model_at_end=True,
+        report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes(),
+                         eval_dataset=torch.utils.data.Subset(_Bytes(), range(16)))
+    tr.train()
+    names = sorted(os.listdir(tmp_path))
+    assert not [n for n in names if n.startswith(".")], names
+    best = tr.state.best_model_checkpoint
+    assert os.path.dirname(best) == str(tmp_path) and os.path.basename(best) in names, (best, names)
+    assert len([n for n in names if n.startswith("checkpoint-")]) <= 2, names   # the limit, plus the best kept
+    import json
+    saved = json.load(open(tmp_path / f"checkpoint-{STEPS}" / "trainer_state.json"))
+    assert saved["best_model_checkpoint"] is None or ".jaxguard" not in saved["best_model_checkpoint"], saved
