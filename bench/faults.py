@@ -38,6 +38,8 @@ def seen(r, victim):
         if rep is None:
             out.append(f"p{i}: " + ("SIGKILLed" if i == victim and r["returncodes"][i] == -9 else
                                     "torn down (blocked in the save's agreement)" if i in r["killed"] else
+                                    f"aborted by JAX (SIGABRT): `{r['fatal'][i]}`"
+                                    if r["returncodes"][i] == -6 and r.get("fatal", {}).get(i) else
                                     f"exit {r['returncodes'][i]}"))
         else:
             out.append(f"p{i}: " + ("saved" if rep["ok"] else rep["error"]))
@@ -137,6 +139,28 @@ def row_orbax(w, shard):
             "leftovers": left, "seconds": round(time.time() - t, 1)}
 
 
+def orbax_mp_seen(r, victim):
+    out = []
+    for i, rc in enumerate(r["returncodes"]):
+        rep = r["reports"].get(i)
+        out.append(f"p{i}: " + ("SIGKILLed" if i == victim and rc == -9 and r.get("fault", "").startswith("kill") else
+                                "saved" if rep and rep["ok"] else rep["error"] if rep else
+                                "torn down (blocked in the save)" if i in r["killed"] else
+                                f"aborted by JAX (SIGABRT): `{r['fatal'][i]}`" if rc == -6 and r["fatal"].get(i) else
+                                f"exit {rc}"))
+    return out
+
+
+def orbax_leftovers(d):
+    left = []
+    for root, _, files in os.walk(d):
+        rel = os.path.relpath(root, d)
+        if rel == "4" or rel.startswith("4" + os.sep):
+            continue
+        left += [os.path.join(rel, f) for f in files]
+    return sorted(left)
+
+
 def row_orbax_mp(w, fault, victim):
     """orbax CheckpointManager (async) + GuardedSave with 2 JAX processes (gloo): step 4 committed,
     step 8 with `fault` in process `victim`."""
@@ -147,18 +171,41 @@ def row_orbax_mp(w, fault, victim):
     c0 = H.check_orbax(d, d + ".truth4.npz")
     r = H.run_orbax_mp(d, 8, fault, victim)
     c = H.check_orbax(d, d + ".truth4.npz")
-    left = []
-    for root, _, files in os.walk(d):
-        rel = os.path.relpath(root, d)
-        if rel == "4" or rel.startswith("4" + os.sep):
-            continue
-        left += [os.path.join(rel, f) for f in files]
-    seen = [f"p{i}: " + ("SIGKILLed" if i == victim and rc == -9 else "torn down (blocked in the save)"
-                         if i in r["killed"] else f"exit {rc}") for i, rc in enumerate(r["returncodes"])]
+    seen = orbax_mp_seen({**r, "fault": fault}, victim)
     seen.append(f"restore: CheckpointManager.latest_step() is {c.get('step')}")
     return {"path": "orbax CheckpointManager async + GuardedSave (2 proc, sharded)", "fault": fault, "victim": victim,
             "survived": "previous checkpoint (step 4)" if c == c0 and c0.get("violations") == 0 else "LOST",
-            "check": c, "seen": seen, "leftovers": sorted(left), "seconds": round(time.time() - t, 1)}
+            "check": c, "seen": seen, "leftovers": orbax_leftovers(d), "seconds": round(time.time() - t, 1)}
+
+
+def row_orbax_mp_full_disk(w):
+    """As `row_orbax_mp`, the step-8 save into a tmpfs holding step 4 and room for about half a step."""
+    d0 = os.path.join(w, "orbaxmp_disk_base")
+    t = time.time()
+    r = H.run_orbax_mp(d0, 4)
+    assert r["returncodes"] == [0, 0], r["log"]
+    c0 = H.check_orbax(d0, d0 + ".truth4.npz")
+    used = sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(d0) for f in fs)
+    size = (used * 3 // 2 // 4096 + 2) * 4096
+    mnt = os.path.join(w, "orbaxmp_tmpfs")
+    os.makedirs(mnt, exist_ok=True)
+    name = "orbax CheckpointManager async + GuardedSave (2 proc, sharded)"
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], capture_output=True, text=True)
+    if m.returncode:
+        return {"path": name, "fault": "full disk (tmpfs)", "victim": "-", "survived": "SKIPPED",
+                "seen": [f"cannot mount a tmpfs: {m.stderr.strip()[:100]}"]}
+    try:
+        d = os.path.join(mnt, "ck")
+        shutil.copytree(d0, d)
+        r = H.run_orbax_mp(d, 8, "full_disk", -1, report=os.path.join(w, "orbaxmp_tmpfs.report"))
+        c = H.check_orbax(d, d0 + ".truth4.npz")
+        seen = orbax_mp_seen({**r, "fault": "full_disk"}, -1)
+        seen.append(f"restore: CheckpointManager.latest_step() is {c.get('step')}")
+        return {"path": name, "fault": f"full disk (tmpfs {size} B)", "victim": "-",
+                "survived": "previous checkpoint (step 4)" if c == c0 and c0.get("violations") == 0 else "LOST",
+                "check": c, "seen": seen, "leftovers": orbax_leftovers(d), "seconds": round(time.time() - t, 1)}
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
 
 
 def rows_full_disk_in_process(w):
@@ -228,6 +275,7 @@ def rows_full_disk_in_process(w):
     return rows
 
 
+ORBAX_MP = [("kill_encode", 1), ("kill_mid_file", 1), ("kill_before_manifest", 0), ("raise", 1), ("raise", 0)]
 DCP_FAULTS = [("kill_encode", 1), ("kill_mid_file", 1), ("kill_after_files", 1), ("kill_before_metadata", 0),
               ("raise", 1)]
 DCP_INPLACE = [("kill_mid_file", 1), ("kill_before_metadata", 0), ("raise", 1)]   # with overwrite=True
@@ -669,9 +717,11 @@ def main():
         rows += rows_lightning(w)
         print(json.dumps(rows[-2:]), flush=True)
     if a.only == "orbaxmp":
-        for fault, victim in (("kill_mid_file", 1), ("kill_before_manifest", 0)):
+        for fault, victim in ORBAX_MP:
             rows.append(row_orbax_mp(w, fault, victim))
             print(json.dumps(rows[-1]), flush=True)
+        rows.append(row_orbax_mp_full_disk(w))
+        print(json.dumps(rows[-1]), flush=True)
     if a.only == "nproc3":
         for fault, victim in (("kill_mid_file", 2), ("kill_before_manifest", 0)):
             rows.append(row_kill(w, base, c0, fault, victim, nproc=3))

@@ -192,6 +192,24 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", mnt], check=False)
 
 
+def test_orbax_two_processes_one_write_raises_every_process_raises_and_step4_survives(tmp_path):
+    """orbax CheckpointManager (async) + GuardedSave, 2 JAX processes: process 1's shard write
+    fails (EIO) in orbax's commit thread.  Every process raises one line from
+    wait_until_finished (before the fix both blocked in orbax's barrier for its 1200 s
+    timeout) and step 4 is still the latest step, same bits, audit 0 over tau."""
+    d = str(tmp_path / "orbax")
+    r = H.run_orbax_mp(d, 4)
+    assert r["returncodes"] == [0, 0], r["log"]
+    c0 = H.check_orbax(d, d + ".truth4.npz")
+    assert c0.get("step") == 4 and c0.get("violations") == 0, c0
+    r = H.run_orbax_mp(d, 8, "raise", 1, blocked=120)
+    assert r["returncodes"] == [0, 0] and not r["killed"], r
+    errs = {i: x["error"] for i, x in r["reports"].items() if not x["ok"]}
+    assert sorted(errs) == [0, 1] and all(ONE_LINE.match(e) for e in errs.values()), errs
+    assert "Input/output error" in errs[1] and "process 1 could not write its shards" in errs[0], errs
+    assert H.check_orbax(d, d + ".truth4.npz") == c0
+
+
 def _fill(mnt):
     fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
     try:
