@@ -342,6 +342,30 @@ def test_dcp_save_into_a_committed_directory_is_refused_and_keeps_it(tmp_path):
     assert ONE_LINE.match(str(info.value)) and "__0_0.distcp" in str(info.value), info.value
 
 
+def test_dcp_guarded_reader_loads_a_two_rank_save_to_the_same_bits(dcp_base):
+    """The 2-rank gloo save (FSDP2) read through GuardedFileSystemReader (dcp.load's own reader,
+    .metadata unpickled without running code) gives the bits the checkpoint_id= load gives."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import _dcp_worker as W
+    from torch_compat.dcp import GuardedFileSystemReader, GuardedLoadPlanner
+    _, d, _ = dcp_base
+    model, opt = W.build(None, seed=123)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    r = GuardedFileSystemReader(d)
+    dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ref = H._dcp_load(d, True)
+
+    def bits(m, o):
+        return [t.detach().clone() for p in m.parameters() for t in (p, *(o.state[p][k] for k in
+                                                                         ("exp_avg", "exp_avg_sq", "step")))]
+    got, want = bits(model, opt), bits(*ref)
+    assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 DCP_CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "dcp_manifest")
 
 
