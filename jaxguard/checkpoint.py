@@ -26,8 +26,11 @@ during `save`, then certifies them and writes ``process_NNNNN.<save id>.jaxguard
 future; `finalize`, which orbax runs on the primary process after every process has
 finished writing, merges the per-process indexes into ``manifest.json`` (one atomic
 write, as `jaxguard.sharded.commit_manifest`).  orbax renames the temporary step directory only after
-that, so a checkpoint is visible only when complete.  `GuardedRestore(like)` reads either
-layout, into `like`'s shardings (any mesh or process count).
+that, so a checkpoint is visible only when complete.  When one process's write fails (a
+full disk, an I/O error), the commit futures learn it from each other (the JAX distributed
+client's key-value store) and every process raises one line from ``wait_until_finished``:
+that process its own error, the others a `CheckpointError` naming it; no step is committed.
+`GuardedRestore(like)` reads either layout, into `like`'s shardings (any mesh or process count).
 """
 from __future__ import annotations
 
