@@ -71,7 +71,7 @@ def test_guarded_reader_refuses_a_metadata_pickle_that_runs_code(tmp_path):
         str(err), err
     assert "\n" not in str(err) and not canary.exists()
     r = FileSystemReader(str(tmp_path / "a"))
-    _load_error(storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+    _load_error(storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))   # fails after the pickle ran
     assert canary.exists()          # the control: torch's own reader ran the pickle's command
 
 
@@ -90,7 +90,7 @@ def test_planner_without_a_place_or_with_another_one_is_one_line(tmp_path):
     err = _load_error(checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(str(tmp_path / "b")))
     assert isinstance(err, CheckpointError) and "holds another checkpoint" in str(err), err
     err = _load_error(checkpoint_id=str(tmp_path / "a"),
-                      planner=GuardedLoadPlanner(storage_reader=FileSystemReader(str(tmp_path / "a"))))
+                      planner=GuardedLoadPlanner(storage_reader=GuardedFileSystemReader(str(tmp_path / "a"))))
     assert isinstance(err, CheckpointError) and "not the storage reader dcp.load" in str(err), err
     assert "\n" not in str(err)
 
