@@ -229,7 +229,8 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 if err is not None:
                     raise err
                 raise CheckpointError(f"{directory}: process{'es' if len(failed) > 1 else ''} "
-                                      f"{', '.join(map(str, failed))} could not write its shards; orbax commits no "
+                                      f"{', '.join(map(str, failed))} could not write "
+                                      f"{'their' if len(failed) > 1 else 'its'} shards; orbax commits no "
                                       "step, the previous steps are kept")
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]
