@@ -615,7 +615,11 @@ def write_md(out, md):
               "and orbax's save-progress barrier then held the failing one. The handler's commit futures now tell "
               "each other, through the JAX distributed client's key-value store, whether they wrote, and every "
               "process raises one line from `wait_until_finished` (tests/test_faults.py). The survivors of a kill "
-              "wait in orbax's barrier or in that agreement and are torn down after 3 s. Leftovers are orbax's "
+              "wait in orbax's barrier or in that agreement and are torn down after 3 s; left alone (measured once, "
+              "process 1 killed mid-file, the survivor given 240 s), JAX's coordination service declares the dead "
+              "process unhealthy after its heartbeat timeout (`jax.distributed.initialize(heartbeat_timeout_seconds"
+              "=100)` by default) and the survivor is aborted with the LOG(FATAL) line below, 103 s after the "
+              "kill. Leftovers are orbax's "
               "temporary step directory `8.orbax-checkpoint-tmp` (orbax does not list it as a step; "
               "`CheckpointManagerOptions(cleanup_tmp_directories=True)` removes such directories when a manager is "
               "created; not exercised here).", "",
