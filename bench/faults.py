@@ -659,8 +659,9 @@ def write_md(out, md):
               'a tmpfs with room for the new weights only was tried and the whole save fitted (each replaced '
               'file frees its predecessor), so that row was dropped.', "",
               "Not covered here: HF/accelerate with DDP (2 ranks) and an `optimizer.jg` ENOSPC inside those "
-              "integrations (the same `storage.atomic_write_with` as the one-file rows); 4-process jobs under the "
-              "other faults of the 2-process table and with 1 device per process; orbax with 2 processes saving "
+              "integrations (the same `storage.atomic_write_with` as the one-file rows); 4-process jobs killed "
+              "before the write or at the manifest's other points (mid, after), under a full disk, and with 1 "
+              "device per process; orbax with 2 processes saving "
               "one file (`GuardedSave(sharded=False)`: only the primary writes, and a failure there has no "
               "agreement yet: the other process waits in orbax's barrier); a check that the Trainer's other files "
               "(`scheduler.pt`, `rng_state.pth`, `trainer_state.json`) survive the full disk. The temporary file "
@@ -740,8 +741,8 @@ def main():
     base = os.path.join(w, "base")
     t0 = time.time()
     c0 = None
-    if a.only in ("nproc3", "nproc4"):     # 3 or 4 processes x 2 CPU devices: its own committed base
-        r = H.run_save(base, 4, nproc=int(a.only[-1]))
+    if a.only in ("nproc3", "nproc4", "nproc4b"):     # 3 or 4 processes x 2 CPU devices: its own committed base
+        r = H.run_save(base, 4, nproc=int(a.only[5]))
         assert all(x["ok"] for x in r["reports"].values()), r["log"]
         c0 = H.check(base, base + ".truth.npz")
     elif a.only not in ("dcp", "lightning", "orbaxmp", "hf"):
@@ -785,6 +786,10 @@ def main():
         rows += rows_hf(w)
     if a.only == "nproc4":
         for fault, victim in (("kill_mid_file", 3), ("kill_before_manifest", 0)):
+            rows.append(row_kill(w, base, c0, fault, victim, nproc=4))
+            print(json.dumps(rows[-1]), flush=True)
+    if a.only == "nproc4b":      # the other faults of the 2-process table, 4 processes
+        for fault, victim in (("kill_encode", 1), ("kill_after_files", 2), ("raise", 2)):
             rows.append(row_kill(w, base, c0, fault, victim, nproc=4))
             print(json.dumps(rows[-1]), flush=True)
     out = {"machine": "2-core AMD EPYC, shared with other work", "baseline": c0, "rows": rows,
