@@ -38,6 +38,8 @@ def seen(r, victim):
         if rep is None:
             out.append(f"p{i}: " + ("SIGKILLed" if i == victim and r["returncodes"][i] == -9 else
                                     "torn down (blocked in the save's agreement)" if i in r["killed"] else
+                                    f"aborted by JAX (SIGABRT): `{r['fatal'][i]}`"
+                                    if r["returncodes"][i] == -6 and r.get("fatal", {}).get(i) else
                                     f"exit {r['returncodes'][i]}"))
         else:
             out.append(f"p{i}: " + ("saved" if rep["ok"] else rep["error"]))
@@ -137,6 +139,28 @@ def row_orbax(w, shard):
             "leftovers": left, "seconds": round(time.time() - t, 1)}
 
 
+def orbax_mp_seen(r, victim):
+    out = []
+    for i, rc in enumerate(r["returncodes"]):
+        rep = r["reports"].get(i)
+        out.append(f"p{i}: " + ("SIGKILLed" if i == victim and rc == -9 and r.get("fault", "").startswith("kill") else
+                                "saved" if rep and rep["ok"] else rep["error"] if rep else
+                                "torn down (blocked in the save)" if i in r["killed"] else
+                                f"aborted by JAX (SIGABRT): `{r['fatal'][i]}`" if rc == -6 and r["fatal"].get(i) else
+                                f"exit {rc}"))
+    return out
+
+
+def orbax_leftovers(d):
+    left = []
+    for root, _, files in os.walk(d):
+        rel = os.path.relpath(root, d)
+        if rel == "4" or rel.startswith("4" + os.sep):
+            continue
+        left += [os.path.join(rel, f) for f in files]
+    return sorted(left)
+
+
 def row_orbax_mp(w, fault, victim):
     """orbax CheckpointManager (async) + GuardedSave with 2 JAX processes (gloo): step 4 committed,
     step 8 with `fault` in process `victim`."""
@@ -147,18 +171,41 @@ def row_orbax_mp(w, fault, victim):
     c0 = H.check_orbax(d, d + ".truth4.npz")
     r = H.run_orbax_mp(d, 8, fault, victim)
     c = H.check_orbax(d, d + ".truth4.npz")
-    left = []
-    for root, _, files in os.walk(d):
-        rel = os.path.relpath(root, d)
-        if rel == "4" or rel.startswith("4" + os.sep):
-            continue
-        left += [os.path.join(rel, f) for f in files]
-    seen = [f"p{i}: " + ("SIGKILLed" if i == victim and rc == -9 else "torn down (blocked in the save)"
-                         if i in r["killed"] else f"exit {rc}") for i, rc in enumerate(r["returncodes"])]
+    seen = orbax_mp_seen({**r, "fault": fault}, victim)
     seen.append(f"restore: CheckpointManager.latest_step() is {c.get('step')}")
     return {"path": "orbax CheckpointManager async + GuardedSave (2 proc, sharded)", "fault": fault, "victim": victim,
             "survived": "previous checkpoint (step 4)" if c == c0 and c0.get("violations") == 0 else "LOST",
-            "check": c, "seen": seen, "leftovers": sorted(left), "seconds": round(time.time() - t, 1)}
+            "check": c, "seen": seen, "leftovers": orbax_leftovers(d), "seconds": round(time.time() - t, 1)}
+
+
+def row_orbax_mp_full_disk(w):
+    """As `row_orbax_mp`, the step-8 save into a tmpfs holding step 4 and room for about half a step."""
+    d0 = os.path.join(w, "orbaxmp_disk_base")
+    t = time.time()
+    r = H.run_orbax_mp(d0, 4)
+    assert r["returncodes"] == [0, 0], r["log"]
+    c0 = H.check_orbax(d0, d0 + ".truth4.npz")
+    used = sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(d0) for f in fs)
+    size = (used * 3 // 2 // 4096 + 2) * 4096
+    mnt = os.path.join(w, "orbaxmp_tmpfs")
+    os.makedirs(mnt, exist_ok=True)
+    name = "orbax CheckpointManager async + GuardedSave (2 proc, sharded)"
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], capture_output=True, text=True)
+    if m.returncode:
+        return {"path": name, "fault": "full disk (tmpfs)", "victim": "-", "survived": "SKIPPED",
+                "seen": [f"cannot mount a tmpfs: {m.stderr.strip()[:100]}"]}
+    try:
+        d = os.path.join(mnt, "ck")
+        shutil.copytree(d0, d)
+        r = H.run_orbax_mp(d, 8, "full_disk", -1, report=os.path.join(w, "orbaxmp_tmpfs.report"))
+        c = H.check_orbax(d, d0 + ".truth4.npz")
+        seen = orbax_mp_seen({**r, "fault": "full_disk"}, -1)
+        seen.append(f"restore: CheckpointManager.latest_step() is {c.get('step')}")
+        return {"path": name, "fault": f"full disk (tmpfs {size} B)", "victim": "-",
+                "survived": "previous checkpoint (step 4)" if c == c0 and c0.get("violations") == 0 else "LOST",
+                "check": c, "seen": seen, "leftovers": orbax_leftovers(d), "seconds": round(time.time() - t, 1)}
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
 
 
 def rows_full_disk_in_process(w):
@@ -228,6 +275,7 @@ def rows_full_disk_in_process(w):
     return rows
 
 
+ORBAX_MP = [("kill_encode", 1), ("kill_mid_file", 1), ("kill_before_manifest", 0), ("raise", 1), ("raise", 0)]
 DCP_FAULTS = [("kill_encode", 1), ("kill_mid_file", 1), ("kill_after_files", 1), ("kill_before_metadata", 0),
               ("raise", 1)]
 DCP_INPLACE = [("kill_mid_file", 1), ("kill_before_metadata", 0), ("raise", 1)]   # with overwrite=True
@@ -611,6 +659,19 @@ def rows_hf_ddp(w):
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
+
+NEGATIVE_CONTROL = "GuardedSavePlanner(overwrite=True)"
+
+
+def table_row(r):
+    c = r.get("check") or {}
+    audit_ = c.get("violations", "-") if "violations" in c else ("-" if not c else c.get("error", "-"))
+    seen_ = "<br>".join(x.replace("|", "\\|") for x in r["seen"])
+    left = ", ".join(f"`{x}`" for x in r.get("leftovers", [])) if r.get("leftovers") else "none"
+    nxt = {True: "yes", False: "NO", None: "-"}[r.get("next_save_cleans")]
+    return f"| {r['path']} | {r['fault']} | {r['victim']} | {r['survived']} | {audit_} | {seen_} | {left} | {nxt} |"
+
+
 def write_md(out, md):
     lines = ["# Faults during saves: what survives, what the user sees", "",
              f"Written by `bench/faults.py` ({out['machine']}; {out['seconds']} s). Each row starts from a committed "
@@ -633,14 +694,9 @@ def write_md(out, md):
              f"worst gap {out['baseline']['max_gap_lr']:.4f} lr (tau 0.01).", "",
              "| path | fault | killed / failing process | survived | audit over tau | what the user saw | files no "
              "manifest names, after the fault | next save cleans |", "|---|---|---|---|---|---|---|---|"]
-    for r in out["rows"]:
-        c = r.get("check") or {}
-        audit_ = c.get("violations", "-") if "violations" in c else ("-" if not c else c.get("error", "-"))
-        seen_ = "<br>".join(x.replace("|", "\\|") for x in r["seen"])
-        left = ", ".join(f"`{x}`" for x in r.get("leftovers", [])) if r.get("leftovers") else "none"
-        nxt = {True: "yes", False: "NO", None: "-"}[r.get("next_save_cleans")]
-        lines.append(f"| {r['path']} | {r['fault']} | {r['victim']} | {r['survived']} | {audit_} | {seen_} | "
-                     f"{left} | {nxt} |")
+    head = next(i for i, x in enumerate(lines) if x.startswith("| path | fault"))
+    neg = [r for r in out["rows"] if NEGATIVE_CONTROL in r["path"]]
+    lines += [table_row(r) for r in out["rows"] if NEGATIVE_CONTROL not in r["path"]]
     lines += ["", "**torch DCP rows** (tests/fault_dcp_worker.py): 2 gloo ranks, the FSDP2 model of "
               "tests/_dcp_worker.py (24-41-6 MLP, Adam), step 4 committed with `dcp.save` + `GuardedSavePlanner`, "
               "then the same job at step 8 saves with the fault in one rank. *Per-step* is the layout DCP users "
@@ -648,16 +704,48 @@ def write_md(out, md):
               "and *survived* means `step4/` loads (one process, `GuardedLoadPlanner`) to the same bits (SHA-256 of "
               "every parameter and Adam tensor), weights identical to a plain DCP save, and the real torch Adam "
               "first update within tau*lr (44 gradient values x all 1,277 coordinates, 0 over tau). *In place* "
-              "saves into `step4/` itself: DCP's FileSystemWriter rewrites the rank files `__R_0.distcp` in place "
-              "(open `wb`) and writes `.metadata` last, so an interrupted overwrite cannot be made atomic from the "
-              "planner; `GuardedSavePlanner` therefore refuses a directory that already holds a `.metadata` "
-              "(nothing written), and with `overwrite=True` a torn overwrite is LOST by DCP's construction but "
-              "refused by the loader in one line (the old `.metadata`'s SHA-256 of every item no longer matches). "
+              "saves into `step4/` itself: `GuardedSavePlanner` refuses a directory that already holds a "
+              "`.metadata` (nothing written; the negative control below shows why). "
               "The saving ranks see torch's own errors (a gloo `Connection closed by peer` line, or DCP's "
               "multi-line `CheckpointException` that wraps the one-line jaxguard/OS error); jaxguard cannot "
               "shorten those from a planner. The broken directory's load is refused in one `CheckpointError` "
               "line by `jaxguard verify` and by `GuardedLoadPlanner(checkpoint_id=...)` (at construction, before "
               "`dcp.load` unpickles anything).", "",
+              "**orbax rows with 2 processes** (tests/fault_jax_worker.py `orbaxmp`): 2 JAX processes x 2 CPU "
+              "devices (gloo) commit step 4 with an async `CheckpointManager` + `GuardedSave` (sharded), then save "
+              "step 8 with the fault in one process: *kill_encode* SIGKILLs it inside the guard's encode "
+              "(`jaxguard.core.guard.encode_many`), which the handler runs in orbax's commit thread on the host "
+              "copy, before any byte of that process's file; *kill_mid_file* with half of its container in the "
+              "temporary file; *kill_before_manifest* kills the primary in `finalize`; *raise* is an EIO while "
+              "writing that process's container; the full disk is a tmpfs holding step 4 with room for about half "
+              "a step. *Survived*: `CheckpointManager.latest_step()` is 4 and it restores (`GuardedRestore`) to the "
+              "same bits, audit 0 over tau. The first run of the *raise* row found every process blocked (both torn "
+              "down after the 600 s the bench waited; orbax's `AsyncOptions.timeout_secs` is 1200 s): the failing "
+              "process's commit future raised before orbax's `async_write_complete` barrier, where the other waited, "
+              "and orbax's save-progress barrier then held the failing one. The handler's commit futures now tell "
+              "each other, through the JAX distributed client's key-value store, whether they wrote, and every "
+              "process raises one line from `wait_until_finished` (tests/test_faults.py). The survivors of a kill "
+              "wait in orbax's barrier or in that agreement and are torn down after 3 s; left alone (measured once, "
+              "process 1 killed mid-file, the survivor given 240 s), JAX's coordination service declares the dead "
+              "process unhealthy after its heartbeat timeout (`jax.distributed.initialize(heartbeat_timeout_seconds"
+              "=100)` by default) and the survivor is aborted with the LOG(FATAL) line below, 103 s after the "
+              "kill. Leftovers are orbax's "
+              "temporary step directory `8.orbax-checkpoint-tmp` (orbax does not list it as a step; "
+              "`CheckpointManagerOptions(cleanup_tmp_directories=True)` removes such directories when a manager is "
+              "created; not exercised here).", "",
+              "**A survivor aborted by JAX (SIGABRT, exit -6)**: when the primary (process 0) is killed, another "
+              "process may be terminated by JAX before it can raise jaxguard's line. Process 0 runs JAX's "
+              "coordination service (the `jax.distributed.initialize` coordinator); when it dies, the other "
+              "processes' error-polling thread gets `UNAVAILABLE` and XLA's distributed client aborts the process "
+              "with a LOG(FATAL) on stderr, the line in the rows above (`client.h:80] Terminating process because "
+              "the JAX distributed service detected fatal errors. ...`, then a C++ stack trace). It races with the "
+              "gloo collective's failure, which raises jaxguard's one line: in the 2- and 3-process `jaxguard.save` "
+              "rows every survivor raised the line, in the 4-process row one survivor of three aborted (twice, "
+              "the first run and the rerun that kept its stderr), in the "
+              "orbax row the survivor was waiting in orbax's barrier (orbax logs a `TimeoutError` for it) when the "
+              "abort came. It is JAX's doing, and no Python code can catch it: a job whose coordinator died cannot "
+              "continue, and a scheduler restarts it. Nothing is lost either way: the previous checkpoint is the "
+              "one that loads.", "",
               "**HF Trainer and accelerate rows** (tests/fault_hf_worker.py): one process trains the tiny GPT-2 of "
               "tests/helpers.py (2 layers, 64 wide, torch AdamW, 4 steps) and saves with `GuardedTrainer` "
               "(`checkpoint-4/`) or `jaxguard.integrations.accelerate.save_state`; a second run with another data "
@@ -688,11 +776,12 @@ def write_md(out, md):
               "renames; then a 2-rank resume. With `push_to_hub` (the Trainer uploads from the "
               "directory after the save returns) and accelerate's `automatic_checkpoint_naming` (a fresh "
               "directory per save, existing ones refused) the frameworks' in-place writes are kept.", "",
-              "Not covered here (not done in this round): orbax with 2 processes killed during encode or under a "
-              "full disk (its rows kill the async commit thread's write and the primary before the manifest); "
-              "HF/accelerate with DDP (2 ranks) and an `optimizer.jg` ENOSPC inside those integrations (the "
-              "same `storage.atomic_write_with` as the one-file rows); 4-process jobs under the other faults of "
-              "the 2-process table and with 1 device per process; a check that the Trainer's other files "
+              "Not covered here: an `optimizer.jg` ENOSPC inside the HF/accelerate integrations (the same "
+              "`storage.atomic_write_with` as the one-file rows); 4-process jobs killed "
+              "before the write or at the manifest's other points (mid, after), under a full disk, and with 1 "
+              "device per process; orbax with 2 processes saving "
+              "one file (`GuardedSave(sharded=False)`: only the primary writes, and a failure there has no "
+              "agreement yet: the other process waits in orbax's barrier); a check that the Trainer's other files "
               "(`scheduler.pt`, `rng_state.pth`, `trainer_state.json`) survive the full disk. The temporary file "
               "a killed single-file save leaves (the Lightning and HF/accelerate rows' `.<name>.<id>.tmp`) is "
               "removed by the next successful save of the same target once it is an hour old "
@@ -700,8 +789,19 @@ def write_md(out, md):
               "it on a file aged by `os.utime`, not in this bench's kill rows. The Lightning rows compare the "
               "decoded bits only (no audit). The suite runs a subset (tests/test_faults.py: SIGKILL mid-file, a "
               "raise in one process, two jobs on one path, full tmpfs and full fsspec filesystem for both save "
-              "paths; DCP: SIGKILL mid-file per-step, the in-place refusal and a torn overwrite, the DCP fuzz "
-              "corpus)."]
+              "paths; orbax with 2 processes, a raise in one; DCP: SIGKILL mid-file per-step, the in-place refusal "
+              "and a torn overwrite, a 2-rank save through `GuardedFileSystemReader`, the DCP fuzz corpus)."]
+    if neg:
+        lines += ["", "## Negative control: why an in-place DCP save is refused", "",
+                  "`GuardedSavePlanner(overwrite=True)` lets a save go into a directory that already holds a "
+                  "committed checkpoint (`step4/` here). DCP's FileSystemWriter rewrites the rank files "
+                  "`__R_0.distcp` in place (open `wb`) and writes `.metadata` last, so an interrupted overwrite "
+                  "cannot be made atomic from a planner: step 4 is LOST in every row below, by DCP's construction. "
+                  "The loader refuses what is left in one line (the old `.metadata`'s SHA-256 of every item no "
+                  "longer matches the rewritten files). That is why the default planner refuses the directory "
+                  "(the *in place* row of the table above: nothing written, step 4 kept). These rows are not "
+                  "default paths and are kept out of the table above.", "",
+                  lines[head], lines[head + 1]] + [table_row(r) for r in neg]
     fz, fz0 = (os.path.join(os.path.dirname(md), n) for n in ("fuzz_manifest.json", "fuzz_manifest_before_fix.json"))
     if os.path.exists(fz) and os.path.exists(fz0):
         a, b = json.load(open(fz0)), json.load(open(fz))
@@ -759,8 +859,8 @@ def main():
     base = os.path.join(w, "base")
     t0 = time.time()
     c0 = None
-    if a.only in ("nproc3", "nproc4"):     # 3 or 4 processes x 2 CPU devices: its own committed base
-        r = H.run_save(base, 4, nproc=int(a.only[-1]))
+    if a.only in ("nproc3", "nproc4", "nproc4b"):     # 3 or 4 processes x 2 CPU devices: its own committed base
+        r = H.run_save(base, 4, nproc=int(a.only[5]))
         assert all(x["ok"] for x in r["reports"].values()), r["log"]
         c0 = H.check(base, base + ".truth.npz")
     elif a.only not in ("dcp", "lightning", "orbaxmp", "hf"):
@@ -791,9 +891,11 @@ def main():
         rows += rows_lightning(w)
         print(json.dumps(rows[-2:]), flush=True)
     if a.only == "orbaxmp":
-        for fault, victim in (("kill_mid_file", 1), ("kill_before_manifest", 0)):
+        for fault, victim in ORBAX_MP:
             rows.append(row_orbax_mp(w, fault, victim))
             print(json.dumps(rows[-1]), flush=True)
+        rows.append(row_orbax_mp_full_disk(w))
+        print(json.dumps(rows[-1]), flush=True)
     if a.only == "nproc3":
         for fault, victim in (("kill_mid_file", 2), ("kill_before_manifest", 0)):
             rows.append(row_kill(w, base, c0, fault, victim, nproc=3))
@@ -804,13 +906,19 @@ def main():
         for fault, victim in (("kill_mid_file", 3), ("kill_before_manifest", 0)):
             rows.append(row_kill(w, base, c0, fault, victim, nproc=4))
             print(json.dumps(rows[-1]), flush=True)
+    if a.only == "nproc4b":      # the other faults of the 2-process table, 4 processes
+        for fault, victim in (("kill_encode", 1), ("kill_after_files", 2), ("raise", 2)):
+            rows.append(row_kill(w, base, c0, fault, victim, nproc=4))
+            print(json.dumps(rows[-1]), flush=True)
     out = {"machine": "2-core AMD EPYC, shared with other work", "baseline": c0, "rows": rows,
            "seconds": round(time.time() - t0, 1)}
     if a.only and os.path.exists(a.out):     # rerun rows replace theirs in the committed matrix
         old = json.load(open(a.out))
         key = lambda r: (r["path"], r["fault"], str(r["victim"]))  # noqa: E731
-        new = {key(r) for r in rows}
-        out = {**old, "rows": [r for r in old["rows"] if key(r) not in new] + rows,
+        new = {key(r): r for r in rows}
+        kept = [new.get(key(r), r) for r in old["rows"]]      # a rerun row keeps its place in the table
+        had = {key(r) for r in old["rows"]}
+        out = {**old, "rows": kept + [r for r in rows if key(r) not in had],
                "rerun": sorted(set(old.get("rerun", [])) | {f"{a.only} ({round(time.time() - t0, 1)} s)"})}
     with open(a.out, "w") as fh:
         json.dump(out, fh, indent=1)

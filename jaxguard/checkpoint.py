@@ -26,8 +26,11 @@ during `save`, then certifies them and writes ``process_NNNNN.<save id>.jaxguard
 future; `finalize`, which orbax runs on the primary process after every process has
 finished writing, merges the per-process indexes into ``manifest.json`` (one atomic
 write, as `jaxguard.sharded.commit_manifest`).  orbax renames the temporary step directory only after
-that, so a checkpoint is visible only when complete.  `GuardedRestore(like)` reads either
-layout, into `like`'s shardings (any mesh or process count).
+that, so a checkpoint is visible only when complete.  When one process's write fails (a
+full disk, an I/O error), the commit futures learn it from each other (the JAX distributed
+client's key-value store) and every process raises one line from ``wait_until_finished``:
+that process its own error, the others a `CheckpointError` naming it; no step is committed.
+`GuardedRestore(like)` reads either layout, into `like`'s shardings (any mesh or process count).
 """
 from __future__ import annotations
 
@@ -125,6 +128,50 @@ def _host_record(rec):
     return rec
 
 
+def _failed_processes_in_commit(directory: str, save_id: str, pid: int, ok: bool) -> list:
+    """Every process says, from its commit future, whether it wrote its shards; all learn who
+    failed.  Through the JAX distributed client's key-value store, not a collective (a commit
+    future runs in orbax's background thread, beside the training step's collectives).
+
+    Without it, a process whose write raised leaves orbax's background thread before orbax's
+    ``async_write_complete`` barrier while the others wait there: every process of the job
+    then blocks for ``AsyncOptions.timeout_secs`` (1200 s by default) instead of raising.
+
+    Args:
+      directory: the item directory (named in the error).
+      save_id: the save's id (the same on every process: it names the keys).
+      pid: this process.
+      ok: whether this process wrote its files.
+
+    Returns:
+      The sorted indexes of the processes that failed (empty: all wrote).
+
+    Raises:
+      CheckpointError: another process did not report within orbax's default
+        ``AsyncOptions.timeout_secs`` (it died, or the coordination service did).
+    """
+    n = jax.process_count()
+    from jax._src import distributed     # orbax's barriers use this client too
+    client = distributed.global_state.client
+    if n == 1 or client is None:
+        return [] if ok else [pid]
+    prefix = f"jaxguard/orbax_commit/{save_id}/"
+    client.key_value_set(prefix + str(pid), "ok" if ok else "failed")
+    timeout_ms = int(ocp.AsyncOptions().timeout_secs * 1000)
+    failed = []
+    for i in range(n):
+        try:
+            got = client.blocking_key_value_get(prefix + str(i), timeout_ms)
+        except Exception as exc:  # noqa: BLE001 - a dead process or coordination service
+            text = str(exc).strip()
+            raise CheckpointError(f"{directory}: process {i} of this job did not say whether it wrote its shards "
+                                  f"({type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}); orbax "
+                                  "commits no step, the previous steps are kept") from None
+        if got != "ok":
+            failed.append(i)
+    return failed
+
+
 class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Writes/reads optax state as one guarded jaxguard container per checkpoint item."""
 
@@ -217,9 +264,22 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             params_meta=_sharded.param_leaves(args.params) if args.include_params else None), save_id)
 
         async def write():
-            data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
-            self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
-            _sharded.write_process_files(str(directory), data, index, pid, save_id)
+            err = None
+            try:
+                data, index = _sharded.build_local(items, totals, process=pid, extra_header=extra)
+                self.last_summary = {**optax_adapter.summary(totals, len(data)), "process_index": pid}
+                _sharded.write_process_files(str(directory), data, index, pid, save_id)
+            except Exception as exc:  # noqa: BLE001 - every process must learn of it (below)
+                err = exc
+            failed = _failed_processes_in_commit(str(directory), save_id, pid, err is None)
+            if failed:
+                _sharded.remove_process_files(str(directory), pid, save_id)
+                if err is not None:
+                    raise err
+                raise CheckpointError(f"{directory}: process{'es' if len(failed) > 1 else ''} "
+                                      f"{', '.join(map(str, failed))} could not write "
+                                      f"{'their' if len(failed) > 1 else 'its'} shards; orbax commits no "
+                                      "step, the previous steps are kept")
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_sharded_save")]
 

@@ -4,10 +4,12 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -63,13 +65,24 @@ def run_save(d, steps, fault="none", victim=-1, nproc=2, timeout=600, truth=None
         for p in procs:
             p.kill()
         raise
-    logs = [p.stdout.read()[-3000:] for p in procs]
+    logs = [p.stdout.read() for p in procs]
     reports = {}
     for i in range(nproc):
         f = f"{report}.{i}.json"
         if os.path.exists(f):
             reports[i] = json.load(open(f))
-    return {"reports": reports, "returncodes": [p.returncode for p in procs], "killed": killed, "log": logs}
+    return {"reports": reports, "returncodes": [p.returncode for p in procs], "killed": killed,
+            "log": [x[-3000:] for x in logs], "fatal": {i: fatal_line(x) for i, x in enumerate(logs) if fatal_line(x)}}
+
+
+FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ ([\w.]+:\d+)\] (.*)$", re.M)
+
+
+def fatal_line(log):
+    """The LOG(FATAL) line of an absl/XLA abort in a process's output (``file:line]`` and the
+    message's first two sentences), or None."""
+    m = FATAL.search(log or "")
+    return f"{m.group(1)}] {'. '.join(m.group(2).split('. ')[:2]).rstrip('.')[:260]}." if m else None
 
 
 def run_loops(d, steps_list, rounds):
@@ -139,21 +152,38 @@ def run_orbax(d, steps, fault="none", sharded=False, timeout=600):
     return p.returncode, (p.stdout + p.stderr)[-3000:]
 
 
-def run_orbax_mp(d, steps, fault="none", victim=-1, nproc=2, timeout=600):
+def run_orbax_mp(d, steps, fault="none", victim=-1, nproc=2, timeout=600, report=None, blocked=90.0):
     """An `nproc`-process orbax CheckpointManager (async) + GuardedSave job (gloo).
 
+    After a SIGKILL the survivors get `GRACE` seconds; after any other fault the job gets
+    `blocked` seconds from its start (orbax's barriers wait up to ``AsyncOptions.timeout_secs``,
+    1200 s by default); then what is left is torn down, as a scheduler would.
+
     Returns:
-      {"returncodes": [...], "killed": [pids torn down], "log": tails}.
+      {"reports": {pid: report}, "returncodes": [...], "killed": [pids torn down], "log": tails}.
     """
+    report = report or d.rstrip("/") + ".report"
+    for f in glob.glob(report + ".*.json"):
+        os.unlink(f)
     port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, "orbaxmp", str(i), str(nproc), str(port), d, str(steps), fault,
-                               str(victim)], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(nproc)]
+                               str(victim), report], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(nproc)]
+    logs = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, out=out: out.append(p.stdout.read()), daemon=True)
+               for p, out in zip(procs, logs)]
+    for t in readers:
+        t.start()
     killed = []
+    t_start = time.time()
+    t_end = t_start + timeout
     try:
-        if fault.startswith("kill") and 0 <= victim < nproc:
-            procs[victim].wait(timeout=timeout)
-            grace_end = time.time() + GRACE
+        if fault != "none":
+            if fault.startswith("kill") and 0 <= victim < nproc:
+                procs[victim].wait(timeout=timeout)
+                grace_end = time.time() + GRACE
+            else:
+                grace_end = t_start + blocked
             for i, p in enumerate(procs):
                 try:
                     p.wait(timeout=max(0.1, grace_end - time.time()))
@@ -161,13 +191,17 @@ def run_orbax_mp(d, steps, fault="none", victim=-1, nproc=2, timeout=600):
                     p.kill()
                     killed.append(i)
         for p in procs:
-            p.wait(timeout=timeout)
+            p.wait(timeout=max(1, t_end - time.time()))
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         raise
-    return {"returncodes": [p.returncode for p in procs], "killed": killed,
-            "log": [p.stdout.read()[-3000:] for p in procs]}
+    for t in readers:
+        t.join(timeout=10)
+    reports = {i: json.load(open(f"{report}.{i}.json")) for i in range(nproc) if os.path.exists(f"{report}.{i}.json")}
+    logs = ["".join(x) for x in logs]
+    return {"reports": reports, "returncodes": [p.returncode for p in procs], "killed": killed,
+            "log": [x[-3000:] for x in logs], "fatal": {i: fatal_line(x) for i, x in enumerate(logs) if fatal_line(x)}}
 
 
 def check_orbax(d, npz):

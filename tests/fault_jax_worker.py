@@ -24,10 +24,11 @@ Each process that returns writes REPORT.<pid>.json: {"ok", "error" (the one line
 DIR.jg (one file), and once to DIR.own (its private copy); a second job does the same with
 other STEPS at the same time (two jobs, one path).
 
-`orbaxmp PID NPROC PORT DIR STEPS FAULT VICTIM`: NPROC processes (gloo) save step STEPS with
+`orbaxmp PID NPROC PORT DIR STEPS FAULT VICTIM [REPORT]`: NPROC processes (gloo) save step STEPS with
 orbax `CheckpointManager` (async) + `GuardedSave` (sharded, as every multi-process save is)
 to DIR, FAULT injected in process VICTIM as above; with FAULT ``none`` process 0 writes
-the exact state to ``DIR.truth<STEPS>.npz``.
+the exact state to ``DIR.truth<STEPS>.npz``; with REPORT each process that returns writes
+REPORT.<pid>.json as `save` does (the first line of what orbax raised, and its line count).
 
 `orbax`: one process saves step STEPS with orbax `CheckpointManager` (async) +
 `GuardedSave(..., sharded=SHARDED)` to DIR, FAULT injected as above into the commit
@@ -153,8 +154,9 @@ def inject(fault):
         return real_with(path, write, **kw)
 
     storage.atomic_write_with = awith
-    if fault == "kill_encode":
-        sharded.encode_many = lambda *a, **k: die()
+    if fault == "kill_encode":      # inside the guard's encode (jaxguard.writer calls it through the module)
+        from jaxguard.core import guard
+        guard.encode_many = lambda *a, **k: die()
     elif fault == "kill_before_write":
         sharded.write_process_files = lambda *a, **k: die()
     elif fault == "kill_after_files":
@@ -240,6 +242,7 @@ def orbaxmp_job():
     import orbax.checkpoint as ocp
     import jaxguard.checkpoint as jgc
     d, steps, fault, victim = sys.argv[5], int(sys.argv[6]), sys.argv[7], int(sys.argv[8])
+    report = sys.argv[9] if len(sys.argv) > 9 else None
     mesh = Mesh(np.array(jax.devices()).reshape(NPROC, 2), ("a", "b"))
     params, state = trained(steps, mesh)
     full = gathered({"params": params, "state": state})
@@ -248,10 +251,21 @@ def orbaxmp_job():
     if PID == victim:
         inject(fault)
     opts = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True)
-    with ocp.CheckpointManager(d, options=opts) as mngr:
-        mngr.save(steps, args=ocp.args.Composite(opt_state=jgc.GuardedSave(state, params=params, lr=LR,
-                                                                            weight_decay=WD)))
-        mngr.wait_until_finished()
+    rep = {"pid": PID}
+    try:
+        with ocp.CheckpointManager(d, options=opts) as mngr:
+            mngr.save(steps, args=ocp.args.Composite(opt_state=jgc.GuardedSave(state, params=params, lr=LR,
+                                                                                weight_decay=WD)))
+            mngr.wait_until_finished()
+        rep.update(ok=True)
+    except Exception as exc:  # noqa: BLE001 - the report says what the user saw
+        text = str(exc).strip()
+        rep.update(ok=False, error=f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:400],
+                   lines=len(text.splitlines()))
+    if report:
+        json.dump(rep, open(f"{report}.{PID}.json", "w"))
+    if not rep["ok"] and not report:
+        raise SystemExit(rep["error"])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """GuardedLoadPlanner is told where to read (no frame walking): checkpoint_id= or the
-same storage_reader= as dcp.load, and a one-line error for anything else."""
+same storage_reader= as dcp.load, and a one-line error for anything else; the
+GuardedFileSystemReader reads .metadata without running code."""
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
@@ -7,7 +8,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 
 from jaxguard.errors import CheckpointError, ConfigError  # noqa: E402
-from torch_compat.dcp import GuardedLoadPlanner  # noqa: E402
+from torch_compat.dcp import GuardedFileSystemReader, GuardedLoadPlanner  # noqa: E402
 
 
 def _saved(path, seed):
@@ -27,10 +28,51 @@ def test_planner_reads_where_it_is_told(tmp_path):
     got = _target()
     dcp.load(got, checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(str(tmp_path / "a")), no_dist=True)
     assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
-    fs = FileSystemReader(str(tmp_path / "a"))
+    fs = GuardedFileSystemReader(str(tmp_path / "a"))
     got = _target()
     dcp.load(got, storage_reader=fs, planner=GuardedLoadPlanner(storage_reader=fs), no_dist=True)
     assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+
+
+def test_a_plain_reader_given_to_the_planner_warns_that_metadata_was_unpickled(tmp_path):
+    import warnings
+    from jaxguard.errors import JaxguardWarning
+    a = _saved(tmp_path / "a", 0)
+    for reader, warns in ((FileSystemReader, True), (GuardedFileSystemReader, False)):
+        fs, got = reader(str(tmp_path / "a")), _target()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", JaxguardWarning)
+            dcp.load(got, storage_reader=fs, planner=GuardedLoadPlanner(storage_reader=fs), no_dist=True)
+        msgs = [str(w.message) for w in seen if issubclass(w.category, JaxguardWarning)]
+        assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+        if warns:
+            assert len(msgs) == 1 and "plain pickle.load" in msgs[0] and "GuardedFileSystemReader" in msgs[0], msgs
+        else:
+            assert msgs == []
+
+
+def test_guarded_reader_refuses_a_metadata_pickle_that_runs_code(tmp_path):
+    """A .metadata naming os.system: torch's reader runs it inside dcp.load (the control), the
+    guarded reader refuses it in one line and nothing runs."""
+    import os
+    import pickle
+    canary = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    _saved(tmp_path / "a", 0)
+    (tmp_path / "a" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    r = GuardedFileSystemReader(str(tmp_path / "a"))
+    err = _load_error(storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+    # torch wraps the reader's error: "metadata is None; global metadata read failed: <it>; rank local ..."
+    assert "refused without running it (UnpicklingError: names posix.system, which a DCP save never writes)" in \
+        str(err), err
+    assert "\n" not in str(err) and not canary.exists()
+    r = FileSystemReader(str(tmp_path / "a"))
+    _load_error(storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))   # fails after the pickle ran
+    assert canary.exists()          # the control: torch's own reader ran the pickle's command
 
 
 def _load_error(**kw):
@@ -48,7 +90,7 @@ def test_planner_without_a_place_or_with_another_one_is_one_line(tmp_path):
     err = _load_error(checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(str(tmp_path / "b")))
     assert isinstance(err, CheckpointError) and "holds another checkpoint" in str(err), err
     err = _load_error(checkpoint_id=str(tmp_path / "a"),
-                      planner=GuardedLoadPlanner(storage_reader=FileSystemReader(str(tmp_path / "a"))))
+                      planner=GuardedLoadPlanner(storage_reader=GuardedFileSystemReader(str(tmp_path / "a"))))
     assert isinstance(err, CheckpointError) and "not the storage reader dcp.load" in str(err), err
     assert "\n" not in str(err)
 

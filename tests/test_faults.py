@@ -192,6 +192,24 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", mnt], check=False)
 
 
+def test_orbax_two_processes_one_write_raises_every_process_raises_and_step4_survives(tmp_path):
+    """orbax CheckpointManager (async) + GuardedSave, 2 JAX processes: process 1's shard write
+    fails (EIO) in orbax's commit thread.  Every process raises one line from
+    wait_until_finished (before the fix both blocked in orbax's barrier for its 1200 s
+    timeout) and step 4 is still the latest step, same bits, audit 0 over tau."""
+    d = str(tmp_path / "orbax")
+    r = H.run_orbax_mp(d, 4)
+    assert r["returncodes"] == [0, 0], r["log"]
+    c0 = H.check_orbax(d, d + ".truth4.npz")
+    assert c0.get("step") == 4 and c0.get("violations") == 0, c0
+    r = H.run_orbax_mp(d, 8, "raise", 1, blocked=120)
+    assert r["returncodes"] == [0, 0] and not r["killed"], r
+    errs = {i: x["error"] for i, x in r["reports"].items() if not x["ok"]}
+    assert sorted(errs) == [0, 1] and all(ONE_LINE.match(e) for e in errs.values()), errs
+    assert "Input/output error" in errs[1] and "process 1 could not write its shards" in errs[0], errs
+    assert H.check_orbax(d, d + ".truth4.npz") == c0
+
+
 def _fill(mnt):
     fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
     try:
@@ -322,6 +340,30 @@ def test_dcp_save_into_a_committed_directory_is_refused_and_keeps_it(tmp_path):
     with pytest.raises(CheckpointError) as info:
         tdcp.verify_dir(d)
     assert ONE_LINE.match(str(info.value)) and "__0_0.distcp" in str(info.value), info.value
+
+
+def test_dcp_guarded_reader_loads_a_two_rank_save_to_the_same_bits(dcp_base):
+    """The 2-rank gloo save (FSDP2) read through GuardedFileSystemReader (dcp.load's own reader,
+    .metadata unpickled without running code) gives the bits the checkpoint_id= load gives."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import _dcp_worker as W
+    from torch_compat.dcp import GuardedFileSystemReader, GuardedLoadPlanner
+    _, d, _ = dcp_base
+    model, opt = W.build(None, seed=123)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    r = GuardedFileSystemReader(d)
+    dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ref = H._dcp_load(d, True)
+
+    def bits(m, o):
+        return [t.detach().clone() for p in m.parameters() for t in (p, *(o.state[p][k] for k in
+                                                                         ("exp_avg", "exp_avg_sq", "step")))]
+    got, want = bits(model, opt), bits(*ref)
+    assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 DCP_CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "dcp_manifest")

@@ -538,6 +538,45 @@ def _warn_other_device(entry, fqn, target, where) -> bool:
     return False
 
 
+class GuardedFileSystemReader(FileSystemReader):
+    """torch's `FileSystemReader`, reading ``.metadata`` without running code.
+
+    torch's ``FileSystemReader.read_metadata`` is a plain ``pickle.load`` of ``.metadata``,
+    and ``dcp.load`` calls it before any planner sees the checkpoint: a directory someone
+    else hands in runs whatever code its pickle names.  This reader unpickles it with only
+    the classes a DCP save writes and checks its structure and rank files first
+    (`torch_compat.dcp_metadata.load_metadata`); everything else is torch's reader::
+
+        r = GuardedFileSystemReader(path)
+        dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+
+    It reads plain DCP checkpoints as well as guarded ones (local paths only).
+
+    Raises (from ``read_metadata``, which ``dcp.load`` wraps in a ``CheckpointException``):
+      CheckpointError: no ``.metadata`` (the save did not finish), a pickle naming a class a
+        DCP save never writes (nothing runs), inconsistent structure, or a rank file the
+        metadata names missing or shorter than it says (one line).
+    """
+
+    def read_metadata(self, *args, **kwargs):
+        """The checkpoint's `Metadata` (as torch's reader: ``storage_meta.load_id`` set).
+
+        Args:
+          *args, **kwargs: as `FileSystemReader.read_metadata` (``rank=`` reads torch's
+            per-rank ``__R.metadata``).
+
+        Returns:
+          The `Metadata`.
+
+        Raises:
+          CheckpointError: see the class docstring.
+        """
+        name = os.path.basename(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+        md = load_metadata(self.path, check_files=True, name=name)
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
 class GuardedLoadPlanner(DefaultLoadPlanner):
     """Load a checkpoint written with `GuardedSavePlanner` at any world size, all or nothing.
 
@@ -545,7 +584,17 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
     written), which DCP's planner API gives it no reader for, so it is told where to read:
 
         dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner(checkpoint_id=path))
+        r = GuardedFileSystemReader(path)      # or another StorageReader
         dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+
+    ``dcp.load`` unpickles ``.metadata`` through its storage reader before the planner sees
+    anything, and torch's `FileSystemReader` does that with plain ``pickle.load`` (code in a
+    pickle someone else wrote runs).  With ``checkpoint_id=`` the planner checks ``.metadata``
+    with jaxguard's restricted reader at construction, before ``dcp.load`` is called; with
+    ``storage_reader=`` it cannot (the reader is dcp.load's), so pass a
+    `GuardedFileSystemReader`: given torch's plain `FileSystemReader` (or a subclass of it
+    such as ``FsspecReader``), the planner warns (`JaxguardWarning`) that the
+    metadata was already unpickled without restriction.  Other readers are not checked.
 
     Args:
       checkpoint_id: the checkpoint directory given to ``dcp.load`` (read through a
@@ -592,6 +641,15 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
           CheckpointError: the checkpoint's manifest is of another format version.
         """
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        if isinstance(self._given_reader, FileSystemReader) and \
+                not isinstance(self._given_reader, GuardedFileSystemReader):
+            import warnings
+            from jaxguard.errors import JaxguardWarning
+            warnings.warn(f"dcp.load read {getattr(self._given_reader, 'path', 'the checkpoint')}/.metadata with "
+                          f"torch's {type(self._given_reader).__name__} (a plain pickle.load) before "
+                          "GuardedLoadPlanner saw it: a .metadata someone else wrote could have run code; pass "
+                          "storage_reader=torch_compat.dcp.GuardedFileSystemReader(path)", JaxguardWarning,
+                          stacklevel=2)
         self._reader = self._given_reader or self._own_reader(metadata, is_coordinator)
         sm = getattr(metadata, "storage_meta", None)
         ours, theirs = getattr(self._given_reader, "load_id", None), getattr(sm, "load_id", None)
@@ -607,7 +665,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError(f"GuardedLoadPlanner(checkpoint_id={path!r}): no DCP checkpoint there (no "
                                   ".metadata); pass the path given to dcp.load, or storage_reader= for other storage")
-        fs = FileSystemReader(path)
+        fs = GuardedFileSystemReader(path)
         mine = getattr(getattr(fs.read_metadata(), "storage_meta", None), "save_id", None)
         want = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         if mine is not None and want is not None and mine != want:
@@ -750,7 +808,7 @@ def load_full(path) -> dict:
     for e in (man or {}).get("moments", {}).values():
         for which in ("m_path", "v_path"):
             set_element(state, tuple(e[which]), torch.empty(e["shape"], dtype=torch.float32))
-    fs = FileSystemReader(path)
+    fs = GuardedFileSystemReader(path)
     with _unwrapped():
         dcp.load(state, storage_reader=fs, planner=GuardedLoadPlanner(storage_reader=fs), no_dist=True)
     return state

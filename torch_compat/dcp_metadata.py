@@ -82,13 +82,14 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def load_metadata(path, check_files=False):
+def load_metadata(path, check_files=False, name=".metadata"):
     """The DCP `Metadata` of directory `path`, unpickled without running code and checked.
 
     Args:
       path: a local DCP checkpoint directory.
       check_files: also check that every rank file the metadata names is there and holds
         the bytes it lists (before anything is allocated from the metadata's sizes).
+      name: the metadata file's name (``__R.metadata`` for torch's per-rank metadata).
 
     Returns:
       The `Metadata` (``storage_meta`` filled in as torch's reader does).
@@ -97,9 +98,9 @@ def load_metadata(path, check_files=False):
       CheckpointError: no ``.metadata`` (the save did not finish), a pickle naming a class a
         DCP save never writes, or inconsistent structure (one line).
     """
-    f = os.path.join(os.fspath(path), ".metadata")
+    f = os.path.join(os.fspath(path), name)
     if not os.path.isfile(f):
-        raise CheckpointError(f"{path}: no .metadata file; the DCP save did not finish (DCP writes .metadata "
+        raise CheckpointError(f"{path}: no {name} file; the DCP save did not finish (DCP writes .metadata "
                               "last) or this is not a DCP directory: load the previous checkpoint")
     size = os.path.getsize(f)
     if size > MAX_METADATA_BYTES:
