@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from fault_hf_worker import kill_between_renames  # noqa: E402
 from helpers import byte_tokens, tiny_gpt2  # noqa: E402
-from jaxguard.integrations import _common  # noqa: E402
 from jaxguard.integrations.hf import GuardedTrainer  # noqa: E402
 
 
@@ -45,13 +45,7 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         GuardedTrainer._save_rng_state = die
     if fault == "kill_rank0_between_renames" and rank == 0:
-        real_rename = os.rename
-
-        def rename(src, dst):
-            real_rename(src, dst)
-            if str(dst).endswith(_common.OLD_SUFFIX):
-                os.kill(os.getpid(), signal.SIGKILL)
-        _common.os.rename = rename
+        kill_between_renames()
     args = transformers.TrainingArguments(
         output_dir=d, max_steps=3 + (resume is not None), per_device_train_batch_size=4, learning_rate=1e-3,
         optim="adamw_torch", lr_scheduler_type="constant", max_grad_norm=0.2,
