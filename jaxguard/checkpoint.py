@@ -67,8 +67,8 @@ def _run_sync(coro):
 
 
 def _host_copy(x):
-    """A host copy of one leaf that no later step can change: ``np.asarray`` of a CPU JAX
-    array may alias its buffer, which the next (donating) step may overwrite."""
+    """A host copy of one leaf that no later step can change (a numpy array the caller may
+    change in place; a JAX array copied, not viewed)."""
     if isinstance(x, (jax.Array, np.ndarray)):
         try:
             return np.array(x, copy=True)
@@ -78,11 +78,20 @@ def _host_copy(x):
 
 
 class _HostBuffers:
-    """Host buffers for `GuardedCheckpointHandler.async_save`'s copy, lent again to the next
-    save once the encode that read them has finished.  A fresh allocation's first-touch
-    page faults cost about as much again as the copy itself (141 MB of CPU JAX arrays,
-    measured: 15-21 ms into fresh arrays, 7.8 ms into buffers written before), and the copy
-    is the time the training loop is blocked."""
+    """What `GuardedCheckpointHandler.async_save` reads after its call returned: a snapshot
+    of the state that no later step can change, taken as cheaply as orbax takes its own.
+
+    A CPU JAX array is taken as a numpy view, no copy (orbax's `StandardSave` does the
+    same): the runtime does not donate a buffer that a host view holds, so a donating next
+    step writes its result elsewhere (checked for this JAX by tests/test_async_save.py), and
+    `donated` tells afterwards whether any viewed array was donated all the same (the save
+    then refuses).  An array on another device is taken as the host copy its transfer makes
+    (started for every leaf before the first is read).  numpy leaves, which the caller may
+    change in place, are copied into host buffers lent
+    again to the next save once the encode that read them has finished: a fresh
+    allocation's first-touch page faults cost about as much again as the copy itself (141
+    MB, measured: 25 ms into fresh arrays, 8 ms into buffers written before;
+    bench/experiments/host_copy.py)."""
 
     def __init__(self):
         self._free: dict = {}
@@ -93,24 +102,34 @@ class _HostBuffers:
         return tuple(x.shape), np.dtype(x.dtype).str
 
     def lend(self):
-        """-> (copy, lent): `copy(leaf)` is `_host_copy` into a free buffer of the leaf's shape and
-        dtype where there is one (CPU JAX arrays and numpy arrays); `lent` lists the buffers used."""
+        """-> (snapshot, lent, viewed): `snapshot(leaf)` is ``np.asarray`` of a JAX array (a
+        view on CPU), or `_host_copy` into a free buffer of the leaf's shape and dtype where
+        there is one;
+        `lent` lists the buffers used, `viewed` the arrays taken as views."""
         with self._lock:
             free, self._free = self._free, {}
-        lent = []
+        lent, viewed = [], []
 
-        def copy(x):
-            cpu = isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and x.is_fully_addressable and all(
-                d.platform == "cpu" for d in x.devices()))
-            if cpu and np.dtype(x.dtype).kind in "biuf" and free.get(self._key(x)):
+        def snapshot(x):
+            numeric = isinstance(x, (jax.Array, np.ndarray)) and np.dtype(x.dtype).kind in "biuf"
+            if numeric and isinstance(x, jax.Array) and x.is_fully_addressable:
+                if all(d.platform == "cpu" for d in x.devices()):
+                    viewed.append(x)
+                return np.asarray(x)   # on other devices: the host copy the transfer made
+            if numeric and isinstance(x, np.ndarray) and free.get(self._key(x)):
                 buf = free[self._key(x)].pop()
-                np.copyto(buf, np.asarray(x))
+                np.copyto(buf, x)
             else:
                 buf = _host_copy(x)
             if isinstance(buf, np.ndarray):
                 lent.append(buf)
             return buf
-        return copy, lent
+        return snapshot, lent, viewed
+
+    @staticmethod
+    def donated(viewed) -> list:
+        """The arrays of `viewed` that a later step donated (their views may have changed)."""
+        return [x for x in viewed if x.is_deleted()]
 
     def give_back(self, lent):
         """Make `lent` (buffers no encode reads any more) available to the next `lend`."""
@@ -213,16 +232,25 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
         op_model = self._op_model_where_it_lives(args)
-        copy, lent = self._buffers.lend()
-        opt_state, params = jax.tree_util.tree_map(copy, (args.opt_state, args.params))
+        for x in jax.tree_util.tree_leaves((args.opt_state, args.params)):   # start every transfer first
+            if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()):
+                x.copy_to_host_async()
+        snapshot, lent, viewed = self._buffers.lend()
+        opt_state, params = jax.tree_util.tree_map(snapshot, (args.opt_state, args.params))
         path = str(epath.Path(directory) / self._filename)
         primary = ocp.utils.is_primary_host(self._primary_host)
 
         async def write():
             try:
-                data, self.last_summary = optax_adapter.to_bytes(
+                data, summary = optax_adapter.to_bytes(
                     opt_state, params, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
                     spec=args.guard_spec(), include_params=args.include_params, op_model=op_model)
+                if self._buffers.donated(viewed):
+                    raise CheckpointError(f"{path}: an array of the state was donated to a later step while this "
+                                          "async save read it (this JAX donated a buffer a host view held); nothing "
+                                          "was written; save with enable_async_checkpointing=False, or without "
+                                          "donating the state")
+                self.last_summary = summary
                 if primary:
                     container.atomic_write(path, data)
             finally:

@@ -86,7 +86,10 @@ def test_orbax_async_save_returns_before_the_guard_and_writes_the_blocking_bytes
     with ocp.CheckpointManager(tmp_path / "async", options=opts) as mngr:
         _save(mngr, 1, params, st, sharded=sharded)
         assert threading.get_ident() not in threads      # the call returned; no guard ran on this thread
+        saved = st
         st = step(params, st)                            # the next step donates (and rewrites) the state
+        if not sharded:   # the save holds host views: the runtime kept the buffers (no donation)
+            assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(saved))
         release.set()
         mngr.wait_until_finished()
         assert mngr.all_steps() == [1]
@@ -110,10 +113,13 @@ def test_orbax_async_save_returns_before_the_guard_and_writes_the_blocking_bytes
     assert optax_adapter.audit(tx, st, r["opt_state"], params, lr=LR)["violations"] == 0
 
 
-def test_orbax_async_saves_reuse_host_buffers_and_each_writes_its_own_state(tmp_path):
-    """Three async saves of a changing state (each step donating the last): the second and third
-    copy into the first's host buffers (lent again once its encode finished), and every step's
-    file is that of a blocking save of the state at that step."""
+@pytest.mark.parametrize("leaves", ["jax", "numpy"])
+def test_orbax_async_saves_snapshot_without_copies_and_each_writes_its_own_state(tmp_path, leaves):
+    """Three async saves of a changing state, each next step donating the last one's.  CPU JAX
+    arrays are taken as host views, no copy: the runtime then does not donate them (the
+    arrays are not deleted), so the views keep the saved values.  numpy leaves (which the
+    caller may change in place) are copied into the first save's buffers, lent again once its
+    encode finished.  Every step's file is that of a blocking save of the state at that step."""
     tx, params, st = _state()
     step = jax.jit(lambda p, s: tx.update(jax.tree_util.tree_map(jnp.sin, p), s, p)[1], donate_argnums=1)
     handler = jgc.GuardedCheckpointHandler()
@@ -121,9 +127,9 @@ def test_orbax_async_saves_reuse_host_buffers_and_each_writes_its_own_state(tmp_
     lend = handler._buffers.lend
 
     def spying_lend():
-        copy, lent = lend()
-        seen.append(lent)
-        return copy, lent
+        snapshot, lent, viewed = lend()
+        seen.append((lent, viewed))
+        return snapshot, lent, viewed
     handler._buffers.lend = spying_lend
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
     reg.add("opt_state", jgc.GuardedSave, handler)
@@ -131,15 +137,39 @@ def test_orbax_async_saves_reuse_host_buffers_and_each_writes_its_own_state(tmp_
     with ocp.CheckpointManager(tmp_path / "async", options=opts, handler_registry=reg) as mngr:
         for k in range(1, 4):
             states.append(jax.tree_util.tree_map(np.array, st))
-            _save(mngr, k, params, st)
+            saved = st if leaves == "jax" else jax.tree_util.tree_map(np.array, st)
+            _save(mngr, k, params, saved)
             st = step(params, st)
+            if leaves == "numpy":
+                jax.tree_util.tree_map(lambda x: x.fill(0) if isinstance(x, np.ndarray) and x.size > 1 else None,
+                                       saved)   # the caller reuses its arrays: the save must not see it
             mngr.wait_until_finished()
-    first = {id(b) for b in seen[0]}
-    assert len(seen) == 3 and all({id(b) for b in lent} == first for lent in seen[1:])
+    moments = [x for x in jax.tree_util.tree_leaves(states[0]) if np.size(x) > 1]
+    if leaves == "jax":
+        assert all(len(viewed) >= len(moments) and not [b for b in lent if b.size > 1] for lent, viewed in seen)
+    else:
+        first = {id(b) for b in seen[0][0]}
+        assert len(first) >= len(moments) and all({id(b) for b in lent} == first for lent, _ in seen[1:])
     for k, want_state in enumerate(states, 1):
         got = open(tmp_path / "async" / str(k) / "opt_state" / jgc.FILENAME, "rb").read()
         want, _ = optax_adapter.to_bytes(jax.tree_util.tree_map(jnp.asarray, want_state), params, lr=LR)
         assert _canon(got) == _canon(want), k
+
+
+def test_orbax_async_save_refuses_a_state_donated_while_it_was_read(tmp_path, held):
+    """If an array the save took as a host view is donated (deleted) before the encode has
+    read it, the save refuses in one line from wait_until_finished and commits no step."""
+    release, _ = held
+    tx, params, st = _state()
+    opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    with ocp.CheckpointManager(tmp_path / "async", options=opts) as mngr:
+        _save(mngr, 1, params, st)
+        st.inner_state[0].mu["w"].delete() if hasattr(st, "inner_state") else st[0].mu["w"].delete()
+        release.set()
+        with pytest.raises(Exception) as e:
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == []
+    assert "was donated to a later step" in str(e.value)
 
 
 def test_orbax_background_refusal_raises_a_jaxguard_error_and_commits_no_step(tmp_path, monkeypatch):
