@@ -201,9 +201,10 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._common = {}
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
-        """Copy the state to host memory and return the futures that encode and write it
-        (orbax's async API): the caller is blocked only for the copy, as by orbax's own
-        async save; the guard runs in the commit future, on the copy.
+        """Take a host snapshot of the state and return the futures that encode and write it
+        (orbax's async API): the caller is blocked only for the snapshot (views of CPU
+        arrays, as orbax's own async save takes them; transfers from other devices), and
+        the guard runs in the commit future, on the snapshot (`_HostBuffers`).
 
         One process (or ``args.sharded=False``): the whole state is encoded into one container
         and the primary host writes it atomically. Several processes (or ``args.sharded=True``):
