@@ -133,3 +133,29 @@ def test_escape_mask_positions(n):
         bad = bytes(mask[:-1]) + bytes([mask[-1] | 0x80])
         with pytest.raises(reader.ReaderError, match="bits set past the end"):
             reader._escape_positions("e", {"escape_mask": [0, len(bad)]}, memoryview(bad), n)
+
+
+@pytest.mark.parametrize("zip64_limit", [None, 1000])
+def test_records_are_the_bytes_writestr_writes(zip64_limit, monkeypatch):
+    """`_Records` (each local header written once, CRC known) against `zipfile.writestr`
+    of the same records; with a small ZIP64_LIMIT the zip64 headers and end records too."""
+    import io
+    import zipfile
+    import zlib
+    if zip64_limit:
+        monkeypatch.setattr(zipfile, "ZIP64_LIMIT", zip64_limit)
+    rng = np.random.default_rng(0)
+    recs = [("data.pkl", b"\x80\x02pickle", False), ("byteorder", b"little", False)]
+    recs += [(f"data/{i}", rng.integers(0, 256, size, dtype=np.uint8).tobytes(), True)
+             for i, size in enumerate([0, 1, 63, 64, 999, 1001, 5000])]
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    zr = torchfile._Records(ours)
+    for i, (name, data, align) in enumerate(recs):
+        zr.add(name, memoryview(data), zlib.crc32(data) if i % 2 else None, align)
+    zr.close()
+    with zipfile.ZipFile(theirs, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, data, align in recs:
+            zf.writestr(torchfile._zinfo(name, zf.fp.tell(), len(data), align), data)
+    assert ours.getvalue() == theirs.getvalue()
+    with zipfile.ZipFile(io.BytesIO(ours.getvalue())) as zf:
+        assert zf.testzip() is None and [zf.read(f"archive/{n}") for n, _, _ in recs] == [d for _, d, _ in recs]

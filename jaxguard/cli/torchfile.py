@@ -30,6 +30,7 @@ import stat
 import struct
 import threading
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -294,7 +295,7 @@ class _Decoder(threading.Thread):
                     m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
                     self.digest.update(m)
                     self.digest.update(v)
-                    self._put((e["name"], (m, v)))
+                    self._put((e["name"], ((m, zlib.crc32(_bytes(m))), (v, zlib.crc32(_bytes(v))))))
             self._put(None)
         except BaseException as exc:   # noqa: BLE001 - handed to the writer, which raises it
             self._put(exc)
@@ -314,7 +315,8 @@ class _Decoder(threading.Thread):
         return item
 
     def take(self, name):
-        """The decoded (m~, v~) of moments entry `name` (entries decoded before it are kept)."""
+        """``((m~, CRC-32), (v~, CRC-32))`` of moments entry `name` (entries decoded
+        before it are kept)."""
         while name not in self.stash:
             item = self._next()
             if item is None:
@@ -336,9 +338,49 @@ class _Decoder(threading.Thread):
 
 
 # ---------------------------------------------------------------- restore
+def _bytes(arr):
+    """A C-contiguous array's bytes as a flat uint8 memoryview (no copy)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+class _Records:
+    """torch.save's zip records laid down in one sequential pass: each local header is
+    written once, its CRC-32 and size known beforehand (`zipfile.ZipFile.writestr` writes
+    it, then seeks back to write it again after the data: three ``lseek`` calls a record,
+    and a page written twice); `zipfile` writes the central directory and end records
+    from the same `ZipInfo`s, so the file is byte for byte the one `writestr` writes."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.zf = zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self.pos = self.zf.start_dir
+
+    def add(self, name, buf, crc=None, align=False):
+        """Write record `name` holding `buf` (bytes or a flat uint8 memoryview), whose
+        CRC-32 is `crc` (None: computed here)."""
+        n = len(buf)
+        zi = _zinfo(name, self.pos, n, align)
+        zi.file_size = zi.compress_size = n
+        zi.CRC = zlib.crc32(buf) if crc is None else crc
+        zi.header_offset = self.pos
+        head = zi.FileHeader(n * 1.05 > zipfile.ZIP64_LIMIT)   # zip64 as writestr decides it
+        self.fh.write(head)
+        self.fh.write(buf)
+        self.pos += len(head) + n
+        zf = self.zf
+        zf.filelist.append(zi)
+        zf.NameToInfo[zi.filename] = zi
+        zf.start_dir = self.pos            # where close() writes the central directory
+        zf._didModify = True
+
+    def close(self):
+        self.zf.close()
+
+
 def _zinfo(name, offset, size, align):
     zi = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
     zi.compress_type = zipfile.ZIP_STORED
+    zi.external_attr = 0o600 << 16       # what writestr gives a record (?rw-------)
     if align:
         z64 = 20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0
         base = offset + 30 + len(zi.filename.encode("utf-8")) + 4 + z64
@@ -464,9 +506,10 @@ def restore(path, output) -> bool:
         dec.start()
         flusher = _Writeback(fh)
         try:
-            with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                def record(name, buf, align=False):
-                    zf.writestr(_zinfo(name, zf.fp.tell(), len(buf), align), buf)
+            zf = _Records(fh)
+            try:
+                def record(name, buf, align=False, crc=None):
+                    zf.add(name, buf, crc, align)
                     flusher.wrote(len(buf))
                 record("data.pkl", pkl)
                 record(".format_version", b"1")
@@ -474,17 +517,21 @@ def restore(path, output) -> bool:
                 record("byteorder", b"little")
                 for key, (name, which, _, _) in enumerate(pk.storages):
                     if which is None:
-                        arr = raws[name]
+                        buf, crc = _bytes(raws[name]), None
                     else:
-                        m, v = dec.take(name)
-                        arr = m if which == "m" else v
+                        mv = dec.take(name)
+                        arr, crc = mv[0] if which == "m" else mv[1]
+                        buf = _bytes(arr)
+                    record(f"data/{key}", buf, True, crc)
+                    if which is not None:
                         uses[name] -= 1
                         if not uses[name]:
                             dec.drop(name)
-                    record(f"data/{key}", memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)), True)
                 record("version", b"3\n")
                 record(".data/serialization_id", str(int.from_bytes(os.urandom(16), "big")).zfill(40)[:40].encode())
                 digest = dec.finish()
+            finally:
+                zf.close()
             wait()
             if digest != header.get("decoded_sha256"):
                 raise ContainerError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
