@@ -158,7 +158,7 @@ def _slabs(jobs, slab):
 
 
 def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
-           release: Callable | None = None) -> Iterator:
+           release: Callable | None = None, release_raws: bool = True) -> Iterator:
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
@@ -173,6 +173,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
       progress: show the guard's progress bars.
       release: called with a list of the `source`s (or raw arrays) of entries the
         consumer has taken, after it took them.
+      release_raws: False: raw arrays are not handed to `release` (a caller whose
+        consumer reads them later releases them itself, as `to_file` does).
 
     Returns:
       An iterator of container entries.
@@ -235,7 +237,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
             yield r
         else:
             yield container.checked_entry(r)
-            if release is not None:
+            if release is not None and release_raws:
                 release([r.array])
     yield from flush()
 
@@ -311,9 +313,42 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
     t0 = time.perf_counter()
     totals = new_totals()
     header = _Header(extra_header or {})
-    entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab))
+    sources = []
+    if release is not None and isinstance(records, (list, tuple)):
+        # what the caller's validation read (parameter digests; scalars beside the moments,
+        # whose pages map their neighbours) is dropped before the stream starts, each page
+        # read back from the page cache when its slab is encoded or its raw entry written
+        sources = [r.source for r in records if isinstance(r, MomentJob) and r.source is not None]
+        release(sources + [r.array for r in records if isinstance(r, Raw)])
+    entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab,
+                                release_raws=release is None))
+    if release is not None:
+        entries = _release_written_raws(entries, release, sources)
     size = container.write_stream(path, header.watch(entries), meta, extra_header=header)
     return _timed_summary(totals, size, t0, raw_state_bytes)
+
+
+RERELEASE_EVERY = 128
+
+
+def _release_written_raws(entries: Iterable, release: Callable, sources=()) -> Iterator:
+    """`entries`, each raw array handed to `release` once the consumer asks for the entry
+    after it (the container writer has then copied it).  Released by the encoder thread,
+    which runs ahead, an array of a memory-mapped checkpoint was read back in by the
+    write and stayed resident: at 16.5M coordinates the whole model's pages at the end.
+
+    Reading a small raw array (a ``step`` scalar) maps the file's pages around it too (the
+    kernel's fault-around: moments already encoded and released); `release` drops only
+    whole pages inside an array, so the moment `sources` are released again every
+    `RERELEASE_EVERY` raw entries (1,140 step scalars held ~100 MB of them at 16.5M)."""
+    k = 0
+    for e in entries:
+        yield e
+        if isinstance(e, Raw):
+            release([e.array])
+            k += 1
+            if sources and k % RERELEASE_EVERY == 0:
+                release(sources)
 
 
 def prefetched(entries: Iterable, ahead: int = AHEAD) -> Iterator:
