@@ -502,9 +502,17 @@ def restore(path, output) -> bool:
             uses[name] = uses.get(name, 0) + 1
 
     def write(fh):
+        from concurrent.futures import ThreadPoolExecutor
         dec = _Decoder(header, payload, tables)
         dec.start()
         flusher = _Writeback(fh)
+        # the raw entries' CRC-32 in a thread of their own, ahead of the writer (zlib
+        # releases the GIL): the main thread only writes
+        crcs = ThreadPoolExecutor(1, thread_name_prefix="jaxguard-crc")
+        raw_crc = {}
+        for name, which, _, _ in pk.storages:
+            if which is None and name not in raw_crc:
+                raw_crc[name] = crcs.submit(zlib.crc32, _bytes(raws[name]))
         try:
             zf = _Records(fh)
             try:
@@ -517,7 +525,7 @@ def restore(path, output) -> bool:
                 record("byteorder", b"little")
                 for key, (name, which, _, _) in enumerate(pk.storages):
                     if which is None:
-                        buf, crc = _bytes(raws[name]), None
+                        buf, crc = _bytes(raws[name]), raw_crc[name].result()
                     else:
                         mv = dec.take(name)
                         arr, crc = mv[0] if which == "m" else mv[1]
@@ -543,6 +551,7 @@ def restore(path, output) -> bool:
             raise
         finally:
             dec.stop.set()
+            crcs.shutdown(wait=True, cancel_futures=True)
             flusher.join()
 
     container.atomic_write_with(output, write)
