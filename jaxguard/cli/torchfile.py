@@ -4,9 +4,12 @@ zip format by the standard library and numpy.
 `torch_compat.state.restore_tree` + ``torch.save`` (the other restore path) imports torch
 (1.4-4 s), builds every tensor, and ``torch.save`` copies each one into the file again.  Here
 the pickle of the tree (`data.pkl`) is written from the container's header before any data,
-the raw entries pass from the container's buffer into the file as they are, and the moments
-are decoded in a thread one entry ahead of the writer, so decoding, hashing, CRC-32 and the
-writes share the cores.  What torch.load returns is the same object, tensor for tensor and
+the raw entries pass from the container (mapped read-only) into the file as they are, and the
+moments are decoded on a thread pool one window ahead of the writer, into buffers lent again
+once written, so decoding, hashing, CRC-32 and the writes share the cores and the process
+touches little memory for the first time (what a restore costs on a VM:
+bench/results/codec_speed_s8_profile.md).  Each zip record is laid down once, its CRC-32
+computed beforehand (`_Records`).  What torch.load returns is the same object, tensor for tensor and
 bit for bit, as ``torch.save(restore_tree(path)[0])`` (tests/test_restore_fast.py).
 
 Every check of `restore_tree` runs: the trailer's and the payload's SHA-256 (in threads,
