@@ -54,3 +54,31 @@ def test_release_order_and_same_file(tmp_path, monkeypatch):
     heads = [reader.parse((tmp_path / f).read_bytes())[0] for f in ("a.jg", "b.jg")]
     for key in ("payload_sha256", "decoded_sha256"):
         assert heads[0][key] == heads[1][key], key
+
+
+def test_large_job_in_pieces_writes_the_same_container(tmp_path):
+    """A tensor over `PIECES_OVER` slabs is certified a slab at a time (`_encode_large`):
+    the payload and decoded hashes and every entry's codes are those of one piece."""
+    rng = np.random.default_rng(3)
+    n = 37 * 1000 + 5                          # not whole blocks
+    v = rng.lognormal(-14, 2, n).astype(np.float32)
+    m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+    p = rng.normal(0, 0.05, n).astype(np.float32)
+    m[17], v[30000] = np.nan, -1.0             # escapes in two pieces
+
+    def recs():
+        return [writer.MomentJob("big", m.reshape(37005, 1), v.reshape(37005, 1), p.reshape(37005, 1),
+                                 GuardConfig(lr=1e-3, step=100), {"param": "w"}),
+                container.Raw("r", np.arange(3))]
+    whole = list(writer.encode(recs(), slab=1 << 20))
+    pieced = list(writer.encode(recs(), slab=4096))
+    assert whole[0].encoded.shape == pieced[0].encoded.shape == (37005, 1)
+    for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
+        np.testing.assert_array_equal(np.asarray(pieced[0].encoded.arrays[k]), np.asarray(whole[0].encoded.arrays[k]))
+    assert pieced[0].encoded.stats["escapes"] == whole[0].encoded.stats["escapes"] >= 2
+    heads = []
+    for name, slab in (("w.jg", 1 << 20), ("p.jg", 4096)):
+        writer.to_file(tmp_path / name, recs(), {"framework": "test"}, slab=slab)
+        heads.append(reader.parse((tmp_path / name).read_bytes())[0])
+    for key in ("payload_sha256", "decoded_sha256"):
+        assert heads[0][key] == heads[1][key], key
