@@ -163,15 +163,20 @@ def _slabs(jobs, slab):
 PIECES_OVER = 2
 
 
-def _encode_large(job: MomentJob, slab: int, progress: bool = False) -> _guard.Encoded:
+def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Callable | None = None):
     """One large `MomentJob` certified in whole-block pieces of about `slab` coordinates,
     one at a time, joined as the guard joins a tensor over ``guard.MAX_PIECE`` (the same
     codes, escapes and certified values as in one piece: blocks and coordinates are
-    certified independently; tests/test_reliability.py checks the join)."""
+    certified independently; tests/test_reliability.py checks the join).  Each piece's
+    inputs go to `release` once certified (a memory-mapped checkpoint's pages)."""
     m, v, p = (np.asarray(x).reshape(-1) for x in (job.m, job.v, job.p))
     step = max(BLOCK, slab - slab % BLOCK)
-    pieces = [(s, _guard.encode_many([(m[s:s + step], v[s:s + step], p[s:s + step], job.config)],
-                                     progress=progress, keep_decoded=True)[0]) for s in range(0, m.size, step)]
+    pieces = []
+    for s in range(0, m.size, step):
+        part = (m[s:s + step], v[s:s + step], p[s:s + step])
+        pieces.append((s, _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]))
+        if release is not None and job.source is not None:
+            release(list(part))
     return _guard._join_pieces(pieces, tuple(np.shape(job.m)))
 
 
@@ -207,7 +212,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
 
     def encode_slab(part):
         if len(part) == 1 and part[0].size > PIECES_OVER * slab:
-            return [_encode_large(part[0], slab, progress)]
+            return [_encode_large(part[0], slab, progress, release)]
         return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
                                   progress=progress, keep_decoded=True)
 

@@ -82,3 +82,9 @@ def test_large_job_in_pieces_writes_the_same_container(tmp_path):
         heads.append(reader.parse((tmp_path / name).read_bytes())[0])
     for key in ("payload_sha256", "decoded_sha256"):
         assert heads[0][key] == heads[1][key], key
+    calls = []                                  # each piece's inputs released once certified
+    job = recs()[0]
+    job = writer.MomentJob(job.name, job.m, job.v, job.p, job.config, job.info, source=(job.m, job.v, job.p))
+    list(writer.encode([job], slab=4096, release=calls.append))
+    pieces = [c for c in calls if len(c) == 3 and all(isinstance(a, np.ndarray) and a.size <= 4096 for a in c)]
+    assert len(pieces) == -(-n // 4096) and all(np.shares_memory(c[0], m) for c in pieces)
