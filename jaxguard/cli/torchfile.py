@@ -446,7 +446,7 @@ def _read(path):
                 raise OSError("not a regular, non-empty file")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mapped = mmap.mmap(fh.fileno(), st.st_size, flags=flags, prot=mmap.PROT_READ)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):   # TypeError: no flags/prot (Windows)
         return storage.read_bytes(path)      # its bytes, or its one-line error naming the file
     return memoryview(mapped)
 
