@@ -195,6 +195,7 @@ class _Pickle:
 CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks)
 SUB = 1 << 16      # coordinates decoded at once inside a task: cache-sized temporaries, reused by malloc
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
+CRC_GROUP = 1 << 23   # bytes of raw entries per CRC-32 task (a task per tiny tensor cost more than its CRC)
 
 
 def _decode_part(cs_id, a, b, codes, tables, m, v):
@@ -512,10 +513,23 @@ def restore(path, output) -> bool:
         # the raw entries' CRC-32 in a thread of their own, ahead of the writer (zlib
         # releases the GIL): the main thread only writes
         crcs = ThreadPoolExecutor(1, thread_name_prefix="jaxguard-crc")
-        raw_crc = {}
-        for name, which, _, _ in pk.storages:
-            if which is None and name not in raw_crc:
-                raw_crc[name] = crcs.submit(zlib.crc32, _bytes(raws[name]))
+        raw_buf, raw_crc, group, held = {}, {}, [], 0
+
+        def crc_all(names):
+            return {nm: zlib.crc32(raw_buf[nm]) for nm in names}
+
+        for name, which, _, _ in pk.storages:     # one task per ~8 MiB of raw entries, in order
+            if which is None and name not in raw_buf:
+                raw_buf[name] = _bytes(raws[name])
+                group.append(name)
+                held += len(raw_buf[name])
+                if held >= CRC_GROUP or len(group) >= 512:
+                    fut = crcs.submit(crc_all, group)
+                    raw_crc.update((nm, fut) for nm in group)
+                    group, held = [], 0
+        if group:
+            fut = crcs.submit(crc_all, group)
+            raw_crc.update((nm, fut) for nm in group)
         try:
             zf = _Records(fh)
             try:
@@ -528,7 +542,7 @@ def restore(path, output) -> bool:
                 record("byteorder", b"little")
                 for key, (name, which, _, _) in enumerate(pk.storages):
                     if which is None:
-                        buf, crc = _bytes(raws[name]), raw_crc[name].result()
+                        buf, crc = raw_buf[name], raw_crc[name].result()[name]
                     else:
                         mv = dec.take(name)
                         arr, crc = mv[0] if which == "m" else mv[1]
