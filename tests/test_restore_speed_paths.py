@@ -38,9 +38,9 @@ def digests(obj, path=""):
 
 @pytest.fixture(scope="module")
 def ckpt_file(tmp_path_factory):
-    """A real Adam checkpoint: 6 parameters, 3 of them over CHUNK=512 (2-5 decode tasks each)."""
+    """A real Adam checkpoint: 16 parameters, 8 of them (1,600 coordinates) over CHUNK=512."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 30), torch.nn.Linear(30, 50))
+    model = torch.nn.Sequential(*[torch.nn.Linear(40, 40) for _ in range(8)])
     opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
     for _ in range(3):
         opt.zero_grad()
@@ -93,9 +93,9 @@ def test_lent_buffers_and_pieces_restore_the_same_tensors(ckpt_file, order, tmp_
     src = ckpt_file if order == "as-saved" else _reordered(ckpt_file, tmp_path / "r.jg")
     out = tmp_path / "fast.pt"
     assert torchfile.restore(str(src), str(out)) is True
-    assert len(taken) == 3, taken                 # the three entries over CHUNK
-    if order == "as-saved":                       # written in decode order: a buffer was lent again
-        assert len(fresh) < len(taken), (taken, fresh)
+    assert len(taken) == 8, taken                 # the eight entries over CHUNK
+    if order == "as-saved":   # written in decode order: at most 5 lent at once (2 queued, 1 written,
+        assert len(fresh) <= 5, (taken, fresh)    # 1 finishing, 1 submitted), so some were lent again
     assert digests(torch.load(out, weights_only=True)) == _reference(src, tmp_path)
 
 
