@@ -172,10 +172,14 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
         res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
                              "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
     runs = [("plain", plain, env, ROOT), ("compress", compress, env, ROOT), ("restore", restore, env, ROOT)]
-    if before:   # the restore of another checkout (e.g. `git archive` of the commit before), same container
-        res["restore_before"] = []   # run from that directory: `python -m` puts the cwd first on the path
+    if before:   # the compress and restore of another checkout (e.g. `git archive` of the commit before)
+        res["compress_before"], res["restore_before"] = [], []   # run from that directory: `python -m` puts the cwd first
+        env0 = {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        out0 = os.path.join(work, "c0.jg")
+        runs.append(("compress_before", [py, "-m", "jaxguard", "compress", src, "-o", out0, "--json", "--codec", codec],
+                     env0, before))
         runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
-                     {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}, before))
+                     env0, before))
     keys = [k for k, _, _, _ in runs]
     for _ in range(repeats):        # interleaved: the same load for all of them
         for key, argv, env_k, cwd in runs:
@@ -185,6 +189,7 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                 summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
             print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
     if before:
+        res["container_hashes_identical_to_before"] = _hashes(out) == _hashes(out0)
         res["restored_identical_to_before"] = same_tree(torch.load(os.path.join(work, "back0.pt"), weights_only=True),
                                                         torch.load(os.path.join(work, "back.pt"), weights_only=True))
     med = {k: {"seconds": statistics.median(x["seconds"] for x in res[k]),
@@ -195,11 +200,23 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
               "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
     if before:
         ratios.update(restore_before_time=med["restore_before"]["seconds"] / med["plain"]["seconds"],
-                      restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"])
+                      restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"],
+                      compress_before_time=med["compress_before"]["seconds"] / med["plain"]["seconds"],
+                      compress_before_rss=med["compress_before"]["peak_rss"] / med["plain"]["peak_rss"])
     per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in keys if k != "plain"}
                for i in range(repeats)]
     return {**res, "median": med, "ratios": ratios, "per_repeat_time_ratios": per_run, "summary": summary,
             "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
+
+
+def _hashes(container):
+    """(payload_sha256, decoded_sha256) of a container's header."""
+    from jaxguard.format import reader
+    with open(container, "rb") as fh:
+        head = fh.read(reader.PREFIX.size)
+        hlen = reader.PREFIX.unpack(head)[3]
+        header = json.loads(fh.read(hlen))
+    return header["payload_sha256"], header["decoded_sha256"]
 
 
 def sweep(base, sizes_m, codec="log8-rel"):
@@ -388,12 +405,17 @@ def write_md(res, path):
         f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |",
         f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
         f"{mib(med['restore']['peak_rss']):.0f} | {rat['restore_rss']:.2f} |",
+        *([f"| `jaxguard compress` before (`--before` checkout) | {med['compress_before']['seconds']:.2f} | "
+           f"{rat['compress_before_time']:.2f} | {mib(med['compress_before']['peak_rss']):.0f} | "
+           f"{rat['compress_before_rss']:.2f} |"] if "compress_before" in med else []),
         *([f"| `jaxguard restore` before (`--before` checkout) | {med['restore_before']['seconds']:.2f} | "
            f"{rat['restore_before_time']:.2f} | {mib(med['restore_before']['peak_rss']):.0f} | "
            f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
         "",
         *([f"The restored files of both restores load to the same tensors, bit for bit: "
            f"{w['restored_identical_to_before']}.", ""] if "restored_identical_to_before" in w else []),
+        *([f"Both compresses wrote the same payload and decoded SHA-256: "
+           f"{w['container_hashes_identical_to_before']}.", ""] if "container_hashes_identical_to_before" in w else []),
         "Per repeat (" + ", ".join(f"{k}/plain" for k in w["per_repeat_time_ratios"][0]) + "): " + ", ".join(
             "/".join(f"{v:.2f}" for v in x.values()) for x in w["per_repeat_time_ratios"]) + ".",
         "",

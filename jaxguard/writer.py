@@ -157,8 +157,31 @@ def _slabs(jobs, slab):
         yield cur
 
 
+# A tensor over this many slabs is certified a slab of it at a time and joined
+# (`_encode_large`): the guard's working memory is ~75 bytes a coordinate of what it
+# certifies at once (measured, 4M coordinates), 2.9 GB for GPT-2's 38.6M-element embedding.
+PIECES_OVER = 2
+
+
+def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Callable | None = None):
+    """One large `MomentJob` certified in whole-block pieces of about `slab` coordinates,
+    one at a time, joined as the guard joins a tensor over ``guard.MAX_PIECE`` (the same
+    codes, escapes and certified values as in one piece: blocks and coordinates are
+    certified independently; tests/test_reliability.py checks the join).  Each piece's
+    inputs go to `release` once certified (a memory-mapped checkpoint's pages)."""
+    m, v, p = (np.asarray(x).reshape(-1) for x in (job.m, job.v, job.p))
+    step = max(BLOCK, slab - slab % BLOCK)
+    pieces = []
+    for s in range(0, m.size, step):
+        part = (m[s:s + step], v[s:s + step], p[s:s + step])
+        pieces.append((s, _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]))
+        if release is not None and job.source is not None:
+            release(list(part))
+    return _guard._join_pieces(pieces, tuple(np.shape(job.m)))
+
+
 def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
-           release: Callable | None = None) -> Iterator:
+           release: Callable | None = None, release_raws: bool = True) -> Iterator:
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
@@ -173,6 +196,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
       progress: show the guard's progress bars.
       release: called with a list of the `source`s (or raw arrays) of entries the
         consumer has taken, after it took them.
+      release_raws: False: raw arrays are not handed to `release` (a caller whose
+        consumer reads them later releases them itself, as `to_file` does).
 
     Returns:
       An iterator of container entries.
@@ -186,6 +211,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
                 totals[k] = totals.get(k, 0) + stats[k]
 
     def encode_slab(part):
+        if len(part) == 1 and part[0].size > PIECES_OVER * slab:
+            return [_encode_large(part[0], slab, progress, release)]
         return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
                                   progress=progress, keep_decoded=True)
 
@@ -235,7 +262,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
             yield r
         else:
             yield container.checked_entry(r)
-            if release is not None:
+            if release is not None and release_raws:
                 release([r.array])
     yield from flush()
 
@@ -311,9 +338,42 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
     t0 = time.perf_counter()
     totals = new_totals()
     header = _Header(extra_header or {})
-    entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab))
+    sources = []
+    if release is not None and isinstance(records, (list, tuple)):
+        # what the caller's validation read (parameter digests; scalars beside the moments,
+        # whose pages map their neighbours) is dropped before the stream starts, each page
+        # read back from the page cache when its slab is encoded or its raw entry written
+        sources = [r.source for r in records if isinstance(r, MomentJob) and r.source is not None]
+        release(sources + [r.array for r in records if isinstance(r, Raw)])
+    entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab,
+                                release_raws=release is None))
+    if release is not None:
+        entries = _release_written_raws(entries, release, sources)
     size = container.write_stream(path, header.watch(entries), meta, extra_header=header)
     return _timed_summary(totals, size, t0, raw_state_bytes)
+
+
+RERELEASE_EVERY = 128
+
+
+def _release_written_raws(entries: Iterable, release: Callable, sources=()) -> Iterator:
+    """`entries`, each raw array handed to `release` once the consumer asks for the entry
+    after it (the container writer has then copied it).  Released by the encoder thread,
+    which runs ahead, an array of a memory-mapped checkpoint was read back in by the
+    write and stayed resident: at 16.5M coordinates the whole model's pages at the end.
+
+    Reading a small raw array (a ``step`` scalar) maps the file's pages around it too (the
+    kernel's fault-around: moments already encoded and released); `release` drops only
+    whole pages inside an array, so the moment `sources` are released again every
+    `RERELEASE_EVERY` raw entries (1,140 step scalars held ~100 MB of them at 16.5M)."""
+    k = 0
+    for e in entries:
+        yield e
+        if isinstance(e, Raw):
+            release([e.array])
+            k += 1
+            if sources and k % RERELEASE_EVERY == 0:
+                release(sources)
 
 
 def prefetched(entries: Iterable, ahead: int = AHEAD) -> Iterator:

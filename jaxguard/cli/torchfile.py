@@ -4,9 +4,12 @@ zip format by the standard library and numpy.
 `torch_compat.state.restore_tree` + ``torch.save`` (the other restore path) imports torch
 (1.4-4 s), builds every tensor, and ``torch.save`` copies each one into the file again.  Here
 the pickle of the tree (`data.pkl`) is written from the container's header before any data,
-the raw entries pass from the container's buffer into the file as they are, and the moments
-are decoded in a thread one entry ahead of the writer, so decoding, hashing, CRC-32 and the
-writes share the cores.  What torch.load returns is the same object, tensor for tensor and
+the raw entries pass from the container (mapped read-only) into the file as they are, and the
+moments are decoded on a thread pool one window ahead of the writer, into buffers lent again
+once written, so decoding, hashing, CRC-32 and the writes share the cores and the process
+touches little memory for the first time (what a restore costs on a VM:
+bench/results/codec_speed_s8_profile.md).  Each zip record is laid down once, its CRC-32
+computed beforehand (`_Records`).  What torch.load returns is the same object, tensor for tensor and
 bit for bit, as ``torch.save(restore_tree(path)[0])`` (tests/test_restore_fast.py).
 
 Every check of `restore_tree` runs: the trailer's and the payload's SHA-256 (in threads,
@@ -26,9 +29,11 @@ import hashlib
 import os
 import pickle
 import queue
+import stat
 import struct
 import threading
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -187,18 +192,51 @@ class _Pickle:
 
 
 # ---------------------------------------------------------------- the decoder thread
-CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks; 4 MiB per float32 temporary)
+CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks)
+SUB = 1 << 16      # coordinates decoded at once inside a task: cache-sized temporaries, reused by malloc
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
+CRC_GROUP = 1 << 23   # bytes of raw entries per CRC-32 task (a task per tiny tensor cost more than its CRC)
 
 
 def _decode_part(cs_id, a, b, codes, tables, m, v):
-    """Decode coordinates [a, b) of an entry's fixed-form codes into `m`, `v` (the decodes
-    are per block and per coordinate: a block range decodes as it does in the whole)."""
-    ba, bb = a // reader.BLOCK, -(-b // reader.BLOCK)
-    mm, vv = reader.decode_codes(cs_id, b - a, codes["m_codes"][a:b], codes["v_codes"][a:b],
-                                 codes["m_params"][ba:bb], codes["v_params"][ba:bb], tables)
-    m[a:b] = mm
-    v[a:b] = vv
+    """Decode coordinates [a, b) of an entry's fixed-form codes into `m`, `v`, `SUB` at a
+    time (the decodes are per block and per coordinate: a block range decodes as it does
+    in the whole)."""
+    for s in range(a, b, SUB):
+        e = min(s + SUB, b)
+        ba, bb = s // reader.BLOCK, -(-e // reader.BLOCK)
+        mm, vv = reader.decode_codes(cs_id, e - s, codes["m_codes"][s:e], codes["v_codes"][s:e],
+                                     codes["m_params"][ba:bb], codes["v_params"][ba:bb], tables)
+        m[s:e] = mm
+        v[s:e] = vv
+
+
+class _Buffers:
+    """Float32 (m, v) buffers handed back by the writer once written, lent again to later
+    entries: a fresh array costs a page fault per page on first touch (~10 us a 4 KiB page
+    on the VM this was measured on), a lent one none."""
+
+    def __init__(self):
+        self.free = []            # [(capacity, m, v)]
+        self.lent = {}            # entry name -> (capacity, m, v)
+        self.lock = threading.Lock()
+
+    def take(self, name, n):
+        with self.lock:
+            fits = [b for b in self.free if b[0] >= n]
+            if fits:
+                buf = min(fits, key=lambda b: b[0])
+                self.free.remove(buf)
+            else:
+                buf = (n, np.empty(n, np.float32), np.empty(n, np.float32))
+            self.lent[name] = buf
+        return buf[1][:n], buf[2][:n]
+
+    def give_back(self, name):
+        with self.lock:
+            buf = self.lent.pop(name, None)
+            if buf is not None:
+                self.free.append(buf)
 
 
 class _Decoder(threading.Thread):
@@ -215,6 +253,7 @@ class _Decoder(threading.Thread):
         self.stop = threading.Event()
         self.digest = hashlib.sha256()
         self.stash = {}
+        self.buffers = _Buffers()
 
     def _submit(self, pool, k, e, pre):
         """(entry, futures, finish) of one entry's decode tasks."""
@@ -224,7 +263,7 @@ class _Decoder(threading.Thread):
             return e, [fut], lambda: fut.result()
         codes = reader.read_codes(e, self.payload, self.tables, pre.get(k))
         cs_id = e["codec"]
-        m, v = np.empty(n, np.float32), np.empty(n, np.float32)
+        m, v = self.buffers.take(e["name"], n)
         futs = [pool.submit(_decode_part, cs_id, a, min(a + CHUNK, n), codes, self.tables, m, v)
                 for a in range(0, n, CHUNK)]
 
@@ -260,7 +299,7 @@ class _Decoder(threading.Thread):
                     m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
                     self.digest.update(m)
                     self.digest.update(v)
-                    self._put((e["name"], (m, v)))
+                    self._put((e["name"], ((m, zlib.crc32(_bytes(m))), (v, zlib.crc32(_bytes(v))))))
             self._put(None)
         except BaseException as exc:   # noqa: BLE001 - handed to the writer, which raises it
             self._put(exc)
@@ -280,7 +319,8 @@ class _Decoder(threading.Thread):
         return item
 
     def take(self, name):
-        """The decoded (m~, v~) of moments entry `name` (entries decoded before it are kept)."""
+        """``((m~, CRC-32), (v~, CRC-32))`` of moments entry `name` (entries decoded
+        before it are kept)."""
         while name not in self.stash:
             item = self._next()
             if item is None:
@@ -289,7 +329,9 @@ class _Decoder(threading.Thread):
         return self.stash[name]
 
     def drop(self, name):
+        """The writer is done with entry `name`: its buffers may be lent again."""
         self.stash.pop(name, None)
+        self.buffers.give_back(name)
 
     def finish(self):
         """Decode the rest (entries the tree does not name still count in the hash)."""
@@ -300,9 +342,49 @@ class _Decoder(threading.Thread):
 
 
 # ---------------------------------------------------------------- restore
+def _bytes(arr):
+    """A C-contiguous array's bytes as a flat uint8 memoryview (no copy)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+class _Records:
+    """torch.save's zip records laid down in one sequential pass: each local header is
+    written once, its CRC-32 and size known beforehand (`zipfile.ZipFile.writestr` writes
+    it, then seeks back to write it again after the data: three ``lseek`` calls a record,
+    and a page written twice); `zipfile` writes the central directory and end records
+    from the same `ZipInfo`s, so the file is byte for byte the one `writestr` writes."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.zf = zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self.pos = self.zf.start_dir
+
+    def add(self, name, buf, crc=None, align=False):
+        """Write record `name` holding `buf` (bytes or a flat uint8 memoryview), whose
+        CRC-32 is `crc` (None: computed here)."""
+        n = len(buf)
+        zi = _zinfo(name, self.pos, n, align)
+        zi.file_size = zi.compress_size = n
+        zi.CRC = zlib.crc32(buf) if crc is None else crc
+        zi.header_offset = self.pos
+        head = zi.FileHeader(n * 1.05 > zipfile.ZIP64_LIMIT)   # zip64 as writestr decides it
+        self.fh.write(head)
+        self.fh.write(buf)
+        self.pos += len(head) + n
+        zf = self.zf
+        zf.filelist.append(zi)
+        zf.NameToInfo[zi.filename] = zi
+        zf.start_dir = self.pos            # where close() writes the central directory
+        zf._didModify = True
+
+    def close(self):
+        self.zf.close()
+
+
 def _zinfo(name, offset, size, align):
     zi = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
     zi.compress_type = zipfile.ZIP_STORED
+    zi.external_attr = 0o600 << 16       # what writestr gives a record (?rw-------)
     if align:
         z64 = 20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0
         base = offset + 30 + len(zi.filename.encode("utf-8")) + 4 + z64
@@ -345,25 +427,29 @@ class _Writeback:
 
 
 def _read(path):
-    """The container's bytes, read once (hashed and decoded from this one copy): a local
-    file into a numpy buffer (numpy asks for transparent huge pages: a fraction of a
-    bytearray's page faults), a URL through `storage.read_bytes`."""
+    """The container's bytes, each read once (hashed and decoded from this one copy).
+
+    A local regular file is mapped read-only (its pages come from the page cache, where a
+    file written or read lately already is: no copy, and no fresh memory to fault in); a
+    URL, or a file that cannot be mapped, is read through `storage.read_bytes`.  A mapped
+    file must not be truncated or rewritten in place while it is restored (jaxguard's
+    writers replace a file by rename, never in place); `torch.load(mmap=True)`, which
+    `jaxguard compress` uses, asks the same.
+    """
+    import mmap
     from jaxguard.format import storage
     if storage.is_url(path):
         return storage.read_bytes(path)
     try:
-        with open(storage.local_path(path), "rb", buffering=0) as fh:
-            size = os.fstat(fh.fileno()).st_size
-            buf = memoryview(np.empty(size, np.uint8))
-            got = 0
-            while got < size:
-                k = fh.readinto(buf[got:])
-                if not k:
-                    break
-                got += k
-    except OSError:
-        return storage.read_bytes(path)      # its one-line error naming the file
-    return buf[:got]
+        with open(storage.local_path(path), "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                raise OSError("not a regular, non-empty file")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(fh.fileno(), st.st_size, flags=flags, prot=mmap.PROT_READ)
+    except (OSError, ValueError, AttributeError, TypeError):   # TypeError: no flags/prot (Windows)
+        return storage.read_bytes(path)      # its bytes, or its one-line error naming the file
+    return memoryview(mapped)
 
 
 def restore(path, output) -> bool:
@@ -420,13 +506,35 @@ def restore(path, output) -> bool:
             uses[name] = uses.get(name, 0) + 1
 
     def write(fh):
+        from concurrent.futures import ThreadPoolExecutor
         dec = _Decoder(header, payload, tables)
         dec.start()
         flusher = _Writeback(fh)
+        # the raw entries' CRC-32 in a thread of their own, ahead of the writer (zlib
+        # releases the GIL): the main thread only writes
+        crcs = ThreadPoolExecutor(1, thread_name_prefix="jaxguard-crc")
+        raw_buf, raw_crc, group, held = {}, {}, [], 0
+
+        def crc_all(names):
+            return {nm: zlib.crc32(raw_buf[nm]) for nm in names}
+
+        for name, which, _, _ in pk.storages:     # one task per ~8 MiB of raw entries, in order
+            if which is None and name not in raw_buf:
+                raw_buf[name] = _bytes(raws[name])
+                group.append(name)
+                held += len(raw_buf[name])
+                if held >= CRC_GROUP or len(group) >= 512:
+                    fut = crcs.submit(crc_all, group)
+                    raw_crc.update((nm, fut) for nm in group)
+                    group, held = [], 0
+        if group:
+            fut = crcs.submit(crc_all, group)
+            raw_crc.update((nm, fut) for nm in group)
         try:
-            with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                def record(name, buf, align=False):
-                    zf.writestr(_zinfo(name, zf.fp.tell(), len(buf), align), buf)
+            zf = _Records(fh)
+            try:
+                def record(name, buf, align=False, crc=None):
+                    zf.add(name, buf, crc, align)
                     flusher.wrote(len(buf))
                 record("data.pkl", pkl)
                 record(".format_version", b"1")
@@ -434,17 +542,21 @@ def restore(path, output) -> bool:
                 record("byteorder", b"little")
                 for key, (name, which, _, _) in enumerate(pk.storages):
                     if which is None:
-                        arr = raws[name]
+                        buf, crc = raw_buf[name], raw_crc[name].result()[name]
                     else:
-                        m, v = dec.take(name)
-                        arr = m if which == "m" else v
+                        mv = dec.take(name)
+                        arr, crc = mv[0] if which == "m" else mv[1]
+                        buf = _bytes(arr)
+                    record(f"data/{key}", buf, True, crc)
+                    if which is not None:
                         uses[name] -= 1
                         if not uses[name]:
                             dec.drop(name)
-                    record(f"data/{key}", memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)), True)
                 record("version", b"3\n")
                 record(".data/serialization_id", str(int.from_bytes(os.urandom(16), "big")).zfill(40)[:40].encode())
                 digest = dec.finish()
+            finally:
+                zf.close()
             wait()
             if digest != header.get("decoded_sha256"):
                 raise ContainerError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
@@ -456,6 +568,7 @@ def restore(path, output) -> bool:
             raise
         finally:
             dec.stop.set()
+            crcs.shutdown(wait=True, cancel_futures=True)
             flusher.join()
 
     container.atomic_write_with(output, write)

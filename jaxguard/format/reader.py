@@ -576,10 +576,13 @@ def _escape_positions(name, s, payload, n):
         b, e = s["escape_index"]
         return packed.varint_decode(np.frombuffer(payload[b:e], np.uint8), n, "escape_index")
     mask = _array(payload, s["escape_mask"], "u1", -(-n // 8), f"{name}.escape_mask")
-    bits = np.unpackbits(mask, bitorder="little")
-    if bits[n:].any():
+    # escapes are rare: unpack only the mask's nonzero bytes (not an n-byte temporary)
+    at = np.flatnonzero(mask)
+    bits = np.unpackbits(mask[at][:, None], axis=1, bitorder="little")
+    pos = (at[:, None] * 8 + np.arange(8))[bits.astype(bool)]
+    if pos.size and pos[-1] >= n:
         raise ReaderError(f"{name}.escape_mask has bits set past the end of the tensor")
-    return np.flatnonzero(bits[:n])
+    return pos
 
 
 def _entry_widths(name, s, payload, n, nb):

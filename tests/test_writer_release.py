@@ -1,0 +1,90 @@
+"""`writer.to_file`'s `release` (what `jaxguard compress` drops from its memory-mapped
+checkpoint): everything once before the stream starts, a raw array only after the
+container writer copied it, and the moment sources again every `RERELEASE_EVERY` raw
+entries; payload and decoded hashes are those written without `release`."""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxguard import writer
+from jaxguard.core.config import GuardConfig
+from jaxguard.format import container, reader
+
+
+def _records():
+    rng = np.random.default_rng(0)
+    jobs = []
+    for i in range(3):
+        m = rng.normal(0, 1e-3, 700).astype(np.float32)
+        v = (m * m + 1e-8).astype(np.float32)
+        p = rng.normal(0, 1, 700).astype(np.float32)
+        jobs.append(writer.MomentJob(f"opt/{i}", m, v, p, GuardConfig(lr=1e-3, step=10), {"param": f"p{i}"},
+                                     source=(m, v, p)))
+    raws = [container.Raw(f"raw/{k}", np.full(3 + k, k, np.int64)) for k in range(5)]
+    return jobs + raws
+
+
+def test_release_order_and_same_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "RERELEASE_EVERY", 2)
+    recs = _records()
+    log = []
+    add = container._Sink.add
+
+    def spy_add(self, arr):
+        log.append(("written", id(arr)))
+        return add(self, arr)
+    monkeypatch.setattr(container._Sink, "add", spy_add)
+
+    def release(arrays):
+        log.append(("released", [id(a) for s in arrays for a in (s if isinstance(s, tuple) else (s,))]))
+    writer.to_file(tmp_path / "a.jg", recs, {"framework": "test"}, release=release)
+    first = log[0]
+    assert first[0] == "released"            # before anything was written: every source and raw
+    ids = {id(a) for r in recs[:3] for a in r.source} | {id(r.array) for r in recs[3:]}
+    assert set(first[1]) == ids
+    for r in recs[3:]:                       # each raw released (after the first) only once written
+        w = log.index(("written", id(r.array)))
+        rel = [i for i, (kind, x) in enumerate(log) if kind == "released" and i > 0 and id(r.array) in x]
+        assert rel and min(rel) > w, r.name
+    source_ids = {id(a) for r in recs[:3] for a in r.source}
+    again = [i for i, (kind, x) in enumerate(log) if kind == "released" and i > 0 and set(x) == source_ids]
+    assert len(again) >= 2                    # 5 raws, every 2nd: the sources twice more
+    monkeypatch.setattr(container._Sink, "add", add)
+    writer.to_file(tmp_path / "b.jg", _records(), {"framework": "test"})
+    heads = [reader.parse((tmp_path / f).read_bytes())[0] for f in ("a.jg", "b.jg")]
+    for key in ("payload_sha256", "decoded_sha256"):
+        assert heads[0][key] == heads[1][key], key
+
+
+def test_large_job_in_pieces_writes_the_same_container(tmp_path):
+    """A tensor over `PIECES_OVER` slabs is certified a slab at a time (`_encode_large`):
+    the payload and decoded hashes and every entry's codes are those of one piece."""
+    rng = np.random.default_rng(3)
+    n = 37 * 1000 + 5                          # not whole blocks
+    v = rng.lognormal(-14, 2, n).astype(np.float32)
+    m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+    p = rng.normal(0, 0.05, n).astype(np.float32)
+    m[17], v[30000] = np.nan, -1.0             # escapes in two pieces
+
+    def recs():
+        return [writer.MomentJob("big", m.reshape(37005, 1), v.reshape(37005, 1), p.reshape(37005, 1),
+                                 GuardConfig(lr=1e-3, step=100), {"param": "w"}),
+                container.Raw("r", np.arange(3))]
+    whole = list(writer.encode(recs(), slab=1 << 20))
+    pieced = list(writer.encode(recs(), slab=4096))
+    assert whole[0].encoded.shape == pieced[0].encoded.shape == (37005, 1)
+    for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
+        np.testing.assert_array_equal(np.asarray(pieced[0].encoded.arrays[k]), np.asarray(whole[0].encoded.arrays[k]))
+    assert pieced[0].encoded.stats["escapes"] == whole[0].encoded.stats["escapes"] >= 2
+    heads = []
+    for name, slab in (("w.jg", 1 << 20), ("p.jg", 4096)):
+        writer.to_file(tmp_path / name, recs(), {"framework": "test"}, slab=slab)
+        heads.append(reader.parse((tmp_path / name).read_bytes())[0])
+    for key in ("payload_sha256", "decoded_sha256"):
+        assert heads[0][key] == heads[1][key], key
+    calls = []                                  # each piece's inputs released once certified
+    job = recs()[0]
+    job = writer.MomentJob(job.name, job.m, job.v, job.p, job.config, job.info, source=(job.m, job.v, job.p))
+    list(writer.encode([job], slab=4096, release=calls.append))
+    pieces = [c for c in calls if len(c) == 3 and all(isinstance(a, np.ndarray) and a.size <= 4096 for a in c)]
+    assert len(pieces) == -(-n // 4096) and all(np.shares_memory(c[0], m) for c in pieces)
