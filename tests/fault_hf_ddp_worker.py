@@ -37,13 +37,13 @@ def main():
     resume = sys.argv[4] if len(sys.argv) > 4 else None
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    trainer_class = GuardedTrainer
     if fault == "kill_rank1" and rank == 1:
-        real = GuardedTrainer._save_rng_state
-
-        def die(self, out):
-            real(self, out)
-            os.kill(os.getpid(), signal.SIGKILL)
-        GuardedTrainer._save_rng_state = die
+        class KilledAfterItsRngFile(GuardedTrainer):
+            def _save_rng_state(self, out):
+                super()._save_rng_state(out)
+                os.kill(os.getpid(), signal.SIGKILL)
+        trainer_class = KilledAfterItsRngFile
     if fault == "kill_rank0_between_renames" and rank == 0:
         kill_between_renames()
     args = transformers.TrainingArguments(
@@ -51,7 +51,7 @@ def main():
         optim="adamw_torch", lr_scheduler_type="constant", max_grad_norm=0.2,
         save_strategy="no" if resume else "steps", save_steps=3, report_to="none", use_cpu=True, seed=0,
         data_seed=seed, dataloader_num_workers=0, disable_tqdm=True, ddp_backend="gloo")
-    tr = GuardedTrainer(model=tiny_gpt2(32), args=args, train_dataset=Bytes())
+    tr = trainer_class(model=tiny_gpt2(32), args=args, train_dataset=Bytes())
     try:
         tr.train(resume_from_checkpoint=resume)
     except Exception as exc:  # noqa: BLE001 - the line the user sees

@@ -58,14 +58,14 @@ def kill_after_weights():
 
 
 def kill_between_renames():
-    from jaxguard.integrations import _common
+    from jaxguard.integrations import checkpoint_dir as cdir
     real = os.rename
 
     def rename(src, dst):
         real(src, dst)
-        if str(dst).endswith(_common.OLD_SUFFIX):
+        if str(dst).endswith(cdir.OLD_SUFFIX):
             os.kill(os.getpid(), signal.SIGKILL)
-    _common.os.rename = rename
+    cdir.os.rename = rename
 
 
 def dump_truth(opt, model, truth):

@@ -28,12 +28,12 @@ def test_release_order_and_same_file(tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "RERELEASE_EVERY", 2)
     recs = _records()
     log = []
-    add = container._Sink.add
+    add = container.PayloadSink.add
 
     def spy_add(self, arr):
         log.append(("written", id(arr)))
         return add(self, arr)
-    monkeypatch.setattr(container._Sink, "add", spy_add)
+    monkeypatch.setattr(container.PayloadSink, "add", spy_add)
 
     def release(arrays):
         log.append(("released", [id(a) for s in arrays for a in (s if isinstance(s, tuple) else (s,))]))
@@ -49,7 +49,7 @@ def test_release_order_and_same_file(tmp_path, monkeypatch):
     source_ids = {id(a) for r in recs[:3] for a in r.source}
     again = [i for i, (kind, x) in enumerate(log) if kind == "released" and i > 0 and set(x) == source_ids]
     assert len(again) >= 2                    # 5 raws, every 2nd: the sources twice more
-    monkeypatch.setattr(container._Sink, "add", add)
+    monkeypatch.setattr(container.PayloadSink, "add", add)
     writer.to_file(tmp_path / "b.jg", _records(), {"framework": "test"})
     heads = [reader.parse((tmp_path / f).read_bytes())[0] for f in ("a.jg", "b.jg")]
     for key in ("payload_sha256", "decoded_sha256"):

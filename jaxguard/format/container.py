@@ -67,6 +67,14 @@ class _Payload:
         self.buf = io.BytesIO()
 
     def add(self, arr) -> list:
+        """Append an array's bytes, little-endian, C order (any dtype, bfloat16 too).
+
+        Args:
+          arr: a numpy array.
+
+        Returns:
+          ``[start, end]``, its byte range in the payload.
+        """
         arr = np.ascontiguousarray(arr)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -144,13 +152,26 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None)
     return size[0]
 
 
-class _Sink:
-    """Appends arrays to the scratch payload, hashing as it goes."""
+class PayloadSink:
+    """Appends arrays to a container's scratch payload, hashing as it goes (the one place
+    the writer copies an entry's bytes out of the caller's arrays).
+
+    Args:
+      fh: the binary file object the payload goes to.
+    """
 
     def __init__(self, fh):
         self.fh, self.pos, self.sha = fh, 0, hashlib.sha256()
 
     def write(self, data) -> list:
+        """Append `data`.
+
+        Args:
+          data: bytes-like.
+
+        Returns:
+          ``[start, end]``, its byte range in the payload.
+        """
         b = self.pos
         self.fh.write(data)
         self.sha.update(data)
@@ -158,6 +179,14 @@ class _Sink:
         return [b, self.pos]
 
     def add(self, arr) -> list:
+        """Append an array's bytes, little-endian, C order (any dtype, bfloat16 too).
+
+        Args:
+          arr: a numpy array.
+
+        Returns:
+          ``[start, end]``, its byte range in the payload.
+        """
         arr = np.ascontiguousarray(arr)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -168,7 +197,7 @@ COPY_CHUNK = 1 << 24
 
 
 def _write(out, scratch, entries, meta, extra_header) -> int:
-    pay = _Sink(scratch)
+    pay = PayloadSink(scratch)
     header_entries = []
     tables, table_arrays = {}, {}
     decoded = hashlib.sha256()

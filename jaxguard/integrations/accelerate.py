@@ -39,8 +39,8 @@ import os
 import shutil
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.integrations._common import (check_supported, commit_directory, new_token, recover_directory,
-                                           staging_path, unwrap, zero_lr_groups)
+from jaxguard.integrations._common import check_supported, unwrap, zero_lr_groups
+from jaxguard.integrations.checkpoint_dir import commit_directory, new_token, recover_directory, staging_path
 
 log = logging.getLogger(__name__)
 

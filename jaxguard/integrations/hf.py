@@ -11,7 +11,7 @@ that is published by rename when the whole checkpoint is written (the Trainer it
 writes into ``checkpoint-N/`` in place: a save killed half way leaves a directory that
 ``resume_from_checkpoint=True`` picks, and whose missing optimizer file the Trainer skips
 without a word). A save interrupted anywhere leaves the previous ``checkpoint-N/``, if
-any, as it was (``jaxguard.integrations._common.commit_directory``); the next save or
+any, as it was (`jaxguard.integrations.checkpoint_dir`); the next save or
 ``train()`` cleans what it left. With ``push_to_hub`` the Trainer uploads from the
 checkpoint directory while it trains on, so those saves are written in place as the
 Trainer writes them. ``trainer.train(resume_from_checkpoint=...)`` loads
@@ -40,9 +40,9 @@ import torch
 from transformers import Trainer
 
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.integrations._common import (OPTIMIZER_FILE, check_supported, commit_directory, new_token,
-                                           recover_directories, recover_directory, staging_path, unwrap,
-                                           zero_lr_groups)
+from jaxguard.integrations._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
+from jaxguard.integrations.checkpoint_dir import (commit_directory, new_token, recover_directories, recover_directory,
+                                                  staging_path)
 
 SCHEDULER_NAME = "scheduler.pt"
 log = logging.getLogger(__name__)
