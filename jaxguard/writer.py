@@ -177,7 +177,7 @@ def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Ca
         pieces.append((s, _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]))
         if release is not None and job.source is not None:
             release(list(part))
-    return _guard._join_pieces(pieces, tuple(np.shape(job.m)))
+    return _guard.join_pieces(pieces, tuple(np.shape(job.m)))
 
 
 def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,

@@ -161,10 +161,22 @@ def _encode_in_pieces(items, shapes, progress, keep_decoded):
     for (i, start), piece in zip(owner, flat):
         # one piece at a time: the point is never to hold 2**31 coordinates of work at once
         out[i].append((start, encode_many([piece], progress=progress, keep_decoded=keep_decoded)[0]))
-    return [_join_pieces(pieces, shape) for pieces, shape in zip(out, shapes)]
+    return [join_pieces(pieces, shape) for pieces, shape in zip(out, shapes)]
 
 
-def _join_pieces(pieces, shape):
+def join_pieces(pieces, shape):
+    """One `Encoded` of a tensor from the encodings of its consecutive whole-block pieces.
+
+    Blocks and coordinates are certified independently, so the joined codes, escapes and
+    certified values are those of encoding the tensor in one piece.
+
+    Args:
+      pieces: ``[(start, Encoded)]`` in order; ``start`` is the piece's first coordinate.
+      shape: the tensor's shape.
+
+    Returns:
+      The joined `Encoded` (stats summed).
+    """
     if len(pieces) == 1:
         start, enc = pieces[0]
         return Encoded(enc.arrays, enc.codec, tuple(shape), enc.stats, decoded=enc.decoded)
