@@ -248,13 +248,7 @@ def rows_full_disk_in_process(w):
                 jg.save(path, state, params, lr=H.LR, weight_decay=H.WD, **kw)
                 ref = H.digest(jg.load(path, like))
                 if where == "tmpfs":
-                    fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
-                    try:
-                        while os.write(fd, b"\0" * 65536):
-                            pass
-                    except OSError:
-                        pass
-                    os.close(fd)
+                    H.fill(mnt)
                 else:
                     Quota.quota = sum(len(f.getvalue()) for f in Quota.store.values()) + 4096
                 try:
@@ -425,13 +419,7 @@ def rows_lightning(w):
         q = os.path.join(mnt, "last.ckpt")
         io_.save_checkpoint(LW.checkpoint(0), q)
         ref = _tree_digest(io_.load_checkpoint(q))
-        fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
-        try:
-            while os.write(fd, b"\0" * 65536):
-                pass
-        except OSError:
-            pass
-        os.close(fd)
+        H.fill(mnt)
         try:
             io_.save_checkpoint(LW.checkpoint(1), q)
             line = "saved (no error)"
@@ -530,13 +518,7 @@ def rows_hf(w):
                 assert c0.get("violations") == 0, c0
                 dir0 = _dir_sha(ck)
                 if fault.startswith("full_disk"):
-                    fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
-                    try:
-                        while os.write(fd, b"\0" * 65536):
-                            pass
-                    except OSError:
-                        pass
-                    os.close(fd)
+                    H.fill(mnt)
                 rc, err, log = run(kind, out, 1, "none" if fault.startswith("full_disk") else fault,
                                    os.path.join(w, f"{kind}_{fault}.truth1.pt"))
                 left = sorted(set(os.listdir(os.path.dirname(ck))) - {os.path.basename(ck), "ballast"})

@@ -34,6 +34,62 @@ def env():
     return e
 
 
+def fill(mnt):
+    """Fill the filesystem mounted at `mnt` with ``mnt/ballast`` until a write fails (a full disk)."""
+    fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def kill_mid_write(storage, suffix=""):
+    """Make `storage.atomic_write_with` (jaxguard.format.storage) write half of each file whose
+    path ends with `suffix` to its temporary file, fsync it, and SIGKILL this process."""
+    import io
+    import signal
+    real = storage.atomic_write_with
+
+    def half_then_die(p, write, **kw):
+        if not str(p).endswith(suffix):
+            return real(p, write, **kw)
+
+        def w(fh):
+            buf = io.BytesIO()
+            write(buf)
+            fh.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+            fh.flush()
+            os.fsync(fh.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(p, w, **kw)
+    storage.atomic_write_with = half_then_die
+
+
+def _tear_down(procs, victim, grace_end, t_end, killed):
+    """Wait for the job: after the fault, the others until `grace_end` (then killed, as a
+    scheduler would, and listed in `killed`); every process until `t_end`."""
+    try:
+        if grace_end is not None:
+            if victim is not None:
+                procs[victim].wait(timeout=max(0.1, t_end - time.time()))
+                grace_end = time.time() + GRACE
+            for i, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.1, grace_end - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    killed.append(i)
+        for p in procs:
+            p.wait(timeout=max(1, t_end - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+
+
 def run_save(d, steps, fault="none", victim=-1, nproc=2, timeout=600, truth=None, report=None):
     """One multi-process save of a `steps`-step state to `d` with `fault` in process `victim`.
 
@@ -48,23 +104,8 @@ def run_save(d, steps, fault="none", victim=-1, nproc=2, timeout=600, truth=None
                                str(victim), report] + ([truth] if truth else []), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(nproc)]
     killed = []
-    t_end = time.time() + timeout
-    try:
-        if fault.startswith("kill") and 0 <= victim < nproc:
-            procs[victim].wait(timeout=timeout)
-            grace_end = time.time() + GRACE
-            for i, p in enumerate(procs):
-                try:
-                    p.wait(timeout=max(0.1, grace_end - time.time()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    killed.append(i)
-        for p in procs:
-            p.wait(timeout=max(1, t_end - time.time()))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise
+    kill = fault.startswith("kill") and 0 <= victim < nproc
+    _tear_down(procs, victim if kill else None, 0.0 if kill else None, time.time() + timeout, killed)
     logs = [p.stdout.read() for p in procs]
     reports = {}
     for i in range(nproc):
@@ -177,25 +218,8 @@ def run_orbax_mp(d, steps, fault="none", victim=-1, nproc=2, timeout=600, report
     killed = []
     t_start = time.time()
     t_end = t_start + timeout
-    try:
-        if fault != "none":
-            if fault.startswith("kill") and 0 <= victim < nproc:
-                procs[victim].wait(timeout=timeout)
-                grace_end = time.time() + GRACE
-            else:
-                grace_end = t_start + blocked
-            for i, p in enumerate(procs):
-                try:
-                    p.wait(timeout=max(0.1, grace_end - time.time()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    killed.append(i)
-        for p in procs:
-            p.wait(timeout=max(1, t_end - time.time()))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise
+    kill = fault.startswith("kill") and 0 <= victim < nproc
+    _tear_down(procs, victim if kill else None, None if fault == "none" else t_start + blocked, t_end, killed)
     for t in readers:
         t.join(timeout=10)
     reports = {i: json.load(open(f"{report}.{i}.json")) for i in range(nproc) if os.path.exists(f"{report}.{i}.json")}

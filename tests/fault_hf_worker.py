@@ -19,7 +19,6 @@ one; ``concurrent`` (accelerate): save the same state to ``DIR.jobSEED`` first, 
 (two such jobs run at once in bench/faults.py); ``none``: save normally.  A save that raises
 prints ``ERROR: <type>: <message>`` as its last line and exits 3.
 """
-import io
 import os
 import signal
 import sys
@@ -27,6 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
+import fault_harness as H  # noqa: E402
 from helpers import byte_tokens, tiny_gpt2  # noqa: E402
 from jaxguard.format import storage  # noqa: E402
 
@@ -35,21 +35,7 @@ CONCURRENT = False
 
 
 def kill_mid_optimizer_file():
-    real = storage.atomic_write_with
-
-    def half_then_die(p, write, **kw):
-        if not str(p).endswith(".jg"):
-            return real(p, write, **kw)
-
-        def w(fh):
-            buf = io.BytesIO()
-            write(buf)
-            fh.write(buf.getvalue()[:len(buf.getvalue()) // 2])
-            fh.flush()
-            os.fsync(fh.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(p, w, **kw)
-    storage.atomic_write_with = half_then_die
+    H.kill_mid_write(storage, ".jg")
 
 
 def kill_after_weights():

@@ -7,12 +7,11 @@ SEED picks the state (tests/write_paths.py's torch model and Adam moments at ste
 FAULT ``kill_mid_file``: SIGKILL with half of the container written (fsynced) to the
 temporary file; ``none``: save normally.
 """
-import io
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_harness as H  # noqa: E402
 import write_paths as WP  # noqa: E402
 from jaxguard.format import storage  # noqa: E402
 from jaxguard.integrations.lightning import GuardedCheckpointIO  # noqa: E402
@@ -26,18 +25,7 @@ def checkpoint(seed):
 def main():
     path, seed, fault = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if fault == "kill_mid_file":
-        real = storage.atomic_write_with
-
-        def half_then_die(p, write, **kw):
-            def w(fh):
-                buf = io.BytesIO()
-                write(buf)
-                fh.write(buf.getvalue()[:len(buf.getvalue()) // 2])
-                fh.flush()
-                os.fsync(fh.fileno())
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(p, w, **kw)
-        storage.atomic_write_with = half_then_die
+        H.kill_mid_write(storage)
     GuardedCheckpointIO().save_checkpoint(checkpoint(seed), path)
 
 

@@ -210,17 +210,6 @@ def test_orbax_two_processes_one_write_raises_every_process_raises_and_step4_sur
     assert H.check_orbax(d, d + ".truth4.npz") == c0
 
 
-def _fill(mnt):
-    fd = os.open(os.path.join(mnt, "ballast"), os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("kw", [{}, {"sharded": True}], ids=["file", "sharded"])
 def test_full_disk_keeps_the_previous_checkpoint(tmpfs, small, kw):
     tx, states = small
@@ -229,7 +218,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmpfs, small, kw):
     like = tx.init(states[0][0])
     ref = jg.load(path, like)
     before = sorted(os.listdir(tmpfs if not kw else path))
-    _fill(tmpfs)
+    H.fill(tmpfs)
     with pytest.raises(jg.ContainerError, match="No space left on device") as e:
         _save(path, states[1], **kw)
     assert ONE_LINE.match(str(e.value)) and "nothing was replaced" in str(e.value)
