@@ -47,17 +47,9 @@ def _base():
 
 
 def _tiled(base, r):
-    ck = {"model": {}, "optimizer": {"state": {}, "param_groups": []}}
-    (g0,) = base["optimizer"]["param_groups"]
-    names, idxs = [], []
-    for i in range(r):
-        for name, idx in zip(g0["param_names"], g0["params"]):
-            ck["model"][f"r{i}.{name}"] = base["model"][name]
-            ck["optimizer"]["state"][len(idxs)] = base["optimizer"]["state"][idx]
-            names.append(f"r{i}.{name}")
-            idxs.append(len(idxs))
-    ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
-    return ck
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from codec_speed import tiled
+    return tiled(base, r)
 
 
 def child(sizes_m):

@@ -219,6 +219,22 @@ def _hashes(container):
     return header["payload_sha256"], header["decoded_sha256"]
 
 
+def tiled(base, r):
+    """`base` (a one-group torch checkpoint) r times over: the same tensors referenced again
+    under new names, no copies, so memory does not grow with r."""
+    ck = {"model": {}, "optimizer": {"state": {}, "param_groups": []}}
+    (g0,) = base["optimizer"]["param_groups"]
+    names, idxs = [], []
+    for i in range(r):
+        for name, idx in zip(g0["param_names"], g0["params"]):
+            ck["model"][f"r{i}.{name}"] = base["model"][name]
+            ck["optimizer"]["state"][len(idxs)] = base["optimizer"]["state"][idx]
+            names.append(f"r{i}.{name}")
+            idxs.append(len(idxs))
+    ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
+    return ck
+
+
 def sweep(base, sizes_m, codec="log8-rel"):
     import torch_compat.state as S
     from jaxguard.audit import new_totals
@@ -227,16 +243,7 @@ def sweep(base, sizes_m, codec="log8-rel"):
     per = sum(st["exp_avg"].numel() for st in base["optimizer"]["state"].values())
 
     def run(r):
-        ck = {"model": {}, "optimizer": {"state": {}, "param_groups": []}}
-        (g0,) = base["optimizer"]["param_groups"]
-        names, idxs = [], []
-        for i in range(r):       # the same tensors referenced r times: no copies
-            for name, idx in zip(g0["param_names"], g0["params"]):
-                ck["model"][f"r{i}.{name}"] = base["model"][name]
-                ck["optimizer"]["state"][len(idxs)] = base["optimizer"]["state"][idx]
-                names.append(f"r{i}.{name}")
-                idxs.append(len(idxs))
-        ck["optimizer"]["param_groups"] = [{**g0, "params": idxs, "param_names": names}]
+        ck = tiled(base, r)
         totals = new_totals()
         t = time.perf_counter()
         from jaxguard import writer
