@@ -14,7 +14,7 @@ published by rename once everything (accelerate's files and the optimizer files)
 written: a save interrupted anywhere leaves the previous ``output_dir``, if any, as it was
 (accelerate itself writes into ``output_dir`` in place, so a kill half way mixes the new
 weights with the previous optimizer state). The next `save_state` or `load_state` of that
-directory cleans what an interrupted one left. With ``automatic_checkpoint_naming``
+directory undoes what an interrupted one left (`jaxguard.integrations.checkpoint_dir.recover_directory`). With ``automatic_checkpoint_naming``
 accelerate picks a fresh ``checkpoint_<i>`` directory itself (and refuses an existing one),
 and those saves are written there as accelerate writes them.
 

@@ -12,7 +12,7 @@ writes into ``checkpoint-N/`` in place: a save killed half way leaves a director
 ``resume_from_checkpoint=True`` picks, and whose missing optimizer file the Trainer skips
 without a word). A save interrupted anywhere leaves the previous ``checkpoint-N/``, if
 any, as it was (`jaxguard.integrations.checkpoint_dir`); the next save or
-``train()`` cleans what it left. With ``push_to_hub`` the Trainer uploads from the
+``train()`` undoes what it left (`checkpoint_dir.recover_directory`). With ``push_to_hub`` the Trainer uploads from the
 checkpoint directory while it trains on, so those saves are written in place as the
 Trainer writes them. ``trainer.train(resume_from_checkpoint=...)`` loads
 ``optimizer.jg`` when present and falls back to the Trainer's own loader for a plain
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 from transformers import Trainer
@@ -81,7 +82,8 @@ class GuardedTrainer(Trainer):
 
         A save stopped between the two renames that publish it leaves the previous
         ``checkpoint-N/`` aside under a hidden name: it is moved back here, before the Trainer
-        looks for the checkpoint to resume from; unfinished staging directories are removed.
+        looks for the checkpoint to resume from. Unfinished staging directories are named in
+        a warning, and removed once an hour old (`checkpoint_dir.recover_directory`).
 
         Args:
           *args, **kwargs: as for ``transformers.Trainer.train``.
@@ -119,7 +121,6 @@ class GuardedTrainer(Trainer):
         except BaseException:
             self._jaxguard_stage_root = None
             if self.args.should_save:
-                import shutil
                 shutil.rmtree(stage_root, ignore_errors=True)
             raise
         self._jaxguard_stage_root = None
