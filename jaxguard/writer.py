@@ -349,7 +349,9 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
                                 release_raws=release is None))
     if release is not None:
         entries = _release_written_raws(entries, release, sources)
-    size = container.write_stream(path, header.watch(entries), meta, extra_header=header)
+    # one entry per record: a large container's payload is then written in place
+    expected = len(records) if isinstance(records, (list, tuple)) else None
+    size = container.write_stream(path, header.watch(entries), meta, extra_header=header, expected_entries=expected)
     return _timed_summary(totals, size, t0, raw_state_bytes)
 
 

@@ -122,17 +122,23 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
     return out.getvalue()
 
 
-def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None) -> int:
+def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
+                 expected_entries: int | None = None) -> int:
     """Write a container to `path` atomically from an *iterable* of entries (as for
     `build`), consuming them one at a time: each entry's sections go to a scratch file in
     the target directory (the temporary directory for an fsspec URL) as soon as it is
     produced, so memory holds one entry, not the payload.  The header (offsets, both
-    SHA-256) is written first and the scratch payload copied after it.
+    SHA-256) is written first and the scratch payload copied after it; a large local
+    container (payload over `IN_PLACE_AFTER` bytes, `expected_entries` known) moves to the
+    output file once, with room left for the header, and the rest of its payload is
+    written there directly (`_InPlace`): one write of the payload instead of two.
 
     Args:
       path: a local path (its directory must exist) or an fsspec URL.
       entries: an iterable of entries as for `build`.
       meta, extra_header: as for `build`.
+      expected_entries: how many entries `entries` yields (None: ``len(entries)`` for a
+        list, else unknown and the payload goes through the scratch file).
 
     Returns:
       The size of the written file in bytes.
@@ -147,8 +153,11 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None)
             raise ContainerError(f"output directory {directory} does not exist; create it first")
     size = []
     prefix = "." + os.path.basename(os.fspath(path)) + "."
+    if expected_entries is None and isinstance(entries, (list, tuple)):
+        expected_entries = len(entries)
     with tempfile.TemporaryFile(prefix=prefix, suffix=".payload", dir=directory) as scratch:
-        atomic_write_with(path, lambda fh: size.append(_write(fh, scratch, entries, meta, extra_header)))
+        atomic_write_with(path, lambda fh: size.append(_write(fh, scratch, entries, meta, extra_header,
+                                                              expected_entries=expected_entries)))
     return size[0]
 
 
@@ -194,10 +203,15 @@ class PayloadSink:
 
 
 COPY_CHUNK = 1 << 24
+# A streamed local container whose payload passes this many bytes is moved to the output
+# file (room left for the header) and written there from then on (`_InPlace`); smaller
+# ones are copied from the scratch file after the header, byte for byte as before.
+IN_PLACE_AFTER = 1 << 28
 
 
-def _write(out, scratch, entries, meta, extra_header) -> int:
+def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) -> int:
     pay = PayloadSink(scratch)
+    in_place = _InPlace.possible(out, scratch, expected_entries)
     header_entries = []
     tables, table_arrays = {}, {}
     decoded = hashlib.sha256()
@@ -208,7 +222,9 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
         for e in map(checked_entry, entries):
             if isinstance(e, Moments):
                 _add_tables(pay, tables, table_arrays, _codec_spec(e.encoded.codec, e.name).tables)
-    for e in map(checked_entry, entries):
+    for i, e in enumerate(map(checked_entry, entries)):
+        if in_place is not None and not in_place.active and pay.pos >= max(IN_PLACE_AFTER, in_place.next_try):
+            in_place.start(pay, header_entries, meta, seen=i)
         name = e.name
         if isinstance(e, Raw):
             arr = np.asarray(e.array)
@@ -250,6 +266,8 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
               "tables": tables, "entries": header_entries, "payload_bytes": pay.pos,
               "payload_sha256": pay.sha.hexdigest(), "decoded_sha256": decoded.hexdigest()}
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    if in_place is not None and in_place.active:
+        return in_place.finish(hbytes, pay.pos)
     trailer = hashlib.sha256()
     head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
     out.write(head)
@@ -263,6 +281,109 @@ def _write(out, scratch, entries, meta, extra_header) -> int:
         trailer.update(chunk)
     out.write(trailer.digest())
     return len(head) + pay.pos + reader.TRAILER
+
+
+class _InPlace:
+    """The payload of a large streamed container written into the output file itself.
+
+    Once the payload passes `IN_PLACE_AFTER`, what the scratch file holds is copied to
+    the output at ``PREFIX + room`` and the rest of the payload is written there directly.
+    ``room`` is the header's estimated size (what is known of it, and the entries still to
+    come at 1.5 times the mean size so far); the header is padded to it with spaces (JSON
+    allows trailing whitespace, so readers are unchanged), or, if it outgrew the room,
+    the payload is moved forward by the difference in the file.  The trailer's SHA-256 is
+    then read back from the page cache: one write of the payload and two reads, where the
+    scratch route wrote it twice.  Declined (the scratch route kept) when the room would
+    exceed 1/16 of the payload so far (tried again when it doubled)."""
+
+    def __init__(self, out, scratch, expected, fd):
+        self.out, self.scratch, self.expected, self.fd = out, scratch, expected, fd
+        self.active, self.room, self.next_try = False, 0, 0
+
+    @classmethod
+    def possible(cls, out, scratch, expected):
+        if expected is None or scratch is None or not hasattr(os, "preadv"):
+            return None
+        try:
+            fd = out.fileno()
+            if not out.seekable() or out.tell() != 0:
+                return None
+        except (AttributeError, OSError, io.UnsupportedOperation):   # in memory (build, fsspec URLs)
+            return None
+        return cls(out, scratch, expected, fd)
+
+    def start(self, pay, header_entries, meta, seen) -> None:
+        """Move the payload to the output and write there from now on, unless the room
+        is too large for the payload so far (then tried again once the payload doubled)."""
+        done = len(json.dumps(header_entries, separators=(",", ":"), allow_nan=False))
+        known = done + len(json.dumps(meta, separators=(",", ":"), allow_nan=False)) + 4096
+        remaining = max(int(self.expected) - seen, 0)
+        room = known + int(1.5 * remaining * done / max(seen, 1)) + 4096
+        if 16 * room > pay.pos:
+            self.next_try = 2 * max(pay.pos, 1)
+            return
+        self.scratch.flush()
+        self.scratch.seek(0)
+        self.out.seek(reader.PREFIX.size + room)
+        while True:
+            chunk = self.scratch.read(COPY_CHUNK)
+            if not chunk:
+                break
+            self.out.write(chunk)
+        self.scratch.truncate(0)
+        pay.fh, self.room, self.active = self.out, room, True
+
+    def finish(self, hbytes, payload_bytes):
+        """Write the header and the trailer around the payload in place; returns the file's size."""
+        start = reader.PREFIX.size + self.room
+        self.out.flush()
+        if len(hbytes) > self.room:     # the header outgrew its room: move the payload forward
+            _move_forward(self.fd, start, payload_bytes, len(hbytes) - self.room)
+        else:
+            hbytes = hbytes + b" " * (self.room - len(hbytes))
+        head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
+        _pwrite_full(self.fd, head, 0)
+        trailer = hashlib.sha256(head)
+        buf = memoryview(bytearray(min(COPY_CHUNK, max(payload_bytes, 1))))
+        off = 0
+        while off < payload_bytes:
+            n = _pread_full(self.fd, buf[:min(len(buf), payload_bytes - off)], len(head) + off)
+            trailer.update(buf[:n])
+            off += n
+        self.out.seek(len(head) + payload_bytes)
+        self.out.write(trailer.digest())
+        return len(head) + payload_bytes + reader.TRAILER
+
+
+def _pread_full(fd, buf, offset) -> int:
+    """Fill `buf` from `fd` at `offset` (a short read is continued); returns len(buf)."""
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n <= 0:
+            raise ContainerError(f"the container being written ended early at byte {offset + got} on reading it back")
+        got += n
+    return got
+
+
+def _pwrite_full(fd, data, offset) -> None:
+    """Write all of `data` to `fd` at `offset` (a short write is continued)."""
+    data = memoryview(data)
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _move_forward(fd, start, length, by):
+    """Move bytes ``[start, start + length)`` of `fd` to ``start + by`` (from the end back,
+    so a range overlapping its destination is copied whole)."""
+    buf = memoryview(bytearray(min(COPY_CHUNK, max(length, 1))))
+    pos = start + length
+    while pos > start:
+        n = min(len(buf), pos - start)
+        pos -= n
+        _pread_full(fd, buf[:n], pos)
+        _pwrite_full(fd, buf[:n], pos + by)
 
 
 # the writer's agreement check decodes every SAMPLE_EVERY-th block (and each entry's

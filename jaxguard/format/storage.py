@@ -163,7 +163,8 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
     tmp = os.path.join(directory, tmp_name(os.path.basename(path)))
     try:
         # mode 0666 less the umask, as a plain open() would give (mkstemp's 0600 would not)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        # read-write: a container writer reads its payload back for the trailer's SHA-256
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

@@ -1,0 +1,94 @@
+"""A large streamed container writes its payload once, into the output file itself.
+
+`container.write_stream` moves the payload from its scratch file to the output once it
+passes `container.IN_PLACE_AFTER` bytes (room left for the header) and writes the rest
+there; the header is padded with spaces to the room, or the payload is moved forward
+when the header outgrew it. Whatever the route, a reader sees the same header, payload
+and decoded moments as the scratch route writes.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxguard.cli.main import main as cli_main
+from jaxguard.core import guard
+from jaxguard.errors import ContainerError
+from jaxguard.format import container, reader
+
+
+def _entries(seed=0, pairs=6, raws=18, n=30_000, raw_size=40_000):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(pairs):
+        m = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+        v = (rng.random(n) * 1e-6).astype(np.float32)
+        p = rng.standard_normal(n).astype(np.float32)
+        m[0], v[-1] = np.nan, np.inf
+        cfg = guard.GuardConfig(lr=1e-3, step=10)
+        out.append(container.Moments(f"m{i}", guard.encode(m, v, p, cfg, keep_decoded=True), cfg.to_json()))
+        for j in range(raws // pairs):
+            out.append(container.Raw(f"r{i}.{j}", rng.standard_normal(int(rng.integers(1, raw_size))).astype(np.float32)))
+    return out
+
+
+def _write(path, entries, monkeypatch, after, expected):
+    monkeypatch.setattr(container, "IN_PLACE_AFTER", after)
+    size = container.write_stream(path, iter(entries), {"tree": "t"}, extra_header={"op_model": "torch-adam"},
+                                  expected_entries=expected)
+    data = path.read_bytes()
+    assert size == len(data)
+    header, payload = reader.parse(data)
+    hlen = reader.PREFIX.unpack_from(data, 0)[3]
+    return data, header, bytes(payload), hlen
+
+
+@pytest.mark.parametrize("after", (0, 50_000))
+def test_in_place_writes_what_the_scratch_route_writes(tmp_path, monkeypatch, after):
+    entries = _entries()
+    scratch, h0, p0, hlen0 = _write(tmp_path / "scratch.jg", entries, monkeypatch, 1 << 60, len(entries))
+    data, h1, p1, hlen1 = _write(tmp_path / "inplace.jg", entries, monkeypatch, after, len(entries))
+    assert p1 == p0 and h1 == h0                       # the same payload, the same header object
+    assert hlen1 > hlen0                               # padded to the room it reserved ...
+    head = data[reader.PREFIX.size:reader.PREFIX.size + hlen1]
+    assert head[:hlen0] == scratch[reader.PREFIX.size:reader.PREFIX.size + hlen0]
+    assert set(head[hlen0:]) == {ord(" ")}             # ... with spaces only
+    assert hlen1 - hlen0 < len(p1) / 16
+    header, payload, _ = container.read(str(tmp_path / "inplace.jg"))   # decoded hash checked too
+    assert header["decoded_sha256"] == h0["decoded_sha256"]
+    assert cli_main(["verify", str(tmp_path / "inplace.jg")]) == 0
+
+
+def test_a_header_that_outgrew_its_room_moves_the_payload(tmp_path, monkeypatch):
+    entries = _entries(seed=1, raws=600, raw_size=400)     # many small entries after the large ones
+    scratch, h0, p0, hlen0 = _write(tmp_path / "scratch.jg", entries, monkeypatch, 1 << 60, None)
+    # told to expect 2 entries, the writer reserves far too little room for the header
+    data, h1, p1, hlen1 = _write(tmp_path / "moved.jg", entries, monkeypatch, 20_000, 2)
+    assert hlen1 == hlen0 > 20_000
+    assert data == scratch                             # moved forward: byte for byte the scratch route's file
+
+
+def test_small_containers_are_written_as_before(tmp_path, monkeypatch):
+    entries = _entries(seed=2)
+    a = _write(tmp_path / "a.jg", entries, monkeypatch, container.IN_PLACE_AFTER, len(entries))[0]
+    b = _write(tmp_path / "b.jg", entries, monkeypatch, 1 << 60, None)[0]
+    assert a == b
+    assert json.loads(a[reader.PREFIX.size:reader.PREFIX.size + reader.PREFIX.unpack_from(a, 0)[3]])
+
+
+def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+    target = tmp_path / "c.jg"
+    target.write_bytes(b"previous")
+    entries = _entries(seed=3)
+
+    def failing():
+        yield from entries
+        raise ContainerError("stop here")
+
+    monkeypatch.setattr(container, "IN_PLACE_AFTER", 0)
+    with pytest.raises(ContainerError, match="stop here"):
+        container.write_stream(target, failing(), {}, expected_entries=len(entries))
+    assert target.read_bytes() == b"previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.jg"]
