@@ -535,6 +535,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
     state_sk = []
     raws: list = []
     jobs = []
+    configs: dict = {}     # one GuardConfig per (group, step, device): 1,026 tensors share a few
     for idx, st in opt_sd["state"].items():
         if idx not in names:
             raise CheckpointError(f"optimizer state has parameter index {idx} that no param group lists")
@@ -548,8 +549,10 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
                                   f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
-        cfg = guard_config(group, step_count(st, idx), spec=spec, device_type=st["exp_avg"].device.type,
-                           op_model=op_model)
+        key = (id(group), step_count(st, idx), st["exp_avg"].device.type)
+        cfg = configs.get(key)
+        if cfg is None:
+            cfg = configs[key] = guard_config(group, key[1], spec=spec, device_type=key[2], op_model=op_model)
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
