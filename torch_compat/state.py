@@ -87,13 +87,28 @@ def numpy_to_tensor(arr, dtype_name):
     return torch.from_numpy(arr)
 
 
-def to_skeleton(obj, path, raws):
+def _tie_key(t):
+    """What makes two tensors the same stored values: one storage, offset, shape, strides
+    and dtype (a tied weight under two state_dict keys); None for an empty tensor."""
+    if t.numel() == 0:
+        return None
+    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
+
+
+def to_skeleton(obj, path, raws, tied=None):
     """A checkpoint object as a JSON skeleton, its tensors appended to `raws` as raw entries.
+
+    A tensor that is the very same view of one storage as a tensor met before (a tied
+    weight, e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) is stored once:
+    its node names the first one's entry, as ``torch.save`` keeps one storage for both.
 
     Args:
       obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None.
       path: the entry-name prefix of `obj` (``"model"``, ``"optimizer/state/0"``).
       raws: the list the `container.Raw` records are appended to.
+      tied: ``{tensor identity: entry name}`` shared by the calls of one checkpoint
+        (None: a fresh one for `obj`).
 
     Returns:
       The skeleton (``{"__tensor__": name}``, ``{"__dict__": [[k, v], ...]}``, ...).
@@ -101,20 +116,26 @@ def to_skeleton(obj, path, raws):
     Raises:
       CheckpointError: a key or value of a type the container cannot hold.
     """
+    tied = {} if tied is None else tied
     if isinstance(obj, torch.Tensor):
+        key = _tie_key(obj)
+        if key is not None and key in tied:
+            return {"__tensor__": tied[key]}
         arr, dt = tensor_to_numpy(obj)
         raws.append(container.Raw(path, arr, dt))
+        if key is not None:
+            tied[key] = path
         return {"__tensor__": path}
     if isinstance(obj, dict):
         items = []
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise CheckpointError(f"key {k!r} under {path!r} is a {type(k).__name__}; only str and int keys can be stored")
-            items.append([k, to_skeleton(v, f"{path}/{k}", raws)])
+            items.append([k, to_skeleton(v, f"{path}/{k}", raws, tied)])
         return {"__dict__": items}
     if isinstance(obj, (list, tuple)):
         tag = "__list__" if isinstance(obj, list) else "__tuple__"
-        return {tag: [to_skeleton(v, f"{path}/{i}", raws) for i, v in enumerate(obj)]}
+        return {tag: [to_skeleton(v, f"{path}/{i}", raws, tied) for i, v in enumerate(obj)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"__float__": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -139,7 +160,7 @@ def from_skeleton(sk, arrays, dtypes):
     """
     if isinstance(sk, dict):
         reader.skeleton_ref(sk, arrays)
-        if "__tensor__" in sk:
+        if "__tensor__" in sk:   # an entry named twice (a tied weight) restores from one array
             return numpy_to_tensor(arrays[sk["__tensor__"]], dtypes[sk["__tensor__"]])
         if "__moment__" in sk:
             m, v = arrays[sk["__moment__"]]
@@ -664,8 +685,9 @@ def _checkpoint_records(ckpt, *, spec, op_model=None):
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model)
     top = []
+    tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
-        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records)])
+        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records, tied)])
     meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__}
     extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound, "partition": spec.partition}
     return records, meta, extra

@@ -57,6 +57,7 @@ class _Pickle:
     def __init__(self):
         self.out = [pickle.PROTO + b"\x02"]
         self.storages = []          # (entry name, which: None | "m" | "v", container dtype, shape)
+        self.storage_index = {}     # (entry name, which) -> its place in `storages`: a tied weight's two keys, one storage
 
     def plain(self, x):
         """A JSON value as ``from_skeleton`` returns it (no tags inside)."""
@@ -126,7 +127,11 @@ class _Pickle:
         w(pickle.MARK)
         self.plain("storage")
         w(pickle.GLOBAL + b"torch\n" + storage.encode() + b"\n")
-        self.plain(str(len(self.storages)))
+        index = self.storage_index.get((name, which))
+        if index is None:
+            index = self.storage_index[(name, which)] = len(self.storages)
+            self.storages.append((name, which, dtype, tuple(shape)))
+        self.plain(str(index))
         self.plain("cpu")
         self.plain(numel)
         w(pickle.TUPLE)
@@ -140,7 +145,6 @@ class _Pickle:
         w(pickle.REDUCE)
         w(pickle.TUPLE)
         w(pickle.REDUCE)
-        self.storages.append((name, which, dtype, tuple(shape)))
 
     def tree(self, sk, entries):
         """`torch_compat.state.from_skeleton`'s object, pickled."""
