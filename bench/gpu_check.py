@@ -21,8 +21,11 @@ Parts (each says whether it ran on a GPU):
 5. PTX facts (GPU): XLA's PTX for the jitted optax update (``--xla_dump_to``): counts of
    ``div.full.f32``, ``div.rn.f32``, ``fma.rn.f32``, ``sqrt.rn.f32``/``sqrt.approx``;
 6. throughput (GPU): jitted encode on the device (coordinates per second) beside
-   ``torch.save`` of the same state and `torch_compat.save` of it from CUDA tensors
-   (DLPack into JAX's GPU backend, or host slabs without one).
+   ``torch.save`` of the same state and `torch_compat.save` of it from CUDA tensors on
+   both encoder routes: the device route (DLPack into JAX's GPU backend, guarded on the
+   GPU by `jaxguard.core.device_encode`; only codes, parameters and escapes cross) and
+   the host route (host slabs); the device-route save is repeated with JAX's transfer
+   guards at "disallow" (it must make no implicit transfer: a failure otherwise).
 
 Part 3 also checks the restore paths: the load into the CUDA optimizer is silent, the
 load into a CPU one warns once (`JaxguardWarning`), the restored moments are on the
@@ -203,7 +206,8 @@ def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
         model, opt = _train(torch, cls, flags, dev)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "state.jg")
-            summary = torch_compat.save(path, opt)
+            summary = torch_compat.save(path, opt, device_encode=True if DEVICE == "cpu" else None)
+            entries_route = _entry_routes(path)
             _, header = torch_compat.restore_tree(path)
             model2, opt2 = _train(torch, cls, flags, dev, steps=0)
             model2.load_state_dict(model.state_dict())
@@ -216,7 +220,7 @@ def part_torch_audit(lines, torch, tau=0.01, clip=0.2):
                 torch_compat.load(path, opt_cpu)
         warned = (sum(issubclass(w.category, JaxguardWarning) for w in same),
                   sum(issubclass(w.category, JaxguardWarning) for w in other))
-        route = _route(encoder_view(next(iter(opt.state.values()))["exp_avg"]))
+        route = f'{_route(encoder_view(next(iter(opt.state.values()))["exp_avg"]))}; encoded: {entries_route}'
         on_device = all(st["exp_avg"].device.type == dev.type for st in opt2.state.values())
         worst, over = 0.0, 0
         base = {k: t.detach().clone() for k, t in model.state_dict().items()}
@@ -318,6 +322,31 @@ def part_ptx(lines):
     lines.append(", ".join(f"`{k}`: {v}" for k, v in counts.items()) + "\n")
 
 
+def _entry_routes(path):
+    """The encoder routes the moments entries of a container record ("device" or "host")."""
+    from jaxguard.format import container
+    header = container.read(path, verify_decoded=False)[0]
+    return ", ".join(sorted({e["stats"].get("route", "host") for e in header["entries"] if e["kind"] == "moments"}))
+
+
+def _guarded_transfers(fn):
+    """Run `fn` with JAX's host-to-device and device-to-host transfer guards at "disallow"
+    (explicit device_put/device_get stay allowed); returns "none implicit" or the refusal."""
+    import jax
+    keys = ("jax_transfer_guard_host_to_device", "jax_transfer_guard_device_to_host")
+    before = [getattr(jax.config, k) for k in keys]
+    for k in keys:
+        jax.config.update(k, "disallow")
+    try:
+        fn()
+        return "none implicit"
+    except Exception as exc:   # noqa: BLE001 - reported
+        return f"refused: {str(exc).splitlines()[0][:120]}"
+    finally:
+        for k, b in zip(keys, before):
+            jax.config.update(k, b)
+
+
 def part_throughput(n, lines, torch, optax_bits):
     import jax
     from jaxguard.core.jit_encode import encode_jit
@@ -336,23 +365,37 @@ def part_throughput(n, lines, torch, optax_bits):
     buf = io.BytesIO()
     torch.save(sd, buf)
     save_s = time.perf_counter() - t0
-    # torch_compat.save of the same CUDA state (DLPack into JAX's GPU, or host slabs without it), after a warm-up
+    # torch_compat.save of the same CUDA state on both encoder routes, each after a warm-up:
+    # the device route (CUDA tensors through DLPack, guarded on the GPU; forced onto CPU
+    # arrays in a dry run) and the host route (host slabs, guard.encode_many)
     import torch_compat
     from torch_compat.state import encoder_view
     prm = torch.nn.Parameter(torch.from_numpy(np.asarray(params)).to(DEVICE))
     opt = torch.optim.Adam([prm], lr=1e-3)
     opt.state[prm] = {"step": torch.tensor(float(adam.count)), **sd}
     route = _route(encoder_view(sd["exp_avg"]))
+    device_route = True if DEVICE == "cpu" else None
+    rows = []
     with tempfile.TemporaryDirectory() as d:
-        torch_compat.save(os.path.join(d, "warm.jg"), opt)
-        t0 = time.perf_counter()
-        guarded = torch_compat.save(os.path.join(d, "state.jg"), opt)
-        guard_s = time.perf_counter() - t0
+        for label, de in (("device route", device_route), ("host route", False)):
+            torch_compat.save(os.path.join(d, "warm.jg"), opt, device_encode=de)
+            t0 = time.perf_counter()
+            guarded = torch_compat.save(os.path.join(d, "state.jg"), opt, device_encode=de)
+            dt = time.perf_counter() - t0
+            rows.append(f"| torch_compat.save, {label} | {_entry_routes(os.path.join(d, 'state.jg'))} | {dt:.3f} | "
+                        f"{n / dt:,.0f} | {guarded['container_bytes']:,} | {guarded['escapes']:,} |")
+        transfers = _guarded_transfers(lambda: torch_compat.save(os.path.join(d, "g.jg"), opt,
+                                                                 device_encode=device_route))
     lines.append("## 6. Throughput on the GPU\n")
-    lines.append(f"jitted encode: {rate:,.0f} coordinates/s ({n:,} coordinates, {reps} calls after one warm-up); "
-                 f"torch.save of the same two CUDA moments: {save_s:.3f} s ({n / save_s:,.0f} coordinates/s, "
-                 f"{buf.tell():,} bytes); torch_compat.save of that CUDA state (encoder route {route}): "
-                 f"{guard_s:.3f} s ({n / guard_s:,.0f} coordinates/s, {guarded['container_bytes']:,} bytes)\n")
+    lines.append(f"jitted encode (`encode_jit`, one tensor): {rate:,.0f} coordinates/s ({n:,} coordinates, {reps} "
+                 f"calls after one warm-up). CUDA tensors reach JAX by: {route}.\n")
+    lines.append("| what | entries' route | seconds | coordinates/s | bytes | escapes |\n|---|---|---|---|---|---|")
+    lines.append(f"| torch.save of the two CUDA moments | - | {save_s:.3f} | {n / save_s:,.0f} | {buf.tell():,} | - |")
+    lines += rows
+    lines.append(f"\nImplicit JAX transfers during the device-route save (transfer guards at disallow): {transfers}"
+                 + (" (on the CPU the device-to-host guard does not fire; this checks host-to-device only)"
+                    if DEVICE == "cpu" else "") + "\n")
+    return not transfers.startswith("none")
 
 
 def main(argv=None):
@@ -393,7 +436,7 @@ def main(argv=None):
         failed |= bad
         part_ptx(lines)
         if cuda:
-            part_throughput(a.n, lines, torch, bits)
+            failed |= part_throughput(a.n, lines, torch, bits)
     else:
         lines.append("**GPU parts 4 (optax audit on the GPU), 5 (PTX facts) and 6 (encode throughput) did not run: "
                      "JAX has no GPU backend here.**\n")

@@ -47,7 +47,7 @@ from jaxguard.format.container import Moments, Raw
 from jaxguard.format.spec import BLOCK
 
 __all__ = ["MomentJob", "Raw", "Moments", "encode", "to_bytes", "to_file", "prefetched",
-           "new_totals", "BF16_TAU_FACTOR", "SLAB"]
+           "new_totals", "BF16_TAU_FACTOR", "SLAB", "device_encode_setting"]
 
 BF16_TAU_FACTOR = 1.02
 # Coordinates encoded per `guard.encode_many` call: bounds the working memory (~40 bytes
@@ -116,6 +116,42 @@ def encode_threads() -> int:
     return max(1, min(MAX_ENCODE_THREADS, cores - 1))
 
 
+def device_encode_setting(device_encode=None):
+    """Where coded moment pairs that are `jax.Array`s are encoded (`encode`'s ``device_encode``).
+
+    Args:
+      device_encode: None: ``JAXGUARD_DEVICE_ENCODE`` if set (``1``/``true``, ``0``/``false``,
+        ``auto``), else auto; True, False or ``"auto"`` as given.
+
+    Returns:
+      None (auto: on the device when the arrays live on one that is not the CPU, e.g. CUDA
+      tensors imported through DLPack), True (on the arrays' device, the CPU included:
+      the device route without a GPU) or False (always the host route, `guard.encode_many`).
+
+    Raises:
+      ConfigError: another value, here or in ``JAXGUARD_DEVICE_ENCODE``.
+    """
+    where = "device_encode"
+    if device_encode is None:
+        device_encode = os.environ.get("JAXGUARD_DEVICE_ENCODE", "auto")
+        where = "JAXGUARD_DEVICE_ENCODE"
+    if isinstance(device_encode, bool):
+        return device_encode
+    word = str(device_encode).strip().lower()
+    known = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False, "auto": None, "": None}
+    if word not in known:
+        raise ConfigError(f"{where}={device_encode!r}; use True/1 (encode jax arrays on their device), False/0 "
+                          "(encode on the host) or auto (on the device when it is not the CPU)")
+    return known[word]
+
+
+def _device_route(job: MomentJob, setting) -> bool:
+    if setting is False or job.mu != "coded":
+        return False
+    from jaxguard.core import device_encode
+    return device_encode.supports(job.m, job.v, job.p, job.config, force=setting is True)
+
+
 def _entry_info(job: MomentJob) -> dict:
     return {**job.config.to_json(), "mu_mode": "coded" if job.mu == "coded" else "raw-bfloat16", **job.info}
 
@@ -163,15 +199,24 @@ def _slabs(jobs, slab):
 PIECES_OVER = 2
 
 
-def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Callable | None = None):
+def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Callable | None = None,
+                  on_device: bool = False, force: bool = False):
     """One large `MomentJob` certified in whole-block pieces of about `slab` coordinates,
     one at a time, joined as the guard joins a tensor over ``guard.MAX_PIECE`` (the same
     codes, escapes and certified values as in one piece: blocks and coordinates are
     certified independently; tests/test_reliability.py checks the join).  Each piece's
-    inputs go to `release` once certified (a memory-mapped checkpoint's pages)."""
-    m, v, p = (np.asarray(x).reshape(-1) for x in (job.m, job.v, job.p))
+    inputs go to `release` once certified (a memory-mapped checkpoint's pages).  With
+    `on_device` the pieces are slices of the device arrays, encoded there."""
     step = max(BLOCK, slab - slab % BLOCK)
     pieces = []
+    if on_device:
+        from jaxguard.core import device_encode
+        m, v, p = (x.reshape(-1) for x in (job.m, job.v, job.p))
+        for s in range(0, m.size, step):
+            part = (m[s:s + step], v[s:s + step], p[s:s + step], job.config)
+            pieces.append((s, device_encode.encode_many([part], sample_every=container.SAMPLE_EVERY, force=force)[0]))
+        return _guard.join_pieces(pieces, tuple(np.shape(job.m)))
+    m, v, p = (np.asarray(x).reshape(-1) for x in (job.m, job.v, job.p))
     for s in range(0, m.size, step):
         part = (m[s:s + step], v[s:s + step], p[s:s + step])
         pieces.append((s, _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]))
@@ -181,13 +226,19 @@ def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Ca
 
 
 def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
-           release: Callable | None = None, release_raws: bool = True) -> Iterator:
+           release: Callable | None = None, release_raws: bool = True, device_encode=None) -> Iterator:
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
     coordinates, `encode_threads()` slabs at once (one thread each, handed on in order);
     every encoding keeps its certified values.  Each entry's stats are
     added to `totals` as it is produced.
+
+    A coded job whose m, v and p are float32 `jax.Array`s on one device that is not the
+    CPU (a CUDA tensor through DLPack, `torch_compat.state.encoder_view`) is encoded
+    there (`jaxguard.core.device_encode`): only its codes, block parameters, escapes and
+    the certified values of the container's sample blocks cross to the host.  Slabs never
+    mix the two routes.
 
     Args:
       records: an iterable of `MomentJob`, `Raw` and `Moments`.
@@ -198,21 +249,33 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
         consumer has taken, after it took them.
       release_raws: False: raw arrays are not handed to `release` (a caller whose
         consumer reads them later releases them itself, as `to_file` does).
+      device_encode: where jax-array jobs are encoded (`device_encode_setting`: None reads
+        ``JAXGUARD_DEVICE_ENCODE``, else auto; True also encodes CPU jax arrays on the
+        device route; False: the host route for every job).
 
     Returns:
       An iterator of container entries.
+
+    Raises:
+      ConfigError: a bad `device_encode` (before any entry is produced).
     """
     slab = SLAB if slab is None else slab
+    setting = device_encode_setting(device_encode)
     pending: list = []
+    kind = {"device": False}
 
     def add(stats):
         if totals is not None:   # the guard's stats (other keys of `totals` are the caller's)
             for k in audit.TOTAL_KEYS:
                 totals[k] = totals.get(k, 0) + stats[k]
 
-    def encode_slab(part):
+    def encode_slab(part, on_device):
         if len(part) == 1 and part[0].size > PIECES_OVER * slab:
-            return [_encode_large(part[0], slab, progress, release)]
+            return [_encode_large(part[0], slab, progress, release, on_device, setting is True)]
+        if on_device:
+            from jaxguard.core import device_encode as _device
+            return _device.encode_many([(j.m, j.v, j.p, j.config) for j in part], sample_every=container.SAMPLE_EVERY,
+                                       force=setting is True)
         return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
                                   progress=progress, keep_decoded=True)
 
@@ -221,12 +284,13 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
         # its own thread, and handed on in order (each slab's result does not depend on
         # the others, so the bytes are those of one thread)
         parts = _slabs(pending, slab)
+        on_device = kind["device"]
         workers = encode_threads()
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-slab") as pool:
             inflight: collections.deque = collections.deque()
             try:
                 for part in parts:
-                    inflight.append((part, pool.submit(encode_slab, part)))
+                    inflight.append((part, pool.submit(encode_slab, part, on_device)))
                     if len(inflight) < workers:
                         continue
                     yield from handed(*inflight.popleft())
@@ -248,6 +312,10 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
 
     for r in records:
         if isinstance(r, MomentJob) and r.mu == "coded":
+            dev = _device_route(r, setting)
+            if pending and dev != kind["device"]:
+                yield from flush()
+            kind["device"] = dev
             pending.append(r)
             continue
         yield from flush()
@@ -290,7 +358,7 @@ def _timed_summary(totals, size, t0, raw_state_bytes=None):
 
 
 def to_bytes(records: Iterable, meta: dict, *, extra_header: dict | None = None, progress: bool = False,
-             raw_state_bytes: int | None = None) -> tuple[bytes, dict]:
+             raw_state_bytes: int | None = None, device_encode=None) -> tuple[bytes, dict]:
     """Encode `records` and build the container in memory.
 
     Args:
@@ -300,6 +368,7 @@ def to_bytes(records: Iterable, meta: dict, *, extra_header: dict | None = None,
         moments entry's config (`header_fields`).
       progress: show the guard's progress bars.
       raw_state_bytes: the uncompressed state's size, for the summary's ``container_ratio``.
+      device_encode: where jax-array moment pairs are encoded (`encode`).
 
     Returns:
       ``(container bytes, summary)``: `jaxguard.audit.compression_summary` of the totals,
@@ -312,20 +381,21 @@ def to_bytes(records: Iterable, meta: dict, *, extra_header: dict | None = None,
     t0 = time.perf_counter()
     totals = new_totals()
     header = _Header(extra_header or {})
-    entries = list(header.watch(encode(records, totals, progress=progress)))
+    entries = list(header.watch(encode(records, totals, progress=progress, device_encode=device_encode)))
     data = container.build(entries, meta, extra_header=header)
     return data, _timed_summary(totals, len(data), t0, raw_state_bytes)
 
 
 def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = None, progress: bool = False,
-            release: Callable | None = None, slab: int | None = None, raw_state_bytes: int | None = None) -> dict:
+            release: Callable | None = None, slab: int | None = None, raw_state_bytes: int | None = None,
+            device_encode=None) -> dict:
     """Encode `records` and write the container to `path` atomically, streaming: the
     encoder runs one slab ahead of the writer in a thread and each entry is written as
     soon as it is ready, so memory holds about two slabs, never the container.
 
     Args:
       path: a local path (its directory must exist) or an fsspec URL.
-      records, meta, extra_header, progress, raw_state_bytes: as `to_bytes`.
+      records, meta, extra_header, progress, raw_state_bytes, device_encode: as `to_bytes`.
       release: as `encode`.
       slab: as `encode`.
 
@@ -346,7 +416,7 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
         sources = [r.source for r in records if isinstance(r, MomentJob) and r.source is not None]
         release(sources + [r.array for r in records if isinstance(r, Raw)])
     entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab,
-                                release_raws=release is None))
+                                release_raws=release is None, device_encode=device_encode))
     if release is not None:
         entries = _release_written_raws(entries, release, sources)
     # one entry per record: a large container's payload is then written in place

@@ -245,3 +245,182 @@ def test_jitted_save_hook_takes_op_model_and_load_on_cpu_warns(tmp_path):
     assert "optax-adam-gpu" in msg and "onto cpu" in msg
     with pytest.raises(ConfigError, match="torch-adam"):
         jg.state_constants(st, params, lr=1e-3, op_model="torch-adam")
+
+
+# ---------------------------------------------------------------- torch: encoded where the tensors live
+def _trained(torch, cls, steps=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 7))
+    opt = cls(model.named_parameters(), lr=1e-3, **kw)
+    for _ in range(steps):
+        model(torch.randn(16, 40)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _routes(path):
+    header, _, _ = container.read(str(path), verify_decoded=False)
+    return {e["name"]: e["stats"].get("route", "host") for e in header["entries"] if e["kind"] == "moments"}
+
+
+@pytest.mark.parametrize("cls,kw", [("Adam", {}), ("AdamW", {"weight_decay": 0.01}), ("Adam", {"weight_decay": 0.1})])
+def test_device_route_writes_what_the_reader_reads_and_audits_within_tau(tmp_path, cls, kw):
+    """`device_encode=True` runs the GPU route (the jitted guard on the arrays' device) on
+    CPU JAX arrays: the container verifies, the numpy reader agrees with what was
+    certified, the real torch update from the restored state is within tau, and the
+    restored moments land on the parameters' device."""
+    torch = _torch()
+    import torch_compat
+    from torch_compat import state
+    model, opt = _trained(torch, getattr(torch.optim, cls), **kw)
+    torch_compat.save(tmp_path / "dev.jg", opt, device_encode=True)
+    torch_compat.save(tmp_path / "host.jg", opt, device_encode=False)
+    assert set(_routes(tmp_path / "dev.jg").values()) == {"device"}
+    assert set(_routes(tmp_path / "host.jg").values()) == {"host"}
+    out = subprocess.run([sys.executable, "-m", "jaxguard", "verify", str(tmp_path / "dev.jg")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out.stdout + out.stderr
+    restored, _ = state.restore_tree(tmp_path / "dev.jg")
+    original = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    got = torch_compat.audit(original, restored, tau=0.01)
+    assert got["violations"] == 0 and got["max_gap_lr"] <= 0.01, got
+    # the host route certifies the same coordinates here (both certify every candidate they can)
+    host, _ = state.restore_tree(tmp_path / "host.jg")
+    for idx, st in restored["optimizer"]["state"].items():
+        hst = host["optimizer"]["state"][idx]
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k].view(torch.int32), hst[k].view(torch.int32)), (idx, k)
+    fresh_model, fresh = _trained(torch, getattr(torch.optim, cls), steps=0, **kw)
+    fresh_model.load_state_dict(model.state_dict())
+    _no_warning(torch_compat.load, tmp_path / "dev.jg", fresh)
+    for p in (p for g in fresh.param_groups for p in g["params"]):
+        assert fresh.state[p]["exp_avg"].device == p.device and fresh.state[p]["exp_avg_sq"].dtype == torch.float32
+
+
+def test_device_route_keeps_escapes_exact_at_the_edges():
+    """NaN, +-Inf, subnormals, moments below 2**-80, -0.0 and FLT_MAX-sized values, in
+    tensors of odd sizes beside an empty one, a slab of several and a tensor encoded in
+    pieces: every coordinate the guard cannot certify comes back bit for bit, as on the
+    host route."""
+    torch = _torch()
+    from jaxguard import writer
+    from jaxguard.core.guard import GuardConfig
+    from jaxguard.format import reader
+    from torch_compat.state import encoder_view
+    g = torch.Generator().manual_seed(5)
+    jobs, originals = [], {}
+    for name, n in (("a", 5000), ("b", 257), ("e", 0), ("c", 3000)):
+        m, v, p = (torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6, torch.randn(n, generator=g))
+        if n:
+            edges = torch.tensor([0.0, -0.0, 1e-40, -1e-38, 3e38, -3.4e38, 1e-45, float("nan"), float("inf"),
+                                  float("-inf"), 2.0 ** -81, -(2.0 ** -90)])
+            m[:12] = edges
+            v[12:24] = edges.abs()
+            v[24] = -1e-6                       # a negative v: never certifiable
+            p[30:33] = torch.tensor([float("nan"), float("inf"), 1e-42])
+        originals[name] = (m, v)
+        jobs.append((name, m, v, p))
+    cfg = GuardConfig(lr=1e-3, step=3)
+    outs = {}
+    for route in (True, False):
+        recs = [writer.MomentJob(nm, encoder_view(m), encoder_view(v), encoder_view(p), cfg, {"param": nm})
+                for nm, m, v, p in jobs]
+        entries = list(writer.encode(recs, slab=2048, device_encode=route))   # "a" is over 2 slabs: in pieces
+        assert [e.encoded.stats.get("route", "host") for e in entries] == ["device" if route else "host"] * 4
+        data = container.build(entries, {"framework": "test"})
+        header, payload = reader.parse(data)[:2]
+        outs[route] = {e["name"]: reader.read_moments(e, payload, header.get("tables", {})) for e in header["entries"]}
+    for name, (m, v) in originals.items():
+        mb, vb = m.numpy().view(np.uint32), v.numpy().view(np.uint32)
+        for route in (True, False):
+            dm, dv = (np.asarray(x, np.float32).reshape(-1).view(np.uint32) for x in outs[route][name])
+            if not m.numel():
+                assert dm.size == 0 and dv.size == 0
+                continue
+            fin = np.isfinite(m.numpy()) & np.isfinite(v.numpy()) & (v.numpy() >= 0)
+            tiny = (np.abs(m.numpy()) < 2.0 ** -80) & (m.numpy() != 0) | (np.abs(v.numpy()) < 2.0 ** -80) & (v.numpy() != 0)
+            must = ~fin | tiny
+            assert must[:25].sum() >= 15
+            assert (dm[must] == mb[must]).all() and (dv[must] == vb[must]).all(), (name, route)
+        assert all(np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+                   for a, b in zip(outs[True][name], outs[False][name])), name
+
+
+def test_device_route_runs_again_when_a_level_or_the_escape_buffers_run_short(monkeypatch):
+    """First capacities of one candidate a level and one escape slot: the program reports
+    what was pending and escaped, and the second run, with capacities that fit, certifies
+    what the host route certifies (nothing left over escapes for lack of room)."""
+    torch = _torch()
+    from jaxguard.core import device_encode, guard
+    from jaxguard.core.guard import GuardConfig
+    from torch_compat.state import encoder_view
+    _, opt = _trained(torch, torch.optim.Adam, steps=1)    # step 1: many candidates reach the deep levels
+    items = []
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        st = opt.state[p]
+        items.append((encoder_view(st["exp_avg"]), encoder_view(st["exp_avg_sq"]), encoder_view(p.detach()),
+                      GuardConfig(lr=1e-3, step=1)))
+    host = guard.encode_many([(np.asarray(m), np.asarray(v), np.asarray(p), c) for m, v, p, c in items])
+    for k, val in (("MIN_CAPACITY", 1), ("LEVEL0_FRACTION", 1 << 30), ("LATER_CAPACITIES", (1, 1, 1, 1)),
+                   ("ESCAPE_FRACTION", 1 << 30)):
+        monkeypatch.setattr(device_encode, k, val)
+    dev = device_encode.encode_many(items, sample_every=container.SAMPLE_EVERY, force=True)
+    assert sum(e.stats["escapes"] for e in host) > 100
+    for d, h in zip(dev, host):
+        assert d.stats["route"] == "device"
+        assert np.array_equal(d.arrays["escape_index"], h.arrays["escape_index"])
+        assert np.array_equal(d.arrays["m_codes"], h.arrays["m_codes"])
+
+
+def test_device_route_makes_no_implicit_transfer_of_the_moments():
+    """With JAX's transfer guards set to disallow, the device route still writes the
+    container (its only transfers are explicit: ``device_put`` of the constants and
+    ``device_get`` of codes, escapes and samples), while the host route, which stages
+    the moments in numpy buffers and hands them back to its jitted passes, is refused.
+    On the CPU, JAX's device-to-host guard does not fire (a CPU array's numpy view is no
+    transfer; checked below): what this shows there is that nothing is staged on the
+    host and sent back; on a GPU the same test also forbids copying the moments out."""
+    torch = _torch()
+    from jaxguard import writer
+    from jaxguard.core.guard import GuardConfig
+    from torch_compat.state import encoder_view
+    g = torch.Generator().manual_seed(7)
+    m, v, p = (torch.randn(4000, generator=g) * 1e-3, torch.rand(4000, generator=g) * 1e-6, torch.randn(4000, generator=g))
+    cfg = GuardConfig(lr=1e-3, step=10)
+
+    def write(route):
+        rec = [writer.MomentJob("x", encoder_view(m), encoder_view(v), encoder_view(p), cfg, {"param": "x"})]
+        return writer.to_bytes(rec, {"framework": "test"}, device_encode=route)[0]
+
+    want = write(True)
+    write(False)                                   # compile both routes before the guard is on
+    y = jnp.arange(3.0) * 2
+    keys = ("jax_transfer_guard_host_to_device", "jax_transfer_guard_device_to_host")
+    before = [getattr(jax.config, k) for k in keys]
+    for k in keys:
+        jax.config.update(k, "disallow")
+    try:
+        if jax.devices()[0].platform == "cpu":
+            np.asarray(y)                          # the CPU's device-to-host guard lets this through
+        got = write(True)
+        with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+            write(False)
+    finally:
+        for k, b in zip(keys, before):
+            jax.config.update(k, b)
+    from jaxguard.format import reader
+    hw, hg = reader.parse(want)[0], reader.parse(got)[0]
+    assert hw["payload_sha256"] == hg["payload_sha256"] and hw["decoded_sha256"] == hg["decoded_sha256"]
+
+
+def test_device_encode_setting_reads_the_environment(monkeypatch):
+    from jaxguard import writer
+    monkeypatch.delenv("JAXGUARD_DEVICE_ENCODE", raising=False)
+    assert writer.device_encode_setting() is None and writer.device_encode_setting(True) is True
+    monkeypatch.setenv("JAXGUARD_DEVICE_ENCODE", "1")
+    assert writer.device_encode_setting() is True and writer.device_encode_setting(False) is False
+    monkeypatch.setenv("JAXGUARD_DEVICE_ENCODE", "gpu")
+    with pytest.raises(ConfigError) as exc:
+        writer.device_encode_setting()
+    assert "JAXGUARD_DEVICE_ENCODE='gpu'" in str(exc.value) and "\n" not in str(exc.value)

@@ -205,3 +205,28 @@ def test_async_checkpoint_io_saves_in_the_background_the_blocking_bytes(runs, tm
     release.set()
     tr.strategy.checkpoint_io.teardown()          # waits for the background save
     assert threads and _canon((tmp_path / "again.ckpt").read_bytes()) == _canon(runs["gckpt"].read_bytes())
+
+
+@pytest.mark.parametrize("op_model,warns", [("torch-adamw-cuda-foreach", True), (None, False)],
+                         ids=["certified-for-cuda-foreach", "certified-for-cpu"])
+def test_resume_on_another_kernel_warns_once(tmp_path, op_model, warns):
+    """A checkpoint certified for CUDA's foreach AdamW resumed by a real ``Trainer.fit`` on
+    the CPU single-tensor kernel warns one line (what torch_compat.load says), once over
+    the resumed steps; one certified for the CPU kernel resumes silently."""
+    import warnings
+    from jaxguard.errors import JaxguardWarning
+    L.seed_everything(0, verbose=False)
+    tr = _trainer(tmp_path / "a", 3, [GuardedCheckpointIO(op_model=op_model)])
+    tr.fit(MLP(), _data(0))
+    tr.save_checkpoint(tmp_path / "c.ckpt")
+    header, _, _ = container.read(tmp_path / "c.ckpt", verify_decoded=False)
+    assert header["op_model"] == (op_model or "torch-adamw")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        model, tr2 = _fit(tmp_path / "r", 6, ckpt_path=str(tmp_path / "c.ckpt"))
+    assert tr2.global_step == 6
+    ours = [str(w.message) for w in rec if issubclass(w.category, JaxguardWarning)]
+    assert len(ours) == int(warns), ours
+    if warns:
+        assert "torch-adamw-cuda-foreach" in ours[0] and "resumes on cpu" in ours[0] and "\n" not in ours[0]
+        assert "op_model='torch-adamw'" in ours[0]

@@ -698,7 +698,7 @@ def _variant_of(variant):
 
 
 def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False, variant=None,
-                        op_model=None):
+                        op_model=None, device_encode=None):
     """Compress a torch checkpoint dict in memory.
 
     Args:
@@ -711,6 +711,10 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
         informational: the guard covers every variant); a callable is called only after
         the checkpoint has been validated, so bad input fails before the slow detection.
       op_model: the kernel the run resumes on (`state_records`).
+      device_encode: where moments that reached the encoder as jax arrays are encoded
+        (`jaxguard.writer.device_encode_setting`: None reads ``JAXGUARD_DEVICE_ENCODE``,
+        else on the device when that is not the CPU; True also for CPU tensors; False
+        always on the host).
 
     Returns:
       ``(container bytes, summary dict)`` (the `compress --json` fields).
@@ -721,19 +725,20 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model)
     extra["variant"] = variant = _variant_of(variant)
-    data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress)
+    data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress, device_encode=device_encode)
     return data, _with_variant(summary, variant)
 
 
 def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False,
-                           variant=None, release=None, op_model=None):
+                           variant=None, release=None, op_model=None, device_encode=None):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
 
     Args:
       path: the output file or URL.
-      ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model: as `compress_checkpoint`.
+      ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model, device_encode: as
+        `compress_checkpoint`.
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -749,7 +754,8 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
     extra["variant"] = variant = _variant_of(variant)
     rel = None if release is None else (lambda sources: release([t for s in sources for t in
                                                                  (s if isinstance(s, tuple) else (s,))]))
-    summary = writer.to_file(path, records, meta, extra_header=extra, progress=progress, release=rel)
+    summary = writer.to_file(path, records, meta, extra_header=extra, progress=progress, release=rel,
+                             device_encode=device_encode)
     return _with_variant(summary, variant)
 
 
@@ -786,8 +792,12 @@ def restore_tree(path):
 def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: GuardSpec | None = None,
          tau: float | None = None,
          clip: float | None = None, codec: str | None = None, bound: str | None = None, partition: str | None = None,
-         progress: bool = False, op_model: str | None = None) -> dict:
+         progress: bool = False, op_model: str | None = None, device_encode: bool | None = None) -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
+
+    CUDA state is encoded on the GPU when JAX has a GPU backend (its tensors reach JAX
+    through DLPack, `encoder_view`): only codes, block parameters and escapes cross to the
+    host (docs/gpu.md).
 
     Args:
       path: the output file.
@@ -798,6 +808,8 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
       progress: show a tqdm bar.
       op_model: the kernel the run resumes on (`state_records`; the header records the
         op model that certified the state).
+      device_encode: as `compress_checkpoint` (True encodes CPU tensors on the device
+        route too: how it is tested without a GPU).
 
     Returns:
       The summary dict.
@@ -820,7 +832,8 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
     opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
     data, summary = writer.to_bytes(records, meta, extra_header={"tau": spec.tau, "clip": spec.clip,
-                                                                 "codec": spec.codec}, progress=progress)
+                                                                 "codec": spec.codec}, progress=progress,
+                                    device_encode=device_encode)
     container.atomic_write(path, data)
     return summary
 

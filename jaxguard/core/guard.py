@@ -172,6 +172,8 @@ def join_pieces(pieces, shape):
 
     Args:
       pieces: ``[(start, Encoded)]`` in order; ``start`` is the piece's first coordinate.
+        Certified values (`Encoded.decoded`) are joined when every piece has them, whole
+        or sampled (a dict of ``positions``, ``m``, ``v``; positions shifted by ``start``).
       shape: the tensor's shape.
 
     Returns:
@@ -184,7 +186,10 @@ def join_pieces(pieces, shape):
          ("m_codes", "v_codes", "m_params", "v_params", "escape_m", "escape_v", "widths") if k in pieces[0][1].arrays}
     a["escape_index"] = np.concatenate([e.arrays["escape_index"].astype(np.int64) + s for s, e in pieces])
     decoded = None
-    if all(e.decoded is not None for _, e in pieces):
+    if all(isinstance(e.decoded, dict) for _, e in pieces):   # samples of what a device encode certified
+        decoded = {"positions": np.concatenate([np.asarray(e.decoded["positions"], np.int64) + s for s, e in pieces]),
+                   **{k: np.concatenate([e.decoded[k] for _, e in pieces]) for k in ("m", "v")}}
+    elif all(e.decoded is not None and not isinstance(e.decoded, dict) for _, e in pieces):
         decoded = tuple(np.concatenate([e.decoded[k] for _, e in pieces]) for k in (0, 1))
     enc = Encoded(a, pieces[0][1].codec, tuple(shape), decoded=decoded)
     stats = {}
@@ -192,6 +197,8 @@ def join_pieces(pieces, shape):
         for k, val in e.stats.items():
             if isinstance(val, list):
                 stats[k] = [x + y for x, y in zip(stats.get(k, [0] * len(val)), val)]
+            elif isinstance(val, str):   # a label (the device route's "route")
+                stats[k] = val
             else:
                 stats[k] = stats.get(k, 0) + val
     many = _codecs.get(enc.codec).payload_many

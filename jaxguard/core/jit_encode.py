@@ -38,6 +38,7 @@ from jaxguard.core import bound as _bound
 from jaxguard.core import certify as _certify
 from jaxguard.core import codecs, codes
 from jaxguard.core import guard as _guard
+from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import floatbits as fb
 from jaxguard.core.config import GuardConfig, GuardSpec
 from jaxguard.core.encoded import ArrayPytree
@@ -57,18 +58,27 @@ class JitEncoded(ArrayPytree):
     shape: tuple
 
 
-def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample=None):
+def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample=None, counts=False, fast=False):
     """The body of `encode_jit`, traceable inside a caller's ``jit`` or ``shard_map``.
 
     Args:
       m, v, p: float32 arrays of one shape (traced).
       k: the certificate's constants, a `bound.StepRow` of float32 scalars (traced).
       spec: the static `GuardSpec`.
-      capacity: candidates the cell levels examine (static).
+      capacity: candidates the cell levels examine (static): an int (level 0 gathers at
+        most this many and the later levels see only those), or one int per level of
+        `bound.LEVELS` (each level gathers at most its own; see `level_sizes`).
       escape_capacity: length of the escape buffers (static).
-      sample: flat positions (a numpy int array, static) whose certified values the
-        result also carries as ``sample_m``/``sample_v`` (escapes exact): what this
-        program certified, for the container writer's check against the reader.
+      sample: flat positions whose certified values the result also carries as
+        ``sample_m``/``sample_v`` (escapes exact): what this program certified, for the
+        container writer's check against the reader.  A numpy int array (static), or an
+        int32 jax array (traced; its length is then part of the compiled shape).
+      counts: also return ``pending_counts`` (int32 per level: candidates pending when
+        the level gathered; more than `level_sizes` gave it means some escaped for lack
+        of capacity), ``block_exact`` and ``block_uncertifiable`` (int32 per 256-block).
+      fast: first certify with the closed-form tier (`fastbound.fast_bound`, as
+        `guard.encode` does for the shared bound and mixed partition), so the cell levels
+        see only what it left; elementwise, so it needs no capacity.
 
     Returns:
       A `JitEncoded`.
@@ -103,10 +113,18 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample
         lower = _bound.batch_lower(k, mf, vf, mt, vt, clip)
         pending = in_t & ~exact & ok & ~(lower > thr)
         cert = jnp.zeros((npad,), bool)
+        if fast and spec.bound == "shared" and spec.partition == "mixed":
+            bnd, usable = _fastbound.fast_bound(k, mf, vf, mt, vt, pabs, clip)
+            cert = pending & usable & (bnd <= thr)
+            pending = pending & ~cert
+        per_level = not isinstance(capacity, int)
+        sizes = level_sizes(capacity)
+        pending_counts = []
         for level in range(len(_bound.LEVELS)):
             edges = jnp.asarray(_bound.unit_edges(level, spec.partition))
-            chunk = min(capacity, _guard.CHUNK[level])
-            size = -(-capacity // chunk) * chunk
+            size = sizes[level]
+            chunk = min(size, _guard.CHUNK[level])
+            pending_counts.append(jnp.sum(pending, dtype=jnp.int32))
             idx = jnp.nonzero(pending, size=size, fill_value=npad)[0]
             take = jnp.minimum(idx, npad - 1).reshape(-1, chunk)
 
@@ -117,7 +135,7 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample
             b = jax.lax.map(one, take).reshape(-1)
             good = (b >= 0) & (b <= thr) & (idx < npad)  # NaN and -inf never certify
             cert = cert.at[jnp.where(good, idx, npad)].set(True, mode="drop")
-            if level == 0:  # coordinates beyond capacity escape
+            if level == 0 or per_level:  # coordinates beyond capacity escape
                 pending = jnp.zeros((npad,), bool).at[idx].set(True, mode="drop") & pending
             pending = pending & ~cert
         escape = in_t & ~exact & ~cert
@@ -133,11 +151,41 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample
         "escape_v": jnp.where(inside, vf[safe], 0.0), "escape_count": count,
         "overflow": jnp.maximum(count - E, 0),
     }
+    if counts:
+        nl = len(_bound.LEVELS)
+        arrays["pending_counts"] = jnp.stack(pending_counts) if spec.certify else jnp.zeros((nl,), jnp.int32)
+        arrays["block_exact"] = jnp.sum((in_t & exact).reshape(-1, codes.BLOCK), axis=1, dtype=jnp.int32)
+        arrays["block_uncertifiable"] = jnp.sum((in_t & ~exact & ~ok).reshape(-1, codes.BLOCK), axis=1,
+                                                dtype=jnp.int32)
     if sample is not None:
-        at = jnp.asarray(np.asarray(sample, np.int32))
+        at = sample if isinstance(sample, jax.Array) else jnp.asarray(np.asarray(sample, np.int32))
         arrays["sample_m"] = jnp.where(escape[at], mf[at], mt[at])
         arrays["sample_v"] = jnp.where(escape[at], vf[at], vt[at])
     return JitEncoded(arrays, spec.codec, shape)
+
+
+def level_sizes(capacity) -> tuple:
+    """The candidates each level of `encode_traced` gathers for a `capacity`.
+
+    Args:
+      capacity: an int (every level gathers that many, rounded up to the level's chunk,
+        `guard.CHUNK`) or one int per level of `bound.LEVELS`.
+
+    Returns:
+      One int per level, each a multiple of ``min(its capacity, guard.CHUNK[level])``.
+
+    Raises:
+      ConfigError: a capacity below 1 or a tuple of the wrong length.
+    """
+    nl = len(_bound.LEVELS)
+    caps = (capacity,) * nl if isinstance(capacity, int) else tuple(int(c) for c in capacity)
+    if len(caps) != nl or min(caps) < 1:
+        raise ConfigError(f"capacity={capacity!r}: pass an int >= 1 or {nl} of them (one per level)")
+    out = []
+    for level, cap in enumerate(caps):
+        chunk = min(cap, _guard.CHUNK[level])
+        out.append(-(-cap // chunk) * chunk)
+    return tuple(out)
 
 
 def sample_positions(n: int, every: int) -> np.ndarray:

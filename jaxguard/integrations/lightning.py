@@ -22,6 +22,15 @@ Paths may be fsspec URLs (``s3://...``); ``storage_options`` go to fsspec. A che
 where a param group's lr is 0 (the end of a schedule that decays to 0) is written in
 Lightning's own uncompressed format, which `load_checkpoint` also reads: the guarantee is
 relative to lr and there is nothing to certify against.
+
+Resuming on another kernel: each container records the op model that certified each
+moment pair (``op_model=`` names the kernel the run resumes on, e.g.
+``"torch-adam-cuda-foreach"`` for a checkpoint written on a CPU machine for a GPU run).
+Lightning loads the returned state into the live optimizer itself, after this plugin has
+returned it, so `load_checkpoint` leaves a one-shot check behind: at the first step of the
+optimizer whose param groups carry the loaded ``param_names`` (after Lightning moved it
+to its device), a param group that runs another kernel than the certified one warns one
+line, as `torch_compat.load` does (`torch_compat.state.warn_other_kernel`).
 """
 from __future__ import annotations
 
@@ -48,13 +57,20 @@ class GuardedCheckpointIO(CheckpointIO):
       clip: the gradient bound ``C`` the guarantee covers (default: the spec's, 0.2).
       codec: the moment codec (default: the spec's, ``jaxguard.DEFAULT_CODEC``).
       spec: the guard settings, a `jaxguard.GuardSpec`; the arguments above override it.
+      op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
+        one torch runs where the state lives).
+      device_encode: where moments are encoded (`jaxguard.writer.device_encode_setting`;
+        None: on the GPU for CUDA state when JAX has a GPU backend).
     """
 
-    def __init__(self, tau: float | None = None, clip: float | None = None, codec: str | None = None, *, spec=None):
+    def __init__(self, tau: float | None = None, clip: float | None = None, codec: str | None = None, *, spec=None,
+                 op_model: str | None = None, device_encode: bool | None = None):
         from jaxguard.core.config import save_spec
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         self.tau, self.clip, self.codec = self.spec.tau, self.spec.clip, self.spec.codec
+        self.op_model, self.device_encode = op_model, device_encode
         self.last_summary: dict | None = None
+        self._resume_check = None
 
     def to_bytes(self, checkpoint: dict[str, Any]) -> tuple[bytes, dict]:
         """A Lightning checkpoint dict -> (container bytes, summary of the guarded moments).
@@ -89,14 +105,14 @@ class GuardedCheckpointIO(CheckpointIO):
                 if any("param_names" not in g for g in sd.get("param_groups", [])):
                     raise CheckpointError(NO_NAMES.format(i=i))
                 opt_sk, recs = tstate.state_records(sd, params, spec=self.spec,
-                                                    prefix=f"optimizer_states/{i}")
+                                                    prefix=f"optimizer_states/{i}", op_model=self.op_model)
                 records += recs
                 opts.append(opt_sk)
             top.append([key, {"__list__": opts}])
         meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__,
                 "source": "lightning"}
         extra = {"tau": self.tau, "clip": self.clip, "codec": self.codec}
-        return writer.to_bytes(records + raws, meta, extra_header=extra)
+        return writer.to_bytes(records + raws, meta, extra_header=extra, device_encode=self.device_encode)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         """Write `checkpoint` atomically as a guarded container (Lightning's CheckpointIO API).
@@ -152,8 +168,38 @@ class GuardedCheckpointIO(CheckpointIO):
         if storage.read_bytes(path)[:8] != b"JAXGUARD":  # an uncompressed checkpoint (lr 0, or not ours)
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        tree, _ = restore_tree(path)
+        tree, header = restore_tree(path)
+        self._check_resume(tree, header, path)
         return tree
+
+    def _check_resume(self, tree, header, path) -> None:
+        """Leave the one-shot kernel check (module docstring) for the optimizers of `tree`."""
+        from torch_compat import state as tstate
+        self.teardown()
+        pending = []
+        for i, sd in enumerate(tree.get("optimizer_states", []) if isinstance(tree, dict) else []):
+            certified = tstate.certified_by_group(header, sd, prefix=f"optimizer_states/{i}")
+            if any(certified):
+                pending.append(([list(g.get("param_names") or ()) for g in sd["param_groups"]], certified))
+        if not pending:
+            return
+
+        def first_step(optimizer, args, kwargs):
+            # torch iterates its hooks while calling this one: it is removed later (teardown)
+            names = [list(g.get("param_names") or ()) for g in optimizer.param_groups]
+            for item in [it for it in pending if it[0] == names]:
+                pending.remove(item)
+                tstate.warn_other_kernel(item[1], optimizer, str(path))
+
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        self._resume_check = register_optimizer_step_pre_hook(first_step)
+
+    def teardown(self) -> None:
+        """Drop a resume check no optimizer step has met yet (Lightning calls it when the
+        strategy is torn down)."""
+        if self._resume_check is not None:
+            self._resume_check.remove()
+            self._resume_check = None
 
     def remove_checkpoint(self, path) -> None:
         """Remove the checkpoint at `path`; a missing one is not an error.
