@@ -18,10 +18,6 @@ for every ``|g| <= clip``.  Callers pass only coordinates `classify` calls certi
 """
 from __future__ import annotations
 
-import concurrent.futures
-import os
-import threading
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -183,62 +179,6 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     return out
 
 
-MAX_CERTIFY_THREADS = 8
-_POOL: dict = {}
-_POOL_LOCK = threading.Lock()
-
-
-def certify_threads() -> int:
-    """Returns: threads the cell levels of `certify_pc` run their chunks on:
-    ``JAXGUARD_CERTIFY_THREADS`` if set, else the cores this process may run on, 1 to
-    `MAX_CERTIFY_THREADS` (XLA:CPU runs one program on one core and releases the GIL
-    meanwhile; each chunk's answer lands at its own place, so the levels certified do not
-    depend on the thread count).
-
-    Raises:
-      ConfigError: ``JAXGUARD_CERTIFY_THREADS`` is not a positive integer.
-    """
-    env = os.environ.get("JAXGUARD_CERTIFY_THREADS")
-    if env is not None:
-        if not env.strip().isdigit() or int(env) < 1:
-            raise ConfigError(f"JAXGUARD_CERTIFY_THREADS={env!r} is not a positive integer; set it to 1, 2, ... "
-                              "or unset it (default: the cores)")
-        return int(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):   # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_CERTIFY_THREADS, cores))
-
-
-def _run_chunks(run, chunks) -> None:
-    """``run(chunk)`` for every chunk of the iterable `chunks`, on `certify_threads`
-    threads (one pool per thread count, shared by every slab being encoded), at most two
-    chunks per thread produced ahead (each holds its gathered inputs)."""
-    workers = certify_threads()
-    if workers < 2:
-        for c in chunks:
-            run(c)
-        return
-    with _POOL_LOCK:
-        pool = _POOL.get(workers)
-        if pool is None:
-            pool = _POOL[workers] = concurrent.futures.ThreadPoolExecutor(workers,
-                                                                          thread_name_prefix="jaxguard-certify")
-    inflight: list = []
-    try:
-        for c in chunks:
-            inflight.append(pool.submit(run, c))
-            if len(inflight) >= 2 * workers:
-                inflight.pop(0).result()
-        while inflight:
-            inflight.pop(0).result()
-    finally:   # an error: wait for what is running (it writes into the caller's arrays)
-        for f in inflight:
-            f.cancel()
-        concurrent.futures.wait(inflight)
-
-
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
                max_level=None):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
@@ -293,13 +233,9 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
                disable=not progress)
     lower = np.empty(idx.size, np.float32)
-
-    def run_lower(chunk):
-        s, cnt, take, kc = chunk
+    for s, cnt, take, kc in padded(idx, CHUNK[0]):
         lower[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_pc, kc, m[take], v[take], mt[take], vt[take],
                                                      clip[take]))[:cnt]
-
-    _run_chunks(run_lower, padded(idx, CHUNK[0]))
     pending = np.flatnonzero(~(lower > thr))
     bar.update(idx.size - pending.size)
     for level in range(len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
@@ -309,16 +245,12 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         edges = jnp.asarray(_bound.unit_edges(level, partition))
         sel = idx[pending]
         out = np.empty(sel.shape[0], np.float32)
-
-        def run_level(chunk, edges=edges, out=out):
-            s, cnt, take, kc = chunk
+        for s, cnt, take, kc in padded(sel, CHUNK[level]):
             b = _programs.call(_bound.batch_bound_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take],
                                edges, bound=bound)
             out[s:s + cnt] = np.asarray(b)[:cnt]
-
-        _run_chunks(run_level, padded(sel, CHUNK[level]))
-        if level == len(_bound.LEVELS) - 1:
-            bar.update(sel.shape[0])
+            if level == len(_bound.LEVELS) - 1:
+                bar.update(cnt)
         ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
         level_of[pending[ok]] = level
         if level < len(_bound.LEVELS) - 1:
