@@ -11,10 +11,12 @@ import os
 import subprocess
 import sys
 
-import torch
+import pytest
 
-import torch_compat
-from jaxguard.format import container
+torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+
+import torch_compat  # noqa: E402
+from jaxguard.format import container  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
