@@ -570,10 +570,11 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
                                   f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
         if p.dtype != torch.float32:
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
-        key = (id(group), step_count(st, idx), st["exp_avg"].device.type)
-        cfg = configs.get(key)
+        step, device_type = step_count(st, idx), st["exp_avg"].device.type
+        cfg = configs.get((id(group), step, device_type))
         if cfg is None:
-            cfg = configs[key] = guard_config(group, key[1], spec=spec, device_type=key[2], op_model=op_model)
+            cfg = configs[(id(group), step, device_type)] = guard_config(group, step, spec=spec,
+                                                                          device_type=device_type, op_model=op_model)
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,

@@ -272,13 +272,7 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
     head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
     out.write(head)
     trailer.update(head)
-    scratch.seek(0)
-    while True:
-        chunk = scratch.read(COPY_CHUNK)
-        if not chunk:
-            break
-        out.write(chunk)
-        trailer.update(chunk)
+    _copy_scratch(scratch, out, trailer)
     out.write(trailer.digest())
     return len(head) + pay.pos + reader.TRAILER
 
@@ -323,13 +317,8 @@ class _InPlace:
             self.next_try = 2 * max(pay.pos, 1)
             return
         self.scratch.flush()
-        self.scratch.seek(0)
         self.out.seek(reader.PREFIX.size + room)
-        while True:
-            chunk = self.scratch.read(COPY_CHUNK)
-            if not chunk:
-                break
-            self.out.write(chunk)
+        _copy_scratch(self.scratch, self.out)
         self.scratch.truncate(0)
         pay.fh, self.room, self.active = self.out, room, True
 
@@ -353,6 +342,18 @@ class _InPlace:
         self.out.seek(len(head) + payload_bytes)
         self.out.write(trailer.digest())
         return len(head) + payload_bytes + reader.TRAILER
+
+
+def _copy_scratch(scratch, out, sha=None) -> None:
+    """Append the scratch payload, from its start, to `out` (and to `sha` if given)."""
+    scratch.seek(0)
+    while True:
+        chunk = scratch.read(COPY_CHUNK)
+        if not chunk:
+            break
+        out.write(chunk)
+        if sha is not None:
+            sha.update(chunk)
 
 
 def _pread_full(fd, buf, offset) -> int:
