@@ -32,7 +32,8 @@ def records(path, codec):
     from torch_compat.state import state_records
     ck = torch.load(path, weights_only=False)
     params = dict(ck["model"])
-    _, recs = state_records(ck["optimizer"], params, codec=codec)
+    from jaxguard import GuardSpec
+    _, recs = state_records(ck["optimizer"], params, spec=GuardSpec(codec=codec))
     return recs
 
 

@@ -448,6 +448,58 @@ def batch_bound_pc(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared"):
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)
 
 
+# ---------------------------------------------------------------- the coordinate's own partition
+# Cell edges in units of the coordinate's gradient scale ``sqrt(max(b2f min(v, v~), (eps B)^2) / c2)``:
+# where ``c2 g^2`` meets ``b2f v`` (or the eps term), the difference peaks; linear sixteenths
+# below the scale, then a geometric tail.  Measured on the coordinates the closed form leaves
+# (bench/results/adaptive_cells.md): 28 cells a sign certify about what level 3's 408 do.
+ADAPTIVE_GAMMAS = tuple(j / 16 for j in range(16)) + (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 64.0, 256.0,
+                                                      4096.0)
+
+
+def adaptive_unit_edges(k, v, vt, clip):
+    """One coordinate's cell edges on [0, 1]: `ADAPTIVE_GAMMAS` times its gradient scale
+    over the clip, capped at 1, then 1.
+
+    Numerical contract: the edges start at exactly 0, end at exactly 1 and never decrease
+    (each is ``min(gamma * ratio, 1)`` of one float32 ``ratio >= 0`` and ascending gammas;
+    a ratio that is not finite makes every inner edge 1).  So the cells
+    ``[clip*e_i, clip*e_(i+1)]`` cover ``[0, clip]`` with no gap, whatever the inputs, and
+    `coordinate_bound` over them is as sound as over the fixed partitions: the partition
+    decides how tight the bound is, never whether it holds.
+
+    Args:
+      k: the coordinate's `StepRow` (float32 scalars).
+      v, vt: its original and decoded second moments (float32, >= 0).
+      clip: its gradient clip (float32, > 0).
+
+    Returns:
+      float32 [len(ADAPTIVE_GAMMAS) + 1] edges.
+    """
+    k = as_step_row(k)
+    scale = jnp.sqrt(jnp.maximum(k.b2f * jnp.minimum(v, vt), (k.eps * k.B) * (k.eps * k.B)) / k.c2)
+    ratio = scale / clip
+    ratio = jnp.where(jnp.isfinite(ratio) & (ratio >= 0), ratio, jnp.inf)
+    inner = jnp.minimum(jnp.asarray(ADAPTIVE_GAMMAS[1:], jnp.float32) * ratio, 1.0)
+    return jnp.concatenate([jnp.zeros(1, jnp.float32), inner, jnp.ones(1, jnp.float32)])
+
+
+@jax.jit
+def batch_bound_adaptive_pc(k, m, v, mt, vt, pabs, clip):
+    """`batch_bound_pc` with each coordinate's own partition (`adaptive_unit_edges`).
+
+    Args:
+      k: a `StepRow` of [n] float32 arrays, one row per coordinate (`StepRow.take`).
+      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate (as `cell_bounds`).
+
+    Returns:
+      float32 [n] bounds (`coordinate_bound` over the coordinate's cells).
+    """
+    def one(kk, m, v, mt, vt, p, c):
+        return coordinate_bound(kk, m, v, mt, vt, p, c, adaptive_unit_edges(kk, v, vt, c), decay_in_update=None)
+    return jax.vmap(one)(k, m, v, mt, vt, pabs, clip)
+
+
 @jax.jit
 def batch_lower_pc(k, m, v, mt, vt, clip):
     """`batch_lower` with one constants row per coordinate.

@@ -144,6 +144,8 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_c
 
 
 FAST_TIER = 100          # level_of value of coordinates certified by the closed form
+ADAPTIVE_TIER = 101      # level_of value of those certified on their own partition (`bound.adaptive_unit_edges`)
+ADAPTIVE_CHUNK = 1 << 12  # coordinates per call of the adaptive tier (28 cells a sign each)
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one compiled shape)
 
 
@@ -180,15 +182,19 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
 
 
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
-               max_level=None):
+               max_level=None, adaptive=True):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
     of [G] arrays, `bound.stack_rows`).
 
     With `fast` (the shared bound, mixed partition: the ablations keep their own
     certificate), the closed-form tier (`jaxguard.core.fastbound`)
-    goes first.  Then the refinement levels run on compacted candidates: each level only
-    sees the coordinates the previous one could not certify, after an early reject of
-    those whose ideal difference at a few gradients already exceeds the threshold.
+    goes first.  Then, after an early reject of the coordinates whose ideal difference at a
+    few gradients already exceeds the threshold, the adaptive tier (shared bound, mixed
+    partition): the cell bound on each coordinate's own partition, 28 cells a sign placed
+    on its gradient scale (`bound.adaptive_unit_edges`), which certifies about what the
+    fixed level 3 does at a fraction of the cells.  Then the fixed refinement levels run
+    on what is left, each level on what the previous one could not certify, so every
+    coordinate the levels alone would certify is still certified.
 
     Args:
       K, gidx, m, v, mt, vt, pabs, clip: as for `fast_accept` (whole flat arrays).
@@ -197,12 +203,15 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       partition: ``"mixed"`` or ``"linear"`` cell edges.
       progress: show a tqdm bar.
       fast: try the closed-form tier first (shared bound, mixed partition only).
-      max_level: stop after this refinement level (default: all); what it has not
-        certified by then is -1 (a cheaper, more conservative answer).
+      max_level: stop after this refinement level (default: all; -1: none, the closed
+        form and the adaptive tier only); what is not certified by then is -1 (a cheaper,
+        more conservative answer).
+      adaptive: run the adaptive tier before the fixed levels (shared bound, mixed
+        partition only).
 
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
-      for the closed form, or -1 (escape).
+      for the closed form, `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
     if idx.size == 0:
@@ -214,7 +223,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)
         level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
-                                    fast=False, max_level=max_level)
+                                    fast=False, max_level=max_level, adaptive=adaptive)
         return level_of
     thr = K.threshold[gidx[idx]]
 
@@ -238,6 +247,17 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                                                      clip[take]))[:cnt]
     pending = np.flatnonzero(~(lower > thr))
     bar.update(idx.size - pending.size)
+    if adaptive and pending.size and bound == "shared" and partition == "mixed":
+        sel = idx[pending]
+        out = np.empty(sel.shape[0], np.float32)
+        for s, cnt, take, kc in padded(sel, ADAPTIVE_CHUNK):
+            b = _programs.call(_bound.batch_bound_adaptive_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take],
+                               clip[take])
+            out[s:s + cnt] = np.asarray(b)[:cnt]
+        ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
+        level_of[pending[ok]] = ADAPTIVE_TIER
+        bar.update(int(ok.sum()))
+        pending = pending[~ok]
     for level in range(len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
         if pending.size == 0:
             break

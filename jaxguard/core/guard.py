@@ -38,7 +38,7 @@ from jaxguard.core import codes
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import floatbits as _fbits
 from jaxguard.core import programs as _programs
-from jaxguard.core.certify import (CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
+from jaxguard.core.certify import (ADAPTIVE_TIER, CHUNK, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
                                    certify_pc, classify, device_classify, device_masks, fast_accept, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
@@ -342,6 +342,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             "uncertifiable": n - int(np.count_nonzero(ex | okk)),
             "certified_by_level": [int(c) for c in per_level[:len(_bound.LEVELS)]],
             "certified_fast": int(per_level[FAST_TIER]),
+            "certified_adaptive": int(per_level[ADAPTIVE_TIER]),
             "joint_rescued": int(rescued[b:b + n].sum()),
             "payload_bytes": payload_bytes(enc) if payload_many is None else 0, "raw_fp32_bytes": 8 * n,
             "encode_seconds": elapsed * n / total,
