@@ -75,3 +75,38 @@ def test_cli_gpu_op_model():
     rep = json.loads(out.stdout)
     assert rep["op_model"] == "torch-adamw-cuda-fused-f32" and rep["failures"] == 0
     assert rep["variant"]["approx"] == "adversarial"
+
+
+def test_adaptive_tier_encloses_replay_and_its_cells_are_audited():
+    """Half the cases take a cell of their own adaptive partition; every case's whole
+    adaptive bound must enclose the replay as well.  Without the radius the audit finds
+    failures in those cells too (it can see an under-estimate there)."""
+    for op_model, seed in (("torch-adam", 0), ("torch-adamw", 1), ("torch-adam-fused", 2)):
+        rep = audit_enclosure(8192, op_model=op_model, seed=seed)
+        a = rep["adaptive"]
+        assert rep["failures"] == 0 and a["failures"] == 0, (op_model, rep["failure_examples"], a["failure_examples"])
+        assert 0.4 * rep["cases"] < a["cell_cases"] < 0.6 * rep["cases"]
+        assert a["finite"] > 0.5 * rep["cases"] and a["certified_at_tau_0.01"] > 0
+    rep = audit_enclosure(8192, no_radius=True)
+    assert rep["adaptive"]["cell_failures"] > 0
+
+
+def _adaptive_edges(row, v, vt, clip):
+    import jax
+    return np.asarray(jax.vmap(lambda a, b, c: bound.adaptive_unit_edges(row, a, b, c))(v, vt, clip))
+
+
+def test_adaptive_edges_cover_zero_to_one_whatever_the_inputs():
+    """The partition decides tightness, not soundness: its edges start at exactly 0, end at
+    exactly 1 and never decrease, for zero, subnormal, huge, infinite and NaN inputs."""
+    from jaxguard.core.opmodel import step_constants
+    f32 = np.float32
+    vals = np.array([0.0, 1e-45, 1e-38, 2.0**-80, 1e-12, 1e-6, 1.0, 1e30, 3.4e38, np.inf, np.nan], f32)
+    v, vt, clip = (x.reshape(-1) for x in np.meshgrid(vals, vals, np.array([1e-30, 1e-4, 0.2, 1e30, np.inf], f32)))
+    for step, eps in ((0, 1e-8), (1000, 1e-45), (5, 1e-30)):
+        row = bound.pack_constants(step_constants("torch-adam", lr=1e-3, step=step, eps=eps), 0.01)
+        e = _adaptive_edges(row, v, vt, clip)
+        assert e.shape == (v.size, len(bound.ADAPTIVE_GAMMAS) + 1)
+        assert (e[:, 0] == 0).all() and (e[:, -1] == 1).all()
+        assert (np.diff(e, axis=1) >= 0).all() and np.isfinite(e).all()
+

@@ -23,6 +23,13 @@ limit, and (torch-adamw) groups with ``lr * wd`` from 0.5 to 30, across the deca
 ``|1 - lr wd| = 1``.  A bound of +inf means the coordinate escapes: never a failure, and
 counted (``escaped``); a finite bound must enclose the replay, NaN/inf actual included.
 
+The adaptive tier (`bound.batch_bound_adaptive_pc`: the cell bound on each coordinate's own
+partition, on its gradient scale): `ADAPTIVE_FRACTION` of the cases (drawn from a stream of
+their own, so the other draws do not change) take their cell from their own adaptive
+partition instead of a fixed level's, so the cell check runs at those edges; and every
+case's whole adaptive bound (the max over all its cells) must enclose the replay at the
+case's points too (they lie in ``[-clip, clip]``), counted under ``adaptive``.
+
 Cases are grouped: all cases of one group share ``(step, lr, wd)`` so that one
 `adam_step` call (one jitted kernel, its numpy fallback for the extreme range included)
 replays the whole group at once; groups differ in ``(step, lr)``.
@@ -50,6 +57,7 @@ BETAS = (0.9, 0.999)
 EPS = 1e-8
 ADAMW_WD = 0.01
 LEVEL_RANGE = (1, 4)
+ADAPTIVE_FRACTION = 0.5      # cases whose cell is one of their own adaptive partition's (`bound.adaptive_unit_edges`)
 _INTERIOR = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144], np.float64) / 233.0  # 11 interior fractions
 
 
@@ -70,6 +78,24 @@ def _fast_bounds(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     """The closed-form tier (`jaxguard.core.fastbound`): one bound for all |g| <= clip."""
     b, usable = _fastbound.fast_bound(k.T, m, v, mt, vt, pabs, clip, no_radius=no_radius)
     return jnp.where(usable, b, jnp.nan), usable
+
+
+@jax.jit
+def _adaptive_edges(k, v, vt, clip):
+    return jax.vmap(lambda kk, a, b, c: _bound.adaptive_unit_edges(_bound.as_step_row(kk), a, b, c))(k, v, vt, clip)
+
+
+def _adaptive_cells(rng, k, d, sel):
+    """Give cases `sel` one non-empty cell of their own adaptive partition (uniform over those)."""
+    if sel.size == 0:
+        return
+    e = np.asarray(_adaptive_edges(jnp.asarray(k[sel]), d["v"][sel], d["vt"][sel], d["clip"][sel]))
+    nonempty = e[:, 1:] > e[:, :-1]
+    count = nonempty.sum(1)                       # >= 1: the edges run from 0 to 1
+    pick = np.minimum((rng.random(sel.size) * count).astype(np.int64), count - 1)
+    idx = np.argmax(np.cumsum(nonempty, 1) > pick[:, None], axis=1)
+    d["e"][sel, 0], d["e"][sel, 1] = e[np.arange(sel.size), idx], e[np.arange(sel.size), idx + 1]
+    d["level"][sel] = -1
 
 
 @functools.partial(jax.jit, static_argnames=("no_radius", "row_decay"))
@@ -248,7 +274,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
       A dict: cases, failures (finite bound below the actual difference, or a NaN
       bound), escaped (+inf bounds), edge_cases / edge_finite (edge draws and those with a
       finite bound), max_ratio, worst case, failure examples, the closed-form tier's
-      counts (``fast``), settings.
+      counts (``fast``), the adaptive tier's (``adaptive``), settings.
 
     Raises:
       ConfigError: an op model that is not a torch one.
@@ -302,6 +328,10 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     fast_usable = fast_certified = fast_failures = 0
     fast_max_ratio = 0.0
     fast_examples = []
+    adapt_rng = np.random.default_rng([seed, 32])   # apart: the other draws stay those of earlier audits
+    adaptive_cells = a_finite = a_certified = a_failures = a_cell_failures = 0
+    a_max_ratio = 0.0
+    a_examples = []
     for c0 in range(0, cases, CHUNK):
         n = min(CHUNK, cases - c0)
         d = draw_cases(rng, n)
@@ -312,6 +342,9 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         gid = (c0 + np.arange(n)) // GROUP
         k = ks[gid]
         pabs = np.abs(d["p"])
+        in_adaptive = np.flatnonzero(adapt_rng.random(n) < ADAPTIVE_FRACTION)
+        _adaptive_cells(adapt_rng, k, d, in_adaptive)
+        adaptive_cells += in_adaptive.size
         b = np.asarray(_bounds(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], d["e"], d["sgn"],
                                no_radius=no_radius, **({"row_decay": True} if gpu else {})), np.float64)
         gl = (d["clip"] * d["e"][:, 0]).astype(np.float32)
@@ -368,11 +401,25 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         fast_max_ratio = max(fast_max_ratio, float(np.nanmax(fr)) if fr.size else 0.0)
         for i in np.flatnonzero(fbad)[: max(0, keep_failures - len(fast_examples))]:
             fast_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(fb[i]), actual[i], g[i]))
+        # the adaptive tier's whole bound (all cells of the coordinate's own partition)
+        ab = np.asarray(_bound.batch_bound_adaptive_pc(_bound.as_step_row(jnp.asarray(k), -1), d["m"], d["v"], d["mt"],
+                                                       d["vt"], pabs, d["clip"]), np.float64)
+        a_fin = np.isfinite(ab)
+        a_finite += int(np.count_nonzero(a_fin))
+        a_certified += int(np.count_nonzero(a_fin & (ab <= k[:, 9])))
+        abad = a_fin & ~(amax <= ab)
+        a_failures += int(np.count_nonzero(abad))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ar = np.where(a_fin & (amax > 0), amax / ab, 0.0)
+        a_max_ratio = max(a_max_ratio, float(np.nanmax(ar)) if ar.size else 0.0)
+        for i in np.flatnonzero(abad)[: max(0, keep_failures - len(a_examples))]:
+            a_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(ab[i]), actual[i], g[i]))
         nan_bounds += int(np.count_nonzero(np.isnan(b)))
         esc = b == np.inf           # the coordinate escapes: nothing is claimed
         escaped += int(np.count_nonzero(esc))
         bad = ~esc & ~(amax <= b)   # NaN bound, or a finite bound below the actual difference
         failures += int(np.count_nonzero(bad))
+        a_cell_failures += int(np.count_nonzero(bad[in_adaptive]))
         edge_cases += int(np.count_nonzero(edge))
         edge_finite += int(np.count_nonzero(edge & ~esc))
         edge_failures += int(np.count_nonzero(edge & bad))
@@ -402,6 +449,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         "worst": worst, "failure_examples": examples,
         "fast": {"usable": fast_usable, "certified_at_tau_0.01": fast_certified, "failures": fast_failures,
                  "max_ratio": fast_max_ratio, "failure_examples": fast_examples},
+        "adaptive": {"cell_cases": adaptive_cells, "cell_failures": a_cell_failures, "finite": a_finite, "certified_at_tau_0.01": a_certified,
+                     "failures": a_failures, "max_ratio": a_max_ratio, "failure_examples": a_examples},
     }
 
 
@@ -436,7 +485,9 @@ def run(args) -> int:
               f"max actual/bound {rep['max_ratio']:.4g}, {rep['escaped']} escaped (bound +inf); edge cases "
               f"{rep['edge_cases']} ({rep['edge_finite']} with a finite bound, {rep['edge_failures']} failures), "
               f"{rep['seconds']} s; closed-form tier: {rep['fast']['usable']} usable, {rep['fast']['failures']} "
-              f"failures, max actual/bound {rep['fast']['max_ratio']:.4g}")
+              f"failures, max actual/bound {rep['fast']['max_ratio']:.4g}; adaptive tier: {rep['adaptive']['cell_cases']} "
+              f"cases in adaptive cells ({rep['adaptive']['cell_failures']} cell failures), {rep['adaptive']['finite']} finite whole bounds, "
+              f"{rep['adaptive']['failures']} failures, max actual/bound {rep['adaptive']['max_ratio']:.4g}")
     if rep["no_radius"]:
         return 0
-    return 1 if rep["failures"] or rep["fast"]["failures"] else 0
+    return 1 if rep["failures"] or rep["fast"]["failures"] or rep["adaptive"]["failures"] else 0
