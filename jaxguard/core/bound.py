@@ -457,9 +457,9 @@ ADAPTIVE_GAMMAS = tuple(j / 16 for j in range(16)) + (1.0, 1.25, 1.5, 2.0, 3.0, 
                                                       4096.0)
 
 
-def adaptive_unit_edges(k, v, vt, clip):
-    """One coordinate's cell edges on [0, 1]: `ADAPTIVE_GAMMAS` times its gradient scale
-    over the clip, capped at 1, then 1.
+def adaptive_unit_edges(k, v, vt, clip, gammas=ADAPTIVE_GAMMAS):
+    """One coordinate's cell edges on [0, 1]: `gammas` times its gradient scale over the
+    clip, capped at 1, then 1.
 
     Numerical contract: the edges start at exactly 0, end at exactly 1 and never decrease
     (each is ``min(gamma * ratio, 1)`` of one float32 ``ratio >= 0`` and ascending gammas;
@@ -472,31 +472,35 @@ def adaptive_unit_edges(k, v, vt, clip):
       k: the coordinate's `StepRow` (float32 scalars).
       v, vt: its original and decoded second moments (float32, >= 0).
       clip: its gradient clip (float32, > 0).
+      gammas: ascending multiples of the scale, the first 0 (default `ADAPTIVE_GAMMAS`;
+        others for bench/experiments/adaptive_cells.py).
 
     Returns:
-      float32 [len(ADAPTIVE_GAMMAS) + 1] edges.
+      float32 [len(gammas) + 1] edges.
     """
     k = as_step_row(k)
     scale = jnp.sqrt(jnp.maximum(k.b2f * jnp.minimum(v, vt), (k.eps * k.B) * (k.eps * k.B)) / k.c2)
     ratio = scale / clip
     ratio = jnp.where(jnp.isfinite(ratio) & (ratio >= 0), ratio, jnp.inf)
-    inner = jnp.minimum(jnp.asarray(ADAPTIVE_GAMMAS[1:], jnp.float32) * ratio, 1.0)
+    inner = jnp.minimum(jnp.asarray(gammas[1:], jnp.float32) * ratio, 1.0)
     return jnp.concatenate([jnp.zeros(1, jnp.float32), inner, jnp.ones(1, jnp.float32)])
 
 
-@jax.jit
-def batch_bound_adaptive_pc(k, m, v, mt, vt, pabs, clip):
+@functools.partial(jax.jit, static_argnames=("gammas",))
+def batch_bound_adaptive_pc(k, m, v, mt, vt, pabs, clip, *, gammas=ADAPTIVE_GAMMAS):
     """`batch_bound_pc` with each coordinate's own partition (`adaptive_unit_edges`).
 
     Args:
       k: a `StepRow` of [n] float32 arrays, one row per coordinate (`StepRow.take`).
       m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate (as `cell_bounds`).
+      gammas: the partition's multiples of the gradient scale (static tuple).
 
     Returns:
       float32 [n] bounds (`coordinate_bound` over the coordinate's cells).
     """
     def one(kk, m, v, mt, vt, p, c):
-        return coordinate_bound(kk, m, v, mt, vt, p, c, adaptive_unit_edges(kk, v, vt, c), decay_in_update=None)
+        return coordinate_bound(kk, m, v, mt, vt, p, c, adaptive_unit_edges(kk, v, vt, c, gammas),
+                                decay_in_update=None)
     return jax.vmap(one)(k, m, v, mt, vt, pabs, clip)
 
 
