@@ -41,8 +41,9 @@ def _section_bytes(header):
 def _both():
     ck, _ = _trained()
     out = {}
-    for codec in (AW, ANS):
-        data, s = torch_compat.compress_checkpoint(ck, tau=TAU, codec=codec)
+    for codec in (AW, ANS, "ans-no-rate"):
+        fn = lambda: torch_compat.compress_checkpoint(ck, tau=TAU, codec=codec.replace("ans-no-rate", ANS))  # noqa: E731
+        data, s = _rounds_off(fn) if codec == "ans-no-rate" else fn()
         out[codec] = (data, s, reader.parse(data)[0])
     return out
 
@@ -54,13 +55,25 @@ def test_registered_with_the_ans_layout_and_logrel_aw_decode():
     assert set(map(frozenset, spec.LAYOUTS["packed"])) < set(map(frozenset, spec.LAYOUTS["ans"]))
 
 
-def _without_rate_pass(fn):
+def _rounds_off(fn):
+    """fn() with the rate pass off, logrel-ans's own width search kept."""
     from jaxguard.core import rate
     rounds, rate.ROUNDS = rate.ROUNDS, 0
     try:
         return fn()
     finally:
         rate.ROUNDS = rounds
+
+
+def _without_rate_pass(fn):
+    """fn() with the rate pass off and logrel-aw's width search (every level): logrel-ans's
+    codes are then logrel-aw's, only stored otherwise."""
+    from jaxguard.core import rate
+    rounds, search, rate.ROUNDS, rate.SEARCH_MAX_LEVEL = rate.ROUNDS, rate.SEARCH_MAX_LEVEL, 0, None
+    try:
+        return fn()
+    finally:
+        rate.ROUNDS, rate.SEARCH_MAX_LEVEL = rounds, search
 
 
 def test_without_the_rate_pass_same_escapes_and_decoded_bits_as_logrel_aw_and_payload_never_larger():
@@ -81,12 +94,14 @@ def test_without_the_rate_pass_same_escapes_and_decoded_bits_as_logrel_aw_and_pa
 
 
 def test_rate_pass_keeps_the_widths_and_escapes_no_more_and_stores_less():
-    """With the rate pass (the default): the same widths and block parameters as logrel-aw,
-    other codes, no more escapes, fewer bytes; the payload stat is the sections' size."""
+    """With the rate pass (the default): the same widths and block parameters as without it
+    (logrel-ans's width search), other codes, no more escapes, fewer bytes than without it and
+    than logrel-aw; the payload stat is the sections' size."""
     b = _both()
-    (daw, saw, haw), (dans, sans, hans) = b[AW], b[ANS]
+    (daw, saw, haw), (dans, sans, hans) = b["ans-no-rate"], b[ANS]
     assert sans["escapes"] <= saw["escapes"] and sans["coordinates"] == saw["coordinates"]
     assert reader.verify_bytes(dans)["decoded_sha256"] != reader.verify_bytes(daw)["decoded_sha256"]
+    assert sans["payload_bytes"] < 0.97 * b[AW][1]["payload_bytes"]
     paw, pans = _section_bytes(haw), _section_bytes(hans)
     _, pa = reader.parse(daw)
     _, pn = reader.parse(dans)
@@ -95,7 +110,7 @@ def test_rate_pass_keeps_the_widths_and_escapes_no_more_and_stores_less():
             for k in ("widths", "v_params"):
                 (a0, a1), (n0, n1) = ea["sections"][k], en["sections"][k]
                 assert bytes(pa[a0:a1]) == bytes(pn[n0:n1]), (en["name"], k)
-    assert sum(pans.values()) < 0.97 * sum(paw.values()) and sans["payload_bytes"] == sum(pans.values())
+    assert sum(pans.values()) < sum(paw.values()) and sans["payload_bytes"] == sum(pans.values())
 
 
 def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
@@ -108,6 +123,7 @@ def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
     ea = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=AW))
     off = _without_rate_pass(lambda: G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS)))
     en = G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS))
+    own = _rounds_off(lambda: G.encode(m, v, p, G.GuardConfig(lr=1e-3, step=100, codec=ANS)))
     assert en.codec == ANS
     keep = np.ones(n, bool)
     keep[ea.arrays["escape_index"]] = False        # escaped codes are free: the pass sets them
@@ -116,8 +132,8 @@ def test_encoded_arrays_equal_logrel_aw_and_jax_decode_matches_the_reader():
         if k in ("m_codes", "v_codes"):
             a, b = np.asarray(a)[keep], np.asarray(b)[keep]
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), k
-    for k in ("widths", "v_params", "m_params"):
-        assert np.array_equal(ea.arrays[k], en.arrays[k]), k
+    for k in ("widths", "v_params", "m_params"):      # the rate pass keeps the block parameters
+        assert np.array_equal(own.arrays[k], en.arrays[k]), k
     hdr, pay = reader.parse(container.build([container.Moments("x", en, {})], {}))
     assert "mv_rans" in hdr["entries"][0]["sections"]
     rm, rv = reader.read_moments(hdr["entries"][0], pay, {})

@@ -12,9 +12,9 @@ recounts and repeats while a round saves at least `MIN_GAIN` of the coded bits (
 `ROUNDS`).  The counts sharpen round by round, so the codes gather on fewer symbols where
 the guard lets them (rate-distortion optimized quantization, with the certificate as the
 only distortion measure).  Every coordinate is certified in full once; afterwards an
-accepted pair is known to be certified.  A move may be certified up to `MOVE_MAX_LEVEL`
-only (the finest cells cost most and decide few moves; off by default); a move that needs
-more is then not taken.  A coordinate that escapes takes any certified
+accepted pair is known to be certified.  A move is certified up to `MOVE_MAX_LEVEL`
+only (by default the closed form and the adaptive tier: the fixed cell levels cost most and
+decide few moves); a move that needs more is then not taken.  A coordinate that escapes takes any certified
 pair; one that still escapes (stored exactly; the reader overwrites its decoded codes)
 takes its stream's cheapest codes.
 
@@ -47,17 +47,16 @@ MIN_GAIN = 0.003       # stop when a round saves less than this fraction of the 
 ORDER_CHUNK = 1 << 16  # coordinates whose move order is sorted at once (bounds the temporaries)
 UNSEEN_BITS = 3.0      # a symbol no coordinate uses yet costs this much more than one used once
 # A candidate move is certified up to this refinement level (`jaxguard.core.bound.LEVELS`);
-# one that needs the finest cells is rejected (always safe: the coordinate keeps a pair it
-# has).  The finest level costs ~37 us a coordinate against ~14 at level 3 and took 40% of a
-# logrel-ans encode (bench/results/logrel_ans_certify_split_before.md); None: every level.
-# Off (None) by default: files stay byte-identical to earlier releases and the payload
-# does not grow.  Measured with 3 on a 137,216-coordinate transformer
-# (bench/results/logrel_ans_speed.md): encode 81 -> 47 s, payload 19.55 -> 19.69% of FP32.
-MOVE_MAX_LEVEL = None
-# logrel-ans's width search (`jaxguard.core.adaptive.choose_and_certify`) may likewise stop at a level: 3 here gave
-# 23 s and 19.71%, but then logrel-ans's widths are no longer logrel-aw's (whose search,
-# golden-tested, keeps every level), so the default (None) keeps every level.
-SEARCH_MAX_LEVEL = None
+# one that needs more is rejected (always safe: the coordinate keeps a pair it has).
+# -1: the closed form and the adaptive tier only (`certify.certify_pc`), no fixed level;
+# None: every level.  Measured on a 137,216-coordinate transformer (t701, 2-core AMD EPYC,
+# bench/results/logrel_ans_levels_s11.md): every level 11.20 s and 19.55% of FP32, -1 (with
+# SEARCH_MAX_LEVEL -1) 3.58 s and 19.68%: the fixed levels decide few moves at most of the cost.
+# The final certificate of the stored codes keeps every level and alone decides escapes.
+MOVE_MAX_LEVEL = -1
+# logrel-ans's width search (`jaxguard.core.adaptive.choose_and_certify`) stops at this level
+# too, so its widths may differ from logrel-aw's (whose search keeps every level).
+SEARCH_MAX_LEVEL = -1
 
 
 def _cost_tables(qm, qv, bm, bv, tensors):
