@@ -146,12 +146,14 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_c
 FAST_TIER = 100          # level_of value of coordinates certified by the closed form
 ADAPTIVE_TIER = 101      # level_of value of those certified on their own partition (`bound.adaptive_unit_edges`)
 ADAPTIVE_CHUNK = 1 << 12  # coordinates per call of the adaptive tier (28 cells a sign each)
-FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier (one compiled shape)
+FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
+FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the rate pass's last moves)
 
 
 def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
-    chunks (one compiled program for any checkpoint).
+    chunks (four compiled shapes for any checkpoint: `FAST_CHUNK` and 1/4, 1/16, 1/64 of it
+    for the last, smaller part).
 
     Args:
       K: the group's constants, a `bound.StepRow` of [G] arrays (`bound.stack_rows`).
@@ -174,8 +176,11 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
         if valid is not None and not valid[s:e].any():
             continue   # padding only
         part = [x[s:e] for x in arrays] + [gidx[s:e]]
-        if e - s < FAST_CHUNK:   # pad with zeros (certifiable, never read back)
-            part = [np.concatenate([x, np.zeros(FAST_CHUNK - (e - s), x.dtype)]) for x in part]
+        size = FAST_CHUNK
+        while size > FAST_MIN_CHUNK and size // 4 >= e - s:   # few candidates: a smaller shape (4 in all)
+            size //= 4
+        if e - s < size:   # pad with zeros (certifiable, never read back)
+            part = [np.concatenate([x, np.zeros(size - (e - s), x.dtype)]) for x in part]
         mm, vv, mmt, vvt, pp, cc, gg = part
         out[s:e] = np.asarray(_programs.call(_fastbound.batch_fast_accept, K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
     return out

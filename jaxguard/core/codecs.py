@@ -151,6 +151,19 @@ def _decode_flat(qm, qv, mp, vp, m_dtype, v_dtype):
     return np.asarray(mtb).reshape(-1), np.asarray(vtb).reshape(-1)
 
 
+def _decode_at(qm, qv, mp_rows, vp_rows, m_dtype, v_dtype):
+    """Codes of single coordinates (as `m_dtype` / `v_dtype`) with their blocks' parameter
+    rows -> flat (m~, v~): the reader's block decode on one-coordinate rows (every value
+    depends only on its own codes and its block's parameters); padded to a power of two
+    (few compiled shapes)."""
+    n = qm.shape[0]
+    size = 1 << max(8, (n - 1).bit_length())
+    pad = lambda x, d: np.concatenate([np.asarray(x).astype(d, copy=False), np.zeros((size - n,) + np.shape(x)[1:], d)])  # noqa: E731
+    mt, vt = _adaptive.decode_blocks(pad(qm, m_dtype)[:, None], pad(qv, v_dtype)[:, None], pad(mp_rows, np.asarray(mp_rows).dtype),
+                          pad(vp_rows, np.asarray(vp_rows).dtype))
+    return np.asarray(mt)[:n, 0], np.asarray(vt)[:n, 0]
+
+
 def _choose_logrel_aw(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn, tensors):
     """Per-block widths chosen on certified escapes; returns the assembled codes and the
     values the reader decodes them to (certified again from scratch by the caller)."""
@@ -163,8 +176,11 @@ def _choose_logrel_ans(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
     codes moved to certified neighbours of fewer rANS-coded bits (`jaxguard.core.rate`)."""
     mq, vq, mp, vp, widths = _adaptive.choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
                                                           max_level=_rate.SEARCH_MAX_LEVEL)
-    mq, vq, mt, vt = _rate.optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn,
-                                    lambda qm, qv: _decode_flat(qm, qv, mp, vp, mq.dtype, vq.dtype))
+    mq, vq, mt, vt = _rate.optimize(
+        mq, vq, widths, in_tensor, tensors, lambda a, b, idx: classify(a, b, idx=idx),
+        lambda a, b, idx, max_level=None: certify_fn(a, b, idx, max_level=max_level, at_idx=True),
+        lambda qm, qv: _decode_flat(qm, qv, mp, vp, mq.dtype, vq.dtype),
+        lambda qm, qv, idx: _decode_at(qm, qv, mp[idx // codes.BLOCK], vp[idx // codes.BLOCK], mq.dtype, vq.dtype))
     return mq, vq, mp, vp, widths, mt, vt
 
 

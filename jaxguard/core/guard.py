@@ -265,12 +265,18 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         # certified again from scratch below
         K, kidx, pabs, clip = _group_constants(items, gidx, ph)
 
-        def certify_candidates(a, b, idx, max_level=None):
+        def certify_candidates(a, b, idx, max_level=None, at_idx=False):
+            # a, b: decoded values of the whole group, or (at_idx) of the coordinates idx only
             if not certified:   # the guard is off: every certifiable candidate is kept
                 return np.zeros(idx.shape[0], np.int8)
+            if at_idx:
+                return certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx], np.arange(idx.size),
+                                  bound, partition, max_level=max_level)
             return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level)
 
-        def classified(a, b):
+        def classified(a, b, idx=None):
+            if idx is not None:   # a, b at idx: the host classifier (the same booleans), no pass over the group
+                return classify(mh[idx], vh[idx], ph[idx], a, b)
             return tuple(np.asarray(x) for x in _programs.call(_device_classify, mh, vh, ph, a, b))
 
         mq, vq, mp, vp, widths, mt, vt = entry.choose(mh, vh, ph, valid, vpos, in_tensor, classified,

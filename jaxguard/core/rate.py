@@ -108,20 +108,18 @@ def _moved(qm, qv, dm, dv, lim_m, lim_v):
 
 
 def _certified(mt, vt, idx, classify, certify_fn, max_level=None):
-    """Of the coordinates idx, those whose (mt, vt) the guard keeps: exact or certified
-    (by refinement level `max_level` at the latest, when given)."""
-    exact, ok = classify(mt, vt)
-    keep = exact[idx]
-    test = idx[ok[idx] & ~exact[idx]]
+    """Of the coordinates idx, those whose decoded values (mt, vt), given at idx, the guard
+    keeps: exact or certified (by refinement level `max_level` at the latest, when given)."""
+    exact, ok = classify(mt, vt, idx)
+    keep = exact.copy()
+    test = np.flatnonzero(ok & ~exact)
     if test.size:
-        good = np.zeros(mt.size, bool)
-        lv = certify_fn(mt, vt, test) if max_level is None else certify_fn(mt, vt, test, max_level=max_level)
-        good[test[lv >= 0]] = True
-        keep |= good[idx]
+        lv = certify_fn(mt[test], vt[test], idx[test], max_level=max_level)
+        keep[test[lv >= 0]] = True
     return keep
 
 
-def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, rounds=None):
+def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, decode_at, rounds=None):
     """Move codes to certified neighbours of fewer coded bits (module docstring).
 
     Args:
@@ -131,11 +129,15 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
       in_tensor: flat bool, True on coordinates of a tensor.
       tensors: per tensor of the group, ``(first block, coordinates)``: each tensor gets
         its own models, as the writer codes it.
-      classify: ``classify(mt, vt) -> (exact, ok)`` over the group (as for the width search).
+      classify: ``classify(mt, vt, idx) -> (exact, ok)`` of the coordinates idx of the
+        group, their decoded values given at idx (as for the width search).
       certify_fn: ``certify_fn(mt, vt, idx, max_level=None) -> level per idx`` (< 0: escapes
-        or, with `max_level`, not certified by that level); moves are certified up to
-        `MOVE_MAX_LEVEL`.
+        or, with `max_level`, not certified by that level), values given at idx; moves are
+        certified up to `MOVE_MAX_LEVEL`.
       decode: ``decode(mq, vq) -> (m~, v~)`` flat, exactly as the reader decodes.
+      decode_at: ``decode_at(qm, qv, idx) -> (m~, v~)`` of the coordinates idx given their
+        codes at idx, as `decode` decodes them (a coordinate's values depend only on its own
+        codes and its block's parameters).
       rounds: at most this many rounds of moves and refits (default `ROUNDS`; 0: the pass is
         off, the codes stay the width search's).
 
@@ -150,14 +152,19 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
     mt, vt = decode(qm, qv)
     if rounds == 0 or not any(n for _, n in tensors):
         return mq, vq, mt, vt
-    exact, _ = classify(mt, vt)
-    live = np.flatnonzero(in_tensor & ~exact)     # exact coordinates (zeros) keep their codes
-    kept = _certified(mt, vt, live, classify, certify_fn)   # then tracked: accepted pairs are certified
+    coded = np.flatnonzero(in_tensor)
+    exact, _ = classify(mt[coded], vt[coded], coded)
+    live = coded[~exact]     # exact coordinates (zeros) keep their codes
+    kept = _certified(mt[live], vt[live], live, classify, certify_fn)   # then tracked: accepted pairs are certified
     am, av = np.array(MOVES, np.int64).T
+    lim_ml, lim_vl = lim_m[live], lim_v[live]
+    # bit j set: move j from the coordinate's present pair was refused by the guard.  The
+    # certificate of a pair depends on the coordinate and the pair only, not on the cost
+    # tables, so a later round skips it (most tries of the later rounds repeat a refusal).
+    refused = np.zeros(live.size, np.uint32)
     prev = None
     for _ in range(rounds):
         tabs = _cost_tables(qm, qv, bm, bv, tensors)
-        coded = np.flatnonzero(in_tensor)
         total = float(_cost(qm[coded], qv[coded], coded, tabs).sum())
         if prev is not None and prev - total < MIN_GAIN * prev:
             break
@@ -165,31 +172,37 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, r
         # each coordinate tries its pairs cheapest first and keeps the first the guard
         # certifies: one certificate per try.  Only the order is kept (1 byte per move and
         # coordinate); a try recomputes its pair and cost.
-        now = np.where(kept, _cost(qm[live], qv[live], live, tabs), np.inf)   # an escape takes any certified pair
+        qml, qvl = qm[live], qv[live]
+        now = np.where(kept, _cost(qml, qvl, live, tabs), np.inf)   # an escape takes any certified pair
         order = np.empty((len(MOVES), live.size), np.int8)
         for s in range(0, live.size, ORDER_CHUNK):
-            at = live[s:s + ORDER_CHUNK]
-            cm, cv = _moved(qm[at][None], qv[at][None], am[:, None], av[:, None], lim_m[at], lim_v[at])
-            order[:, s:s + ORDER_CHUNK] = np.argsort(_cost(cm, cv, at[None], tabs), axis=0, kind="stable")
+            at = slice(s, s + ORDER_CHUNK)
+            cm, cv = _moved(qml[at][None], qvl[at][None], am[:, None], av[:, None], lim_ml[at], lim_vl[at])
+            order[:, at] = np.argsort(_cost(cm, cv, live[at][None], tabs), axis=0, kind="stable")
         searching = np.arange(live.size)
+        moved = np.zeros(live.size, bool)
         new_m, new_v = qm.copy(), qv.copy()
         for k in range(len(MOVES)):
             pick = order[k, searching].astype(np.int64)
-            at = live[searching]
-            cm, cv = _moved(qm[at], qv[at], am[pick], av[pick], lim_m[at], lim_v[at])
-            cheaper = _cost(cm, cv, at, tabs) < now[searching] - 1e-9
-            searching, idx, cm, cv = searching[cheaper], at[cheaper], cm[cheaper], cv[cheaper]
+            cm, cv = _moved(qml[searching], qvl[searching], am[pick], av[pick], lim_ml[searching], lim_vl[searching])
+            cheaper = _cost(cm, cv, live[searching], tabs) < now[searching] - 1e-9
+            searching, cm, cv, pick = searching[cheaper], cm[cheaper], cv[cheaper], pick[cheaper]
             if searching.size == 0:
                 break
-            sm, sv = qm.copy(), qv.copy()
-            sm[idx], sv[idx] = cm, cv
-            tm, tv = mt.copy(), vt.copy()
-            dm_, dv_ = decode(sm, sv)
-            tm[idx], tv[idx] = dm_[idx], dv_[idx]
-            ok = _certified(tm, tv, idx, classify, certify_fn, MOVE_MAX_LEVEL)
-            new_m[idx[ok]], new_v[idx[ok]] = cm[ok], cv[ok]
+            bit = np.left_shift(np.uint32(1), pick.astype(np.uint32))
+            ok = np.zeros(searching.size, bool)
+            new = np.flatnonzero((refused[searching] & bit) == 0)   # a refused move is refused again
+            if new.size:
+                ix = live[searching[new]]
+                tm, tv = decode_at(cm[new], cv[new], ix)
+                ok[new] = _certified(tm, tv, ix, classify, certify_fn, MOVE_MAX_LEVEL)
+            refused[searching[~ok]] |= bit[~ok]
+            acc = live[searching[ok]]
+            new_m[acc], new_v[acc] = cm[ok], cv[ok]
             kept[searching[ok]] = True
+            moved[searching[ok]] = True
             searching = searching[~ok]
+        refused[moved] = 0      # a new pair: its moves lead to other pairs
         qm, qv = new_m, new_v
         mt, vt = decode(qm, qv)
     escaped = live[~kept]
