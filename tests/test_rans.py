@@ -1,5 +1,6 @@
 """jaxguard.format.rans: exact round trips, model arithmetic, a hand-checked byte layout,
 golden buffers, and a decoder that refuses corrupt input with RansError."""
+import re
 from pathlib import Path
 
 import numpy as np
@@ -522,3 +523,162 @@ def test_encode_many_gives_each_buffer_the_bytes_of_encode_and_names_the_bad_one
     bad[3] = (s, b, n, rans.fit_models(np.zeros_like(s), b, n, compact=True), t)
     with pytest.raises(rans.RansError, match=r"^rans\[3\]: stream 0: a symbol has frequency 0"):
         rans.encode_many(bad, compact_models=True, lane_tails=True)
+
+
+# ---------------------------------------------------------------- the compact fit against its plain formulas
+def _smooth_levels_reference(hist, lo, hi, mode):
+    """Knot positions of a mode and their levels [4, K] at shifts 0..3 (session 10's code)."""
+    pos = rans._knot_positions(lo, hi, mode)
+    half = (1 << mode) // 2
+    c = np.concatenate([[0], np.cumsum(hist)])
+    a, b = np.maximum(pos - half, lo), np.minimum(pos + half, hi) + 1
+    mean = (c[b] - c[a]) / (b - a)
+    with np.errstate(divide="ignore"):
+        k = np.round(np.log2(mean / mean.max()) / 0.75) + 15
+    k = np.nan_to_num(k[None] + np.arange(4)[:, None], nan=1, neginf=1)
+    return pos, np.clip(k, 1, 15).astype(np.int64)
+
+
+def _interpolate_rows_reference(pos, knot_levels):
+    """`rans._interpolate` of knot-level rows [B, K]."""
+    kl = np.asarray(knot_levels, np.int64)
+    if pos.size == 1:
+        return kl.copy()
+    s = np.arange(pos[0], pos[-1] + 1)
+    seg = np.minimum(np.searchsorted(pos, s, side="right") - 1, pos.size - 2)
+    pa, pb = pos[seg], pos[seg + 1]
+    la, lb = kl[:, seg], kl[:, seg + 1]
+    return la + ((lb - la) * (s - pa) * 2 + (pb - pa)) // (2 * (pb - pa))
+
+
+def _coded_bits_rows_reference(hist, levels, prob_bits):
+    """`rans._cost_bits` under `rans.model_freqs` of level rows [B, A]."""
+    lv = np.asarray(levels, np.int64)
+    M = 1 << prob_bits
+    k = (lv > 0).sum(1)
+    w = rans._W[lv]
+    f = np.where(lv > 0, 1 + w * (M - k)[:, None] // w.sum(1)[:, None], 0)
+    f[np.arange(lv.shape[0]), np.argmax(lv, axis=1)] += M - f.sum(1)
+    nz = hist > 0
+    with np.errstate(divide="ignore"):
+        return (hist[nz] * (prob_bits - np.log2(f[:, nz]))).sum(1)
+
+
+def _fit_compact_reference(hist, width, cands):
+    """`rans._fit_compact` as session 10 wrote it (plain formulas, one candidate set a call):
+    the fast fit must return exactly its (P, levels)."""
+    hist = np.asarray(hist, np.int64)
+    nz = np.flatnonzero(hist)
+    lo, hi = int(nz[0]), int(nz[-1])
+    h = hist[lo:hi + 1]
+    ref_p = max(cands)
+    head = 8 + 2 * width + 4 + 4
+
+    def totals(kl_rows, pos):
+        mbits = head + rans._eg_bits(np.diff(kl_rows, axis=1)).sum(1)
+        return _coded_bits_rows_reference(h, _interpolate_rows_reference(pos, kl_rows), ref_p) + mbits
+
+    best = None
+    for shift in range(4):
+        lv = rans.quantize_levels(hist, shift)
+        c = rans._cost_bits(hist, rans.model_freqs(lv, ref_p), ref_p) + rans.compact_model_bits(lv, width)
+        if best is None or c < best[0]:
+            best = (c, lv[lo:hi + 1])
+    smooth = None
+    for mode in range(1, rans.MAX_WIDTH + 1):
+        pos, rows = _smooth_levels_reference(hist, lo, hi, mode)
+        c = totals(rows, pos)
+        i = int(np.argmin(c))
+        if smooth is None or c[i] < smooth[0]:
+            smooth = (float(c[i]), pos, rows[i])
+        if pos.size <= 2:
+            break
+    c, pos, kl = smooth
+    K = kl.size
+    step = np.concatenate([np.eye(K, dtype=np.int64), -np.eye(K, dtype=np.int64)])
+    for _ in range(8 * K):
+        rows = kl[None] + step
+        ok = ((rows >= 1) & (rows <= 15)).all(1)
+        if not ok.any():
+            break
+        cs = np.where(ok, totals(np.clip(rows, 1, 15), pos), np.inf)
+        i = int(np.argmin(cs))
+        if not cs[i] < c:
+            break
+        c, kl = float(cs[i]), rows[i]
+    if c < best[0]:
+        best = (c, _interpolate_rows_reference(pos, kl[None])[0])
+    lv = np.zeros(1 << width, np.int64)
+    lv[lo:hi + 1] = best[1]
+    cost = {p: rans._cost_bits(hist, rans.model_freqs(lv, p), p) for p in cands}
+    return min(cost, key=cost.get), lv
+
+
+def _fit_histograms():
+    """(hist, width, cands) cases for the compact fit: random and adversarial."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for width in range(0, 13):
+        A = 1 << width
+        span = min(A, 300)                        # keeps the plain reference fast at 11-12 bits
+        top = rng.integers(0, A - span + 1)
+        sym = np.arange(span) + top
+        shapes = [np.full(span, 7), np.full(span, 1 << 40), rng.integers(0, 50, span),
+                  np.round(1e4 * np.exp(-np.arange(span) / max(1, span / 6))),
+                  np.round(2.0 ** rng.uniform(0, 40, span)),
+                  rng.geometric(0.05, span) * (rng.random(span) < 0.3),
+                  np.round(1e6 * np.exp(-np.abs(np.arange(span) - span / 2) / max(1, span / 10)))]
+        for counts in shapes:
+            hist = np.zeros(A, np.int64)
+            hist[sym] = np.asarray(counts, np.int64)
+            cases.append(hist)
+        for _ in range(3):                        # single symbol, two symbols, a sparse few
+            for k in (1, 2, 5):
+                hist = np.zeros(A, np.int64)
+                at = rng.choice(A, size=min(k, A), replace=False)
+                hist[at] = rng.integers(1, 1 << 40, at.size) if rng.random() < 0.5 else rng.integers(1, 9, at.size)
+                cases.append(hist)
+    out = []
+    for hist in cases:
+        if not hist.any():
+            hist[0] = 1
+        width = int(hist.size).bit_length() - 1
+        out.append((hist, width, [p for p in rans.PROB_BITS if p >= width]))
+        if rng.random() < 0.3:
+            out.append((hist, width, [int(rng.choice(rans.PROB_BITS))]))
+    for width in (8, 10):                         # a full-range alphabet, and P below what it needs
+        hist = rng.integers(0, 3, 1 << width) * 1000 + 1
+        out.append((hist, width, [p for p in rans.PROB_BITS if p >= width]))
+        out.append((hist, width, [8]))
+        sparse = np.zeros(1 << width, np.int64)
+        sparse[[0, (1 << width) - 1]] = [5, 3]
+        out.append((sparse, width, [8]))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in log2")   # P forced below the range
+def test_compact_fit_is_exactly_the_plain_formulas():
+    cases = _fit_histograms()
+    assert len(cases) > 250
+    for hist, width, cands in cases:
+        try:
+            want = _fit_compact_reference(hist, width, cands)
+        except rans.RansError as e:
+            with pytest.raises(rans.RansError, match=re.escape(str(e))):
+                rans._fit_compact(hist, width, cands)
+            continue
+        got = rans._fit_compact(hist, width, cands)
+        assert got[0] == want[0], (width, cands, hist.nonzero())
+        assert got[1].dtype == want[1].dtype and np.array_equal(got[1], want[1]), (width, cands, hist.nonzero())
+
+
+@given(st.integers(0, 10), st.integers(0, 2**32 - 1), st.sampled_from([0.02, 0.2, 0.6]))
+def test_compact_fit_is_exactly_the_plain_formulas_property(width, seed, geo):
+    rng = np.random.default_rng(seed)
+    hist = np.bincount(np.minimum(rng.geometric(geo, 400) - 1, (1 << width) - 1), minlength=1 << width)
+    hist = hist * rng.integers(1, 1 << int(rng.integers(1, 30)), hist.size) * (rng.random(hist.size) < 0.8)
+    if not hist.any():
+        hist[int(rng.integers(hist.size))] = 1
+    cands = [p for p in rans.PROB_BITS if p >= width]
+    got, want = rans._fit_compact(hist, width, cands), _fit_compact_reference(hist, width, cands)
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
