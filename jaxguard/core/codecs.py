@@ -158,9 +158,14 @@ def _decode_at(qm, qv, mp_rows, vp_rows, m_dtype, v_dtype):
     (few compiled shapes)."""
     n = qm.shape[0]
     size = 1 << max(8, (n - 1).bit_length())
-    pad = lambda x, d: np.concatenate([np.asarray(x).astype(d, copy=False), np.zeros((size - n,) + np.shape(x)[1:], d)])  # noqa: E731
-    mt, vt = _adaptive.decode_blocks(pad(qm, m_dtype)[:, None], pad(qv, v_dtype)[:, None], pad(mp_rows, np.asarray(mp_rows).dtype),
-                          pad(vp_rows, np.asarray(vp_rows).dtype))
+
+    def pad(x, dtype):
+        x = np.asarray(x).astype(dtype, copy=False)
+        return np.concatenate([x, np.zeros((size - n,) + x.shape[1:], dtype)])
+
+    mp_rows, vp_rows = np.asarray(mp_rows), np.asarray(vp_rows)
+    mt, vt = _adaptive.decode_blocks(pad(qm, m_dtype)[:, None], pad(qv, v_dtype)[:, None],
+                                     pad(mp_rows, mp_rows.dtype), pad(vp_rows, vp_rows.dtype))
     return np.asarray(mt)[:n, 0], np.asarray(vt)[:n, 0]
 
 
