@@ -526,9 +526,28 @@ def test_encode_many_gives_each_buffer_the_bytes_of_encode_and_names_the_bad_one
 
 
 # ---------------------------------------------------------------- the compact fit against its plain formulas
+_W = np.array(rans.LEVEL_WEIGHTS, np.int64)
+
+
+def _knot_positions(lo, hi, mode):
+    """Knots of mode j over [lo, hi]: lo, lo + 2**j, ... below hi, then hi (the format's rule)."""
+    return np.concatenate([np.arange(lo, hi, 1 << mode), [hi]]).astype(np.int64) if hi > lo \
+        else np.array([lo], np.int64)
+
+
+def _eg_bits(delta):
+    """Bits of each signed delta's Exp-Golomb-0 code of its zigzag."""
+    z = np.where(np.asarray(delta) >= 0, 2 * np.asarray(delta), -2 * np.asarray(delta) - 1) + 1
+    return 2 * np.floor(np.log2(z)).astype(np.int64) + 1
+
+
+def _cost_bits(hist, freqs, prob_bits):
+    nz = hist > 0
+    return float((hist[nz] * (prob_bits - np.log2(freqs[nz]))).sum())
+
 def _smooth_levels_reference(hist, lo, hi, mode):
     """Knot positions of a mode and their levels [4, K] at shifts 0..3 (session 10's code)."""
-    pos = rans._knot_positions(lo, hi, mode)
+    pos = _knot_positions(lo, hi, mode)
     half = (1 << mode) // 2
     c = np.concatenate([[0], np.cumsum(hist)])
     a, b = np.maximum(pos - half, lo), np.minimum(pos + half, hi) + 1
@@ -540,7 +559,7 @@ def _smooth_levels_reference(hist, lo, hi, mode):
 
 
 def _interpolate_rows_reference(pos, knot_levels):
-    """`rans._interpolate` of knot-level rows [B, K]."""
+    """The format's interpolation between knots, of knot-level rows [B, K]."""
     kl = np.asarray(knot_levels, np.int64)
     if pos.size == 1:
         return kl.copy()
@@ -552,11 +571,11 @@ def _interpolate_rows_reference(pos, knot_levels):
 
 
 def _coded_bits_rows_reference(hist, levels, prob_bits):
-    """`rans._cost_bits` under `rans.model_freqs` of level rows [B, A]."""
+    """`_cost_bits` under `rans.model_freqs` of level rows [B, A]."""
     lv = np.asarray(levels, np.int64)
     M = 1 << prob_bits
     k = (lv > 0).sum(1)
-    w = rans._W[lv]
+    w = _W[lv]
     f = np.where(lv > 0, 1 + w * (M - k)[:, None] // w.sum(1)[:, None], 0)
     f[np.arange(lv.shape[0]), np.argmax(lv, axis=1)] += M - f.sum(1)
     nz = hist > 0
@@ -565,7 +584,7 @@ def _coded_bits_rows_reference(hist, levels, prob_bits):
 
 
 def _fit_compact_reference(hist, width, cands):
-    """`rans._fit_compact` as session 10 wrote it (plain formulas, one candidate set a call):
+    """`rans.fit_compact_model` as session 10 wrote it (plain formulas, one candidate set a call):
     the fast fit must return exactly its (P, levels)."""
     hist = np.asarray(hist, np.int64)
     nz = np.flatnonzero(hist)
@@ -575,13 +594,13 @@ def _fit_compact_reference(hist, width, cands):
     head = 8 + 2 * width + 4 + 4
 
     def totals(kl_rows, pos):
-        mbits = head + rans._eg_bits(np.diff(kl_rows, axis=1)).sum(1)
+        mbits = head + _eg_bits(np.diff(kl_rows, axis=1)).sum(1)
         return _coded_bits_rows_reference(h, _interpolate_rows_reference(pos, kl_rows), ref_p) + mbits
 
     best = None
     for shift in range(4):
         lv = rans.quantize_levels(hist, shift)
-        c = rans._cost_bits(hist, rans.model_freqs(lv, ref_p), ref_p) + rans.compact_model_bits(lv, width)
+        c = _cost_bits(hist, rans.model_freqs(lv, ref_p), ref_p) + rans.compact_model_bits(lv, width)
         if best is None or c < best[0]:
             best = (c, lv[lo:hi + 1])
     smooth = None
@@ -610,7 +629,7 @@ def _fit_compact_reference(hist, width, cands):
         best = (c, _interpolate_rows_reference(pos, kl[None])[0])
     lv = np.zeros(1 << width, np.int64)
     lv[lo:hi + 1] = best[1]
-    cost = {p: rans._cost_bits(hist, rans.model_freqs(lv, p), p) for p in cands}
+    cost = {p: _cost_bits(hist, rans.model_freqs(lv, p), p) for p in cands}
     return min(cost, key=cost.get), lv
 
 
@@ -665,9 +684,9 @@ def test_compact_fit_is_exactly_the_plain_formulas():
             want = _fit_compact_reference(hist, width, cands)
         except rans.RansError as e:
             with pytest.raises(rans.RansError, match=re.escape(str(e))):
-                rans._fit_compact(hist, width, cands)
+                rans.fit_compact_model(hist, width, cands)
             continue
-        got = rans._fit_compact(hist, width, cands)
+        got = rans.fit_compact_model(hist, width, cands)
         assert got[0] == want[0], (width, cands, hist.nonzero())
         assert got[1].dtype == want[1].dtype and np.array_equal(got[1], want[1]), (width, cands, hist.nonzero())
 
@@ -680,5 +699,5 @@ def test_compact_fit_is_exactly_the_plain_formulas_property(width, seed, geo):
     if not hist.any():
         hist[int(rng.integers(hist.size))] = 1
     cands = [p for p in rans.PROB_BITS if p >= width]
-    got, want = rans._fit_compact(hist, width, cands), _fit_compact_reference(hist, width, cands)
+    got, want = rans.fit_compact_model(hist, width, cands), _fit_compact_reference(hist, width, cands)
     assert got[0] == want[0] and np.array_equal(got[1], want[1])

@@ -106,7 +106,7 @@ def _stream_bits(hists):
     for w, h in hists.values():
         if not h.any():
             continue
-        p, lv = rans._fit_compact(h, w, [p for p in rans.PROB_BITS if p >= w])
+        p, lv = rans.fit_compact_model(h, w, [p for p in rans.PROB_BITS if p >= w])
         total += rans._cost_bits(h, rans.model_freqs(lv, p), p) + rans.compact_model_bits(lv, w)
     return total
 

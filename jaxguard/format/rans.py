@@ -225,7 +225,7 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
             hist = np.bincount(s[st][lanes][coded[lanes]], minlength=1 << w)
             cands = [prob_bits] if prob_bits is not None else [p for p in PROB_BITS if p >= w]
             if compact:
-                mods[w] = _fit_compact(hist, w, cands)
+                mods[w] = fit_compact_model(hist, w, cands)
                 continue
             best = None
             for p in cands:
@@ -471,7 +471,7 @@ def decode_compact_models(buf, streams, pos=0, what="rans", max_width=NARROW_WID
     return models, pos + at // 8
 
 
-# `_fit_compact` scores many candidate levels by model + coded bits, and the scores decide
+# `fit_compact_model` scores many candidate levels by model + coded bits, and the scores decide
 # the bytes (a tie or a `<` between two floats picks the model), so each score is computed
 # as the plain formulas of tests/test_rans.py's `_fit_compact_reference` compute it: the
 # same float64 terms added in the same order (exact levels: one row at a time, pairwise, as
@@ -638,7 +638,7 @@ def _knot_levels_rows(knot_levels, segments, mode):
 
 
 def _smooth_rows(hist, lo, hi, segments):
-    """The smooth candidates of modes 1.. (`_fit_compact`): per mode j, knot levels [4, K]
+    """The smooth candidates of modes 1.. (`fit_compact_model`): per mode j, knot levels [4, K]
     at level shifts 0..3 from the mean count of a window of 2**j symbols around each knot
     (quantized as `quantize_levels`).
 
@@ -756,7 +756,7 @@ def _move_costs(segments, mode, moves, counts, knot_levels, levels, moved_knots,
     return _summed_terms(terms, top, top_freq, counts, prob_bits) + mbits, moved
 
 
-def _fit_compact(hist, width, cands):
+def fit_compact_model(hist, width, cands):
     """(P, levels) of fewest model + coded bits (kind 3) for one histogram: the exact levels
     (as kind 1 fits them), or smooth ones (knots every 2**j symbols on the window means,
     then single knots moved by one level, steepest first, while that pays).
@@ -774,7 +774,7 @@ def _fit_compact(hist, width, cands):
 
 
 def _fit_compact_levels(hist, width, cands):
-    """`_fit_compact` of an int64 histogram (divide warnings off)."""
+    """`fit_compact_model` of an int64 histogram (divide warnings off)."""
     nz = np.flatnonzero(hist)
     lo, hi = int(nz[0]), int(nz[-1])
     h = hist[lo:hi + 1]
