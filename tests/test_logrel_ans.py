@@ -55,25 +55,28 @@ def test_registered_with_the_ans_layout_and_logrel_aw_decode():
     assert set(map(frozenset, spec.LAYOUTS["packed"])) < set(map(frozenset, spec.LAYOUTS["ans"]))
 
 
-def _rounds_off(fn):
-    """fn() with the rate pass off, logrel-ans's own width search kept."""
+def _with_rate(fn, **settings):
+    """fn() with `jaxguard.core.rate`'s module settings replaced, restored afterwards."""
     from jaxguard.core import rate
-    rounds, rate.ROUNDS = rate.ROUNDS, 0
+    saved = {k: getattr(rate, k) for k in settings}
+    for k, v in settings.items():
+        setattr(rate, k, v)
     try:
         return fn()
     finally:
-        rate.ROUNDS = rounds
+        for k, v in saved.items():
+            setattr(rate, k, v)
+
+
+def _rounds_off(fn):
+    """fn() with the rate pass off, logrel-ans's own width search kept."""
+    return _with_rate(fn, ROUNDS=0)
 
 
 def _without_rate_pass(fn):
     """fn() with the rate pass off and logrel-aw's width search (every level): logrel-ans's
     codes are then logrel-aw's, only stored otherwise."""
-    from jaxguard.core import rate
-    rounds, search, rate.ROUNDS, rate.SEARCH_MAX_LEVEL = rate.ROUNDS, rate.SEARCH_MAX_LEVEL, 0, None
-    try:
-        return fn()
-    finally:
-        rate.ROUNDS, rate.SEARCH_MAX_LEVEL = rounds, search
+    return _with_rate(fn, ROUNDS=0, SEARCH_MAX_LEVEL=None)
 
 
 def test_without_the_rate_pass_same_escapes_and_decoded_bits_as_logrel_aw_and_payload_never_larger():
