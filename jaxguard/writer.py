@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -193,36 +194,37 @@ def _slabs(jobs, slab):
         yield cur
 
 
-# A tensor over this many slabs is certified a slab of it at a time and joined
-# (`_encode_large`): the guard's working memory is ~75 bytes a coordinate of what it
-# certifies at once (measured, 4M coordinates), 2.9 GB for GPT-2's 38.6M-element embedding.
+# A tensor over this many slabs is certified in slab-sized pieces, each a task of the
+# encode threads like a slab, and joined in order (`_encode_piece`): the guard's working
+# memory is ~75 bytes a coordinate of what it certifies at once (measured, 4M
+# coordinates), 2.9 GB for GPT-2's 38.6M-element embedding in one piece; and the pieces of
+# one embedding keep every thread busy, where one thread walked them in turn.
 PIECES_OVER = 2
 
 
-def _encode_large(job: MomentJob, slab: int, progress: bool = False, release: Callable | None = None,
-                  on_device: bool = False, force: bool = False):
-    """One large `MomentJob` certified in whole-block pieces of about `slab` coordinates,
-    one at a time, joined as the guard joins a tensor over ``guard.MAX_PIECE`` (the same
-    codes, escapes and certified values as in one piece: blocks and coordinates are
-    certified independently; tests/test_reliability.py checks the join).  Each piece's
-    inputs go to `release` once certified (a memory-mapped checkpoint's pages).  With
-    `on_device` the pieces are slices of the device arrays, encoded there."""
+def _piece_starts(job: MomentJob, slab: int) -> tuple:
+    """(first coordinates, length) of a large job's whole-block pieces of about `slab` coordinates."""
     step = max(BLOCK, slab - slab % BLOCK)
-    pieces = []
+    return list(range(0, job.size, step)), step
+
+
+def _encode_piece(job: MomentJob, start: int, step: int, progress: bool = False, release: Callable | None = None,
+                  on_device: bool = False, force: bool = False):
+    """One whole-block piece ``[start, start + step)`` of a large `MomentJob`, certified on
+    its own (blocks and coordinates are certified independently, so `guard.join_pieces`
+    of a job's pieces gives the codes, escapes and certified values of one piece;
+    tests/test_writer_release.py checks the join).  The piece's inputs go to `release`
+    once certified (a memory-mapped checkpoint's pages).  With `on_device` the piece is a
+    slice of the device arrays, encoded there."""
+    m, v, p = (x.reshape(-1)[start:start + step] for x in (job.m, job.v, job.p))
     if on_device:
         from jaxguard.core import device_encode
-        m, v, p = (x.reshape(-1) for x in (job.m, job.v, job.p))
-        for s in range(0, m.size, step):
-            part = (m[s:s + step], v[s:s + step], p[s:s + step], job.config)
-            pieces.append((s, device_encode.encode_many([part], sample_every=container.SAMPLE_EVERY, force=force)[0]))
-        return _guard.join_pieces(pieces, tuple(np.shape(job.m)))
-    m, v, p = (np.asarray(x).reshape(-1) for x in (job.m, job.v, job.p))
-    for s in range(0, m.size, step):
-        part = (m[s:s + step], v[s:s + step], p[s:s + step])
-        pieces.append((s, _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]))
-        if release is not None and job.source is not None:
-            release(list(part))
-    return _guard.join_pieces(pieces, tuple(np.shape(job.m)))
+        return device_encode.encode_many([(m, v, p, job.config)], sample_every=container.SAMPLE_EVERY, force=force)[0]
+    part = tuple(np.asarray(x) for x in (m, v, p))
+    enc = _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]
+    if release is not None and job.source is not None:
+        release(list(part))
+    return enc
 
 
 def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
@@ -270,8 +272,6 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
                 totals[k] = totals.get(k, 0) + stats[k]
 
     def encode_slab(part, on_device):
-        if len(part) == 1 and part[0].size > PIECES_OVER * slab:
-            return [_encode_large(part[0], slab, progress, release, on_device, setting is True)]
         if on_device:
             from jaxguard.core import device_encode as _device
             return _device.encode_many([(j.m, j.v, j.p, j.config) for j in part], sample_every=container.SAMPLE_EVERY,
@@ -279,30 +279,48 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
         return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
                                   progress=progress, keep_decoded=True)
 
+    def tasks(parts, on_device):
+        # (part, piece start or None, last piece of the part, work): a large job's pieces
+        # are tasks of their own, so the threads share one embedding
+        for part in parts:
+            if len(part) == 1 and part[0].size > PIECES_OVER * slab:
+                starts, step = _piece_starts(part[0], slab)
+                for s in starts:
+                    yield part, s, s == starts[-1], functools.partial(
+                        _encode_piece, part[0], s, step, progress, release, on_device, setting is True)
+            else:
+                yield part, None, True, functools.partial(encode_slab, part, on_device)
+
     def flush():
-        # XLA runs one program on one core: `workers` slabs are encoded at once, each in
-        # its own thread, and handed on in order (each slab's result does not depend on
-        # the others, so the bytes are those of one thread)
-        parts = _slabs(pending, slab)
-        on_device = kind["device"]
+        # XLA runs one program on one core: `workers` tasks (slabs, or pieces of a large
+        # job) are encoded at once, each in its own thread, and handed on in order (each
+        # task's result does not depend on the others, so the bytes are those of one thread)
         workers = encode_threads()
+        pieces: list = []
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-slab") as pool:
             inflight: collections.deque = collections.deque()
             try:
-                for part in parts:
-                    inflight.append((part, pool.submit(encode_slab, part, on_device)))
+                for part, start, last, work in tasks(_slabs(pending, slab), kind["device"]):
+                    inflight.append((part, start, last, pool.submit(work)))
                     if len(inflight) < workers:
                         continue
-                    yield from handed(*inflight.popleft())
+                    yield from handed(*inflight.popleft(), pieces)
                 while inflight:
-                    yield from handed(*inflight.popleft())
-            finally:   # a consumer that stops early waits for no more than the slabs in flight
-                for _, fut in inflight:
+                    yield from handed(*inflight.popleft(), pieces)
+            finally:   # a consumer that stops early waits for no more than the tasks in flight
+                for *_, fut in inflight:
                     fut.cancel()
         pending.clear()
 
-    def handed(part, fut):
-        encs = fut.result()
+    def handed(part, start, last, fut, pieces):
+        if start is None:
+            encs = fut.result()
+        else:   # one piece of part[0]: joined once its last piece is in
+            pieces.append((start, fut.result()))
+            if not last:
+                return
+            encs = [_guard.join_pieces(pieces, tuple(np.shape(part[0].m)))]
+            pieces.clear()
         for job, enc in zip(part, encs):
             add(enc.stats)
             yield Moments(job.name, enc, _entry_info(job))

@@ -5,6 +5,7 @@ entries; payload and decoded hashes are those written without `release`."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxguard import writer
 from jaxguard.core.config import GuardConfig
@@ -56,9 +57,12 @@ def test_release_order_and_same_file(tmp_path, monkeypatch):
         assert heads[0][key] == heads[1][key], key
 
 
-def test_large_job_in_pieces_writes_the_same_container(tmp_path):
-    """A tensor over `PIECES_OVER` slabs is certified a slab at a time (`_encode_large`):
-    the payload and decoded hashes and every entry's codes are those of one piece."""
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_large_job_in_pieces_writes_the_same_container(tmp_path, monkeypatch, threads):
+    """A tensor over `PIECES_OVER` slabs is certified in slab-sized pieces, each a task of
+    the encode threads: the payload and decoded hashes and every entry's codes are those
+    of one piece, with one encode thread or several."""
+    monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", threads)
     rng = np.random.default_rng(3)
     n = 37 * 1000 + 5                          # not whole blocks
     v = rng.lognormal(-14, 2, n).astype(np.float32)
