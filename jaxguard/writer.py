@@ -97,9 +97,10 @@ class MomentJob:
 
 def encode_threads() -> int:
     """Returns: slabs `encode` certifies at once: ``JAXGUARD_ENCODE_THREADS`` if set, else
-    the cores this process may run on (``os.sched_getaffinity``) less one, 1 to
-    `MAX_ENCODE_THREADS` (bench/results/cert_speed.md: on 2 cores a whole-process compress
-    with one encode thread was faster than with two, and its memory stayed flat).
+    the cores this process may run on (``os.sched_getaffinity``), 1 to
+    `MAX_ENCODE_THREADS` (bench/results/codec_speed_s13_threads.md: once a large tensor's
+    pieces were tasks of their own, a whole-process 124M compress on 2 cores took 29.1 s
+    and 36.2 s with two threads against 31.9 s and 46.7 s with one, peak RSS +1-4%).
 
     Raises:
       ConfigError: ``JAXGUARD_ENCODE_THREADS`` is not a positive integer.
@@ -108,13 +109,13 @@ def encode_threads() -> int:
     if env is not None:
         if not env.strip().isdigit() or int(env) < 1:
             raise ConfigError(f"JAXGUARD_ENCODE_THREADS={env!r} is not a positive integer; set it to 1, 2, ... "
-                              "or unset it (default: the cores less one)")
+                              "or unset it (default: the cores, at most 8)")
         return int(env)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_ENCODE_THREADS, cores - 1))
+    return max(1, min(MAX_ENCODE_THREADS, cores))
 
 
 def device_encode_setting(device_encode=None):

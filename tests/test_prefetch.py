@@ -67,11 +67,12 @@ def test_consumer_stopping_early_stops_the_producer():
     assert len(made) < 10_000
 
 
-def test_encode_threads_leaves_a_core_and_the_environment_overrides_it(monkeypatch):
+def test_encode_threads_default_to_the_cores_and_the_environment_overrides_it(monkeypatch):
+    import os
     from jaxguard import writer
     from jaxguard.errors import ConfigError
     monkeypatch.delenv("JAXGUARD_ENCODE_THREADS", raising=False)
-    assert 1 <= writer.encode_threads() <= writer.MAX_ENCODE_THREADS
+    assert writer.encode_threads() == max(1, min(writer.MAX_ENCODE_THREADS, len(os.sched_getaffinity(0))))
     monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", "3")
     assert writer.encode_threads() == 3
     for bad in ("0", "two", "-1"):
