@@ -27,8 +27,10 @@ The adaptive tier (`bound.batch_bound_adaptive_pc`: the cell bound on each coord
 partition, on its gradient scale): `ADAPTIVE_FRACTION` of the cases (drawn from a stream of
 their own, so the other draws do not change) take their cell from their own adaptive
 partition instead of a fixed level's, so the cell check runs at those edges; and every
-case's whole adaptive bound (the max over all its cells) must enclose the replay at the
-case's points too (they lie in ``[-clip, clip]``), counted under ``adaptive``.
+case's whole adaptive bound (the max over all its cells), on each of
+`bound.ADAPTIVE_PARTITIONS` (the 20-cell one the guard tries first, then the 28-cell one),
+must enclose the replay at the case's points too (they lie in ``[-clip, clip]``), counted
+under ``adaptive`` (``finite`` and ``certified_at_tau_0.01`` count a case once a partition).
 
 Cases are grouped: all cases of one group share ``(step, lr, wd)`` so that one
 `adam_step` call (one jitted kernel, its numpy fallback for the extreme range included)
@@ -401,19 +403,22 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         fast_max_ratio = max(fast_max_ratio, float(np.nanmax(fr)) if fr.size else 0.0)
         for i in np.flatnonzero(fbad)[: max(0, keep_failures - len(fast_examples))]:
             fast_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(fb[i]), actual[i], g[i]))
-        # the adaptive tier's whole bound (all cells of the coordinate's own partition)
-        ab = np.asarray(_bound.batch_bound_adaptive_pc(_bound.as_step_row(jnp.asarray(k), -1), d["m"], d["v"], d["mt"],
-                                                       d["vt"], pabs, d["clip"]), np.float64)
-        a_fin = np.isfinite(ab)
-        a_finite += int(np.count_nonzero(a_fin))
-        a_certified += int(np.count_nonzero(a_fin & (ab <= k[:, 9])))
-        abad = a_fin & ~(amax <= ab)
-        a_failures += int(np.count_nonzero(abad))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ar = np.where(a_fin & (amax > 0), amax / ab, 0.0)
-        a_max_ratio = max(a_max_ratio, float(np.nanmax(ar)) if ar.size else 0.0)
-        for i in np.flatnonzero(abad)[: max(0, keep_failures - len(a_examples))]:
-            a_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(ab[i]), actual[i], g[i]))
+        # the adaptive tier's whole bound (all cells of the coordinate's own partition), for
+        # each partition the guard tries
+        for gammas in _bound.ADAPTIVE_PARTITIONS:
+            ab = np.asarray(_bound.batch_bound_adaptive_pc(_bound.as_step_row(jnp.asarray(k), -1), d["m"], d["v"],
+                                                           d["mt"], d["vt"], pabs, d["clip"], gammas=gammas), np.float64)
+            a_fin = np.isfinite(ab)
+            a_finite += int(np.count_nonzero(a_fin))
+            a_certified += int(np.count_nonzero(a_fin & (ab <= k[:, 9])))
+            abad = a_fin & ~(amax <= ab)
+            a_failures += int(np.count_nonzero(abad))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ar = np.where(a_fin & (amax > 0), amax / ab, 0.0)
+            a_max_ratio = max(a_max_ratio, float(np.nanmax(ar)) if ar.size else 0.0)
+            for i in np.flatnonzero(abad)[: max(0, keep_failures - len(a_examples))]:
+                a_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(ab[i]), actual[i],
+                                            g[i]))
         nan_bounds += int(np.count_nonzero(np.isnan(b)))
         esc = b == np.inf           # the coordinate escapes: nothing is claimed
         escaped += int(np.count_nonzero(esc))

@@ -195,9 +195,12 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     certificate), the closed-form tier (`jaxguard.core.fastbound`)
     goes first.  Then, after an early reject of the coordinates whose ideal difference at a
     few gradients already exceeds the threshold, the adaptive tier (shared bound, mixed
-    partition): the cell bound on each coordinate's own partition, 28 cells a sign placed
-    on its gradient scale (`bound.adaptive_unit_edges`), which certifies about what the
-    fixed level 3 does at a fraction of the cells.  Then the fixed refinement levels run
+    partition): the cell bound on each coordinate's own partition placed on its gradient
+    scale (`bound.adaptive_unit_edges`), 20 cells a sign and then 28 on what those leave
+    (`bound.ADAPTIVE_PARTITIONS`), which certifies about what the fixed level 3 does at a
+    fraction of the cells.  What it leaves gets a second reject at
+    `bound.DENSE_PROBE_POINTS` (half of the coordinates that would escape after walking
+    every level, on GPT-2).  Then the fixed refinement levels run
     on what is left, each level on what the previous one could not certify, so every
     coordinate the levels alone would certify is still certified.
 
@@ -252,17 +255,29 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                                                      clip[take]))[:cnt]
     pending = np.flatnonzero(~(lower > thr))
     bar.update(idx.size - pending.size)
-    if adaptive and pending.size and bound == "shared" and partition == "mixed":
+    tiered = adaptive and bound == "shared" and partition == "mixed"
+    for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # the short partition, then the 28 cells
+        if pending.size == 0:
+            break
         sel = idx[pending]
         out = np.empty(sel.shape[0], np.float32)
         for s, cnt, take, kc in padded(sel, ADAPTIVE_CHUNK):
             b = _programs.call(_bound.batch_bound_adaptive_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take],
-                               clip[take])
+                               clip[take], gammas=gammas)
             out[s:s + cnt] = np.asarray(b)[:cnt]
         ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
         level_of[pending[ok]] = ADAPTIVE_TIER
         bar.update(int(ok.sum()))
         pending = pending[~ok]
+    if tiered and pending.size and max_level != -1:   # a denser reject: only the few left walk the fixed levels
+        sel = idx[pending]
+        dense = np.empty(sel.shape[0], np.float32)
+        for s, cnt, take, kc in padded(sel, ADAPTIVE_CHUNK):
+            dense[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_dense_pc, kc, m[take], v[take], mt[take],
+                                                         vt[take], clip[take]))[:cnt]
+        hopeless = dense > thr[pending]
+        bar.update(int(hopeless.sum()))
+        pending = pending[~hopeless]
     for level in range(len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
         if pending.size == 0:
             break
