@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxguard.core import bound, guard
+from jaxguard.core import bound, guard, programs
 from jaxguard.core.config import GuardConfig
 
 CONFIGS = [
@@ -47,7 +47,8 @@ def run(m, v, p, cfg, monkeypatch, reject):
     def counting(k, m_, v_, *a, **s):   # distinct coordinates (a short call is padded with its first)
         seen.append(len(np.unique(np.stack([np.asarray(m_).view(np.uint32), np.asarray(v_).view(np.uint32)]), axis=1)))
         return fixed(k, m_, v_, *a, **s)
-    monkeypatch.setattr(bound, "batch_bound_pc", counting)
+    monkeypatch.setattr(programs, "enabled", lambda: False)   # a CLI test may have enabled exported programs:
+    monkeypatch.setattr(bound, "batch_bound_pc", counting)   # the kernels must be looked up, not loaded
     if not reject:
         monkeypatch.setattr(bound, "batch_lower_dense_pc", jax.jit(lambda k, m_, v_, mt, vt, c: jnp.zeros_like(m_)))
     enc = guard.encode_many([(m, v, p, GuardConfig(**cfg))])[0]

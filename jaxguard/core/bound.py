@@ -537,6 +537,15 @@ def batch_lower_pc(k, m, v, mt, vt, clip):
 
 @jax.jit
 def batch_lower_dense_pc(k, m, v, mt, vt, clip):
-    """`batch_lower_pc` at `DENSE_PROBE_POINTS` (the reject before the fixed levels)."""
+    """`batch_lower_pc` at `DENSE_PROBE_POINTS` (the reject before the fixed levels).
+
+    Args:
+      k: a `StepRow` of [n] float32 arrays.
+      m, v, mt, vt: [n] float32 moments and decoded moments.
+      clip: [n] float32 gradient clips.
+
+    Returns:
+      float32 [n] lower bounds.
+    """
     f = functools.partial(coordinate_lower, points=DENSE_PROBE_POINTS)
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
