@@ -520,32 +520,20 @@ def batch_bound_adaptive_pc(k, m, v, mt, vt, pabs, clip, *, gammas=ADAPTIVE_GAMM
     return jax.vmap(one)(k, m, v, mt, vt, pabs, clip)
 
 
-@jax.jit
-def batch_lower_pc(k, m, v, mt, vt, clip):
+@functools.partial(jax.jit, static_argnames=("points",))
+def batch_lower_pc(k, m, v, mt, vt, clip, *, points=PROBE_POINTS):
     """`batch_lower` with one constants row per coordinate.
 
     Args:
       k: a `StepRow` of [n] float32 arrays.
       m, v, mt, vt: [n] float32 moments and decoded moments.
       clip: [n] float32 gradient clips.
+      points: the probes (`PROBE_POINTS`; `DENSE_PROBE_POINTS` for the second reject).
 
     Returns:
       float32 [n] lower bounds.
     """
-    return jax.vmap(coordinate_lower, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
-
-
-@jax.jit
-def batch_lower_dense_pc(k, m, v, mt, vt, clip):
-    """`batch_lower_pc` at `DENSE_PROBE_POINTS` (the reject before the fixed levels).
-
-    Args:
-      k: a `StepRow` of [n] float32 arrays.
-      m, v, mt, vt: [n] float32 moments and decoded moments.
-      clip: [n] float32 gradient clips.
-
-    Returns:
-      float32 [n] lower bounds.
-    """
+    f = functools.partial(coordinate_lower, points=points)
+    return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
     f = functools.partial(coordinate_lower, points=DENSE_PROBE_POINTS)
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)

@@ -273,8 +273,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         sel = idx[pending]
         dense = np.empty(sel.shape[0], np.float32)
         for s, cnt, take, kc in padded(sel, ADAPTIVE_CHUNK):
-            dense[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_dense_pc, kc, m[take], v[take], mt[take],
-                                                         vt[take], clip[take]))[:cnt]
+            dense[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_pc, kc, m[take], v[take], mt[take], vt[take],
+                                                         clip[take], points=_bound.DENSE_PROBE_POINTS))[:cnt]
         hopeless = dense > thr[pending]
         bar.update(int(hopeless.sum()))
         pending = pending[~hopeless]
