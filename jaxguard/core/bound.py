@@ -535,5 +535,3 @@ def batch_lower_pc(k, m, v, mt, vt, clip, *, points=PROBE_POINTS):
     """
     f = functools.partial(coordinate_lower, points=points)
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
-    f = functools.partial(coordinate_lower, points=DENSE_PROBE_POINTS)
-    return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0))(k, m, v, mt, vt, clip)
