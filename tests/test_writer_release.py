@@ -92,3 +92,29 @@ def test_large_job_in_pieces_writes_the_same_container(tmp_path, monkeypatch, th
     list(writer.encode([job], slab=4096, release=calls.append))
     pieces = [c for c in calls if len(c) == 3 and all(isinstance(a, np.ndarray) and a.size <= 4096 for a in c)]
     assert len(pieces) == -(-n // 4096) and all(np.shares_memory(c[0], m) for c in pieces)
+
+
+def test_pieces_of_a_cpu_jax_array_are_host_views():
+    """`jaxguard compress` hands torch tensors to the writer as CPU JAX arrays (DLPack):
+    their pieces are numpy views of the tensor (no eager JAX slice, no copy) and encode
+    to the codes of the numpy route."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(5)
+    n = 9 * 1024 + 7
+    v = rng.lognormal(-14, 2, n).astype(np.float32)
+    m = (rng.normal(0, 1, n) * np.sqrt(v) * 0.3).astype(np.float32)
+    p = rng.normal(0, 0.05, n).astype(np.float32)
+    mj, vj, pj = (jnp.asarray(x) for x in (m, v, p))
+    cfg = GuardConfig(lr=1e-3, step=100)
+    out = {}
+    for kind, arrays in (("numpy", (m, v, p)), ("jax", (mj, vj, pj))):
+        calls = []
+        job = writer.MomentJob("big", *arrays, cfg, {"param": "w"}, source=arrays)
+        out[kind] = list(writer.encode([job], slab=4096, release=calls.append))[0].encoded
+        pieces = [c for c in calls if len(c) == 3 and all(isinstance(a, np.ndarray) and a.size <= 4096 for a in c)]
+        assert len(pieces) == -(-n // 4096), kind
+        if kind == "jax":
+            host = np.asarray(mj)
+            assert all(np.shares_memory(c[0], host) for c in pieces)
+    for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
+        np.testing.assert_array_equal(np.asarray(out["jax"].arrays[k]), np.asarray(out["numpy"].arrays[k]))
