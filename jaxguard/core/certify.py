@@ -246,36 +246,32 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
             take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
             yield s, part.size, take, K.take(gidx[take])
 
+    def over(sel, chunk, kernel, *extra, probes=False, **static):
+        # kernel(k, m, v, mt, vt, pabs, clip, *extra) over coordinates sel, in padded chunks
+        # (the probes, batch_lower_pc, take no pabs)
+        out = np.empty(sel.shape[0], np.float32)
+        for s, cnt, take, kc in padded(sel, chunk):
+            args = (m[take], v[take], mt[take], vt[take]) + (() if probes else (pabs[take],))
+            out[s:s + cnt] = np.asarray(_programs.call(kernel, kc, *args, clip[take], *extra, **static))[:cnt]
+        return out
+
     from tqdm import tqdm
     bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
                disable=not progress)
-    lower = np.empty(idx.size, np.float32)
-    for s, cnt, take, kc in padded(idx, CHUNK[0]):
-        lower[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_pc, kc, m[take], v[take], mt[take], vt[take],
-                                                     clip[take]))[:cnt]
-    pending = np.flatnonzero(~(lower > thr))
+    pending = np.flatnonzero(~(over(idx, CHUNK[0], _bound.batch_lower_pc, probes=True) > thr))
     bar.update(idx.size - pending.size)
     tiered = adaptive and bound == "shared" and partition == "mixed"
     for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # the short partition, then the 28 cells
         if pending.size == 0:
             break
-        sel = idx[pending]
-        out = np.empty(sel.shape[0], np.float32)
-        for s, cnt, take, kc in padded(sel, ADAPTIVE_CHUNK):
-            b = _programs.call(_bound.batch_bound_adaptive_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take],
-                               clip[take], gammas=gammas)
-            out[s:s + cnt] = np.asarray(b)[:cnt]
+        out = over(idx[pending], ADAPTIVE_CHUNK, _bound.batch_bound_adaptive_pc, gammas=gammas)
         ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
         level_of[pending[ok]] = ADAPTIVE_TIER
         bar.update(int(ok.sum()))
         pending = pending[~ok]
     if tiered and pending.size and max_level != -1:   # a denser reject: only the few left walk the fixed levels
-        sel = idx[pending]
-        dense = np.empty(sel.shape[0], np.float32)
-        for s, cnt, take, kc in padded(sel, ADAPTIVE_CHUNK):
-            dense[s:s + cnt] = np.asarray(_programs.call(_bound.batch_lower_pc, kc, m[take], v[take], mt[take], vt[take],
-                                                         clip[take], points=_bound.DENSE_PROBE_POINTS))[:cnt]
-        hopeless = dense > thr[pending]
+        hopeless = over(idx[pending], ADAPTIVE_CHUNK, _bound.batch_lower_pc, probes=True,
+                        points=_bound.DENSE_PROBE_POINTS) > thr[pending]
         bar.update(int(hopeless.sum()))
         pending = pending[~hopeless]
     for level in range(len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
@@ -283,18 +279,10 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
             break
         bar.set_postfix(level=level)
         edges = jnp.asarray(_bound.unit_edges(level, partition))
-        sel = idx[pending]
-        out = np.empty(sel.shape[0], np.float32)
-        for s, cnt, take, kc in padded(sel, CHUNK[level]):
-            b = _programs.call(_bound.batch_bound_pc, kc, m[take], v[take], mt[take], vt[take], pabs[take], clip[take],
-                               edges, bound=bound)
-            out[s:s + cnt] = np.asarray(b)[:cnt]
-            if level == len(_bound.LEVELS) - 1:
-                bar.update(cnt)
+        out = over(idx[pending], CHUNK[level], _bound.batch_bound_pc, edges, bound=bound)
         ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
         level_of[pending[ok]] = level
-        if level < len(_bound.LEVELS) - 1:
-            bar.update(int(ok.sum()))
+        bar.update(int(ok.sum()) if level < len(_bound.LEVELS) - 1 else pending.size)
         pending = pending[~ok]
     bar.close()
     return level_of
