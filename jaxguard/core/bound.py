@@ -471,8 +471,8 @@ def batch_bound_pc(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared"):
     Returns:
       float32 [n] bounds.
     """
-    if jnp.shape(edges)[0] - 1 <= BATCHED_MAX_CELLS:
-        return coordinate_bound(as_step_row(k), m, v, mt, vt, pabs, clip, _shared_edges(edges), bound=bound,
+    if jnp.shape(edges)[0] - 1 <= BATCHED_MAX_CELLS:   # (an old packed [n, 12] table: its fields on axis -1)
+        return coordinate_bound(as_step_row(k, -1), m, v, mt, vt, pabs, clip, _shared_edges(edges), bound=bound,
                                 decay_in_update=None)
     f = functools.partial(coordinate_bound, bound=bound, decay_in_update=None)
     return jax.vmap(f, in_axes=(0, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)
@@ -543,7 +543,7 @@ def batch_bound_adaptive_pc(k, m, v, mt, vt, pabs, clip, *, gammas=ADAPTIVE_GAMM
     Returns:
       float32 [n] bounds (`coordinate_bound` over the coordinate's cells).
     """
-    k = as_step_row(k)
+    k = as_step_row(k, -1)
     return coordinate_bound(k, m, v, mt, vt, pabs, clip, adaptive_unit_edges(k, v, vt, clip, gammas),
                             decay_in_update=None)
 
