@@ -427,7 +427,7 @@ def _enable_compile_cache():
 
 
 def _synchronous_cpu_dispatch():
-    """The CLI's programs run on the calling thread, not handed to a dispatch thread: the
+    """Compress's programs run on the calling thread, not handed to a dispatch thread: the
     guard calls thousands of small kernels and reads each result at once, so the hand-off
     (a cross-core wake-up per call) was pure cost.  GPT-2 compress (124M coordinates,
     alternating runs, 2-core AMD EPYC): encode 17.77/15.43 s against 20.15/19.14 s.
@@ -475,6 +475,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
         _reuse_freed_memory()
+    if args.cmd == "compress":        # (restore runs no JAX program: it must not import jax)
         _synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
     if args.cmd not in NUMPY_VERBS:
         _enable_compile_cache()
