@@ -2,14 +2,15 @@
 and certification throughput from 1M to 100M coordinates.
 
     python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100] [--codec log8-rel]
-                                [--out bench/results/codec_speed] [--work DIR]
+                                [--out bench/results/codec_speed] [--work DIR] [--one-core]
     python bench/codec_speed.py --gpt2 [--steps 3] --sweep "" --out bench/results/codec_speed_gpt2
 
 With ``--gpt2`` the checkpoint is GPT-2 small instead (transformers' ``GPT2LMHeadModel(GPT2Config())``,
 built here, no download: 124,439,808 parameters, the real ``torch.optim.AdamW`` over
 ``model.named_parameters()`` for --steps steps on the standard library's source bytes as tokens),
 saved as ``{"model": sd, "optimizer": osd}`` (~1.5 GB); ``--src FILE`` reuses a checkpoint built
-before; ``--sweep ""`` skips the in-process sweep.
+before; ``--sweep ""`` skips the in-process sweep; ``--one-core`` adds the compress held to
+one CPU (``taskset``), interleaved with the others.
 
 1. A ByteTransformer (d=128, 4 layers, 867,328 Adam coordinates) is trained for --steps
    Adam steps on the standard library's source; its checkpoint is replicated --replicas
@@ -148,7 +149,7 @@ def same_tree(x, y) -> bool:
     return x == y or (x != x and y != y)
 
 
-def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None):
+def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
@@ -180,6 +181,8 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                      env0, before))
         runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
                      env0, before))
+    if one_core:   # the same compress held to one CPU: what the second core buys
+        runs.append(("compress_1core", ["taskset", "-c", str(min(os.sched_getaffinity(0))), *compress], env, ROOT))
     keys = [k for k, _, _, _ in runs]
     for _ in range(repeats):        # interleaved: the same load for all of them
         for key, argv, env_k, cwd in runs:
@@ -198,6 +201,10 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
               "restore_time": med["restore"]["seconds"] / med["plain"]["seconds"],
               "compress_rss": med["compress"]["peak_rss"] / med["plain"]["peak_rss"],
               "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
+    if one_core:
+        ratios.update(compress_1core_time=med["compress_1core"]["seconds"] / med["plain"]["seconds"],
+                      compress_1core_rss=med["compress_1core"]["peak_rss"] / med["plain"]["peak_rss"],
+                      cores_speedup=med["compress_1core"]["seconds"] / med["compress"]["seconds"])
     if before:
         ratios.update(restore_before_time=med["restore_before"]["seconds"] / med["plain"]["seconds"],
                       restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"],
@@ -324,6 +331,8 @@ def main(argv=None):
                                                            "caller's XDG cache: the caches are warm)")
     ap.add_argument("--before", default=None, help="a checkout of the code before (e.g. `git archive` of a commit): "
                                                    "its restore runs interleaved as one more process")
+    ap.add_argument("--one-core", action="store_true", help="also run the compress under `taskset -c` one CPU "
+                                                            "(interleaved): the speedup of all cores over one")
     a = ap.parse_args(argv)
 
     import jax
@@ -349,7 +358,7 @@ def main(argv=None):
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
-                          before=os.path.abspath(a.before) if a.before else None)
+                          before=os.path.abspath(a.before) if a.before else None, one_core=a.one_core)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
@@ -415,10 +424,15 @@ def write_md(res, path):
         *([f"| `jaxguard compress` before (`--before` checkout) | {med['compress_before']['seconds']:.2f} | "
            f"{rat['compress_before_time']:.2f} | {mib(med['compress_before']['peak_rss']):.0f} | "
            f"{rat['compress_before_rss']:.2f} |"] if "compress_before" in med else []),
+        *([f"| `taskset -c 0 jaxguard compress` (one core) | {med['compress_1core']['seconds']:.2f} | "
+           f"{rat['compress_1core_time']:.2f} | {mib(med['compress_1core']['peak_rss']):.0f} | "
+           f"{rat['compress_1core_rss']:.2f} |"] if "compress_1core" in med else []),
         *([f"| `jaxguard restore` before (`--before` checkout) | {med['restore_before']['seconds']:.2f} | "
            f"{rat['restore_before_time']:.2f} | {mib(med['restore_before']['peak_rss']):.0f} | "
            f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
         "",
+        *([f"Compress on all {res['machine']['cpus']} cores vs one core: {rat['cores_speedup']:.2f}x faster.", ""]
+          if "cores_speedup" in rat else []),
         *([f"The restored files of both restores load to the same tensors, bit for bit: "
            f"{w['restored_identical_to_before']}.", ""] if "restored_identical_to_before" in w else []),
         *([f"Both compresses wrote the same payload and decoded SHA-256: "
