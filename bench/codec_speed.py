@@ -187,7 +187,7 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
     for _ in range(repeats):        # interleaved: the same load for all of them
         for key, argv, env_k, cwd in runs:
             w, r, text, _ = run_child(argv, env_k, cwd)
-            res[key].append({"seconds": w, "peak_rss": r})
+            res.setdefault(key, []).append({"seconds": w, "peak_rss": r})
             if key == "compress" and summary is None:
                 summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
             print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
