@@ -28,7 +28,7 @@ partition, on its gradient scale): `ADAPTIVE_FRACTION` of the cases (drawn from 
 their own, so the other draws do not change) take their cell from their own adaptive
 partition instead of a fixed level's, so the cell check runs at those edges; and every
 case's whole adaptive bound (the max over all its cells), on each of
-`bound.ADAPTIVE_PARTITIONS` (the 20-cell one the guard tries first, then the 28-cell one),
+`bound.ADAPTIVE_PARTITIONS` (the 8-, 20- and 28-cell ones, in the order the guard tries them),
 must enclose the replay at the case's points too (they lie in ``[-clip, clip]``), counted
 under ``adaptive`` (``finite`` and ``certified_at_tau_0.01`` count a case once a partition).
 

@@ -496,8 +496,15 @@ ADAPTIVE_GAMMAS = tuple(j / 16 for j in range(16)) + (1.0, 1.25, 1.5, 2.0, 3.0, 
 # certified 93.57% of what the 28-cell partition's 94.43% is taken from, so the guard tries
 # it first and gives the 28 cells only what it leaves.
 ADAPTIVE_GAMMAS_SHORT = ADAPTIVE_GAMMAS[:16:2] + ADAPTIVE_GAMMAS[16:]
+# A doubling ladder, 8 cells a sign, every cell a union of `ADAPTIVE_GAMMAS_SHORT` cells.
+# On 742,400 rows of a GPT-2 compress that reached the adaptive tier (2-core AMD EPYC):
+# 167 ns a row against the 20 cells' 347, certifying 94.8% against 99.05%, and no row
+# that the 20 and 28 cells both refused (its cells are unions of theirs, so its bound is
+# never the tighter one there); the tier certified the same coordinates at ~190 ns a row
+# instead of ~350.  Soundness never depends on it: any partition covering [0, clip] is.
+ADAPTIVE_GAMMAS_DOUBLING = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 16.0, 256.0)
 # The adaptive tier's partitions, in the order the guard tries them.
-ADAPTIVE_PARTITIONS = (ADAPTIVE_GAMMAS_SHORT, ADAPTIVE_GAMMAS)
+ADAPTIVE_PARTITIONS = (ADAPTIVE_GAMMAS_DOUBLING, ADAPTIVE_GAMMAS_SHORT, ADAPTIVE_GAMMAS)
 
 
 def adaptive_unit_edges(k, v, vt, clip, gammas=ADAPTIVE_GAMMAS):

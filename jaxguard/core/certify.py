@@ -196,7 +196,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     goes first.  Then, after an early reject of the coordinates whose ideal difference at a
     few gradients already exceeds the threshold, the adaptive tier (shared bound, mixed
     partition): the cell bound on each coordinate's own partition placed on its gradient
-    scale (`bound.adaptive_unit_edges`), 20 cells a sign and then 28 on what those leave
+    scale (`bound.adaptive_unit_edges`), 8 cells a sign, then 20 and 28 on what those leave
     (`bound.ADAPTIVE_PARTITIONS`), which certifies about what the fixed level 3 does at a
     fraction of the cells.  What it leaves gets a second reject at
     `bound.DENSE_PROBE_POINTS` (half of the coordinates that would escape after walking
@@ -261,7 +261,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     pending = np.flatnonzero(~(over(idx, CHUNK[0], _bound.batch_lower_pc, probes=True) > thr))
     bar.update(idx.size - pending.size)
     tiered = adaptive and bound == "shared" and partition == "mixed"
-    for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # the short partition, then the 28 cells
+    for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # 8, 20, then 28 cells a sign
         if pending.size == 0:
             break
         out = over(idx[pending], ADAPTIVE_CHUNK, _bound.batch_bound_adaptive_pc, gammas=gammas)
