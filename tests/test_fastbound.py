@@ -85,6 +85,30 @@ def test_closed_form_subset_of_cell_partition_at_default_tau():
         assert fast.sum() > 0.25 * full.sum()
 
 
+def test_cell_levels_with_mixed_and_uniform_groups_per_chunk():
+    """certify_pc with three constant rows: coordinates interleaved (chunks mixing groups)
+    and grouped (chunks of one group, whose rows are built once) give, coordinate for
+    coordinate, the levels each group gets alone with its single row."""
+    rng = np.random.default_rng(5)
+    n = 3000
+    d = draw_cases(rng, n)
+    pabs = np.abs(d["p"])
+    ks = [_k(lr=1e-3, step=100), _k(lr=3e-4, step=7, wd=0.1, op_model="torch-adamw"), _k(lr=1e-2, step=2000)]
+    K = bound.stack_rows(ks)
+
+    def levels(gidx, rows, idx):
+        return guard.certify_pc(rows, gidx, d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], idx, "shared",
+                                "mixed", fast=False)
+    alone = np.empty(n, np.int8)
+    for g, k in enumerate(ks):
+        alone[g::3] = levels(np.zeros(n, np.int32), bound.stack_rows([k]), np.arange(g, n, 3))
+    interleaved = np.arange(n, dtype=np.int32) % 3
+    np.testing.assert_array_equal(levels(interleaved, K, np.arange(n)), alone)
+    order = np.concatenate([np.arange(g, n, 3) for g in range(3)])   # one group after another
+    np.testing.assert_array_equal(levels(interleaved, K, order), alone[order])
+    assert (alone >= 0).any() and (alone < 0).any()
+
+
 EDGE = [  # (name, m, v, mt, vt, p, constants overrides): the closed form must refuse
     ("huge-m", 2.0**61, 1e-6, 2.0**61 * 1.01, 1e-6, 0.1, {}),
     ("huge-v", 1e-3, 2.0**62, 1e-3, 2.0**62 * 1.1, 0.1, {}),

@@ -234,6 +234,16 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                                     fast=False, max_level=max_level, adaptive=adaptive)
         return level_of
     thr = K.threshold[gidx[idx]]
+    uniform = {}   # (group, chunk) -> that group's row repeated: most chunks hold one group
+
+    def rows(take):
+        g = gidx[take]
+        if K.keep.shape[0] > 1 and not (g == g[0]).all():
+            return K.take(g)
+        key = (int(g[0]), take.size)
+        if key not in uniform:   # the same values the gather gives, built once
+            uniform[key] = K.take(np.full(take.size, g[0], g.dtype))
+        return uniform[key]
 
     def padded(sel, chunk):
         # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
@@ -244,7 +254,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         for s in range(0, sel.shape[0], chunk):
             part = sel[s:s + chunk]
             take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
-            yield s, part.size, take, K.take(gidx[take])
+            yield s, part.size, take, rows(take)
 
     def over(sel, chunk, kernel, *extra, probes=False, **static):
         # kernel(k, m, v, mt, vt, pabs, clip, *extra) over coordinates sel, in padded chunks
