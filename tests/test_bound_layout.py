@@ -95,3 +95,11 @@ def test_one_row_for_all_stays_the_vmapped_bound():
     got = bound.batch_bound(k, m, v, mt, vt, pabs, clip, edges, decay_in_update=True)
     assert np.array_equal(bits(got), bits(ref))
 
+
+
+def test_dense_probes_include_the_first_probes():
+    """certify_pc skips the PROBE_POINTS reject before the adaptive tier because the
+    reject after it (DENSE_PROBE_POINTS) evaluates the same points, bit for bit: a
+    coordinate the first probes would refuse is refused there, so no level sees it."""
+    dense = {np.float32(x).tobytes() for x in bound.DENSE_PROBE_POINTS}
+    assert all(np.float32(x).tobytes() in dense for x in bound.PROBE_POINTS)
