@@ -73,8 +73,7 @@ class MomentJob:
         without copying: a CPU tensor's ``.numpy()``, a host JAX array).
       config: the next update's `GuardConfig`.
       info: the adapter's entry fields stored beside the config (``param``: the
-        parameter's name; ``mu_mode``; DCP offsets, ...); a value may be a
-        `concurrent.futures.Future`, waited for when the entry is written.
+        parameter's name; ``mu_mode``; DCP offsets, ...).
       mu: ``"coded"`` (both moments coded) or ``"exact"`` (only v coded; m stored
         exactly in another entry).
       source: handed to the writer's ``release`` once the entry is written (e.g. the
@@ -156,8 +155,7 @@ def _device_route(job: MomentJob, setting) -> bool:
 
 
 def _entry_info(job: MomentJob) -> dict:
-    info = {k: v.result() if isinstance(v, concurrent.futures.Future) else v for k, v in job.info.items()}
-    return {**job.config.to_json(), "mu_mode": "coded" if job.mu == "coded" else "raw-bfloat16", **info}
+    return {**job.config.to_json(), "mu_mode": "coded" if job.mu == "coded" else "raw-bfloat16", **job.info}
 
 
 def encode_v_only(m, v, p, config: GuardConfig) -> _guard.Encoded:

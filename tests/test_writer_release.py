@@ -118,34 +118,3 @@ def test_pieces_of_a_cpu_jax_array_are_host_views():
             assert all(np.shares_memory(c[0], host) for c in pieces)
     for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
         np.testing.assert_array_equal(np.asarray(out["jax"].arrays[k]), np.asarray(out["numpy"].arrays[k]))
-
-
-def test_parameter_digests_hashed_on_a_thread_give_the_same_file():
-    """`state_records(digests=executor)` (what `jaxguard compress` does) leaves futures in
-    the entries; the writer waits for each when it writes the entry: same payload, same
-    entry configs (with the digests) as hashed in line."""
-    import concurrent.futures
-    torch = pytest.importorskip("torch")
-    from torch_compat import state
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(16, 48)).square().mean().backward()
-        opt.step()
-    params = dict(model.named_parameters())
-    opt_sd = opt.state_dict()
-    opt_sd["param_groups"][0]["param_names"] = list(params)
-    _, inline = state.state_records(opt_sd, params)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        _, threaded = state.state_records(opt_sd, params, digests=pool)
-        jobs = [r for r in threaded if isinstance(r, writer.MomentJob)]
-        assert jobs and all(isinstance(j.info["param_sha256"], concurrent.futures.Future) for j in jobs)
-        threaded_head = reader.parse(writer.to_bytes(threaded, {"framework": "test"})[0])[0]
-    inline_head = reader.parse(writer.to_bytes(inline, {"framework": "test"})[0])[0]
-    for key in ("payload_sha256", "decoded_sha256"):
-        assert threaded_head[key] == inline_head[key], key
-    configs = [[e.get("config") for e in h["entries"]] for h in (threaded_head, inline_head)]
-    assert configs[0] == configs[1]
-    assert sum("param_sha256" in (c or {}) for c in configs[0]) == len(jobs)

@@ -9,7 +9,6 @@ numbers/strings/lists/dicts as JSON; nothing is pickled).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import math
 import os
@@ -526,7 +525,7 @@ class MappedSource:
                     self._madvise(b, e - b, self.MADV_DONTNEED)
 
 
-def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None, digests=None):
+def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
 
     The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
@@ -542,10 +541,6 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
       prefix: the entry-name prefix (``"optimizer"``).
       op_model: the kernel the run resumes on (`op_model_of`; None: the one torch runs
         where the state lives, e.g. foreach for CUDA state saved with foreach=None).
-      digests: an executor the parameters' SHA-256 (`param_digest`) are submitted to, so
-        they are hashed while the moments are encoded (the entries then hold futures,
-        resolved when written); None hashes them here.  Only for a save that finishes
-        before it returns: the parameters must not change until then.
 
     Returns:
       ``(optimizer skeleton, list of records)``.
@@ -583,8 +578,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
-                                     {"param": name, "param_sha256": param_digest(p) if digests is None
-                                      else digests.submit(param_digest, p)}, source=(m, v, p)))
+                                     {"param": name, "param_sha256": param_digest(p)}, source=(m, v, p)))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
@@ -690,13 +684,7 @@ def _checkpoint_records(ckpt, *, spec, op_model=None):
         if key not in ckpt:
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
-    # compress is synchronous: the weights are hashed on a thread while the moments encode
-    digests = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxguard-digest")
-    try:
-        opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model,
-                                        digests=digests)
-    finally:
-        digests.shutdown(wait=False)   # the queued digests still run; the writer waits for each
+    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model)
     top = []
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
