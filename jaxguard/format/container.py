@@ -207,7 +207,8 @@ COPY_CHUNK = 1 << 24
 # file (room left for the header) and written there from then on (`_InPlace`); smaller
 # ones are copied from the scratch file after the header, byte for byte as before.  At
 # 256 MiB a GPT-2 compress (262 MiB of payload) crossed it with its last entries and still
-# copied nearly all of it (0.64 s); at 32 MiB the room is ~1/300 of what was written.
+# copied nearly all of it (0.64 s); from 32 MiB it copies 0.04 s, and the header's room
+# (646 KB for a 216 KB header) is 0.08% of the 773 MB file.
 IN_PLACE_AFTER = 1 << 25
 
 
