@@ -96,7 +96,6 @@ def test_one_row_for_all_stays_the_vmapped_bound():
     assert np.array_equal(bits(got), bits(ref))
 
 
-
 def test_dense_probes_include_the_first_probes():
     """certify_pc skips the PROBE_POINTS reject before the adaptive tier because the
     reject after it (DENSE_PROBE_POINTS) evaluates the same points, bit for bit: a

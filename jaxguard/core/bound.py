@@ -499,9 +499,9 @@ ADAPTIVE_GAMMAS_SHORT = ADAPTIVE_GAMMAS[:16:2] + ADAPTIVE_GAMMAS[16:]
 # A doubling ladder, 8 cells a sign, every cell a union of `ADAPTIVE_GAMMAS_SHORT` cells.
 # On 742,400 rows of a GPT-2 compress that reached the adaptive tier (2-core AMD EPYC):
 # 167 ns a row against the 20 cells' 347, certifying 94.8% against 99.05%, and no row
-# that the 20 and 28 cells both refused (its cells are unions of theirs, so its bound is
-# never the tighter one there); the tier certified the same coordinates at ~190 ns a row
-# instead of ~350.  Soundness never depends on it: any partition covering [0, clip] is.
+# that the 20 and 28 cells both refused (as expected of cells that are unions of theirs);
+# the tier certified the same coordinates at ~190 ns a row instead of ~350.  Soundness
+# never depends on it: any partition covering [0, clip] is.
 ADAPTIVE_GAMMAS_DOUBLING = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 16.0, 256.0)
 # The adaptive tier's partitions, in the order the guard tries them.
 ADAPTIVE_PARTITIONS = (ADAPTIVE_GAMMAS_DOUBLING, ADAPTIVE_GAMMAS_SHORT, ADAPTIVE_GAMMAS)
