@@ -218,3 +218,31 @@ def test_variant_cache_is_keyed(tmp_path, monkeypatch):
     path.write_text("{not json")
     _, cached4 = variant_cache.cached_detect_variant(detect=counted)
     assert cached4 is False and len(calls) == 3 and json.loads(path.read_text())["key"]
+
+
+@pytest.mark.parametrize("max_level", [-1, None])
+def test_reject_first_changes_no_level(max_level):
+    """certify_pc's `reject_first` (the probes before the adaptive tier, for candidates most
+    of which are refused: the rate pass's moves) refuses only coordinates the tiers refuse:
+    every coordinate gets the same level, on adversarial cases (and their moves a few
+    percent further off) where the probes refuse many and the tiers certify many."""
+    rng = np.random.default_rng(11)
+    n = 6000
+    d = draw_cases(rng, n)
+    far = rng.random(n) < 0.5     # moved decodings: as the rate pass tries them
+    mt = np.where(far, d["mt"] + rng.uniform(-0.05, 0.05, n) * np.abs(d["m"]), d["mt"]).astype(np.float32)
+    vt = np.where(far, d["vt"] * np.exp2(rng.uniform(-0.2, 0.2, n)), d["vt"]).astype(np.float32)
+    pabs = np.abs(d["p"])
+    ks = [_k(lr=1e-3, step=100), _k(lr=3e-4, step=7, wd=0.1, op_model="torch-adamw"), _k(lr=1e-2, step=2000)]
+    K = bound.stack_rows(ks)
+    gidx = (np.arange(n) % 3).astype(np.int32)
+
+    def levels(reject_first):
+        return guard.certify_pc(K, gidx, d["m"], d["v"], mt, vt, pabs, d["clip"], np.arange(n), "shared", "mixed",
+                                max_level=max_level, reject_first=reject_first)
+    before, after = levels(False), levels(True)
+    np.testing.assert_array_equal(after, before)
+    lower = np.asarray(bound.batch_lower_pc(K.take(gidx), d["m"], d["v"], mt, vt, d["clip"]))
+    probed_out = lower > np.asarray(K.threshold)[gidx]
+    assert probed_out.sum() > 0.3 * n and (before >= 0).sum() > 0.2 * n
+    assert (before[probed_out] < 0).all()

@@ -153,8 +153,10 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
       in_tensor: flat bool, True on coordinates of a tensor (False on padding).
       classify: ``classify(mt, vt) -> (exact, ok)``, the guard's classification bound to
         this group (`jaxguard.core.certify.classify`).
-      certify_fn: ``certify_fn(mt, vt, idx) -> level per idx`` (< 0: escapes), the guard's
-        certificate bound to this group's constants.
+      certify_fn: ``certify_fn(mt, vt, idx, max_level=None, reject_first=False) -> level per
+        idx`` (< 0: escapes), the guard's certificate bound to this group's constants
+        (`jaxguard.core.certify.certify_pc`); called with ``reject_first=True``, as most of a
+        narrow pair's candidates are refused.
       pairs: the (bm, bv) pairs to try on every block (default `WIDTH_PAIRS`).
       code_bits: optional ``code_bits(mq, vq, bm, bv) -> [k, 256]`` bits each code costs
         (summed over the in-tensor coordinates); default the packed width, ``bm + bv``.
@@ -203,7 +205,7 @@ def choose_and_certify(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
             exact, ok = classify(mt, vt)
             cand = np.flatnonzero(sub_in & ~exact & ok)
             esc = sub_in & ~exact & ~ok
-            lv = certify_fn(mt, vt, cand) if max_level is None else certify_fn(mt, vt, cand, max_level=max_level)
+            lv = certify_fn(mt, vt, cand, max_level=max_level, reject_first=True)   # most pairs refuse most
             esc[cand[lv < 0]] = True
             nesc = esc.reshape(nb, codes.BLOCK)[rows].sum(1)
             bits = (bm + bv) * count[rows] if code_bits is None else (code_bits(mq, vq, bm, bv) * inb[rows]).sum(1)

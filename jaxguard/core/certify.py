@@ -187,7 +187,7 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
 
 
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
-               max_level=None, adaptive=True):
+               max_level=None, adaptive=True, reject_first=False):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
     of [G] arrays, `bound.stack_rows`).
 
@@ -217,6 +217,9 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         more conservative answer).
       adaptive: run the adaptive tier before the fixed levels (shared bound, mixed
         partition only).
+      reject_first: reject at `bound.PROBE_POINTS` before the adaptive tier too, for
+        candidates most of which are refused (the rate pass's moves: there the probes
+        cost less than the three partitions that each refused row would walk).
 
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
@@ -232,7 +235,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)
         level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
-                                    fast=False, max_level=max_level, adaptive=adaptive)
+                                    fast=False, max_level=max_level, adaptive=adaptive, reject_first=reject_first)
         return level_of
     thr = K.threshold[gidx[idx]]
     uniform = {}   # (group, chunk) -> that group's row repeated: most chunks hold one group
@@ -270,7 +273,7 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
                disable=not progress)
     tiered = adaptive and bound == "shared" and partition == "mixed"
-    if tiered:   # the dense reject below runs PROBE_POINTS too: here they cost 68 ns a row to
+    if tiered and not reject_first:   # the dense reject below runs PROBE_POINTS too: here they cost 68 ns a row to
         # spare the adaptive tier 0.19% of its rows (GPT-2: 26,169 of 13.8M)
         pending = np.arange(idx.size)
     else:

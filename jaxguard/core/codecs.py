@@ -183,7 +183,8 @@ def _choose_logrel_ans(mh, vh, ph, valid, vpos, in_tensor, classify, certify_fn,
                                                           max_level=_rate.SEARCH_MAX_LEVEL)
     mq, vq, mt, vt = _rate.optimize(
         mq, vq, widths, in_tensor, tensors, lambda a, b, idx: classify(a, b, idx=idx),
-        lambda a, b, idx, max_level=None: certify_fn(a, b, idx, max_level=max_level, at_idx=True),
+        lambda a, b, idx, max_level=None, reject_first=False: certify_fn(a, b, idx, max_level=max_level, at_idx=True,
+                                                                         reject_first=reject_first),
         lambda qm, qv: _decode_flat(qm, qv, mp, vp, mq.dtype, vq.dtype),
         lambda qm, qv, idx: _decode_at(qm, qv, mp[idx // codes.BLOCK], vp[idx // codes.BLOCK], mq.dtype, vq.dtype))
     return mq, vq, mp, vp, widths, mt, vt

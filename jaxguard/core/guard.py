@@ -265,14 +265,15 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         # certified again from scratch below
         K, kidx, pabs, clip = _group_constants(items, gidx, ph)
 
-        def certify_candidates(a, b, idx, max_level=None, at_idx=False):
+        def certify_candidates(a, b, idx, max_level=None, at_idx=False, reject_first=False):
             # a, b: decoded values of the whole group, or (at_idx) of the coordinates idx only
             if not certified:   # the guard is off: every certifiable candidate is kept
                 return np.zeros(idx.shape[0], np.int8)
             if at_idx:
                 return certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx], np.arange(idx.size),
-                                  bound, partition, max_level=max_level)
-            return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level)
+                                  bound, partition, max_level=max_level, reject_first=reject_first)
+            return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level,
+                              reject_first=reject_first)
 
         def classified(a, b, idx=None):
             if idx is not None:   # a, b at idx: the host classifier (the same booleans), no pass over the group

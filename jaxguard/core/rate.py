@@ -107,14 +107,14 @@ def _moved(qm, qv, dm, dv, lim_m, lim_v):
     return np.clip(qm + dm, -lim_m, lim_m), np.where(qv == 0, 0, np.clip(qv + dv, 1, lim_v))
 
 
-def _certified(mt, vt, idx, classify, certify_fn, max_level=None):
+def _certified(mt, vt, idx, classify, certify_fn, max_level=None, reject_first=False):
     """Of the coordinates idx, those whose decoded values (mt, vt), given at idx, the guard
     keeps: exact or certified (by refinement level `max_level` at the latest, when given)."""
     exact, ok = classify(mt, vt, idx)
     keep = exact.copy()
     test = np.flatnonzero(ok & ~exact)
     if test.size:
-        lv = certify_fn(mt[test], vt[test], idx[test], max_level=max_level)
+        lv = certify_fn(mt[test], vt[test], idx[test], max_level=max_level, reject_first=reject_first)
         keep[test[lv >= 0]] = True
     return keep
 
@@ -131,9 +131,10 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, d
         its own models, as the writer codes it.
       classify: ``classify(mt, vt, idx) -> (exact, ok)`` of the coordinates idx of the
         group, their decoded values given at idx (as for the width search).
-      certify_fn: ``certify_fn(mt, vt, idx, max_level=None) -> level per idx`` (< 0: escapes
-        or, with `max_level`, not certified by that level), values given at idx; moves are
-        certified up to `MOVE_MAX_LEVEL`.
+      certify_fn: ``certify_fn(mt, vt, idx, max_level=None, reject_first=False) -> level per
+        idx`` (< 0: escapes or, with `max_level`, not certified by that level), values given
+        at idx; moves are certified up to `MOVE_MAX_LEVEL`, with the early reject first
+        (`jaxguard.core.certify.certify_pc`: most moves are refused).
       decode: ``decode(mq, vq) -> (m~, v~)`` flat, exactly as the reader decodes.
       decode_at: ``decode_at(qm, qv, idx) -> (m~, v~)`` of the coordinates idx given their
         codes at idx, as `decode` decodes them (a coordinate's values depend only on its own
@@ -195,7 +196,7 @@ def optimize(mq, vq, widths, in_tensor, tensors, classify, certify_fn, decode, d
             if new.size:
                 ix = live[searching[new]]
                 tm, tv = decode_at(cm[new], cv[new], ix)
-                ok[new] = _certified(tm, tv, ix, classify, certify_fn, MOVE_MAX_LEVEL)
+                ok[new] = _certified(tm, tv, ix, classify, certify_fn, MOVE_MAX_LEVEL, reject_first=True)
             refused[searching[~ok]] |= bit[~ok]
             acc = live[searching[ok]]
             new_m[acc], new_v[acc] = cm[ok], cv[ok]
