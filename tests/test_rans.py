@@ -271,6 +271,34 @@ def test_decode_many_is_decode_per_buffer():
     np.testing.assert_array_equal(tail_empty[2], want[3])
 
 
+@pytest.mark.parametrize("batch_slots", [1, 1 << 12, 1 << 16])
+def test_decode_many_in_batches_is_one_loop(monkeypatch, batch_slots):
+    """decode_many runs one lane loop per batch of buffers whose tables fit BATCH_SLOTS (one
+    buffer alone, or a few): the same symbols and tails as one loop over all, and an error
+    names the buffer by its position among all of them, not within its batch."""
+    rng = np.random.default_rng(8)
+    items, want = [], []
+    for n in [300, 256 * 3, 5, 0, 256 * 4 + 17, 1000]:
+        nb = max(1, -(-n // 256))
+        bits = rng.integers(0, 9, size=(2, nb))
+        sym = _case(rng, n, bits, "skewed")
+        tails = rng.integers(0, 1 << 16, nb)
+        items.append((rans.encode(sym, bits, n, lane_tails=tails, compact_models=True), bits, n))
+        want.append((sym, tails))
+    whole = rans.decode_many(items, lane_tails=True)
+    monkeypatch.setattr(rans, "BATCH_SLOTS", batch_slots)
+    batched = rans.decode_many(items, lane_tails=True)
+    for (s1, t1), (s2, t2), (sym, tails) in zip(whole, batched, want):
+        np.testing.assert_array_equal(s1, sym)
+        np.testing.assert_array_equal(s2, sym)
+        np.testing.assert_array_equal(t2, tails)
+        np.testing.assert_array_equal(t1, tails)
+    bad = list(items)
+    bad[4] = (bad[4][0][:-2],) + bad[4][1:]
+    with pytest.raises(rans.RansError, match=r"rans\[4\]"):
+        rans.decode_many(bad, "rans", lane_tails=True)
+
+
 # ---------------------------------------------------------------- compact models (kind 3)
 GOLDEN_V2 = Path(__file__).parent / "golden" / "rans_v2.npz"
 

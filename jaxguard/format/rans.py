@@ -81,6 +81,10 @@ MAX_WIDTH = 12                   # widest alphabet (kind 4); kinds 1-3 code at m
 NARROW_WIDTH = 8
 MAX_PROB_BITS = 15
 PROB_BITS = tuple(range(8, 16))   # totals 2**P the encoder tries per model (fewest coded bits wins)
+# `decode_many` runs one lane loop per batch of buffers whose decode tables (2**P slots a
+# model and stream, 4-byte entries) sum to at most this: a container of many tensors with
+# 2**15-slot models built 2.7 GB of tables at once (16.5M coordinates, 760 tensors).
+BATCH_SLOTS = 1 << 22
 
 
 class RansError(JaxguardError):
@@ -836,8 +840,10 @@ def _fit_compact_levels(hist, width, cands):
     return min(cost, key=cost.get), lv
 
 
-def _lane_tables(models, bits):
-    """Flat per-stream tables: freq/start by (model base + symbol), slot -> symbol by (slot base + slot)."""
+def _lane_tables(models, bits, slots=True):
+    """Flat per-stream tables: freq/start by (model base + symbol) and, with `slots` (the
+    decoder's), slot -> symbol, frequency and slot - start by (slot base + slot), uint32
+    (2**P entries a model: the encoder needs none of them)."""
     tabs = []
     for st, mods in enumerate(models):
         freq, start, slot_sym, slot_freq, slot_bias, sym_base, slot_base, pb = [], [], [], [], [], {}, {}, {}
@@ -848,17 +854,22 @@ def _lane_tables(models, bits):
             sym_base[w], slot_base[w], pb[w] = nsym, nslot, p
             freq.append(f)
             start.append(np.concatenate([[0], np.cumsum(f)[:-1]]))
-            slot_sym.append(np.repeat(np.arange(f.size), f))
-            slot_freq.append(np.repeat(f, f))
-            slot_bias.append(np.arange(1 << p) - np.repeat(start[-1], f))     # slot - start of its symbol
+            if slots:
+                slot_sym.append(np.repeat(np.arange(f.size, dtype=np.uint32), f))
+                slot_freq.append(np.repeat(f.astype(np.uint32), f))
+                slot_bias.append(np.arange(1 << p, dtype=np.uint32) - np.repeat(start[-1].astype(np.uint32), f))
             nsym += f.size
             nslot += 1 << p
-        cat = (lambda a: np.concatenate(a).astype(np.uint64)) if freq else (lambda a: np.zeros(0, np.uint64))
+        cat = (lambda a, dt=np.uint64: np.concatenate(a).astype(dt, copy=False)) if freq else \
+            (lambda a, dt=np.uint64: np.zeros(0, dt))
         b = bits[st]
         lane = lambda d: np.array([d.get(int(w), 0) for w in b], np.uint64)   # noqa: E731
-        tabs.append({"freq": cat(freq), "start": cat(start), "slot_sym": cat(slot_sym),
-                     "slot_freq": cat(slot_freq), "slot_bias": cat(slot_bias),
-                     "sym_base": lane(sym_base), "slot_base": lane(slot_base), "p": lane(pb)})
+        tab = {"freq": cat(freq), "start": cat(start), "sym_base": lane(sym_base), "slot_base": lane(slot_base),
+               "p": lane(pb)}
+        if slots:
+            tab.update(slot_sym=cat(slot_sym, np.uint32), slot_freq=cat(slot_freq, np.uint32),
+                       slot_bias=cat(slot_bias, np.uint32))
+        tabs.append(tab)
     return tabs
 
 
@@ -957,7 +968,7 @@ def encode_many(items, prob_bits=None, inline_models=True, compact_models=False,
     counts = np.concatenate([p[2] for p in parts])
     tabs = []
     for st in range(S):                # per stream, one symbol table over every buffer's models
-        ts = [_lane_tables([p[3][st]], p[1][st:st + 1])[0] for p in parts]
+        ts = [_lane_tables([p[3][st]], p[1][st:st + 1], slots=False)[0] for p in parts]
         sb = np.cumsum([0] + [t["freq"].size for t in ts[:-1]]).astype(np.uint64)
         base = np.concatenate([t["sym_base"] + sb[g] for g, t in enumerate(ts)])
         # a last entry (frequency 1) for the positions past n, which are never coded
@@ -1119,7 +1130,7 @@ def decode_models(buf, streams, pos=0, what="rans"):
 
 
 def _parse(buf, alphabet_bits, n, models, what, lane_tails):
-    """Check one buffer's head and sizes -> (bits [S, nb], counts, single, tables, states, words)."""
+    """Check one buffer's head and sizes -> (bits [S, nb], counts, single, models, states, words)."""
     bits, counts, single = _shapes(alphabet_bits, n)
     S, nb = bits.shape
     b = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else np.asarray(buf, np.uint8).reshape(-1)
@@ -1156,20 +1167,25 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
     if b.size < pos + 4 * nb or (b.size - pos - 4 * nb) % 2:
         raise RansError(f"{what}: {b.size - pos} bytes after the models cannot hold {nb} lane states and whole "
                         f"16-bit words")
-    x = b[pos:pos + 4 * nb].view("<u4").astype(np.uint64)
-    words = b[pos + 4 * nb:].view("<u2").astype(np.uint64)
+    x = b[pos:pos + 4 * nb].view("<u4").astype(np.uint32)
+    words = b[pos + 4 * nb:].view("<u2").astype(np.uint32)
     if (x < STATE_LOW).any():
         raise RansError(f"{what}: lane {int(np.flatnonzero(x < STATE_LOW)[0])} starts in state below 2**16")
     if words.size > S * int(counts.sum()):
         raise RansError(f"{what}: {words.size} words for {S * int(counts.sum())} symbols (at most one each)")
-    return bits, counts, single, _lane_tables(models, bits), x, words
+    return bits, counts, single, models, x, words
 
 
-def _decode_lanes(parts, what):
-    """The lane loop over one or more parsed buffers (their lanes side by side): 256 x S
-    steps of numpy operations across every lane; each buffer reads its own words.  States
-    and table entries are uint32: ``f * (x >> P) + slot - c < 2**32`` for any state below
-    2**32, and a refill shifts a state below 2**16."""
+def _table_slots(part):
+    """Slots of one parsed buffer's decode tables, the largest stream's (`_lane_tables`)."""
+    return max((sum(1 << p for p, _ in mods.values()) for mods in part[3]), default=0)
+
+
+def _decode_lanes(parts, names):
+    """The lane loop over one or more parsed buffers (their lanes side by side; `names`:
+    each one's name in errors): 256 x S steps of numpy operations across every lane; each
+    buffer reads its own words.  States and table entries are uint32: ``f * (x >> P) +
+    slot - c < 2**32`` for any state below 2**32, and a refill shifts a state below 2**16."""
     S = parts[0][0].shape[0]
     nbs = [p[0].shape[1] for p in parts]
     G = len(parts)
@@ -1183,29 +1199,31 @@ def _decode_lanes(parts, what):
     bounds = np.concatenate([first, [x.size]])                  # lane range of each buffer
     tabs = []
     sym_dtype = np.uint16 if max(int(p[0].max(initial=0)) for p in parts) > NARROW_WIDTH else np.uint8
+    lane_tabs = [_lane_tables(p[3], p[0]) for p in parts]
     for st in range(S):                # one table per stream over all buffers' models
-        ts = [p[3][st] for p in parts]
+        ts = [t[st] for t in lane_tabs]
         lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
         slot_base = np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)])
         p = np.concatenate([t["p"] for t in ts])
         mask = (np.uint64(1) << p) - np.uint64(1)
         idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
         slot_base[idle], mask[idle] = 0, 0
-        tabs.append((np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype),
-                     np.concatenate([t["slot_freq"] for t in ts]).astype(np.uint32),
-                     np.concatenate([t["slot_bias"] for t in ts]).astype(np.uint32),
+        # frequency (<= 2**15) and slot - start (< 2**15) of a slot in one uint32: one gather
+        fb = np.concatenate([t["slot_freq"] | (t["slot_bias"] << np.uint32(16)) for t in ts])
+        tabs.append((np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype), fb,
                      slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
     nl_all = x.size
     out = np.zeros((S, BLOCK, nl_all), sym_dtype)             # position-major: row writes
-    low, sh16 = np.uint32(STATE_LOW), np.uint32(16)
+    low, sh16, low_mask = np.uint32(STATE_LOW), np.uint32(16), np.uint32(0xFFFF)
     cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
     for i in range(cmax):
         act = None if i < cmin else counts > i      # a partial last block stops early: keep its state
         for st in range(S):
-            sym, freq, bias, slot_base, mask, p = tabs[st]
+            sym, fb, slot_base, mask, p = tabs[st]
             si = slot_base + (x & mask)
             out[st, i] = sym[si]
-            xn = freq[si] * (x >> p) + bias[si]
+            f = fb[si]
+            xn = (f & low_mask) * (x >> p) + (f >> sh16)
             x = xn if act is None else np.where(act, xn, x)    # an idle lane stays >= L: reads nothing
             k = np.flatnonzero(x < low)
             if G == 1:
@@ -1214,14 +1232,13 @@ def _decode_lanes(parts, what):
                 over = pos >= wend[0]
             else:                      # rank of each needing lane within its buffer
                 cut = np.searchsorted(k, bounds)
-                per = np.diff(cut)
-                pos = np.arange(k.size) + np.repeat(ptr - cut[:-1], per)
-                ptr += per
-                over = pos >= np.repeat(wend, per)
+                gk = group[k]
+                pos = np.arange(k.size) + (ptr - cut[:-1])[gk]
+                ptr += np.diff(cut)
+                over = pos >= wend[gk]
             if over.any():
                 bad = int(group[k[np.flatnonzero(over)[0]]])
-                name = f"{what}[{bad}]" if G > 1 else what
-                raise RansError(f"{name}: the words end at position {i} of stream {st} (truncated buffer)")
+                raise RansError(f"{names[bad]}: the words end at position {i} of stream {st} (truncated buffer)")
             x[k] = (x[k] << sh16) | words[pos]
     out = np.ascontiguousarray(out.transpose(0, 2, 1))     # [S, lanes, 256], as returned
     if cmin < BLOCK:
@@ -1229,21 +1246,21 @@ def _decode_lanes(parts, what):
     return out, x, ptr, wend, first
 
 
-def _finish(parts, out, x, ptr, wend, first, what, lane_tails):
+def _finish(parts, out, x, ptr, wend, first, names, lane_tails):
     res = []
     for g, (bits, counts, single, _, _, words) in enumerate(parts):
-        name = what if len(parts) == 1 else f"{what}[{g}]"
+        name = names[g]
         if ptr[g] != wend[g]:
             raise RansError(f"{name}: {int(wend[g] - ptr[g])} of {words.size} words left over after decoding")
         nb = bits.shape[1]
         xg = x[first[g]:first[g] + nb]
-        end_bad = (xg >> np.uint64(16)) != 1 if lane_tails else xg != STATE_LOW
+        end_bad = (xg >> np.uint32(16)) != 1 if lane_tails else xg != STATE_LOW
         if end_bad.any():
             raise RansError(f"{name}: lane {int(np.flatnonzero(end_bad)[0])} does not end in the initial state "
                             f"(corrupt words or states)")
         sym = out[:, first[g]:first[g] + nb]
         sym = sym[0] if single else sym
-        res.append((sym, (xg - np.uint64(STATE_LOW)).astype(np.uint16)) if lane_tails else sym)
+        res.append((sym, (xg - np.uint32(STATE_LOW)).astype(np.uint16)) if lane_tails else sym)
     return res
 
 
@@ -1268,12 +1285,13 @@ def decode(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
       RansError: any malformed buffer (see the numerical contract), or bad widths / n.
     """
     parts = [_parse(buf, alphabet_bits, n, models, what, lane_tails)]
-    return _finish(parts, *_decode_lanes(parts, what), what, lane_tails)[0]
+    return _finish(parts, *_decode_lanes(parts, [what]), [what], lane_tails)[0]
 
 
 def decode_many(items, what="rans", lane_tails=False):
-    """Several buffers (e.g. every tensor of a container) decoded in ONE lane loop: 256 x S
-    numpy steps in all instead of per buffer, which is what makes small tensors cheap.
+    """Several buffers (e.g. every tensor of a container) decoded in few lane loops: 256 x S
+    numpy steps per batch of buffers whose decode tables fit `BATCH_SLOTS`, instead of per
+    buffer, which is what makes small tensors cheap (and the batches bound the tables).
 
     Args:
       items: sequence of (buf, alphabet_bits, n) or (buf, alphabet_bits, n, models), all
@@ -1295,4 +1313,16 @@ def decode_many(items, what="rans", lane_tails=False):
         return []
     if len({p[0].shape[0] for p in parts}) > 1:
         raise RansError(f"{what}: the buffers code different numbers of streams; decode them in separate calls")
-    return _finish(parts, *_decode_lanes(parts, what), what, lane_tails)
+    names = [f"{what}[{k}]" for k in range(len(parts))]
+    res, batch, slots = [], [], 0
+    for k, part in enumerate(parts):    # batches of at most BATCH_SLOTS table slots (one bigger buffer alone)
+        size = _table_slots(part)
+        if batch and slots + size > BATCH_SLOTS:
+            res += _finish([parts[j] for j in batch], *_decode_lanes([parts[j] for j in batch],
+                                                                     [names[j] for j in batch]),
+                           [names[j] for j in batch], lane_tails)
+            batch, slots = [], 0
+        batch.append(k)
+        slots += size
+    sub, sub_names = [parts[j] for j in batch], [names[j] for j in batch]
+    return res + _finish(sub, *_decode_lanes(sub, sub_names), sub_names, lane_tails)
