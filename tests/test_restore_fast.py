@@ -89,10 +89,12 @@ def _split(data):
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.jaxguard")))
 def test_golden_codecs_restore_identically(name, chunk, tmp_path, monkeypatch):
     """Every codec's golden container (rANS included), its entries given a torch tree; with
-    chunk=512 every entry over two blocks is decoded in block ranges on the thread pool."""
+    chunk=512 every entry over two blocks is decoded in block ranges on the thread pool, and
+    the rANS sections a window of about one entry at a time."""
     if chunk:
         monkeypatch.setattr(torchfile, "CHUNK", chunk)
         monkeypatch.setattr(torchfile, "WINDOW", 3 * chunk)
+        monkeypatch.setattr(torchfile, "RANS_WINDOW", chunk)
     header, payload = _split((GOLDEN / f"{name}.jaxguard").read_bytes())
     state = []
     for i, e in enumerate(x for x in header["entries"] if x["kind"] == "moments"):

@@ -199,6 +199,7 @@ class _Pickle:
 CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks)
 SUB = 1 << 16      # coordinates decoded at once inside a task: cache-sized temporaries, reused by malloc
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
+RANS_WINDOW = 1 << 22   # coordinates whose rANS sections are decoded in one lane loop
 CRC_GROUP = 1 << 23   # bytes of raw entries per CRC-32 task (a task per tiny tensor cost more than its CRC)
 
 
@@ -259,13 +260,26 @@ class _Decoder(threading.Thread):
         self.stash = {}
         self.buffers = _Buffers()
 
+    def _rans_window(self, entries, k, pre):
+        """Decode the ``mv_rans`` sections of entries k, k+1, ... (about `RANS_WINDOW`
+        coordinates) in one lane loop (`reader.decode_rans_entries`) into `pre`; returns the
+        first entry not covered.  A window at a time, so the writer starts after the first
+        one and the symbols held stay bounded."""
+        j, size = k, 0
+        while j < len(entries) and (j == k or size < RANS_WINDOW):
+            if entries[j].get("kind") == "moments":
+                size += reader._shape_size(entries[j])[1]
+            j += 1
+        pre.update({k + i: sym for i, sym in reader.decode_rans_entries(entries[k:j], self.payload).items()})
+        return j
+
     def _submit(self, pool, k, e, pre):
         """(entry, futures, finish) of one entry's decode tasks."""
         _, n = reader._shape_size(e)
         if n <= CHUNK:
-            fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.get(k))
+            fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.pop(k, None))
             return e, [fut], lambda: fut.result()
-        codes = reader.read_codes(e, self.payload, self.tables, pre.get(k))
+        codes = reader.read_codes(e, self.payload, self.tables, pre.pop(k, None))
         cs_id = e["codec"]
         m, v = self.buffers.take(e["name"], n)
         futs = [pool.submit(_decode_part, cs_id, a, min(a + CHUNK, n), codes, self.tables, m, v)
@@ -286,13 +300,15 @@ class _Decoder(threading.Thread):
         from collections import deque
         try:
             entries = self.header["entries"]
-            pre = reader.decode_rans_entries(entries, self.payload)
+            pre, upto = {}, 0   # rANS symbols decoded ahead of the entries' tasks, a window at a time
             todo = deque((k, e) for k, e in enumerate(entries) if e.get("kind") == "moments")
             with ThreadPoolExecutor(self.workers, thread_name_prefix="jaxguard-decode") as pool:
                 pending, ahead = deque(), 0
                 while todo or pending:
                     while todo and (not pending or ahead < WINDOW) and not self.stop.is_set():
                         k, e = todo.popleft()
+                        if k >= upto:
+                            upto = self._rans_window(entries, k, pre)
                         pending.append(self._submit(pool, k, e, pre))
                         ahead += reader._shape_size(e)[1]
                     if self.stop.is_set():
