@@ -149,7 +149,7 @@ def same_tree(x, y) -> bool:
     return x == y or (x != x and y != y)
 
 
-def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False):
+def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False, also=None):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
@@ -181,6 +181,12 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                      env0, before))
         runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
                      env0, before))
+    if also:   # another codec's compress and restore of the same checkpoint, interleaved (e.g. log8-rel)
+        out_a = os.path.join(work, "c_also.jg")
+        runs.append(("compress_also", [py, "-m", "jaxguard", "compress", src, "-o", out_a, "--json", "--codec", also],
+                     env, ROOT))
+        runs.append(("restore_also", [py, "-m", "jaxguard", "restore", out_a, "-o", os.path.join(work, "back_a.pt")],
+                     env, ROOT))
     if one_core:   # the same compress held to one CPU: what the second core buys
         runs.append(("compress_1core", ["taskset", "-c", str(min(os.sched_getaffinity(0))), *compress], env, ROOT))
     keys = [k for k, _, _, _ in runs]
@@ -190,6 +196,8 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
             res.setdefault(key, []).append({"seconds": w, "peak_rss": r})
             if key == "compress" and summary is None:
                 summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+            if key == "compress_also" and "also_summary" not in res:
+                res["also_summary"] = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
             print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
     if before:
         res["container_hashes_identical_to_before"] = _hashes(out) == _hashes(out0)
@@ -210,10 +218,18 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                       restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"],
                       compress_before_time=med["compress_before"]["seconds"] / med["plain"]["seconds"],
                       compress_before_rss=med["compress_before"]["peak_rss"] / med["plain"]["peak_rss"])
+    if also:
+        ratios.update({f"{k}_also_{q}": med[f"{k}_also"][f] / med["plain"][f] for k in ("compress", "restore")
+                       for q, f in (("time", "seconds"), ("rss", "peak_rss"))})
+        ratios.update(compress_vs_also=med["compress"]["seconds"] / med["compress_also"]["seconds"],
+                      restore_vs_also=med["restore"]["seconds"] / med["restore_also"]["seconds"])
     per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in keys if k != "plain"}
                for i in range(repeats)]
+    extra = {}
+    if also:
+        extra = {"also_codec": also, "also_container_bytes": os.path.getsize(out_a)}
     return {**res, "median": med, "ratios": ratios, "per_repeat_time_ratios": per_run, "summary": summary,
-            "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
+            "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src), **extra}
 
 
 def _hashes(container):
@@ -331,6 +347,8 @@ def main(argv=None):
                                                            "caller's XDG cache: the caches are warm)")
     ap.add_argument("--before", default=None, help="a checkout of the code before (e.g. `git archive` of a commit): "
                                                    "its restore runs interleaved as one more process")
+    ap.add_argument("--also-codec", default=None, help="another codec (e.g. log8-rel) whose compress and restore run "
+                                                       "interleaved, for ratios between the two codecs")
     ap.add_argument("--one-core", action="store_true", help="also run the compress under `taskset -c` one CPU "
                                                             "(interleaved): the speedup of all cores over one")
     a = ap.parse_args(argv)
@@ -358,7 +376,8 @@ def main(argv=None):
     print(f"checkpoint: {os.path.getsize(src):,} bytes", flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
-                          before=os.path.abspath(a.before) if a.before else None, one_core=a.one_core)
+                          before=os.path.abspath(a.before) if a.before else None, one_core=a.one_core,
+                          also=a.also_codec)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
@@ -430,7 +449,16 @@ def write_md(res, path):
         *([f"| `jaxguard restore` before (`--before` checkout) | {med['restore_before']['seconds']:.2f} | "
            f"{rat['restore_before_time']:.2f} | {mib(med['restore_before']['peak_rss']):.0f} | "
            f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
+        *([f"| `jaxguard compress --codec {w['also_codec']}` | {med['compress_also']['seconds']:.2f} | "
+           f"{rat['compress_also_time']:.2f} | {mib(med['compress_also']['peak_rss']):.0f} | "
+           f"{rat['compress_also_rss']:.2f} |",
+           f"| `jaxguard restore` of that | {med['restore_also']['seconds']:.2f} | {rat['restore_also_time']:.2f} | "
+           f"{mib(med['restore_also']['peak_rss']):.0f} | {rat['restore_also_rss']:.2f} |"] if "compress_also" in med
+          else []),
         "",
+        *([f"{res.get('codec')} against {w['also_codec']}, same run: compress {rat['compress_vs_also']:.2f}x, restore "
+           f"{rat['restore_vs_also']:.2f}x its time; payload {100 * sm['payload_ratio']:.3f}% against "
+           f"{100 * w['also_summary']['payload_ratio']:.3f}% of FP32.", ""] if "compress_also" in med else []),
         *([f"Compress on all {res['machine']['cpus']} cores vs one core: {rat['cores_speedup']:.2f}x faster.", ""]
           if "cores_speedup" in rat else []),
         *([f"The restored files of both restores load to the same tensors, bit for bit: "
