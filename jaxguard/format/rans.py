@@ -1313,16 +1313,16 @@ def decode_many(items, what="rans", lane_tails=False):
         return []
     if len({p[0].shape[0] for p in parts}) > 1:
         raise RansError(f"{what}: the buffers code different numbers of streams; decode them in separate calls")
-    names = [f"{what}[{k}]" for k in range(len(parts))]
-    res, batch, slots = [], [], 0
-    for k, part in enumerate(parts):    # batches of at most BATCH_SLOTS table slots (one bigger buffer alone)
+    batches, slots = [[]], 0
+    for k, part in enumerate(parts):    # at most BATCH_SLOTS table slots a batch (a bigger buffer alone)
         size = _table_slots(part)
-        if batch and slots + size > BATCH_SLOTS:
-            res += _finish([parts[j] for j in batch], *_decode_lanes([parts[j] for j in batch],
-                                                                     [names[j] for j in batch]),
-                           [names[j] for j in batch], lane_tails)
-            batch, slots = [], 0
-        batch.append(k)
+        if batches[-1] and slots + size > BATCH_SLOTS:
+            batches.append([])
+            slots = 0
+        batches[-1].append(k)
         slots += size
-    sub, sub_names = [parts[j] for j in batch], [names[j] for j in batch]
-    return res + _finish(sub, *_decode_lanes(sub, sub_names), sub_names, lane_tails)
+    res = []
+    for batch in batches:
+        sub, names = [parts[k] for k in batch], [f"{what}[{k}]" for k in batch]
+        res += _finish(sub, *_decode_lanes(sub, names), names, lane_tails)
+    return res
