@@ -161,7 +161,7 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
     if cold:
         w, r, text, _ = run_child(compress, env)
         res["cold_compress"] = {"seconds": w, "peak_rss": r}
-        summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+        summary = _json_summary(text)
         # a second fresh process: what does it compile, and does it detect the variant again?
         probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
                  "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
@@ -195,9 +195,9 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
             w, r, text, _ = run_child(argv, env_k, cwd)
             res.setdefault(key, []).append({"seconds": w, "peak_rss": r})
             if key == "compress" and summary is None:
-                summary = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+                summary = _json_summary(text)
             if key == "compress_also" and "also_summary" not in res:
-                res["also_summary"] = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+                res["also_summary"] = _json_summary(text)
             print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
     if before:
         res["container_hashes_identical_to_before"] = _hashes(out) == _hashes(out0)
@@ -225,11 +225,14 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                       restore_vs_also=med["restore"]["seconds"] / med["restore_also"]["seconds"])
     per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in keys if k != "plain"}
                for i in range(repeats)]
-    extra = {}
-    if also:
-        extra = {"also_codec": also, "also_container_bytes": os.path.getsize(out_a)}
+    extra = {"also_codec": also, "also_container_bytes": os.path.getsize(out_a)} if also else {}
     return {**res, "median": med, "ratios": ratios, "per_repeat_time_ratios": per_run, "summary": summary,
             "container_bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src), **extra}
+
+
+def _json_summary(text):
+    """The summary `jaxguard compress --json` printed (its last line that is a JSON object)."""
+    return json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
 
 
 def _hashes(container):
