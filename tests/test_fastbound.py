@@ -246,3 +246,35 @@ def test_reject_first_changes_no_level(max_level):
     probed_out = lower > np.asarray(K.threshold)[gidx]
     assert probed_out.sum() > 0.3 * n and (before >= 0).sum() > 0.2 * n
     assert (before[probed_out] < 0).all()
+
+
+
+def test_reject_first_changes_no_level_at_float32_edges():
+    """The same with moments near float32's max, among its subnormals, and spread over
+    both, decoded a few ulps to 2**-6 off: the probes refuse only what the tiers refuse,
+    where the adaptive tier certifies and refuses many."""
+    rng = np.random.default_rng(12)
+    n = 4000
+
+    def loguniform(lo, hi):
+        return np.exp2(rng.uniform(np.log2(lo), np.log2(hi), n)).astype(np.float32)
+    families = {"big": (loguniform(1e10, 3e38), loguniform(1e20, 3e38), loguniform(1e5, 1e19)),
+                "subnormal": (loguniform(2.0**-149, 2.0**-126), loguniform(2.0**-149, 2.0**-126),
+                              loguniform(1e-45, 1e-30)),
+                "spread": (loguniform(2.0**-140, 1e30), loguniform(2.0**-140, 3e38), loguniform(1e-30, 1e10))}
+    K = bound.stack_rows([_k(lr=1e-3, step=100), _k(lr=1e-2, step=2000, eps=1e-30)])
+    gidx = (np.arange(n) % 2).astype(np.int32)
+    adaptive = refused = 0
+    for name, (m, v, clip) in families.items():
+        m = m * rng.choice([-1, 1], n).astype(np.float32)
+        with np.errstate(over="ignore"):
+            mt = (m * rng.choice([1, 1 + 2.0**-20, 1 - 2.0**-14, 1 + 2.0**-8], n)).astype(np.float32)
+            vt = (v * rng.choice([1, 1 + 2.0**-18, 1 + 2.0**-10, 1 + 2.0**-6], n)).astype(np.float32)
+        pabs = np.abs(rng.standard_normal(n)).astype(np.float32)
+        for max_level in (-1, None):
+            without, with_ = (guard.certify_pc(K, gidx, m, v, mt, vt, pabs, clip, np.arange(n), "shared", "mixed",
+                                               max_level=max_level, reject_first=r) for r in (False, True))
+            np.testing.assert_array_equal(with_, without, err_msg=name)
+        adaptive += int((without == guard.ADAPTIVE_TIER).sum())
+        refused += int((without < 0).sum())
+    assert adaptive > 1000 and refused > 1000
