@@ -40,6 +40,14 @@ def _rows(n):
     return K, np.arange(n, dtype=np.int32) % 3
 
 
+def _artifacts(d):
+    return sorted(f for f in os.listdir(d) if f.endswith(".jaxexport"))
+
+
+def _executables(d):
+    return sorted(os.listdir(os.path.join(d, "exe"))) if os.path.isdir(os.path.join(d, "exe")) else []
+
+
 def _bits(x):
     return np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
 
@@ -64,7 +72,8 @@ def test_exported_kernels_match_direct_calls_bitwise(export_dir):
         assert len(want) == len(got)
         for w, g in zip(want, got):
             assert np.array_equal(_bits(w), _bits(g)), fn.__name__
-    assert len(os.listdir(export_dir)) == len(cases)   # one artifact per kernel, shape and static argument
+    # one artifact and one compiled executable per kernel, shape and static argument
+    assert len(_artifacts(export_dir)) == len(cases) and len(_executables(export_dir)) == len(cases)
 
 
 def test_artifacts_are_read_back_and_keyed_by_shape(export_dir):
@@ -72,17 +81,52 @@ def test_artifacts_are_read_back_and_keyed_by_shape(export_dir):
     K, gidx = _rows(256)
     want = np.asarray(B.batch_lower_pc(K.take(gidx), m, v, mt, vt, clip))
     programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)
-    (art,) = os.listdir(export_dir)
-    programs.enable(export_dir)          # what a fresh process sees: the file only
+    (art,), (exe,) = _artifacts(export_dir), _executables(export_dir)
+    programs.enable(export_dir)          # what a fresh process sees: the files only
     got = programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)
-    assert np.array_equal(_bits(want), _bits(got)) and os.listdir(export_dir) == [art]
-    with open(export_dir / art, "wb") as fh:   # a damaged artifact is rebuilt, not trusted
-        fh.write(b"not an export")
+    assert np.array_equal(_bits(want), _bits(got))
+    assert _artifacts(export_dir) == [art] and _executables(export_dir) == [exe]
+    for f in (export_dir / art, export_dir / "exe" / exe):   # damaged files are rebuilt, not trusted
+        with open(f, "wb") as fh:
+            fh.write(b"not an export")
     programs.enable(export_dir)
     assert np.array_equal(_bits(want), _bits(programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)))
+    assert (export_dir / "exe" / exe).read_bytes() != b"not an export"
     half = [x[:128] for x in (m, v, mt, vt, clip)]
     programs.call(B.batch_lower_pc, K.take(gidx[:128]), *half)
-    assert len(os.listdir(export_dir)) == 2   # another shape, another program
+    assert len(_artifacts(export_dir)) == 2 and len(_executables(export_dir)) == 2   # another shape, another program
+
+
+_FRESH = ("import logging, sys\n"
+          "import jax, numpy as np\n"
+          "jax.config.update('jax_log_compiles', True)\n"
+          "from jaxguard.core import programs, bound as B\n"
+          "from jaxguard.core.config import GuardConfig\n"
+          "programs.enable(sys.argv[1])\n"
+          "K = B.stack_rows([B.pack_constants(GuardConfig(lr=1e-3, step=1).constants(), 0.01)])\n"
+          "x = np.full(256, 1e-3, np.float32)\n"
+          "args = (K.take(np.zeros(256, np.int64)), x, x, x, x, x)\n"
+          "assert np.array_equal(np.asarray(programs.call(B.batch_lower_pc, *args)), np.asarray(B.batch_lower_pc(*args)))\n")
+
+
+def _fresh_compiles(directory):
+    """Compilations logged by a fresh process making one exported call (the direct call
+    it is checked against compiles one more, the kernel itself)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FRESH, str(directory)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return sum("Compiling" in line for line in out.stderr.splitlines())
+
+
+def test_a_fresh_process_loads_the_executable_without_compiling(tmp_path):
+    d = tmp_path / "export"
+    first = _fresh_compiles(d)
+    (exe,) = _executables(d)
+    loaded = _fresh_compiles(d)
+    assert loaded < first, (first, loaded)
+    os.chmod(d / "exe" / exe, 0o666)   # writable by others: not read (it is a pickle), compiled again
+    assert _fresh_compiles(d) > loaded
 
 
 def test_disabled_is_the_direct_call():
