@@ -313,6 +313,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         for i, (*_, cfg) in enumerate(items):
             if cfg.joint:
                 joint_on[int(offs[i]) * codes.BLOCK:int(offs[i] + nbs[i]) * codes.BLOCK] = True
+        mq, vq = np.array(mq), np.array(vq)   # _joint_search writes codes in place
         rescued = _joint_search(codec, np.flatnonzero(escape & ok & joint_on), mq, vq, mp, vp, mh, vh, pabs, clip,
                                 K, kidx, bound, partition)
         escape &= ~rescued
@@ -430,7 +431,8 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
             outs.append((*o, _programs.call(_fast_tier, *blocks, *o[4:8], K, None if kb is None else kb[s:s + step],
                                             cb[s:s + step])))
     k = len(outs[0])
-    res = [np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1 else np.array(outs[0][i])
+    # one chunk: zero-copy read-only views of the program's outputs (whoever writes copies first)
+    res = [np.concatenate([np.asarray(o[i]) for o in outs]) if len(outs) > 1 else np.asarray(outs[0][i])
            for i in range(k)]
     mq, vq, mp, vp, mt, vt, exact, ok = res[:8]
     fast = res[8].reshape(-1) if k > 8 else None
