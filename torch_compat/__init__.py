@@ -14,16 +14,32 @@ Two parts, which never import each other upward:
 
 Needs torch >= 2.4 (``pip install -e ".[torch]"`` in the clone); the rest of jaxguard does not.
 """
+import importlib.metadata as _metadata
+import importlib.util as _util
 import re as _re
+import sys as _sys
 
 from jaxguard.errors import install_hint as _install_hint
 
-try:
-    import torch as _torch
-except ImportError:
-    raise ImportError(f"torch_compat needs torch; install it with {_install_hint('torch')}") from None
-if tuple(int(x) for x in _re.findall(r"\d+", _torch.__version__)[:2]) < (2, 4):
-    raise ImportError(f"torch_compat needs torch >= 2.4 (this is torch {_torch.__version__}); "
+
+def _installed_torch_version():
+    # asked without importing torch: `jaxguard compress` of a file read without torch never imports it
+    if "torch" in _sys.modules:
+        return _sys.modules["torch"].__version__
+    if _util.find_spec("torch") is None:
+        return None
+    try:
+        return _metadata.version("torch")
+    except _metadata.PackageNotFoundError:   # importable but not installed by pip (a source tree)
+        import torch
+        return torch.__version__
+
+
+_version = _installed_torch_version()
+if _version is None:
+    raise ImportError(f"torch_compat needs torch; install it with {_install_hint('torch')}")
+if tuple(int(x) for x in _re.findall(r"\d+", _version)[:2]) < (2, 4):
+    raise ImportError(f"torch_compat needs torch >= 2.4 (this is torch {_version}); "
                       f"upgrade it with {_install_hint('torch')}")
 
 # the public names are imported on first use (as in jaxguard/__init__.py), so that

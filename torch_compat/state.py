@@ -14,8 +14,9 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+import sys
+
 import numpy as np
-import torch
 
 from jaxguard import audit as jg_audit
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
@@ -40,6 +41,56 @@ class _LazyModule:
 
 
 writer = _LazyModule("jaxguard.writer")   # compress only: restore never imports JAX
+# `jaxguard compress` of a checkpoint read without torch (`jaxguard.cli.torchfile.load`) never
+# imports it: the compress path asks `is_tensor`, `dtype_name`, `torch_version`, never `torch.*`
+torch = _LazyModule("torch")
+
+
+def _file_tensor_type():
+    from jaxguard.cli.torchfile import FileTensor
+    return FileTensor
+
+
+def is_tensor(x) -> bool:
+    """Whether `x` is a torch tensor or a `jaxguard.cli.torchfile.FileTensor` (a tensor of a
+    checkpoint read without torch), without importing torch to ask.
+
+    Args:
+      x: anything.
+
+    Returns:
+      A bool.
+    """
+    t = sys.modules.get("torch")
+    return (t is not None and isinstance(x, t.Tensor)) or isinstance(x, _file_tensor_type())
+
+
+def dtype_name(t) -> str:
+    """A tensor's dtype without the ``torch.`` prefix (``"float32"``, ``"bfloat16"``, ...).
+
+    Args:
+      t: a torch tensor or a `FileTensor`.
+
+    Returns:
+      The name.
+    """
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def torch_version() -> str:
+    """``torch.__version__``: from torch when it is imported, else as recorded beside the
+    cached Adam variant of this environment (`torch_compat.variant_cache.fast_record`),
+    else by importing torch.
+
+    Returns:
+      The version string.
+    """
+    if "torch" not in sys.modules:
+        from torch_compat.variant_cache import fast_record
+        rec = fast_record()
+        if rec is not None:
+            return rec["torch_version"]
+    return torch.__version__
 
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
@@ -58,6 +109,8 @@ def tensor_to_numpy(t: torch.Tensor):
     Returns:
       ``(array, dtype name)``; bfloat16 travels as its uint16 bits with the name ``"bfloat16"``.
     """
+    if isinstance(t, _file_tensor_type()):   # bfloat16 is held as its uint16 bits already
+        return t.contiguous_array(), t.dtype_name
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
@@ -92,6 +145,8 @@ def _tie_key(t):
     and dtype (a tied weight under two state_dict keys); None for an empty tensor."""
     if t.numel() == 0:
         return None
+    if isinstance(t, _file_tensor_type()):
+        return ("file", t.key, t.offset, t.shape, t.stride, t.dtype_name)
     return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
             t.dtype)
 
@@ -117,7 +172,7 @@ def to_skeleton(obj, path, raws, tied=None):
       CheckpointError: a key or value of a type the container cannot hold.
     """
     tied = {} if tied is None else tied
-    if isinstance(obj, torch.Tensor):
+    if is_tensor(obj):
         key = _tie_key(obj)
         if key is not None and key in tied:
             return {"__tensor__": tied[key]}
@@ -190,7 +245,7 @@ def scalar_value(x, what):
     Raises:
       CheckpointError: a tensor of more than one element.
     """
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         if x.numel() != 1:
             raise CheckpointError(f"{what} is a tensor of {x.numel()} elements; expected a scalar")
         return x.item()
@@ -250,7 +305,7 @@ def check_optimizer_state(opt_sd, model_sd=None) -> None:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             if key not in st:
                 raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
-        if idx in groups and isinstance(st["exp_avg"], torch.Tensor) and st["exp_avg"].device.type != "cpu":
+        if idx in groups and is_tensor(st["exp_avg"]) and st["exp_avg"].device.type != "cpu":
             gi, g = groups[idx]
             try:
                 op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
@@ -260,7 +315,7 @@ def check_optimizer_state(opt_sd, model_sd=None) -> None:
                 raise UnsupportedOptimizerError(f"param group {gi} {has} with its state on {st['exp_avg'].device}: "
                                                 f"{str(exc).split(': ', 1)[-1]}") from None
         for key in ("exp_avg", "exp_avg_sq"):
-            if st[key].dtype != torch.float32:
+            if dtype_name(st[key]) != "float32":
                 raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
                                                 "float32 moments only (keep Adam state in float32)")
 
@@ -323,14 +378,14 @@ def infer_param_names(opt_sd, model_sd) -> list:
     if indices != list(range(len(indices))):
         raise CheckpointError(f"the optimizer has no 'param_names' and its parameter indices are not 0..{len(indices) - 1} "
                               "in order, so they cannot be mapped to the model; " + BY_ORDER_FIX)
-    floats = [k for k, t in model_sd.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [k for k, t in model_sd.items() if is_tensor(t) and t.is_floating_point()]
     if len(floats) != len(indices):
         raise CheckpointError(f"the optimizer has no 'param_names' and {len(indices)} parameters, but the model "
                               f"state_dict has {len(floats)} floating-point tensors (buffers, tied or frozen weights), "
                               "so the order does not say which is which; " + BY_ORDER_FIX)
     for idx, st in opt_sd["state"].items():
         m = st.get("exp_avg") if isinstance(st, dict) else None
-        if isinstance(idx, int) and 0 <= idx < len(floats) and isinstance(m, torch.Tensor) \
+        if isinstance(idx, int) and 0 <= idx < len(floats) and is_tensor(m) \
                 and tuple(m.shape) != tuple(model_sd[floats[idx]].shape):
             raise CheckpointError(f"the optimizer has no 'param_names'; by order, parameter {idx} would be "
                                   f"{floats[idx]!r} of shape {tuple(model_sd[floats[idx]].shape)}, but its state has "
@@ -413,9 +468,9 @@ def op_model_of(group, device_type="cpu", op_model=None, gi=0) -> str:
     try:
         return resolve_op_model(device_type, foreach=group.get("foreach"), fused=group.get("fused"),
                                 capturable=bool(group.get("capturable", False)), decoupled=decoupled,
-                                torch_version=torch.__version__,
+                                torch_version=torch_version(),
                                 differentiable=bool(group.get("differentiable", False)),
-                                lr_is_tensor=isinstance(group.get("lr"), torch.Tensor), op_model=op_model)
+                                lr_is_tensor=is_tensor(group.get("lr")), op_model=op_model)
     except ConfigError as exc:
         raise UnsupportedOptimizerError(f"param group {gi}: {exc}") from None
 
@@ -514,7 +569,9 @@ class MappedSource:
         if not self.ranges:
             return
         for a in arrays:
-            if isinstance(a, torch.Tensor):   # its whole storage: every page of the file may be re-read
+            if isinstance(a, _file_tensor_type()):   # its whole storage, as for a torch tensor
+                a = a.storage
+            if not isinstance(a, np.ndarray) and is_tensor(a):   # its whole storage: every page may be re-read
                 start, size = a.untyped_storage().data_ptr(), a.untyped_storage().nbytes()
             else:
                 start, size = a.__array_interface__["data"][0], a.nbytes if a.flags.c_contiguous else 0
@@ -568,7 +625,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         if tuple(p.shape) != tuple(st["exp_avg"].shape) or tuple(p.shape) != tuple(st["exp_avg_sq"].shape):
             raise CheckpointError(f"parameter {name!r} has shape {tuple(p.shape)} but its moments have "
                                   f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
-        if p.dtype != torch.float32:
+        if dtype_name(p) != "float32":
             raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
         step, device_type = step_count(st, idx), st["exp_avg"].device.type
         cfg = configs.get((id(group), step, device_type))
@@ -621,6 +678,11 @@ def encoder_view(t, *, dlpack=None):
     Returns:
       A `jax.Array` (on the tensor's device) or a `HostTensor`.
     """
+    if isinstance(t, _file_tensor_type()):   # read without torch: the host view (the same bits)
+        if t.dtype_name != "float32":
+            raise UnsupportedOptimizerError(f"a {t.dtype} tensor reached the encoder; jaxguard certifies float32 "
+                                            "moments and parameters only")
+        return t.contiguous_array()
     t = t.detach()
     if dlpack is None:
         dlpack = (jax_platform_of(t.device.type) is not None and t.is_contiguous()
@@ -689,7 +751,7 @@ def _checkpoint_records(ckpt, *, spec, op_model=None):
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
         top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records, tied)])
-    meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__}
+    meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch_version()}
     extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound, "partition": spec.partition}
     return records, meta, extra
 
@@ -942,6 +1004,8 @@ def param_digest(p: torch.Tensor) -> str:
     Returns:
       The hex digest.
     """
+    if isinstance(p, _file_tensor_type()):
+        return hashlib.sha256(p.contiguous_array().reshape(-1).view(np.uint8)).hexdigest()
     t = p.detach().reshape(-1).contiguous().cpu()
     return hashlib.sha256(t.view(torch.uint8).numpy() if t.numel() else b"").hexdigest()
 

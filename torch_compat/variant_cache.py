@@ -13,15 +13,27 @@ in a file named by a SHA-256 of
 so that a different torch, CPU, kernel setting or detection code never reuses a stale
 entry: any change of the key is a cache miss and a fresh detection.  A cache that
 cannot be read or written only costs the detection.
+
+The fingerprint itself needs torch imported (its CPU capability and MKL version: 1-2 s of a
+``jaxguard compress``).  `variant_record` therefore also keeps the record it returned, with
+``torch.__version__``, under a second key that is read without torch (`fast_key`: the
+installed torch's files by path, size and modification time, the CPU's vendor, model and
+flags, the three variables, the Python and numpy versions and the detection code); a
+compress that reads its checkpoint without torch (`jaxguard.cli.torchfile.load`) then never
+imports it.  The same torch files on the same CPU with the same variables select the same
+kernels, so the second key never names another environment than the first.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -29,7 +41,6 @@ from pathlib import Path
 import numpy as np
 
 from torch_compat import variant as variant_types
-from torch_compat.replay import ReplayVariantWarning, detect_variant
 
 _SOURCES = ("float32.py", "variant.py", "calibrate.py", "replay.py")
 FORMAT = 1
@@ -69,6 +80,7 @@ def cached_detect_variant(*, refresh: bool = False, detect=None):
     Returns:
       ``(variant, cached)``: the `AdamVariant` and whether it came from the cache.
     """
+    from torch_compat.replay import detect_variant
     detect = detect or detect_variant
     path = cache_path()
     if not refresh:
@@ -83,17 +95,80 @@ def cached_detect_variant(*, refresh: bool = False, detect=None):
     return variant, False
 
 
-def _store(path: Path, doc: dict) -> None:
+def _store(path: Path, doc: dict, sort_keys: bool = True) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as fh:
-                json.dump(doc, fh, sort_keys=True)
+                json.dump(doc, fh, sort_keys=sort_keys)
             os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def _torch_files() -> list:
+    """(name, size, mtime_ns) of the installed torch's version file and compiled libraries."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = Path(list(spec.submodule_search_locations)[0])
+    found = [root / "version.py", *sorted(root.glob("_C*.so")), *sorted((root / "lib").glob("libtorch_cpu*")),
+             *sorted((root / "lib").glob("libtorch.*"))]
+    out = []
+    for f in found:
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def fast_key() -> str | None:
+    """Hex key of this environment read without importing torch (the module docstring),
+    or None when torch is not installed.
+
+    Returns:
+      24 hex digits, or None.
+    """
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = _torch_files()
+    if not files:
+        return None
+    h = hashlib.sha256()
+    doc = {"format": FORMAT, "torch": version, "files": files, "cpu": variant_types._cpu_description(),
+           "env": {k: os.environ.get(k, "") for k in KERNEL_VARIABLES}, "python": platform.python_version(),
+           "numpy": np.__version__}
+    h.update(json.dumps(doc, sort_keys=True).encode())
+    here = Path(__file__).resolve().parent
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:24]
+
+
+def fast_record() -> dict | None:
+    """What `variant_record` returned before in this environment, read without torch.
+
+    Returns:
+      ``{"variant": the record, "torch_version": torch.__version__}``, or None (not seen
+      before under `fast_key`, or unreadable).
+    """
+    key = fast_key()
+    if key is None:
+        return None
+    try:
+        d = json.loads((variant_types.cache_dir() / f"adam-variant-fast-{key}.json").read_text())
+        if d.get("key") == key and isinstance(d.get("variant"), dict) and isinstance(d.get("torch_version"), str):
+            return d
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def variant_record() -> dict:
@@ -104,9 +179,18 @@ def variant_record() -> dict:
       a failed detection as ``{"matched": False, "detail": ...}`` (the guard does not use it).
       Cached on disk per environment (`cached_detect_variant`).
     """
+    fast = fast_record()
+    if fast is not None:
+        return fast["variant"]
     try:
+        from torch_compat.replay import ReplayVariantWarning
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReplayVariantWarning)
-            return cached_detect_variant()[0].to_dict()   # once per environment, not per run
+            record = cached_detect_variant()[0].to_dict()   # once per environment, not per run
     except Exception as exc:  # noqa: BLE001 - the variant is informational: the guard does not use it
         return {"matched": False, "detail": f"variant detection failed: {exc}"[:300]}
+    key = fast_key()
+    if key is not None and "torch" in sys.modules:
+        _store(variant_types.cache_dir() / f"adam-variant-fast-{key}.json",
+               {"key": key, "variant": record, "torch_version": sys.modules["torch"].__version__}, sort_keys=False)
+    return record

@@ -113,8 +113,16 @@ def _cmd_compress(a):
     """``jaxguard compress CKPT -o OUT``: certify and write a container (or a DCP directory)."""
     import torch_compat.state
     from jaxguard.format import storage
-    from torch_compat.variant_cache import variant_record
-    ckpt = load_torch_checkpoint(a.ckpt)
+    from torch_compat.variant_cache import fast_record, variant_record
+    ckpt = None
+    if not storage.is_url(a.ckpt) and fast_record() is not None:   # torch is never imported
+        from jaxguard.cli import torchfile
+        try:
+            ckpt = torchfile.load(storage.local_path(a.ckpt))
+        except torchfile.Unsupported:
+            ckpt = None
+    if ckpt is None:
+        ckpt = load_torch_checkpoint(a.ckpt)
     # the checkpoint is ours and read-only: drop its mapped pages as the stream is done with them
     source = None if storage.is_url(a.ckpt) else torch_compat.state.MappedSource(storage.local_path(a.ckpt))
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
@@ -469,7 +477,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb in TORCH_VERBS:   # before parsing: without torch, audit-enclosure's options are unknown
-        missing = _torch_installed(verb) if verb == "restore" else _torch_missing(verb)
+        missing = _torch_installed(verb) if verb in ("restore", "compress") else _torch_missing(verb)
         if missing:
             return _die(missing)
     args = build_parser().parse_args(argv)
