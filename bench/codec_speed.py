@@ -164,14 +164,17 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
         summary = _json_summary(text)
         # a second fresh process: what does it compile, and does it detect the variant again?
         probe = [py, "-c", "import sys, jax; jax.config.update('jax_log_compiles', True); "
-                 "from jaxguard import cli; sys.exit(cli.main(sys.argv[1:]))", "compress", src, "-o", out, "--json",
+                 "from jaxguard import cli; rc = cli.main(sys.argv[1:]); "
+                 "print('torch imported:', 'torch' in sys.modules, file=sys.stderr); sys.exit(rc)",
+                 "compress", src, "-o", out, "--json",
                  "--codec", codec]
         w, r, out_, err_ = run_child(probe, env)
         text = out_ + err_
         compiled = text.count("Compiling ")
         hits = text.count("Persistent compilation cache hit")
         res["second_run"] = {"programs": compiled, "persistent_cache_hits": hits, "compiled_anew": compiled - hits,
-                             "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w}
+                             "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w,
+                             "torch_imported": "torch imported: True" in text}
     runs = [("plain", plain, env, ROOT), ("compress", compress, env, ROOT), ("restore", restore, env, ROOT)]
     if before:   # the compress and restore of another checkout (e.g. `git archive` of the commit before)
         res["compress_before"], res["restore_before"] = [], []   # run from that directory: `python -m` puts the cwd first
@@ -475,7 +478,8 @@ def write_md(res, path):
          f"{w['cold_compress']['seconds']:.1f} s. Second fresh process: {w['second_run']['programs']} programs, "
          f"{w['second_run']['persistent_cache_hits']} read from the persistent cache, "
          f"{w['second_run']['compiled_anew']} compiled anew; variant detection warning printed: "
-         f"{w['second_run']['variant_detection_warning']}." if w.get("cold_compress") else
+         f"{w['second_run']['variant_detection_warning']}; torch imported: "
+         f"{w['second_run'].get('torch_imported', 'not recorded')}." if w.get("cold_compress") else
          "No cold compress (--no-cold): the persistent XLA / export caches were warm."),
         "",
         f"Result: {sm['escapes']:,} escapes ({100 * sm['escape_rate']:.4f}%), payload {100 * sm['payload_ratio']:.3f}% "
