@@ -1,5 +1,6 @@
-"""``jaxguard restore`` without importing torch: the container's tree written in torch.save's
-zip format by the standard library and numpy.
+"""torch.save's zip format without importing torch, both ways: ``jaxguard restore`` writes the
+container's tree in it (`restore`), and ``jaxguard compress`` reads its checkpoint from it
+(`load`, at the end of this module), with the standard library and numpy.
 
 `torch_compat.state.restore_tree` + ``torch.save`` (the other restore path) imports torch
 (1.4-4 s), builds every tensor, and ``torch.save`` copies each one into the file again.  Here
