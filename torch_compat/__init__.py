@@ -26,7 +26,10 @@ def _installed_torch_version():
     # asked without importing torch: `jaxguard compress` of a file read without torch never imports it
     if "torch" in _sys.modules:
         return _sys.modules["torch"].__version__
-    if _util.find_spec("torch") is None:
+    try:
+        if _util.find_spec("torch") is None:
+            return None
+    except (ImportError, ValueError):   # a finder that refuses torch: as good as not installed
         return None
     try:
         return _metadata.version("torch")

@@ -41,18 +41,18 @@ class _LazyModule:
 
 
 writer = _LazyModule("jaxguard.writer")   # compress only: restore never imports JAX
-# `jaxguard compress` of a checkpoint read without torch (`jaxguard.cli.torchfile.load`) never
+# `jaxguard compress` of a checkpoint read without torch (`jaxguard.format.torchzip.load`) never
 # imports it: the compress path asks `is_tensor`, `dtype_name`, `torch_version`, never `torch.*`
 torch = _LazyModule("torch")
 
 
 def _file_tensor_type():
-    from jaxguard.cli.torchfile import FileTensor
+    from jaxguard.format.torchzip import FileTensor
     return FileTensor
 
 
 def is_tensor(x) -> bool:
-    """Whether `x` is a torch tensor or a `jaxguard.cli.torchfile.FileTensor` (a tensor of a
+    """Whether `x` is a torch tensor or a `jaxguard.format.torchzip.FileTensor` (a tensor of a
     checkpoint read without torch), without importing torch to ask.
 
     Args:

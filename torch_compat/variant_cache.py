@@ -19,7 +19,7 @@ The fingerprint itself needs torch imported (its CPU capability and MKL version:
 ``torch.__version__``, under a second key that is read without torch (`fast_key`: the
 installed torch's files by path, size and modification time, the CPU's vendor, model and
 flags, the three variables, the Python and numpy versions and the detection code); a
-compress that reads its checkpoint without torch (`jaxguard.cli.torchfile.load`) then never
+compress that reads its checkpoint without torch (`jaxguard.format.torchzip.load`) then never
 imports it.  The same torch files on the same CPU with the same variables select the same
 kernels, so the second key never names another environment than the first.
 """

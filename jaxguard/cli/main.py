@@ -116,10 +116,10 @@ def _cmd_compress(a):
     from torch_compat.variant_cache import fast_record, variant_record
     ckpt = None
     if not storage.is_url(a.ckpt) and fast_record() is not None:   # torch is never imported
-        from jaxguard.cli import torchfile
+        from jaxguard.format import torchzip
         try:
-            ckpt = torchfile.load(storage.local_path(a.ckpt))
-        except torchfile.Unsupported:
+            ckpt = torchzip.load(storage.local_path(a.ckpt))
+        except torchzip.Unsupported:
             ckpt = None
     if ckpt is None:
         ckpt = load_torch_checkpoint(a.ckpt)

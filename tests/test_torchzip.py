@@ -1,4 +1,4 @@
-"""`jaxguard.cli.torchfile.load`: torch.save's zip format read without torch.
+"""`jaxguard.format.torchzip.load`: torch.save's zip format read without torch.
 
 `jaxguard compress` reads its checkpoint this way once the environment's Adam variant is
 cached (`torch_compat.variant_cache.fast_record`), so that it never imports torch.  What it
@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat
-from jaxguard.cli import torchfile
+from jaxguard.format import torchzip
 from jaxguard.format import reader
 from torch_compat import variant_cache
 
@@ -31,9 +31,9 @@ VARIANT = {"matched": True, "detail": "fixed for the comparison"}
 
 
 def same_tree(ours, theirs, path="") -> int:
-    """Assert `ours` (torchfile.load) is `theirs` (torch.load); return the tensors compared."""
+    """Assert `ours` (torchzip.load) is `theirs` (torch.load); return the tensors compared."""
     if isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torchfile.FileTensor), path
+        assert isinstance(ours, torchzip.FileTensor), path
         assert ours.shape == tuple(theirs.shape) and ours.dtype == str(theirs.dtype), (path, ours.dtype, theirs.dtype)
         t = theirs.detach().contiguous()
         if t.dtype == torch.bfloat16:
@@ -95,7 +95,7 @@ def odd(tmp_path_factory):
 
 
 def test_load_is_torch_load_tensor_for_tensor(odd):
-    ours = torchfile.load(str(odd))
+    ours = torchzip.load(str(odd))
     theirs = torch.load(odd, map_location="cpu", weights_only=True)
     assert same_tree(ours, theirs) > 30
     assert ours["same"].key == ours["base"].key == ours["transposed"].key      # one storage, as torch keeps it
@@ -124,7 +124,7 @@ def test_container_from_either_loader_is_the_same(kind, odd, tmp_path):
         torch.save(trained(decoupled=kind == "adamw", tie=kind == "adam_tied"), path)
     with_torch, _ = torch_compat.compress_checkpoint(torch.load(path, map_location="cpu", weights_only=True),
                                                      variant=VARIANT)
-    without, summary = torch_compat.compress_checkpoint(torchfile.load(str(path)), variant=VARIANT)
+    without, summary = torch_compat.compress_checkpoint(torchzip.load(str(path)), variant=VARIANT)
     h1, rest1 = _stripped_header(with_torch)
     h2, rest2 = _stripped_header(without)
     assert h1 == h2 and rest1 == rest2
@@ -144,8 +144,8 @@ def test_files_it_does_not_cover_are_left_to_torch(tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     for p in (legacy, complex_, device, garbage, tmp_path / "missing.pt"):
-        with pytest.raises(torchfile.Unsupported):
-            torchfile.load(str(p))
+        with pytest.raises(torchzip.Unsupported):
+            torchzip.load(str(p))
 
 
 def test_a_pickle_naming_code_is_never_run(tmp_path):
@@ -162,8 +162,8 @@ def test_a_pickle_naming_code_is_never_run(tmp_path):
     with zipfile.ZipFile(p, "w") as zf:
         zf.writestr("evil/data.pkl", payload)
         zf.writestr("evil/byteorder", "little")
-    with pytest.raises(torchfile.Unsupported, match="os|posix|system"):
-        torchfile.load(str(p))
+    with pytest.raises(torchzip.Unsupported, match="os|posix|system"):
+        torchzip.load(str(p))
     assert not marker.exists()
     pickle.loads(payload)
     assert marker.exists()
