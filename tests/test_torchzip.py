@@ -171,12 +171,14 @@ def test_a_pickle_naming_code_is_never_run(tmp_path):
 
 def test_fast_key_follows_the_kernel_variables(monkeypatch):
     key = variant_cache.fast_key()
-    assert key is not None and len(key) == 24
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    assert variant_cache.fast_key() != key
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
-    assert variant_cache.fast_key() != key
+    assert key is not None and len(key) == 24 and variant_cache.fast_key() == key
+    for var, values in (("ATEN_CPU_CAPABILITY", ("default", "avx2")), ("MKL_CBWR", ("COMPATIBLE", "AVX2")),
+                        ("MKL_ENABLE_INSTRUCTIONS", ("AVX2", "SSE4_2"))):
+        other = next(v for v in values if v != os.environ.get(var))   # a value this run does not have
+        with monkeypatch.context() as m:
+            m.setenv(var, other)
+            assert variant_cache.fast_key() != key, var
+        assert variant_cache.fast_key() == key
 
 
 def test_compress_process_does_not_import_torch_once_the_variant_is_cached(odd, tmp_path):
