@@ -12,9 +12,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from typing import TYPE_CHECKING
-
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
