@@ -52,6 +52,10 @@ def same_tree(ours, theirs, path="") -> int:
     return 0
 
 
+class Opaque:
+    """A class of this module: a pickle naming it is refused by torch's weights_only loader."""
+
+
 def trained(decoupled=False, tie=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 300), torch.nn.Linear(300, 11))
@@ -197,3 +201,18 @@ def test_compress_process_does_not_import_torch_once_the_variant_is_cached(odd, 
     h0, rest0 = _stripped_header(runs[0][1].read_bytes())
     h1, rest1 = _stripped_header(runs[1][1].read_bytes())
     assert h0 == h1 and rest0 == rest1
+    # with the variant recorded, a file the reader does not cover still goes through torch.load
+    legacy = tmp_path / "legacy.pt"
+    torch.save(torch.load(odd, weights_only=True), legacy, _use_new_zipfile_serialization=False)
+    r = subprocess.run([sys.executable, "-c", code, str(legacy), str(tmp_path / "legacy.jg")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.split()[-2:] == ["0", "True"], r.stdout + r.stderr
+    h2, rest2 = _stripped_header((tmp_path / "legacy.jg").read_bytes())
+    assert h2 == h0 and rest2 == rest0
+    # and one torch refuses is refused as before, in one line, with no output file
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "optimizer": {}, "x": Opaque()}, evil)   # a global weights_only refuses
+    r = subprocess.run([sys.executable, "-m", "jaxguard", "compress", str(evil), "-o", str(tmp_path / "evil.jg")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.startswith("jaxguard: error: ") and "refused" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "evil.jg").exists()
