@@ -20,6 +20,7 @@ import numpy as np
 from jaxguard import audit as jg_audit
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container, reader
+from jaxguard.format.torchzip import FileTensor
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.opmodel import resolve_op_model, torch_op_model
 from torch_compat.replay import TORCH_FLAGS
@@ -45,11 +46,6 @@ writer = _LazyModule("jaxguard.writer")   # compress only: restore never imports
 torch = _LazyModule("torch")
 
 
-def _file_tensor_type():
-    from jaxguard.format.torchzip import FileTensor
-    return FileTensor
-
-
 def is_tensor(x) -> bool:
     """Whether `x` is a torch tensor or a `jaxguard.format.torchzip.FileTensor` (a tensor of a
     checkpoint read without torch), without importing torch to ask.
@@ -61,7 +57,7 @@ def is_tensor(x) -> bool:
       A bool.
     """
     t = sys.modules.get("torch")
-    return (t is not None and isinstance(x, t.Tensor)) or isinstance(x, _file_tensor_type())
+    return (t is not None and isinstance(x, t.Tensor)) or isinstance(x, FileTensor)
 
 
 def dtype_name(t) -> str:
@@ -108,7 +104,7 @@ def tensor_to_numpy(t: torch.Tensor):
     Returns:
       ``(array, dtype name)``; bfloat16 travels as its uint16 bits with the name ``"bfloat16"``.
     """
-    if isinstance(t, _file_tensor_type()):   # bfloat16 is held as its uint16 bits already
+    if isinstance(t, FileTensor):   # bfloat16 is held as its uint16 bits already
         return t.contiguous_array(), t.dtype_name
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
@@ -144,7 +140,7 @@ def _tie_key(t):
     and dtype (a tied weight under two state_dict keys); None for an empty tensor."""
     if t.numel() == 0:
         return None
-    if isinstance(t, _file_tensor_type()):
+    if isinstance(t, FileTensor):
         return ("file", t.key, t.offset, t.shape, t.stride, t.dtype_name)
     return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
             t.dtype)
@@ -568,9 +564,9 @@ class MappedSource:
         if not self.ranges:
             return
         for a in arrays:
-            if isinstance(a, _file_tensor_type()):   # its whole storage, as for a torch tensor
+            if isinstance(a, FileTensor):   # its whole storage, as for a torch tensor
                 a = a.storage
-            if not isinstance(a, np.ndarray) and is_tensor(a):   # its whole storage: every page may be re-read
+            if is_tensor(a):   # its whole storage: every page of the file may be re-read
                 start, size = a.untyped_storage().data_ptr(), a.untyped_storage().nbytes()
             else:
                 start, size = a.__array_interface__["data"][0], a.nbytes if a.flags.c_contiguous else 0
@@ -677,7 +673,7 @@ def encoder_view(t, *, dlpack=None):
     Returns:
       A `jax.Array` (on the tensor's device) or a `HostTensor`.
     """
-    if isinstance(t, _file_tensor_type()):   # read without torch: the host view (the same bits)
+    if isinstance(t, FileTensor):   # read without torch: the host view (the same bits)
         if t.dtype_name != "float32":
             raise UnsupportedOptimizerError(f"a {t.dtype} tensor reached the encoder; jaxguard certifies float32 "
                                             "moments and parameters only")
@@ -1003,7 +999,7 @@ def param_digest(p: torch.Tensor) -> str:
     Returns:
       The hex digest.
     """
-    if isinstance(p, _file_tensor_type()):
+    if isinstance(p, FileTensor):
         return hashlib.sha256(p.contiguous_array().reshape(-1).view(np.uint8)).hexdigest()
     t = p.detach().reshape(-1).contiguous().cpu()
     return hashlib.sha256(t.view(torch.uint8).numpy() if t.numel() else b"").hexdigest()

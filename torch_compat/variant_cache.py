@@ -41,21 +41,27 @@ from pathlib import Path
 import numpy as np
 
 from torch_compat import variant as variant_types
+from torch_compat.replay import ReplayVariantWarning, detect_variant
 
 _SOURCES = ("float32.py", "variant.py", "calibrate.py", "replay.py")
 FORMAT = 1
 
 
-def cache_key() -> str:
-    """Hex key of this environment and detection code (see the module docstring)."""
+def _key_of(doc: dict) -> str:
+    """24 hex digits of `doc` (with the format and the Python and numpy versions) and of the
+    detection code."""
     h = hashlib.sha256()
-    here = Path(__file__).resolve().parent
-    doc = {"format": FORMAT, "fingerprint": variant_types.environment_fingerprint(), "python": platform.python_version(),
-           "numpy": np.__version__}
+    doc = {**doc, "format": FORMAT, "python": platform.python_version(), "numpy": np.__version__}
     h.update(json.dumps(doc, sort_keys=True).encode())
+    here = Path(__file__).resolve().parent
     for name in _SOURCES:
         h.update((here / name).read_bytes())
     return h.hexdigest()[:24]
+
+
+def cache_key() -> str:
+    """Hex key of this environment and detection code (see the module docstring)."""
+    return _key_of({"fingerprint": variant_types.environment_fingerprint()})
 
 
 def cache_path(key: str | None = None) -> Path:
@@ -80,7 +86,6 @@ def cached_detect_variant(*, refresh: bool = False, detect=None):
     Returns:
       ``(variant, cached)``: the `AdamVariant` and whether it came from the cache.
     """
-    from torch_compat.replay import detect_variant
     detect = detect or detect_variant
     path = cache_path()
     if not refresh:
@@ -141,15 +146,12 @@ def fast_key() -> str | None:
     files = _torch_files()
     if not files:
         return None
-    h = hashlib.sha256()
-    doc = {"format": FORMAT, "torch": version, "files": files, "cpu": variant_types._cpu_description(),
-           "env": {k: os.environ.get(k, "") for k in KERNEL_VARIABLES}, "python": platform.python_version(),
-           "numpy": np.__version__}
-    h.update(json.dumps(doc, sort_keys=True).encode())
-    here = Path(__file__).resolve().parent
-    for name in _SOURCES:
-        h.update((here / name).read_bytes())
-    return h.hexdigest()[:24]
+    return _key_of({"torch": version, "files": files, "cpu": variant_types._cpu_description(),
+                    "env": {k: os.environ.get(k, "") for k in KERNEL_VARIABLES}})
+
+
+def _fast_path(key: str) -> Path:
+    return variant_types.cache_dir() / f"adam-variant-fast-{key}.json"
 
 
 def fast_record() -> dict | None:
@@ -163,7 +165,7 @@ def fast_record() -> dict | None:
     if key is None:
         return None
     try:
-        d = json.loads((variant_types.cache_dir() / f"adam-variant-fast-{key}.json").read_text())
+        d = json.loads(_fast_path(key).read_text())
         if d.get("key") == key and isinstance(d.get("variant"), dict) and isinstance(d.get("torch_version"), str):
             return d
     except (OSError, ValueError):
@@ -183,7 +185,6 @@ def variant_record() -> dict:
     if fast is not None:
         return fast["variant"]
     try:
-        from torch_compat.replay import ReplayVariantWarning
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReplayVariantWarning)
             record = cached_detect_variant()[0].to_dict()   # once per environment, not per run
@@ -191,6 +192,6 @@ def variant_record() -> dict:
         return {"matched": False, "detail": f"variant detection failed: {exc}"[:300]}
     key = fast_key()
     if key is not None and "torch" in sys.modules:
-        _store(variant_types.cache_dir() / f"adam-variant-fast-{key}.json",
-               {"key": key, "variant": record, "torch_version": sys.modules["torch"].__version__}, sort_keys=False)
+        _store(_fast_path(key), {"key": key, "variant": record, "torch_version": sys.modules["torch"].__version__},
+               sort_keys=False)
     return record

@@ -28,39 +28,26 @@ def _die(msg: str) -> int:
 
 
 def _torch_missing(verb: str) -> str | None:
-    """The one-line error for ``verb`` when torch is missing (or older than torch_compat
-    supports), else None."""
+    """The one-line error for ``verb`` when torch is missing, does not import, or is older
+    than torch_compat supports, else None."""
     try:
         import torch  # noqa: F401
     except ImportError:
         return f"{verb} needs torch; install it with {install_hint('torch')}"
-    try:
-        import torch_compat  # noqa: F401
-    except ImportError as exc:
-        if str(exc).startswith("torch_compat needs torch"):   # its version check
-            return f"{verb}: {exc}"
-        raise
-    return None
+    return _torch_installed(verb)
 
 
 def _torch_installed(verb: str) -> str | None:
-    """`_torch_missing` without importing torch (a verb whose output only torch reads):
-    the package found and its version >= 2.4 (torch_compat's check)."""
-    import importlib.metadata
-    import importlib.util
-    import re
+    """`_torch_missing` without importing torch (compress and restore never do): torch_compat's
+    own check, which reads the installed torch's version from its package metadata."""
     try:
-        found = importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return f"{verb} needs torch; install it with {install_hint('torch')}"
-    try:
-        version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return _torch_missing(verb)
-    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < (2, 4):
-        return _torch_missing(verb)
+        import torch_compat  # noqa: F401
+    except ImportError as exc:
+        if str(exc).startswith("torch_compat needs torch;"):   # not installed
+            return f"{verb} needs torch; install it with {install_hint('torch')}"
+        if str(exc).startswith("torch_compat needs torch"):   # too old
+            return f"{verb}: {exc}"
+        raise
     return None
 
 
@@ -120,7 +107,7 @@ def _cmd_compress(a):
         try:
             ckpt = torchzip.load(storage.local_path(a.ckpt))
         except torchzip.Unsupported:
-            ckpt = None
+            pass   # torch.load decides
     if ckpt is None:
         ckpt = load_torch_checkpoint(a.ckpt)
     # the checkpoint is ours and read-only: drop its mapped pages as the stream is done with them
