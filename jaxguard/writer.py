@@ -95,12 +95,24 @@ class MomentJob:
         return int(np.size(self.m))
 
 
-def encode_threads() -> int:
+# Below this many coordinates to certify `encode` uses one thread: XLA already spreads the
+# proposal over the cores, and a second thread gained 5% at 16.5M coordinates for 1.14x
+# the peak memory (2-core AMD EPYC, 5 alternating runs each: 3.03 s / 602 MB with two,
+# 3.19 s / 526 MB with one; 2.89 s / 429 MB for the plain torch load+save).  At 124M
+# coordinates two threads take 1.25x less time (bench/results/codec_speed_s18b_gpt2.md).
+SECOND_THREAD_FROM = 1 << 25
+
+
+def encode_threads(coordinates: int | None = None) -> int:
     """Returns: slabs `encode` certifies at once: ``JAXGUARD_ENCODE_THREADS`` if set, else
-    the cores this process may run on (``os.sched_getaffinity``), 1 to
-    `MAX_ENCODE_THREADS` (bench/results/codec_speed_s13_threads.md: once a large tensor's
-    pieces were tasks of their own, a whole-process 124M compress on 2 cores took 29.1 s
-    and 36.2 s with two threads against 31.9 s and 46.7 s with one, peak RSS +1-4%).
+    1 for fewer than `SECOND_THREAD_FROM` `coordinates`, else the cores this process may
+    run on (``os.sched_getaffinity``), 1 to `MAX_ENCODE_THREADS`
+    (bench/results/codec_speed_s13_threads.md: once a large tensor's pieces were tasks of
+    their own, a whole-process 124M compress on 2 cores took 29.1 s and 36.2 s with two
+    threads against 31.9 s and 46.7 s with one, peak RSS +1-4%).
+
+    Args:
+      coordinates: how many coordinates the caller will certify, if known (None: many).
 
     Raises:
       ConfigError: ``JAXGUARD_ENCODE_THREADS`` is not a positive integer.
@@ -111,6 +123,8 @@ def encode_threads() -> int:
             raise ConfigError(f"JAXGUARD_ENCODE_THREADS={env!r} is not a positive integer; set it to 1, 2, ... "
                               "or unset it (default: the cores, at most 8)")
         return int(env)
+    if coordinates is not None and coordinates < SECOND_THREAD_FROM:
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # not on Linux
@@ -179,6 +193,14 @@ def encode_v_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
     return enc
 
 
+def _progress_bar(records):
+    """One tqdm bar over the coordinates `encode` certifies (stderr; its total when
+    `records` is a list or tuple)."""
+    from tqdm import tqdm
+    total = sum(r.size for r in records if isinstance(r, MomentJob)) if isinstance(records, (list, tuple)) else None
+    return tqdm(total=total, desc="certify", unit="coord", unit_scale=True, leave=False, mininterval=0.5)
+
+
 def _slabs(jobs, slab):
     """Consecutive jobs in slabs of at most `slab` coordinates in whole blocks (one
     compiled shape per step of the guard); a larger job is a slab of its own."""
@@ -245,7 +267,9 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
-    coordinates, `encode_threads()` slabs at once (one thread each, handed on in order);
+    coordinates, `encode_threads()` slabs at once (one thread each, handed on in order;
+    one thread when `records` is a list or tuple of fewer than `SECOND_THREAD_FROM`
+    coordinates);
     every encoding keeps its certified values.  Each entry's stats are
     added to `totals` as it is produced.
 
@@ -259,7 +283,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
       records: an iterable of `MomentJob`, `Raw` and `Moments`.
       totals: the dict to add the guard's stats to (`new_totals()`); None: not kept.
       slab: coordinates per `guard.encode_many` call (default `SLAB`).
-      progress: show the guard's progress bars.
+      progress: show one progress bar over the coordinates certified (the total known when
+        `records` is a list or tuple), not one per slab.
       release: called with a list of the `source`s (or raw arrays) of entries the
         consumer has taken, after it took them.
       release_raws: False: raw arrays are not handed to `release` (a caller whose
@@ -278,6 +303,9 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
     setting = device_encode_setting(device_encode)
     pending: list = []
     kind = {"device": False}
+    bar = _progress_bar(records) if progress else None
+    known = isinstance(records, (list, tuple))
+    threads = encode_threads(sum(r.size for r in records if isinstance(r, MomentJob)) if known else None)
 
     def add(stats):
         if totals is not None:   # the guard's stats (other keys of `totals` are the caller's)
@@ -290,7 +318,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
             return _device.encode_many([(j.m, j.v, j.p, j.config) for j in part], sample_every=container.SAMPLE_EVERY,
                                        force=setting is True)
         return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
-                                  progress=progress, keep_decoded=True)
+                                  keep_decoded=True)
 
     def tasks(parts, on_device):
         # (part, piece start or None, last piece of the part, work): a large job's pieces
@@ -300,7 +328,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
                 starts, step = _piece_starts(part[0], slab)
                 for s in starts:
                     yield part, s, s == starts[-1], functools.partial(
-                        _encode_piece, part[0], s, step, progress, release, on_device, setting is True)
+                        _encode_piece, part[0], s, step, False, release, on_device, setting is True)
             else:
                 yield part, None, True, functools.partial(encode_slab, part, on_device)
 
@@ -308,7 +336,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
         # XLA runs one program on one core: `workers` tasks (slabs, or pieces of a large
         # job) are encoded at once, each in its own thread, and handed on in order (each
         # task's result does not depend on the others, so the bytes are those of one thread)
-        workers = encode_threads()
+        workers = threads
         pieces: list = []
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-slab") as pool:
             inflight: collections.deque = collections.deque()
@@ -336,34 +364,42 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
             pieces.clear()
         for job, enc in zip(part, encs):
             add(enc.stats)
+            if bar is not None:
+                bar.update(enc.n)
             yield Moments(job.name, enc, _entry_info(job))
         del encs
         if release is not None:
             release([job.source for job in part if job.source is not None])
 
-    for r in records:
-        if isinstance(r, MomentJob) and r.mu == "coded":
-            dev = _device_route(r, setting)
-            if pending and dev != kind["device"]:
-                yield from flush()
-            kind["device"] = dev
-            pending.append(r)
-            continue
+    try:
+        for r in records:
+            if isinstance(r, MomentJob) and r.mu == "coded":
+                dev = _device_route(r, setting)
+                if pending and dev != kind["device"]:
+                    yield from flush()
+                kind["device"] = dev
+                pending.append(r)
+                continue
+            yield from flush()
+            if isinstance(r, MomentJob):
+                enc = encode_v_only(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
+                add(enc.stats)
+                if bar is not None:
+                    bar.update(enc.n)
+                yield Moments(r.name, enc, _entry_info(r))
+                if release is not None and r.source is not None:
+                    release([r.source])
+            elif isinstance(r, Moments):   # encoded elsewhere; -1 marks a stat its encoder does not count
+                add({k: max(int(r.encoded.stats.get(k, 0)), 0) for k in audit.TOTAL_KEYS})
+                yield r
+            else:
+                yield container.checked_entry(r)
+                if release is not None and release_raws:
+                    release([r.array])
         yield from flush()
-        if isinstance(r, MomentJob):
-            enc = encode_v_only(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
-            add(enc.stats)
-            yield Moments(r.name, enc, _entry_info(r))
-            if release is not None and r.source is not None:
-                release([r.source])
-        elif isinstance(r, Moments):   # encoded elsewhere; -1 marks a stat its encoder does not count
-            add({k: max(int(r.encoded.stats.get(k, 0)), 0) for k in audit.TOTAL_KEYS})
-            yield r
-        else:
-            yield container.checked_entry(r)
-            if release is not None and release_raws:
-                release([r.array])
-    yield from flush()
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class _Header(dict):

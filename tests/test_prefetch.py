@@ -73,8 +73,12 @@ def test_encode_threads_default_to_the_cores_and_the_environment_overrides_it(mo
     from jaxguard.errors import ConfigError
     monkeypatch.delenv("JAXGUARD_ENCODE_THREADS", raising=False)
     assert writer.encode_threads() == max(1, min(writer.MAX_ENCODE_THREADS, len(os.sched_getaffinity(0))))
+    cores = max(1, min(writer.MAX_ENCODE_THREADS, len(os.sched_getaffinity(0))))
+    assert writer.encode_threads(writer.SECOND_THREAD_FROM) == cores
+    assert writer.encode_threads(writer.SECOND_THREAD_FROM - 1) == 1   # a small checkpoint: one thread
     monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", "3")
     assert writer.encode_threads() == 3
+    assert writer.encode_threads(1000) == 3   # the environment decides
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", bad)
         with pytest.raises(ConfigError, match="JAXGUARD_ENCODE_THREADS"):
@@ -103,3 +107,26 @@ def test_slabs_encoded_on_several_threads_give_the_entries_of_one_thread(monkeyp
                          for e in writer.encode(jobs, totals, slab=2048)], totals)
     assert [e[0] for e in out["3"][0]] == [f"t{i}" for i in range(7)]
     assert out["1"] == out["3"]
+
+
+def test_encode_shows_one_progress_bar_over_all_coordinates(capsys):
+    """`progress=True` is one bar over the coordinates of every slab, not one per slab and
+    refinement level (a 16.5M-coordinate compress printed one per slab)."""
+    import numpy as np
+    from jaxguard import writer
+    from jaxguard.core.config import GuardConfig
+    rng = np.random.default_rng(5)
+    jobs = []
+    for i in range(5):
+        n = 1500 + 100 * i
+        v = rng.lognormal(-14, 2, n).astype(np.float32)
+        m = (rng.normal(0, 1, n) * np.sqrt(v)).astype(np.float32)
+        jobs.append(writer.MomentJob(f"t{i}", m, v, rng.normal(0, .05, n).astype(np.float32),
+                                     GuardConfig(lr=1e-3, step=3), {}))
+    total = sum(j.size for j in jobs)
+    entries = list(writer.encode(jobs, writer.new_totals(), slab=2048, progress=True))
+    assert [e.name for e in entries] == [j.name for j in jobs]
+    err = capsys.readouterr().err
+    starts = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("certify:") and " 0%" in line]
+    assert len(starts) == 1, err[-2000:]          # one bar, started once
+    assert f"/{total/1000:.2f}k" in err or f"/{total}" in err, err[-2000:]   # its total: every coordinate

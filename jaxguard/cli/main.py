@@ -5,6 +5,7 @@ Every error a user can cause prints one line, ``jaxguard: error: ...``, and exit
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import os
@@ -110,6 +111,9 @@ def _cmd_compress(a):
             pass   # torch.load decides
     if ckpt is None:
         ckpt = load_torch_checkpoint(a.ckpt)
+    # the imports' and the tree's objects live to the end: later collections skip them
+    # (full collections walked them: 1% of a GPT-2 compress's CPU)
+    gc.freeze()
     # the checkpoint is ours and read-only: drop its mapped pages as the stream is done with them
     source = None if storage.is_url(a.ckpt) else torch_compat.state.MappedSource(storage.local_path(a.ckpt))
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
