@@ -225,7 +225,11 @@ def _group_constants(items, gidx, ph):
         kidx = item_row[gidx]
     pabs = np.abs(ph)
     clips = np.array([cfg.clip for *_, cfg in items], np.float32)
-    clip = np.full(gidx.shape, clips[0], np.float32) if (clips == clips[0]).all() else clips[gidx]
+    if (clips == clips[0]).all():
+        clip = aligned_zeros(gidx.shape[0], np.float32)
+        clip.fill(clips[0])
+    else:
+        clip = clips[gidx]
     wd_rows = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)
     if (wd_rows > 0).any():   # torch Adam's coupled decay widens the gradient range by wd*|p|
         wd_coupled = wd_rows[gidx]
@@ -244,8 +248,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     offs = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
     nblk = _bucket(int(offs[-1])) if offs[-1] <= PROPOSE_CHUNK else -(-int(offs[-1]) // PROPOSE_CHUNK) * PROPOSE_CHUNK
     npad = nblk * codes.BLOCK
-    mh, vh, ph = (np.zeros(npad, np.float32) for _ in range(3))
-    in_tensor = np.zeros(npad, bool)
+    mh, vh, ph = (aligned_zeros(npad, np.float32) for _ in range(3))
+    in_tensor = aligned_zeros(npad, bool)
     gidx = np.zeros(npad, np.int32)
     for i, ((m, v, p, _), n) in enumerate(zip(items, ns)):
         b = int(offs[i]) * codes.BLOCK
@@ -479,6 +483,28 @@ def _fast_tier(mb, vb, pb, in_tensor, mt, vt, exact, ok, K, kidx, clip):
 
 _device_masks = jax.jit(device_masks)
 _device_classify = jax.jit(device_classify)
+
+
+# jax hands a numpy argument to an XLA CPU program without copying it only when its data is
+# aligned to this many bytes; numpy's own arrays are 16-byte aligned, and the copy-in cost
+# `_propose_classified` 3.5 ms of its 19.4 ms per 1M coordinates on one core (bench/kernel_times.py).
+ALIGN = 64
+
+
+def aligned_zeros(n: int, dtype) -> np.ndarray:
+    """``np.zeros(n, dtype)`` whose data starts on an `ALIGN`-byte boundary.
+
+    Args:
+      n: elements.
+      dtype: a numpy dtype.
+
+    Returns:
+      A writable, zeroed, contiguous 1-d array.
+    """
+    dtype = np.dtype(dtype)
+    raw = np.zeros(n * dtype.itemsize + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + n * dtype.itemsize].view(dtype)
 
 
 def _bucket(nb: int) -> int:
