@@ -121,7 +121,7 @@ def encode_threads(coordinates: int | None = None) -> int:
     if env is not None:
         if not env.strip().isdigit() or int(env) < 1:
             raise ConfigError(f"JAXGUARD_ENCODE_THREADS={env!r} is not a positive integer; set it to 1, 2, ... "
-                              "or unset it (default: the cores, at most 8)")
+                              "or unset it (default: one below 2**25 coordinates, else the cores, at most 8)")
         return int(env)
     if coordinates is not None and coordinates < SECOND_THREAD_FROM:
         return 1

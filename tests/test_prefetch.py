@@ -72,8 +72,8 @@ def test_encode_threads_default_to_the_cores_and_the_environment_overrides_it(mo
     from jaxguard import writer
     from jaxguard.errors import ConfigError
     monkeypatch.delenv("JAXGUARD_ENCODE_THREADS", raising=False)
-    assert writer.encode_threads() == max(1, min(writer.MAX_ENCODE_THREADS, len(os.sched_getaffinity(0))))
     cores = max(1, min(writer.MAX_ENCODE_THREADS, len(os.sched_getaffinity(0))))
+    assert writer.encode_threads() == cores
     assert writer.encode_threads(writer.SECOND_THREAD_FROM) == cores
     assert writer.encode_threads(writer.SECOND_THREAD_FROM - 1) == 1   # a small checkpoint: one thread
     monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", "3")

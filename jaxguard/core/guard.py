@@ -486,8 +486,9 @@ _device_classify = jax.jit(device_classify)
 
 
 # jax hands a numpy argument to an XLA CPU program without copying it only when its data is
-# aligned to this many bytes; numpy's own arrays are 16-byte aligned, and the copy-in cost
-# `_propose_classified` 3.5 ms of its 19.4 ms per 1M coordinates on one core (bench/kernel_times.py).
+# aligned to this many bytes; numpy's arrays are 16-byte aligned, and with the copy-in
+# `_propose_classified` took 23.8 ms per 1M coordinates on one core, 15.4 ms without
+# (bench/kernel_times.py, bench/results/compress_profile_s19.md).
 ALIGN = 64
 
 
