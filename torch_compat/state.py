@@ -646,12 +646,6 @@ def _save_spec(spec=None, **overrides):
     return save_spec(spec, **overrides)
 
 
-# XLA aliases a DLPack buffer only at this alignment (jax 0.10.2 on CPU copies one at 4..32
-# bytes off, measured); an unaligned or strided tensor is read on the host instead, lazily,
-# so that no copy of the whole state is made up front.
-DLPACK_ALIGNMENT = 64
-
-
 def encoder_view(t, *, dlpack=None):
     """A float32 tensor as the encoder takes it (`jaxguard.writer.MomentJob`'s m, v, p),
     where it lives: the one place torch_compat hands tensors to the encoder.
@@ -680,8 +674,10 @@ def encoder_view(t, *, dlpack=None):
         return t.contiguous_array()
     t = t.detach()
     if dlpack is None:
-        dlpack = (jax_platform_of(t.device.type) is not None and t.is_contiguous()
-                  and t.data_ptr() % DLPACK_ALIGNMENT == 0)
+        # an unaligned or strided tensor is read on the host instead, lazily, so that no
+        # copy of the whole state is made up front
+        from jaxguard.core.guard import ALIGN   # jax: only compress pays for it, not restore
+        dlpack = jax_platform_of(t.device.type) is not None and t.is_contiguous() and t.data_ptr() % ALIGN == 0
     if not dlpack:
         return HostTensor(t)
     import jax.dlpack

@@ -603,4 +603,3 @@ def wait_named(wait, path):
         wait()
     except reader.ReaderError as exc:
         raise ContainerError(f"{path}: {exc}") from None
-

@@ -9,6 +9,9 @@ and refers to storages by persistent id ``("storage", torch.<Type>Storage, key, 
 """
 from __future__ import annotations
 
+import collections
+import io
+import mmap
 import os
 import pickle
 import zipfile
@@ -115,7 +118,7 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
 class _Unpickler(pickle.Unpickler):
     # only what torch's weights_only loader allows for plain tensors; anything else is refused
     # here (never constructed) and the caller takes torch.load, which decides for itself
-    GLOBALS = {("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
                ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
                ("torch._utils", "_rebuild_parameter"): _rebuild_parameter}
 
@@ -160,8 +163,6 @@ def load(path):
     Raises:
       Unsupported: the file is not one this reader covers (torch.load may still read it).
     """
-    import io
-    import mmap
     try:
         fh = open(path, "rb")
     except OSError as exc:
