@@ -101,6 +101,13 @@ class MomentJob:
 # 3.19 s / 526 MB with one; 2.89 s / 429 MB for the plain torch load+save).  At 124M
 # coordinates two threads take 1.25x less time (bench/results/codec_speed_s18b_gpt2.md).
 SECOND_THREAD_FROM = 1 << 25
+# A coordinate of a codec whose codes are chosen on the host (logrel-aw, logrel-ans: width
+# search and rate pass in numpy beside the jitted certificate) counts this many towards
+# `SECOND_THREAD_FROM`: logrel-ans's compress costs ~32x log8-rel's per coordinate
+# (bench/results/codec_speed_s21_16m_logrel-ans.md), and there a second thread pays from two
+# slabs on: at 16.5M coordinates (2-core AMD EPYC, one run each) 113.6 s / 1,287 MiB with
+# two against 135.2 s / 945 MiB with one, the same container bytes.
+HOST_CHOSEN_WEIGHT = 32
 
 
 def encode_threads(coordinates: int | None = None) -> int:
@@ -130,6 +137,22 @@ def encode_threads(coordinates: int | None = None) -> int:
     except (AttributeError, OSError):   # not on Linux
         cores = os.cpu_count() or 1
     return max(1, min(MAX_ENCODE_THREADS, cores))
+
+
+def encode_work(records) -> int:
+    """Returns: the coordinates `encode_threads` weighs for `records`: each coded
+    `MomentJob`'s size, times `HOST_CHOSEN_WEIGHT` where its codec chooses its codes on
+    the host.
+
+    Args:
+      records: a list or tuple of `MomentJob`, `Raw` and `Moments` (others count 0).
+    """
+    work = 0
+    for r in records:
+        if isinstance(r, MomentJob):
+            entry = _codecs.TABLE.get(r.config.codec)
+            work += r.size * (HOST_CHOSEN_WEIGHT if entry is not None and entry.choose is not None else 1)
+    return work
 
 
 def device_encode_setting(device_encode=None):
@@ -268,8 +291,8 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
 
     Consecutive coded `MomentJob`s are encoded together in slabs of about `slab`
     coordinates, `encode_threads()` slabs at once (one thread each, handed on in order;
-    one thread when `records` is a list or tuple of fewer than `SECOND_THREAD_FROM`
-    coordinates);
+    one thread when `records` is a list or tuple of less than `SECOND_THREAD_FROM`
+    coordinates of work, `encode_work`);
     every encoding keeps its certified values.  Each entry's stats are
     added to `totals` as it is produced.
 
@@ -305,7 +328,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
     kind = {"device": False}
     bar = _progress_bar(records) if progress else None
     known = isinstance(records, (list, tuple))
-    threads = encode_threads(sum(r.size for r in records if isinstance(r, MomentJob)) if known else None)
+    threads = encode_threads(encode_work(records) if known else None)
 
     def add(stats):
         if totals is not None:   # the guard's stats (other keys of `totals` are the caller's)

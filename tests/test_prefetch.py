@@ -85,6 +85,21 @@ def test_encode_threads_default_to_the_cores_and_the_environment_overrides_it(mo
             writer.encode_threads()
 
 
+def test_codecs_choosing_codes_on_the_host_weigh_more_towards_a_second_thread():
+    """logrel-ans (width search and rate pass on the host) costs ~32x log8-rel a coordinate:
+    a 2-slab logrel-ans checkpoint is enough work for the cores, the same one in log8-rel not."""
+    from jaxguard import writer
+    from jaxguard.core.config import GuardConfig
+    n = 2 * writer.SLAB
+    z = np.zeros(n, np.float32)
+    job = lambda codec: writer.MomentJob("s", z, z, z, GuardConfig(lr=1e-3, step=1, codec=codec))  # noqa: E731
+    raw = writer.Raw("p", z)
+    assert writer.encode_work([job("log8-rel"), raw]) == n
+    assert writer.encode_work([job("logrel-ans"), raw]) == n * writer.HOST_CHOSEN_WEIGHT
+    assert writer.encode_work([job("logrel-aw")]) == n * writer.HOST_CHOSEN_WEIGHT
+    assert writer.encode_work([job("log8-rel")]) < writer.SECOND_THREAD_FROM <= writer.encode_work([job("logrel-ans")])
+
+
 def test_slabs_encoded_on_several_threads_give_the_entries_of_one_thread(monkeypatch):
     """writer.encode hands slabs on in order whatever the thread count (the suite's 2-core
     machine runs one encode thread by default, so the threaded path is forced here)."""
