@@ -448,6 +448,112 @@ def test_compact_malformed_models(fields, match):
         rans.decode_compact_models(_from_bits(fields), 1)
 
 
+def _compact_models_reference(buf, streams, max_width):
+    """The kind-3/4 model reader written the obvious way, one bit at a time (the format as
+    docs/format.md states it): the word-at-a-time reader must agree with it on every input,
+    models, end offset and error message alike."""
+    raw = np.frombuffer(bytes(buf), np.uint8)[:rans.compact_models_bound(streams, max_width)]
+    bits = np.unpackbits(raw, bitorder="little").tolist()
+    at = 0
+
+    def get(n, where):
+        nonlocal at
+        if at + n > len(bits):
+            raise rans.RansError(f"rans: truncated inside the compact models ({where})")
+        v = sum(bits[at + k] << k for k in range(n))
+        at += n
+        return v
+
+    models = []
+    for st in range(streams):
+        k = get(4, f"stream {st} model count")
+        if k > max_width + 1:
+            raise rans.RansError(f"rans: stream {st} declares {k} models; at most {max_width + 1} widths exist")
+        mods = {}
+        for _ in range(k):
+            w, p = get(4, f"stream {st} width"), get(4, f"stream {st} P")
+            if w > max_width or not max(1, w) <= p <= rans.MAX_PROB_BITS or (mods and w <= max(mods)):
+                raise rans.RansError(f"rans: stream {st} compact model (width {w}, P {p}): width must be "
+                                     f"0..{max_width}, ascending and distinct, P max(1, width)..{rans.MAX_PROB_BITS}")
+            where = f"stream {st} width {w}"
+            lo, hi, mode = get(w, where), get(w, where), get(4, where)
+            if hi < lo:
+                raise rans.RansError(f"rans: {where} model has hi {hi} < lo {lo}")
+            lv = np.zeros(1 << w, np.int64)
+            if mode == rans.COMPACT_RAW:
+                lv[lo:hi + 1] = [get(4, where) for _ in range(hi - lo + 1)]
+            elif mode <= max_width:
+                kpos = rans._knot_positions(lo, hi, mode)
+                kl = [get(4, where)]
+                for _ in range(kpos.size - 1):
+                    nz = 0
+                    while get(1, where) == 0:
+                        nz += 1
+                        if nz > 4:
+                            raise rans.RansError(f"rans: {where} model has a knot code longer than a level "
+                                                 f"delta needs")
+                    z = 1
+                    for _ in range(nz):
+                        z = (z << 1) | get(1, where)
+                    z -= 1
+                    lvl = kl[-1] + (z // 2 if z % 2 == 0 else -(z + 1) // 2)
+                    if not 0 <= lvl <= 15:
+                        raise rans.RansError(f"rans: {where} model has a knot level {lvl} outside 0..15")
+                    kl.append(lvl)
+                lv[lo:hi + 1] = rans._interpolate(kpos, kl)
+            else:
+                raise rans.RansError(f"rans: {where} model has mode {mode}; pass 0..{max_width} (knots) or "
+                                     f"{rans.COMPACT_RAW} (raw levels)")
+            if not lv.any():
+                raise rans.RansError(f"rans: {where} model has no symbol")
+            mods[w] = (p, lv)
+        models.append(mods)
+    pad = -at % 8
+    if get(pad, "padding") if pad else 0:
+        raise rans.RansError("rans: the compact models' padding bits are not 0")
+    return models, at // 8
+
+
+def _outcome(read, *args):
+    try:
+        models, end = read(*args)
+    except rans.RansError as exc:
+        return str(exc)
+    return end, [{w: (p, lv.tolist()) for w, (p, lv) in m.items()} for m in models]
+
+
+def test_compact_models_reader_agrees_with_a_bit_by_bit_reader():
+    """Fitted models of 1 and 2 streams at widths up to 8 and 12, then random bit flips,
+    truncations and random bytes: the same models and end, or the same one-line error."""
+    rng = np.random.default_rng(12)
+    seeds = []
+    for k in range(12):
+        S, mw, n = 1 + k % 2, (8, 12)[k % 2], int(rng.choice([37, 256, 1283]))
+        nb = -(-n // 256)
+        bits = rng.integers(0, mw + 1, size=(S, nb))
+        sym = np.round(rng.laplace(0, 1 + 3 * k, size=(S, nb, 256))) + ((1 << bits)[:, :, None] // 2)
+        sym = np.clip(sym, 0, (1 << bits)[:, :, None] - 1).astype(np.int64)
+        for compact in (False, True):
+            seeds.append((rans.encode_compact_models(rans.fit_models(sym, bits, n, compact=compact)), S, mw))
+    outcomes = set()
+    for i in range(3000):
+        buf, S, mw = seeds[i % len(seeds)]
+        b = bytearray(buf)
+        if i < len(seeds):
+            pass                                       # the untouched models first
+        elif i % 5 < 3:
+            for _ in range(1 + i % 4):
+                b[int(rng.integers(len(b)))] ^= 1 << int(rng.integers(8))
+        elif i % 5 == 3:
+            b = b[:int(rng.integers(len(b) + 1))]
+        else:
+            b = bytearray(rng.integers(0, 256, int(rng.integers(0, 48)), dtype=np.uint8).tobytes())
+        want = _outcome(_compact_models_reference, bytes(b), S, mw)
+        assert _outcome(rans.decode_compact_models, bytes(b), S, 0, "rans", mw) == want, (i, want)
+        outcomes.add("error" if isinstance(want, str) else "models")
+    assert outcomes == {"error", "models"}
+
+
 def test_compact_padding_and_kind_checked():
     # the hand-checked models (23 bits): their one padding bit set
     with pytest.raises(rans.RansError, match="padding"):

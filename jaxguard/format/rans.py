@@ -272,6 +272,8 @@ def encode_models(models) -> bytes:
 # rebuilds the same integer levels, and from them (`model_freqs`) the same frequencies.
 COMPACT_RAW = 15                 # mode of a model stored as raw 4-bit levels
 _MAX_EG_ZEROS = 4                # |delta| <= 15 -> zigzag <= 30 -> at most 4 leading zeros
+_REVERSED_BITS = [[int(format(v, f"0{n}b")[::-1] or "0", 2) for v in range(1 << n)]
+                  for n in range(_MAX_EG_ZEROS + 1)]   # [n][v]: v's n bits in reverse order
 
 
 def _knot_positions(lo, hi, mode):
@@ -412,18 +414,45 @@ def decode_compact_models(buf, streams, pos=0, what="rans", max_width=NARROW_WID
         no symbol, or nonzero padding bits.
     """
     raw = np.frombuffer(bytes(buf), np.uint8)[pos:pos + compact_models_bound(streams, max_width)]
-    bits = np.unpackbits(raw, bitorder="little").tolist()
+    nbits = 8 * raw.size
+    # little-endian bit reader: 72-byte ints every 64 bytes, so a read of <= 64 bits at any
+    # offset shifts one small int (a whole-buffer int would cost its length per read)
+    padded = raw.tobytes() + bytes(8)
+    chunks = [int.from_bytes(padded[i:i + 72], "little") for i in range(0, raw.size, 64)]
     at = 0
+
+    def peek(n):
+        return (chunks[at >> 9] >> (at & 511)) & ((1 << n) - 1) if n else 0
 
     def get(n, where):
         nonlocal at
-        if at + n > len(bits):
+        if at + n > nbits:
             raise RansError(f"{what}: truncated inside the compact models ({where})")
-        v = 0
-        for k in range(n):
-            v |= bits[at + k] << k
+        v = peek(n)
         at += n
         return v
+
+    def get_nibbles(m, where):
+        nonlocal at
+        if at + 4 * m > nbits:
+            raise RansError(f"{what}: truncated inside the compact models ({where})")
+        seg = np.unpackbits(raw[at >> 3:((at + 4 * m + 7) >> 3)], bitorder="little")[at & 7:(at & 7) + 4 * m]
+        at += 4 * m
+        return seg.reshape(m, 4).astype(np.int64) @ np.array([1, 2, 4, 8], np.int64)
+
+    def get_zigzag(where):
+        """One Exp-Golomb-0 code: zeros, a one, then as many bits (first bit most significant)."""
+        nonlocal at
+        t = min(_MAX_EG_ZEROS + 1, nbits - at)
+        w = peek(t)
+        if w == 0:
+            if t < _MAX_EG_ZEROS + 1:
+                raise RansError(f"{what}: truncated inside the compact models ({where})")
+            raise RansError(f"{what}: {where} model has a knot code longer than a level delta needs")
+        nz = (w & -w).bit_length() - 1
+        at += nz + 1
+        tail = get(nz, where)
+        return ((1 << nz) | _REVERSED_BITS[nz][tail]) - 1
 
     models = []
     for st in range(streams):
@@ -442,21 +471,12 @@ def decode_compact_models(buf, streams, pos=0, what="rans", max_width=NARROW_WID
                 raise RansError(f"{what}: {where} model has hi {hi} < lo {lo}")
             lv = np.zeros(1 << w, np.int64)
             if mode == COMPACT_RAW:
-                lv[lo:hi + 1] = [get(4, where) for _ in range(hi - lo + 1)]
+                lv[lo:hi + 1] = get_nibbles(hi - lo + 1, where)
             elif mode <= max_width:
                 kpos = _knot_positions(lo, hi, mode)
                 kl = [get(4, where)]
                 for _ in range(kpos.size - 1):
-                    nz = 0
-                    while get(1, where) == 0:
-                        nz += 1
-                        if nz > _MAX_EG_ZEROS:
-                            raise RansError(f"{what}: {where} model has a knot code longer than a level "
-                                            f"delta needs")
-                    z = 1
-                    for _ in range(nz):
-                        z = (z << 1) | get(1, where)
-                    z -= 1
+                    z = get_zigzag(where)
                     lvl = kl[-1] + (z // 2 if z % 2 == 0 else -(z + 1) // 2)
                     if not 0 <= lvl <= 15:
                         raise RansError(f"{what}: {where} model has a knot level {lvl} outside 0..15")
@@ -862,8 +882,12 @@ def _lane_tables(models, bits, slots=True):
             nslot += 1 << p
         cat = (lambda a, dt=np.uint64: np.concatenate(a).astype(dt, copy=False)) if freq else \
             (lambda a, dt=np.uint64: np.zeros(0, dt))
-        b = bits[st]
-        lane = lambda d: np.array([d.get(int(w), 0) for w in b], np.uint64)   # noqa: E731
+        b = np.asarray(bits[st], np.int64)
+
+        def lane(d, b=b):              # per-width value -> per-lane array (0 for a width without model)
+            lut = np.zeros(max(int(b.max(initial=0)), max(d, default=0)) + 1, np.uint64)
+            lut[list(d)] = list(d.values())
+            return lut[b]
         tab = {"freq": cat(freq), "start": cat(start), "sym_base": lane(sym_base), "slot_base": lane(slot_base),
                "p": lane(pb)}
         if slots:
