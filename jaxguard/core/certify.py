@@ -18,6 +18,8 @@ for every ``|g| <= clip``.  Callers pass only coordinates `classify` calls certi
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -113,9 +115,34 @@ def device_classify(m, v, p, mt, vt):
 
 CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 SMALL_CHUNK = 1 << 10
-# the few hundred coordinates a slab sends to the deepest levels (1,335 cells each at
-# level 4) in chunks this small, not padded to SMALL_CHUNK: a quarter of the work
-TINY_CHUNK = 1 << 8
+# The tiers after the closed form see few coordinates: a 1M-coordinate slab sends 12-60 to
+# the fixed levels (1,335 cells each at level 4) and a few hundred to the 20-cell adaptive
+# partition.  They run in pieces of these sizes (and the kernel's full chunk), so a
+# handful of coordinates is not padded to 256 or 1,024 rows; every row's bound is the
+# same bits at each size (tests/test_fastbound.py).
+PIECE_SIZES = (1 << 6, 1 << 8, SMALL_CHUNK)
+
+
+def piece_sizes(count: int, chunk: int) -> list:
+    """The padded sizes of the pieces `count` coordinates run in: full `chunk`s, then what is
+    left in the sizes of `PIECE_SIZES` (and `chunk`) of fewest rows, a call counted as
+    `PIECE_SIZES`[0] rows more (a deep level's call costs about that many rows' work)."""
+    ladder = tuple(sorted({s for s in PIECE_SIZES if s < chunk} | {chunk}))
+    full = count // chunk
+    return [chunk] * full + list(_remainder_pieces(-(-(count - chunk * full) // ladder[0]), ladder))
+
+
+@functools.lru_cache(maxsize=4096)
+def _remainder_pieces(units: int, ladder: tuple) -> tuple:
+    steps = [s // ladder[0] for s in ladder]
+    cost, last = [0] * (units + 1), [0] * (units + 1)
+    for u in range(1, units + 1):    # cost[u]: fewest rows + calls for u units, last[u]: its last piece
+        cost[u], last[u] = min((k + 1 + cost[max(0, u - k)], k) for k in steps)
+    out = []
+    while units > 0:
+        out.append(last[units] * ladder[0])
+        units = max(0, units - last[units])
+    return tuple(out)
 
 
 def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
@@ -251,14 +278,14 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
 
     def padded(sel, chunk):
         # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
-        # candidates (the closed form took the bulk) run in small chunks: three compiled
-        # shapes per level, and no 64x padding of a handful of coordinates.
-        if sel.shape[0] < chunk:
-            chunk = min(chunk, TINY_CHUNK if sel.shape[0] <= TINY_CHUNK else SMALL_CHUNK)
-        for s in range(0, sel.shape[0], chunk):
-            part = sel[s:s + chunk]
-            take = np.concatenate([part, np.full(chunk - part.size, part[0])]) if part.size < chunk else part
+        # candidates (the closed form took the bulk) run in small pieces (`piece_sizes`):
+        # four compiled shapes per kernel, and no 4-16x padding of a handful of coordinates.
+        s = 0
+        for size in piece_sizes(sel.shape[0], chunk):
+            part = sel[s:s + size]
+            take = np.concatenate([part, np.full(size - part.size, part[0])]) if part.size < size else part
             yield s, part.size, take, rows(take)
+            s += part.size
 
     def over(sel, chunk, kernel, *extra, probes=False, **static):
         # kernel(k, m, v, mt, vt, pabs, clip, *extra) over coordinates sel, in padded chunks
