@@ -483,9 +483,9 @@ def _compact_models_reference(buf, streams, max_width):
             if mode == rans.COMPACT_RAW:
                 lv[lo:hi + 1] = [get(4, where) for _ in range(hi - lo + 1)]
             elif mode <= max_width:
-                kpos = rans._knot_positions(lo, hi, mode)
+                kpos = list(range(lo, hi, 1 << mode)) + [hi] if hi > lo else [lo]
                 kl = [get(4, where)]
-                for _ in range(kpos.size - 1):
+                for _ in range(len(kpos) - 1):
                     nz = 0
                     while get(1, where) == 0:
                         nz += 1
@@ -500,7 +500,13 @@ def _compact_models_reference(buf, streams, max_width):
                     if not 0 <= lvl <= 15:
                         raise rans.RansError(f"rans: {where} model has a knot level {lvl} outside 0..15")
                     kl.append(lvl)
-                lv[lo:hi + 1] = rans._interpolate(kpos, kl)
+                for sym in range(lo, hi + 1):   # docs/format.md: round-half-up between knots pa < pb
+                    if len(kpos) == 1:
+                        lv[sym] = kl[0]
+                        continue
+                    i = min(max(j for j in range(len(kpos)) if kpos[j] <= sym), len(kpos) - 2)
+                    pa, pb, la, lb = kpos[i], kpos[i + 1], kl[i], kl[i + 1]
+                    lv[sym] = la + ((lb - la) * (sym - pa) * 2 + (pb - pa)) // (2 * (pb - pa))
             else:
                 raise rans.RansError(f"rans: {where} model has mode {mode}; pass 0..{max_width} (knots) or "
                                      f"{rans.COMPACT_RAW} (raw levels)")

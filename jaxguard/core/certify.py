@@ -126,7 +126,16 @@ PIECE_SIZES = (1 << 6, 1 << 8, SMALL_CHUNK)
 def piece_sizes(count: int, chunk: int) -> list:
     """The padded sizes of the pieces `count` coordinates run in: full `chunk`s, then what is
     left in the sizes of `PIECE_SIZES` (and `chunk`) of fewest rows, a call counted as
-    `PIECE_SIZES`[0] rows more (a deep level's call costs about that many rows' work)."""
+    `PIECE_SIZES`[0] rows more (a deep level's call costs about that many rows' work).
+
+    Args:
+      count: the coordinates to certify.
+      chunk: the kernel's largest call (`CHUNK`, `ADAPTIVE_CHUNK`).
+
+    Returns:
+      A list of piece sizes, each one of `PIECE_SIZES` or `chunk`, summing to at least
+      `count` (the last piece padded).
+    """
     ladder = tuple(sorted({s for s in PIECE_SIZES if s < chunk} | {chunk}))
     full = count // chunk
     return [chunk] * full + list(_remainder_pieces(-(-(count - chunk * full) // ladder[0]), ladder))
