@@ -80,12 +80,23 @@ def test_large_job_in_pieces_writes_the_same_container(tmp_path, monkeypatch, th
     for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
         np.testing.assert_array_equal(np.asarray(pieced[0].encoded.arrays[k]), np.asarray(whole[0].encoded.arrays[k]))
     assert pieced[0].encoded.stats["escapes"] == whole[0].encoded.stats["escapes"] >= 2
+    dm, dv = pieced[0].encoded.decoded            # the certified values stay in their pieces
+    assert isinstance(dm, container.Pieces) and len(dm.parts) == -(-n // 4096)
+    for got, want in ((dm, whole[0].encoded.decoded[0]), (dv, whole[0].encoded.decoded[1])):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+        at = np.array([0, 4095, 4096, 20000, n - 1])
+        np.testing.assert_array_equal(got.take(at).view(np.uint32), np.asarray(want)[at].view(np.uint32))
     heads = []
     for name, slab in (("w.jg", 1 << 20), ("p.jg", 4096)):
         writer.to_file(tmp_path / name, recs(), {"framework": "test"}, slab=slab)
         heads.append(reader.parse((tmp_path / name).read_bytes())[0])
     for key in ("payload_sha256", "decoded_sha256"):
         assert heads[0][key] == heads[1][key], key
+    bad = list(writer.encode(recs(), slab=4096))  # a certified value off inside a later piece: refused
+    part = bad[0].encoded.decoded[1].parts[4]
+    part[3] = np.nextafter(part[3], np.float32(np.inf))
+    with pytest.raises(container.ContainerError, match="coordinate 16387 .*nothing was written"):
+        container.build(bad, {"framework": "test"})
     calls = []                                  # each piece's inputs released once certified
     job = recs()[0]
     job = writer.MomentJob(job.name, job.m, job.v, job.p, job.config, job.info, source=(job.m, job.v, job.p))

@@ -43,6 +43,7 @@ from jaxguard.core.certify import (ADAPTIVE_TIER, CHUNK, FAST_CHUNK, FAST_TIER, 
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
+from jaxguard.format import container as _container
 
 # Proposals and decodes come from the core codec table (jaxguard.core.codecs).
 _propose = _codecs.propose   # the jitted proposal of a fixed-width codec (jit_encode, nu-only)
@@ -190,7 +191,8 @@ def join_pieces(pieces, shape):
         decoded = {"positions": np.concatenate([np.asarray(e.decoded["positions"], np.int64) + s for s, e in pieces]),
                    **{k: np.concatenate([e.decoded[k] for _, e in pieces]) for k in ("m", "v")}}
     elif all(e.decoded is not None and not isinstance(e.decoded, dict) for _, e in pieces):
-        decoded = tuple(np.concatenate([e.decoded[k] for _, e in pieces]) for k in (0, 1))
+        # kept as pieces: the writer hashes and samples them in order, never joined
+        decoded = tuple(_container.Pieces([e.decoded[k] for _, e in pieces]) for k in (0, 1))
     enc = Encoded(a, pieces[0][1].codec, tuple(shape), decoded=decoded)
     stats = {}
     for _, e in pieces:

@@ -34,6 +34,51 @@ class Raw(NamedTuple):
     dtype: str | None = None
 
 
+class Pieces:
+    """A flat float32 array kept as its consecutive pieces: the certified values of a tensor
+    certified a slab-sized piece at a time (`jaxguard.core.guard.join_pieces`).  The writer
+    hashes the pieces in order and gathers its sampled blocks from them, so the tensor's
+    values are never joined into fresh memory (8 bytes a coordinate: 0.76 GB of GPT-2's
+    moments, about 1 CPU-second of page faults and copies); ``np.asarray`` joins them.
+
+    Args:
+      parts: 1-D arrays in order.
+    """
+
+    def __init__(self, parts):
+        self.parts = [np.asarray(p).reshape(-1) for p in parts]
+        self.offsets = np.cumsum([0] + [p.size for p in self.parts]).astype(np.int64)
+        self.size = int(self.offsets[-1])
+        self.shape = (self.size,)
+        self.dtype = np.result_type(*self.parts) if self.parts else np.dtype(np.float32)
+
+    def __len__(self):
+        return self.size
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate(self.parts) if self.parts else np.zeros(0, self.dtype)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def take(self, idx) -> np.ndarray:
+        """The values at flat positions `idx` (an int array), gathered piece by piece."""
+        idx = np.asarray(idx, np.int64)
+        which = np.searchsorted(self.offsets, idx, side="right") - 1
+        out = np.empty(idx.shape, self.dtype)
+        for i in np.unique(which):
+            sel = which == i
+            out[sel] = self.parts[int(i)][idx[sel] - self.offsets[i]]
+        return out
+
+
+def _parts(x):
+    """The consecutive flat pieces of certified values (a `Pieces`, or one array)."""
+    return x.parts if isinstance(x, Pieces) else [np.asarray(x).reshape(-1)]
+
+
+def _take(x, idx):
+    return x.take(idx) if isinstance(x, Pieces) else x[idx]
+
+
 class Moments(NamedTuple):
     """A guarded moment pair: `encoded` is a `jaxguard.core.encoded.Encoded` (arrays, codec,
     shape, stats and, from the one writer `jaxguard.writer`, the certified values ``decoded``);
@@ -257,8 +302,8 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
                  "sections": sections, "config": info, "stats": _jsonable(enc.stats)}
         body = local.buf.getbuffer()
         m, v = _decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
-        decoded.update(np.ascontiguousarray(m, "<f4").reshape(-1))
-        decoded.update(np.ascontiguousarray(v, "<f4").reshape(-1))
+        for part in (*_parts(m), *_parts(v)):   # m~ then v~, as one flat array each
+            decoded.update(np.ascontiguousarray(part, "<f4"))
         del m, v
         b0 = pay.write(body)[0]
         del body
@@ -416,7 +461,7 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
     if isinstance(certified, dict):   # a sample of what a jitted encode certified (jaxguard.jit_state)
         _check_sampled(name, m, v, certified)
         return m, v
-    m, v = (np.asarray(x).reshape(-1) for x in certified)
+    m, v = (x if isinstance(x, Pieces) else np.asarray(x).reshape(-1) for x in certified)
     if m.dtype != np.float32 or v.dtype != np.float32 or m.size != n or v.size != n:
         raise ContainerError(f"entry {name!r}: its certified values are {m.dtype}[{m.size}] and {v.dtype}[{v.size}], "
                              f"expected float32[{n}]; encode it again with jaxguard.core.guard.encode")
@@ -466,7 +511,7 @@ class _SampleCheck:
         else:
             k, pairs = esc[:0], codes["escape_pairs"][:0]
         item = (name, pos, pos < n, codes["m_codes"][at], codes["v_codes"][at], codes["m_params"][blocks],
-                codes["v_params"][blocks], k, pairs, m[at], v[at])
+                codes["v_params"][blocks], k, pairs, _take(m, at), _take(v, at))
         self.pending.setdefault(codec, []).append(item)
         self.blocks[codec] = self.blocks.get(codec, 0) + blocks.size
         if self.blocks[codec] >= SAMPLE_BATCH:
