@@ -60,7 +60,14 @@ class Pieces:
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def take(self, idx) -> np.ndarray:
-        """The values at flat positions `idx` (an int array), gathered piece by piece."""
+        """The values at flat positions, gathered piece by piece (``np.asarray(self)[idx]``).
+
+        Args:
+          idx: an int array of positions in ``[0, size)``.
+
+        Returns:
+          An array of `idx`'s shape.
+        """
         idx = np.asarray(idx, np.int64)
         which = np.searchsorted(self.offsets, idx, side="right") - 1
         out = np.empty(idx.shape, self.dtype)
