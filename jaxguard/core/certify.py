@@ -118,8 +118,10 @@ SMALL_CHUNK = 1 << 10
 # The tiers after the closed form see few coordinates: a 1M-coordinate slab sends 12-60 to
 # the fixed levels (1,335 cells each at level 4) and a few hundred to the 20-cell adaptive
 # partition.  They run in pieces of these sizes (and the kernel's full chunk), so a
-# handful of coordinates is not padded to 256 or 1,024 rows; every row's bound is the
-# same bits at each size (tests/test_fastbound.py).
+# handful of coordinates is not padded to 256 or 1,024 rows.  Every cell bound gives a row
+# the same bits at each size; the probes' rejects do not (XLA's max over them treats a NaN
+# by vector layout), but a row rejected at any size is one no bound certifies, so only the
+# work moves (tests/test_certify_pieces.py).
 PIECE_SIZES = (1 << 6, 1 << 8, SMALL_CHUNK)
 
 
