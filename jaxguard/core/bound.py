@@ -507,6 +507,24 @@ ADAPTIVE_GAMMAS_DOUBLING = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 16.0, 256.0)
 ADAPTIVE_PARTITIONS = (ADAPTIVE_GAMMAS_DOUBLING, ADAPTIVE_GAMMAS_SHORT, ADAPTIVE_GAMMAS)
 
 
+def adaptive_scale_ratio(k, v, vt, clip):
+    """The coordinate's gradient scale over its clip, the unit of `adaptive_unit_edges`
+    (+inf where it is not a finite number >= 0: every inner edge is then 1).
+
+    Args:
+      k: the coordinate's `StepRow`.
+      v, vt: its original and decoded second moments (float32, >= 0).
+      clip: its gradient clip (float32, > 0).
+
+    Returns:
+      float32 ``sqrt(max(b2f min(v, v~), (eps B)^2) / c2) / clip``.
+    """
+    k = as_step_row(k)
+    scale = jnp.sqrt(jnp.maximum(k.b2f * jnp.minimum(v, vt), (k.eps * k.B) * (k.eps * k.B)) / k.c2)
+    ratio = scale / clip
+    return jnp.where(jnp.isfinite(ratio) & (ratio >= 0), ratio, jnp.inf)
+
+
 def adaptive_unit_edges(k, v, vt, clip, gammas=ADAPTIVE_GAMMAS):
     """One coordinate's cell edges on [0, 1]: `gammas` times its gradient scale over the
     clip, capped at 1, then 1.
@@ -528,10 +546,7 @@ def adaptive_unit_edges(k, v, vt, clip, gammas=ADAPTIVE_GAMMAS):
     Returns:
       float32 [len(gammas) + 1] edges.
     """
-    k = as_step_row(k)
-    scale = jnp.sqrt(jnp.maximum(k.b2f * jnp.minimum(v, vt), (k.eps * k.B) * (k.eps * k.B)) / k.c2)
-    ratio = scale / clip
-    ratio = jnp.where(jnp.isfinite(ratio) & (ratio >= 0), ratio, jnp.inf)
+    ratio = adaptive_scale_ratio(k, v, vt, clip)
     col = (-1,) + (1,) * jnp.ndim(ratio)        # batched: [n] arguments give [len(gammas) + 1, n]
     inner = jnp.minimum(jnp.asarray(gammas[1:], jnp.float32).reshape(col) * ratio, 1.0)
     ends = jnp.ones((1,) + jnp.shape(ratio), jnp.float32)

@@ -183,6 +183,8 @@ def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_c
 
 FAST_TIER = 100          # level_of value of coordinates certified by the closed form
 ADAPTIVE_TIER = 101      # level_of value of those certified on their own partition (`bound.adaptive_unit_edges`)
+FAST_CELLS_TIER = 102    # level_of value of those certified by the closed form on their own cells
+FAST_CELLS_CHUNK = 1 << 14  # coordinates per call of that tier (16K: 58 ns a row, 4K: 72 ns)
 ADAPTIVE_CHUNK = 1 << 12  # coordinates per call of the adaptive tier (28 cells a sign each)
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
 FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the rate pass's last moves)
@@ -261,7 +263,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
 
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
-      for the closed form, `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
+      for the closed form, `FAST_CELLS_TIER` for the closed form on the coordinate's own
+      cells, `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
     if idx.size == 0:
@@ -317,6 +320,13 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     else:
         pending = np.flatnonzero(~(over(idx, CHUNK[0], _bound.batch_lower_pc, probes=True) > thr))
         bar.update(idx.size - pending.size)
+    if tiered and pending.size:   # the closed form on the coordinate's own 28 cells: ~55 ns a row, and on
+        # GPT-2's leftovers it certifies 97.6-99.5% (the 8-cell adaptive partition: 94-97.5% at ~120 ns)
+        out = over(idx[pending], FAST_CELLS_CHUNK, _fastbound.batch_fast_cells_pc)
+        ok = (out >= 0) & (out <= thr[pending])   # +inf (not usable) and NaN never certify
+        level_of[pending[ok]] = FAST_CELLS_TIER
+        bar.update(int(ok.sum()))
+        pending = pending[~ok]
     for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # 8, 20, then 28 cells a sign
         if pending.size == 0:
             break
