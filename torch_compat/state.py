@@ -9,6 +9,7 @@ numbers/strings/lists/dicts as JSON; nothing is pickled).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -630,7 +631,8 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         ename = f"{prefix}/state/{idx}"
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
-                                     {"param": name, "param_sha256": param_digest(p)}, source=(m, v, p)))
+                                     {"param": name, "param_sha256": functools.partial(param_digest, p)},
+                                     source=(m, v, p)))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
