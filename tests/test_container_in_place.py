@@ -92,3 +92,17 @@ def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypa
         container.write_stream(target, failing(), {}, expected_entries=len(entries))
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["c.jg"]
+
+
+@pytest.mark.parametrize("after", (0, 1 << 60))   # in place, and the scratch route
+def test_decoded_hash_in_a_thread_of_its_own_writes_the_same_bytes(tmp_path, monkeypatch, after):
+    """`container.BEHIND_FROM`: an entry's decoded values are hashed in a thread of their
+    own, one entry behind the payload.  Every entry hashed that way (0) and none (2**60)
+    give byte-identical files, and the reader's decoded check passes."""
+    entries = _entries(seed=3)
+    monkeypatch.setattr(container, "BEHIND_FROM", 0)
+    threaded, *_ = _write(tmp_path / "threaded.jg", entries, monkeypatch, after, len(entries))
+    monkeypatch.setattr(container, "BEHIND_FROM", 1 << 60)
+    inline, *_ = _write(tmp_path / "inline.jg", entries, monkeypatch, after, len(entries))
+    assert threaded == inline
+    container.read(str(tmp_path / "threaded.jg"))     # verifies the decoded SHA-256

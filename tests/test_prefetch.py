@@ -145,3 +145,29 @@ def test_encode_shows_one_progress_bar_over_all_coordinates(capsys):
     starts = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("certify:") and " 0%" in line]
     assert len(starts) == 1, err[-2000:]          # one bar, started once
     assert f"/{total/1000:.2f}k" in err or f"/{total}" in err, err[-2000:]   # its total: every coordinate
+
+
+def test_callable_entry_info_is_evaluated_when_the_entry_is_produced():
+    """`MomentJob.info` values may be callables (torch_compat passes the parameter's
+    digest that way, so it is computed in the encode thread, not before the first slab):
+    each is called once, when its entry is produced, and stored as its value."""
+    from jaxguard import writer
+    from jaxguard.core.config import GuardConfig
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def digest(i):
+        def f():
+            calls.append(i)
+            return f"sha-{i}"
+        return f
+    jobs = [writer.MomentJob(f"t{i}", rng.normal(0, 1e-3, 512).astype(np.float32),
+                             rng.random(512).astype(np.float32) * 1e-6, rng.normal(0, .05, 512).astype(np.float32),
+                             GuardConfig(lr=1e-3, step=5), {"param": f"p{i}", "param_sha256": digest(i)})
+            for i in range(3)]
+    it = writer.encode(jobs)
+    assert calls == []                                # nothing is computed up front
+    got = list(it)
+    assert calls == [0, 1, 2]
+    assert [e.info["param_sha256"] for e in got] == ["sha-0", "sha-1", "sha-2"]
+    assert [e.info["param"] for e in got] == ["p0", "p1", "p2"]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 import os
 import tempfile
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -269,7 +271,7 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
     in_place = _InPlace.possible(out, scratch, expected_entries)
     header_entries = []
     tables, table_arrays = {}, {}
-    decoded = hashlib.sha256()
+    decoded = _BehindHash()
     sample = _SampleCheck(table_arrays)
     # a list is scanned first so that the tables lead the payload (the layout `build`
     # always wrote); a stream adds them before its first entry that uses them
@@ -309,14 +311,14 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
                  "sections": sections, "config": info, "stats": _jsonable(enc.stats)}
         body = local.buf.getbuffer()
         m, v = _decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
-        for part in (*_parts(m), *_parts(v)):   # m~ then v~, as one flat array each
-            decoded.update(np.ascontiguousarray(part, "<f4"))
+        decoded.update([np.ascontiguousarray(part, "<f4") for part in (*_parts(m), *_parts(v))])   # m~ then v~
         del m, v
         b0 = pay.write(body)[0]
         del body
         entry["sections"] = {k: [b0 + r[0], b0 + r[1]] for k, r in sections.items()}
         header_entries.append(entry)
     sample.flush()
+    decoded = decoded.finish()
     header = {"schema": SCHEMA, "version": reader.VERSION, **(extra_header or {}), "meta": meta,
               "tables": tables, "entries": header_entries, "payload_bytes": pay.pos,
               "payload_sha256": pay.sha.hexdigest(), "decoded_sha256": decoded.hexdigest()}
@@ -330,6 +332,48 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
     _copy_scratch(scratch, out, trailer)
     out.write(trailer.digest())
     return len(head) + pay.pos + reader.TRAILER
+
+
+BEHIND_FROM = 1 << 20   # bytes of an entry's decoded values hashed in a thread of their own
+
+
+class _BehindHash:
+    """A SHA-256 fed in a thread of its own, one entry behind the writer: the decoded hash
+    (8 bytes a coordinate, the writer's largest) runs while the entry's payload is hashed
+    and written.  `update` waits for the previous entry's arrays first, so at most one
+    entry's arrays are held; `finish` waits and returns the hashlib object."""
+
+    def __init__(self):
+        self.sha, self.thread, self.error = hashlib.sha256(), None, None
+
+    def _wait(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+
+    def update(self, arrays) -> None:
+        """Hash `arrays` (bytes-like, in order) after everything given before."""
+        self._wait()
+        if sum(memoryview(a).nbytes for a in arrays) < BEHIND_FROM:   # a thread costs more than it saves
+            for a in arrays:
+                self.sha.update(a)
+            return
+
+        def run():
+            try:
+                for a in arrays:
+                    self.sha.update(a)
+            except BaseException as exc:  # noqa: BLE001 - raised in the writer's thread
+                self.error = exc
+        self.thread = threading.Thread(target=run, name="jaxguard-hash", daemon=True)
+        self.thread.start()
+
+    def finish(self):
+        """Returns: the hashlib object, once every update is in."""
+        self._wait()
+        return self.sha
 
 
 class _InPlace:
@@ -387,16 +431,64 @@ class _InPlace:
             hbytes = hbytes + b" " * (self.room - len(hbytes))
         head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
         _pwrite_full(self.fd, head, 0)
-        trailer = hashlib.sha256(head)
-        buf = memoryview(bytearray(min(COPY_CHUNK, max(payload_bytes, 1))))
-        off = 0
-        while off < payload_bytes:
-            n = _pread_full(self.fd, buf[:min(len(buf), payload_bytes - off)], len(head) + off)
-            trailer.update(buf[:n])
-            off += n
+        # the disk takes the header and payload while their SHA-256 is read back: the
+        # caller's fsync after the trailer then has 32 bytes left (GPT-2: 0.23-0.30 s less)
+        early = _EarlySync(self.fd)
+        try:
+            trailer = hashlib.sha256(head)
+            _hash_range(self.fd, len(head), payload_bytes, trailer)
+        finally:
+            early.join()
         self.out.seek(len(head) + payload_bytes)
         self.out.write(trailer.digest())
         return len(head) + payload_bytes + reader.TRAILER
+
+
+class _EarlySync(threading.Thread):
+    """``os.fsync(fd)`` in a thread; `join` waits for it and raises its OSError, if any."""
+
+    def __init__(self, fd):
+        super().__init__(name="jaxguard-fsync", daemon=True)
+        self.fd, self.error = fd, None
+        self.start()
+
+    def run(self):
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            self.error = exc
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _hash_range(fd, start, length, sha) -> None:
+    """Add bytes ``[start, start + length)`` of `fd` to `sha`: through a read-only mapping
+    (no copy out of the page cache: 0.45 s against 0.58 s for 773 MB), else `os.preadv`."""
+    if length == 0:
+        return
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, start + length - base, access=mmap.ACCESS_READ, offset=base)
+    except (OSError, ValueError):
+        mapped = None
+    if mapped is not None:
+        view = memoryview(mapped)
+        try:
+            for off in range(start - base, start - base + length, COPY_CHUNK):
+                sha.update(view[off:min(off + COPY_CHUNK, start - base + length)])
+        finally:
+            view.release()
+            mapped.close()
+        return
+    buf = memoryview(bytearray(min(COPY_CHUNK, length)))
+    off = 0
+    while off < length:
+        n = _pread_full(fd, buf[:min(len(buf), length - off)], start + off)
+        sha.update(buf[:n])
+        off += n
 
 
 def _copy_scratch(scratch, out, sha=None) -> None:
