@@ -465,30 +465,32 @@ class _EarlySync(threading.Thread):
 
 
 def _hash_range(fd, start, length, sha) -> None:
-    """Add bytes ``[start, start + length)`` of `fd` to `sha`: through a read-only mapping
-    (no copy out of the page cache: 0.45 s against 0.58 s for 773 MB), else `os.preadv`."""
-    if length == 0:
-        return
-    base = start - start % mmap.ALLOCATIONGRANULARITY
+    """Add bytes ``[start, start + length)`` of `fd` to `sha`: through read-only mappings of
+    `COPY_CHUNK` bytes at a time (no copy out of the page cache: 0.45 s against 0.58 s for
+    773 MB; one window at a time, so the mapped pages never add more than that to the
+    resident size), else `os.preadv`."""
+    end = start + length
+    pos = start
     try:
-        mapped = mmap.mmap(fd, start + length - base, access=mmap.ACCESS_READ, offset=base)
-    except (OSError, ValueError):
-        mapped = None
-    if mapped is not None:
-        view = memoryview(mapped)
-        try:
-            for off in range(start - base, start - base + length, COPY_CHUNK):
-                sha.update(view[off:min(off + COPY_CHUNK, start - base + length)])
-        finally:
-            view.release()
-            mapped.close()
+        while pos < end:
+            base = pos - pos % mmap.ALLOCATIONGRANULARITY
+            size = min(end, base + COPY_CHUNK) - base
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ, offset=base) as window:
+                view = memoryview(window)
+                try:
+                    sha.update(view[pos - base:size])
+                finally:
+                    view.release()
+            pos = base + size
         return
-    buf = memoryview(bytearray(min(COPY_CHUNK, length)))
-    off = 0
-    while off < length:
-        n = _pread_full(fd, buf[:min(len(buf), length - off)], start + off)
+    except (OSError, ValueError):   # no mapping here (a pipe, a special file): read it
+        if pos != start:
+            raise
+    buf = memoryview(bytearray(min(COPY_CHUNK, max(length, 1))))
+    while pos < end:
+        n = _pread_full(fd, buf[:min(len(buf), end - pos)], pos)
         sha.update(buf[:n])
-        off += n
+        pos += n
 
 
 def _copy_scratch(scratch, out, sha=None) -> None:
