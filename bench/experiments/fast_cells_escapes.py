@@ -1,0 +1,101 @@
+"""Does the closed-form cells tier (`fastbound.fast_cells_bound`) move an escape?
+
+The tier sits between the closed form and the adaptive cell bound in `certify.certify_pc`.
+It certifies with its own bound, so it could in principle certify a coordinate that every
+later tier refuses, and so change escapes, codes and payload.  This encodes the
+reproduction's torch checkpoints (bench/reproduce.py's models and fractions, trained here)
+with the tier and with the tier switched off (its kernel answers +inf, so
+every row goes on as before), for every guarded codec, and compares escapes, payload
+bytes and the SHA-256 of every encoded array.
+
+    python bench/experiments/fast_cells_escapes.py --out bench/experiments/results/fast_cells_escapes.md
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _digest(encs) -> str:
+    h = hashlib.sha256()
+    for enc in encs:
+        for k in sorted(enc.arrays):
+            h.update(k.encode() + np.ascontiguousarray(enc.arrays[k]).tobytes())
+    return h.hexdigest()
+
+
+def _encode(items):
+    from jaxguard.core import guard
+    t0 = time.perf_counter()
+    encs = guard.encode_many(items)
+    return encs, time.perf_counter() - t0
+
+
+def _items(ckpt, codec):
+    """(m, v, p, GuardConfig) of every Adam state entry of a torch CKPT, as the CLI builds them."""
+    import torch_compat.state
+    from jaxguard.core.config import GuardSpec
+    from jaxguard.writer import MomentJob
+    _, records = torch_compat.state.state_records(ckpt["optimizer"], ckpt["model"], spec=GuardSpec(codec=codec))
+    return [(np.asarray(r.m), np.asarray(r.v), np.asarray(r.p), r.config) for r in records
+            if isinstance(r, MomentJob) and r.mu == "coded"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
+    ap.add_argument("--seeds", type=int, default=4, help="the first N of the reproduction's seeds per model")
+    ap.add_argument("--codecs", default="log8-rel,log8,block8,logrel-aw,logrel-ans")
+    args = ap.parse_args()
+    import reproduce
+    from jaxguard.core import fastbound
+
+    real = fastbound.batch_fast_cells_pc
+    rows = []
+    cache = pathlib.Path(args.cache)
+    for kind, steps in (("transformer", 400), ("cnn", 300)):
+        for seed in reproduce.SEEDS[kind][:args.seeds]:
+            ckpts, _ = reproduce.checkpoints(kind, seed, steps, cache)
+            for frac, ckpt in sorted(ckpts.items()):
+                for codec in args.codecs.split(","):
+                    items = _items(ckpt, codec)
+                    with_tier, t_with = _encode(items)
+                    fastbound.batch_fast_cells_pc = lambda k, m, *a, **kw: np.full(np.shape(m), np.inf, np.float32)
+                    try:
+                        without, t_without = _encode(items)
+                    finally:
+                        fastbound.batch_fast_cells_pc = real
+                    esc = [sum(e.stats["escapes"] for e in x) for x in (with_tier, without)]
+                    cells = sum(e.stats["certified_fast_cells"] for e in with_tier)
+                    same = _digest(with_tier) == _digest(without)
+                    rows.append((kind, seed, frac, codec, sum(e.n for e in with_tier), cells, esc[0], esc[1], same,
+                                 t_with, t_without))
+                    print(rows[-1], flush=True)
+    lines = ["# The closed-form cells tier and the escapes", "",
+             "`python bench/experiments/fast_cells_escapes.py` (this file's command): every guarded codec on the "
+             "reproduction's checkpoints (bench/reproduce.py's models and seeds, 10/50/100% of training), encoded with the "
+             "cells tier and with it switched off (its kernel answering +inf). `same arrays`: the SHA-256 of every "
+             "encoded array (codes, block parameters, escape indices and values) agrees.", "",
+             "| model | seed | fraction | codec | coordinates | certified by the cells tier | escapes with | "
+             "escapes without | same arrays | encode s with / without (first uses compile) |", "|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
+    for kind, seed, frac, codec, n, cells, e1, e0, same, t1, t0 in rows:
+        lines.append(f"| {kind} | {seed} | {frac} | {codec} | {n:,} | {cells:,} | {e1:,} | {e0:,} | "
+                     f"{'yes' if same else '**no**'} | {t1:.2f} / {t0:.2f} |")
+    lines += ["", f"{sum(r[8] for r in rows)} of {len(rows)} encodings identical."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
