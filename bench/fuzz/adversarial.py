@@ -230,6 +230,7 @@ def main():
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
+    ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
     args = ap.parse_args()
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.join(
@@ -292,8 +293,8 @@ def main():
     import jax
     import optax
     rep = {"seconds": round(time.perf_counter() - t0, 1), "seed": args.seed, "commit": commit, "dirty": dirty,
-           "machine": f"{platform.machine()} {platform.processor()}, {os.cpu_count()} cores, shared with 4 other "
-                      "engineers (contended)",
+           "machine": f"{platform.machine()} {platform.processor()}, {os.cpu_count()} cores"
+                      + (f"; {args.note}" if args.note else ""),
            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__,
                         "optax": optax.__version__},
            "stats": stats, "config_error_examples": errors, "crash_examples": crashes,
