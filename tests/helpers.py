@@ -75,3 +75,24 @@ def assert_losses_within_noise(guarded: list, plain: list, noise: list, n: int) 
     print(f"next {n} losses: guarded vs plain {dev:.3g}, run-to-run noise {spread:.3g}")
     assert spread > 0, "the data order did not change the resumed run; the noise measurement is void"
     assert dev <= spread
+
+
+def byte_transformer_round_trip(tmp_path, *, seed: int, steps: int, lr: float, weight_decay: float):
+    """A small ByteTransformer trained `steps` real AdamW steps, compressed with the CLI's
+    path and restored: ``(summary, moments entries' stats, the real torch audit)``."""
+    import torch_compat
+    from torch_compat import models
+    torch.manual_seed(seed)
+    model = models.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
+    sample = models.text_batches(seed)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    for _ in range(steps):
+        opt.zero_grad()
+        models.loss_fn(model, sample(True)).backward()
+        opt.step()
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    out = tmp_path / "c.jg"
+    summary = torch_compat.state.compress_checkpoint_to(out, ckpt)
+    restored, header = torch_compat.restore_tree(out)
+    stats = [e["stats"] for e in header["entries"] if e["kind"] == "moments"]
+    return summary, stats, torch_compat.audit(ckpt, restored)

@@ -128,22 +128,8 @@ def test_enclosure_audit_checks_the_cells_tier():
 def test_early_checkpoint_uses_the_cells_tier_and_the_real_torch_audit_holds(tmp_path):
     """A model three AdamW steps in (where the closed form leaves the most): the cells tier
     certifies coordinates, and the real torch.optim.AdamW audit finds none over tau."""
-    import torch_compat
-    from torch_compat import models
-    torch.manual_seed(1)
-    model = models.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
-    sample = models.text_batches(1)
-    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    for _ in range(3):
-        opt.zero_grad()
-        models.loss_fn(model, sample(True)).backward()
-        opt.step()
-    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    out = tmp_path / "c.jg"
-    summary = torch_compat.state.compress_checkpoint_to(out, ckpt)
-    restored, header = torch_compat.restore_tree(out)
-    stats = [e["stats"] for e in header["entries"] if e["kind"] == "moments"]
+    from helpers import byte_transformer_round_trip
+    summary, stats, res = byte_transformer_round_trip(tmp_path, seed=1, steps=3, lr=1e-3, weight_decay=0.01)
     cells = sum(s["certified_fast_cells"] for s in stats)
     assert cells > 0.005 * summary["coordinates"], cells
-    res = torch_compat.audit(ckpt, restored)
     assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01

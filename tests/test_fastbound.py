@@ -143,24 +143,9 @@ def test_decayed_parameter_term():
 def test_real_torch_audit_on_trained_checkpoint(tmp_path):
     """A small trained model: the closed form takes most coordinates, and the real
     torch.optim.Adam audit finds no coordinate over tau."""
-    import torch_compat
-    from torch_compat import models
-    torch.manual_seed(0)
-    model = models.ByteTransformer(d=32, layers=1, heads=2, ctx=64)
-    sample = models.text_batches(0)
-    opt = torch.optim.AdamW(model.named_parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-    for _ in range(15):
-        opt.zero_grad()
-        models.loss_fn(model, sample(True)).backward()
-        opt.step()
-    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    out = tmp_path / "c.jg"
-    summary = torch_compat.state.compress_checkpoint_to(out, ckpt)
-    restored, header = torch_compat.restore_tree(out)
-    ents = [e for e in header["entries"] if e["kind"] == "moments"]
-    fast = sum(e["stats"]["certified_fast"] for e in ents)
-    assert fast > 0.5 * summary["coordinates"]
-    res = torch_compat.audit(ckpt, restored)
+    from helpers import byte_transformer_round_trip
+    summary, stats, res = byte_transformer_round_trip(tmp_path, seed=0, steps=15, lr=3e-3, weight_decay=0.1)
+    assert sum(s["certified_fast"] for s in stats) > 0.5 * summary["coordinates"]
     assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01
 
 
