@@ -150,10 +150,16 @@ def same_tree(x, y) -> bool:
     return x == y or (x != x and y != y)
 
 
-def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False, also=None):
+def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False, also=None,
+                  durable=False):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
+    # the same save made durable as jaxguard's writes are (fsync before returning): the plain
+    # save leaves its 1.5 GB in the page cache, and its time follows the machine's dirty memory
+    plain_fsync = [py, "-c", "import os, sys, torch\nwith open(sys.argv[2], 'wb') as f:\n"
+                   "    torch.save(torch.load(sys.argv[1], weights_only=True), f); f.flush(); os.fsync(f.fileno())",
+                   src, os.path.join(work, "plain_fsync.pt")]
     out = os.path.join(work, "c.jg")
     compress = [py, "-m", "jaxguard", "compress", src, "-o", out, "--json", "--codec", codec]
     restore = [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back.pt")]
@@ -191,6 +197,8 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                      env, ROOT))
         runs.append(("restore_also", [py, "-m", "jaxguard", "restore", out_a, "-o", os.path.join(work, "back_a.pt")],
                      env, ROOT))
+    if durable:
+        runs.insert(1, ("plain_fsync", plain_fsync, env, ROOT))
     if one_core:   # the same compress held to one CPU: what the second core buys
         runs.append(("compress_1core", ["taskset", "-c", str(min(os.sched_getaffinity(0))), *compress], env, ROOT))
     keys = [k for k, _, _, _ in runs]
@@ -213,6 +221,10 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
               "restore_time": med["restore"]["seconds"] / med["plain"]["seconds"],
               "compress_rss": med["compress"]["peak_rss"] / med["plain"]["peak_rss"],
               "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
+    if durable:
+        ratios.update(plain_fsync_time=med["plain_fsync"]["seconds"] / med["plain"]["seconds"],
+                      compress_vs_durable_plain=med["compress"]["seconds"] / med["plain_fsync"]["seconds"],
+                      restore_vs_durable_plain=med["restore"]["seconds"] / med["plain_fsync"]["seconds"])
     if one_core:
         ratios.update(compress_1core_time=med["compress_1core"]["seconds"] / med["plain"]["seconds"],
                       compress_1core_rss=med["compress_1core"]["peak_rss"] / med["plain"]["peak_rss"],
@@ -375,6 +387,8 @@ def main(argv=None):
                                                        "interleaved, for ratios between the two codecs")
     ap.add_argument("--one-core", action="store_true", help="also run the compress under `taskset -c` one CPU "
                                                             "(interleaved): the speedup of all cores over one")
+    ap.add_argument("--durable-plain", action="store_true", help="also run the plain save with an fsync before it "
+                                                                 "returns (interleaved), as jaxguard's writes are")
     a = ap.parse_args(argv)
 
     import jax
@@ -401,7 +415,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
                           before=os.path.abspath(a.before) if a.before else None, one_core=a.one_core,
-                          also=a.also_codec)
+                          also=a.also_codec, durable=a.durable_plain)
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
@@ -460,6 +474,9 @@ def write_md(res, path):
         "| | wall s | x plain | peak RSS MiB | x plain |",
         "|---|---:|---:|---:|---:|",
         f"| `torch.save(torch.load(src))` | {med['plain']['seconds']:.2f} | 1 | {mib(med['plain']['peak_rss']):.0f} | 1 |",
+        *([f"| the same, durable (`torch.save` to a file, then fsync) | {med['plain_fsync']['seconds']:.2f} | "
+           f"{rat['plain_fsync_time']:.2f} | {mib(med['plain_fsync']['peak_rss']):.0f} | "
+           f"{med['plain_fsync']['peak_rss'] / med['plain']['peak_rss']:.2f} |"] if "plain_fsync" in med else []),
         f"| `jaxguard compress src -o out` | {med['compress']['seconds']:.2f} | {rat['compress_time']:.2f} | "
         f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |",
         f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
@@ -483,6 +500,9 @@ def write_md(res, path):
         *([f"{res.get('codec')} against {w['also_codec']}, same run: compress {rat['compress_vs_also']:.2f}x, restore "
            f"{rat['restore_vs_also']:.2f}x its time; payload {100 * sm['payload_ratio']:.3f}% against "
            f"{100 * w['also_summary']['payload_ratio']:.3f}% of FP32.", ""] if "compress_also" in med else []),
+        *([f"Against the durable plain save: compress {rat['compress_vs_durable_plain']:.2f}x, restore "
+           f"{rat['restore_vs_durable_plain']:.2f}x (jaxguard fsyncs both before it renames).", ""]
+          if "compress_vs_durable_plain" in rat else []),
         *([f"Compress on all {res['machine']['cpus']} cores vs one core: {rat['cores_speedup']:.2f}x faster.", ""]
           if "cores_speedup" in rat else []),
         *([f"The restored files of both restores load to the same tensors, bit for bit: "
