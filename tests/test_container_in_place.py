@@ -106,3 +106,30 @@ def test_decoded_hash_in_a_thread_of_its_own_writes_the_same_bytes(tmp_path, mon
     inline, *_ = _write(tmp_path / "inline.jg", entries, monkeypatch, after, len(entries))
     assert threaded == inline
     container.read(str(tmp_path / "threaded.jg"))     # verifies the decoded SHA-256
+
+
+def test_a_failing_early_fsync_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """The in-place route fsyncs header and payload in a thread while it reads them back
+    for the trailer.  A disk error there (EIO from fsync) must surface as the one-line
+    ContainerError, with no output and no temporary file left, and the file that was
+    there before intact."""
+    import errno
+    import os
+    import threading
+    entries = _entries(seed=5)
+    target = tmp_path / "c.jg"
+    target.write_bytes(b"the previous checkpoint")
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):   # only the early one, in its thread: the caller's own fsync would catch it anyway
+        if threading.current_thread().name == "jaxguard-fsync":
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+    monkeypatch.setattr(container, "IN_PLACE_AFTER", 0)
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(ContainerError, match="Input/output error") as info:
+        container.write_stream(target, iter(entries), {"tree": "t"}, expected_entries=len(entries))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert "\n" not in str(info.value)
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jg"]
