@@ -199,9 +199,11 @@ def write(res, name="train_loop_save"):
         json.dump(res, fh, indent=1)
     c = res["config"]
     lines = ["# Training-loop saves: how long a checkpoint blocks the step", "",
-             f"Machine: {res['machine']}. **Shared with other work while this ran** (four engineers on 2 cores), "
-             "so the speed figures are not quiet-machine figures; the background encode competes with the "
-             "training step for the same 2 cores.", "",
+             f"Machine: {res['machine']}."
+             + (" **Shared with other work while this ran**, so the speed figures are not quiet-machine figures; "
+                "the background encode competes with the training step for the same 2 cores."
+                if "shared" in res["machine"].lower() else " The background encode shares the cores with the "
+                "training step."), "",
              f"`python bench/train_loop_save.py --hidden {c['hidden']} --layers {c['layers']} --steps {c['steps']} "
              f"--every {c['every']} --torch-steps {c['torch_steps']} --torch-every {c['torch_every']} "
              f"--batch {c['batch']}`: an MLP of {c['layers']} {c['hidden']}x{c['hidden']} "
