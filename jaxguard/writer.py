@@ -508,9 +508,10 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
     header = _Header(extra_header or {})
     sources = []
     if release is not None and isinstance(records, (list, tuple)):
-        # what the caller's validation read (parameter digests; scalars beside the moments,
-        # whose pages map their neighbours) is dropped before the stream starts, each page
-        # read back from the page cache when its slab is encoded or its raw entry written
+        # what the caller's validation read (scalars beside the moments, whose pages map
+        # their neighbours; the parameter digests come later, as their entries are produced)
+        # is dropped before the stream starts, each page read back from the page cache when
+        # its slab is encoded or its raw entry written
         sources = [r.source for r in records if isinstance(r, MomentJob) and r.source is not None]
         release(sources + [r.array for r in records if isinstance(r, Raw)])
     entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab,

@@ -10,6 +10,7 @@ only the standard library, numpy, `jaxguard.errors` and `jaxguard.format`.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -337,6 +338,26 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
 BEHIND_FROM = 1 << 20   # bytes of an entry's decoded values hashed in a thread of their own
 
 
+class _InThread(threading.Thread):
+    """``fn()`` started in a daemon thread; `join` waits for it and raises what it raised."""
+
+    def __init__(self, fn, name):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.error = fn, None
+        self.start()
+
+    def run(self):
+        try:
+            self.fn()
+        except BaseException as exc:  # noqa: BLE001 - raised by join, in the caller's thread
+            self.error = exc
+
+    def join(self, timeout=None):
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
 class _BehindHash:
     """A SHA-256 fed in a thread of its own, one entry behind the writer: the decoded hash
     (8 bytes a coordinate, the writer's largest) runs while the entry's payload is hashed
@@ -344,31 +365,24 @@ class _BehindHash:
     entry's arrays are held; `finish` waits and returns the hashlib object."""
 
     def __init__(self):
-        self.sha, self.thread, self.error = hashlib.sha256(), None, None
+        self.sha, self.thread = hashlib.sha256(), None
 
     def _wait(self):
         if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            raise self.error
+            thread, self.thread = self.thread, None
+            thread.join()
+
+    def _hash(self, arrays):
+        for a in arrays:
+            self.sha.update(a)
 
     def update(self, arrays) -> None:
         """Hash `arrays` (bytes-like, in order) after everything given before."""
         self._wait()
         if sum(memoryview(a).nbytes for a in arrays) < BEHIND_FROM:   # a thread costs more than it saves
-            for a in arrays:
-                self.sha.update(a)
-            return
-
-        def run():
-            try:
-                for a in arrays:
-                    self.sha.update(a)
-            except BaseException as exc:  # noqa: BLE001 - raised in the writer's thread
-                self.error = exc
-        self.thread = threading.Thread(target=run, name="jaxguard-hash", daemon=True)
-        self.thread.start()
+            self._hash(arrays)
+        else:
+            self.thread = _InThread(functools.partial(self._hash, arrays), "jaxguard-hash")
 
     def finish(self):
         """Returns: the hashlib object, once every update is in."""
@@ -433,7 +447,7 @@ class _InPlace:
         _pwrite_full(self.fd, head, 0)
         # the disk takes the header and payload while their SHA-256 is read back: the
         # caller's fsync after the trailer then has 32 bytes left (GPT-2: 0.23-0.30 s less)
-        early = _EarlySync(self.fd)
+        early = _InThread(functools.partial(os.fsync, self.fd), "jaxguard-fsync")
         try:
             trailer = hashlib.sha256(head)
             _hash_range(self.fd, len(head), payload_bytes, trailer)
@@ -442,26 +456,6 @@ class _InPlace:
         self.out.seek(len(head) + payload_bytes)
         self.out.write(trailer.digest())
         return len(head) + payload_bytes + reader.TRAILER
-
-
-class _EarlySync(threading.Thread):
-    """``os.fsync(fd)`` in a thread; `join` waits for it and raises its OSError, if any."""
-
-    def __init__(self, fd):
-        super().__init__(name="jaxguard-fsync", daemon=True)
-        self.fd, self.error = fd, None
-        self.start()
-
-    def run(self):
-        try:
-            os.fsync(self.fd)
-        except OSError as exc:
-            self.error = exc
-
-    def join(self, timeout=None):
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error
 
 
 def _hash_range(fd, start, length, sha) -> None:
