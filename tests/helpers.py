@@ -96,3 +96,18 @@ def byte_transformer_round_trip(tmp_path, *, seed: int, steps: int, lr: float, w
     restored, header = torch_compat.restore_tree(out)
     stats = [e["stats"] for e in header["entries"] if e["kind"] == "moments"]
     return summary, stats, torch_compat.audit(ckpt, restored)
+
+
+def container_canon(data):
+    """A container as (its entries without their encode timings, decoded SHA-256, payload):
+    what must match between two saves of the same state (``encode_seconds`` is wall time)."""
+    import json
+    from jaxguard.format import reader
+    header, payload = reader.parse(data)
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "encode_seconds"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return json.dumps(strip(header["entries"]), sort_keys=True), header["decoded_sha256"], bytes(payload)

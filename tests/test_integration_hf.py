@@ -17,7 +17,7 @@ import shutil
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 from helpers import assert_first_update_within_tau, assert_losses_within_noise, byte_tokens, tiny_gpt2  # noqa: E402
-from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
+from helpers import container_canon, one_torch_thread  # noqa: E402,F401 - an autouse fixture
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -161,3 +161,70 @@ def test_final_checkpoint_of_linear_schedule_keeps_plain_optimizer(tmp_path, cap
     tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes())
     tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert tr.state.global_step == 4
+
+
+def _saving_args(out, **kw):
+    return transformers.TrainingArguments(output_dir=str(out), max_steps=4, save_steps=2, optim="adamw_torch",
+                                          lr_scheduler_type="constant", learning_rate=LR, per_device_train_batch_size=8,
+                                          max_grad_norm=CLIP, use_cpu=True, seed=0, report_to="none",
+                                          disable_tqdm=True, dataloader_num_workers=0, **kw)
+
+
+def test_async_saves_publish_the_files_a_blocking_save_writes(tmp_path, monkeypatch):
+    """jaxguard_async=True: the encode runs on a background thread from a host copy taken at
+    the save (the guard is held until the loop has run the next step: a save that encoded
+    inside the step would time out), and train() returns only once every checkpoint is
+    published; the optimizer files are those of the blocking GuardedTrainer on the same run
+    (entries but for their encode timings, decoded SHA-256, payload)."""
+    import threading
+    from jaxguard.core import guard
+    runs = {}
+    for mode in ("blocking", "async"):
+        tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=_saving_args(tmp_path / mode), train_dataset=_Bytes(),
+                            jaxguard_async=mode == "async")
+        if mode == "async":
+            stepped, encode_many = threading.Event(), guard.encode_many
+
+            class _Stepped(transformers.TrainerCallback):
+                def on_step_end(self, args, state, control, **kw):
+                    if state.global_step == 3:
+                        stepped.set()
+
+            def held(items, **kw):
+                if not stepped.wait(60):
+                    raise AssertionError("step 3 never ran: the save at step 2 blocked the loop")
+                return encode_many(items, **kw)
+            tr.add_callback(_Stepped())
+            monkeypatch.setattr(guard, "encode_many", held)
+        tr.train()
+        assert tr._jaxguard_thread is None
+        runs[mode] = tmp_path / mode
+    for step in (2, 4):
+        files = [(runs[m] / f"checkpoint-{step}" / "optimizer.jg").read_bytes() for m in ("blocking", "async")]
+        assert container_canon(files[0]) == container_canon(files[1]), step
+    assert not [p for p in (tmp_path / "async").iterdir() if p.name.startswith(".")]   # no staging left
+
+
+def test_async_save_error_is_raised_at_the_next_save_and_nothing_is_published(tmp_path, monkeypatch):
+    """A background save that fails (here: the write raises) publishes nothing; the error
+    surfaces at the next save (or at the end of train()), and the previous checkpoint stays."""
+    from torch_compat import state as _state
+    real = _state.save_snapshot
+    calls = []
+
+    def failing_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("No space left on device (injected)")
+        return real(*a, **k)
+    monkeypatch.setattr(_state, "save_snapshot", failing_second)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=6, save_steps=2, optim="adamw_torch",
+                                          lr_scheduler_type="constant", learning_rate=LR, per_device_train_batch_size=8,
+                                          max_grad_norm=CLIP, use_cpu=True, seed=0, report_to="none",
+                                          disable_tqdm=True, dataloader_num_workers=0)
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes(), jaxguard_async=True)
+    with pytest.raises(OSError, match="injected"):
+        tr.train()
+    assert (tmp_path / "checkpoint-2" / "optimizer.jg").is_file()
+    assert not (tmp_path / "checkpoint-4").exists() and not (tmp_path / "checkpoint-6").exists()
+    assert len(calls) == 2     # the save at step 6 waited for step 4's and stopped there

@@ -17,7 +17,7 @@ import io
 
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
-from helpers import assert_first_update_within_tau, assert_losses_within_noise  # noqa: E402
+from helpers import assert_first_update_within_tau, assert_losses_within_noise, container_canon  # noqa: E402
 from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 
 L = pytest.importorskip("lightning")
@@ -163,21 +163,6 @@ def test_checkpoint_through_memory_url(runs, lr_zero):
     assert back["global_step"] == ckpt["global_step"]
 
 
-def _canon(data):
-    """A Lightning container as (its entries without their encode timings, payload): the
-    checkpoint's other fields (ModelCheckpoint's dirpath) name the run's directory."""
-    import json
-    from jaxguard.format import reader
-    header, payload = reader.parse(data)
-
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "encode_seconds"}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-
-    return json.dumps(strip(header["entries"]), sort_keys=True), header["decoded_sha256"], bytes(payload)
-
-
 def test_async_checkpoint_io_saves_in_the_background_the_blocking_bytes(runs, tmp_path, monkeypatch):
     """Lightning's AsyncCheckpointIO(GuardedCheckpointIO()): the checkpoints of a real fit are
     those of the blocking plugin's identical run, and ``trainer.save_checkpoint`` returns before
@@ -189,7 +174,7 @@ def test_async_checkpoint_io_saves_in_the_background_the_blocking_bytes(runs, tm
     model = MLP()
     tr = _trainer(tmp_path, N, [AsyncCheckpointIO(GuardedCheckpointIO())], ckpt=True)
     tr.fit(model, _data(0))
-    assert _canon((tmp_path / f"step={N}.ckpt").read_bytes()) == _canon(runs["gckpt"].read_bytes())
+    assert container_canon((tmp_path / f"step={N}.ckpt").read_bytes()) == container_canon(runs["gckpt"].read_bytes())
 
     release, threads, encode_many = threading.Event(), [], guard.encode_many
 
@@ -204,7 +189,7 @@ def test_async_checkpoint_io_saves_in_the_background_the_blocking_bytes(runs, tm
     assert not (tmp_path / "again.ckpt").exists() and threading.get_ident() not in threads
     release.set()
     tr.strategy.checkpoint_io.teardown()          # waits for the background save
-    assert threads and _canon((tmp_path / "again.ckpt").read_bytes()) == _canon(runs["gckpt"].read_bytes())
+    assert threads and container_canon((tmp_path / "again.ckpt").read_bytes()) == container_canon(runs["gckpt"].read_bytes())
 
 
 @pytest.mark.parametrize("op_model,warns", [("torch-adamw-cuda-foreach", True), (None, False)],

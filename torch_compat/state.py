@@ -874,16 +874,60 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
       UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover.
       CheckpointError: as `state_records`.
     """
+    sd, params = snapshot(optimizer)
+    return save_snapshot(path, sd, params, spec=spec, tau=tau, clip=clip, codec=codec, bound=bound,
+                         partition=partition, progress=progress, op_model=op_model, device_encode=device_encode)
+
+
+def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
+    """`optimizer`'s state_dict and its live parameters by name, as `save` certifies them.
+
+    Args:
+      optimizer: a `torch.optim.Adam` or `AdamW`.
+      copy: clone every tensor (state and parameters), so that the training loop may go on
+        while `save_snapshot` encodes them on another thread (a background save).
+
+    Returns:
+      ``(state_dict, {param name: tensor})`` with ``param_names`` filled in (unnamed params
+      get ``group{g}.param{i}``).
+
+    Raises:
+      UnsupportedOptimizerError: not Adam/AdamW.
+    """
     if not isinstance(optimizer, torch.optim.Adam):
         raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "
                                         "torch.optim.Adam and AdamW")
     sd = optimizer.state_dict()
+    if copy:
+        sd = {"state": {k: {n: t.detach().clone() if torch.is_tensor(t) else t for n, t in st.items()}
+                        for k, st in sd["state"].items()},
+              "param_groups": [dict(g) for g in sd["param_groups"]]}
     params = {}
     for gi, (g, live) in enumerate(zip(sd["param_groups"], optimizer.param_groups)):
         names = g.get("param_names") or [f"group{gi}.param{i}" for i in range(len(g["params"]))]
         g["param_names"] = names
         for name, p in zip(names, live["params"]):
-            params[name] = p.detach()
+            params[name] = p.detach().clone() if copy else p.detach()
+    return sd, params
+
+
+def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: GuardSpec | None = None,
+                  tau: float | None = None, clip: float | None = None, codec: str | None = None,
+                  bound: str | None = None, partition: str | None = None, progress: bool = False,
+                  op_model: str | None = None, device_encode: bool | None = None) -> dict:
+    """`save` of a `snapshot` (the same file `save` writes of that state).
+
+    Args:
+      path: the output file.
+      sd, params: what `snapshot` returned.
+      spec, tau, clip, codec, bound, partition, progress, op_model, device_encode: as `save`.
+
+    Returns:
+      The summary dict.
+
+    Raises:
+      UnsupportedOptimizerError, CheckpointError: as `save`.
+    """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}

@@ -27,6 +27,14 @@ the uncompressed state would give by at most ``tau * lr`` for every gradient ``|
 ``lr`` is the param group's learning rate at save time, which the Trainer's scheduler has
 already set for the next step.
 
+Non-blocking saves: ``GuardedTrainer(..., jaxguard_async=True)`` copies the optimizer state
+and the weights it is certified against on the host at the save (the Trainer's own files are
+written as usual) and encodes, writes and publishes ``checkpoint-N/`` on a background thread
+while training goes on; the published file is the one a blocking save writes. The next
+save, the end of ``train()`` and `jaxguard_wait` wait for it, and an error in the
+background is raised there. Until it is published, ``checkpoint-N/`` does not exist, so a
+resume picks the previous checkpoint.
+
 Supported: single process or DDP (rank 0 writes, every rank reads) with ``optim`` one of
 ``adamw_torch`` / a torch Adam/AdamW built by the caller, FP32 state. DeepSpeed, FSDP, XLA and
 SageMaker MP keep their own optimizer files: refused with a one-line error at the first save.
@@ -59,6 +67,8 @@ class GuardedTrainer(Trainer):
       jaxguard_codec: the moment codec (default ``jaxguard.DEFAULT_CODEC``).
       jaxguard_spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``);
         the three arguments above override its fields.
+      jaxguard_async: encode and publish each checkpoint on a background thread (a host
+        copy of the optimizer state is taken at the save; see the module docstring).
 
     Raises:
       UnsupportedOptimizerError: at optimizer creation, for an optimizer or option outside
@@ -68,7 +78,7 @@ class GuardedTrainer(Trainer):
     """
 
     def __init__(self, *args, jaxguard_tau: float | None = None, jaxguard_clip: float | None = None,
-                 jaxguard_codec: str | None = None, jaxguard_spec=None, **kwargs):
+                 jaxguard_codec: str | None = None, jaxguard_spec=None, jaxguard_async: bool = False, **kwargs):
         from jaxguard.core.config import save_spec
         spec = save_spec(jaxguard_spec, tau=jaxguard_tau, clip=jaxguard_clip, codec=jaxguard_codec)   # fails early
         super().__init__(*args, **kwargs)
@@ -76,6 +86,24 @@ class GuardedTrainer(Trainer):
         self.jaxguard_tau, self.jaxguard_clip, self.jaxguard_codec = spec.tau, spec.clip, spec.codec
         self.jaxguard_last_summary: dict | None = None
         self._jaxguard_stage_root: str | None = None
+        self.jaxguard_async = bool(jaxguard_async)
+        self._jaxguard_job = None          # the optimizer write of the save in progress (async)
+        self._jaxguard_thread = None       # the background save still running
+        self._jaxguard_error: BaseException | None = None
+
+    def jaxguard_wait(self) -> None:
+        """Wait for the background save (``jaxguard_async``), if one is running.
+
+        Raises:
+          The background save's exception (a refusal, a full disk), once: that checkpoint
+          was not published.
+        """
+        th, self._jaxguard_thread = self._jaxguard_thread, None
+        if th is not None:
+            th.join()
+        err, self._jaxguard_error = self._jaxguard_error, None
+        if err is not None:
+            raise err
 
     def train(self, *args, **kwargs):
         """``Trainer.train``, after undoing what an interrupted save left in ``output_dir``.
@@ -95,7 +123,15 @@ class GuardedTrainer(Trainer):
             for what in recover_directories(self.args.output_dir):
                 log.warning("GuardedTrainer: %s", what)
         self.accelerator.wait_for_everyone()
-        return super().train(*args, **kwargs)
+        try:
+            out = super().train(*args, **kwargs)
+        except BaseException:
+            th, self._jaxguard_thread = self._jaxguard_thread, None
+            if th is not None:     # the training error is the one to report
+                th.join()
+            raise
+        self.jaxguard_wait()
+        return out
 
     def _get_output_dir(self, trial):
         return self._jaxguard_stage_root or super()._get_output_dir(trial)
@@ -103,6 +139,7 @@ class GuardedTrainer(Trainer):
     def _save_checkpoint(self, model, trial):
         if self.args.push_to_hub:      # the upload reads the checkpoint directory after this returns
             return super()._save_checkpoint(model, trial)
+        self.jaxguard_wait()      # a loop waits for the previous save first, as orbax does
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
         run_dir = super()._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -120,6 +157,7 @@ class GuardedTrainer(Trainer):
             super()._save_checkpoint(model, trial)   # writes stage_root/checkpoint-N; its rotation sees one
         except BaseException:
             self._jaxguard_stage_root = None
+            self._jaxguard_job = None
             if self.args.should_save:
                 shutil.rmtree(stage_root, ignore_errors=True)
             raise
@@ -131,10 +169,26 @@ class GuardedTrainer(Trainer):
                 from transformers.trainer import TRAINER_STATE_NAME
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
         self.accelerator.wait_for_everyone()   # every rank wrote its RNG state into the stage
+        job, self._jaxguard_job = self._jaxguard_job, None
         if self.args.should_save:
-            commit_directory(staged, final, token)
-            os.rmdir(stage_root)
-            self._rotate_guarded_checkpoints(run_dir)
+            def publish():
+                if job is not None:
+                    job()
+                commit_directory(staged, final, token)
+                os.rmdir(stage_root)
+                self._rotate_guarded_checkpoints(run_dir)
+            if job is None:
+                publish()
+            else:
+                import threading
+
+                def run():
+                    try:
+                        publish()
+                    except BaseException as exc:    # raised by jaxguard_wait; the stage stays for recovery
+                        self._jaxguard_error = exc
+                self._jaxguard_thread = threading.Thread(target=run, name="jaxguard-hf-save", daemon=True)
+                self._jaxguard_thread.start()
         self.accelerator.wait_for_everyone()
 
     def _rotate_guarded_checkpoints(self, run_dir):
@@ -182,8 +236,16 @@ class GuardedTrainer(Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
             import torch_compat
-            self.jaxguard_last_summary = torch_compat.save(
-                os.path.join(output_dir, OPTIMIZER_FILE), unwrap(self.optimizer), spec=self.jaxguard_spec)
+            path = os.path.join(output_dir, OPTIMIZER_FILE)
+            if self.jaxguard_async and not self.args.push_to_hub and self._jaxguard_stage_root is not None:
+                from torch_compat import state as _state
+                sd, params = _state.snapshot(unwrap(self.optimizer), copy=True)   # the loop goes on meanwhile
+
+                def job():
+                    self.jaxguard_last_summary = _state.save_snapshot(path, sd, params, spec=self.jaxguard_spec)
+                self._jaxguard_job = job     # run by _save_checkpoint's background publish
+            else:
+                self.jaxguard_last_summary = torch_compat.save(path, unwrap(self.optimizer), spec=self.jaxguard_spec)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
