@@ -478,13 +478,14 @@ HF_FAULTS = {"kill_mid_file": "kill mid optimizer.jg", "kill_after_weights": "ki
              "kill_between_renames": "kill between the two renames", "full_disk": "full disk (tmpfs 4 MiB)"}
 
 
-def rows_hf(w):
+def rows_hf(w, kinds=("hf", "hfasync", "accelerate")):
     """HF Trainer (GuardedTrainer) and accelerate (save_state): a guarded checkpoint committed, then a
     second run's save to the same place SIGKILLed at three points of its write path, and a full tmpfs.
     *Survived*: after the fault and the integration's own resume, the directory holds the first save's
     files, every byte (`_dir_sha`), and its optimizer.jg audits within tau."""
     worker = os.path.join(ROOT, "tests", "fault_hf_worker.py")
-    names = {"hf": "HF GuardedTrainer checkpoint-4 (1 proc)", "accelerate": "accelerate save_state (1 proc)"}
+    names = {"hf": "HF GuardedTrainer checkpoint-4 (1 proc)", "accelerate": "accelerate save_state (1 proc)",
+             "hfasync": "HF GuardedTrainer(jaxguard_async=True) checkpoint-4 (1 proc)"}
     rows = []
 
     def run(kind, d, seed, fault, truth):
@@ -495,7 +496,7 @@ def rows_hf(w):
         err = [x for x in r.stdout.splitlines() if x.startswith("ERROR: ")]
         return r.returncode, (err[-1][7:] if err else None), (r.stdout + r.stderr)[-2000:]
 
-    for kind in ("hf", "accelerate"):
+    for kind in kinds:
         for fault in HF_FAULTS:
             t = time.time()
             d = os.path.join(w, f"{kind}_{fault}")
@@ -511,7 +512,7 @@ def rows_hf(w):
                     continue
             try:
                 out = os.path.join(d, "run")
-                ck = os.path.join(out, "checkpoint-4") if kind == "hf" else out
+                ck = os.path.join(out, "checkpoint-4") if kind.startswith("hf") else out
                 rc, err, log = run(kind, out, 0, "none", os.path.join(w, f"{kind}_{fault}.truth0.pt"))
                 assert rc == 0, log
                 c0 = _hf_audit(ck, os.path.join(w, f"{kind}_{fault}.truth0.pt"))
@@ -845,7 +846,7 @@ def main():
         r = H.run_save(base, 4, nproc=int(a.only[5]))
         assert all(x["ok"] for x in r["reports"].values()), r["log"]
         c0 = H.check(base, base + ".truth.npz")
-    elif a.only not in ("dcp", "lightning", "orbaxmp", "hf"):
+    elif a.only not in ("dcp", "lightning", "orbaxmp", "hf", "hfasync"):
         r = H.run_save(base, 4)
         assert all(x["ok"] for x in r["reports"].values()), r["log"]
         c0 = H.check(base, base + ".truth.npz")
@@ -884,6 +885,8 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
     if a.only == "hf":
         rows += rows_hf(w) + rows_hf_concurrent(w) + rows_hf_ddp(w)
+    if a.only == "hfasync":
+        rows += rows_hf(w, kinds=("hfasync",))
     if a.only == "nproc4":
         for fault, victim in (("kill_mid_file", 3), ("kill_before_manifest", 0)):
             rows.append(row_kill(w, base, c0, fault, victim, nproc=4))

@@ -4,7 +4,8 @@ in the real write path of ``optimizer.jg``.
 
     python tests/fault_hf_worker.py KIND DIR SEED FAULT TRUTH
 
-KIND ``hf``: `GuardedTrainer` trains STEPS steps with ``output_dir=DIR`` and saves
+KIND ``hf`` (``hfasync``: with ``jaxguard_async=True``, the optimizer file written and the
+checkpoint published on the background thread): `GuardedTrainer` trains STEPS steps with ``output_dir=DIR`` and saves
 ``DIR/checkpoint-4`` (the Trainer's own save); ``accelerate``: an `accelerate.Accelerator`
 loop trains STEPS steps and `jaxguard.integrations.accelerate.save_state(acc, DIR)`.
 SEED picks the data order (so a second run writes another state to the same place).
@@ -40,7 +41,8 @@ def kill_mid_optimizer_file():
 
 def kill_after_weights():
     import torch_compat
-    torch_compat.save = lambda *a, **kw: os.kill(os.getpid(), signal.SIGKILL)
+    from torch_compat import state
+    torch_compat.save = state.save_snapshot = lambda *a, **kw: os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_between_renames():
@@ -59,7 +61,7 @@ def dump_truth(opt, model, truth):
                                                           for p in g["params"]]}, truth)
 
 
-def hf(d, seed, truth):
+def hf(d, seed, truth, background=False):
     import transformers
     from jaxguard.integrations.hf import GuardedTrainer
 
@@ -84,7 +86,8 @@ def hf(d, seed, truth):
         lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=CLIP, save_strategy="no" if resume else "steps",
         save_steps=STEPS, report_to="none", use_cpu=True, seed=0, data_seed=seed, dataloader_num_workers=0,
         disable_tqdm=True)
-    Trainer(model=tiny_gpt2(SEQ), args=args, train_dataset=Bytes()).train(resume_from_checkpoint=resume)
+    Trainer(model=tiny_gpt2(SEQ), args=args, train_dataset=Bytes(), jaxguard_async=background).train(
+        resume_from_checkpoint=resume)
 
 
 def acc(d, seed, truth):
@@ -124,7 +127,10 @@ def main():
     {"concurrent": lambda: None, "kill_mid_file": kill_mid_optimizer_file, "kill_after_weights": kill_after_weights,
      "kill_between_renames": kill_between_renames, "none": lambda: None}[fault]()
     try:
-        (hf if kind == "hf" else acc)(d, seed, truth)
+        if kind.startswith("hf"):
+            hf(d, seed, truth, background=kind == "hfasync")
+        else:
+            acc(d, seed, truth)
         if truth == "resume":
             print("RESUMED")
     except Exception as exc:  # noqa: BLE001 - the line the user sees
