@@ -9,6 +9,9 @@ torch: an MLP trained with torch.optim.Adam(foreach=False), saved every N steps 
 planner (plain) or ``GuardedSavePlanner`` (guarded); a save first waits for the previous one,
 as a loop must.
 
+Lightning: `ModelCheckpoint` with Lightning's `AsyncCheckpointIO` around its `TorchCheckpointIO`
+(plain) or `GuardedCheckpointIO` (guarded), and the guarded plugin blocking.  HF: the
+plain `Trainer` and `GuardedTrainer`, both blocking (transformers has no async save).
 Per mode: steps/s over the loop (the final wait included), and per save the time the save
 call blocked the loop (median, max).  A first, unreported pass of the guarded blocking
 loop compiles the guard's programs (their shapes depend on the data; every pass replays the
@@ -30,6 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
+FRAMEWORKS = ("jax", "torch", "lightning", "hf")
 
 
 def _stats(name, n_params, steps, wall, blocks, waits):
@@ -188,6 +192,132 @@ def torch_bench(hidden, layers, steps, every, batch, root):
     return [r for r in out if r["mode"] != "warm-up"]
 
 
+def lightning_bench(hidden, layers, steps, every, batch, root):
+    """Lightning: ``ModelCheckpoint(every_n_train_steps=every)`` with Lightning's own
+    ``AsyncCheckpointIO`` around ``TorchCheckpointIO`` (plain) or `GuardedCheckpointIO`
+    (guarded), and the guarded plugin alone (blocking).  A save blocks the loop for
+    ``trainer.save_checkpoint`` (state dicts gathered, tensors cloned, the write queued)."""
+    import logging
+    import warnings
+    import lightning as L
+    import torch
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    from jaxguard.integrations.lightning import GuardedCheckpointIO
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class MLP(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            mods = []
+            for _ in range(layers):
+                mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+            self.net = torch.nn.Sequential(*mods)
+
+        def training_step(self, b, i):
+            (x,) = b
+            return torch.nn.functional.mse_loss(self.net(x), torch.roll(x, 1, 1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.named_parameters(), lr=1e-3, foreach=False, fused=False)
+
+    x = torch.randn(steps * batch, hidden, generator=torch.Generator().manual_seed(7))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=batch)
+    n_params = sum(p.numel() for p in MLP().parameters())
+    out = []
+    for mode, plugin in (("warm-up", lambda: GuardedCheckpointIO(tau=0.01, clip=0.2)), ("none", None),
+                         ("lightning async, plain", lambda: AsyncCheckpointIO(TorchCheckpointIO())),
+                         ("lightning async, guarded", lambda: AsyncCheckpointIO(GuardedCheckpointIO(tau=0.01, clip=0.2))),
+                         ("lightning blocking, guarded", lambda: GuardedCheckpointIO(tau=0.01, clip=0.2))):
+        d = os.path.join(root, "pl_" + mode.replace(" ", "_").replace(",", ""))
+        cbs = [] if plugin is None else [L.pytorch.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=every,
+                                                                             save_top_k=-1)]
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, gradient_clip_val=0.2, callbacks=cbs,
+                            plugins=[] if plugin is None else [plugin()], enable_checkpointing=plugin is not None)
+        blocks = []
+        real = trainer.save_checkpoint
+
+        def timed(*a, _real=real, **k):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                blocks.append(time.perf_counter() - t)
+        trainer.save_checkpoint = timed
+        t0 = time.perf_counter()
+        trainer.fit(MLP(), data)    # fit's teardown waits for the last async save
+        out.append(_stats(mode, n_params, steps, time.perf_counter() - t0, blocks, []))
+        print(json.dumps({k: v for k, v in out[-1].items() if k not in ("block_s", "wait_s")}), flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    return [r for r in out if r["mode"] != "warm-up"]
+
+
+def hf_bench(hidden, layers, steps, every, batch, root):
+    """transformers.Trainer (plain) and `GuardedTrainer` (guarded), ``save_steps=every``.
+    The Trainer has no asynchronous checkpoint mode, so the plain save blocks; `GuardedTrainer`
+    saves blocking, and with ``jaxguard_async=True`` (the encode on a background thread from a
+    host copy).  A save blocks the loop for ``Trainer._save_checkpoint`` (model, optimizer,
+    scheduler, RNG, state; with async, the wait for the previous save included)."""
+    import logging
+    import warnings
+    import torch
+    import transformers
+    from jaxguard.integrations.hf import GuardedTrainer
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("jaxguard").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            mods = []
+            for _ in range(layers):
+                mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+            self.net = torch.nn.Sequential(*mods)
+
+        def forward(self, x, labels=None):
+            return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+    x = torch.randn(steps * batch, hidden, generator=torch.Generator().manual_seed(7))
+    ds = [{"x": r, "labels": torch.roll(r, 1, 0)} for r in x]
+    n_params = sum(p.numel() for p in MLP().parameters())
+    out = []
+    for mode, cls, save in (("warm-up", GuardedTrainer, True), ("none", transformers.Trainer, False),
+                            ("hf Trainer (blocking), plain", transformers.Trainer, True),
+                            ("hf GuardedTrainer async, guarded", GuardedTrainer, "async"),
+                            ("hf GuardedTrainer (blocking), guarded", GuardedTrainer, True)):
+        d = os.path.join(root, "hf_" + "".join(c if c.isalnum() else "_" for c in mode))
+        targs = transformers.TrainingArguments(
+            output_dir=d, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-3,
+            lr_scheduler_type="constant", max_grad_norm=0.2, save_strategy="steps" if save else "no", save_steps=every,
+            report_to=[], logging_strategy="no", use_cpu=True, disable_tqdm=True, optim="adamw_torch",
+            dataloader_num_workers=0)
+        kw = {"jaxguard_tau": 0.01, "jaxguard_clip": 0.2, "jaxguard_async": save == "async"} if cls is GuardedTrainer else {}
+        trainer = cls(model=MLP(), args=targs, train_dataset=ds,
+                      data_collator=lambda rows: {"x": torch.stack([r["x"] for r in rows]),
+                                                  "labels": torch.stack([r["labels"] for r in rows])}, **kw)
+        blocks = []
+        real = trainer._save_checkpoint
+
+        def timed(*a, _real=real, **k):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                blocks.append(time.perf_counter() - t)
+        trainer._save_checkpoint = timed
+        t0 = time.perf_counter()
+        trainer.train()
+        out.append(_stats(mode, n_params, steps, time.perf_counter() - t0, blocks, []))
+        print(json.dumps({k: v for k, v in out[-1].items() if k not in ("block_s", "wait_s")}), flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    return [r for r in out if r["mode"] != "warm-up"]
+
+
 def _ratio(rows, plain, guarded):
     by = {r["mode"]: r for r in rows}
     return by[guarded]["block_median_s"] / by[plain]["block_median_s"]
@@ -207,23 +337,28 @@ def write(res, name="train_loop_save"):
              f"`python bench/train_loop_save.py --hidden {c['hidden']} --layers {c['layers']} --steps {c['steps']} "
              f"--every {c['every']} --torch-steps {c['torch_steps']} --torch-every {c['torch_every']} "
              f"--batch {c['batch']}`: an MLP of {c['layers']} {c['hidden']}x{c['hidden']} "
-             f"layers ({(res['jax'] or res['torch'])[0]['params'] / 1e6:.1f}M parameters, Adam), the same in JAX/optax and torch; "
+             f"layers ({next(res[f] for f in FRAMEWORKS if res.get(f))[0]['params'] / 1e6:.1f}M parameters, Adam/AdamW), the same "
+             "in JAX/optax, torch, Lightning and the HF Trainer (the last two use --torch-steps/--torch-every); "
              "wall time includes waiting for the last save. A save blocks the loop for its call plus, when the "
              "previous save is still running, the wait for it (orbax's `mngr.save` and a DCP loop wait first); "
              "the two are timed apart.", "",
              "| framework | mode | steps | save every | steps/s | saves | save call blocks, median / max | "
              "waiting for the previous save, median / max |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for fw in ("jax", "torch"):
-        for r in res[fw]:
+    for fw in FRAMEWORKS:
+        for r in res.get(fw) or []:
             lines.append(f"| {fw} | {r['mode']} | {r['steps']} | {c['every' if fw == 'jax' else 'torch_every']} | "
                          f"{r['steps_per_s']:.2f} | {r['saves']} | "
                          f"{r['block_median_s'] * 1e3:.0f} / {r['block_max_s'] * 1e3:.0f} ms | "
                          f"{r['wait_median_s'] * 1e3:.0f} / {r['wait_max_s'] * 1e3:.0f} ms |")
-    ratios = ", ".join(f"{k} **{res[f'ratio_{k.lower()}']:.2f}x**" for k in ("orbax", "DCP")
+    ratios = ", ".join(f"{k} **{res[f'ratio_{k.lower()}']:.2f}x**" for k in ("orbax", "DCP", "Lightning")
                        if res.get(f"ratio_{k.lower()}") is not None)
     lines += ["", f"Save-call ratio guarded / plain (median per save): {ratios} (target <= 1.2x); the waits "
               "for the previous save are in the last column."]
+    if res.get("ratio_hf") is not None:
+        lines += ["", "HF Trainer: transformers has no asynchronous checkpoint mode, so the plain `Trainer` saves "
+                  "blocking; per save, `GuardedTrainer(jaxguard_async=True)` / plain blocking save: "
+                  f"**{res['ratio_hf']:.2f}x**; the blocking `GuardedTrainer` / plain: {res['ratio_hf_blocking']:.2f}x."]
     lines += ["", res.get("notes", "")]
     with open(os.path.join(RESULTS, name + ".md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -231,8 +366,9 @@ def write(res, name="train_loop_save"):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-        for ax, fw in zip(axes, ("jax", "torch")):
+        fws = [fw for fw in FRAMEWORKS if res.get(fw)]
+        fig, axes = plt.subplots(1, len(fws), figsize=(5 * len(fws), 3.6), squeeze=False)
+        for ax, fw in zip(axes[0], fws):
             rows = [r for r in res[fw] if r["saves"]]
             if not rows:
                 ax.axis("off")
@@ -262,7 +398,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--notes", default="", help="a paragraph for the .md")
     ap.add_argument("--machine", default="2-core AMD EPYC (AVX-512), shared with other work")
-    ap.add_argument("--only", choices=["jax", "torch"])
+    ap.add_argument("--only", choices=list(FRAMEWORKS))
     ap.add_argument("--replot", metavar="NAME", help="rewrite bench/results/NAME.{md,png} from NAME.json")
     a = ap.parse_args(argv)
     if a.replot:
@@ -274,15 +410,26 @@ def main(argv=None):
                                                       "torch_every", "batch")},
                "machine": f"{a.machine}; {os.cpu_count()} CPUs visible, {platform.processor() or platform.machine()}",
                "notes": a.notes}
-        res["jax"] = jax_bench(a.hidden, a.layers, a.steps, a.every, a.batch, root) if a.only != "torch" else []
-        res["torch"] = torch_bench(a.hidden, a.layers, a.torch_steps, a.torch_every, a.batch, root) if a.only != "jax" else []
+        res["jax"] = jax_bench(a.hidden, a.layers, a.steps, a.every, a.batch, root) if a.only in (None, "jax") else []
+        run = lambda fw: a.only in (None, fw)    # noqa: E731
+        res["torch"] = torch_bench(a.hidden, a.layers, a.torch_steps, a.torch_every, a.batch, root) if run("torch") else []
+        res["lightning"] = (lightning_bench(a.hidden, a.layers, a.torch_steps, a.torch_every, a.batch, root)
+                            if run("lightning") else [])
+        res["hf"] = hf_bench(a.hidden, a.layers, a.torch_steps, a.torch_every, a.batch, root) if run("hf") else []
         if res["jax"]:
             res["ratio_orbax"] = _ratio(res["jax"], "orbax async, plain", "orbax async, guarded")
         if res["torch"]:
             res["ratio_dcp"] = _ratio(res["torch"], "dcp async_save, plain", "dcp async_save, guarded")
+        if res["lightning"]:
+            res["ratio_lightning"] = _ratio(res["lightning"], "lightning async, plain", "lightning async, guarded")
+        if res["hf"]:
+            res["ratio_hf"] = _ratio(res["hf"], "hf Trainer (blocking), plain", "hf GuardedTrainer async, guarded")
+            res["ratio_hf_blocking"] = _ratio(res["hf"], "hf Trainer (blocking), plain",
+                                              "hf GuardedTrainer (blocking), guarded")
         write(res, "train_loop_save" if a.only is None else
               f"train_loop_save_{a.only}_every{a.every if a.only == 'jax' else a.torch_every}")
-        print(json.dumps({k: res.get(k) for k in ("ratio_orbax", "ratio_dcp")}))
+        print(json.dumps({k: res.get(k) for k in ("ratio_orbax", "ratio_dcp", "ratio_lightning", "ratio_hf",
+                                                  "ratio_hf_blocking")}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
