@@ -151,7 +151,7 @@ def same_tree(x, y) -> bool:
 
 
 def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False, also=None,
-                  durable=False):
+                  durable=False, sync_between=False):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
@@ -204,6 +204,8 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
     keys = [k for k, _, _, _ in runs]
     for _ in range(repeats):        # interleaved: the same load for all of them
         for key, argv, env_k, cwd in runs:
+            if sync_between:   # start every run with no dirty page cache left by the one before (not timed)
+                os.sync()
             w, r, text, _ = run_child(argv, env_k, cwd)
             res.setdefault(key, []).append({"seconds": w, "peak_rss": r})
             if key == "compress" and summary is None:
@@ -387,6 +389,9 @@ def main(argv=None):
                                                        "interleaved, for ratios between the two codecs")
     ap.add_argument("--one-core", action="store_true", help="also run the compress under `taskset -c` one CPU "
                                                             "(interleaved): the speedup of all cores over one")
+    ap.add_argument("--sync-between", action="store_true", help="os.sync() before every timed process (untimed): the "
+                    "plain save leaves its output dirty in the page cache, and its writeback otherwise lands on "
+                    "whichever process runs next")
     ap.add_argument("--durable-plain", action="store_true", help="also run the plain save with an fsync before it "
                                                                  "returns (interleaved), as jaxguard's writes are")
     a = ap.parse_args(argv)
@@ -415,7 +420,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
                           before=os.path.abspath(a.before) if a.before else None, one_core=a.one_core,
-                          also=a.also_codec, durable=a.durable_plain)
+                          also=a.also_codec, durable=a.durable_plain, sync_between=a.sync_between)
+    whole["sync_between"] = a.sync_between
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
     sizes = [float(x) for x in a.sweep.split(",") if x]
@@ -503,6 +509,8 @@ def write_md(res, path):
         *([f"Against the durable plain save: compress {rat['compress_vs_durable_plain']:.2f}x, restore "
            f"{rat['restore_vs_durable_plain']:.2f}x (jaxguard fsyncs both before it renames).", ""]
           if "compress_vs_durable_plain" in rat else []),
+        *(["Every timed process started after an untimed `os.sync()` (`--sync-between`): none inherits the "
+           "previous one's dirty page cache.", ""] if w.get("sync_between") else []),
         *([f"Compress on all {res['machine']['cpus']} cores vs one core: {rat['cores_speedup']:.2f}x faster.", ""]
           if "cores_speedup" in rat else []),
         *([f"The restored files of both restores load to the same tensors, bit for bit: "
