@@ -228,3 +228,24 @@ def test_async_save_error_is_raised_at_the_next_save_and_nothing_is_published(tm
     assert (tmp_path / "checkpoint-2" / "optimizer.jg").is_file()
     assert not (tmp_path / "checkpoint-4").exists() and not (tmp_path / "checkpoint-6").exists()
     assert len(calls) == 2     # the save at step 6 waited for step 4's and stopped there
+
+
+def test_async_saves_are_published_before_the_trainer_ends_training(tmp_path):
+    """Background saves at steps 2 and 4, then the Trainer's own save at the last step (5):
+    that one waits for them and runs blocking, and the end of training (which waits too)
+    loads the best checkpoint and, with save_total_limit=1, deletes the others: exactly the
+    best checkpoint is left, complete."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=5, save_steps=2, eval_steps=2, eval_strategy="steps",
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", save_total_limit=1, optim="adamw_torch",
+        lr_scheduler_type="constant", learning_rate=LR, per_device_train_batch_size=8, max_grad_norm=CLIP,
+        use_cpu=True, seed=0, report_to="none", disable_tqdm=True, dataloader_num_workers=0)
+    data = _Bytes()
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=data,
+                        eval_dataset=torch.utils.data.Subset(data, range(16)), jaxguard_async=True)
+    tr.train()
+    best = tr.state.best_model_checkpoint
+    assert best is not None
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [best.rsplit("/", 1)[-1]], left
+    assert (tmp_path / left[0] / "optimizer.jg").is_file()

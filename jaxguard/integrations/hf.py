@@ -32,8 +32,9 @@ and the weights it is certified against on the host at the save (the Trainer's o
 written as usual) and encodes, writes and publishes ``checkpoint-N/`` on a background thread
 while training goes on; the published file is the one a blocking save writes. The next
 save, the end of ``train()`` and `jaxguard_wait` wait for it, and an error in the
-background is raised there. Until it is published, ``checkpoint-N/`` does not exist, so a
-resume picks the previous checkpoint.
+background is raised there; the Trainer's end of training (best model, rotation) and the
+save at the last step wait too. Until it is published, ``checkpoint-N/`` does not exist, so
+a resume picks the previous checkpoint.
 
 Supported: single process or DDP (rank 0 writes, every rank reads) with ``optim`` one of
 ``adamw_torch`` / a torch Adam/AdamW built by the caller, FP32 state. DeepSpeed, FSDP, XLA and
@@ -132,6 +133,16 @@ class GuardedTrainer(Trainer):
             raise
         self.jaxguard_wait()
         return out
+
+    def _finalize_training(self, *args, **kwargs):
+        # the Trainer's end of training (transformers 5) sorts, loads and deletes checkpoints:
+        # every background save must be published first
+        self.jaxguard_wait()
+        return super()._finalize_training(*args, **kwargs)
+
+    def _load_best_model(self, *args, **kwargs):
+        self.jaxguard_wait()
+        return super()._load_best_model(*args, **kwargs)
 
     def _get_output_dir(self, trial):
         return self._jaxguard_stage_root or super()._get_output_dir(trial)
@@ -237,7 +248,8 @@ class GuardedTrainer(Trainer):
         if self.args.should_save:
             import torch_compat
             path = os.path.join(output_dir, OPTIMIZER_FILE)
-            if self.jaxguard_async and not self.args.push_to_hub and self._jaxguard_stage_root is not None:
+            if (self.jaxguard_async and not self.args.push_to_hub and self._jaxguard_stage_root is not None
+                    and self.state.global_step < self.state.max_steps):   # the last save: training ends, no gain
                 from torch_compat import state as _state
                 sd, params = _state.snapshot(unwrap(self.optimizer), copy=True)   # the loop goes on meanwhile
 
