@@ -137,11 +137,7 @@ def torch_bench(hidden, layers, steps, every, batch, root):
     from torch_compat.dcp import GuardedSavePlanner
 
     def build():
-        torch.manual_seed(0)
-        mods = []
-        for _ in range(layers):
-            mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
-        model = torch.nn.Sequential(*mods)
+        model = _mlp(hidden, layers)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False, fused=False)
 
     def step(model, opt, i):
@@ -192,6 +188,30 @@ def torch_bench(hidden, layers, steps, every, batch, root):
     return [r for r in out if r["mode"] != "warm-up"]
 
 
+def _timed_calls(obj, name):
+    """Wrap ``obj.name`` so each call's wall time is appended to the returned list."""
+    times, real = [], getattr(obj, name)
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            times.append(time.perf_counter() - t)
+    setattr(obj, name, timed)
+    return times
+
+
+def _mlp(hidden, layers):
+    """The torch MLP every torch-side mode trains: `layers` Linear(hidden, hidden) + Tanh, seed 0."""
+    import torch
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods)
+
+
 def lightning_bench(hidden, layers, steps, every, batch, root):
     """Lightning: ``ModelCheckpoint(every_n_train_steps=every)`` with Lightning's own
     ``AsyncCheckpointIO`` around ``TorchCheckpointIO`` (plain) or `GuardedCheckpointIO`
@@ -210,11 +230,7 @@ def lightning_bench(hidden, layers, steps, every, batch, root):
     class MLP(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            mods = []
-            for _ in range(layers):
-                mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
-            self.net = torch.nn.Sequential(*mods)
+            self.net = _mlp(hidden, layers)
 
         def training_step(self, b, i):
             (x,) = b
@@ -237,16 +253,7 @@ def lightning_bench(hidden, layers, steps, every, batch, root):
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, gradient_clip_val=0.2, callbacks=cbs,
                             plugins=[] if plugin is None else [plugin()], enable_checkpointing=plugin is not None)
-        blocks = []
-        real = trainer.save_checkpoint
-
-        def timed(*a, _real=real, **k):
-            t = time.perf_counter()
-            try:
-                return _real(*a, **k)
-            finally:
-                blocks.append(time.perf_counter() - t)
-        trainer.save_checkpoint = timed
+        blocks = _timed_calls(trainer, "save_checkpoint")
         t0 = time.perf_counter()
         trainer.fit(MLP(), data)    # fit's teardown waits for the last async save
         out.append(_stats(mode, n_params, steps, time.perf_counter() - t0, blocks, []))
@@ -273,11 +280,7 @@ def hf_bench(hidden, layers, steps, every, batch, root):
     class MLP(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            mods = []
-            for _ in range(layers):
-                mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
-            self.net = torch.nn.Sequential(*mods)
+            self.net = _mlp(hidden, layers)
 
         def forward(self, x, labels=None):
             return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
@@ -300,16 +303,7 @@ def hf_bench(hidden, layers, steps, every, batch, root):
         trainer = cls(model=MLP(), args=targs, train_dataset=ds,
                       data_collator=lambda rows: {"x": torch.stack([r["x"] for r in rows]),
                                                   "labels": torch.stack([r["labels"] for r in rows])}, **kw)
-        blocks = []
-        real = trainer._save_checkpoint
-
-        def timed(*a, _real=real, **k):
-            t = time.perf_counter()
-            try:
-                return _real(*a, **k)
-            finally:
-                blocks.append(time.perf_counter() - t)
-        trainer._save_checkpoint = timed
+        blocks = _timed_calls(trainer, "_save_checkpoint")
         t0 = time.perf_counter()
         trainer.train()
         out.append(_stats(mode, n_params, steps, time.perf_counter() - t0, blocks, []))
