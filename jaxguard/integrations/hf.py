@@ -197,6 +197,9 @@ class GuardedTrainer(Trainer):
                     try:
                         publish()
                     except BaseException as exc:    # raised by jaxguard_wait; the stage stays for recovery
+                        if hasattr(exc, "add_note"):
+                            exc.add_note(f"jaxguard: the background save of {final} failed; it was not published "
+                                         "(the previous checkpoint, if any, is as it was)")
                         self._jaxguard_error = exc
                 self._jaxguard_thread = threading.Thread(target=run, name="jaxguard-hf-save", daemon=True)
                 self._jaxguard_thread.start()
