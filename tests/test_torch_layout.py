@@ -130,3 +130,25 @@ def test_migrate_takes_an_optimizer_built_from_model_parameters():
     assert sorted(e["config"]["param"] for e in header["entries"] if e["kind"] == "moments") == \
         sorted(ckpt["model"]), header["entries"]   # one moments entry per parameter, by its model name
     assert "param_names" not in ckpt["optimizer"]["param_groups"][0]   # the caller's dict is not modified
+
+
+def test_a_copied_snapshot_saves_the_state_of_its_moment(tmp_path):
+    """`torch_compat.state.snapshot(copy=True)` (the HF background save's host copy): the
+    optimizer may step on while the snapshot is saved, and the file is the one `save`
+    would have written at the snapshot's moment (same decoded moments and payload).
+    Negative control: a snapshot without copy shares the live tensors, so the step shows."""
+    from torch_compat import state
+    from helpers import container_canon
+    model = _mlp()
+    _, opt = _trained(model, named=True)
+    torch_compat.save(tmp_path / "now.jg", opt)
+    copied = state.snapshot(opt, copy=True)
+    shared = state.snapshot(opt)
+    before = {k: v["exp_avg"].clone() for k, v in copied[0]["state"].items()}
+    opt.zero_grad()
+    model(torch.randn(4, 12)).pow(2).mean().backward()
+    opt.step()                                   # the training loop goes on
+    assert all(torch.equal(copied[0]["state"][k]["exp_avg"], before[k]) for k in before)
+    assert not all(torch.equal(shared[0]["state"][k]["exp_avg"], before[k]) for k in before)
+    state.save_snapshot(tmp_path / "later.jg", *copied)
+    assert container_canon((tmp_path / "later.jg").read_bytes()) == container_canon((tmp_path / "now.jg").read_bytes())
