@@ -110,10 +110,9 @@ def zlib_codes_bytes(encs):
     return total
 
 
-def looseness(items, encode_many):
-    """Rows the cells tier refuses during one encode: the cells tier's bound, its stage-1 and
-    stage-2 parts, and the 28-cell adaptive cell bound, as multiples of the threshold."""
-    import jax
+def capture_refused(items, encode_many, limit=200_000):
+    """Rows the cells tier refuses during one encode of `items` (its first `limit`):
+    ``(StepRow of arrays, m, v, mt, vt, pabs, clip)``."""
     from jaxguard.core import bound as _bound
     from jaxguard.core import fastbound
     real = fastbound.batch_fast_cells_pc
@@ -122,7 +121,7 @@ def looseness(items, encode_many):
     def capture(k, m, v, mt, vt, pabs, clip, **kw):
         out = np.asarray(real(k, m, v, mt, vt, pabs, clip, **kw))
         bad = ~(out <= np.asarray(k.threshold))
-        if bad.any() and sum(c[1].size for c in cap) < 200_000:
+        if bad.any() and sum(c[1].size for c in cap) < limit:
             cap.append((_bound.StepRow(*(np.asarray(x)[bad] for x in k)),) + tuple(
                 np.asarray(x)[bad] for x in (m, v, mt, vt, pabs, clip)))
         return out
@@ -132,15 +131,31 @@ def looseness(items, encode_many):
     finally:
         fastbound.batch_fast_cells_pc = real
     K = _bound.StepRow(*(np.concatenate([c[0][i] for c in cap]) for i in range(len(_bound.StepRow._fields))))
-    m, v, mt, vt, pabs, clip = (np.concatenate([c[j] for c in cap]) for j in range(1, 7))
+    return (K,) + tuple(np.concatenate([c[j] for c in cap]) for j in range(1, 7))
+
+
+def cells_tier_parts(K, m, v, mt, vt, pabs, clip):
+    """The cells tier on each row's own partition: (stage 1, total, usable, the unit edges),
+    host arrays."""
+    import jax
+    from jaxguard.core import fastbound
 
     @jax.jit
     def parts(k, m, v, mt, vt, pabs, clip):
         edges = fastbound.adaptive_edge_list(k, v, vt, clip, fastbound.FAST_CELLS_GAMMAS)
         ideal, u1 = fastbound.fast_cells_bound(k, m, v, mt, vt, pabs, clip, edges, no_radius=True)
         total, u2 = fastbound.fast_cells_bound(k, m, v, mt, vt, pabs, clip, edges)
-        return ideal, total, u1 & u2
-    ideal, total, usable = (np.asarray(x) for x in parts(K, m, v, mt, vt, pabs, clip))
+        return ideal, total, u1 & u2, edges
+    ideal, total, usable, edges = parts(K, m, v, mt, vt, pabs, clip)
+    return np.asarray(ideal), np.asarray(total), np.asarray(usable), [np.asarray(e) for e in edges]
+
+
+def looseness(items, encode_many):
+    """Rows the cells tier refuses during one encode: the cells tier's bound, its stage-1 and
+    stage-2 parts, and the 28-cell adaptive cell bound, as multiples of the threshold."""
+    from jaxguard.core import bound as _bound
+    K, m, v, mt, vt, pabs, clip = capture_refused(items, encode_many)
+    ideal, total, usable, _ = cells_tier_parts(K, m, v, mt, vt, pabs, clip)
     adaptive = np.asarray(_bound.batch_bound_adaptive_pc(K, m, v, mt, vt, pabs, clip))
     thr = K.threshold
     ok = (adaptive >= 0) & (adaptive <= thr)

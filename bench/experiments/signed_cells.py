@@ -37,29 +37,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "experiments"))
 
 
-def capture_refused(items, limit=200_000):
-    """Rows the cells tier refuses during one encode of `items`: (StepRow of arrays, m, v, mt, vt, pabs, clip)."""
-    from jaxguard.core import bound as _bound
-    from jaxguard.core import fastbound, guard
-    real = fastbound.batch_fast_cells_pc
-    cap = []
-
-    def capture(k, m, v, mt, vt, pabs, clip, **kw):
-        out = np.asarray(real(k, m, v, mt, vt, pabs, clip, **kw))
-        bad = ~(out <= np.asarray(k.threshold))
-        if bad.any() and sum(c[1].size for c in cap) < limit:
-            cap.append((_bound.StepRow(*(np.asarray(x)[bad] for x in k)),) + tuple(
-                np.asarray(x)[bad] for x in (m, v, mt, vt, pabs, clip)))
-        return out
-    fastbound.batch_fast_cells_pc = capture
-    try:
-        guard.encode_many(items)
-    finally:
-        fastbound.batch_fast_cells_pc = real
-    K = _bound.StepRow(*(np.concatenate([c[0][i] for c in cap]) for i in range(len(_bound.StepRow._fields))))
-    return (K,) + tuple(np.concatenate([c[j] for c in cap]) for j in range(1, 7))
-
-
 def _terms(K, m, v, mt, vt, g, sign):
     """A(g), m2'(g), F(g) in float64 for gradient magnitudes g (branch `sign` of g)."""
     keep, a, b2f, c2, B, eps = (np.asarray(getattr(K, f), np.float64) for f in ("keep", "a", "b2f", "c2", "B", "eps"))
@@ -127,8 +104,8 @@ def signed_ideal_f32(K, m, v, mt, vt, edges_unit, clip):
 def time_per_row(K, m, v, mt, vt, pabs, clip, rows=1 << 14, repeats=20):
     """ns a row of the cells tier, the signed form (float32, jitted) and the adaptive cell
     bound's three partitions, on the first `rows` captured rows, one core."""
-    import time
     import jax
+    from kernel_times import _median_ms
     from jaxguard.core import bound as _bound
     from jaxguard.core import fastbound
     sl = slice(0, rows)
@@ -144,16 +121,7 @@ def time_per_row(K, m, v, mt, vt, pabs, clip, rows=1 << 14, repeats=20):
     for gammas in _bound.ADAPTIVE_PARTITIONS:
         kernels[f"adaptive cell bound, {len(gammas)} cells"] = (
             lambda gm=gammas: _bound.batch_bound_adaptive_pc(k, *args, gammas=gm))
-    out = {}
-    for name, fn in kernels.items():
-        jax.block_until_ready(fn())
-        ts = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append(time.perf_counter() - t)
-        out[name] = 1e9 * float(np.median(ts)) / rows
-    return out
+    return {name: 1e6 * _median_ms(fn, repeats) / rows for name, fn in kernels.items()}
 
 
 def main():
@@ -161,23 +129,13 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "experiments" / "results" / "signed_cells.md"))
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     args = ap.parse_args()
-    import jax
-    from ans_frontier import checkpoints
+    from ans_frontier import capture_refused, cells_tier_parts, checkpoints
     from fast_cells_escapes import _items
     from jaxguard.core import bound as _bound
-    from jaxguard.core import fastbound
+    from jaxguard.core import guard
     name, ck = checkpoints(pathlib.Path(args.cache))[0]
-    K, m, v, mt, vt, pabs, clip = capture_refused(_items(ck, "logrel-ans"))
-
-    @jax.jit
-    def tier(k, m, v, mt, vt, pabs, clip):
-        edges = fastbound.adaptive_edge_list(k, v, vt, clip, fastbound.FAST_CELLS_GAMMAS)
-        ideal, u1 = fastbound.fast_cells_bound(k, m, v, mt, vt, pabs, clip, edges, no_radius=True)
-        total, u2 = fastbound.fast_cells_bound(k, m, v, mt, vt, pabs, clip, edges)
-        return ideal, total, u1 & u2, edges
-    ideal, total, usable, edges = tier(K, m, v, mt, vt, pabs, clip)
-    ideal, total, usable = (np.asarray(x) for x in (ideal, total, usable))
-    edges = [np.asarray(e) for e in edges]
+    K, m, v, mt, vt, pabs, clip = capture_refused(_items(ck, "logrel-ans"), guard.encode_many)
+    ideal, total, usable, edges = cells_tier_parts(K, m, v, mt, vt, pabs, clip)
     native = total.astype(np.float64) - ideal
     thr = np.asarray(K.threshold, np.float64)
     adaptive = np.asarray(_bound.batch_bound_adaptive_pc(K, m, v, mt, vt, pabs, clip), np.float64)
