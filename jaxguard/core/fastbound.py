@@ -315,9 +315,7 @@ def adaptive_edge_list(k, v, vt, clip, gammas):
     Returns:
       ``len(gammas) + 1`` float32 edges: 0, ``min(gamma * ratio, 1)``..., 1.
     """
-    ratio = _bound.adaptive_scale_ratio(k, v, vt, clip)
-    return ([jnp.zeros_like(ratio)] + [jnp.minimum(jnp.float32(gm) * ratio, 1.0) for gm in gammas[1:]]
-            + [jnp.ones_like(ratio)])
+    return list(_bound.adaptive_unit_edges(k, v, vt, clip, gammas))
 
 
 # The partition the cells tier uses (multiples of the coordinate's gradient scale,
