@@ -89,8 +89,7 @@ class GuardedTrainer(Trainer):
         self._jaxguard_stage_root: str | None = None
         self.jaxguard_async = bool(jaxguard_async)
         self._jaxguard_job = None          # the optimizer write of the save in progress (async)
-        self._jaxguard_thread = None       # the background save still running
-        self._jaxguard_error: BaseException | None = None
+        self._jaxguard_thread = None       # the background save still running (its join raises its error)
 
     def jaxguard_wait(self) -> None:
         """Wait for the background save (``jaxguard_async``), if one is running.
@@ -102,9 +101,6 @@ class GuardedTrainer(Trainer):
         th, self._jaxguard_thread = self._jaxguard_thread, None
         if th is not None:
             th.join()
-        err, self._jaxguard_error = self._jaxguard_error, None
-        if err is not None:
-            raise err
 
     def train(self, *args, **kwargs):
         """``Trainer.train``, after undoing what an interrupted save left in ``output_dir``.
@@ -128,8 +124,11 @@ class GuardedTrainer(Trainer):
             out = super().train(*args, **kwargs)
         except BaseException:
             th, self._jaxguard_thread = self._jaxguard_thread, None
-            if th is not None:     # the training error is the one to report
-                th.join()
+            if th is not None:
+                try:
+                    th.join()
+                except BaseException:   # noqa: BLE001 - the training error is the one to report
+                    pass
             raise
         self.jaxguard_wait()
         return out
@@ -188,21 +187,20 @@ class GuardedTrainer(Trainer):
                 commit_directory(staged, final, token)
                 os.rmdir(stage_root)
                 self._rotate_guarded_checkpoints(run_dir)
+
+            def publish_in_background():
+                try:
+                    publish()
+                except BaseException as exc:    # raised by jaxguard_wait; the stage stays for recovery
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"jaxguard: the background save of {final} failed; it was not published "
+                                     "(the previous checkpoint, if any, is as it was)")
+                    raise
             if job is None:
                 publish()
             else:
-                import threading
-
-                def run():
-                    try:
-                        publish()
-                    except BaseException as exc:    # raised by jaxguard_wait; the stage stays for recovery
-                        if hasattr(exc, "add_note"):
-                            exc.add_note(f"jaxguard: the background save of {final} failed; it was not published "
-                                         "(the previous checkpoint, if any, is as it was)")
-                        self._jaxguard_error = exc
-                self._jaxguard_thread = threading.Thread(target=run, name="jaxguard-hf-save", daemon=True)
-                self._jaxguard_thread.start()
+                from jaxguard.format.container import _InThread
+                self._jaxguard_thread = _InThread(publish_in_background, "jaxguard-hf-save")
         self.accelerator.wait_for_everyone()
 
     def _rotate_guarded_checkpoints(self, run_dir):
