@@ -41,11 +41,12 @@ class _Bytes(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _args(out, max_steps, *, save=False, data_seed=0, **kw):
+def _args(out, max_steps, *, save=False, save_steps=None, data_seed=0, **kw):
     return transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8, learning_rate=LR,
         optim="adamw_torch", lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=CLIP,
-        save_strategy="steps" if save else "no", save_steps=max_steps, logging_steps=1, report_to="none",
+        save_strategy="steps" if save else "no", save_steps=save_steps or max_steps, logging_steps=1,
+        report_to="none",
         use_cpu=True, seed=0, data_seed=data_seed, dataloader_num_workers=0, disable_tqdm=True, **kw)
 
 
@@ -163,13 +164,6 @@ def test_final_checkpoint_of_linear_schedule_keeps_plain_optimizer(tmp_path, cap
     assert tr.state.global_step == 4
 
 
-def _saving_args(out, **kw):
-    return transformers.TrainingArguments(output_dir=str(out), max_steps=4, save_steps=2, optim="adamw_torch",
-                                          lr_scheduler_type="constant", learning_rate=LR, per_device_train_batch_size=8,
-                                          max_grad_norm=CLIP, use_cpu=True, seed=0, report_to="none",
-                                          disable_tqdm=True, dataloader_num_workers=0, **kw)
-
-
 def test_async_saves_publish_the_files_a_blocking_save_writes(tmp_path, monkeypatch):
     """jaxguard_async=True: the encode runs on a background thread from a host copy taken at
     the save (the guard is held until the loop has run the next step: a save that encoded
@@ -180,8 +174,8 @@ def test_async_saves_publish_the_files_a_blocking_save_writes(tmp_path, monkeypa
     from jaxguard.core import guard
     runs = {}
     for mode in ("blocking", "async"):
-        tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=_saving_args(tmp_path / mode), train_dataset=_Bytes(),
-                            jaxguard_async=mode == "async")
+        tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=_args(tmp_path / mode, 4, save=True, save_steps=2),
+                            train_dataset=_Bytes(), jaxguard_async=mode == "async")
         if mode == "async":
             stepped, encode_many = threading.Event(), guard.encode_many
 
@@ -218,11 +212,8 @@ def test_async_save_error_is_raised_at_the_next_save_and_nothing_is_published(tm
             raise OSError("No space left on device (injected)")
         return real(*a, **k)
     monkeypatch.setattr(_state, "save_snapshot", failing_second)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=6, save_steps=2, optim="adamw_torch",
-                                          lr_scheduler_type="constant", learning_rate=LR, per_device_train_batch_size=8,
-                                          max_grad_norm=CLIP, use_cpu=True, seed=0, report_to="none",
-                                          disable_tqdm=True, dataloader_num_workers=0)
-    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=_Bytes(), jaxguard_async=True)
+    tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=_args(tmp_path, 6, save=True, save_steps=2), train_dataset=_Bytes(),
+                        jaxguard_async=True)
     with pytest.raises(OSError, match="injected") as err:
         tr.train()
     if hasattr(err.value, "add_note"):     # Python >= 3.11: the note says which save and that it was not published
@@ -237,11 +228,8 @@ def test_async_saves_are_published_before_the_trainer_ends_training(tmp_path):
     that one waits for them and runs blocking, and the end of training (which waits too)
     loads the best checkpoint and, with save_total_limit=1, deletes the others: exactly the
     best checkpoint is left, complete."""
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=5, save_steps=2, eval_steps=2, eval_strategy="steps",
-        load_best_model_at_end=True, metric_for_best_model="eval_loss", save_total_limit=1, optim="adamw_torch",
-        lr_scheduler_type="constant", learning_rate=LR, per_device_train_batch_size=8, max_grad_norm=CLIP,
-        use_cpu=True, seed=0, report_to="none", disable_tqdm=True, dataloader_num_workers=0)
+    args = _args(tmp_path, 5, save=True, save_steps=2, eval_steps=2, eval_strategy="steps", load_best_model_at_end=True,
+                 metric_for_best_model="eval_loss", save_total_limit=1)
     data = _Bytes()
     tr = GuardedTrainer(model=tiny_gpt2(SEQ), args=args, train_dataset=data,
                         eval_dataset=torch.utils.data.Subset(data, range(16)), jaxguard_async=True)
