@@ -82,18 +82,23 @@ def _fast_bounds(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     return jnp.where(usable, b, jnp.nan), usable
 
 
-@functools.partial(jax.jit, static_argnames=("no_radius",))
-def _fast_cell_bounds(k, m, v, mt, vt, pabs, clip, e, *, no_radius=False):
-    """The closed form on the case's own cell alone (`fastbound.fast_cells_bound` with
-    its two edges): a bound for both signs of every ``|g|`` in the cell."""
-    b, usable = _fastbound.fast_cells_bound(k.T, m, v, mt, vt, pabs, clip, (e[:, 0], e[:, 1]), no_radius=no_radius)
+# The two tiers on the coordinate's own cells: (bound on given edges, the guard's batch kernel).
+CELLS_TIERS = {"fast_cells": (_fastbound.fast_cells_bound, _fastbound.batch_fast_cells_pc),
+               "signed_cells": (_fastbound.signed_cells_bound, _fastbound.batch_signed_cells_pc)}
+
+
+@functools.partial(jax.jit, static_argnames=("tier", "no_radius"))
+def _cell_tier_bounds(k, m, v, mt, vt, pabs, clip, e, *, tier, no_radius=False):
+    """A cells tier (`CELLS_TIERS`) on the case's own cell alone (its two edges): a bound
+    for both signs of every ``|g|`` in the cell."""
+    b, usable = CELLS_TIERS[tier][0](k.T, m, v, mt, vt, pabs, clip, (e[:, 0], e[:, 1]), no_radius=no_radius)
     return jnp.where(usable, b, jnp.nan), usable
 
 
-@jax.jit
-def _fast_cells_whole(k, m, v, mt, vt, pabs, clip):
-    """The closed-form cells tier as the guard runs it (the coordinate's own partition)."""
-    return _fastbound.batch_fast_cells_pc(_bound.as_step_row(k, -1), m, v, mt, vt, pabs, clip)
+@functools.partial(jax.jit, static_argnames=("tier",))
+def _cell_tier_whole(k, m, v, mt, vt, pabs, clip, *, tier):
+    """A cells tier as the guard runs it (the coordinate's own partition)."""
+    return CELLS_TIERS[tier][1](_bound.as_step_row(k, -1), m, v, mt, vt, pabs, clip)
 
 
 @jax.jit
@@ -355,8 +360,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
     adaptive_cells = a_finite = a_certified = a_failures = a_cell_failures = 0
     a_max_ratio = 0.0
     a_examples = []
-    fc = {"cell_usable": 0, "cell_failures": 0, "finite": 0, "certified_at_tau_0.01": 0, "failures": 0,
-          "max_ratio": 0.0, "failure_examples": []}
+    tiers = {t: {"cell_usable": 0, "cell_failures": 0, "finite": 0, "certified_at_tau_0.01": 0, "failures": 0,
+                 "max_ratio": 0.0, "failure_examples": []} for t in CELLS_TIERS}
     for c0 in range(0, cases, CHUNK):
         n = min(CHUNK, cases - c0)
         d = draw_cases(rng, n)
@@ -426,27 +431,29 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         fast_max_ratio = max(fast_max_ratio, float(np.nanmax(fr)) if fr.size else 0.0)
         for i in np.flatnonzero(fbad)[: max(0, keep_failures - len(fast_examples))]:
             fast_examples.append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], float(fb[i]), actual[i], g[i]))
-        # the closed form on the case's own cell (it covers both signs), then on the whole
-        # partition the guard's cells tier uses
-        cb, cu = (np.asarray(x) for x in _fast_cell_bounds(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs,
-                                                            d["clip"], jnp.asarray(d["e"]), no_radius=no_radius))
-        fc["cell_usable"] += int(np.count_nonzero(cu))
-        cbad = cu & ~(amax <= cb.astype(np.float64))
-        fc["cell_failures"] += int(np.count_nonzero(cbad))
-        wb = np.asarray(_fast_cells_whole(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"]),
-                        np.float64)
-        w_fin = np.isfinite(wb)
-        fc["finite"] += int(np.count_nonzero(w_fin))
-        fc["certified_at_tau_0.01"] += int(np.count_nonzero(w_fin & (wb <= k[:, 9])))
-        wbad = w_fin & ~(amax <= wb)
-        fc["failures"] += int(np.count_nonzero(wbad))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            fcr = np.concatenate([np.where(cu & (amax > 0), amax / cb.astype(np.float64), 0.0),
-                                  np.where(w_fin & (amax > 0), amax / wb, 0.0)])
-        fc["max_ratio"] = max(fc["max_ratio"], float(np.nanmax(fcr)) if fcr.size else 0.0)
-        for i in np.flatnonzero(cbad | wbad)[: max(0, keep_failures - len(fc["failure_examples"]))]:
-            fc["failure_examples"].append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]],
-                                                    float(cb[i] if cbad[i] else wb[i]), actual[i], g[i]))
+        # each cells tier on the case's own cell (it covers both signs), then on the whole
+        # partition the guard runs it on
+        for tier, fc in tiers.items():
+            cb, cu = (np.asarray(x) for x in _cell_tier_bounds(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs,
+                                                                d["clip"], jnp.asarray(d["e"]), tier=tier,
+                                                                no_radius=no_radius))
+            fc["cell_usable"] += int(np.count_nonzero(cu))
+            cbad = cu & ~(amax <= cb.astype(np.float64))
+            fc["cell_failures"] += int(np.count_nonzero(cbad))
+            wb = np.asarray(_cell_tier_whole(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"],
+                                             tier=tier), np.float64)
+            w_fin = np.isfinite(wb)
+            fc["finite"] += int(np.count_nonzero(w_fin))
+            fc["certified_at_tau_0.01"] += int(np.count_nonzero(w_fin & (wb <= k[:, 9])))
+            wbad = w_fin & ~(amax <= wb)
+            fc["failures"] += int(np.count_nonzero(wbad))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                fcr = np.concatenate([np.where(cu & (amax > 0), amax / cb.astype(np.float64), 0.0),
+                                      np.where(w_fin & (amax > 0), amax / wb, 0.0)])
+            fc["max_ratio"] = max(fc["max_ratio"], float(np.nanmax(fcr)) if fcr.size else 0.0)
+            for i in np.flatnonzero(cbad | wbad)[: max(0, keep_failures - len(fc["failure_examples"]))]:
+                fc["failure_examples"].append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]],
+                                                        float(cb[i] if cbad[i] else wb[i]), actual[i], g[i]))
         # the adaptive tier's whole bound (all cells of the coordinate's own partition), for
         # each partition the guard tries
         for gammas in _bound.ADAPTIVE_PARTITIONS:
@@ -498,7 +505,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         "worst": worst, "failure_examples": examples,
         "fast": {"usable": fast_usable, "certified_at_tau_0.01": fast_certified, "failures": fast_failures,
                  "max_ratio": fast_max_ratio, "failure_examples": fast_examples},
-        "fast_cells": fc,
+        **tiers,
         "adaptive": {"cell_cases": adaptive_cells, "cell_failures": a_cell_failures, "finite": a_finite, "certified_at_tau_0.01": a_certified,
                      "failures": a_failures, "max_ratio": a_max_ratio, "failure_examples": a_examples},
     }
@@ -538,10 +545,11 @@ def run(args) -> int:
               f"failures, max actual/bound {rep['fast']['max_ratio']:.4g}; adaptive tier: {rep['adaptive']['cell_cases']} "
               f"cases in adaptive cells ({rep['adaptive']['cell_failures']} cell failures), {rep['adaptive']['finite']} finite whole bounds, "
               f"{rep['adaptive']['failures']} failures, max actual/bound {rep['adaptive']['max_ratio']:.4g}; "
-              f"closed-form cells: {rep['fast_cells']['cell_usable']} usable on the case's cell "
-              f"({rep['fast_cells']['cell_failures']} failures), {rep['fast_cells']['finite']} usable whole bounds "
-              f"({rep['fast_cells']['failures']} failures), max actual/bound {rep['fast_cells']['max_ratio']:.4g}")
+              + "; ".join(f"{name}: {rep[t]['cell_usable']} usable on the case's cell ({rep[t]['cell_failures']} "
+                          f"failures), {rep[t]['finite']} usable whole bounds ({rep[t]['failures']} failures), "
+                          f"max actual/bound {rep[t]['max_ratio']:.4g}"
+                          for t, name in (("fast_cells", "closed-form cells"), ("signed_cells", "signed cells"))))
     if rep["no_radius"]:
         return 0
     return 1 if (rep["failures"] or rep["fast"]["failures"] or rep["adaptive"]["failures"]
-                 or rep["fast_cells"]["failures"] or rep["fast_cells"]["cell_failures"]) else 0
+                 or any(rep[t]["failures"] or rep[t]["cell_failures"] for t in CELLS_TIERS)) else 0

@@ -293,29 +293,141 @@ def fast_cells_bound(k, m, v, mt, vt, pabs, clip, edges, *, no_radius=False):
                 usable &= x <= RISING_HI          # NaN fails
     if no_radius:
         return worst, usable
+    return _plus_native_stage(k, m, v, mt, vt, pabs, worst, usable)
+
+
+def _plus_native_stage(k, m, v, mt, vt, pabs, ideal, usable):
+    """A cell-wise stage 1 `ideal` (over every ``|g| <= clip``) plus the closed form's
+    stage 2, which holds for every ``|g| <= clip``: ``(total, usable)``."""
     B, eps = k.B, k.eps
     r1, r2 = jnp.sqrt(k.b2f * v), jnp.sqrt(k.b2f * vt)
     d1, d2 = r1 / B + eps, r2 / B + eps
     for x, z in ((r1, v == 0), (r2, vt == 0), (d1, False), (d2, False)):
         usable &= _in_range(x, z)
     al1, al2, final, native_ok = _native_stage(k, m, mt, d1, d2, pabs, jnp.sqrt(k.c2))
-    total = (worst + al1 + al2 + final) * (1 + 4 * U)
+    total = (ideal + al1 + al2 + final) * (1 + 4 * U)
     usable &= native_ok & (total >= 0) & (total <= INTER_HI)
     return total, usable
 
 
-def adaptive_edge_list(k, v, vt, clip, gammas):
-    """`bound.adaptive_unit_edges` as a list of [n] edges (the same values), for
-    `fast_cells_bound`.
+def signed_cells_bound(k, m, v, mt, vt, pabs, clip, edges, *, no_radius=False, check_every_edge=False):
+    """The cell enclosure of docs/bound.md section 2, signs kept, on a whole partition at
+    once, plus the closed form's stage 2: the cells tier without its triangle inequality
+    (docs/bound.md section 8.2).
+
+    With ``t = |g|``, ``D_i = B d_i = r_i(t) + eps B``, ``A = keep (m - m~) / D1`` and
+    ``F = 1/D1 - 1/D2 = b2f (v~ - v) / ((r1 + r2) D1 D2)``:
+
+        (s1 - s2) / (S B) = A + (keep m~ + a t) F     (g = +t)
+                          = -(A + (keep m~ - a t) F)  (g = -t)
+
+    On a cell ``[t_l, t_h]`` ``A`` and ``F`` keep their signs and shrink in magnitude as
+    ``t`` grows, and ``keep m~ +- a t`` is linear, so each sign's difference lies between
+    ``min(A_l, A_h)`` plus the least of the four products of ``{M(t_l), M(t_h)}`` and
+    ``{F_l, F_h}`` and the same with the greatest.  Each edge's values serve the two cells
+    beside it: two divisions an edge.  Where the rate pass moves ``m~`` and ``v~``
+    together, ``A`` and ``m2 F`` cancel, which the cells tier's ``|A| + |m2| |F|`` cannot see.
+
+    Numerical contract: where ``usable``, ``bound`` is a finite float32 number ``>= sup
+    |p1' - p2'|`` over every ``|g| <= clip`` for every variant of the pinned operation
+    model, as `fast_cells_bound`, whose stage 2 it shares.  Computed ``A`` is within
+    ``14.5u`` of the exact one, ``F`` within ``38.5u`` (sqrt ``8u``, division ``2u``), each
+    corner product within ``42u (|keep m~| + a t_h) |F_l|``; the cancelling ends are off by
+    at most ``44u`` times ``T = |A_l| + (|keep m~| + a t_h) |F_l|``, so each cell adds
+    ``GAMMA T`` (``GAMMA = 128u``) and the largest ``2**-100`` (a flushed product or sum;
+    ``a t >= 2**-100`` where ``t > 0``).  ``usable`` requires the closed form's input
+    limits, at every edge ``t == 0`` or ``(sigma t)**2``, ``c2 (sigma t)**2``, ``a t >=
+    2**-100``, the monotone intermediates in ``[2**-99, 2**99]`` at the first and last edge
+    (so every edge's lies in ``[2**-100, 2**100]``, as `RISING_LO`), the final products in
+    range and the stage-2 conditions.
 
     Args:
-      k, v, vt, clip: as `bound.adaptive_unit_edges`.
-      gammas: ascending multiples of the gradient scale, the first 0.
+      k: a `bound.StepRow` broadcasting against the coordinates.
+      m, v, mt, vt: original and decoded moments (float32, certifiable), shape ``[n]``.
+      pabs: ``|p|``; clip: gradient bound per coordinate (coupled decay folded in).
+      edges: float32 unit edges, each ``[n]`` (or a scalar), non-decreasing from 0 to 1.
+      no_radius: stage 1 without its rounding budget and without stage 2 (the enclosure
+        audit's detection check).
+      check_every_edge: range-check every intermediate at every edge, not the monotone
+        ones at the first and last edge only (the tests' reference; slower, never looser).
 
     Returns:
-      ``len(gammas) + 1`` float32 edges: 0, ``min(gamma * ratio, 1)``..., 1.
+      ``(bound, usable)``: [n] float32 bounds and a bool mask.
     """
-    return list(_bound.adaptive_unit_edges(k, v, vt, clip, gammas))
+    k = _bound.as_step_row(k)
+    keep, a, b2f, c2, S, B, eps = k.keep, k.a, k.b2f, k.c2, k.S, k.B, k.eps
+    sigma = _cell_scale(k, v)
+    s2 = sigma * sigma
+    dm = m - mt
+    dv = vt - v
+    zm, zv, zmt, zk = dm == 0, dv == 0, mt == 0, keep == 0
+    bv1, bv2 = b2f * v, b2f * vt
+    sv1, sv2 = bv1 * s2, bv2 * s2
+    eB = eps * B
+    seB = eB * sigma
+    n1 = keep * dm                 # signed
+    w = b2f * dv
+    sw = w * s2                    # signed: b2f (v~ - v) sigma**2
+    nk = keep * mt                 # signed
+    usable = (jnp.abs(m) <= SAFE_HI) & (jnp.abs(mt) <= SAFE_HI) & (v <= SAFE_HI) & (vt <= SAFE_HI)
+    usable &= (pabs <= SAFE_HI) & (clip <= SAFE_HI) & (k.eps >= EPS_LO) & (k.S <= SAFE_HI)
+    for x, z in ((bv1, v == 0), (bv2, vt == 0), (sv1, v == 0), (sv2, vt == 0), (eB, False), (seB, False),
+                 (jnp.abs(n1), zm | zk), (jnp.abs(w), zv), (jnp.abs(sw), zv), (jnp.abs(nk), zmt | zk)):
+        usable &= _in_range(x, z)
+    ts = [clip * e for e in edges]
+    ends = []
+    for i, t in enumerate(ts):
+        gs = t * sigma
+        g2 = gs * gs
+        cg = c2 * g2
+        at = a * t
+        usable &= (t == 0) | ((g2 >= INTER_LO) & (cg >= INTER_LO) & (at >= INTER_LO))
+        r1 = jnp.sqrt(sv1 + cg)
+        r2 = jnp.sqrt(sv2 + cg)
+        D1, D2 = r1 + seB, r2 + seB
+        rs = jnp.where(zv, 1.0, r1 + r2)      # with v == v~, F is exactly 0 whatever rs is
+        rsD1 = rs * D1
+        den = rsD1 * D2
+        A = n1 / D1
+        F = sw / den
+        ends.append((A, F, nk + at, nk - at, at))
+        rising = ((r1, v == 0), (r2, vt == 0), (D1, False), (D2, False), (rs, False), (rsD1, False), (den, False))
+        falling = ((jnp.abs(A), zm | zk), (jnp.abs(F), zv))
+        if i == 0:       # exact values: rising ones smallest here, falling ones largest
+            for x, z in rising:
+                usable &= z | (x >= RISING_LO)
+            for x, _ in falling:
+                usable &= x <= RISING_HI
+        if i == len(ts) - 1:   # cg and a t rise too; their lower ends are checked at every edge above
+            for x, _ in rising + ((cg, None), (at, None)):
+                usable &= x <= RISING_HI      # NaN fails
+            for x, z in falling:
+                usable &= z | (x >= RISING_LO)
+        if check_every_edge:
+            for x, z in rising + falling + ((cg, t == 0), (at, t == 0)):
+                usable &= _in_range(x, z)
+    mnk = jnp.abs(nk)
+    worst = None
+    for (Al, Fl, Pl, Ql, _), (Ah, Fh, Ph, Qh, ath) in zip(ends[:-1], ends[1:]):
+        a_lo, a_hi = jnp.minimum(Al, Ah), jnp.maximum(Al, Ah)
+        cell = None
+        for Ml, Mh in ((Pl, Ph), (Ql, Qh)):   # m2'(g) F for g >= 0, then (sign folded) for g <= 0
+            p = (Ml * Fl, Ml * Fh, Mh * Fl, Mh * Fh)
+            lo = a_lo + jnp.minimum(jnp.minimum(p[0], p[1]), jnp.minimum(p[2], p[3]))
+            hi = a_hi + jnp.maximum(jnp.maximum(p[0], p[1]), jnp.maximum(p[2], p[3]))
+            sup = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+            cell = sup if cell is None else jnp.maximum(cell, sup)
+        if not no_radius:
+            cell = cell + _bound.GAMMA * (jnp.abs(Al) + (mnk + ath) * jnp.abs(Fl))
+        worst = cell if worst is None else jnp.maximum(worst, cell)
+    if no_radius:
+        return S * ((B * worst) * sigma), usable
+    bx = B * (worst + INTER_LO)
+    bxs = bx * sigma
+    ideal = S * bxs * (1 + 8 * U)
+    for x in (bx, bxs, ideal):
+        usable &= _in_range(x, False)
+    return _plus_native_stage(k, m, v, mt, vt, pabs, ideal, usable)
 
 
 # The partition the cells tier uses (multiples of the coordinate's gradient scale,
@@ -340,6 +452,37 @@ def batch_fast_cells_pc(k, m, v, mt, vt, pabs, clip, *, gammas=FAST_CELLS_GAMMAS
     k = _bound.as_step_row(k, -1)
     b, usable = fast_cells_bound(k, m, v, mt, vt, pabs, clip, adaptive_edge_list(k, v, vt, clip, gammas))
     return jnp.where(usable, b, jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("gammas",))
+def batch_signed_cells_pc(k, m, v, mt, vt, pabs, clip, *, gammas=FAST_CELLS_GAMMAS):
+    """`signed_cells_bound` on each coordinate's own partition, +inf where not usable.
+
+    Args:
+      k: a `bound.StepRow` of [n] float32 arrays, one row per coordinate (`StepRow.take`).
+      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate.
+      gammas: the partition's multiples of the gradient scale (static tuple).
+
+    Returns:
+      float32 [n] bounds (+inf: the coordinate goes on to the cell bound).
+    """
+    k = _bound.as_step_row(k, -1)
+    b, usable = signed_cells_bound(k, m, v, mt, vt, pabs, clip, adaptive_edge_list(k, v, vt, clip, gammas))
+    return jnp.where(usable, b, jnp.inf)
+
+
+def adaptive_edge_list(k, v, vt, clip, gammas):
+    """`bound.adaptive_unit_edges` as a list of [n] edges (the same values), for
+    `fast_cells_bound`.
+
+    Args:
+      k, v, vt, clip: as `bound.adaptive_unit_edges`.
+      gammas: ascending multiples of the gradient scale, the first 0.
+
+    Returns:
+      ``len(gammas) + 1`` float32 edges: 0, ``min(gamma * ratio, 1)``..., 1.
+    """
+    return list(_bound.adaptive_unit_edges(k, v, vt, clip, gammas))
 
 
 @functools.partial(jax.jit, static_argnames=("no_radius",))
