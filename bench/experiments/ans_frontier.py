@@ -45,8 +45,9 @@ VARIANTS = (("full", "full"), ("cells", "full"), ("closed", "full"), ("full", "c
 def _tiered(real_certify_pc, mode):
     """certify_pc limited to the tiers `mode` names, for the calls with max_level == -1 (the
     width search's and the rate pass's; the final certificate passes no max_level)."""
+    from fast_cells_escapes import _refuse_all
     from jaxguard.core import bound as _bound
-    from jaxguard.core import certify
+    from jaxguard.core import certify, fastbound
 
     def cpc(K, gidx, m, v, mt, vt, pabs, clip, idx, bnd, part, progress=False, fast=True, max_level=None,
             adaptive=True, reject_first=False):
@@ -56,13 +57,15 @@ def _tiered(real_certify_pc, mode):
             lv[certify.fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])] = \
                 certify.FAST_TIER
             return lv
-        if max_level == -1 and which == "cells":
+        if max_level == -1 and which == "cells":   # the signed cells tier (added later) off too
             saved, _bound.ADAPTIVE_PARTITIONS = _bound.ADAPTIVE_PARTITIONS, ()
+            signed, fastbound.batch_signed_cells_pc = fastbound.batch_signed_cells_pc, _refuse_all
             try:
                 return real_certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bnd, part, progress, fast, max_level,
                                        adaptive, reject_first)
             finally:
                 _bound.ADAPTIVE_PARTITIONS = saved
+                fastbound.batch_signed_cells_pc = signed
         return real_certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bnd, part, progress, fast, max_level, adaptive,
                                reject_first)
     return cpc

@@ -1,14 +1,17 @@
-"""Does the closed-form cells tier (`fastbound.fast_cells_bound`) move an escape?
+"""Does a cells tier (`fastbound.fast_cells_bound`, `fastbound.signed_cells_bound`) move an escape?
 
-The tier sits between the closed form and the adaptive cell bound in `certify.certify_pc`.
-It certifies with its own bound, so it could in principle certify a coordinate that every
+Both tiers sit between the closed form and the adaptive cell bound in `certify.certify_pc`.
+Each certifies with its own bound, so it could in principle certify a coordinate that every
 later tier refuses, and so change escapes, codes and payload.  This encodes the
 reproduction's torch checkpoints (bench/reproduce.py's models and fractions, trained here)
 with the tier and with the tier switched off (its kernel answers +inf, so
 every row goes on as before), for every guarded codec, and compares escapes, payload
-bytes and the SHA-256 of every encoded array.
+bytes and the SHA-256 of every encoded array.  The signed tier also ends the rate pass's
+moves it puts above `certify.SIGNED_MARGIN` times the threshold (logrel-ans only), so
+there the codes may differ by design: the payload columns say by how much.
 
     python bench/experiments/fast_cells_escapes.py --out bench/experiments/results/fast_cells_escapes.md
+    python bench/experiments/fast_cells_escapes.py --tier signed_cells --out bench/experiments/results/signed_cells_escapes.md
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ def _digest(encs) -> str:
         for k in sorted(enc.arrays):
             h.update(k.encode() + np.ascontiguousarray(enc.arrays[k]).tobytes())
     return h.hexdigest()
+
+
+def _refuse_all(k, m, *args, **kwargs):
+    """A tier's kernel switched off: +inf (not usable) for every row, which go on as before it."""
+    return np.full(np.shape(m), np.inf, np.float32)
 
 
 def _encode(items):
@@ -55,11 +63,14 @@ def main():
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     ap.add_argument("--seeds", type=int, default=4, help="the first N of the reproduction's seeds per model")
     ap.add_argument("--codecs", default="log8-rel,log8,block8,logrel-aw,logrel-ans")
+    ap.add_argument("--tier", default="fast_cells", choices=("fast_cells", "signed_cells"),
+                    help="the tier switched off: the closed form on the cells, or the signed cells tier")
     args = ap.parse_args()
     import reproduce
     from jaxguard.core import fastbound
 
-    real = fastbound.batch_fast_cells_pc
+    kernel = f"batch_{args.tier}_pc"
+    real = getattr(fastbound, kernel)
     rows = []
     cache = pathlib.Path(args.cache)
     for kind, steps in (("transformer", 400), ("cnn", 300)):
@@ -69,26 +80,30 @@ def main():
                 for codec in args.codecs.split(","):
                     items = _items(ckpt, codec)
                     with_tier, t_with = _encode(items)
-                    fastbound.batch_fast_cells_pc = lambda k, m, *a, **kw: np.full(np.shape(m), np.inf, np.float32)
+                    setattr(fastbound, kernel, _refuse_all)
                     try:
                         without, t_without = _encode(items)
                     finally:
-                        fastbound.batch_fast_cells_pc = real
+                        setattr(fastbound, kernel, real)
                     esc = [sum(e.stats["escapes"] for e in x) for x in (with_tier, without)]
-                    cells = sum(e.stats["certified_fast_cells"] for e in with_tier)
+                    cells = sum(e.stats[f"certified_{args.tier}"] for e in with_tier)
                     same = _digest(with_tier) == _digest(without)
+                    pay = [sum(e.stats["payload_bytes"] for e in x) for x in (with_tier, without)]
                     rows.append((kind, seed, frac, codec, sum(e.n for e in with_tier), cells, esc[0], esc[1], same,
-                                 t_with, t_without))
+                                 t_with, t_without, pay[0], pay[1]))
                     print(rows[-1], flush=True)
-    lines = ["# The closed-form cells tier and the escapes", "",
-             "`python bench/experiments/fast_cells_escapes.py` (this file's command): every guarded codec on the "
+    title = {"fast_cells": "The closed-form cells tier", "signed_cells": "The signed cells tier"}[args.tier]
+    flag = "" if args.tier == "fast_cells" else f" --tier {args.tier}"
+    lines = [f"# {title} and the escapes", "",
+             f"`python bench/experiments/fast_cells_escapes.py{flag}` (this file's command): every guarded codec on the "
              "reproduction's checkpoints (bench/reproduce.py's models and seeds, 10/50/100% of training), encoded with the "
-             "cells tier and with it switched off (its kernel answering +inf). `same arrays`: the SHA-256 of every "
+             "tier and with it switched off (its kernel answering +inf). `same arrays`: the SHA-256 of every "
              "encoded array (codes, block parameters, escape indices and values) agrees.", "",
-             "| model | seed | fraction | codec | coordinates | certified by the cells tier | escapes with | "
-             "escapes without | same arrays | encode s with / without (first uses compile) |", "|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
-    for kind, seed, frac, codec, n, cells, e1, e0, same, t1, t0 in rows:
-        lines.append(f"| {kind} | {seed} | {frac} | {codec} | {n:,} | {cells:,} | {e1:,} | {e0:,} | "
+             "| model | seed | fraction | codec | coordinates | certified by the tier | escapes with | "
+             "escapes without | payload bytes with / without | same arrays | encode s with / without (first uses compile) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+    for kind, seed, frac, codec, n, cells, e1, e0, same, t1, t0, p1, p0 in rows:
+        lines.append(f"| {kind} | {seed} | {frac} | {codec} | {n:,} | {cells:,} | {e1:,} | {e0:,} | {p1:,} / {p0:,} | "
                      f"{'yes' if same else '**no**'} | {t1:.2f} / {t0:.2f} |")
     lines += ["", f"{sum(r[8] for r in rows)} of {len(rows)} encodings identical."]
     text = "\n".join(lines) + "\n"

@@ -1,24 +1,23 @@
-"""Would a sign-keeping cells bound close the gap between the cells tier and the cell bound?
+"""The signed cells tier: how much of the adaptive cell bound it recovers, at what cost, and what it does to an encode.
 
 The cells tier (`fastbound.fast_cells_bound`) bounds stage 1 of the update difference on
 each cell by ``|A| + |m2'| |F|`` (docs/bound.md section 8.1).  The rate pass of logrel-ans
 moves m~ and v~ together so that m~ / sqrt(v~) barely moves, and the two terms then cancel;
-the triangle inequality cannot see it, and on those moves the tier's bound is ~1.12x the
-threshold where the adaptive cell bound is ~0.84x (bench/experiments/ans_frontier.py).
+the triangle inequality cannot see it, and on those moves the tier's bound is ~1.13x the
+threshold where the adaptive cell bound is ~0.97x (bench/experiments/ans_frontier.py).
 
-This is a measurement, not a certificate: in float64, with no rounding analysis, it
-evaluates on each coordinate's own 28-cell partition the interval form that keeps the signs,
+The signed cells tier (`fastbound.signed_cells_bound`, docs/bound.md section 8.2) keeps
+the signs.  On the rate pass's and the width search's candidates that the cells tier
+refuses (captured from a logrel-ans encode of bench/codec_speed.py's ByteTransformer) this
+reports how many the adaptive cell bound certifies, how many the float64 form of the
+signed enclosure would (no rounding analysis:
 
     u1 - u2 = S B (keep (m - m~) / D1(g) + m2'(g) (D2 - D1)(g) / (D1 D2)(g)),
-    D_i = sqrt(b2f v_i + c2 g^2) + eps B,   m2'(g) = keep m~ + a g,
 
-each term bounded over the cell by its values at the cell's ends (the first is monotone in
-|g|, the second a product of a linear factor and a factor of fixed sign and decreasing
-magnitude), both signs of g, plus the tier's own stage 2.  It reports on the rate pass's
-moves the cells tier refuses (captured from a logrel-ans encode of bench/codec_speed.py's
-ByteTransformer): how many the adaptive cell bound certifies, how many the signed form
-would, and, as a check of the form, that it is never below the exact float64 difference on
-a dense grid of gradients.
+each term bounded over the cell by its values at the cell's ends, both signs of g, plus
+the tier's own stage 2) and how many the float32 tier does; that the float64 form is never
+below the exact difference on a dense grid of gradients; each kernel's cost a row; and
+then each checkpoint encoded with the tier and with it switched off.
 
     taskset -c 0 python bench/experiments/signed_cells.py [--out bench/experiments/results/signed_cells.md]
 """
@@ -76,52 +75,57 @@ def grid_ideal(K, m, v, mt, vt, clip, points=4001):
     return S * B * best
 
 
-def signed_ideal_f32(K, m, v, mt, vt, edges_unit, clip):
-    """`signed_ideal` as a jitted float32 program (no range checks, no rounding budget): what
-    its evaluation would cost per row, for timing only."""
-    import jax.numpy as jnp
-    keep, a, b2f, c2, S, B, eps = K.keep, K.a, K.b2f, K.c2, K.S, K.B, K.eps
-    dm = m - mt
-    dv = b2f * (vt - v)
-    ends = []
-    for e in edges_unit:
-        g = clip * e
-        cg = c2 * g * g
-        r1, r2 = jnp.sqrt(b2f * v + cg), jnp.sqrt(b2f * vt + cg)
-        D1, D2 = r1 + eps * B, r2 + eps * B
-        ends.append((keep * dm / D1, a * g, dv / ((r1 + r2) * D1 * D2)))
-    worst = jnp.zeros_like(m)
-    for sign in (1.0, -1.0):
-        for (A0, G0, F0), (A1, G1, F1) in zip(ends[:-1], ends[1:]):
-            M0, M1 = sign * keep * mt + G0, sign * keep * mt + G1
-            p00, p01, p10, p11 = M0 * F0, M0 * F1, M1 * F0, M1 * F1
-            lo = sign * jnp.minimum(A0, A1) + jnp.minimum(jnp.minimum(p00, p01), jnp.minimum(p10, p11))
-            hi = sign * jnp.maximum(A0, A1) + jnp.maximum(jnp.maximum(p00, p01), jnp.maximum(p10, p11))
-            worst = jnp.maximum(worst, jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
-    return S * B * worst
-
-
 def time_per_row(K, m, v, mt, vt, pabs, clip, rows=1 << 14, repeats=20):
-    """ns a row of the cells tier, the signed form (float32, jitted) and the adaptive cell
-    bound's three partitions, on the first `rows` captured rows, one core."""
-    import jax
+    """ns a row of the cells tier, the signed cells tier and the adaptive cell bound's three
+    partitions, on the first `rows` captured rows, one core."""
     from kernel_times import _median_ms
     from jaxguard.core import bound as _bound
     from jaxguard.core import fastbound
     sl = slice(0, rows)
     k = _bound.StepRow(*(np.asarray(x)[sl] for x in K))
     args = tuple(np.asarray(x)[sl] for x in (m, v, mt, vt, pabs, clip))
-
-    @jax.jit
-    def signed(k, m, v, mt, vt, pabs, clip):
-        edges = fastbound.adaptive_edge_list(k, v, vt, clip, fastbound.FAST_CELLS_GAMMAS)
-        return signed_ideal_f32(k, m, v, mt, vt, edges, clip)
-    kernels = {"cells tier (shipped)": lambda: fastbound.batch_fast_cells_pc(k, *args),
-               "signed form, float32": lambda: signed(k, *args)}
+    kernels = {"cells tier": lambda: fastbound.batch_fast_cells_pc(k, *args),
+               "signed cells tier": lambda: fastbound.batch_signed_cells_pc(k, *args)}
     for gammas in _bound.ADAPTIVE_PARTITIONS:
         kernels[f"adaptive cell bound, {len(gammas)} cells"] = (
             lambda gm=gammas: _bound.batch_bound_adaptive_pc(k, *args, gammas=gm))
     return {name: 1e6 * _median_ms(fn, repeats) / rows for name, fn in kernels.items()}
+
+
+def encode_with_and_without(sets, codecs=("logrel-ans", "log8-rel"), repeats=3):
+    """Each checkpoint encoded by each codec with the signed cells tier and with it switched off
+    (its kernel answering +inf, so every row goes on as before the tier), alternating,
+    `repeats` times: rows of (checkpoint, codec, coordinates, payload % with / without,
+    escapes with / without, same arrays, median encode s with / without, certified by the tier)."""
+    import time
+    from fast_cells_escapes import _digest, _items
+    from fast_cells_escapes import _refuse_all as off
+    from jaxguard.core import fastbound, guard
+    real = fastbound.batch_signed_cells_pc
+    rows = []
+    for name, ck in sets:
+        for codec in codecs:
+            items = _items(ck, codec)
+            guard.encode_many(items)                     # compile both paths' shapes first
+            runs = {True: [], False: []}
+            for _ in range(repeats):
+                for on in (True, False):
+                    fastbound.batch_signed_cells_pc = real if on else off
+                    try:
+                        t0 = time.perf_counter()
+                        encs = guard.encode_many(items)
+                        runs[on].append((time.perf_counter() - t0, encs))
+                    finally:
+                        fastbound.batch_signed_cells_pc = real
+            (w, e1), (wo, e0) = runs[True][-1], runs[False][-1]
+            n = sum(e.n for e in e1)
+            pay = [100 * sum(e.stats["payload_bytes"] for e in x) / (8 * n) for x in (e1, e0)]
+            esc = [sum(e.stats["escapes"] for e in x) for x in (e1, e0)]
+            med = [float(np.median([t for t, _ in runs[on]])) for on in (True, False)]
+            rows.append((name, codec, n, pay[0], pay[1], esc[0], esc[1], _digest(e1) == _digest(e0), med[0], med[1],
+                         sum(e.stats["certified_signed_cells"] for e in e1)))
+            print(rows[-1], flush=True)
+    return rows
 
 
 def main():
@@ -142,18 +146,25 @@ def main():
     ad_ok = (adaptive >= 0) & (adaptive <= thr)
     signed = signed_ideal(K, m, v, mt, vt, edges, clip) + native
     sg_ok = signed <= thr
+    from jaxguard.core import fastbound
+    tier = np.asarray(fastbound.batch_signed_cells_pc(K, m, v, mt, vt, pabs, clip), np.float64)
+    tr_ok = (tier >= 0) & (tier <= thr)
     grid = grid_ideal(K, m, v, mt, vt, clip)
     sel = usable
     below = int((signed[sel] - native[sel] < grid[sel] * (1 - 1e-9)).sum())
     n = int(sel.sum())
     q = lambda x: " / ".join(f"{y:.3f}" for y in np.percentile(x[sel] / thr[sel], [10, 50, 90]))   # noqa: E731
-    lines = ["# A sign-keeping cells bound on the rate pass's margin (issue 26; a measurement, not a certificate)", "",
+    lines = ["# The signed cells tier on the rate pass's margin (issue 26)", "",
              f"`taskset -c 0 python bench/experiments/signed_cells.py` (one core): {n:,} rate-pass and width-search candidates of a logrel-ans "
              f"encode of {name} (867,328 coordinates) that the cells tier refuses (usable rows).", "",
              "| | certifies | share of the rows |", "|---|---:|---:|",
              f"| adaptive cell bound (28 cells, shipped) | {int(ad_ok[sel].sum()):,} | {100 * ad_ok[sel].mean():.1f}% |",
              f"| signed cells form (float64, + the tier's stage 2) | {int(sg_ok[sel].sum()):,} | "
              f"{100 * sg_ok[sel].mean():.1f}% |",
+             f"| signed cells tier (float32, `fastbound.batch_signed_cells_pc`) | {int(tr_ok[sel].sum()):,} | "
+             f"{100 * tr_ok[sel].mean():.1f}% |",
+             f"| tier only (adaptive refuses) | {int((tr_ok & ~ad_ok)[sel].sum()):,} | |",
+             f"| tier not usable | {int((~np.isfinite(tier))[sel].sum()):,} | |",
              f"| both | {int((ad_ok & sg_ok)[sel].sum()):,} | |",
              f"| signed only | {int((sg_ok & ~ad_ok)[sel].sum()):,} | |",
              f"| adaptive only | {int((ad_ok & ~sg_ok)[sel].sum()):,} | |", "",
@@ -164,9 +175,19 @@ def main():
              "rows (must be 0).", "",
              "Cost a row (16,384 rows a call, medians of 20): "
              + "; ".join(f"{k} {v:.0f} ns" for k, v in time_per_row(K, m, v, mt, vt, pabs, clip).items()) + ".", "",
-             "Not a tier: a certificate would need the float32 evaluation with a rounding budget for the "
-             "cancelling sum (its error is relative to |A| + |m2' F|, not to the result), the range checks, "
-             "a derivation in docs/bound.md and the enclosure audit."]
+             "The float32 tier carries a rounding budget of GAMMA (|A| + |m2'| |F|) a cell and its range checks "
+             "(docs/bound.md section 8.2); the enclosure audit checks it (`jaxguard audit-enclosure`)."]
+    enc = encode_with_and_without(checkpoints(pathlib.Path(args.cache)))
+    lines += ["", "## The tier in the guard (`certify.certify_pc`)", "",
+              "The signed cells tier runs after the cells tier and before the adaptive partitions; for the width "
+              "search's and the rate pass's candidates (`max_level=-1`) only rows it puts within "
+              "`certify.SIGNED_MARGIN` of the threshold go on to the partitions. Each checkpoint encoded with the tier "
+              "and with it switched off (kernel answering +inf), alternating, 3 times each, one core; medians.", "",
+              "| checkpoint | codec | coordinates | payload % with / without | escapes with / without | same arrays | "
+              "encode s with / without | certified by the tier |", "|---|---|---:|---:|---:|---|---:|---:|"]
+    for name, codec, n, p1, p0, e1, e0, same, t1, t0, c in enc:
+        lines.append(f"| {name} | {codec} | {n:,} | {p1:.3f} / {p0:.3f} | {e1:,} / {e0:,} | "
+                     f"{'yes' if same else 'no'} | {t1:.2f} / {t0:.2f} ({t1 / t0:.2f}x) | {c:,} |")
     pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
