@@ -92,23 +92,31 @@ def test_first_and_last_cell_checks_accept_nothing_every_cell_check_refuses(seed
             assert jnp.asarray(edges[0]).shape == (n,)
 
 
+# both tiers on the coordinate's own cells (the signed one: tests/test_signed_cells.py)
+CELL_KERNELS = pytest.mark.parametrize("kernel", [fastbound.batch_fast_cells_pc, fastbound.batch_signed_cells_pc],
+                                       ids=["cells", "signed"])
+
+
+@CELL_KERNELS
 @pytest.mark.parametrize("name,m,v,mt,vt,p,over", EDGE, ids=[e[0] for e in EDGE])
-def test_cells_refuse_edges(name, m, v, mt, vt, p, over):
+def test_cells_refuse_edges(name, m, v, mt, vt, p, over, kernel):
     k = _k(**over)
     f = lambda x: np.asarray([x], np.float32)  # noqa: E731
     d = {"m": f(m), "v": f(v), "mt": f(mt), "vt": f(vt), "p": f(p), "clip": f(0.2)}
-    assert _cells(k, d)[0] == np.inf
+    out = kernel(_row_per_case(k, 1), d["m"], d["v"], d["mt"], d["vt"], np.abs(d["p"]), d["clip"])
+    assert np.asarray(out)[0] == np.inf
 
 
-def test_cells_give_a_row_the_same_bits_at_every_call_size():
+@CELL_KERNELS
+def test_cells_give_a_row_the_same_bits_at_every_call_size(kernel):
     from test_certify_pieces import _call, _rows, _starts
     for seed in range(3):
         rows = _rows(seed, 4096)
-        whole = _call(rows, fastbound.batch_fast_cells_pc, np.arange(4096)).view(np.uint32)
+        whole = _call(rows, kernel, np.arange(4096)).view(np.uint32)
         for size in certify.PIECE_SIZES + (certify.FAST_CELLS_CHUNK // 8,):
             for start in _starts(size):
                 sel = np.arange(start, start + size)
-                np.testing.assert_array_equal(_call(rows, fastbound.batch_fast_cells_pc, sel).view(np.uint32),
+                np.testing.assert_array_equal(_call(rows, kernel, sel).view(np.uint32),
                                               whole[sel], err_msg=f"{size} rows from {start}")
 
 

@@ -1,10 +1,10 @@
 """The signed cells tier (`fastbound.signed_cells_bound`, run by the guard after the cells
 tier and before the adaptive partitions): it encloses the bit-exact torch replay over the
 whole gradient range, a partition's bound is the largest of its cells' bounds (so its range
-checks at the first and last edge accept nothing that checking every edge would refuse), it
-refuses float32's edges, it gives a row the same bits at every call size, the enclosure
-audit checks it (and catches it without its rounding budget and stage 2), and the margin
-that ends the rate pass's candidates only refuses."""
+checks at the first and last edge accept nothing that checking every edge would refuse), the
+enclosure audit checks it (and catches it without its rounding budget and stage 2), and the margin
+that ends the rate pass's candidates only refuses.  tests/test_fast_cells.py checks that it
+refuses float32's edges and gives a row the same bits at every call size."""
 import numpy as np
 import pytest
 
@@ -14,7 +14,7 @@ from jaxguard.core import bound, certify, fastbound, guard  # noqa: E402
 from jaxguard.core.opmodel import step_constants  # noqa: E402
 from torch_compat.enclosure import audit_enclosure, draw_cases  # noqa: E402
 from test_fast_cells import _adversarial, _row_per_case  # noqa: E402
-from test_fastbound import EDGE, _k, _whole_range_points  # noqa: E402
+from test_fastbound import _k, _whole_range_points  # noqa: E402
 
 
 def _signed(k, d, gammas=fastbound.FAST_CELLS_GAMMAS):
@@ -113,26 +113,6 @@ def test_partition_bound_is_the_largest_cell_bound_and_its_checks_refuse_what_a_
             both = ok & every
             assert both.sum() > 0.1 * n
             np.testing.assert_array_equal(whole[both].view(np.uint32), largest[both].view(np.uint32))
-
-
-@pytest.mark.parametrize("name,m,v,mt,vt,p,over", EDGE, ids=[e[0] for e in EDGE])
-def test_signed_cells_refuse_edges(name, m, v, mt, vt, p, over):
-    k = _k(**over)
-    f = lambda x: np.asarray([x], np.float32)  # noqa: E731
-    d = {"m": f(m), "v": f(v), "mt": f(mt), "vt": f(vt), "p": f(p), "clip": f(0.2)}
-    assert _signed(k, d)[0] == np.inf
-
-
-def test_signed_cells_give_a_row_the_same_bits_at_every_call_size():
-    from test_certify_pieces import _call, _rows, _starts
-    for seed in range(3):
-        rows = _rows(seed, 4096)
-        whole = _call(rows, fastbound.batch_signed_cells_pc, np.arange(4096)).view(np.uint32)
-        for size in certify.PIECE_SIZES + (certify.FAST_CELLS_CHUNK // 8,):
-            for start in _starts(size):
-                sel = np.arange(start, start + size)
-                np.testing.assert_array_equal(_call(rows, fastbound.batch_signed_cells_pc, sel).view(np.uint32),
-                                              whole[sel], err_msg=f"{size} rows from {start}")
 
 
 def test_enclosure_audit_checks_the_signed_cells_tier():

@@ -437,6 +437,12 @@ def signed_cells_bound(k, m, v, mt, vt, pabs, clip, edges, *, no_radius=False, c
 FAST_CELLS_GAMMAS = _bound.ADAPTIVE_GAMMAS
 
 
+def _on_own_partition(tier_bound, k, m, v, mt, vt, pabs, clip, gammas):
+    k = _bound.as_step_row(k, -1)
+    b, usable = tier_bound(k, m, v, mt, vt, pabs, clip, adaptive_edge_list(k, v, vt, clip, gammas))
+    return jnp.where(usable, b, jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("gammas",))
 def batch_fast_cells_pc(k, m, v, mt, vt, pabs, clip, *, gammas=FAST_CELLS_GAMMAS):
     """`fast_cells_bound` on each coordinate's own partition, +inf where not usable.
@@ -449,9 +455,7 @@ def batch_fast_cells_pc(k, m, v, mt, vt, pabs, clip, *, gammas=FAST_CELLS_GAMMAS
     Returns:
       float32 [n] bounds (+inf: the coordinate goes on to the cell bound).
     """
-    k = _bound.as_step_row(k, -1)
-    b, usable = fast_cells_bound(k, m, v, mt, vt, pabs, clip, adaptive_edge_list(k, v, vt, clip, gammas))
-    return jnp.where(usable, b, jnp.inf)
+    return _on_own_partition(fast_cells_bound, k, m, v, mt, vt, pabs, clip, gammas)
 
 
 @functools.partial(jax.jit, static_argnames=("gammas",))
@@ -459,16 +463,12 @@ def batch_signed_cells_pc(k, m, v, mt, vt, pabs, clip, *, gammas=FAST_CELLS_GAMM
     """`signed_cells_bound` on each coordinate's own partition, +inf where not usable.
 
     Args:
-      k: a `bound.StepRow` of [n] float32 arrays, one row per coordinate (`StepRow.take`).
-      m, v, mt, vt, pabs, clip: [n] arrays, one entry per coordinate.
-      gammas: the partition's multiples of the gradient scale (static tuple).
+      k, m, v, mt, vt, pabs, clip, gammas: as `batch_fast_cells_pc`.
 
     Returns:
-      float32 [n] bounds (+inf: the coordinate goes on to the cell bound).
+      float32 [n] bounds (+inf: the coordinate goes on to the adaptive cell bound).
     """
-    k = _bound.as_step_row(k, -1)
-    b, usable = signed_cells_bound(k, m, v, mt, vt, pabs, clip, adaptive_edge_list(k, v, vt, clip, gammas))
-    return jnp.where(usable, b, jnp.inf)
+    return _on_own_partition(signed_cells_bound, k, m, v, mt, vt, pabs, clip, gammas)
 
 
 def adaptive_edge_list(k, v, vt, clip, gammas):
