@@ -129,11 +129,12 @@ def test_enclosure_audit_checks_the_signed_cells_tier():
     assert nr["signed_cells"]["cell_failures"] > 0
 
 
-def test_the_guard_runs_the_tier_and_the_margin_only_refuses():
-    """certify_pc certifies moved decodings with the signed tier (level SIGNED_CELLS_TIER),
-    what it certifies the triangle-form cells tier had refused, and the margin for the
-    candidates (max_level -1) only refuses: every coordinate certified there is certified
-    without it, by the same tier."""
+def test_the_guard_runs_the_tier_on_candidates_and_the_margin_only_refuses(monkeypatch):
+    """certify_pc certifies candidates (max_level -1, as the width search and the rate pass
+    ask) with the signed tier (level SIGNED_CELLS_TIER) where the triangle-form cells tier
+    refused; the final certificate (max_level None) does not run it; every candidate it
+    certifies the final certificate certifies too; and the margin only refuses: without it
+    (SIGNED_MARGIN = inf) every coordinate certified with it is certified at the same level."""
     rng = np.random.default_rng(31)
     n = 6000
     d = _cancelling(rng, draw_cases(rng, n))
@@ -145,9 +146,20 @@ def test_the_guard_runs_the_tier_and_the_margin_only_refuses():
         return guard.certify_pc(K, gidx, d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"], np.arange(n), "shared",
                                 "mixed", max_level=max_level, reject_first=max_level == -1)
     full, cand = levels(None), levels(-1)
-    signed = full == certify.SIGNED_CELLS_TIER
+    signed = cand == certify.SIGNED_CELLS_TIER
     assert signed.sum() > 0.01 * n, int(signed.sum())
+    assert not (full == certify.SIGNED_CELLS_TIER).any()
     cells = np.asarray(fastbound.batch_fast_cells_pc(K.take(gidx), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"]))
     assert not (cells[signed] <= np.asarray(K.threshold)[gidx][signed]).any()
     assert not ((cand >= 0) & (full < 0)).any()
-    np.testing.assert_array_equal(cand[cand >= 0], full[cand >= 0])
+    walked = []
+    real = bound.batch_bound_adaptive_pc
+    monkeypatch.setattr(bound, "batch_bound_adaptive_pc", lambda k, m, *a, **kw: walked.append(np.size(m))
+                        or real(k, m, *a, **kw))
+    levels(-1)
+    with_margin, walked[:] = sum(walked), []
+    monkeypatch.setattr(certify, "SIGNED_MARGIN", np.inf)
+    unlimited = levels(-1)
+    assert sum(walked) > 2 * with_margin                       # the margin spared the partitions most rows ...
+    assert not ((cand >= 0) & (unlimited < 0)).any()
+    np.testing.assert_array_equal(cand[cand >= 0], unlimited[cand >= 0])   # ... and only refused

@@ -187,9 +187,9 @@ FAST_CELLS_TIER = 102    # level_of value of those certified by the closed form 
 SIGNED_CELLS_TIER = 103  # level_of value of those certified by the signed cells tier (`fastbound.signed_cells_bound`)
 # max_level -1 (the width search's and the rate pass's candidates): after the signed cells
 # tier, only rows whose bound is within this factor of the threshold go on to the adaptive
-# partitions.  On a logrel-ans encode's 201,897 moves the
-# cells tier refused, every one the adaptive bound certified and the signed tier did not was
-# within 1.0032x (bench/experiments/results/signed_cells.md); refusing is always sound.
+# partitions.  Of a logrel-ans encode's 201,897 moves the cells tier refused, every one the
+# adaptive bound certified and the signed tier did not was within 1.0032x
+# (bench/experiments/results/signed_cells.md); refusing is always sound.
 SIGNED_MARGIN = 1.01
 FAST_CELLS_CHUNK = 1 << 14  # coordinates per call of that tier (16K: 58 ns a row, 4K: 72 ns)
 ADAPTIVE_CHUNK = 1 << 12  # coordinates per call of the adaptive tier (28 cells a sign each)
@@ -268,9 +268,9 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       progress: show a tqdm bar.
       fast: try the closed-form tier first (shared bound, mixed partition only).
       max_level: stop after this refinement level (default: all; -1: none, the closed
-        form and the adaptive tier only, the latter only on what the signed cells tier
-        puts within `SIGNED_MARGIN` of the threshold); what is not certified by then is -1
-        (a cheaper, more conservative answer).
+        form, the cells tiers and the adaptive tier only, the latter only on what the
+        signed cells tier puts within `SIGNED_MARGIN` of the threshold); what is not
+        certified by then is -1 (a cheaper, more conservative answer).
       adaptive: run the adaptive tier before the fixed levels (shared bound, mixed
         partition only).
       reject_first: reject at `bound.PROBE_POINTS` before the adaptive tier too, for
@@ -280,8 +280,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
       for the closed form, `FAST_CELLS_TIER` for the closed form on the coordinate's own
-      cells, `SIGNED_CELLS_TIER` for the signed cells tier, `ADAPTIVE_TIER` for the
-      adaptive tier, or -1 (escape).
+      cells, `SIGNED_CELLS_TIER` for the signed cells tier (with ``max_level=-1``),
+      `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
     if idx.size == 0:
@@ -344,17 +344,17 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         level_of[pending[ok]] = FAST_CELLS_TIER
         bar.update(int(ok.sum()))
         pending = pending[~ok]
-    if tiered and pending.size:   # the same cells, signs kept (no triangle inequality): ~145 ns a row, and it
-        # certifies 97.7% of what the three adaptive partitions do (~920 ns a refused row)
+    if tiered and pending.size and max_level == -1:   # candidates (the width search's, the rate pass's moves):
+        # the same cells, signs kept (no triangle inequality): ~145 ns a row, and it certifies 97.7% of what
+        # the three adaptive partitions do (~920 ns a refused row).  Not on the final certificate, where it
+        # certified what the partitions certify (120 of 120 encodings identical) and cost a compile.
         out = over(idx[pending], FAST_CELLS_CHUNK, _fastbound.batch_signed_cells_pc)
         ok = (out >= 0) & (out <= thr[pending])
         level_of[pending[ok]] = SIGNED_CELLS_TIER
         bar.update(int(ok.sum()))
-        if max_level == -1:   # the cheaper, more conservative answer: no walk through the partitions
-            far = np.isfinite(out) & (out > thr[pending] * SIGNED_MARGIN)   # not usable (+inf): on to the cells
-            bar.update(int(far.sum()))
-            ok |= far
-        pending = pending[~ok]
+        far = np.isfinite(out) & (out > thr[pending] * SIGNED_MARGIN)   # not usable (+inf): on to the partitions
+        bar.update(int(far.sum()))
+        pending = pending[~(ok | far)]
     for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # 8, 20, then 28 cells a sign
         if pending.size == 0:
             break

@@ -38,7 +38,7 @@ from jaxguard.core import codes
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import floatbits as _fbits
 from jaxguard.core import programs as _programs
-from jaxguard.core.certify import (ADAPTIVE_TIER, CHUNK, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, SIGNED_CELLS_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
+from jaxguard.core.certify import (ADAPTIVE_TIER, CHUNK, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
                                    certify_pc, classify, device_classify, device_masks, fast_accept, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
@@ -355,10 +355,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             "coordinates": n, "escapes": int(esc.size), "exact": n_exact,
             "uncertifiable": n - int(np.count_nonzero(ex | okk)),
             "certified_by_level": per_level[:len(_bound.LEVELS)],
-            "certified_fast": per_level[-4],
-            "certified_adaptive": per_level[-3],
-            "certified_fast_cells": per_level[-2],
-            "certified_signed_cells": per_level[-1],
+            "certified_fast": per_level[-3],
+            "certified_adaptive": per_level[-2],
+            "certified_fast_cells": per_level[-1],
             "joint_rescued": int(rescued[b:b + n].sum()),
             "payload_bytes": payload_bytes(enc) if payload_many is None else 0, "raw_fp32_bytes": 8 * n,
             "encode_seconds": elapsed * n / total,
@@ -371,13 +370,13 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
 
 
 def _level_counts(level_of) -> list:
-    """Coordinates of each refinement level, then of `FAST_TIER`, `ADAPTIVE_TIER`,
-    `FAST_CELLS_TIER` and `SIGNED_CELLS_TIER`.
+    """Coordinates of each refinement level, then of `FAST_TIER`, `ADAPTIVE_TIER` and
+    `FAST_CELLS_TIER`.
     One comparison a value: ``np.bincount`` first casts the int8 levels to int64, 8 fresh
     bytes a coordinate (1 GB of page faults at 124M coordinates)."""
     hit = np.empty(level_of.shape, bool)
     return [int(np.count_nonzero(np.equal(level_of, np.int8(L), out=hit)))
-            for L in (*range(len(_bound.LEVELS)), FAST_TIER, ADAPTIVE_TIER, FAST_CELLS_TIER, SIGNED_CELLS_TIER)]
+            for L in (*range(len(_bound.LEVELS)), FAST_TIER, ADAPTIVE_TIER, FAST_CELLS_TIER)]
 
 
 JOINT_MOVES = tuple((dm, dv) for dm in (-1, 0, 1) for dv in (-1, 0, 1) if (dm, dv) != (0, 0))
