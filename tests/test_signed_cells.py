@@ -11,10 +11,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 from jaxguard.core import bound, certify, fastbound, guard  # noqa: E402
-from jaxguard.core.opmodel import step_constants  # noqa: E402
 from torch_compat.enclosure import audit_enclosure, draw_cases  # noqa: E402
-from test_fast_cells import _adversarial, _row_per_case  # noqa: E402
-from test_fastbound import _k, _whole_range_points  # noqa: E402
+from test_fast_cells import _adversarial, _row_per_case, adversarial_partitions, check_encloses_replay  # noqa: E402
+from test_fastbound import _k  # noqa: E402
 
 
 def _signed(k, d, gammas=fastbound.FAST_CELLS_GAMMAS):
@@ -58,27 +57,7 @@ def test_signed_cells_enclose_replay_over_whole_range(op_model, wd, lr, step):
     n = 1000
     base = draw_cases(rng, n)
     for d in (_moved(rng, base), _cancelling(rng, base)):
-        _check_replay(d, n, op_model, wd, lr, step)
-
-
-def _check_replay(d, n, op_model, wd, lr, step):
-    from torch_compat.replay import adam_step
-    k = _k(op_model, lr=lr, step=step, wd=wd)
-    g = _whole_range_points(d["clip"].astype(np.float64), d["v"].astype(np.float64), float(k[2]), float(k[3]))
-    P = g.shape[1]
-    rep = lambda x: np.repeat(x, P)  # noqa: E731
-    args = dict(step=step, lr=lr, weight_decay=wd, decoupled=op_model == "torch-adamw")
-    p1 = adam_step(rep(d["p"]), g.reshape(-1), rep(d["m"]), rep(d["v"]), **args)[0].astype(np.float64)
-    p2 = adam_step(rep(d["p"]), g.reshape(-1), rep(d["mt"]), rep(d["vt"]), **args)[0].astype(np.float64)
-    actual = np.abs(p1 - p2).reshape(n, P).max(1)
-    for gammas in (fastbound.FAST_CELLS_GAMMAS, bound.ADAPTIVE_GAMMAS_DOUBLING):
-        b = _signed(k, d, gammas).astype(np.float64)
-        fin = np.isfinite(b)
-        assert fin.mean() > 0.95
-        bad = fin & ~(actual <= b)
-        assert not bad.any(), [(d["m"][i], d["v"][i], d["mt"][i], d["vt"][i], actual[i], b[i])
-                               for i in np.flatnonzero(bad)[:3]]
-        assert np.max(np.where(fin, actual / b, 0)) > 0.5
+        check_encloses_replay(_signed, d, op_model, wd, lr, step, usable=0.95)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -90,29 +69,22 @@ def test_partition_bound_is_the_largest_cell_bound_and_its_checks_refuse_what_a_
     usable.  Positive control: the edge draws make both refuse many cases."""
     d = _moved(np.random.default_rng(100 + seed), _adversarial(seed))
     n = d["m"].size
-    for op_model, lr, step, eps in (("torch-adam", 1e-3, 3, 1e-8), ("torch-adamw", 3e-2, 5000, 1e-16),
-                                    ("torch-adam", 1e-5, 0, 1e-12)):
-        k = bound.pack_constants(step_constants(op_model, lr=lr, step=step, eps=eps, weight_decay=0.01), 0.01)
-        K = _row_per_case(k, n)
-        args = [d[x] for x in ("m", "v", "mt", "vt")]
-        pabs, clip = np.abs(d["p"]), d["clip"]
-        for gammas in (fastbound.FAST_CELLS_GAMMAS, bound.ADAPTIVE_GAMMAS_DOUBLING):
-            edges = fastbound.adaptive_edge_list(K, d["v"], d["vt"], clip, gammas)
-            bound_of = lambda e, **kw: (np.asarray(x) for x in fastbound.signed_cells_bound(  # noqa: E731
-                K, *args, pabs, clip, e, **kw))
-            whole, ok = bound_of(edges)
-            _, checked = bound_of(edges, check_every_edge=True)
-            assert not (ok & ~checked).any(), (op_model, int((ok & ~checked).sum()))
-            assert (~ok).sum() > 0.1 * n and ok.sum() > 0.1 * n
-            every = np.ones(n, bool)
-            largest = np.zeros(n, np.float32)
-            for lo, hi in zip(edges[:-1], edges[1:]):
-                b, cell_ok = bound_of((lo, hi))
-                every &= cell_ok
-                largest = np.maximum(largest, np.where(cell_ok, b, 0))
-            both = ok & every
-            assert both.sum() > 0.1 * n
-            np.testing.assert_array_equal(whole[both].view(np.uint32), largest[both].view(np.uint32))
+    for op_model, K, args, pabs, clip, edges in adversarial_partitions(d):
+        bound_of = lambda e, **kw: (np.asarray(x) for x in fastbound.signed_cells_bound(  # noqa: E731
+            K, *args, pabs, clip, e, **kw))
+        whole, ok = bound_of(edges)
+        _, checked = bound_of(edges, check_every_edge=True)
+        assert not (ok & ~checked).any(), (op_model, int((ok & ~checked).sum()))
+        assert (~ok).sum() > 0.1 * n and ok.sum() > 0.1 * n
+        every = np.ones(n, bool)
+        largest = np.zeros(n, np.float32)
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            b, cell_ok = bound_of((lo, hi))
+            every &= cell_ok
+            largest = np.maximum(largest, np.where(cell_ok, b, 0))
+        both = ok & every
+        assert both.sum() > 0.1 * n
+        np.testing.assert_array_equal(whole[both].view(np.uint32), largest[both].view(np.uint32))
 
 
 def test_enclosure_audit_checks_the_signed_cells_tier():
