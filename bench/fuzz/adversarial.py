@@ -3,6 +3,7 @@
 Usage:
     PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 10 --out bench/results/adversarial
     PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 1 --seed 1 --out /tmp/adv   # quick
+    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 5 --seed 25 --codecs logrel-ans,logrel-aw --out P
 
 30% of the cases are targeted at the families of issue 10's counterexamples
 (`targeted_case`).  The others: a state of 512 or 1024 coordinates made of 256-blocks, each block drawn from
@@ -10,7 +11,7 @@ a mixture (ordinary trained-looking moments, moments near FLT_MAX, on both sides
 overflow boundaries FLT_MAX*B, FLT_MAX*bc2 and bound.NATIVE_LIMIT (*bc2), subnormal and
 zero moments, huge parameters), with random hyperparameters (lr 1e-5..10, weight decay
 0 or up to lr*wd = 30, betas including 0.0, 0.99999 and torch's 0.99999999, eps down to
-1e-30, steps 0..1e5), tau and C far from the defaults, and every guarded codec.  It is
+1e-30, steps 0..1e5), tau and C far from the defaults, and a guarded codec (`--codecs`).  It is
 saved and loaded through the public adapters (`torch_compat.save`/`load` of a real
 torch.optim.Adam/AdamW; `jaxguard.save`/`load` of a real optax inject_hyperparams(adamw)
 state), and the first real update from both states is compared on a dense gradient grid
@@ -115,7 +116,7 @@ def targeted_case(rng, framework):
              "blocks": ["targeted-overflow"] * 2}
     f = lambda x: np.clip(x, -FLT_MAX, FLT_MAX).astype(np.float32)  # noqa: E731
     with np.errstate(over="ignore"):
-        c.update(framework=framework, tau=0.01, clip=0.2, codec=str(rng.choice(["log8-rel", "log8"])), m=f(m), v=f(v),
+        c.update(framework=framework, tau=0.01, clip=0.2, codec=str(rng.choice([x for x in CODECS if x in ("log8-rel", "log8")] or list(CODECS))), m=f(m), v=f(v),
                  p=f(p))
     return c
 
@@ -226,12 +227,16 @@ def optax_case(c, tmp):
 
 # ---------------------------------------------------------------- driver
 def main():
+    global CODECS
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
+    ap.add_argument("--codecs", default=",".join(CODECS), help="the codecs drawn from (comma-separated; e.g. "
+                    "logrel-ans,logrel-aw for the entropy-coded ones)")
     args = ap.parse_args()
+    CODECS = tuple(args.codecs.split(","))
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxguard", "xla"))
@@ -292,7 +297,8 @@ def main():
     import torch
     import jax
     import optax
-    rep = {"seconds": round(time.perf_counter() - t0, 1), "seed": args.seed, "commit": commit, "dirty": dirty,
+    rep = {"seconds": round(time.perf_counter() - t0, 1), "seed": args.seed, "codecs": list(CODECS), "commit": commit,
+           "dirty": dirty,
            "machine": f"{platform.machine()} {platform.processor()}, {os.cpu_count()} cores"
                       + (f"; {args.note}" if args.note else ""),
            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__,
@@ -303,7 +309,7 @@ def main():
         json.dump(rep, f, indent=1)
     lines = [f"# Adversarial search (bench/fuzz/adversarial.py, seed {args.seed}, {rep['seconds']} s)", "",
              f"Commit {commit}{' (dirty)' if dirty else ''}; {rep['machine']}; torch {torch.__version__}, "
-             f"jax {jax.__version__}, optax {optax.__version__}.", "",
+             f"jax {jax.__version__}, optax {optax.__version__}. Codecs drawn from: {', '.join(CODECS)}.", "",
              "| framework | cases | coordinates | coded (not exact) | escapes | config errors | crashes | violations | "
              "cases with a violation | worst gap / tau |", "|---|---|---|---|---|---|---|---|---|---|"]
     for fw, S in stats.items():
