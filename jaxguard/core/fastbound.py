@@ -52,6 +52,12 @@ INTER_HI = 2.0**100
 EPS_LO = 2.0**-60
 
 
+def _inputs_in_limits(k, m, v, mt, vt, pabs, clip):
+    """Every tier's input limits: magnitudes ``<= SAFE_HI`` (``S`` too) and ``eps >= EPS_LO``."""
+    usable = (jnp.abs(m) <= SAFE_HI) & (jnp.abs(mt) <= SAFE_HI) & (v <= SAFE_HI) & (vt <= SAFE_HI)
+    return usable & (pabs <= SAFE_HI) & (clip <= SAFE_HI) & (k.eps >= EPS_LO) & (k.S <= SAFE_HI)
+
+
 def _in_range(x, exact_zero):
     return exact_zero | ((x >= INTER_LO) & (x <= INTER_HI))
 
@@ -90,8 +96,7 @@ def fast_bound(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     nk = keep * jnp.abs(mt)
     t2 = nk * (q2 / (B * d2))
     ideal = S * ((t1 + t2 + t3) * (1 + _bound.GAMMA)) * (1 + 4 * U)
-    usable = ((jnp.abs(m) <= SAFE_HI) & (jnp.abs(mt) <= SAFE_HI) & (v <= SAFE_HI) & (vt <= SAFE_HI)
-              & (pabs <= SAFE_HI) & (clip <= SAFE_HI) & (eps >= EPS_LO) & (S <= SAFE_HI))
+    usable = _inputs_in_limits(k, m, v, mt, vt, pabs, clip)
     zdv = zv
     for x, z in ((n1, zm | zk), (t1, zm | zk), (w, zdv), (q1, zdv), (q2, zdv), (q3, zdv),
                  (q2 * (a / sc), zdv), (q3 * (a / (2 * sc)), zdv), (nk, zmt | zk), (t2, zmt | zk | zdv),
@@ -276,8 +281,7 @@ def fast_cells_bound(k, m, v, mt, vt, pabs, clip, edges, *, no_radius=False):
     k = _bound.as_step_row(k)
     g = [clip * e for e in edges]
     worst = None
-    usable = (jnp.abs(m) <= SAFE_HI) & (jnp.abs(mt) <= SAFE_HI) & (v <= SAFE_HI) & (vt <= SAFE_HI)
-    usable &= (pabs <= SAFE_HI) & (clip <= SAFE_HI) & (k.eps >= EPS_LO) & (k.S <= SAFE_HI)
+    usable = _inputs_in_limits(k, m, v, mt, vt, pabs, clip)
     last = len(g) - 2
     sigma = _cell_scale(k, v)
     for i, (gl, gh) in enumerate(zip(g[:-1], g[1:])):
@@ -369,8 +373,7 @@ def signed_cells_bound(k, m, v, mt, vt, pabs, clip, edges, *, no_radius=False, c
     w = b2f * dv
     sw = w * s2                    # signed: b2f (v~ - v) sigma**2
     nk = keep * mt                 # signed
-    usable = (jnp.abs(m) <= SAFE_HI) & (jnp.abs(mt) <= SAFE_HI) & (v <= SAFE_HI) & (vt <= SAFE_HI)
-    usable &= (pabs <= SAFE_HI) & (clip <= SAFE_HI) & (k.eps >= EPS_LO) & (k.S <= SAFE_HI)
+    usable = _inputs_in_limits(k, m, v, mt, vt, pabs, clip)
     for x, z in ((bv1, v == 0), (bv2, vt == 0), (sv1, v == 0), (sv2, vt == 0), (eB, False), (seB, False),
                  (jnp.abs(n1), zm | zk), (jnp.abs(w), zv), (jnp.abs(sw), zv), (jnp.abs(nk), zmt | zk)):
         usable &= _in_range(x, z)
