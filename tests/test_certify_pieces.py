@@ -124,3 +124,43 @@ def test_pieces_hand_the_fixed_levels_fewer_rows(monkeypatch):
         rows_ladder += _encode(m, v, p, cfg, monkeypatch, certify.PIECE_SIZES)[1]
         rows_one += _encode(m, v, p, cfg, monkeypatch, (certify.SMALL_CHUNK,))[1]
     assert rows_ladder < rows_one, (rows_ladder, rows_one)
+
+
+def _encode_first_level(m, v, p, cfg, monkeypatch, first):
+    rows = []
+    fixed = bound.batch_bound_pc
+
+    def counting(k, m_, *a, **s):
+        rows.append(np.shape(m_)[0])
+        return fixed(k, m_, *a, **s)
+    monkeypatch.setattr(programs, "enabled", lambda: False)
+    monkeypatch.setattr(bound, "batch_bound_pc", counting)
+    monkeypatch.setattr(certify, "TIERED_FIRST_LEVEL", first)
+    enc = guard.encode_many([(m, v, p, GuardConfig(**cfg))])[0]
+    monkeypatch.undo()
+    return enc, sum(rows)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: ",".join(f"{k}={w}" for k, w in c.items()))
+def test_skipping_levels_0_to_2_after_the_adaptive_tier_only_refuses(cfg, monkeypatch):
+    """`certify.TIERED_FIRST_LEVEL`: after the adaptive tier levels 0-2 are not walked.  That
+    can only leave a coordinate to levels 3-4 (never certify one more), levels 0-2 then count
+    nothing, and the fixed levels are handed fewer rows (the point of it)."""
+    m, v, p = adversarial(len(str(cfg)) + 11)
+    walked, rows_walked = _encode_first_level(m, v, p, cfg, monkeypatch, 0)
+    skipped, rows_skipped = _encode_first_level(m, v, p, cfg, monkeypatch, certify.TIERED_FIRST_LEVEL)
+    assert certify.TIERED_FIRST_LEVEL == 3
+    assert set(walked.arrays["escape_index"].tolist()) <= set(skipped.arrays["escape_index"].tolist())
+    assert skipped.stats["certified_by_level"][:3] == [0, 0, 0]
+    assert rows_skipped < rows_walked, (rows_skipped, rows_walked)
+    assert walked.stats["escapes"] > 0
+
+
+def test_the_ablations_still_walk_every_level(monkeypatch):
+    """Without the adaptive tier (the linear-partition ablation) all five levels run."""
+    cfg = dict(CONFIGS[1], partition="linear")
+    m, v, p = adversarial(5)
+    enc, _ = _encode_first_level(m, v, p, cfg, monkeypatch, certify.TIERED_FIRST_LEVEL)
+    ref, _ = _encode_first_level(m, v, p, cfg, monkeypatch, 0)
+    assert enc.stats["certified_by_level"] == ref.stats["certified_by_level"]
+    assert sum(enc.stats["certified_by_level"][:3]) > 0

@@ -1,4 +1,5 @@
-"""Does a cells tier (`fastbound.fast_cells_bound`, `fastbound.signed_cells_bound`) move an escape?
+"""Does a cells tier (`fastbound.fast_cells_bound`, `fastbound.signed_cells_bound`), or skipping
+the fixed levels 0-2 after the adaptive tier (`certify.TIERED_FIRST_LEVEL`), move an escape?
 
 Both tiers sit between the closed form and the adaptive cell bound in `certify.certify_pc`.
 Each certifies with its own bound, so it could in principle certify a coordinate that every
@@ -10,10 +11,14 @@ bytes and the SHA-256 of every encoded array.  The signed tier runs on candidate
 width search's and the rate pass's, logrel-ans) and ends those it puts above
 `certify.SIGNED_MARGIN` times the threshold, so there the codes may differ by design: the
 payload columns say by how much.  "Rows the tier certified" counts every call (for the
-signed tier: candidates, some more than once).
+signed tier: candidates, some more than once).  With ``--tier fixed_levels`` the "with" run
+is the shipped one (levels from `certify.TIERED_FIRST_LEVEL` on after the adaptive tier) and
+"without" walks levels 0-2 too; its rows column counts what levels 0-2 certified there (final
+certificates only: the stats count those).
 
     python bench/experiments/fast_cells_escapes.py --out bench/experiments/results/fast_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier signed_cells --out bench/experiments/results/signed_cells_escapes.md
+    python bench/experiments/fast_cells_escapes.py --tier fixed_levels --out bench/experiments/results/fixed_levels_escapes.md
 """
 from __future__ import annotations
 
@@ -74,14 +79,17 @@ def main():
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     ap.add_argument("--seeds", type=int, default=4, help="the first N of the reproduction's seeds per model")
     ap.add_argument("--codecs", default="log8-rel,log8,block8,logrel-aw,logrel-ans")
-    ap.add_argument("--tier", default="fast_cells", choices=("fast_cells", "signed_cells"),
-                    help="the tier switched off: the closed form on the cells, or the signed cells tier")
+    ap.add_argument("--tier", default="fast_cells", choices=("fast_cells", "signed_cells", "fixed_levels"),
+                    help="the tier switched off: the closed form on the cells, the signed cells tier, or (fixed_levels) "
+                         "the skip of levels 0-2 after the adaptive tier")
     args = ap.parse_args()
     import reproduce
-    from jaxguard.core import fastbound
+    from jaxguard.core import certify, fastbound
 
-    kernel = f"batch_{args.tier}_pc"
+    levels = args.tier == "fixed_levels"
+    kernel = "batch_fast_cells_pc" if levels else f"batch_{args.tier}_pc"
     real = getattr(fastbound, kernel)
+    shipped_first = certify.TIERED_FIRST_LEVEL
     rows = []
     cache = pathlib.Path(args.cache)
     for kind, steps in (("transformer", 400), ("cnn", 300)):
@@ -91,16 +99,25 @@ def main():
                 for codec in args.codecs.split(","):
                     items = _items(ckpt, codec)
                     count = [0]
-                    setattr(fastbound, kernel, counting(real, count))
-                    try:
+                    if levels:
                         with_tier, t_with = _encode(items)
-                    finally:
-                        setattr(fastbound, kernel, real)
-                    setattr(fastbound, kernel, _refuse_all)
-                    try:
-                        without, t_without = _encode(items)
-                    finally:
-                        setattr(fastbound, kernel, real)
+                        certify.TIERED_FIRST_LEVEL = 0
+                        try:
+                            without, t_without = _encode(items)
+                        finally:
+                            certify.TIERED_FIRST_LEVEL = shipped_first
+                        count[0] = sum(sum(e.stats["certified_by_level"][:shipped_first]) for e in without)
+                    else:
+                        setattr(fastbound, kernel, counting(real, count))
+                        try:
+                            with_tier, t_with = _encode(items)
+                        finally:
+                            setattr(fastbound, kernel, real)
+                        setattr(fastbound, kernel, _refuse_all)
+                        try:
+                            without, t_without = _encode(items)
+                        finally:
+                            setattr(fastbound, kernel, real)
                     esc = [sum(e.stats["escapes"] for e in x) for x in (with_tier, without)]
                     cells = count[0]
                     same = _digest(with_tier) == _digest(without)
@@ -108,14 +125,19 @@ def main():
                     rows.append((kind, seed, frac, codec, sum(e.n for e in with_tier), cells, esc[0], esc[1], same,
                                  t_with, t_without, pay[0], pay[1]))
                     print(rows[-1], flush=True)
-    title = {"fast_cells": "The closed-form cells tier", "signed_cells": "The signed cells tier"}[args.tier]
+    title = {"fast_cells": "The closed-form cells tier", "signed_cells": "The signed cells tier",
+             "fixed_levels": "Fixed levels 0-2 skipped after the adaptive tier"}[args.tier]
     flag = "" if args.tier == "fast_cells" else f" --tier {args.tier}"
     lines = [f"# {title} and the escapes", "",
              f"`python bench/experiments/fast_cells_escapes.py{flag}` (this file's command): every guarded codec on the "
-             "reproduction's checkpoints (bench/reproduce.py's models and seeds, 10/50/100% of training), encoded with the "
-             "tier and with it switched off (its kernel answering +inf). `same arrays`: the SHA-256 of every "
+             "reproduction's checkpoints (bench/reproduce.py's models and seeds, 10/50/100% of training), encoded "
+             + ("with levels 0-2 skipped after the adaptive tier (as shipped) and walked. " if levels else
+                "with the tier and with it switched off (its kernel answering +inf). ")
+             + "`same arrays`: the SHA-256 of every "
              "encoded array (codes, block parameters, escape indices and values) agrees.", "",
-             "| model | seed | fraction | codec | coordinates | rows the tier certified (every call) | escapes with | "
+             "| model | seed | fraction | codec | coordinates | "
+             + ("rows levels 0-2 certified when walked (final certificate)" if levels else
+                "rows the tier certified (every call)") + " | escapes with | "
              "escapes without | payload bytes with / without | same arrays | encode s with / without (first uses compile) |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for kind, seed, frac, codec, n, cells, e1, e0, same, t1, t0, p1, p0 in rows:

@@ -191,6 +191,13 @@ SIGNED_CELLS_TIER = 103  # level_of value of those certified by the signed cells
 # adaptive bound certified and the signed tier did not was within 1.0032x
 # (bench/experiments/results/signed_cells.md); refusing is always sound.
 SIGNED_MARGIN = 1.01
+# After the adaptive tier the fixed levels start here (refusing is always sound: a level
+# skipped can only leave a coordinate to the next).  On GPT-2's 124M coordinates levels 0-2
+# saw the 39,887 rows the partitions and the dense reject left, certified 11 (0 / 0 / 11),
+# and took 0.4 s of a 10.2 s one-thread compress; without them the payload and decoded
+# SHA-256 are unchanged (levels 3-4 certify those 11 too), and so are 120 of 120
+# reproduction encodings (bench/experiments/results/fixed_levels_escapes.md).
+TIERED_FIRST_LEVEL = 3
 FAST_CELLS_CHUNK = 1 << 14  # coordinates per call of that tier (16K: 58 ns a row, 4K: 72 ns)
 ADAPTIVE_CHUNK = 1 << 12  # coordinates per call of the adaptive tier (28 cells a sign each)
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
@@ -256,9 +263,9 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     ideal difference at one of `bound.DENSE_PROBE_POINTS` already exceeds the threshold
     (half of the coordinates that would escape after walking every level, on GPT-2; the
     ablations, without the tier, reject at `bound.PROBE_POINTS` first).  Then the fixed
-    refinement levels run
-    on what is left, each level on what the previous one could not certify, so every
-    coordinate the levels alone would certify is still certified.
+    refinement levels run on what is left, each level on what the previous one could not
+    certify: all five for the ablations (every coordinate the levels alone would certify
+    is still certified), from `TIERED_FIRST_LEVEL` on after the adaptive tier.
 
     Args:
       K, gidx, m, v, mt, vt, pabs, clip: as for `fast_accept` (whole flat arrays).
@@ -368,7 +375,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
                         points=_bound.DENSE_PROBE_POINTS) > thr[pending]
         bar.update(int(hopeless.sum()))
         pending = pending[~hopeless]
-    for level in range(len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
+    for level in range(TIERED_FIRST_LEVEL if tiered else 0,
+                       len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
         if pending.size == 0:
             break
         bar.set_postfix(level=level)
