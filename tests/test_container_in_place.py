@@ -133,3 +133,35 @@ def test_a_failing_early_fsync_leaves_nothing_and_keeps_the_old_file(tmp_path, m
     assert "\n" not in str(info.value)
     assert target.read_bytes() == b"the previous checkpoint"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jg"]
+
+
+@pytest.mark.parametrize("after", (0, 1 << 60))
+def test_hashing_beside_the_write_writes_the_same_file(tmp_path, monkeypatch, after):
+    """`container.HASH_BESIDE_FROM`: a large write's SHA-256 runs in a thread beside it; with
+    every write hashed that way (threshold 1) the file is byte for byte the one written with
+    none (threshold 2**60), on both routes."""
+    entries = _entries(seed=3)
+    monkeypatch.setattr(container, "HASH_BESIDE_FROM", 1 << 60)
+    plain = _write(tmp_path / "plain.jg", entries, monkeypatch, after, len(entries))[0]
+    monkeypatch.setattr(container, "HASH_BESIDE_FROM", 1)
+    beside = _write(tmp_path / "beside.jg", entries, monkeypatch, after, len(entries))[0]
+    assert beside == plain
+
+
+def test_a_failed_write_beside_its_hash_raises_and_leaves_no_thread(monkeypatch):
+    import io
+    import threading
+
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(container, "HASH_BESIDE_FROM", 1)
+    sink = container.PayloadSink(Full())
+    before = threading.active_count()
+    with pytest.raises(OSError, match="No space left"):
+        sink.add(np.arange(1000, dtype=np.float32))
+    assert threading.active_count() == before and sink.pos == 0

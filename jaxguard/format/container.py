@@ -216,6 +216,12 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
     return size[0]
 
 
+# A write of at least this many bytes is hashed in a thread while it is written.  A GPT-2
+# compress writes its 498 MB of parameters after the last moments, with nothing left to run
+# beside it: 0.73 s with the SHA-256 after each write (2-core AMD EPYC).
+HASH_BESIDE_FROM = 1 << 22
+
+
 class PayloadSink:
     """Appends arrays to a container's scratch payload, hashing as it goes (the one place
     the writer copies an entry's bytes out of the caller's arrays).
@@ -237,8 +243,15 @@ class PayloadSink:
           ``[start, end]``, its byte range in the payload.
         """
         b = self.pos
-        self.fh.write(data)
-        self.sha.update(data)
+        if memoryview(data).nbytes >= HASH_BESIDE_FROM:   # the two release the GIL: one core each
+            hashing = _InThread(functools.partial(self.sha.update, data), "jaxguard-hash")
+            try:
+                self.fh.write(data)
+            finally:
+                hashing.join()
+        else:
+            self.fh.write(data)
+            self.sha.update(data)
         self.pos += len(data)
         return [b, self.pos]
 
