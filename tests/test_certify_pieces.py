@@ -89,7 +89,9 @@ def test_probe_rejects_are_sound_at_every_piece_size(seed):
     assert certified.any() and rejected_somewhere > 0     # both sides of the check are exercised
 
 
-def _encode(m, v, p, cfg, monkeypatch, sizes):
+def _encode(m, v, p, cfg, monkeypatch, sizes=certify.PIECE_SIZES, first=None):
+    """The guard's encoding with these piece sizes (and `certify.TIERED_FIRST_LEVEL` = `first`
+    when given), and the rows the fixed levels were handed."""
     rows = []
     fixed = bound.batch_bound_pc
 
@@ -99,6 +101,8 @@ def _encode(m, v, p, cfg, monkeypatch, sizes):
     monkeypatch.setattr(programs, "enabled", lambda: False)   # the kernels looked up, not loaded from an export
     monkeypatch.setattr(bound, "batch_bound_pc", counting)
     monkeypatch.setattr(certify, "PIECE_SIZES", sizes)
+    if first is not None:
+        monkeypatch.setattr(certify, "TIERED_FIRST_LEVEL", first)
     enc = guard.encode_many([(m, v, p, GuardConfig(**cfg))])[0]
     monkeypatch.undo()
     return enc, sum(rows)
@@ -126,20 +130,6 @@ def test_pieces_hand_the_fixed_levels_fewer_rows(monkeypatch):
     assert rows_ladder < rows_one, (rows_ladder, rows_one)
 
 
-def _encode_first_level(m, v, p, cfg, monkeypatch, first):
-    rows = []
-    fixed = bound.batch_bound_pc
-
-    def counting(k, m_, *a, **s):
-        rows.append(np.shape(m_)[0])
-        return fixed(k, m_, *a, **s)
-    monkeypatch.setattr(programs, "enabled", lambda: False)
-    monkeypatch.setattr(bound, "batch_bound_pc", counting)
-    monkeypatch.setattr(certify, "TIERED_FIRST_LEVEL", first)
-    enc = guard.encode_many([(m, v, p, GuardConfig(**cfg))])[0]
-    monkeypatch.undo()
-    return enc, sum(rows)
-
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: ",".join(f"{k}={w}" for k, w in c.items()))
 def test_skipping_levels_0_to_2_after_the_adaptive_tier_only_refuses(cfg, monkeypatch):
@@ -147,8 +137,8 @@ def test_skipping_levels_0_to_2_after_the_adaptive_tier_only_refuses(cfg, monkey
     can only leave a coordinate to levels 3-4 (never certify one more), levels 0-2 then count
     nothing, and the fixed levels are handed fewer rows (the point of it)."""
     m, v, p = adversarial(len(str(cfg)) + 11)
-    walked, rows_walked = _encode_first_level(m, v, p, cfg, monkeypatch, 0)
-    skipped, rows_skipped = _encode_first_level(m, v, p, cfg, monkeypatch, certify.TIERED_FIRST_LEVEL)
+    walked, rows_walked = _encode(m, v, p, cfg, monkeypatch, first=0)
+    skipped, rows_skipped = _encode(m, v, p, cfg, monkeypatch, first=certify.TIERED_FIRST_LEVEL)
     assert certify.TIERED_FIRST_LEVEL == 3
     assert set(walked.arrays["escape_index"].tolist()) <= set(skipped.arrays["escape_index"].tolist())
     assert skipped.stats["certified_by_level"][:3] == [0, 0, 0]
@@ -160,7 +150,7 @@ def test_the_ablations_still_walk_every_level(monkeypatch):
     """Without the adaptive tier (the linear-partition ablation) all five levels run."""
     cfg = dict(CONFIGS[1], partition="linear")
     m, v, p = adversarial(5)
-    enc, _ = _encode_first_level(m, v, p, cfg, monkeypatch, certify.TIERED_FIRST_LEVEL)
-    ref, _ = _encode_first_level(m, v, p, cfg, monkeypatch, 0)
+    enc, _ = _encode(m, v, p, cfg, monkeypatch, first=certify.TIERED_FIRST_LEVEL)
+    ref, _ = _encode(m, v, p, cfg, monkeypatch, first=0)
     assert enc.stats["certified_by_level"] == ref.stats["certified_by_level"]
     assert sum(enc.stats["certified_by_level"][:3]) > 0
