@@ -85,21 +85,27 @@ def _split(data):
     return json.loads(data[PREFIX.size:PREFIX.size + h]), data[PREFIX.size + h:len(data) - TRAILER]
 
 
-@pytest.mark.parametrize("chunk", [None, 512])
+@pytest.mark.parametrize("chunk, ahead, reverse", [(None, None, False), (512, None, False), (None, 1, True)])
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN.glob("*.jaxguard")))
-def test_golden_codecs_restore_identically(name, chunk, tmp_path, monkeypatch):
+def test_golden_codecs_restore_identically(name, chunk, ahead, reverse, tmp_path, monkeypatch):
     """Every codec's golden container (rANS included), its entries given a torch tree; with
     chunk=512 every entry over two blocks is decoded in block ranges on the thread pool, and
-    the rANS sections a window of about one entry at a time."""
+    the rANS sections a window of about one entry at a time.  With ahead=1 the decoder hands
+    one entry at a time (`torchfile.AHEAD_BYTES`) to a writer that asks for the last first
+    (the others wait in its stash): no deadlock, the same file."""
     if chunk:
         monkeypatch.setattr(torchfile, "CHUNK", chunk)
         monkeypatch.setattr(torchfile, "WINDOW", 3 * chunk)
         monkeypatch.setattr(torchfile, "RANS_WINDOW", chunk)
+    if ahead:
+        monkeypatch.setattr(torchfile, "AHEAD_BYTES", ahead)
     header, payload = _split((GOLDEN / f"{name}.jaxguard").read_bytes())
     state = []
     for i, e in enumerate(x for x in header["entries"] if x["kind"] == "moments"):
         state.append([i, {"__dict__": [["step", 3.0], ["exp_avg", {"__moment__": e["name"], "which": "m"}],
                                        ["exp_avg_sq", {"__moment__": e["name"], "which": "v"}]]}])
+    if reverse:
+        state.reverse()
     raws = [[e["name"], {"__tensor__": e["name"]}] for e in header["entries"] if e["kind"] == "raw"]
     header["meta"] = {"framework": "torch", "tree": {"__dict__": [["model", {"__dict__": raws}],
                                                                   ["optimizer", {"__dict__": [["state", {"__dict__": state}]]}]]}}

@@ -43,7 +43,11 @@ from jaxguard.format import reader
 from jaxguard.format.torchzip import STORAGES, Unsupported
 
 ALIGN = 64
-AHEAD = 2          # decoded moments entries the decoder thread may hold ahead of the writer
+# Decoded moments the decoder thread may hand ahead of the writer, in bytes (at least one
+# entry).  A checkpoint whose parameters come first (GPT-2: 498 MB of them before its 124M
+# moments) is written for ~0.8 s before the writer takes a moment; two entries ahead, the
+# decoder sat idle through that and the writer then waited 2.3 s for it.
+AHEAD_BYTES = 1 << 28
 
 
 # ---------------------------------------------------------------- the pickle (protocol 2)
@@ -248,7 +252,8 @@ class _Decoder(threading.Thread):
         super().__init__(name="jaxguard-restore-decode", daemon=True)
         self.header, self.payload, self.tables = header, payload, tables
         self.workers = workers or min(8, os.cpu_count() or 1)
-        self.q = queue.Queue(AHEAD)
+        self.q = queue.Queue()
+        self.queued, self.room = 0, threading.Condition()    # bytes in `q`, and its wait
         self.stop = threading.Event()
         self.digest = hashlib.sha256()
         self.stash = {}
@@ -296,7 +301,8 @@ class _Decoder(threading.Thread):
             entries = self.header["entries"]
             pre, upto = {}, 0   # rANS symbols decoded ahead of the entries' tasks, a window at a time
             todo = deque((k, e) for k, e in enumerate(entries) if e.get("kind") == "moments")
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="jaxguard-decode") as pool:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="jaxguard-decode") as pool, \
+                    ThreadPoolExecutor(1, thread_name_prefix="jaxguard-restore-crc") as crcs:
                 pending, ahead = deque(), 0
                 while todo or pending:
                     while todo and (not pending or ahead < WINDOW) and not self.stop.is_set():
@@ -311,23 +317,29 @@ class _Decoder(threading.Thread):
                     ahead -= reader._shape_size(e)[1]
                     m, v = finish()
                     m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
+                    crc = [crcs.submit(zlib.crc32, _bytes(x)) for x in (m, v)]   # beside the hash
                     self.digest.update(m)
                     self.digest.update(v)
-                    self._put((e["name"], ((m, zlib.crc32(_bytes(m))), (v, zlib.crc32(_bytes(v))))))
+                    self._put((e["name"], ((m, crc[0].result()), (v, crc[1].result()))), m.nbytes + v.nbytes)
             self._put(None)
         except BaseException as exc:   # noqa: BLE001 - handed to the writer, which raises it
             self._put(exc)
 
-    def _put(self, item):
-        while not self.stop.is_set():
-            try:
-                self.q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+    def _put(self, item, nbytes=0):
+        """Hand `item` to the writer once `AHEAD_BYTES` allow it (an empty queue takes any)."""
+        with self.room:
+            while self.queued and self.queued + nbytes > AHEAD_BYTES:
+                if self.stop.is_set():
+                    return
+                self.room.wait(0.1)
+            self.queued += nbytes
+        self.q.put((item, nbytes))
 
     def _next(self):
-        item = self.q.get()
+        item, nbytes = self.q.get()
+        with self.room:
+            self.queued -= nbytes
+            self.room.notify()
         if isinstance(item, BaseException):
             raise item
         return item
