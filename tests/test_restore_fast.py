@@ -92,13 +92,15 @@ def test_golden_codecs_restore_identically(name, chunk, ahead, reverse, tmp_path
     chunk=512 every entry over two blocks is decoded in block ranges on the thread pool, and
     the rANS sections a window of about one entry at a time.  With ahead=1 the decoder hands
     one entry at a time (`torchfile.AHEAD_BYTES`) to a writer that asks for the last first
-    (the others wait in its stash): no deadlock, the same file."""
+    (the others wait in its stash), every entry's CRC-32 taken beside its hash: no deadlock,
+    the same file."""
     if chunk:
         monkeypatch.setattr(torchfile, "CHUNK", chunk)
         monkeypatch.setattr(torchfile, "WINDOW", 3 * chunk)
         monkeypatch.setattr(torchfile, "RANS_WINDOW", chunk)
     if ahead:
         monkeypatch.setattr(torchfile, "AHEAD_BYTES", ahead)
+        monkeypatch.setattr(torchfile, "CRC_BESIDE_FROM", 0)
     header, payload = _split((GOLDEN / f"{name}.jaxguard").read_bytes())
     state = []
     for i, e in enumerate(x for x in header["entries"] if x["kind"] == "moments"):

@@ -199,6 +199,7 @@ SUB = 1 << 16      # coordinates decoded at once inside a task: cache-sized temp
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
 RANS_WINDOW = 1 << 22   # coordinates whose rANS sections are decoded in one lane loop
 CRC_GROUP = 1 << 23   # bytes of raw entries per CRC-32 task (a task per tiny tensor cost more than its CRC)
+CRC_BESIDE_FROM = 1 << 20   # bytes of a decoded moment from which its CRC-32 runs beside the decoded hash
 
 
 def _decode_part(cs_id, a, b, codes, tables, m, v):
@@ -317,10 +318,16 @@ class _Decoder(threading.Thread):
                     ahead -= reader._shape_size(e)[1]
                     m, v = finish()
                     m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
-                    crc = [crcs.submit(zlib.crc32, _bytes(x)) for x in (m, v)]   # beside the hash
-                    self.digest.update(m)
-                    self.digest.update(v)
-                    self._put((e["name"], ((m, crc[0].result()), (v, crc[1].result()))), m.nbytes + v.nbytes)
+                    if m.nbytes >= CRC_BESIDE_FROM:   # beside the hash (a task costs more than a small CRC)
+                        crc = [crcs.submit(zlib.crc32, _bytes(x)) for x in (m, v)]
+                        self.digest.update(m)
+                        self.digest.update(v)
+                        crc = [c.result() for c in crc]
+                    else:
+                        self.digest.update(m)
+                        self.digest.update(v)
+                        crc = [zlib.crc32(_bytes(x)) for x in (m, v)]
+                    self._put((e["name"], ((m, crc[0]), (v, crc[1]))), m.nbytes + v.nbytes)
             self._put(None)
         except BaseException as exc:   # noqa: BLE001 - handed to the writer, which raises it
             self._put(exc)
