@@ -1,5 +1,6 @@
-"""Does a cells tier (`fastbound.fast_cells_bound`, `fastbound.signed_cells_bound`), or skipping
-the fixed levels 0-2 after the adaptive tier (`certify.TIERED_FIRST_LEVEL`), move an escape?
+"""Does a cells tier (`fastbound.fast_cells_bound`, `fastbound.signed_cells_bound`), skipping
+the fixed levels 0-2 after the adaptive tier (`certify.TIERED_FIRST_LEVEL`), or log8-rel's
+proposal in stages (`codecs.CoreCodec.propose_stages`), move an escape?
 
 Both tiers sit between the closed form and the adaptive cell bound in `certify.certify_pc`.
 Each certifies with its own bound, so it could in principle certify a coordinate that every
@@ -14,11 +15,13 @@ payload columns say by how much.  "Rows the tier certified" counts every call (f
 signed tier: candidates, some more than once).  With ``--tier fixed_levels`` the "with" run
 is the shipped one (levels from `certify.TIERED_FIRST_LEVEL` on after the adaptive tier) and
 "without" walks levels 0-2 too; its rows column counts what levels 0-2 certified there (final
-certificates only: the stats count those).
+certificates only: the stats count those).  With ``--tier staged_propose`` "with" runs log8-rel's
+proposal as the guard does (three programs) and "without" as one program; rows: 0.
 
     python bench/experiments/fast_cells_escapes.py --out bench/experiments/results/fast_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier signed_cells --out bench/experiments/results/signed_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier fixed_levels --out bench/experiments/results/fixed_levels_escapes.md
+    python bench/experiments/fast_cells_escapes.py --tier staged_propose --out bench/experiments/results/staged_propose_escapes.md
 """
 from __future__ import annotations
 
@@ -79,15 +82,19 @@ def main():
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     ap.add_argument("--seeds", type=int, default=4, help="the first N of the reproduction's seeds per model")
     ap.add_argument("--codecs", default="log8-rel,log8,block8,logrel-aw,logrel-ans")
-    ap.add_argument("--tier", default="fast_cells", choices=("fast_cells", "signed_cells", "fixed_levels"),
-                    help="the tier switched off: the closed form on the cells, the signed cells tier, or (fixed_levels) "
-                         "the skip of levels 0-2 after the adaptive tier")
+    ap.add_argument("--tier", default="fast_cells",
+                    choices=("fast_cells", "signed_cells", "fixed_levels", "staged_propose"),
+                    help="the tier switched off: the closed form on the cells, the signed cells tier, (fixed_levels) "
+                         "the skip of levels 0-2 after the adaptive tier, or (staged_propose) log8-rel's staged proposal")
     args = ap.parse_args()
+    import dataclasses
+
     import reproduce
-    from jaxguard.core import certify, fastbound
+    from jaxguard.core import certify, codecs, fastbound
 
     levels = args.tier == "fixed_levels"
-    kernel = "batch_fast_cells_pc" if levels else f"batch_{args.tier}_pc"
+    staged = args.tier == "staged_propose"
+    kernel = "batch_fast_cells_pc" if levels or staged else f"batch_{args.tier}_pc"
     real = getattr(fastbound, kernel)
     shipped_first = certify.TIERED_FIRST_LEVEL
     rows = []
@@ -99,7 +106,15 @@ def main():
                 for codec in args.codecs.split(","):
                     items = _items(ckpt, codec)
                     count = [0]
-                    if levels:
+                    if staged:
+                        with_tier, t_with = _encode(items)
+                        shipped = codecs.TABLE["log8-rel"]
+                        codecs.TABLE["log8-rel"] = dataclasses.replace(shipped, propose_stages=None)
+                        try:
+                            without, t_without = _encode(items)
+                        finally:
+                            codecs.TABLE["log8-rel"] = shipped
+                    elif levels:
                         with_tier, t_with = _encode(items)
                         certify.TIERED_FIRST_LEVEL = 0
                         try:
@@ -126,12 +141,14 @@ def main():
                                  t_with, t_without, pay[0], pay[1]))
                     print(rows[-1], flush=True)
     title = {"fast_cells": "The closed-form cells tier", "signed_cells": "The signed cells tier",
-             "fixed_levels": "Fixed levels 0-2 skipped after the adaptive tier"}[args.tier]
+             "fixed_levels": "Fixed levels 0-2 skipped after the adaptive tier",
+             "staged_propose": "log8-rel's proposal in three programs"}[args.tier]
     flag = "" if args.tier == "fast_cells" else f" --tier {args.tier}"
     lines = [f"# {title} and the escapes", "",
              f"`python bench/experiments/fast_cells_escapes.py{flag}` (this file's command): every guarded codec on the "
              "reproduction's checkpoints (bench/reproduce.py's models and seeds, 10/50/100% of training), encoded "
              + ("with levels 0-2 skipped after the adaptive tier (as shipped) and walked. " if levels else
+                "with log8-rel's proposal in three programs (as shipped) and in one. " if staged else
                 "with the tier and with it switched off (its kernel answering +inf). ")
              + "`same arrays`: the SHA-256 of every "
              "encoded array (codes, block parameters, escape indices and values) agrees.", "",

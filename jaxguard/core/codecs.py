@@ -48,7 +48,16 @@ def _propose_log8(mb, vb, valid, vpos):
 
 
 def _propose_log8_rel(mb, vb, valid, vpos):
-    vq, lo, r = jax.vmap(_log8)(vb, valid, positive=vpos)
+    return _propose_log8_rel_m(mb, vb, valid, vpos, *_propose_log8_rel_v(mb, vb, valid, vpos))
+
+
+def _propose_log8_rel_v(mb, vb, valid, vpos):
+    """log8-rel's first stage: v's log codes and grid ``(vq, lo, r)``."""
+    return jax.vmap(_log8)(vb, valid, positive=vpos)
+
+
+def _propose_log8_rel_m(mb, vb, valid, vpos, vq, lo, r):
+    """log8-rel's second stage: m's codes on v's sqrt grid, both decodes (the proposal's output)."""
     # stored, then decoded by the reader as given: XLA must not fold rr * rr back into r
     z = _fb.opaque_zero()
     wlo, rr = _fb.barrier(jnp.sqrt(lo), z), _fb.barrier(jnp.sqrt(r), z)
@@ -199,6 +208,9 @@ class CoreCodec:
       decode_blocks: ``(mq, vq, mp, vp)`` blocked -> ``(m~, v~)`` blocked.
       propose: ``(mb, vb, valid, vpos)`` blocks -> ``(mq, vq, mp, vp, m~, v~)``; None
         where the codes are chosen on the host (`choose`).
+      propose_stages: optional ``(first, second)`` with ``propose(*a) == second(*a,
+        *first(*a))``: the guard runs them as two programs (log8-rel: in one, XLA's fusion
+        of v's block reductions with m's made the proposal 1.4-1.7x slower, the same bits).
       choose: host-side proposal for `choose`-codecs (logrel-aw), see `_choose_logrel_aw`.
       decode_points: single coordinates with their blocks' parameter rows -> (m~, v~);
         None where the joint search does not apply.
@@ -210,6 +222,7 @@ class CoreCodec:
     id: str
     decode_blocks: Callable
     propose: Optional[Callable] = None
+    propose_stages: Optional[tuple] = None
     choose: Optional[Callable] = None
     decode_points: Optional[Callable] = None
     payload_bytes: Callable = _fixed_payload
@@ -223,7 +236,8 @@ class CoreCodec:
 
 def _entries():
     log8 = CoreCodec("log8", _decode_log8, _propose_log8, decode_points=_points_log8)
-    log8_rel = CoreCodec("log8-rel", _decode_log8_rel, _propose_log8_rel, decode_points=_points_log8_rel)
+    log8_rel = CoreCodec("log8-rel", _decode_log8_rel, _propose_log8_rel, decode_points=_points_log8_rel,
+                         propose_stages=(_propose_log8_rel_v, _propose_log8_rel_m))
     bf16 = CoreCodec("bf16", _decode_bf16, _propose_bf16)
     block8 = CoreCodec("block8", _decode_block8, _propose_block8)
     unguarded = dataclasses.replace(block8, id="block8-unguarded")       # registry: decode="block8", certified=False

@@ -432,8 +432,8 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
     nb = mb.shape[0]
     step = min(nb, PROPOSE_CHUNK)
     if tier is None:
-        outs = [_programs.call(_propose_classified, mb[s:s + step], vb[s:s + step], pb[s:s + step],
-                               in_tensor[s:s + step], codec=codec) for s in range(0, nb, step)]
+        outs = [_proposed(mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step], codec)
+                for s in range(0, nb, step)]
     else:
         K, kidx, clip = tier
         K = _bound.as_step_row(K, -1).as_float32(np)
@@ -444,7 +444,7 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
         outs = []
         for s in range(0, nb, step):
             blocks = (mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step])
-            o = _programs.call(_propose_classified, *blocks, codec=codec)
+            o = _proposed(*blocks, codec)
             outs.append((*o, _programs.call(_fast_tier, *blocks, *o[4:8], K, None if kb is None else kb[s:s + step],
                                             cb[s:s + step])))
     k = len(outs[0])
@@ -454,6 +454,28 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
     mq, vq, mp, vp, mt, vt, exact, ok = res[:8]
     fast = res[8].reshape(-1) if k > 8 else None
     return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1), exact.reshape(-1), ok.reshape(-1), fast
+
+
+def _proposed(mb, vb, pb, in_tensor, codec):
+    """What `_propose_classified` returns, from its programs: one, or for a codec with
+    `codecs.CoreCodec.propose_stages` three (the first stage with the masks, the second,
+    the classification), the same bits (tests/test_propose_stages.py)."""
+    if _codecs.get(codec).propose_stages is None:
+        return _programs.call(_propose_classified, mb, vb, pb, in_tensor, codec=codec)
+    valid, vpos, *carry = _programs.call(_propose_first, mb, vb, pb, in_tensor, codec=codec)
+    out = _programs.call(_propose_second, mb, vb, valid, vpos, tuple(carry), codec=codec)
+    return (*out, *_programs.call(_device_classify, mb, vb, pb, out[4], out[5]))
+
+
+@functools.partial(jax.jit, static_argnames=("codec",))
+def _propose_first(mb, vb, pb, in_tensor, codec):
+    valid, vpos = device_masks(mb, vb, pb, in_tensor)
+    return (valid, vpos, *_codecs.get(codec).propose_stages[0](mb, vb, valid, vpos))
+
+
+@functools.partial(jax.jit, static_argnames=("codec",))
+def _propose_second(mb, vb, valid, vpos, carry, codec):
+    return _codecs.get(codec).propose_stages[1](mb, vb, valid, vpos, *carry)
 
 
 @functools.partial(jax.jit, static_argnames=("codec",))
