@@ -315,7 +315,7 @@ def main():
     for fw, S in stats.items():
         lines.append(f"| {fw} | {S['cases']} | {S['coordinates']:,} | {S['coded']:,} | {S['escapes']:,} | "
                      f"{S['config_errors']} | {S['crashes']} | {S['violations']} | {S['cases_with_violation']} | "
-                     f"{S['worst_gap_over_tau']:.4g} |")
+                     f"{S['worst_gap_over_tau']:.6g} |")
     lines += ["", "Blocks by kind (coded coordinates, violations):", ""]
     for fw, S in stats.items():
         lines.append(f"- {fw}: " + ", ".join(f"{k} {v['blocks']} blocks / {v['coded']:,} coded / {v['violations']} "
