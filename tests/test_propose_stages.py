@@ -1,14 +1,25 @@
 """log8-rel's proposal runs as three programs (`codecs.CoreCodec.propose_stages`: v's codes
 with the block masks, then m's codes and both decodes, then the bit classification) where
-it ran as one (`guard._propose_classified`); only XLA's fusion differs.  The three give the
+it ran as one (`guard.propose_blocks`); only XLA's fusion differs.  The three give the
 one's bits for every output, on adversarial moments (magnitudes over float32's whole range,
 NaN, infinities, signed zeros, subnormals, negative v, partial blocks)."""
+import functools
+
+import jax
 import numpy as np
 import pytest
 
-from jaxguard.core import codecs, guard
+from jaxguard.core import certify, codecs, guard
 from jaxguard.core.codes import BLOCK
 from test_dense_reject import adversarial
+
+
+@functools.partial(jax.jit, static_argnames=("codec",))
+def one_program(mb, vb, pb, in_tensor, codec):
+    """The masks, the proposal and the classification in one program (as the guard ran them)."""
+    valid, vpos = certify.device_masks(mb, vb, pb, in_tensor)
+    out = codecs.propose(mb, vb, valid, vpos, codec=codec)
+    return (*out, *certify.device_classify(mb, vb, pb, out[4], out[5]))
 
 
 def _blocks(seed):
@@ -37,8 +48,8 @@ def _blocks(seed):
 def test_staged_proposal_gives_the_one_programs_bits(seed):
     assert codecs.get("log8-rel").propose_stages is not None
     blocks = _blocks(seed)
-    one = guard._propose_classified(*blocks, codec="log8-rel")
-    staged = guard._proposed(*blocks, "log8-rel")
+    one = one_program(*blocks, codec="log8-rel")
+    staged = guard.propose_blocks(*blocks, "log8-rel")
     assert len(one) == len(staged) == 8
     for k, (a, b) in enumerate(zip(one, staged)):
         a, b = np.asarray(a), np.asarray(b)
@@ -52,5 +63,5 @@ def test_codecs_without_stages_keep_the_one_program():
     blocks = _blocks(5)
     for codec in ("log8", "bf16", "block8"):
         assert codecs.get(codec).propose_stages is None
-        for a, b in zip(guard._propose_classified(*blocks, codec=codec), guard._proposed(*blocks, codec)):
+        for a, b in zip(one_program(*blocks, codec=codec), guard.propose_blocks(*blocks, codec)):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

@@ -432,7 +432,7 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
     nb = mb.shape[0]
     step = min(nb, PROPOSE_CHUNK)
     if tier is None:
-        outs = [_proposed(mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step], codec)
+        outs = [propose_blocks(mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step], codec)
                 for s in range(0, nb, step)]
     else:
         K, kidx, clip = tier
@@ -444,7 +444,7 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
         outs = []
         for s in range(0, nb, step):
             blocks = (mb[s:s + step], vb[s:s + step], pb[s:s + step], in_tensor[s:s + step])
-            o = _proposed(*blocks, codec)
+            o = propose_blocks(*blocks, codec)
             outs.append((*o, _programs.call(_fast_tier, *blocks, *o[4:8], K, None if kb is None else kb[s:s + step],
                                             cb[s:s + step])))
     k = len(outs[0])
@@ -456,10 +456,22 @@ def _propose_chunked(mb, vb, pb, in_tensor, codec, tier=None):
     return mq, vq, mp, vp, mt.reshape(-1), vt.reshape(-1), exact.reshape(-1), ok.reshape(-1), fast
 
 
-def _proposed(mb, vb, pb, in_tensor, codec):
-    """What `_propose_classified` returns, from its programs: one, or for a codec with
-    `codecs.CoreCodec.propose_stages` three (the first stage with the masks, the second,
-    the classification), the same bits (tests/test_propose_stages.py)."""
+def propose_blocks(mb, vb, pb, in_tensor, codec):
+    """The block masks, `codecs.propose` and `classify` of [nb, 256] blocks, as the guard runs
+    them: one program, or three for a codec with `codecs.CoreCodec.propose_stages` (its
+    first stage with the masks, its second, the classification).
+
+    Numerical contract: the same bits as the three in one program (only XLA's fusion
+    differs; tests/test_propose_stages.py checks every output on adversarial blocks).
+
+    Args:
+      mb, vb, pb: [nb, 256] float32 blocks of m, v and the parameter.
+      in_tensor: [nb, 256] bool, True on a tensor's coordinates (False on padding).
+      codec: a codec id with a `propose`.
+
+    Returns:
+      ``(mq, vq, mp, vp, m~, v~, exact, ok)`` device arrays, as `_propose_classified`.
+    """
     if _codecs.get(codec).propose_stages is None:
         return _programs.call(_propose_classified, mb, vb, pb, in_tensor, codec=codec)
     valid, vpos, *carry = _programs.call(_propose_first, mb, vb, pb, in_tensor, codec=codec)
