@@ -209,8 +209,9 @@ class CoreCodec:
       propose: ``(mb, vb, valid, vpos)`` blocks -> ``(mq, vq, mp, vp, m~, v~)``; None
         where the codes are chosen on the host (`choose`).
       propose_stages: optional ``(first, second)`` with ``propose(*a) == second(*a,
-        *first(*a))``: the guard runs them as two programs (log8-rel: in one, XLA's fusion
-        of v's block reductions with m's made the proposal 1.4-1.7x slower, the same bits).
+        *first(*a))``: the guard runs them as two programs, the classification as a third
+        (log8-rel: in one program XLA's fusion of v's block reductions with m's made the
+        proposal 1.3-1.7x slower, with the same bits).
       choose: host-side proposal for `choose`-codecs (logrel-aw), see `_choose_logrel_aw`.
       decode_points: single coordinates with their blocks' parameter rows -> (m~, v~);
         None where the joint search does not apply.
