@@ -130,7 +130,6 @@ def test_pieces_hand_the_fixed_levels_fewer_rows(monkeypatch):
     assert rows_ladder < rows_one, (rows_ladder, rows_one)
 
 
-
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: ",".join(f"{k}={w}" for k, w in c.items()))
 def test_skipping_levels_0_to_2_after_the_adaptive_tier_only_refuses(cfg, monkeypatch):
     """`certify.TIERED_FIRST_LEVEL`: after the adaptive tier levels 0-2 are not walked.  That

@@ -318,15 +318,11 @@ class _Decoder(threading.Thread):
                     ahead -= reader._shape_size(e)[1]
                     m, v = finish()
                     m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
-                    if m.nbytes >= CRC_BESIDE_FROM:   # beside the hash (a task costs more than a small CRC)
-                        crc = [crcs.submit(zlib.crc32, _bytes(x)) for x in (m, v)]
-                        self.digest.update(m)
-                        self.digest.update(v)
-                        crc = [c.result() for c in crc]
-                    else:
-                        self.digest.update(m)
-                        self.digest.update(v)
-                        crc = [zlib.crc32(_bytes(x)) for x in (m, v)]
+                    big = m.nbytes >= CRC_BESIDE_FROM   # CRC-32s beside the hash (a task costs more than a small CRC)
+                    beside = [crcs.submit(zlib.crc32, _bytes(x)) for x in (m, v)] if big else []
+                    self.digest.update(m)
+                    self.digest.update(v)
+                    crc = [c.result() for c in beside] or [zlib.crc32(_bytes(x)) for x in (m, v)]
                     self._put((e["name"], ((m, crc[0]), (v, crc[1]))), m.nbytes + v.nbytes)
             self._put(None)
         except BaseException as exc:   # noqa: BLE001 - handed to the writer, which raises it
