@@ -26,6 +26,7 @@ proposal as the guard does (three programs) and "without" as one program; rows: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import pathlib
 import sys
@@ -48,6 +49,17 @@ def _digest(encs) -> str:
 def _refuse_all(k, m, *args, **kwargs):
     """A tier's kernel switched off: +inf (not usable) for every row, which go on as before it."""
     return np.full(np.shape(m), np.inf, np.float32)
+
+
+@contextlib.contextmanager
+def swapped(obj, name, value):
+    """``obj.name`` is `value` inside the block and what it was after."""
+    real = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, real)
 
 
 def counting(kernel, counter):
@@ -107,32 +119,20 @@ def main():
                     items = _items(ckpt, codec)
                     count = [0]
                     if staged:
-                        with_tier, t_with = _encode(items)
-                        shipped = codecs.TABLE["log8-rel"]
-                        codecs.TABLE["log8-rel"] = dataclasses.replace(shipped, propose_stages=None)
-                        try:
-                            without, t_without = _encode(items)
-                        finally:
-                            codecs.TABLE["log8-rel"] = shipped
+                        on, off = contextlib.nullcontext(), swapped(codecs, "TABLE", {
+                            **codecs.TABLE, "log8-rel": dataclasses.replace(codecs.TABLE["log8-rel"],
+                                                                            propose_stages=None)})
                     elif levels:
-                        with_tier, t_with = _encode(items)
-                        certify.TIERED_FIRST_LEVEL = 0
-                        try:
-                            without, t_without = _encode(items)
-                        finally:
-                            certify.TIERED_FIRST_LEVEL = shipped_first
-                        count[0] = sum(sum(e.stats["certified_by_level"][:shipped_first]) for e in without)
+                        on, off = contextlib.nullcontext(), swapped(certify, "TIERED_FIRST_LEVEL", 0)
                     else:
-                        setattr(fastbound, kernel, counting(real, count))
-                        try:
-                            with_tier, t_with = _encode(items)
-                        finally:
-                            setattr(fastbound, kernel, real)
-                        setattr(fastbound, kernel, _refuse_all)
-                        try:
-                            without, t_without = _encode(items)
-                        finally:
-                            setattr(fastbound, kernel, real)
+                        on = swapped(fastbound, kernel, counting(real, count))
+                        off = swapped(fastbound, kernel, _refuse_all)
+                    with on:
+                        with_tier, t_with = _encode(items)
+                    with off:
+                        without, t_without = _encode(items)
+                    if levels:
+                        count[0] = sum(sum(e.stats["certified_by_level"][:shipped_first]) for e in without)
                     esc = [sum(e.stats["escapes"] for e in x) for x in (with_tier, without)]
                     cells = count[0]
                     same = _digest(with_tier) == _digest(without)
