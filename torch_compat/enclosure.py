@@ -82,9 +82,12 @@ def _fast_bounds(k, m, v, mt, vt, pabs, clip, *, no_radius=False):
     return jnp.where(usable, b, jnp.nan), usable
 
 
-# The two tiers on the coordinate's own cells: (bound on given edges, the guard's batch kernel).
-CELLS_TIERS = {"fast_cells": (_fastbound.fast_cells_bound, _fastbound.batch_fast_cells_pc),
-               "signed_cells": (_fastbound.signed_cells_bound, _fastbound.batch_signed_cells_pc)}
+# The two tiers on the coordinate's own cells: (bound on given edges, the guard's batch kernel,
+# the partitions the guard runs it on).
+CELLS_TIERS = {"fast_cells": (_fastbound.fast_cells_bound, _fastbound.batch_fast_cells_pc,
+                              _fastbound.FAST_CELLS_PARTITIONS),
+               "signed_cells": (_fastbound.signed_cells_bound, _fastbound.batch_signed_cells_pc,
+                                (_fastbound.FAST_CELLS_GAMMAS,))}
 
 
 @functools.partial(jax.jit, static_argnames=("tier", "no_radius"))
@@ -95,10 +98,10 @@ def _cell_tier_bounds(k, m, v, mt, vt, pabs, clip, e, *, tier, no_radius=False):
     return jnp.where(usable, b, jnp.nan), usable
 
 
-@functools.partial(jax.jit, static_argnames=("tier",))
-def _cell_tier_whole(k, m, v, mt, vt, pabs, clip, *, tier):
-    """A cells tier as the guard runs it (the coordinate's own partition)."""
-    return CELLS_TIERS[tier][1](_bound.as_step_row(k, -1), m, v, mt, vt, pabs, clip)
+@functools.partial(jax.jit, static_argnames=("tier", "gammas"))
+def _cell_tier_whole(k, m, v, mt, vt, pabs, clip, *, tier, gammas):
+    """A cells tier as the guard runs it (the coordinate's own partition, `gammas`)."""
+    return CELLS_TIERS[tier][1](_bound.as_step_row(k, -1), m, v, mt, vt, pabs, clip, gammas=gammas)
 
 
 @jax.jit
@@ -440,20 +443,25 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             fc["cell_usable"] += int(np.count_nonzero(cu))
             cbad = cu & ~(amax <= cb.astype(np.float64))
             fc["cell_failures"] += int(np.count_nonzero(cbad))
-            wb = np.asarray(_cell_tier_whole(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"],
-                                             tier=tier), np.float64)
-            w_fin = np.isfinite(wb)
-            fc["finite"] += int(np.count_nonzero(w_fin))
-            fc["certified_at_tau_0.01"] += int(np.count_nonzero(w_fin & (wb <= k[:, 9])))
-            wbad = w_fin & ~(amax <= wb)
-            fc["failures"] += int(np.count_nonzero(wbad))
             with np.errstate(divide="ignore", invalid="ignore"):
-                fcr = np.concatenate([np.where(cu & (amax > 0), amax / cb.astype(np.float64), 0.0),
-                                      np.where(w_fin & (amax > 0), amax / wb, 0.0)])
+                ratios = [np.where(cu & (amax > 0), amax / cb.astype(np.float64), 0.0)]
+            bad = [(i, float(cb[i])) for i in np.flatnonzero(cbad)]
+            for gammas in CELLS_TIERS[tier][2]:   # each partition the guard runs the tier on
+                wb = np.asarray(_cell_tier_whole(jnp.asarray(k), d["m"], d["v"], d["mt"], d["vt"], pabs, d["clip"],
+                                                 tier=tier, gammas=gammas), np.float64)
+                w_fin = np.isfinite(wb)
+                fc["finite"] += int(np.count_nonzero(w_fin))
+                fc["certified_at_tau_0.01"] += int(np.count_nonzero(w_fin & (wb <= k[:, 9])))
+                wbad = w_fin & ~(amax <= wb)
+                fc["failures"] += int(np.count_nonzero(wbad))
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratios.append(np.where(w_fin & (amax > 0), amax / wb, 0.0))
+                bad += [(i, float(wb[i])) for i in np.flatnonzero(wbad)]
+            fcr = np.concatenate(ratios)
             fc["max_ratio"] = max(fc["max_ratio"], float(np.nanmax(fcr)) if fcr.size else 0.0)
-            for i in np.flatnonzero(cbad | wbad)[: max(0, keep_failures - len(fc["failure_examples"]))]:
-                fc["failure_examples"].append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]],
-                                                        float(cb[i] if cbad[i] else wb[i]), actual[i], g[i]))
+            for i, bnd in bad[: max(0, keep_failures - len(fc["failure_examples"]))]:
+                fc["failure_examples"].append(_describe(d, i, steps[gid[i]], lrs[gid[i]], wds[gid[i]], bnd,
+                                                        actual[i], g[i]))
         # the adaptive tier's whole bound (all cells of the coordinate's own partition), for
         # each partition the guard tries
         for gammas in _bound.ADAPTIVE_PARTITIONS:

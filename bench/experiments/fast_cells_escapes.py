@@ -1,6 +1,7 @@
 """Does a cells tier (`fastbound.fast_cells_bound`, `fastbound.signed_cells_bound`), skipping
 the fixed levels 0-2 after the adaptive tier (`certify.TIERED_FIRST_LEVEL`), or log8-rel's
-proposal in stages (`codecs.CoreCodec.propose_stages`), move an escape?
+proposal in stages (`codecs.CoreCodec.propose_stages`), or the cells tier's 8-cell ladder before
+its 28 cells (`fastbound.FAST_CELLS_PARTITIONS`), move an escape?
 
 Both tiers sit between the closed form and the adaptive cell bound in `certify.certify_pc`.
 Each certifies with its own bound, so it could in principle certify a coordinate that every
@@ -16,12 +17,16 @@ signed tier: candidates, some more than once).  With ``--tier fixed_levels`` the
 is the shipped one (levels from `certify.TIERED_FIRST_LEVEL` on after the adaptive tier) and
 "without" walks levels 0-2 too; its rows column counts what levels 0-2 certified there (final
 certificates only: the stats count those).  With ``--tier staged_propose`` "with" runs log8-rel's
-proposal as the guard does (three programs) and "without" as one program; rows: 0.
+proposal as the guard does (three programs) and "without" as one program; rows: 0.  With
+``--tier cells_ladder`` "with" runs the cells tier on the 8-cell ladder, then the 28 cells on
+what it refused (as shipped), and "without" on the 28 cells alone; rows: what the ladder
+certified.
 
     python bench/experiments/fast_cells_escapes.py --out bench/experiments/results/fast_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier signed_cells --out bench/experiments/results/signed_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier fixed_levels --out bench/experiments/results/fixed_levels_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier staged_propose --out bench/experiments/results/staged_propose_escapes.md
+    python bench/experiments/fast_cells_escapes.py --tier cells_ladder --out bench/experiments/results/cells_ladder_escapes.md
 """
 from __future__ import annotations
 
@@ -71,6 +76,15 @@ def counting(kernel, counter):
     return run
 
 
+def _counting_partition(kernel, counter, gammas):
+    """`kernel` that counts, in counter[0], the rows it certifies on partition `gammas` only."""
+    counted = counting(kernel, counter)
+
+    def run(*args, **kwargs):
+        return (counted if kwargs.get("gammas") == gammas else kernel)(*args, **kwargs)
+    return run
+
+
 def _encode(items):
     from jaxguard.core import guard
     t0 = time.perf_counter()
@@ -95,9 +109,10 @@ def main():
     ap.add_argument("--seeds", type=int, default=4, help="the first N of the reproduction's seeds per model")
     ap.add_argument("--codecs", default="log8-rel,log8,block8,logrel-aw,logrel-ans")
     ap.add_argument("--tier", default="fast_cells",
-                    choices=("fast_cells", "signed_cells", "fixed_levels", "staged_propose"),
+                    choices=("fast_cells", "signed_cells", "fixed_levels", "staged_propose", "cells_ladder"),
                     help="the tier switched off: the closed form on the cells, the signed cells tier, (fixed_levels) "
-                         "the skip of levels 0-2 after the adaptive tier, or (staged_propose) log8-rel's staged proposal")
+                         "the skip of levels 0-2 after the adaptive tier, (staged_propose) log8-rel's staged proposal, "
+                         "or (cells_ladder) the cells tier's 8-cell ladder before its 28 cells")
     args = ap.parse_args()
     import dataclasses
 
@@ -106,7 +121,8 @@ def main():
 
     levels = args.tier == "fixed_levels"
     staged = args.tier == "staged_propose"
-    kernel = "batch_fast_cells_pc" if levels or staged else f"batch_{args.tier}_pc"
+    ladder = args.tier == "cells_ladder"
+    kernel = "batch_fast_cells_pc" if levels or staged or ladder else f"batch_{args.tier}_pc"
     real = getattr(fastbound, kernel)
     shipped_first = certify.TIERED_FIRST_LEVEL
     rows = []
@@ -124,6 +140,10 @@ def main():
                                                                             propose_stages=None)})
                     elif levels:
                         on, off = contextlib.nullcontext(), swapped(certify, "TIERED_FIRST_LEVEL", 0)
+                    elif ladder:
+                        on = swapped(fastbound, kernel, _counting_partition(real, count,
+                                                                            fastbound.FAST_CELLS_PARTITIONS[0]))
+                        off = swapped(fastbound, "FAST_CELLS_PARTITIONS", (fastbound.FAST_CELLS_GAMMAS,))
                     else:
                         on = swapped(fastbound, kernel, counting(real, count))
                         off = swapped(fastbound, kernel, _refuse_all)
@@ -142,13 +162,16 @@ def main():
                     print(rows[-1], flush=True)
     title = {"fast_cells": "The closed-form cells tier", "signed_cells": "The signed cells tier",
              "fixed_levels": "Fixed levels 0-2 skipped after the adaptive tier",
-             "staged_propose": "log8-rel's proposal in three programs"}[args.tier]
+             "staged_propose": "log8-rel's proposal in three programs",
+             "cells_ladder": "The cells tier's 8-cell ladder before its 28 cells"}[args.tier]
     flag = "" if args.tier == "fast_cells" else f" --tier {args.tier}"
     lines = [f"# {title} and the escapes", "",
              f"`python bench/experiments/fast_cells_escapes.py{flag}` (this file's command): every guarded codec on the "
              "reproduction's checkpoints (bench/reproduce.py's models and seeds, 10/50/100% of training), encoded "
              + ("with levels 0-2 skipped after the adaptive tier (as shipped) and walked. " if levels else
                 "with log8-rel's proposal in three programs (as shipped) and in one. " if staged else
+                "with the cells tier on the 8-cell ladder then the 28 cells (as shipped) and on the 28 cells alone. "
+                if ladder else
                 "with the tier and with it switched off (its kernel answering +inf). ")
              + "`same arrays`: the SHA-256 of every "
              "encoded array (codes, block parameters, escape indices and values) agrees.", "",
