@@ -154,12 +154,18 @@ def encode_work(records) -> int:
     Args:
       records: a list or tuple of `MomentJob`, `Raw` and `Moments` (others count 0).
     """
-    work = 0
-    for r in records:
-        if isinstance(r, MomentJob):
-            entry = _codecs.TABLE.get(r.config.codec)
-            work += r.size * (HOST_CHOSEN_WEIGHT if entry is not None and entry.choose is not None else 1)
-    return work
+    return sum(r.size * work_weight(r.config.codec) for r in records if isinstance(r, MomentJob))
+
+
+def work_weight(codec: str) -> int:
+    """Returns: what one coordinate of `codec` counts towards `SECOND_THREAD_FROM`
+    (`HOST_CHOSEN_WEIGHT` where the codec chooses its codes on the host, else 1).
+
+    Args:
+      codec: a codec id.
+    """
+    entry = _codecs.TABLE.get(codec)
+    return HOST_CHOSEN_WEIGHT if entry is not None and entry.choose is not None else 1
 
 
 def device_encode_setting(device_encode=None):
