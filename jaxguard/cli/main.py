@@ -442,39 +442,60 @@ def _synchronous_cpu_dispatch():
 
 def _one_thread_xla_pool_if_threaded(a):
     """For a compress that will run more than one encode thread: start jax's CPU backend
-    with an intra-op pool of one thread, so each encode thread runs its programs on its
-    own core.
+    with an intra-op pool of one thread (`start_cpu_backend_one_thread_pool`).
 
-    XLA sizes that pool by the CPUs the starting thread may run on and splits large
-    fusions over it.  With one encode thread that spreads its programs over the cores; with
-    a thread per core the splits only contend: in a 60M-coordinate in-process encode on 2
-    cores the pool's threads took 1 s of CPU of 2 s, and with a one-thread pool the encode
-    took 1.6 s instead of 2.0 s (one core: 2.6 s).  The encode threads are estimated from
-    the source's size (an Adam coordinate takes 12 bytes at least: p, m, v); a wrong
-    guess costs time, never a result.  The backend starts while this thread may run on one
-    CPU, then every thread gets back the CPUs the process had.  Same programs, same
-    results.  Linux only (elsewhere, with one CPU, for a DCP directory or a URL, or once a
-    backend has started, nothing changes)."""
+    The encode threads are estimated from the source's size (an Adam coordinate takes 12
+    bytes at least: p, m, v); a wrong guess costs time, never a result.  With one encode
+    thread (below 2**25 coordinates: the 16.5M bench checkpoint) XLA's own pool stays: there
+    the two pools measured alike within this machine's noise
+    (bench/experiments/results/encode_cores.md).  Nothing changes for a DCP directory or a
+    URL."""
     from jaxguard import writer
     from jaxguard.format import storage
     try:
-        import jax
         if storage.is_url(a.ckpt) or not os.path.isfile(a.ckpt):
             return
         guess = os.path.getsize(a.ckpt) // 12 * writer.work_weight(a.codec)
         if writer.encode_threads(guess) < 2:
             return
+    except (OSError, JaxguardError):   # a bad setting is reported by the encode
+        return
+    start_cpu_backend_one_thread_pool()
+
+
+def start_cpu_backend_one_thread_pool() -> bool:
+    """Start jax's CPU backend with an intra-op pool of one thread, so that each thread
+    that runs programs (compress's encode threads) runs them on its own core.
+
+    XLA sizes that pool by the CPUs the starting thread may run on and splits large
+    fusions over it.  With an encode thread per core the splits only contend: a
+    60M-coordinate in-process encode on 2 cores took 1.99-2.19 s and 3.2-3.7 s of CPU with
+    that pool, 1.71-1.80 s and 2.8-3.0 s of CPU with one thread in it (one core: 2.5 s;
+    bench/experiments/results/encode_cores.md).  The backend starts while this thread may
+    run on one CPU, then every thread gets back the CPUs the process had.  Same programs,
+    same results.  For a process that is about to run the guard on several threads, before
+    anything else starts jax's backend.
+
+    Returns:
+      True if the backend started so; False on one CPU, off Linux, or when something had
+      started it already (then nothing changed).
+    """
+    try:
+        import jax
+        from jax._src import xla_bridge
+        if getattr(xla_bridge, "_backends", None):
+            return False
         cpus = os.sched_getaffinity(0)
         if len(cpus) < 2:
-            return
+            return False
         before = set(os.listdir("/proc/self/task"))
-    except (AttributeError, OSError, ImportError, JaxguardError):   # a bad setting is reported by the encode
-        return
+    except (AttributeError, OSError, ImportError):
+        return False
     try:
         os.sched_setaffinity(0, {min(cpus)})
         jax.devices()
     except Exception:  # noqa: BLE001 - the backend's own errors surface at its first use
-        pass
+        return False
     finally:
         os.sched_setaffinity(0, cpus)
         for tid in set(os.listdir("/proc/self/task")) - before:   # the pool's threads
@@ -482,6 +503,7 @@ def _one_thread_xla_pool_if_threaded(a):
                 os.sched_setaffinity(int(tid), cpus)
             except (OSError, ValueError):
                 pass
+    return True
 
 
 def _reuse_freed_memory():
