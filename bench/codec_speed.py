@@ -448,7 +448,8 @@ def main(argv=None):
                                   "interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
               "commit": commit, "codec": a.codec, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
-              "model": "gpt2" if a.gpt2 else "byte-transformer", "load_at_start": load0,
+              "model": "gpt2" if a.gpt2 else "byte-transformer", "src": os.path.basename(a.src) if a.src else None,
+              "load_at_start": load0,
               "whole_process": whole, "sweep": sw}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
@@ -467,7 +468,8 @@ def write_md(res, path):
     sm = w["summary"]
     lines = [
         f"# Codec speed: {sm['coordinates']:,} Adam coordinates ("
-        + ("GPT-2 small, transformers' GPT2Config(), AdamW" if res.get("model") == "gpt2"
+        + (f"the checkpoint `{res['src']}` given with --src" if res.get("src")
+           else "GPT-2 small, transformers' GPT2Config(), AdamW" if res.get("model") == "gpt2"
            else f"ByteTransformer x{res['replicas']}") + f", {res.get('codec', 'log8-rel')})",
         "",
         f"Machine: {res['machine']['processor'] or platform.machine()}, {res['machine']['cpus']} cores, "
