@@ -109,12 +109,17 @@ _FRESH = ("import logging, sys\n"
           "assert np.array_equal(np.asarray(programs.call(B.batch_lower_pc, *args)), np.asarray(B.batch_lower_pc(*args)))\n")
 
 
-def _fresh_compiles(directory):
+def _fresh_compiles(directory, xla_flags=None):
     """Compilations logged by a fresh process making one exported call (the direct call
     it is checked against compiles one more, the kernel itself)."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _FRESH, str(directory)], capture_output=True, text=True, timeout=600)
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    out = subprocess.run([sys.executable, "-c", _FRESH, str(directory)], capture_output=True, text=True, timeout=600,
+                         env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return sum("Compiling" in line for line in out.stderr.splitlines())
 
@@ -156,3 +161,16 @@ def test_without_flatbuffers_it_traces_as_before(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False" and not (tmp_path / "export").exists()
+
+
+def test_an_executable_is_not_reused_under_other_xla_flags(tmp_path):
+    """A stored executable is what XLA made of the program under the process's XLA_FLAGS
+    (an instruction set, fast math): a process with other flags compiles and stores its
+    own; one with the same flags loads it (the control)."""
+    d = tmp_path / "export"
+    _fresh_compiles(d)
+    assert len(_executables(d)) == 1
+    _fresh_compiles(d)
+    assert len(_executables(d)) == 1          # the same flags: the stored one
+    _fresh_compiles(d, "--xla_cpu_max_isa=AVX2")
+    assert len(_executables(d)) == 2          # other flags: its own

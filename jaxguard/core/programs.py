@@ -72,8 +72,10 @@ def _code_tag() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _host_tag() -> str:
-    """This CPU's model and feature flags: a compiled CPU executable is only reused on a
-    host with the same instruction set (a home directory shared by other machines)."""
+    """This CPU's model and feature flags, and ``XLA_FLAGS``: a compiled CPU executable is
+    only reused on a host with the same instruction set (a home directory shared by other
+    machines) and by a process compiling with the same XLA options (``--xla_cpu_max_isa``,
+    ``--xla_cpu_enable_fast_math``: the executable is what they made of the program)."""
     info = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
@@ -81,7 +83,7 @@ def _host_tag() -> str:
         info = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("vendor_id", "model name", "flags"))
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.processor()}|{info}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{platform.processor()}|{info}|{os.environ.get('XLA_FLAGS', '')}".encode()).hexdigest()[:16]
 
 
 def call(fn, *args, **static):
