@@ -483,7 +483,7 @@ def start_cpu_backend_one_thread_pool() -> bool:
     try:
         import jax
         from jax._src import xla_bridge
-        if getattr(xla_bridge, "_backends", None):
+        if xla_bridge.backends_are_initialized():
             return False
         cpus = os.sched_getaffinity(0)
         if len(cpus) < 2:

@@ -117,6 +117,14 @@ def checked_entry(e):
                          "Moments (jaxguard.writer builds them from MomentJob / Raw records)")
 
 
+def _le_bytes(arr) -> np.ndarray:
+    """`arr`'s bytes as a flat uint8 array: little-endian, C order, any dtype (bfloat16 too)."""
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+
+
 class _Sections:
     """One entry's sections, laid out back to back in a buffer the writer reuses from
     entry to entry (`body`).
@@ -139,10 +147,7 @@ class _Sections:
         Returns:
           ``[start, end]``, its byte range in the entry.
         """
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        flat = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+        flat = _le_bytes(arr)
         b = self.size
         self.parts.append(flat)
         self.size += flat.size
@@ -287,10 +292,7 @@ class PayloadSink:
         Returns:
           ``[start, end]``, its byte range in the payload.
         """
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        return self.write(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")   # any dtype (bf16 too)
+        return self.write(_le_bytes(arr))
 
 
 COPY_CHUNK = 1 << 24
