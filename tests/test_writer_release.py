@@ -129,3 +129,19 @@ def test_pieces_of_a_cpu_jax_array_are_host_views():
             assert all(np.shares_memory(c[0], host) for c in pieces)
     for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
         np.testing.assert_array_equal(np.asarray(out["jax"].arrays[k]), np.asarray(out["numpy"].arrays[k]))
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled", "2-d"])
+def test_pieces_take_gathers_across_pieces_in_any_order(order):
+    """`Pieces.take` is ``np.asarray(pieces)[idx]``: across empty pieces, at their edges, with
+    repeats, for sorted positions (the writer's sample), shuffled ones, and a 2-d index."""
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(k).astype(np.float32) for k in (7, 0, 1, 300, 0, 64, 2)]
+    pieces = container.Pieces(parts)
+    whole = np.concatenate(parts)
+    edges = np.concatenate([pieces.offsets[1:] - 1, pieces.offsets[:-1]])
+    idx = np.concatenate([edges[edges < whole.size], rng.integers(0, whole.size, 500), [0, 0, whole.size - 1]])
+    idx = {"sorted": np.sort(idx), "shuffled": idx, "2-d": idx[:500].reshape(20, 25)}[order]
+    got = pieces.take(idx)
+    assert got.shape == idx.shape
+    np.testing.assert_array_equal(got.view(np.uint32), whole[idx].view(np.uint32))

@@ -72,11 +72,18 @@ class Pieces:
           An array of `idx`'s shape.
         """
         idx = np.asarray(idx, np.int64)
-        which = np.searchsorted(self.offsets, idx, side="right") - 1
         out = np.empty(idx.shape, self.dtype)
-        for i in np.unique(which):
-            sel = which == i
-            out[sel] = self.parts[int(i)][idx[sel] - self.offsets[i]]
+        flat, dst = idx.reshape(-1), out.reshape(-1)
+        if flat.size > 1 and not (flat[1:] >= flat[:-1]).all():
+            order = np.argsort(flat, kind="stable")
+            dst[order] = self.take(flat[order])
+            return out
+        # sorted positions: each piece's are one run, found by bisection (no sort, no masks)
+        cuts = np.searchsorted(flat, self.offsets)
+        for i, part in enumerate(self.parts):
+            a, b = cuts[i], cuts[i + 1]
+            if b > a:
+                dst[a:b] = part[flat[a:b] - self.offsets[i]]
         return out
 
 
