@@ -1,5 +1,6 @@
 """jaxguard.core.programs: the exported kernels compute bit for bit what the jitted ones do,
 are read back from disk by a later process, and are keyed by shape and static argument."""
+import importlib
 import os
 
 import jax.numpy as jnp
@@ -174,3 +175,66 @@ def test_an_executable_is_not_reused_under_other_xla_flags(tmp_path):
     assert len(_executables(d)) == 1          # the same flags: the stored one
     _fresh_compiles(d, "--xla_cpu_max_isa=AVX2")
     assert len(_executables(d)) == 2          # other flags: its own
+
+
+def _file(path, size, age_s):
+    import time
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+def test_prune_removes_the_least_recently_used_artifacts_only(tmp_path):
+    """`prune` keeps the cache at 3/4 of its bound once over it, oldest modification time
+    first, and never touches a file that is not one of its artifacts."""
+    old = [_file(tmp_path / "v1" / f"{i}.jaxexport", 100, 1000 - i) for i in range(4)]   # 0 the oldest
+    new = [_file(tmp_path / "v2" / "exe" / f"{i}.xla", 100, i) for i in range(4)]
+    mine = _file(tmp_path / "v1" / "notes.txt", 10_000, 5000)            # the user's: kept
+    stale, fresh = _file(tmp_path / "v1" / "a.tmp", 7, 2 * 86400), _file(tmp_path / "v1" / "b.tmp", 7, 60)
+    assert programs.prune(tmp_path, 800) == 7 and not stale.exists()     # under the bound: only the stale tmp
+    assert all(p.exists() for p in old + new + [mine, fresh])
+    assert programs.prune(tmp_path, 700) == 300                          # 800 > 700: down to 525
+    assert [p.exists() for p in old] == [False, False, False, True]      # the three oldest went
+    assert all(p.exists() for p in new + [mine, fresh])
+    assert programs.prune(tmp_path / "missing", 1) == 0
+
+
+def test_a_bounded_cache_keeps_what_it_uses_and_drops_another_versions(tmp_path):
+    """The CLI's bound (`enable(max_bytes=..., prune_root=...)`): another version's
+    artifacts, older, are removed by the first store of this one; what a process loads has
+    its time renewed, so this version's programs outlive those it no longer uses."""
+    root = tmp_path / "export"
+    other = [_file(root / "jax-old" / "exe" / f"{i}.xla", 200_000, 3600) for i in range(5)]
+    m, v, mt, vt, _, clip = _inputs(256, seed=3)
+    K, gidx = _rows(256)
+    args = (K.take(gidx), m, v, mt, vt, clip)
+    programs.enable(root / "jax-new", max_bytes=1_000_000, prune_root=root)
+    try:
+        want = np.asarray(programs.call(B.batch_lower_pc, *args))
+        assert not any(p.exists() for p in other[:2])            # 1.0 MB over the bound: down to 0.75 MB
+        assert any(p.exists() for p in other)
+        (exe,) = _executables(root / "jax-new")
+        exe = root / "jax-new" / "exe" / exe
+        t = exe.stat().st_mtime - 7200
+        os.utime(exe, (t, t))
+        programs.enable(root / "jax-new", max_bytes=1_000_000, prune_root=root)   # a later process
+        assert np.array_equal(_bits(programs.call(B.batch_lower_pc, *args)), _bits(want))
+        assert exe.stat().st_mtime > t + 3600                     # loaded: renewed
+    finally:
+        programs.enable(None)
+
+
+@pytest.mark.parametrize("value, want", [("", 512 << 20), ("64", 64 << 20), ("0", 0), ("-1", None)])
+def test_cli_program_cache_bound_from_the_environment(monkeypatch, value, want):
+    cli = importlib.import_module("jaxguard.cli.main")
+    monkeypatch.setenv("JAXGUARD_PROGRAM_CACHE_MB", value)
+    assert cli.program_cache_bytes() == want
+
+
+def test_cli_program_cache_bound_refuses_a_non_integer(monkeypatch):
+    cli = importlib.import_module("jaxguard.cli.main")
+    monkeypatch.setenv("JAXGUARD_PROGRAM_CACHE_MB", "1G")
+    with pytest.raises(SystemExit, match=r"JAXGUARD_PROGRAM_CACHE_MB='1G' is not an integer; set megabytes"):
+        cli.program_cache_bytes()

@@ -420,9 +420,38 @@ def _enable_compile_cache():
         jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla", tag))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         from jaxguard.core import programs   # and the traced kernels (jax.export), same key rules
-        programs.enable(os.path.join(base, "jaxguard", "export", tag))
+        limit = program_cache_bytes()
+        if limit != 0:
+            root = os.path.join(base, "jaxguard", "export")
+            programs.enable(os.path.join(root, tag), max_bytes=limit, prune_root=root)
     except Exception:  # noqa: BLE001 - a cache is an optimisation only
         pass
+
+
+PROGRAM_CACHE_MB = 512   # ~50 MB of executables a jaxguard/jax version (GPT-2's compress loads 40 of them)
+
+
+def program_cache_bytes():
+    """The bound on the CLI's cache of compiled guard programs (`core.programs.prune`):
+    ``JAXGUARD_PROGRAM_CACHE_MB`` megabytes (default `PROGRAM_CACHE_MB`; 0 keeps no
+    programs, a negative value sets no bound).  Each new jaxguard, jax or machine adds its
+    own programs; the least recently used go first.
+
+    Returns:
+      Bytes, 0 (no cache) or None (unbounded).
+
+    Raises:
+      SystemExit: the variable is not an integer (one line naming it and the fix).
+    """
+    raw = os.environ.get("JAXGUARD_PROGRAM_CACHE_MB", "").strip()
+    if not raw:
+        return PROGRAM_CACHE_MB << 20
+    try:
+        mb = int(raw)
+    except ValueError:
+        raise SystemExit(f"jaxguard: JAXGUARD_PROGRAM_CACHE_MB={raw!r} is not an integer; set megabytes "
+                         f"(default {PROGRAM_CACHE_MB}, 0 for no program cache, -1 for no bound)") from None
+    return None if mb < 0 else mb << 20
 
 
 def _synchronous_cpu_dispatch():

@@ -35,21 +35,103 @@ import platform
 import tempfile
 import threading
 
-_state = {"dir": None, "programs": {}, "broken": False}
+_state = {"dir": None, "programs": {}, "broken": False, "max_bytes": None, "prune_root": None, "pruned": False}
 # one lock per program: the encode threads start on the same kernels at once, and each
 # loaded its own copy of the executable (6 of 45 loads of a GPT-2 compress, 0.5 s CPU)
 _loading: dict = {}
 _loading_lock = threading.Lock()
 
 
-def enable(directory) -> None:
+def enable(directory, *, max_bytes=None, prune_root=None) -> None:
     """Keep exported kernels under `directory` (created on first write); None disables.
 
     Args:
       directory: a local directory, or None.
+      max_bytes: bound the cache's files to this many bytes (None: unbounded).  Every
+        artifact a process uses has its modification time renewed; the first process that
+        stores a new one (a new jaxguard, jax or machine: a compile) then removes the
+        least recently used ones until the cache holds 3/4 of `max_bytes` (`prune`).
+      prune_root: the directory that bound applies to (default `directory`), e.g. the
+        parent of several versions' directories.
     """
     _state["dir"] = None if directory is None else os.fspath(directory)
+    _state["max_bytes"] = max_bytes
+    _state["prune_root"] = None if prune_root is None else os.fspath(prune_root)
+    _state["pruned"] = False
     _state["programs"].clear()
+
+
+ARTIFACT_SUFFIXES = (".jaxexport", ".xla")
+STALE_TMP_SECONDS = 24 * 3600   # a ``.tmp`` older than this was left by a killed process
+
+
+def prune(root, max_bytes: int, *, keep_fraction: float = 0.75) -> int:
+    """Remove the least recently used cache artifacts under `root` until they take at most
+    ``keep_fraction * max_bytes`` (nothing when they take no more than `max_bytes`).
+
+    Only this module's files are touched (``*.jaxexport``, ``*.xla``, and ``*.tmp`` left
+    for a day); the order is by modification time, which `call` renews on every use.  A
+    concurrent process that loses a file it was about to read exports it again.
+
+    Args:
+      root: a directory (missing: nothing to do).
+      max_bytes: the bound, in bytes.
+      keep_fraction: what a prune leaves, as a fraction of `max_bytes`.
+
+    Returns:
+      The bytes removed.
+    """
+    import time
+    files, total, removed = [], 0, 0
+    now = time.time()
+    for base, _dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(base, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                removed += _remove(path, st.st_size)
+            elif name.endswith(ARTIFACT_SUFFIXES):
+                files.append((st.st_mtime, st.st_size, path))
+                total += st.st_size
+    if total <= max_bytes:
+        return removed
+    for _mtime, size, path in sorted(files):
+        if total <= keep_fraction * max_bytes:
+            break
+        freed = _remove(path, size)
+        total -= freed
+        removed += freed
+    return removed
+
+
+def _remove(path, size) -> int:
+    try:
+        os.remove(path)
+        return size
+    except OSError:
+        return 0
+
+
+def _used(path) -> None:
+    """Renew `path`'s modification time: `prune` removes the least recently used first."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _stored() -> None:
+    """After a new artifact was written: once a process, bound the cache (`enable`)."""
+    if _state["max_bytes"] is None or _state["pruned"]:
+        return
+    _state["pruned"] = True
+    try:
+        prune(_state["prune_root"] or _state["dir"], _state["max_bytes"])
+    except OSError:
+        pass
 
 
 def enabled() -> bool:
@@ -133,6 +215,7 @@ def _load_or_export(fn, key, leaves, tree, static):
     exe_path = os.path.join(_state["dir"], "exe", f"{name}-{_host_tag()}.xla")
     loaded = _load_executable(exe_path)
     if loaded is not None:
+        _used(path)   # its fallback: kept as long as the executable is
         return _with_fallback(loaded, lambda: _load_or_export_module(fn, path, leaves, tree, static))
     jitted = _load_or_export_module(fn, path, leaves, tree, static)
     compiled = _fresh_executable(jitted, leaves, exe_path)
@@ -206,9 +289,11 @@ def _load_executable(exe_path):
         from jax.experimental import serialize_executable
         with open(exe_path, "rb") as fh:
             payload, in_tree, out_tree = pickle.load(fh)
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
     except Exception:  # noqa: BLE001 - a damaged or foreign executable is rebuilt, never trusted
         return None
+    _used(exe_path)
+    return loaded
 
 
 def _store_executable(exe_path, serialized):
@@ -221,7 +306,8 @@ def _store_executable(exe_path, serialized):
             fh.write(data)
         os.replace(tmp, exe_path)
     except Exception:  # noqa: BLE001 - not every backend serializes executables; a cache only
-        pass
+        return
+    _stored()
 
 
 def _load_or_export_module(fn, path, leaves, tree, static):
@@ -233,6 +319,7 @@ def _load_or_export_module(fn, path, leaves, tree, static):
         try:
             with open(path, "rb") as fh:
                 exported = export.deserialize(bytearray(fh.read()))
+            _used(path)
         except ImportError:
             raise
         except Exception:  # noqa: BLE001 - a damaged artifact is rebuilt, never trusted
@@ -248,6 +335,7 @@ def _load_or_export_module(fn, path, leaves, tree, static):
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, path)   # atomic: a concurrent process reads a whole file or none
+            _stored()
         except OSError:
             pass   # a cache is an optimisation only
     return jax.jit(exported.call)
