@@ -551,6 +551,25 @@ def _reuse_freed_memory():
         pass
 
 
+def _no_numpy_huge_pages():
+    """Compress and restore: numpy's large arrays are not marked for transparent huge pages.
+
+    numpy asks the kernel for huge pages on every array of 4 MiB or more (``madvise``), and
+    with the kernel's default ``defrag=madvise`` a first touch of such memory compacts
+    memory on the spot whenever no free 2 MiB page is at hand, as on a machine whose page
+    cache holds the checkpoints just written.  There a fresh 154 MB array took 196-325 ms
+    to fill against 70-75 ms without (12.5 ms when free huge pages happen to be ready),
+    and a GPT-2-sized restore 3.74-4.41 s against 2.49-2.86 s (system time 2.8-3.6 s
+    against 0.8-1.2 s; 2-core AMD EPYC, 4 interleaved pairs).  ``NUMPY_MADVISE_HUGEPAGE``
+    does the same, but only when set before numpy is imported."""
+    try:
+        import numpy as np
+        core = getattr(np, "_core", None) or np.core
+        core.multiarray._set_madvise_hugepage(False)
+    except (AttributeError, ImportError):   # a numpy without the switch: its own default
+        pass
+
+
 def main(argv=None) -> int:
     """The ``jaxguard`` console script.
 
@@ -569,6 +588,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
         _reuse_freed_memory()
+        _no_numpy_huge_pages()
     if args.cmd == "compress":        # (restore runs no JAX program: it must not import jax)
         _synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
         _one_thread_xla_pool_if_threaded(args)
