@@ -36,13 +36,29 @@ RESULTS = os.path.join(HERE, "results")
 FRAMEWORKS = ("jax", "torch", "lightning", "hf")
 
 
-def _stats(name, n_params, steps, wall, blocks, waits):
-    """blocks: the save calls' times; waits: the waits for the previous save before each."""
+FAULTED = 1000   # minor page faults of a save call that mark it as staging into fresh memory
+
+
+def _thread_faults() -> int:
+    """Minor page faults of the calling thread so far (of the process where Linux's
+    per-thread count is missing)."""
+    import resource
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+
+
+def _stats(name, n_params, steps, wall, blocks, waits, faults=None):
+    """blocks: the save calls' times; waits: the waits for the previous save before each;
+    faults: the minor page faults of each save call (the calling thread's own)."""
     med = lambda xs: statistics.median(xs) if xs else 0.0   # noqa: E731
-    return {"mode": name, "params": n_params, "steps": steps, "wall_s": wall, "steps_per_s": steps / wall,
-            "saves": len(blocks), "block_s": blocks, "wait_s": waits, "block_median_s": med(blocks),
-            "block_max_s": max(blocks) if blocks else 0.0, "wait_median_s": med(waits),
-            "wait_max_s": max(waits) if waits else 0.0}
+    out = {"mode": name, "params": n_params, "steps": steps, "wall_s": wall, "steps_per_s": steps / wall,
+           "saves": len(blocks), "block_s": blocks, "wait_s": waits, "block_median_s": med(blocks),
+           "block_max_s": max(blocks) if blocks else 0.0, "wait_median_s": med(waits),
+           "wait_max_s": max(waits) if waits else 0.0}
+    if faults is not None:
+        resident = [b for b, f in zip(blocks, faults) if f < FAULTED]
+        out.update(block_faults=faults, faulted_saves=len(blocks) - len(resident),
+                   block_median_resident_s=med(resident))
+    return out
 
 
 def jax_bench(hidden, layers, steps, every, batch, root):
@@ -160,7 +176,7 @@ def torch_bench(hidden, layers, steps, every, batch, root):
     for mode, guarded in (("warm-up", True), ("none", None), ("dcp async_save, plain", False),
                           ("dcp async_save, guarded", True), ("dcp save (blocking), guarded", "blocking")):
         model, opt = build()
-        blocks, waits, fut = [], [], None
+        blocks, waits, faults, fut = [], [], [], None
         t0 = time.perf_counter()
         for i in range(steps):
             step(model, opt, i)
@@ -168,6 +184,7 @@ def torch_bench(hidden, layers, steps, every, batch, root):
                 t = time.perf_counter()
                 if fut is not None:
                     fut.result()
+                f0 = _thread_faults()
                 t1 = time.perf_counter()
                 planner = GuardedSavePlanner() if guarded else None
                 if guarded == "blocking" or mode == "warm-up":
@@ -178,9 +195,10 @@ def torch_bench(hidden, layers, steps, every, batch, root):
                                          planner=planner, no_dist=True)
                 waits.append(t1 - t)
                 blocks.append(time.perf_counter() - t1)
+                faults.append(_thread_faults() - f0)
         if fut is not None:
             fut.result()
-        out.append(_stats(mode, n_params, steps, time.perf_counter() - t0, blocks, waits))
+        out.append(_stats(mode, n_params, steps, time.perf_counter() - t0, blocks, waits, faults))
         print(json.dumps({k: v for k, v in out[-1].items() if k not in ("block_s", "wait_s")}), flush=True)
         for n in os.listdir(root):
             if n.startswith("t") and n != "twarm":
@@ -349,6 +367,17 @@ def write(res, name="train_loop_save"):
                        if res.get(f"ratio_{k.lower()}") is not None)
     lines += ["", f"Save-call ratio guarded / plain (median per save): {ratios} (target <= 1.2x); the waits "
               "for the previous save are in the last column."]
+    faulted = [(fw, r) for fw in FRAMEWORKS for r in res.get(fw) or [] if r.get("block_faults") is not None
+               and r["saves"]]
+    if faulted:
+        lines += ["", f"Page faults of the save call (the loop thread's own; {FAULTED} or more: the staged copy went "
+                  "to fresh memory, which glibc's heap hands out or not depending on what the process freed "
+                  "before):", "",
+                  "| framework | mode | calls that faulted | median of the others | faults per call |",
+                  "|---|---|---:|---:|---|"]
+        lines += [f"| {fw} | {r['mode']} | {r['faulted_saves']} of {r['saves']} | "
+                  f"{r['block_median_resident_s'] * 1e3:.0f} ms | {', '.join(map(str, r['block_faults']))} |"
+                  for fw, r in faulted]
     if res.get("ratio_hf") is not None:
         lines += ["", "HF Trainer: transformers has no asynchronous checkpoint mode, so the plain `Trainer` saves "
                   "blocking; per save, `GuardedTrainer(jaxguard_async=True)` / plain blocking save: "
