@@ -36,6 +36,33 @@ def one_torch_thread():
         yield
 
 
+def adam_checkpoint(path, dims, *, steps: int, batch: int):
+    """A torch checkpoint ``{"model", "optimizer"}`` of an MLP of `dims` (Linear layers,
+    seed 0) after `steps` steps of `torch.optim.Adam` (lr 1e-3) on random inputs, saved at
+    `path`; returns the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:])))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(batch, dims[0])).square().sum().backward()
+        opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return model
+
+
+def run_probe(code: str, *argv, env=None) -> dict:
+    """Run `code` in a fresh Python process with `argv` (a CLI verb starts jax's backend and
+    changes process settings once a process) and return the JSON object its last output
+    line prints; a failed process fails the test with its stderr's tail."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-c", code, *map(str, argv)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def byte_tokens(seq: int) -> torch.Tensor:
     """[rows, seq] int64 token ids: the bytes of standard-library source (no download)."""
     text = "".join(inspect.getsource(m) for m in (json.decoder, textwrap, shutil)).encode()

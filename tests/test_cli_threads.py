@@ -2,16 +2,13 @@
 intra-op pool of one thread (each encode thread runs its programs on its own core) and
 gives every thread back the CPUs the process had; with one encode thread XLA keeps its
 pool over every core.  The container is the same either way."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-from helpers import container_canon  # noqa: E402
+from helpers import adam_checkpoint, container_canon, run_probe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc/self/task")
@@ -36,24 +33,13 @@ print(json.dumps({"rc": rc, "cpus": cpus, "names": names, "masks": masks}))
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(16, 64)).square().sum().backward()
-        opt.step()
     path = tmp_path_factory.mktemp("threads") / "src.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    adam_checkpoint(path, (64, 64, 8), steps=3, batch=16)
     return path
 
 
 def _compress(src, out, threads):
-    env = dict(os.environ, JAXGUARD_ENCODE_THREADS=str(threads))
-    res = subprocess.run([sys.executable, "-c", PROBE, str(src), str(out)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
+    report = run_probe(PROBE, src, out, env=dict(os.environ, JAXGUARD_ENCODE_THREADS=str(threads)))
     assert report["rc"] == 0
     return report
 
