@@ -8,7 +8,8 @@ The one module that owns file I/O and atomicity for the whole library: `atomic_w
 
 Local writes: a temporary file ``.<name>.<random>.tmp`` in the target directory, created
 with mode 0666 less the umask (as ``open(path, "wb")`` or ``torch.save`` would), fsync,
-``os.replace`` over the target, fsync of the directory.  A failure (a full disk, ...)
+``os.replace`` over the target, fsync of the directory (a cache's file, `durable` False:
+the rename without the fsyncs).  A failure (a full disk, ...)
 removes the temporary file and raises one `ContainerError` line; the target is untouched.
 A writer killed mid-write (SIGKILL, power loss) cannot remove its temporary file: the next
 successful write of the same target removes that target's temporary files left untouched
