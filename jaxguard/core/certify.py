@@ -243,12 +243,15 @@ class Stage:
 # tens the fixed levels).  Every bound gives a row the same bits at each size, and a probe's
 # reject at any size is a row no bound certifies (tests/test_certify_pieces.py): the sizes
 # move work, never a certificate.
-PROBE_ROWS = 1 << 12
+PROBE_ROWS = 1 << 12                      # the rate pass's reject (`reject_first`)
 CELLS_ROWS = (1 << 13, 1 << 10)           # the 8-cell ladder, then the 28 cells (`FAST_CELLS_PARTITIONS`)
 SIGNED_ROWS = 1 << 10
 ADAPTIVE_ROWS = 1 << 8
 DENSE_REJECT_ROWS = 1 << 8
-LEVEL_ROWS = {0: 1 << 12, 1: 1 << 10, 2: 1 << 8, 3: 1 << 6, 4: 1 << 6}
+LEVEL_ROWS = 1 << 6                       # the fixed levels after the adaptive tier
+# The ablations (no adaptive tier: the separate bound, the linear partition) walk the probes
+# and every fixed level with most of their rows: calls as large as a level's work allows.
+ABLATION_ROWS = {"probes": 1 << 16, 0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 
 
 def stages(bound, partition, adaptive=True, max_level=None, reject_first=False) -> tuple:
@@ -263,7 +266,8 @@ def stages(bound, partition, adaptive=True, max_level=None, reject_first=False) 
     tiered = adaptive and bound == "shared" and partition == "mixed"
     out = []
     if not tiered or reject_first:
-        out.append(Stage(_bound.batch_lower_pc, PROBE_ROWS, (("points", _bound.PROBE_POINTS),)))
+        out.append(Stage(_bound.batch_lower_pc, PROBE_ROWS if tiered else ABLATION_ROWS["probes"],
+                         (("points", _bound.PROBE_POINTS),)))
     if tiered:
         out += [Stage(_fastbound.batch_fast_cells_pc, rows, (("gammas", g),), FAST_CELLS_TIER)
                 for g, rows in zip(_fastbound.FAST_CELLS_PARTITIONS, CELLS_ROWS)]
@@ -274,8 +278,8 @@ def stages(bound, partition, adaptive=True, max_level=None, reject_first=False) 
         if max_level != -1:   # a denser reject: only the few left walk the fixed levels
             out.append(Stage(_bound.batch_lower_pc, DENSE_REJECT_ROWS, (("points", _bound.DENSE_PROBE_POINTS),)))
     last = len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))
-    out += [Stage(_bound.batch_bound_pc, LEVEL_ROWS[level], (("bound", bound),), level, level)
-            for level in range(TIERED_FIRST_LEVEL if tiered else 0, last)]
+    out += [Stage(_bound.batch_bound_pc, LEVEL_ROWS if tiered else ABLATION_ROWS[level], (("bound", bound),), level,
+                  level) for level in range(TIERED_FIRST_LEVEL if tiered else 0, last)]
     return tuple(out)
 
 

@@ -128,8 +128,8 @@ def prune(root, max_bytes: int, *, keep_fraction: float = 0.75) -> int:
     """Remove the least recently used programs under `root` until they take at most
     ``keep_fraction * max_bytes`` (nothing when they take no more than `max_bytes`).
 
-    Only this module's files are touched (``*.xla``, the ``*.jaxexport`` of jaxguard
-    0.1's cache, and ``*.tmp`` left for a day); the order is by modification time, which
+    Only this module's files are touched (``*.xla``, the ``*.jaxexport`` earlier versions
+    kept, and ``*.tmp`` left for a day); the order is by modification time, which
     `call` renews on every use.  A concurrent process that loses a file it was about to
     read compiles it again.
 
@@ -267,8 +267,8 @@ class Prepared:
 
 def prepare(calls, *, key=None, wait=True) -> Prepared:
     """Make every ``(fn, args, static)`` of `calls` ready to run: loaded from the cache, or
-    compiled (and stored) on a thread each, as many at once as this process has cores (XLA
-    compiles outside the interpreter lock).  A later `call` with the same kernel, shapes and
+    compiled (and stored) on a thread each, as many at once as this process has cores,
+    the caller's thread counted when it goes on (XLA compiles outside the interpreter lock).  A later `call` with the same kernel, shapes and
     static arguments then neither traces nor compiles (one still being made ready waits
     for it).  Only the arguments' shapes and dtypes matter while the cache is on; with it
     off each kernel runs once on them instead (jax keeps the compilation).
@@ -307,7 +307,8 @@ def prepare(calls, *, key=None, wait=True) -> Prepared:
 
     if not todo:
         return Prepared()
-    workers = min(len(todo), _cores())
+    # one thread a core, the caller's (which goes on compiling what it needs first) counted
+    workers = min(len(todo), max(1, _cores() - (0 if wait else 1)))
     if wait and workers == 1:
         for item in todo:
             ready(item)
