@@ -65,12 +65,13 @@ def test_every_referenced_file_exists(doc):
 
 
 def test_the_check_sees_a_missing_result(tmp_path, monkeypatch):
-    """The negative control: a removed result file, a round-named one, a brace expansion with
-    one missing member and a bare name are each reported; an output path is not."""
+    """The negative control: a path to a removed result, a brace expansion with one missing
+    member and the bare name of a removed result are each reported; a file that exists and
+    a command's output path are not."""
     doc = tmp_path / "docs" / "x.md"
     doc.parent.mkdir()
-    doc.write_text("See bench/results/faults.md and bench/results/codec_speed_s26d_gpt2.md,\n"
-                   "bench/results/guarded_reproduction_{payload,nonexistent}.png, codec_speed_s9.md;\n"
+    doc.write_text("See bench/results/faults.md and bench/results/codec_speed_removed.md,\n"
+                   "bench/results/guarded_reproduction_{payload,nonexistent}.png, removed_result.md;\n"
                    "`python bench/fuzz/adversarial.py --out bench/results/new_run` writes a file.\n")
     for rel in ("bench/results/faults.md", "bench/results/guarded_reproduction_payload.png",
                 "bench/fuzz/adversarial.py"):
@@ -81,5 +82,5 @@ def test_the_check_sees_a_missing_result(tmp_path, monkeypatch):
     assert ("path", "bench/results/new_run") not in refs
     names = _project_names()
     bad = [ref for kind, ref in refs if not (_exists("docs/x.md", ref) if kind == "path" else ref in names)]
-    assert bad == ["bench/results/codec_speed_s26d_gpt2.md",
-                   "bench/results/guarded_reproduction_{payload,nonexistent}.png", "codec_speed_s9.md"]
+    assert bad == ["bench/results/codec_speed_removed.md",
+                   "bench/results/guarded_reproduction_{payload,nonexistent}.png", "removed_result.md"]
