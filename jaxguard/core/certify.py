@@ -162,9 +162,9 @@ FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the
 
 
 def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
-    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
-    chunks (four compiled shapes for any checkpoint: `FAST_CHUNK` and 1/4, 1/16, 1/64 of it
-    for the last, smaller part).
+    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in chunks of
+    one size (`FAST_MIN_CHUNK` below `FAST_CHUNK` coordinates, else `FAST_CHUNK`; the last
+    one padded): the shape changes with the candidates' count only across `FAST_CHUNK`.
 
     Args:
       K: the group's constants, a `bound.StepRow` of [G] arrays (`bound.stack_rows`).
@@ -182,14 +182,12 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     K = _bound.as_step_row(K, -1).as_float32(jnp)
     arrays = [np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip)]
     gidx = np.asarray(gidx, np.int32)
-    for s in range(0, n, FAST_CHUNK):
-        e = min(n, s + FAST_CHUNK)
+    size = FAST_CHUNK if n >= FAST_CHUNK else FAST_MIN_CHUNK
+    for s in range(0, n, size):
+        e = min(n, s + size)
         if valid is not None and not valid[s:e].any():
             continue   # padding only
         part = [x[s:e] for x in arrays] + [gidx[s:e]]
-        size = FAST_CHUNK
-        while size > FAST_MIN_CHUNK and size // 4 >= e - s:   # few candidates: a smaller shape (4 in all)
-            size //= 4
         if e - s < size:   # pad with zeros (certifiable, never read back)
             part = [np.concatenate([x, np.zeros(size - (e - s), x.dtype)]) for x in part]
         mm, vv, mmt, vvt, pp, cc, gg = part
