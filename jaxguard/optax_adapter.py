@@ -373,6 +373,15 @@ def certified_configs(header) -> dict:
             if e.get("kind") == "moments" and (e.get("config") or {}).get("param")}
 
 
+def _shown(x):
+    """A hyperparameter as a message shows it: floats to 6 significant digits."""
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    if isinstance(x, (list, tuple)):
+        return "(" + ", ".join(_shown(v) for v in x) + ")"
+    return str(x)
+
+
 def check_next_update(configs: dict, state, params, tx, *, source="the checkpoint") -> None:
     """Refuse a restore whose next update (read from `tx`, `optax_state.plan_updates`) is
     not the one its moments were certified for: a learning rate outside the certified one
@@ -406,9 +415,9 @@ def check_next_update(configs: dict, state, params, tx, *, source="the checkpoin
                 if (tuple(want) != tuple(got)) if name == "betas" else (want != got):
                     differs.append((name, want, got))
             if differs:
-                name, want, got = differs[0]
-                raise ConfigError(f"{source}: the moments of {pair.param!r} were certified for {name}={want!r} but tx's "
-                                  f"next update uses {name}={got!r}: the tau guarantee does not cover that update; "
+                name, want, got = (_shown(x) for x in differs[0])
+                raise ConfigError(f"{source}: the moments of {pair.param!r} were certified for {name}={want} but tx's "
+                                  f"next update uses {name}={got}: the tau guarantee does not cover that update; "
                                   "resume with the transformation it was saved with, or save the original state "
                                   "again for this one")
 

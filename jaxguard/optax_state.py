@@ -352,7 +352,8 @@ AGREE = 1e-5     # relative: a given value and the one tx uses agree (a double a
 
 def _is_rate_leaf(x) -> bool:
     """A leaf of an ``lr=`` / ``weight_decay=`` tree: None, a number, a schedule, an interval."""
-    return x is None or callable(x) or is_interval(x) or np.ndim(x) == 0
+    return (x is None or callable(x) or is_interval(x) or isinstance(x, (int, float, np.number))
+            or (hasattr(x, "ndim") and hasattr(x, "dtype") and x.ndim == 0))
 
 
 def per_param(value, names, what: str) -> dict:
