@@ -430,8 +430,15 @@ class SitePlan(NamedTuple):
     pairs: list         # [(MomentPair, NextUpdate)]; `NextUpdate.stores_exactly`: no certificate
 
     def meta(self, spec: GuardSpec) -> dict:
-        """The site's record in a container's meta: its path and the config of its first
-        certified pair (older readers take the site's op model from it), or None."""
+        """The site's record in a container's meta.
+
+        Args:
+          spec: the save's `GuardSpec`.
+
+        Returns:
+          ``{"path", "config"}``: the config of its first certified pair (older readers
+          take the site's op model from it), or None when every pair is stored exactly.
+        """
         certified = [u for _, u in self.pairs if not u.stores_exactly]
         cfg = GuardConfig.from_update(spec, certified[0]).to_json() if certified else None
         return {"path": self.site.name, "config": cfg}
@@ -488,7 +495,7 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
         readings = _read_tx(tx, opt_state, params, sites, pairs_of, pflat, betas, eps)
     else:
         warnings.warn(UNCHECKED, JaxguardWarning, stacklevel=2)
-    plans = []
+    resolved = []
     for si, (site, pairs) in enumerate(zip(sites, pairs_of)):
         hp, count = site.hparams, _count(site)
         if hp.get("eps_root", 0.0):
@@ -496,7 +503,6 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
                                             "optax op model covers eps_root=0 only")
         b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
         e = eps if eps is not None else hp.get("eps", 1e-8)
-        platforms = platforms_of((site.state.mu, site.state.nu))
         out = []
         for pair in pairs:
             given_lr = _at_count(lr_of[pair.param], count, "lr", pair.param)
@@ -505,7 +511,7 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
                 rate, wd, source = _from_tx(readings[pair.param], site, pair, given_lr, given_wd, count,
                                             given=any(x is not None for x in (lr, weight_decay, betas, eps)))
             else:
-                rate, wd, source = _from_arguments(site, given_lr, given_wd, count), None, "given"
+                rate, source = _from_arguments(site, given_lr, given_wd, count), "given"
                 wd = given_wd if given_wd is not None else hp.get("weight_decay")
                 if wd is None:
                     if site.decay_layout:
@@ -513,22 +519,37 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
                     wd = 0.0
             if is_interval(wd):
                 raise ConfigError(f"weight_decay={wd!r} for {pair.param!r}: give one number (an interval is for lr)")
-            model = _pair_op_model(op_model, float(wd), platforms)
-            out.append((pair, NextUpdate(lr=rate, step=count, betas=b, eps=float(e), weight_decay=float(wd),
-                                         op_model=model, source=source)))
-        plans.append(SitePlan(site, out))
+            out.append((pair, rate, float(wd), source))
+        resolved.append((site, count, b, float(e), out))
+    # a named AdamW model stands for its Adam twin where a mask leaves a pair without decay,
+    # as long as some pair has decay (else the name is another optimizer's: refused)
+    masked = op_model is not None and any(wd > 0 for *_, out in resolved for _, _, wd, _ in out)
+    plans = []
+    for site, count, b, e, out in resolved:
+        platforms = platforms_of((site.state.mu, site.state.nu))
+        plans.append(SitePlan(site, [(pair, NextUpdate(lr=rate, step=count, betas=b, eps=e, weight_decay=wd,
+                                                       op_model=_pair_op_model(op_model, wd, platforms, masked),
+                                                       source=source))
+                                     for pair, rate, wd, source in out]))
     return plans
 
 
 def updates_by_pair(plans) -> dict:
-    """{(site index, param dotted name): NextUpdate} of `plan_updates`' result (its ``fixed=``)."""
+    """The updates of `plan_updates`' result, by pair (its ``fixed=``).
+
+    Args:
+      plans: `plan_updates`' result.
+
+    Returns:
+      {(site index, param dotted name): `NextUpdate`}.
+    """
     return {(si, pair.param): update for si, plan in enumerate(plans) for pair, update in plan.pairs}
 
 
-def _pair_op_model(op_model, wd: float, platforms) -> str:
+def _pair_op_model(op_model, wd: float, platforms, masked: bool) -> str:
     """The op model of one pair: the named one (its Adam twin where a mask leaves the pair
     without decay), else where the moments live."""
-    if op_model is not None and wd == 0 and is_decoupled(op_model) and op_model.startswith("optax-adamw"):
+    if masked and wd == 0 and is_decoupled(op_model) and op_model.startswith("optax-adamw"):
         op_model = "optax-adam" + op_model[len("optax-adamw"):]
     return resolve_optax_op_model(decoupled=wd > 0, op_model=op_model, platforms=platforms)
 

@@ -612,7 +612,14 @@ def _check_coverage(man, source):
 
 
 def first_op_model(sites_meta):
-    """The op model of the first site with a certified pair (None: every moment stored exactly)."""
+    """The op model the header names: the first site's with a certified pair.
+
+    Args:
+      sites_meta: from `plan_state`.
+
+    Returns:
+      The op model, or None when every moment is stored exactly.
+    """
     return next((sm["config"]["op_model"] for sm in sites_meta if sm.get("config")), None)
 
 

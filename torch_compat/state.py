@@ -814,7 +814,15 @@ def _group_rates(lr, n_groups) -> list:
 
 
 def writer_config(spec, update):
-    """`GuardConfig.from_update` (jax: imported only where a save needs it)."""
+    """`GuardConfig.from_update` (jax: imported only where a save needs it).
+
+    Args:
+      spec: the save's `GuardSpec`.
+      update: the `NextUpdate`.
+
+    Returns:
+      The `GuardConfig`.
+    """
     from jaxguard.core.config import GuardConfig
     return GuardConfig.from_update(spec, update)
 
@@ -1029,7 +1037,8 @@ def restore_tree(path):
 def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: GuardSpec | None = None,
          tau: float | None = None,
          clip: float | None = None, codec: str | None = None, bound: str | None = None, partition: str | None = None,
-         progress: bool = False, op_model: str | None = None, device_encode: bool | None = None, lr=None) -> dict:
+         progress: bool = False, op_model: str | None = None, device_encode: bool | None = None,
+         lr: float | tuple | list | None = None) -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Each param group is certified for its next step as the group holds it (call it after
@@ -1101,7 +1110,8 @@ def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
 def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: GuardSpec | None = None,
                   tau: float | None = None, clip: float | None = None, codec: str | None = None,
                   bound: str | None = None, partition: str | None = None, progress: bool = False,
-                  op_model: str | None = None, device_encode: bool | None = None, lr=None) -> dict:
+                  op_model: str | None = None, device_encode: bool | None = None,
+                  lr: float | tuple | list | None = None) -> dict:
     """`save` of a `snapshot` (the same file `save` writes of that state).
 
     Args:

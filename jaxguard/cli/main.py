@@ -504,6 +504,8 @@ def _add_audit_enclosure(sub):
                         "the GPU models (-cuda*, optax-*-gpu) are checked against their CPU simulations")
     a.add_argument("--edge-fraction", type=float, default=0.25,
                    help="share of cases (and adamw groups) drawn at float32's edges")
+    a.add_argument("--lr-interval", action="store_true",
+                   help="certify every group for an lr interval (hi/lo up to 1000) and replay it at lo, hi or between")
     a.set_defaults(fn=_cmd_audit_enclosure)
     return a
 
