@@ -285,3 +285,31 @@ def test_a_learning_rate_changed_after_load_is_caught_at_the_first_step(tmp_path
     with pytest.raises(CheckpointError, match="will step with lr=0.003"):
         target.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))   # the step did not happen
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+def test_dcp_load_compares_the_installed_groups_with_the_certified_update(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch_compat.dcp import GuardedLoadPlanner, GuardedSavePlanner
+    model, opt = trained(named=True, steps=5)
+    for name, lr, exact in (("given", 5e-4, False), ("zero", 0.0, True)):
+        msd, osd = get_state_dict(model, opt)
+        planner = GuardedSavePlanner(lr=lr)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name), planner=planner, no_dist=True)
+        man = planner.metadata.planner_data["__jaxguard__"]
+        assert (len(man["stored_exactly"]) == 5) == exact and (len(man["moments"]) == 0) == exact
+        msd, osd = get_state_dict(model, opt)
+        target = {"model": msd, "optim": osd}
+        if exact:     # nothing certified: nothing to compare; the moments come back bit for bit
+            dcp.load(target, checkpoint_id=str(tmp_path / name), planner=GuardedLoadPlanner(str(tmp_path / name),
+                                                                                          strict=True), no_dist=True)
+            continue
+        from torch.distributed.checkpoint.api import CheckpointException
+        with pytest.raises(CheckpointException, match="certified for lr=0.0005"):   # DCP wraps the planner's error
+            dcp.load(target, checkpoint_id=str(tmp_path / name),
+                     planner=GuardedLoadPlanner(str(tmp_path / name), strict=True), no_dist=True)
+        with pytest.warns(JaxguardWarning, match="will step with lr=0.001 but its moments were certified for "
+                                                 "lr=0.0005"):
+            dcp.load(target, checkpoint_id=str(tmp_path / name), planner=GuardedLoadPlanner(str(tmp_path / name)),
+                     no_dist=True)
