@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from jaxguard.core.config import GuardConfig, GuardSpec, NextUpdate, is_interval, lr_bounds, save_spec
-from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled, resolve_optax_op_model
+from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled, resolve_optax_op_model, validate_hparams
 from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning, UnsupportedOptimizerError
 
 INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
@@ -578,7 +578,10 @@ def _read_tx(tx, opt_state, params, sites, pairs_of, pflat, betas, eps) -> dict:
     for site in sites:
         hp = site.hparams_arrays
         b1, b2 = (betas[0], betas[1]) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
-        cands.append(optax_probe.Candidates(b1, b2, eps if eps is not None else hp.get("eps", 1e-8)))
+        e = eps if eps is not None else hp.get("eps", 1e-8)
+        # candidates optax cannot run (a beta that rounds to 1 divides by 0): refused as such, not by the probes
+        validate_hparams(1.0, (float(b1), float(b2)), float(e), 0, 0.0, "optax-adam")
+        cands.append(optax_probe.Candidates(b1, b2, e))
     names = list(pflat)
     readings = optax_probe.probe(tx, opt_state, params, [owner.get(n) for n in names], cands)
     return {n: r for n, r in zip(names, readings) if r is not None}
