@@ -511,7 +511,7 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
                 rate, wd, source = _from_tx(readings[pair.param], site, pair, given_lr, given_wd, count,
                                             given=any(x is not None for x in (lr, weight_decay, betas, eps)))
             else:
-                rate, source = _from_arguments(site, given_lr, given_wd, count), "given"
+                rate, source = _from_arguments(site, given_lr, count), "given"
                 wd = given_wd if given_wd is not None else hp.get("weight_decay")
                 if wd is None:
                     if site.decay_layout:
@@ -554,7 +554,7 @@ def _pair_op_model(op_model, wd: float, platforms, masked: bool) -> str:
     return resolve_optax_op_model(decoupled=wd > 0, op_model=op_model, platforms=platforms)
 
 
-def _from_arguments(site, given_lr, given_wd, count):
+def _from_arguments(site, given_lr, count):
     """The learning rate without `tx`: the argument's (required)."""
     if given_lr is not None:
         return given_lr
