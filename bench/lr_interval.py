@@ -177,7 +177,7 @@ def write(out: Path, rep, summary):
          f"optax {rep['versions']['optax']}. tau {TAU}, C {CLIP}, codec log8-rel (the default). Command: "
          f"`{rep['command']}`.", "",
          "## Payload and escapes of `lr=(1e-3/r, 1e-3)` against an exact lr, reproduction checkpoints", "",
-         f"{rep['checkpoints']} checkpoints (ByteTransformer and ResidualCNN, seeds {rep['seeds']}, 10/50/100% of "
+         f"{rep['checkpoints']} checkpoints (ByteTransformer and ResidualCNN, {rep['seeds']} seeds a model, 10/50/100% of "
          "training; Adam at lr 1e-3, whose param groups hold 1e-3 as the next rate). Intervals audited with the "
          "real `torch.optim.Adam` at lo, sqrt(lo hi) and hi (45 gradients each, gaps in each step's own lr).", "",
          "| model | certified for | coordinates | escapes | escape % | payload / FP32 % | real audit: worst gap (lr) "
@@ -199,6 +199,12 @@ def write(out: Path, rep, summary):
                      f"{g['violations']} | {r['container_bytes']:,} ({r['raw_state_bytes']:,}) |")
     out.with_suffix(".md").write_text("\n".join(L) + "\n")
     print("\n".join(L))
+
+
+def render(json_path):
+    """Write the Markdown again from a run's JSON (no recomputation)."""
+    rep = json.loads(Path(json_path).read_text())
+    write(Path(json_path).with_suffix(""), rep, summarize(rep["rows"]))
 
 
 def main():
