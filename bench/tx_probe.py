@@ -2,7 +2,10 @@
 the transformation by `jaxguard.optax_probe`) or with ``lr=``/``weight_decay=`` given: what
 reading and checking the update costs a whole process, wall time and peak memory.
 
-Usage (whole processes, side by side, on a quiet machine; each prints what it saved):
+Usage (``--mode probe``: in one process, `optax_state.plan_updates` with ``tx=`` against
+with ``lr=``, the first call (tracing and compiling the probes) and the median of 3 after it;
+the others are whole processes to time side by side, each printing what it saved):
+    PYTHONPATH=$PWD python bench/tx_probe.py --mode probe
     PYTHONPATH=$PWD python bench/tx_probe.py --mode tx  --out /tmp/p.jg
     PYTHONPATH=$PWD python bench/tx_probe.py --mode lr  --out /tmp/p.jg
     PYTHONPATH=$PWD python bench/tx_probe.py --mode none --out /tmp/p.jg   # build the state, save nothing
@@ -24,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("tx", "lr", "none"), required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=("tx", "lr", "none", "probe"), required=True)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.mode in ("tx", "lr") and args.out is None:
+        ap.error(f"--mode {args.mode} saves a file: pass --out PATH")
     import jax
     import jax.numpy as jnp
     import optax
@@ -41,6 +46,26 @@ def main():
     jax.block_until_ready((params, state))
     if args.mode == "none":
         print(json.dumps({"mode": "none"}))
+        return
+    if args.mode == "probe":
+        import statistics
+        import time
+        from jaxguard.optax_state import plan_updates
+
+        def timed(**kw):
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan_updates(state, params, **kw)
+            return time.perf_counter() - t0
+
+        first = timed(tx=tx)
+        with_tx = statistics.median(timed(tx=tx) for _ in range(3))
+        first_lr = timed(lr=1e-3, weight_decay=0.01)
+        with_lr = statistics.median(timed(lr=1e-3, weight_decay=0.01) for _ in range(3))
+        print(json.dumps({"mode": "probe", "coordinates": 4096 * 4096 + 4096, "tx_first_s": round(first, 3),
+                          "tx_median_s": round(with_tx, 3), "lr_first_s": round(first_lr, 4),
+                          "lr_median_s": round(with_lr, 4)}))
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
