@@ -47,7 +47,7 @@ from etils import epath
 from orbax.checkpoint import future
 
 from jaxguard.format import container
-from jaxguard import optax_adapter, optax_state
+from jaxguard import flax_state, optax_adapter, optax_state
 from jaxguard.core.config import GuardSpec, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
@@ -346,7 +346,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise CheckpointError("restoring guarded optax state needs args=jaxguard.checkpoint.GuardedRestore(like), "
                                   "with like a state of the same structure (e.g. tx.init(params))")
         if (epath.Path(directory) / _sharded.MANIFEST).exists():
-            return _sharded.load(str(directory), args.like)
+            return optax_adapter.load(str(directory), args.like)
         path = epath.Path(directory) / self._filename
         if not path.exists():
             raise CheckpointError(f"{path} does not exist; was this item saved with GuardedSave?")
@@ -413,11 +413,12 @@ class GuardedSave(ocp.args.CheckpointArgs):
     include_params: bool = False
     sharded: Optional[bool] = None
     op_model: Optional[str] = None       # the optax kernel the run resumes on (see jaxguard.save)
+    tx: Any = None                       # the optimizer's transformation (required with an nnx.State)
 
     def __post_init__(self):
-        if self.params is None:
-            raise CheckpointError("GuardedSave needs params=...: the guard certifies the next update against the "
-                                  "parameters the state belongs to")
+        # Flax state as plain optax pytrees (jaxguard.flax_state); no params: "GuardedSave needs params=..."
+        self.opt_state, self.params, self.tx = flax_state.save_inputs(self.opt_state, self.params, self.tx,
+                                                                      what="GuardedSave's opt_state")
         self.guard_spec()   # bad settings fail here, in one line
 
     def guard_spec(self) -> GuardSpec:

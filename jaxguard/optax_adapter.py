@@ -50,6 +50,7 @@ from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError
 from jaxguard import audit as _audit
+from jaxguard import flax_state
 from jaxguard import sharded as _sharded
 from jaxguard import writer
 from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted, dtype_name,  # noqa: F401
@@ -182,14 +183,19 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
     return writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
 
 
-def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None) -> dict:
+def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
+         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None, tx=None) -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
     Args:
-      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
-      params: the parameter pytree the state belongs to (the next update's ``p``);
+      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s), a Flax
+        ``nnx.state(optimizer)`` (with ``tx=optimizer.tx``) or a linen ``TrainState``
+        (`jaxguard.flax_state`).
+      params: the parameter pytree the state belongs to (the next update's ``p``;
+        ``nnx.state(model, nnx.Param)`` for NNX; default a ``TrainState``'s own);
         ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
+      tx: the optimizer's transformation: required with an ``nnx.State``, whose optax
+        types are rebuilt from ``tx.init`` (`jaxguard.flax_state.plain_state`).
       lr: the next update's learning rate, required: a number, or the optax schedule
         (evaluated at the Adam state's ``count``).  An `inject_hyperparams` state's
         ``learning_rate`` is the last update's and is not used.
@@ -214,6 +220,7 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
         of the other optimizer (adam vs adamw); nothing is written.
       CheckpointError, UnsupportedOptimizerError: see `state_records`.
     """
+    opt_state, params, tx = flax_state.save_inputs(opt_state, params, tx)
     if sharded or (sharded is None and jax.process_count() > 1):
         return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                              spec=spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
@@ -314,19 +321,22 @@ def load(path, like):
 
     Args:
       path: the file or directory written by `save`.
-      like: a state of the same optax transformation and params (``tx.init(params)``).
+      like: a state of the same optax transformation and params (``tx.init(params)``),
+        ``nnx.state(optimizer)`` of a fresh optimizer or a linen ``TrainState``.
 
     Returns:
-      The restored optax state, with `like`'s structure, dtypes and shardings.
+      The restored optax state, with `like`'s structure, dtypes and shardings (an
+      ``nnx.State`` for ``nnx.update(optimizer, state)`` when `like` is one).
 
     Raises:
       CheckpointError: `like` does not match what was saved, or the file is not optax state.
       ContainerError, ReaderError: the file is damaged.
     """
+    view = flax_state.plain_state(like, typed=False, what="like")
     if _sharded.is_sharded(path):
-        return _sharded.load(path, like)
+        return view.back(_sharded.load(path, view.state))
     header, arrays = read(path)
-    return restore_state(header, arrays, like, source=str(path))
+    return view.back(restore_state(header, arrays, view.state, source=str(path)))
 
 
 def load_params(path) -> dict:

@@ -371,6 +371,17 @@ def warn_other_platform(sites_meta, like, source="the checkpoint") -> None:
             return
 
 
+def _python_number_takes(leaf, stored) -> bool:
+    """A Python number in `like` (a linen TrainState's ``step=0``) takes a stored scalar of
+    its kind (the int32 ``step`` of a jitted update); it is restored as a Python number."""
+    if not isinstance(leaf, (bool, int, float)) or tuple(stored["shape"]) != ():
+        return False
+    try:
+        return np.dtype(stored["dtype"]).kind == np.asarray(leaf).dtype.kind
+    except TypeError:   # a dtype numpy does not name (bfloat16)
+        return False
+
+
 def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
     """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape and dtype.
 
@@ -394,7 +405,8 @@ def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
     if tuple(s["shape"]) != shape:
         raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
                               "state initialised from params of the saved shapes")
-    if s["dtype"] != dt:
+    if s["dtype"] != dt and not _python_number_takes(leaf, s):
+        hint = "the same mu_dtype" if "mu" in d.split(".") else "the same dtypes"
         raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
-                              "with the same dtypes (e.g. the same mu_dtype)")
+                              f"with {hint} as the saved state")
     return s

@@ -36,7 +36,7 @@ MAX_HEADER = 1 << 30
 BLOCK = spec.BLOCK
 
 DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
-          "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
+          "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "bool": "?"}
 
 
 class ReaderError(ContainerError):
