@@ -577,15 +577,52 @@ class GuardedFileSystemReader(FileSystemReader):
         return md
 
 
+def where_dcp_reads(metadata) -> str:
+    """The checkpoint directory DCP's metadata names (``storage_meta.checkpoint_id``, which
+    torch's `FileSystemWriter` records), for a `GuardedLoadPlanner` given no place.
+
+    Args:
+      metadata: the `Metadata` ``dcp.load`` read.
+
+    Returns:
+      The local directory, holding a ``.metadata``.
+
+    Raises:
+      CheckpointError: (one line naming ``checkpoint_id=``) no path recorded (another
+        storage writer, torch < 2.4), a URL, or no DCP checkpoint there now.
+    """
+    cid = getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", None)
+    fix = "pass GuardedLoadPlanner(checkpoint_id=path) with the path given to dcp.load"
+    if cid is None:
+        raise CheckpointError("GuardedLoadPlanner(): the checkpoint's metadata does not say where it is (no "
+                              f"storage_meta.checkpoint_id: another storage writer than FileSystemWriter); {fix}")
+    path = os.fspath(cid)
+    if "://" in path:
+        raise CheckpointError(f"GuardedLoadPlanner(): the checkpoint's metadata names {path}, which the planner's "
+                              f"local reader cannot read; pass storage_reader= (the reader given to dcp.load)")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"GuardedLoadPlanner(): the checkpoint's metadata says it was saved at {path}, which "
+                              f"holds no DCP checkpoint from here (moved since, or a relative path saved from another "
+                              f"directory); {fix}")
+    return path
+
+
 class GuardedLoadPlanner(DefaultLoadPlanner):
     """Load a checkpoint written with `GuardedSavePlanner` at any world size, all or nothing.
 
     The planner reads and verifies the stored data while DCP plans (before any target is
-    written), which DCP's planner API gives it no reader for, so it is told where to read:
+    written), which DCP's planner API gives it no reader for.  It reads where DCP's metadata
+    says the checkpoint is (``Metadata.storage_meta.checkpoint_id``, which torch's
+    `FileSystemWriter` records, torch >= 2.4), or where it is told:
 
+        dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner())
         dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner(checkpoint_id=path))
         r = GuardedFileSystemReader(path)      # or another StorageReader
         dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+
+    With no argument the metadata's path must still hold the checkpoint that was read (the
+    same save id; a directory moved since, or saved under a relative path from another
+    working directory, is refused in one line naming ``checkpoint_id=``).
 
     ``dcp.load`` unpickles ``.metadata`` through its storage reader before the planner sees
     anything, and torch's `FileSystemReader` does that with plain ``pickle.load`` (code in a
@@ -598,9 +635,9 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
 
     Args:
       checkpoint_id: the checkpoint directory given to ``dcp.load`` (read through a
-        `FileSystemReader` of the planner's own).
+        `FileSystemReader` of the planner's own); None: the metadata's.
       storage_reader: the storage reader given to ``dcp.load`` (the same object: it is set
-        up by DCP); exactly one of the two.
+        up by DCP); at most one of the two.
       allow_partial_load: as `DefaultLoadPlanner`.
 
     Every stored chunk and guarded shard a rank's targets overlap is read, hashed and
@@ -611,16 +648,16 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
     Raises (wrapped by DCP in a ``CheckpointException`` listing the failing ranks):
       CheckpointError: a rank file is missing, truncated or altered (one line naming the
         file); a key is missing; shapes differ; `storage_reader` is not the reader
-        ``dcp.load`` reads with, or `checkpoint_id` holds another checkpoint.
-      ConfigError (at construction): neither or both of `checkpoint_id` and `storage_reader`.
+        ``dcp.load`` reads with, or `checkpoint_id` holds another checkpoint; neither
+        argument and no local ``storage_meta.checkpoint_id`` holding the checkpoint read.
+      ConfigError (at construction): both `checkpoint_id` and `storage_reader`.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None, *,
                  storage_reader: StorageReader | None = None, allow_partial_load: bool = False):
-        if (checkpoint_id is None) == (storage_reader is None):
-            raise ConfigError("GuardedLoadPlanner reads the checkpoint while DCP plans and needs to know where: pass "
-                              "GuardedLoadPlanner(checkpoint_id=path) with the path given to dcp.load (or "
-                              "storage_reader=the reader given to dcp.load), one of the two")
+        if checkpoint_id is not None and storage_reader is not None:
+            raise ConfigError("GuardedLoadPlanner reads the checkpoint where dcp.load does: pass checkpoint_id= (the "
+                              "path given to dcp.load) or storage_reader= (the reader given to it), not both")
         if storage_reader is not None and not isinstance(storage_reader, StorageReader):
             raise ConfigError(f"storage_reader is a {type(storage_reader).__name__}; pass the "
                               "torch.distributed.checkpoint StorageReader given to dcp.load")
@@ -628,6 +665,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         if checkpoint_id is not None and "://" not in os.fspath(checkpoint_id):
             load_metadata(checkpoint_id)   # before dcp.load unpickles it: one line, no code run
         self._checkpoint_id = checkpoint_id
+        self._told = checkpoint_id is not None    # False: the path is the metadata's (where_dcp_reads)
         self._given_reader = storage_reader
         self._apply: list = []
 
@@ -650,6 +688,8 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
                           "GuardedLoadPlanner saw it: a .metadata someone else wrote could have run code; pass "
                           "storage_reader=torch_compat.dcp.GuardedFileSystemReader(path)", JaxguardWarning,
                           stacklevel=2)
+        if self._given_reader is None and self._checkpoint_id is None:
+            self._checkpoint_id, self._told = where_dcp_reads(metadata), False
         self._reader = self._given_reader or self._own_reader(metadata, is_coordinator)
         sm = getattr(metadata, "storage_meta", None)
         ours, theirs = getattr(self._given_reader, "load_id", None), getattr(sm, "load_id", None)
@@ -669,8 +709,10 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         mine = getattr(getattr(fs.read_metadata(), "storage_meta", None), "save_id", None)
         want = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         if mine is not None and want is not None and mine != want:
-            raise CheckpointError(f"GuardedLoadPlanner(checkpoint_id={path!r}) holds another checkpoint than the one "
-                                  "dcp.load is reading; pass the path given to dcp.load")
+            where = (f"GuardedLoadPlanner(checkpoint_id={path!r})" if self._told else
+                     f"GuardedLoadPlanner(): {path}, where the checkpoint's metadata says it was saved,")
+            raise CheckpointError(f"{where} holds another checkpoint than the one dcp.load is reading; pass "
+                                  "checkpoint_id= with the path given to dcp.load")
         fs.set_up_storage_reader(metadata, is_coordinator)
         return fs
 

@@ -9,6 +9,7 @@ numbers/strings/lists/dicts as JSON; nothing is pickled).
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import math
@@ -155,7 +156,8 @@ def to_skeleton(obj, path, raws, tied=None):
     its node names the first one's entry, as ``torch.save`` keeps one storage for both.
 
     Args:
-      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None.
+      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None, numpy
+        arrays and scalars, ``argparse.Namespace``.
       path: the entry-name prefix of `obj` (``"model"``, ``"optimizer/state/0"``).
       raws: the list the `container.Raw` records are appended to.
       tied: ``{tensor identity: entry name}`` shared by the calls of one checkpoint
@@ -187,12 +189,21 @@ def to_skeleton(obj, path, raws, tied=None):
     if isinstance(obj, (list, tuple)):
         tag = "__list__" if isinstance(obj, list) else "__tuple__"
         return {tag: [to_skeleton(v, f"{path}/{i}", raws, tied) for i, v in enumerate(obj)]}
+    if isinstance(obj, (np.ndarray, np.generic)) and not isinstance(obj, np.str_):
+        # numpy values as checkpoints hold them (best_val_loss=np.float64(...), np.random.get_state()'s
+        # uint32 key): raw entries, restored with their type, shape and bits
+        arr = np.ascontiguousarray(obj)
+        raws.append(container.Raw(path, arr, container.numpy_dtype_name(arr)))
+        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__npscalar__": path}
+    if isinstance(obj, argparse.Namespace):   # a run's arguments
+        return {"__namespace__": to_skeleton(vars(obj), path, raws, tied)["__dict__"]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"__float__": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise CheckpointError(f"{path!r} holds a {type(obj).__name__}; jaxguard stores tensors, numbers, strings, "
-                          "lists and dicts (convert it, or keep it outside the checkpoint)")
+                          "lists, tuples, dicts, numpy arrays and scalars and argparse.Namespace (convert it, or keep "
+                          "it outside the checkpoint)")
 
 
 def from_skeleton(sk, arrays, dtypes):
@@ -224,6 +235,15 @@ def from_skeleton(sk, arrays, dtypes):
             return tuple(from_skeleton(v, arrays, dtypes) for v in sk["__tuple__"])
         if "__float__" in sk:
             return float(sk["__float__"])
+        if "__ndarray__" in sk or "__npscalar__" in sk:
+            name = sk.get("__ndarray__", sk.get("__npscalar__"))
+            arr = np.array(arrays[name])
+            if dtypes[name] == "bfloat16":
+                import ml_dtypes
+                arr = arr.view(ml_dtypes.bfloat16)
+            return arr if "__ndarray__" in sk else arr.reshape(())[()]
+        if "__namespace__" in sk:
+            return argparse.Namespace(**{k: from_skeleton(v, arrays, dtypes) for k, v in sk["__namespace__"]})
     return sk
 
 
