@@ -937,7 +937,8 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
     """
     _, man = read_metadata(src)
     if man is not None:
-        raise CheckpointError(f"{src} is already a guarded checkpoint; restore it first or copy it as is")
+        raise CheckpointError(f"{src} is a torch.distributed.checkpoint directory whose moments are compressed already "
+                              "(GuardedSavePlanner); restore it first or copy it as is")
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise CheckpointError(f"{dst} exists and is not an empty directory; choose a new output directory")
     parent = os.path.dirname(os.path.abspath(dst))

@@ -58,7 +58,9 @@ def run(verb, a, *, file_verb, sharded_verb, torch_missing, print_summary, print
         if missing:
             raise CheckpointError(missing)
         from jaxguard.cli import dcp_verbs
-        return dcp_verbs.run(verb, a, print_summary=print_summary, print_info=print_info)
+        seen = {"input": what, "input_kind": kind}
+        return dcp_verbs.run(verb, a, print_summary=lambda s, as_json: print_summary({**seen, **s}, as_json),
+                             print_info=lambda info, as_json: print_info({"input": what, **info}, as_json))
     if kind in TRAINER_DIRS:    # (compress and restore checked torch before parsing; inspect, verify need none)
         from jaxguard.cli import trainer_dirs
         return trainer_dirs.run(verb, a, file_verb=file_verb, print_summary=print_summary, print_info=print_info)

@@ -271,7 +271,13 @@ def _by_kind(verb, attr):
     def wrap(fn):
         def run(a):
             from jaxguard.cli import by_kind, inputs
-            a.input = inputs.recognise(getattr(a, attr))
+            try:
+                a.input = inputs.recognise(getattr(a, attr))
+            except JaxguardError as exc:
+                if verb != "verify":
+                    raise
+                print(f"FAILED {exc}")   # (the message starts with the path)
+                return 1
             return by_kind.run(verb, a, file_verb=fn, sharded_verb=_jax_sharded_command, torch_missing=_torch_missing,
                                print_summary=_print_summary, print_info=_print_info)
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__

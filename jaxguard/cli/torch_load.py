@@ -110,8 +110,9 @@ def _refusal(path, src, exc) -> str:
         except Exception:  # noqa: BLE001 - only the message's detail depends on it
             names = []
     if names:
-        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-        return (f"{path} names {names[0]}{more}, which a weights-only load does not build; jaxguard loads "
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return (f"{path} names {', '.join(sorted(names)[:3])}{more}, which a weights-only load does not build; "
+                f"jaxguard loads "
                 f"tensors, numbers, strings, numpy scalars and arrays, RNG states and argparse.Namespace safely; "
                 + TRUST)
     return f"{path} was refused by torch's weights-only load ({_unpickler_detail(exc)}); " + TRUST
