@@ -43,6 +43,7 @@ class Plain(NamedTuple):
     tx: Any                         # the transformation it records (a TrainState's), else None
     back: Callable[[Any], Any]      # a restored plain state -> the caller's own form
     kind: str                       # "optax", "nnx" or "linen"
+    optax_part: Callable[[Any], Any] = None   # the plain state -> the state tx.update takes (None: all of it)
 
 
 def _nnx():
@@ -122,10 +123,11 @@ def plain_state(tree, *, tx=None, params=None, typed: bool = True, what: str = "
       CheckpointError: `tx.init` does not give the state's leaves (another transformation).
     """
     if _is_train_state(tree):
-        return Plain(tree, tree.params, tree.tx, _identity, "linen")
+        return Plain(tree, tree.params, tree.tx, _identity, "linen", lambda st: st.opt_state)
     if not _is_nnx_state(tree):
         return Plain(tree, None, None, _identity, "optax")
     pure = _pure_dict(tree)
+    part = (lambda st: st["opt_state"]) if isinstance(pure, dict) and "opt_state" in pure else None
     if typed:
         if tx is None or params is None:
             raise ConfigError(NO_TX.format(what=what) if tx is None else
@@ -135,7 +137,7 @@ def plain_state(tree, *, tx=None, params=None, typed: bool = True, what: str = "
             pure = {**pure, "opt_state": _retyped(pure["opt_state"], template, ("opt_state",))}
         else:
             pure = _retyped(pure, template, ())
-    return Plain(pure, None, None, lambda restored: _as_nnx_state(restored, tree), "nnx")
+    return Plain(pure, None, None, lambda restored: _as_nnx_state(restored, tree), "nnx", part)
 
 
 def _template(tx, params):
@@ -192,7 +194,8 @@ def save_inputs(opt_state, params=None, tx=None, *, what: str = "opt_state") -> 
 
     Returns:
       The plain optax state, the plain params and the transformation (None when neither
-      the caller nor the state gives one).
+      the caller nor the state gives one), whose ``update`` takes the whole plain state
+      when its optax part is a field of it (a TrainState's ``opt_state``).
 
     Raises:
       CheckpointError: no params and none in the state.
@@ -203,4 +206,18 @@ def save_inputs(opt_state, params=None, tx=None, *, what: str = "opt_state") -> 
     if params is None:
         raise CheckpointError(f"no params for {what}: pass params= (the params the optimizer state belongs to, the "
                               "next update's p; nnx.state(model, nnx.Param) for NNX)")
-    return view.state, plain_params(params), tx if tx is not None else view.tx
+    tx = tx if tx is not None else view.tx
+    if tx is not None and view.optax_part is not None:
+        tx = _on_part(tx, view.optax_part)
+    return view.state, plain_params(params), tx
+
+
+def _on_part(tx, part):
+    """`tx` applied to the optax part of a larger state (a TrainState, an NNX optimizer's
+    state): what reads the next update from ``tx.update`` gets the updates of that part."""
+    import optax
+
+    def update(updates, state, params=None, **extra):
+        return tx.update(updates, part(state), params, **extra)[0], state
+
+    return optax.GradientTransformation(tx.init, update)

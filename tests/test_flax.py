@@ -180,14 +180,14 @@ def test_linen_train_state_saved_restored_and_continued(whole, tmp_path):
     assert isinstance(ts.step, jax.Array) and ts.step.dtype == jnp.int32     # the jitted step's int32
     fresh = train_state.TrainState.create(apply_fn=ts.apply_fn, params=ts.params, tx=tx)   # step=0, a Python int
     if whole:
-        s = jg.save(tmp_path / "ts.jg", ts, lr=LR, weight_decay=WD)         # params: the TrainState's own
+        s = jg.save(tmp_path / "ts.jg", ts)          # params and tx (lr, weight decay): the TrainState's own
         fresh = train_state.TrainState.create(apply_fn=ts.apply_fn, params=init_params, tx=tx)
         restored = jg.load(tmp_path / "ts.jg", like=fresh)
         assert isinstance(restored, train_state.TrainState) and restored.step == STEPS
         for a, b in zip(jax.tree_util.tree_leaves(restored.params), jax.tree_util.tree_leaves(ts.params)):
             assert np.array_equal(np.asarray(a), np.asarray(b))           # params stored exactly
     else:
-        s = jg.save(tmp_path / "opt.jg", ts.opt_state, ts.params, lr=LR, weight_decay=WD)
+        s = jg.save(tmp_path / "opt.jg", ts.opt_state, ts.params, tx=tx)     # lr and weight decay read from tx
         restored = fresh.replace(step=ts.step, opt_state=jg.load(tmp_path / "opt.jg", like=fresh.opt_state))
     assert s["coordinates"] == 8 * 48 + 48 + 48 + 1
     res = audit(tx, ts.opt_state, restored.opt_state, ts.params, lr=LR)
@@ -219,7 +219,7 @@ def test_a_dtype_mismatch_names_the_leaf_not_mu_dtype(tmp_path):
     params = {"w": jnp.ones(300)}
     tx = optax.adam(LR)
     st = tx.init(params)
-    jg.save(tmp_path / "a.jg", st, params, lr=LR)
+    jg.save(tmp_path / "a.jg", st, params, tx=tx)
     like = st._replace(count=st.count.astype(jnp.int16)) if hasattr(st, "_replace") else \
         (st[0]._replace(count=st[0].count.astype(jnp.int16)),) + tuple(st[1:])
     with pytest.raises(jg.CheckpointError, match=r"'0.count'.*the same dtypes as the saved state"):

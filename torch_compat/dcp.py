@@ -160,6 +160,10 @@ class GuardedSavePlanner(DefaultSavePlanner):
         `clip`, `codec`, `bound`, `partition` override its fields when given.
       op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
         one torch runs where the state lives).
+      lr: the next step's learning rate, if the param groups do not hold it (saved before
+        ``scheduler.step()``): a number or ``(lo, hi)`` for every group; a group whose next
+        rate is 0 keeps its moments as plain DCP tensors (listed in the manifest's
+        ``stored_exactly``).
       overwrite: save into a directory that already holds a DCP checkpoint (default False:
         refused, since DCP rewrites its rank files in place and an interrupted save then
         leaves neither checkpoint; a directory per step keeps the last one whole).
@@ -179,7 +183,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
 
     def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
                  bound: str | None = None, partition: str | None = None, op_model: str | None = None,
-                 overwrite: bool = False, **kwargs):
+                 overwrite: bool = False, lr=None, **kwargs):
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
@@ -187,6 +191,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         self.op_model = op_model
+        self.lr = lr
         self.overwrite = overwrite
         s = self.spec
         self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
@@ -247,7 +252,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
                 pairs.setdefault((tuple(path[:-3]), path[-2]), {})[path[-1]] = key
-        jobs, entries = [], {}
+        jobs, entries, exact = [], {}, set()
         for (root, fqn), keys in pairs.items():
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
@@ -255,8 +260,12 @@ class GuardedSavePlanner(DefaultSavePlanner):
             gi, group = _group_of(osd, fqn, root)
             _state.check_param_group(gi, group, who="GuardedSavePlanner")
             step = _state.step_count(osd["state"][fqn], fqn)
-            cfg = _state.guard_config(group, step, spec=self.spec, op_model=self.op_model,
-                                      device_type=osd["state"][fqn]["exp_avg"].device.type)
+            update = _state.next_update(group, step, op_model=self.op_model, lr=self.lr,
+                                        device_type=osd["state"][fqn]["exp_avg"].device.type)
+            if update.stores_exactly:     # next lr 0: the pair stays plain DCP tensors, stored exactly
+                exact.add((root, fqn))
+                continue
+            cfg = _state.writer_config(self.spec, update)
             m_key, v_key = keys["exp_avg"], keys["exp_avg_sq"]
             p_key = self._param_key(fqn, root)
             m, v, p = self.state_dict[m_key], self.state_dict[v_key], self.state_dict[p_key]
@@ -301,11 +310,14 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 "config": cfg.to_json(), "stats": stats})
             totals["container_bytes"] += len(data)
         for (root, fqn), keys in pairs.items():  # even a rank with only empty shards drops the tensors
+            if (root, fqn) in exact:
+                continue
             for k in keys.values():
                 self.state_dict.pop(k, None)
                 self.mappings.pop(k, None)
         self.summary = totals
-        return {"moments": moments, "totals": totals}
+        return {"moments": moments, "totals": totals,
+                "stored_exactly": sorted(".".join(map(str, root + (fqn,))) for root, fqn in exact)}
 
     def _param_key(self, fqn, root):
         hits = [k for k, path in self.mappings.items()
@@ -357,6 +369,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
                     "partition": self.partition, "world_size": len(all_plans), "torch_version": torch.__version__,
                     "moments": moments, "tensors": tensors, "bytes": blobs,
                     "totals": {k: sum(loc["totals"][k] for loc in locals_) for k in locals_[0]["totals"]},
+                    "stored_exactly": sorted({x for loc in locals_ for x in loc.get("stored_exactly", ())}),
                     "encode_seconds_per_rank": [loc["seconds"] for loc in locals_]}
         pd = dict(metadata.planner_data or {})
         pd[MANIFEST_KEY] = manifest
@@ -639,6 +652,9 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
       storage_reader: the storage reader given to ``dcp.load`` (the same object: it is set
         up by DCP); at most one of the two.
       allow_partial_load: as `DefaultLoadPlanner`.
+      strict: a param group the load installs with other hyperparameters (lr, betas, eps,
+        weight decay) than its moments were certified for raises instead of warning
+        (`check_next_update`).
 
     Every stored chunk and guarded shard a rank's targets overlap is read, hashed and
     decoded during DCP's planning step; targets are written in ``finish_plan``, which DCP
@@ -654,7 +670,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None, *,
-                 storage_reader: StorageReader | None = None, allow_partial_load: bool = False):
+                 storage_reader: StorageReader | None = None, allow_partial_load: bool = False, strict: bool = False):
         if checkpoint_id is not None and storage_reader is not None:
             raise ConfigError("GuardedLoadPlanner reads the checkpoint where dcp.load does: pass checkpoint_id= (the "
                               "path given to dcp.load) or storage_reader= (the reader given to it), not both")
@@ -668,6 +684,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         self._told = checkpoint_id is not None    # False: the path is the metadata's (where_dcp_reads)
         self._given_reader = storage_reader
         self._apply: list = []
+        self.strict = strict
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         """`DefaultLoadPlanner.set_up_planner`, finding the storage reader and the manifest.
@@ -790,7 +807,18 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         return LoadPlan([])   # everything is read and verified already; finish_plan writes it
 
     def finish_plan(self, new_plan):
-        """Copy the verified data into the state_dict.  Args: new_plan: DCP's.  Returns: `new_plan`."""
+        """Copy the verified data into the state_dict, then compare the param groups it
+        installs with what their moments were certified for (`check_next_update`).
+
+        Args:
+          new_plan: DCP's.
+
+        Returns:
+          `new_plan`.
+
+        Raises:
+          CheckpointError: (``strict``) a param group that will step otherwise than certified.
+        """
         for kind, a, b in self._apply:
             if kind == "copy":
                 a.copy_(b)
@@ -799,7 +827,43 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             else:
                 self.state_dict[a] = b
         self._apply = []
+        check_next_update(self.manifest, self.original_state_dict if self.flatten_state_dict else self.state_dict,
+                          where=self._checkpoint_id or "the checkpoint", strict=self.strict)
         return new_plan
+
+
+def check_next_update(manifest, state_dict, *, where="the checkpoint", strict=False) -> None:
+    """Warn (one `JaxguardWarning` line) or, with `strict`, raise when a param group of the
+    optimizer state in `state_dict` (as a load installs it) would step with other
+    hyperparameters than its guarded moments were certified for
+    (`torch_compat.state.check_next_update`).
+
+    Args:
+      manifest: the checkpoint's jaxguard manifest (`manifest_of`), or None.
+      state_dict: the nested state_dict being loaded (``{"optim": osd, ...}``).
+      where: how to name the checkpoint.
+      strict: raise instead of warning.
+
+    Raises:
+      CheckpointError: (``strict``) the first difference, naming both values.
+    """
+    if not manifest:
+        return
+    roots = _optimizer_roots(state_dict)
+    for root, osd in roots.items():
+        entries, members = [], [[] for _ in osd["param_groups"]]
+        for e in manifest.get("moments", {}).values():
+            if tuple(e.get("m_path") or ())[:-3] != root or not e.get("shards"):
+                continue
+            try:
+                gi, _ = _group_of(osd, e["param"], root)
+            except CheckpointError:
+                continue
+            members[gi].append(len(entries))
+            entries.append({"name": f"optimizer/state/{len(entries)}", "kind": "moments",
+                            "config": e["shards"][0].get("config")})
+        sd = {"param_groups": [{"params": m} for m in members]}
+        _state.check_next_update({"entries": entries}, sd, osd["param_groups"], str(where), strict=strict)
 
 
 # ---------------------------------------------------------------- offline: whole directories in one process

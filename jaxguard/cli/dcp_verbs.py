@@ -19,6 +19,9 @@ def run(verb, a, *, print_summary, print_info) -> int:
       The exit status (0, or 1 when verify fails).
     """
     from torch_compat import dcp
+    if verb == "compress" and (getattr(a, "lr", None) is not None or getattr(a, "param_order", None) is not None):
+        raise JaxguardError("--lr and --param-order apply to a torch.save checkpoint; a DCP directory's moments are "
+                            "matched by their fully qualified names and certified at its param groups' lr")
     if verb == "compress":
         s = dcp.compress_dir(a.ckpt, a.output, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
         src = dcp.inspect_dir(a.ckpt)["bytes_on_disk"]

@@ -94,7 +94,8 @@ def _cmd_compress(a):
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
                                                        variant=variant_record, op_model=a.op_model,
-                                                       release=source.release if source else None)
+                                                       release=source.release if source else None,
+                                                       param_order=param_order(a.param_order), lr=a.lr)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
@@ -126,6 +127,57 @@ def _refuse_optimizer_alone(path, ckpt):
                           f"weights it does not hold: {hint}")
 
 
+def next_lr(text: str):
+    """``--lr``: the next step's learning rate, ``X`` or ``LO:HI`` (an interval certified
+    for every rate in it), or one of those per param group, comma-separated.
+
+    Args:
+      text: the option's value.
+
+    Returns:
+      A float, a ``(lo, hi)`` tuple, or a list of those (one per param group).
+
+    Raises:
+      argparse.ArgumentTypeError: not numbers.
+    """
+    def one(item):
+        parts = item.split(":")
+        try:
+            vals = [float(x) for x in parts]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a learning rate; pass e.g. 1e-3, 1e-4:1e-3 or "
+                                             "1e-3,1e-4 (one per param group)") from None
+        if len(vals) > 2:
+            raise argparse.ArgumentTypeError(f"{item!r}: an interval is LO:HI")
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+    items = [one(x) for x in text.split(",")]
+    return items[0] if len(items) == 1 else items
+
+
+def param_order(value):
+    """``--param-order``: ``model``, or a file of parameter names (one a line, in the
+    optimizer's order; blank lines and ``#`` comments skipped); None when not given.
+
+    Args:
+      value: the option's value or None.
+
+    Returns:
+      None, ``"model"`` or a list of names.
+
+    Raises:
+      CheckpointError: the file cannot be read.
+    """
+    if value is None or value == "model":
+        return value
+    try:
+        with open(value) as fh:
+            return [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+    except OSError as exc:
+        raise CheckpointError(f"--param-order {value}: {exc.strerror or exc}; pass 'model' or a file of parameter "
+                              "names, one a line, in the optimizer's order") from None
+
+
 def _cmd_restore(a):
     """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded.
 
@@ -144,7 +196,9 @@ def _cmd_restore(a):
 
 
 def _cmd_inspect(a):
-    """``jaxguard inspect OUT``: header, per-entry stats, decoded hash (``--json``: one object)."""
+    """``jaxguard inspect OUT``: header, per-entry stats, what the moments were certified for
+    (grouped by update), decoded hash (``--json``: one object)."""
+    from jaxguard import audit
     from jaxguard.format import container, spec, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
@@ -164,8 +218,26 @@ def _cmd_inspect(a):
     variant = header.get("variant")
     if isinstance(variant, dict):
         info.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
+    info["certified_for"] = audit.certified_for((e.get("config"), e.get("stats")) for e in ents)
+    info["stored_exactly"] = _stored_exactly(header["meta"])
     _print_info(info, a.json)
     return 0
+
+
+def _stored_exactly(meta) -> list:
+    """The moments a file stores exactly instead of certifying (next lr 0): ``{"param",
+    "why"}`` each (torch: the meta's list; optax: the marked leaves, one per param)."""
+    out = list(meta.get("stored_exactly") or [])
+    seen = set()
+    for leaf in (meta.get("state") or {}).get("leaves") or []:
+        if leaf.get("why"):
+            parts = leaf["path"].split(".")
+            cut = next((i for i, x in enumerate(parts) if x in ("mu", "nu")), -1)
+            param = ".".join(parts[cut + 1:])
+            if param not in seen:
+                seen.add(param)
+                out.append({"param": param, "why": leaf["why"]})
+    return out
 
 
 def _setting(header, ents, key):
@@ -187,8 +259,18 @@ def _setting(header, ents, key):
 def _print_info(info, as_json):
     if as_json:
         print(json.dumps(info, sort_keys=True))
-    else:
-        for k, v in info.items():
+        return
+    from jaxguard import audit
+    for k, v in info.items():
+        if k == "certified_for":
+            print(f"{k:>16}: {len(v)} update{'s' if len(v) != 1 else ''}" + (":" if v else ""))
+            for i, g in enumerate(v, 1):
+                print(f"{'':>18}[{i}] {audit.describe_certified(g)}")
+        elif k == "stored_exactly":
+            if v:
+                whys = sorted({x["why"] for x in v})
+                print(f"{k:>16}: {len(v)} parameter{'s' if len(v) != 1 else ''} ({'; '.join(whys)})")
+        else:
             print(f"{k:>16}: {'not recorded' if v is None else v}")
 
 
@@ -220,15 +302,29 @@ def _cmd_audit(a):
     restored, header = torch_compat.restore_tree(a.container)
     tau = header.get("tau") or spec.DEFAULT_TAU
     clip = header.get("clip") or spec.DEFAULT_CLIP
-    res = torch_compat.audit(ckpt, restored, tau=tau, clip=clip, progress=not a.json)
+    lr = a.lr if a.lr is not None else _given_lr(header)
+    res = torch_compat.audit(ckpt, restored, tau=tau, clip=clip, progress=not a.json,
+                             param_order=param_order(a.param_order), lr=lr)
     res.update({"tau": tau, "clip": clip, "passed": res["violations"] == 0})
     if a.json:
         print(json.dumps(res, sort_keys=True))
     else:
+        asserted = " (moments matched to weights by the order you asserted)" if a.param_order else ""
         print(f"audit: {res['coordinates']} coordinates x {res['gradients']} gradients, worst gap "
-              f"{res['max_gap_lr']:.6g} lr (tau {tau}), {res['violations']} coordinates over tau: "
+              f"{res['max_gap_lr']:.6g} lr (tau {tau}), {res['violations']} coordinates over tau{asserted}: "
               + ("PASS" if res["passed"] else "FAIL"))
     return 0 if res["passed"] else 1
+
+
+def _given_lr(header):
+    """The learning rate `compress --lr` certified every moment for (the param groups did not
+    hold it), so that the audit steps with it; None when the groups' own were certified."""
+    cfgs = [e.get("config") or {} for e in header.get("entries", []) if e.get("kind") == "moments"]
+    given = {json.dumps(c.get("lr")) for c in cfgs if c.get("source") == "param_groups+given"}
+    if len(given) == 1 and all(c.get("source") == "param_groups+given" for c in cfgs):
+        lr = json.loads(given.pop())
+        return tuple(lr) if isinstance(lr, list) else lr
+    return None
 
 
 def _cmd_migrate(a):
@@ -308,6 +404,11 @@ def _jax_sharded_command(verb, a):
                  "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
                  "payload_bytes": tot.get("payload_bytes"), "raw_fp32_bytes": 8 * n,
                  "checkpoint_bytes": sum(f["bytes"] for f in man["files"].values())})
+    from jaxguard import audit
+    shards = [sh["header"] for entry in man["shards"].values() for sh in entry
+              if (sh.get("header") or {}).get("kind") == "moments"]
+    info["certified_for"] = audit.certified_for((h.get("config"), h.get("stats")) for h in shards)
+    info["stored_exactly"] = _stored_exactly(man)
     _print_info(info, a.json)
     return 0
 
@@ -347,6 +448,11 @@ def build_parser():
                    help="the kernel the run resumes on (default: the state's own, resolved as torch does); one of "
                         + ", ".join(torch_models))
     c.add_argument("--trust", action="store_true", help=TRUST_HELP)
+    c.add_argument("--lr", type=next_lr, default=None, metavar="LR",
+                   help="the next step's learning rate, if the param groups do not hold it (saved before "
+                        "scheduler.step()): X, LO:HI (certified for every rate in it) or one per param group, "
+                        "comma-separated; 0 stores those moments exactly")
+    _add_param_order(c)
     c.set_defaults(fn=_cmd_compress)
     r = sub.add_parser("restore", help="write a torch checkpoint with the moments restored")
     r.add_argument("container")
@@ -364,6 +470,9 @@ def build_parser():
     au.add_argument("container")
     au.add_argument("--json", action="store_true")
     au.add_argument("--trust", action="store_true", help=TRUST_HELP)
+    au.add_argument("--lr", type=next_lr, default=None, metavar="LR",
+                    help="step with this learning rate instead of the param groups' (LO:HI: at LO, sqrt(LO HI), HI)")
+    _add_param_order(au)
     au.set_defaults(fn=_cmd_audit)
     d = sub.add_parser("demo", help="train a small model, compress, restore, audit")
     d.add_argument("--steps", type=int, default=150)
@@ -383,6 +492,13 @@ def build_parser():
     return p
 
 
+def _add_param_order(parser):
+    parser.add_argument("--param-order", default=None, metavar="model|FILE",
+                        help="an optimizer without param_names (or with stale ones) whose parameters cannot be matched "
+                             "to the model by their shapes: assert the order, 'model' (built from model.parameters()) "
+                             "or a file of names in the optimizer's order, one a line")
+
+
 def _add_audit_enclosure(sub):
     """The ``audit-enclosure`` verb; `torch_compat.enclosure` (jax, torch) is imported only
     when it runs, so building the parser costs no heavy import."""
@@ -397,6 +513,8 @@ def _add_audit_enclosure(sub):
                         "the GPU models (-cuda*, optax-*-gpu) are checked against their CPU simulations")
     a.add_argument("--edge-fraction", type=float, default=0.25,
                    help="share of cases (and adamw groups) drawn at float32's edges")
+    a.add_argument("--lr-interval", action="store_true",
+                   help="certify every group for an lr interval (hi/lo up to 1000) and replay it at lo, hi or between")
     a.set_defaults(fn=_cmd_audit_enclosure)
     return a
 

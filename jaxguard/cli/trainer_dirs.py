@@ -248,3 +248,59 @@ def _read(verb, a, file_verb, print_info) -> int:
         print(f"{name:>16}:")
         print_info(info[name], False)
     return 0
+
+
+def trainer_param_order(directory: str, opt_sd) -> list:
+    """``--param-order trainer``: the parameter names in the order the Hugging Face Trainer
+    gave them to its optimizer (`Trainer.create_optimizer`: the weights it decays, then the
+    rest, each in ``model.named_parameters()`` order), for a Trainer checkpoint whose
+    ``optimizer.pt`` has no ``param_names``.
+
+    The model is built on the meta device from the directory's ``config.json`` (its
+    ``architectures`` class in transformers: no weights are read or allocated) and grouped by
+    the installed Trainer's own ``get_decay_parameter_names``.  This is an assertion the user
+    makes (the optimizer is the Trainer's default one); the groups' sizes and every moment's
+    shape are checked against it.
+
+    Args:
+      directory: the checkpoint directory.
+      opt_sd: its optimizer state_dict.
+
+    Returns:
+      The names, one per optimizer parameter, groups in order.
+
+    Raises:
+      CheckpointError: no config.json or architecture transformers has; group sizes that
+        are not the Trainer's (one line naming ``--param-order FILE``).
+    """
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise CheckpointError("--param-order trainer needs transformers (pip install -e \".[hf]\")") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--param-order trainer: {directory} has no readable config.json ({_first(exc)}); pass "
+                              "--param-order FILE with the names in the optimizer's order") from None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise CheckpointError(f"--param-order trainer: config.json names the architecture {arch!r}, which transformers "
+                              f"{transformers.__version__} does not have; pass --param-order FILE")
+    with torch.device("meta"):
+        model = cls(config)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+    sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+    if sizes != [len(g) for g in groups]:
+        raise CheckpointError(f"--param-order trainer: the optimizer's param groups hold {sizes} parameters, but the "
+                              f"Trainer groups {arch}'s as {[len(g) for g in groups]} (decayed, not decayed): not the "
+                              "Trainer's own optimizer; pass --param-order FILE with the names in its order")
+    return groups[0] + groups[1]
+
+
+def _first(exc) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -156,6 +156,43 @@ def pack_constants(c: StepConstants, tau: float) -> StepRow:
     return StepRow(*(np.float32(x) for x in vals))
 
 
+def _f32_up(x: float) -> np.float32:
+    """The smallest float32 >= the double `x` (x finite, >= 0)."""
+    y = np.float32(x)
+    return y if float(y) >= x else np.nextafter(y, np.float32(np.inf))
+
+
+# `S(lr)/lr` of every lr in an interval is within this relative factor of the endpoints'
+# (each S is lr/(1 - b1**t) rounded once to float32, after at most one double rounding)
+LR_RATIO_SLACK = 2.0**-22
+
+
+def pack_interval(c_lo: StepConstants, c_hi: StepConstants, tau: float) -> StepRow:
+    """The `StepRow` that certifies every learning rate in ``[c_lo.lr, c_hi.lr]`` at once.
+
+    Numerical contract: with ``0 < lo <= hi <= 1`` and ``hi * wd <= 1`` (checked by
+    `jaxguard.core.config.NextUpdate`), every term of the bound (`cell_bounds`,
+    `jaxguard.core.fastbound`) is ``S P + lr wd Q + R`` with ``P, Q, R >= 0`` that do not
+    depend on the learning rate, so ``bound(lr) / lr <= bound(row) / lo`` for the row
+    ``S = lo max(S(lr)/lr)`` (the endpoints' ratio widened by `LR_RATIO_SLACK`, rounded
+    up), ``lr = lo``, threshold ``f32(tau lo)(1 - 4u)`` and ``const_rel`` the larger of
+    the endpoints' (docs/bound.md, section 10).  A coordinate whose bound at this row is
+    ``<=`` the threshold is therefore within ``tau * lr`` at every lr of the interval.
+
+    Args:
+      c_lo, c_hi: the step constants at ``lo`` and ``hi`` (`opmodel.step_constants`; the
+        same op model, step, betas, eps and weight decay).
+      tau: the tolerance.
+
+    Returns:
+      A `StepRow` of float32 scalars.
+    """
+    lo, hi = c_lo.lr, c_hi.lr
+    ratio = max(c_lo.S / lo, c_hi.S / hi) * (1 + LR_RATIO_SLACK)
+    row = pack_constants(c_lo, tau)
+    return row._replace(S=_f32_up(lo * ratio), const_rel=np.float32(max(c_lo.const_rel, c_hi.const_rel)))
+
+
 def as_step_row(k, axis: int = 0) -> StepRow:
     """`k` itself if it is a `StepRow`; else the old packed layout read by field order.
 

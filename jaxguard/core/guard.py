@@ -215,7 +215,7 @@ def _group_constants(items, gidx, ph):
     checkpoint's tensors mostly share one step, and the kernels then read one row, not a
     gather per coordinate."""
     consts = [cfg.constants() for *_, cfg in items]
-    rows = [_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)]
+    rows = [cfg.step_row() for *_, cfg in items]   # an interval lr's row certifies every rate in it
     first: dict = {}
     item_row = np.array([first.setdefault(tuple(np.float32(x).tobytes() for x in r), len(first)) for r in rows],
                         np.int32)

@@ -30,7 +30,10 @@ Lightning loads the returned state into the live optimizer itself, after this pl
 returned it, so `load_checkpoint` leaves a one-shot check behind: at the first step of the
 optimizer whose param groups carry the loaded ``param_names`` (after Lightning moved it
 to its device), a param group that runs another kernel than the certified one warns one
-line, as `torch_compat.load` does (`torch_compat.state.warn_other_kernel`).
+line, as `torch_compat.load` does (`torch_compat.state.warn_other_kernel`), and so does one
+that will step with other hyperparameters than its moments were certified for (a learning
+rate set after the restore; `torch_compat.state.check_next_update`; ``strict=True``
+raises from that step instead, before it updates anything).
 """
 from __future__ import annotations
 
@@ -61,14 +64,16 @@ class GuardedCheckpointIO(CheckpointIO):
         one torch runs where the state lives).
       device_encode: where moments are encoded (`jaxguard.writer.device_encode_setting`;
         None: on the GPU for CUDA state when JAX has a GPU backend).
+      strict: at the first step after a resume, a param group stepping with other
+        hyperparameters than certified raises instead of warning.
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, codec: str | None = None, *, spec=None,
-                 op_model: str | None = None, device_encode: bool | None = None):
+                 op_model: str | None = None, device_encode: bool | None = None, strict: bool = False):
         from jaxguard.core.config import save_spec
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         self.tau, self.clip, self.codec = self.spec.tau, self.spec.clip, self.spec.codec
-        self.op_model, self.device_encode = op_model, device_encode
+        self.op_model, self.device_encode, self.strict = op_model, device_encode, strict
         self.last_summary: dict | None = None
         self._resume_check = None
 
@@ -180,7 +185,7 @@ class GuardedCheckpointIO(CheckpointIO):
         for i, sd in enumerate(tree.get("optimizer_states", []) if isinstance(tree, dict) else []):
             certified = tstate.certified_by_group(header, sd, prefix=f"optimizer_states/{i}")
             if any(certified):
-                pending.append(([list(g.get("param_names") or ()) for g in sd["param_groups"]], certified))
+                pending.append(([list(g.get("param_names") or ()) for g in sd["param_groups"]], certified, sd, i))
         if not pending:
             return
 
@@ -190,6 +195,8 @@ class GuardedCheckpointIO(CheckpointIO):
             for item in [it for it in pending if it[0] == names]:
                 pending.remove(item)
                 tstate.warn_other_kernel(item[1], optimizer, str(path))
+                tstate.check_next_update(header, item[2], optimizer.param_groups, str(path), strict=self.strict,
+                                         prefix=f"optimizer_states/{item[3]}")
 
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         self._resume_check = register_optimizer_step_pre_hook(first_step)
