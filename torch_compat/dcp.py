@@ -63,7 +63,7 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
     from torch.distributed._tensor import DTensor
 
 from jaxguard import audit as jg_audit
-from jaxguard import writer
+from jaxguard import uncovered, writer
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
@@ -164,6 +164,11 @@ class GuardedSavePlanner(DefaultSavePlanner):
         ``scheduler.step()``): a number or ``(lo, hi)`` for every group; a group whose next
         rate is 0 keeps its moments as plain DCP tensors (listed in the manifest's
         ``stored_exactly``).
+      uncertifiable: ``"exact"`` (default, `jaxguard.uncovered`): state the guard cannot
+        certify (bfloat16/float16 parameters or moments, amsgrad and the other flags
+        outside the op models, an optimizer that is not Adam) stays plain DCP tensors,
+        listed with the reason in the manifest's ``stored_exactly``, with one warning
+        line; ``"refuse"``: such a save raises instead.
       overwrite: save into a directory that already holds a DCP checkpoint (default False:
         refused, since DCP rewrites its rank files in place and an interrupted save then
         leaves neither checkpoint; a directory per step keeps the last one whole).
@@ -177,13 +182,17 @@ class GuardedSavePlanner(DefaultSavePlanner):
     Raises:
       ConfigError: a bad tau/clip/codec, or flatten_state_dict/plan caching requested.
       CheckpointError / UnsupportedOptimizerError (wrapped by DCP in a
-        ``CheckpointException``): the state is not float32 Adam/AdamW state, or a
-        parameter is missing.
+        ``CheckpointException``): a parameter is missing or shaped otherwise than its
+        moments; (``uncertifiable="refuse"``) the state is not float32 Adam/AdamW state.
+
+    Warns:
+      JaxguardWarning: (``uncertifiable="exact"``) one line naming what was stored exactly
+        and why (`jaxguard.uncovered.warn`).
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
                  bound: str | None = None, partition: str | None = None, op_model: str | None = None,
-                 overwrite: bool = False, lr=None, **kwargs):
+                 overwrite: bool = False, lr=None, uncertifiable: str = "exact", **kwargs):
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
@@ -192,6 +201,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         self.op_model = op_model
         self.lr = lr
+        self.uncertifiable = uncovered.policy(uncertifiable)
         self.overwrite = overwrite
         s = self.spec
         self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
@@ -245,34 +255,40 @@ class GuardedSavePlanner(DefaultSavePlanner):
     def _encode_local_shards(self) -> dict:
         self._blobs: dict = {}
         roots = _optimizer_roots(self._nested)
+        refuse = self.uncertifiable == uncovered.REFUSE
+        bad_groups = {}
         for root, osd in roots.items():
             for gi, g in enumerate(osd["param_groups"]):
-                _state.check_param_group(gi, g, who="GuardedSavePlanner")
+                u = _state.group_uncovered(gi, g, who="GuardedSavePlanner")
+                if u is not None and refuse:
+                    raise u.error
+                bad_groups[(root, gi)] = u
         pairs: dict = {}
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
                 pairs.setdefault((tuple(path[:-3]), path[-2]), {})[path[-1]] = key
-        jobs, entries, exact = [], {}, set()
+        jobs, entries, exact = [], {}, {}
         for (root, fqn), keys in pairs.items():
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
             osd = roots[root]
             gi, group = _group_of(osd, fqn, root)
-            _state.check_param_group(gi, group, who="GuardedSavePlanner")
+            u = bad_groups.get((root, gi)) or self._pair_uncovered(fqn, keys, root)
+            if u is not None:     # uncertifiable="exact": the pair stays plain DCP tensors, stored exactly
+                if refuse:
+                    raise u.error
+                exact[(root, fqn)] = u.why
+                continue
             step = _state.step_count(osd["state"][fqn], fqn)
             update = _state.next_update(group, step, op_model=self.op_model, lr=self.lr,
                                         device_type=osd["state"][fqn]["exp_avg"].device.type)
             if update.stores_exactly:     # next lr 0: the pair stays plain DCP tensors, stored exactly
-                exact.add((root, fqn))
+                exact[(root, fqn)] = _state.EXACT_REASON
                 continue
             cfg = _state.writer_config(self.spec, update)
             m_key, v_key = keys["exp_avg"], keys["exp_avg_sq"]
             p_key = self._param_key(fqn, root)
             m, v, p = self.state_dict[m_key], self.state_dict[v_key], self.state_dict[p_key]
-            for what, t in (("exp_avg", m), ("exp_avg_sq", v), ("parameter", p)):
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                    raise UnsupportedOptimizerError(f"{what} of {fqn!r} is {getattr(t, 'dtype', type(t).__name__)}; "
-                                                    "the guarantee covers float32 parameters and moments")
             if not (m.shape == v.shape == p.shape):
                 raise CheckpointError(f"parameter {fqn!r} has shape {tuple(p.shape)} but its moments "
                                       f"{tuple(m.shape)}; the model and optimizer do not match")
@@ -315,9 +331,30 @@ class GuardedSavePlanner(DefaultSavePlanner):
             for k in keys.values():
                 self.state_dict.pop(k, None)
                 self.mappings.pop(k, None)
+        for (root, gi), u in bad_groups.items():    # an optimizer that is not Adam: its state stays plain too
+            if u is not None:
+                osd = roots[root]
+                exact.update({(root, fqn): u.why for fqn in osd["param_groups"][gi].get("params", ())
+                              if fqn in osd["state"] and (root, fqn) not in exact})
         self.summary = totals
-        return {"moments": moments, "totals": totals,
-                "stored_exactly": sorted(".".join(map(str, root + (fqn,))) for root, fqn in exact)}
+        stored = sorted(({"param": ".".join(map(str, root + (fqn,))), "why": why} for (root, fqn), why in exact.items()),
+                        key=lambda x: x["param"])
+        if self.uncertifiable == uncovered.EXACT:
+            uncovered.warn("GuardedSavePlanner", [s for s in stored if s["why"] != _state.EXACT_REASON],
+                           of=sum(len(osd["state"]) for osd in roots.values()))
+        return {"moments": moments, "totals": totals, "stored_exactly": stored}
+
+    def _pair_uncovered(self, fqn, keys, root):
+        """Why the moment pair of `fqn` cannot be certified (not float32 parameter or moments), or None."""
+        p = self.state_dict.get(self._param_key(fqn, root))
+        for what, key in (("moments", keys["exp_avg"]), ("moments", keys["exp_avg_sq"]), ("parameters", None)):
+            t = p if key is None else self.state_dict[key]
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                dt = str(getattr(t, "dtype", type(t).__name__)).replace("torch.", "")
+                return _state.Uncovered(f"{dt} {what} (the guarantee covers float32)", UnsupportedOptimizerError(
+                    f"{'parameter' if key is None else key.rsplit('.', 1)[-1]} of {fqn!r} is {dt}; the guarantee "
+                    "covers float32 parameters and moments"))
+        return None
 
     def _param_key(self, fqn, root):
         hits = [k for k, path in self.mappings.items()
@@ -369,7 +406,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
                     "partition": self.partition, "world_size": len(all_plans), "torch_version": torch.__version__,
                     "moments": moments, "tensors": tensors, "bytes": blobs,
                     "totals": {k: sum(loc["totals"][k] for loc in locals_) for k in locals_[0]["totals"]},
-                    "stored_exactly": sorted({x for loc in locals_ for x in loc.get("stored_exactly", ())}),
+                    "stored_exactly": sorted({x["param"]: x for loc in locals_ for x in loc.get("stored_exactly", ())
+                                              }.values(), key=lambda x: x["param"]),
                     "encode_seconds_per_rank": [loc["seconds"] for loc in locals_]}
         pd = dict(metadata.planner_data or {})
         pd[MANIFEST_KEY] = manifest
