@@ -170,6 +170,9 @@ def param_order(value):
     """
     if value is None or value == "model":
         return value
+    if value == "trainer":
+        raise CheckpointError("--param-order trainer applies to a Hugging Face Trainer checkpoint directory "
+                              "(checkpoint-N/, whose config.json names the model); pass 'model' or a file of names")
     try:
         with open(value) as fh:
             return [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
@@ -493,10 +496,11 @@ def build_parser():
 
 
 def _add_param_order(parser):
-    parser.add_argument("--param-order", default=None, metavar="model|FILE",
+    parser.add_argument("--param-order", default=None, metavar="model|trainer|FILE",
                         help="an optimizer without param_names (or with stale ones) whose parameters cannot be matched "
-                             "to the model by their shapes: assert the order, 'model' (built from model.parameters()) "
-                             "or a file of names in the optimizer's order, one a line")
+                             "to the model by their shapes: assert the order, 'model' (built from model.parameters()), "
+                             "'trainer' (a Hugging Face Trainer checkpoint directory: the Trainer's own optimizer, "
+                             "weights it decays then the rest) or a file of names in the optimizer's order, one a line")
 
 
 def _add_audit_enclosure(sub):

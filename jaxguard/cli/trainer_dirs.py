@@ -168,31 +168,56 @@ def _compress(a, print_summary) -> int:
                               f"({', '.join(_jg_files(inp))}); jaxguard restore writes the uncompressed one back")
     spec = save_spec(None, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
     weights = load_weights(inp.path)
-    totals, written = audit.new_totals(), 0
+    totals, written, notes, stored = audit.new_totals(), 0, {}, []
     with _staged(a.output) as stage:
         _copy_others(inp.path, stage, set(plain) | {compressed_name(n) for n in plain})
         for name in plain:
             sd = load_checkpoint(os.path.join(inp.path, name), trust=a.trust)
             try:
-                opt_sk, records = tstate.state_records(sd, weights, spec=spec, op_model=a.op_model)
+                opt_sk, records = tstate.state_records(sd, weights, spec=spec, op_model=a.op_model, lr=a.lr, notes=notes,
+                                                       param_order=_param_order(a.param_order, inp, sd, weights))
             except JaxguardError as exc:
-                raise type(exc)(f"{os.path.join(inp.path, name)}: {exc}") from None
+                hint = ("; for the Trainer's own optimizer, --param-order trainer asserts its order"
+                        if inp.kind == "hf-checkpoint" and a.param_order is None and "param_names" in str(exc) else "")
+                raise type(exc)(f"{os.path.join(inp.path, name)}: {exc}{hint}") from None
             meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]},
-                    "torch_version": tstate.torch_version(), "source": inp.kind, "source_file": name}
+                    "torch_version": tstate.torch_version(), "source": inp.kind, "source_file": name, **notes}
             extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound,
                      "partition": spec.partition}
             s = writer.to_file(os.path.join(stage, compressed_name(name)), records, meta, extra_header=extra,
                                progress=not a.json)
-            for k in audit.TOTAL_KEYS:
-                totals[k] = totals.get(k, 0) + s.get(k, 0)
+            for k in (*audit.TOTAL_KEYS, "encode_seconds"):
+                totals[k] = totals.get(k, 0) + (s.get(k) or 0)
             written += s["container_bytes"]
+            stored += notes.pop("stored_exactly", [])
             del records, sd
     src = sum(os.path.getsize(os.path.join(inp.path, n)) for n in plain)
-    summary = audit.compression_summary(totals, written)
+    summary = {**audit.compression_summary(totals, written), "encode_seconds": totals["encode_seconds"]}
     summary.update(input=inp.description, input_kind=inp.kind, optimizer_files=[compressed_name(n) for n in plain],
-                   source_bytes=src, container_ratio=written / max(src, 1), output=a.output)
+                   source_bytes=src, container_ratio=written / max(src, 1), output=a.output, stored_exactly=stored)
     print_summary(summary, a.json)
     return 0
+
+
+def _param_order(value, inp, opt_sd, weights):
+    """``--param-order`` for a trainer directory: ``trainer`` (`trainer_param_order`),
+    ``model`` (the model's ``named_parameters()`` order, from config.json, or the order of
+    ``pytorch_model.bin``; ``model.safetensors`` keeps its tensors sorted by name, not in
+    the model's order), a file of names, or None."""
+    from jaxguard.cli.main import param_order
+    if value is None:
+        return None
+    if value == "trainer":
+        return trainer_param_order(inp.path, opt_sd)
+    if value == "model":
+        if os.path.isfile(os.path.join(inp.path, "config.json")):
+            return [n for n, _ in _meta_model(inp.path).named_parameters()]
+        if not any(n.startswith("pytorch_model") for n in inp.names):
+            raise CheckpointError(f"--param-order model: {inp.path} holds its weights in safetensors, sorted by name, "
+                                  "and no config.json naming the model: its parameter order is not recorded; pass "
+                                  "--param-order FILE with the names in the optimizer's order")
+        return "model"
+    return param_order(value)
 
 
 def _restore(a) -> int:
@@ -273,32 +298,41 @@ def trainer_param_order(directory: str, opt_sd) -> list:
       CheckpointError: no config.json or architecture transformers has; group sizes that
         are not the Trainer's (one line naming ``--param-order FILE``).
     """
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        raise CheckpointError("--param-order trainer needs transformers (pip install -e \".[hf]\")") from None
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"--param-order trainer: {directory} has no readable config.json ({_first(exc)}); pass "
-                              "--param-order FILE with the names in the optimizer's order") from None
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        raise CheckpointError(f"--param-order trainer: config.json names the architecture {arch!r}, which transformers "
-                              f"{transformers.__version__} does not have; pass --param-order FILE")
-    with torch.device("meta"):
-        model = cls(config)
+    import transformers
+    model = _meta_model(directory)
     decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
     sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
     if sizes != [len(g) for g in groups]:
         raise CheckpointError(f"--param-order trainer: the optimizer's param groups hold {sizes} parameters, but the "
-                              f"Trainer groups {arch}'s as {[len(g) for g in groups]} (decayed, not decayed): not the "
-                              "Trainer's own optimizer; pass --param-order FILE with the names in its order")
+                              f"Trainer groups {type(model).__name__}'s as {[len(g) for g in groups]} (decayed, not "
+                              "decayed): not the Trainer's own optimizer; pass --param-order FILE with the names in "
+                              "its order")
     return groups[0] + groups[1]
+
+
+def _meta_model(directory: str):
+    """The model of a Hugging Face checkpoint directory built on the meta device from its
+    ``config.json`` (the ``architectures`` class in transformers; nothing allocated)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise CheckpointError("--param-order trainer|model of a trainer directory needs transformers (pip install -e "
+                              "\".[hf]\")") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--param-order: {directory} has no readable config.json ({_first(exc)}); pass "
+                              "--param-order FILE with the names in the optimizer's order") from None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise CheckpointError(f"--param-order: config.json names the architecture {arch!r}, which transformers "
+                              f"{transformers.__version__} does not have; pass --param-order FILE")
+    with torch.device("meta"):
+        return cls(config)
 
 
 def _first(exc) -> str:
