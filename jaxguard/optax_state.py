@@ -604,7 +604,14 @@ def exact_reasons(plans) -> dict:
 
 
 def stored_exactly(plans) -> list:
-    """``[{"param", "why"}]`` of the pairs the plans store exactly (`jaxguard.uncovered`)."""
+    """The pairs the plans store exactly (`jaxguard.uncovered`).
+
+    Args:
+      plans: `plan_updates`' result.
+
+    Returns:
+      ``[{"param", "why"}]``.
+    """
     out = [{"param": pair.param, "why": EXACT_REASON} for plan in plans for pair, u in plan.pairs if u.stores_exactly]
     return out + [{"param": pair.param, "why": why} for plan in plans for pair, why in plan.uncovered]
 

@@ -371,7 +371,15 @@ def state_uncovered(idx, st, gi, g) -> Uncovered | None:
 
 
 def param_uncovered(name, p) -> Uncovered | None:
-    """Why parameter `p` cannot be the ``p`` of a certificate (not float32), or None."""
+    """Why parameter `p` cannot be the ``p`` of a certificate, or None.
+
+    Args:
+      name: its name, for the error.
+      p: the parameter tensor.
+
+    Returns:
+      An `Uncovered` when it is not float32, else None.
+    """
     if dtype_name(p) != "float32":
         return Uncovered(f"{dtype_name(p)} parameters (the guarantee covers float32)", UnsupportedOptimizerError(
             f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters"))

@@ -51,8 +51,16 @@ def _torch_installed(verb: str) -> str | None:
 
 
 def load_torch_checkpoint(path, trust=False):
-    """`jaxguard.cli.torch_load.load_checkpoint`: weights-only plus numpy scalars, arrays,
-    RNG states and argparse.Namespace; ``trust`` (``--trust``) is a plain torch.load."""
+    """`jaxguard.cli.torch_load.load_checkpoint`.
+
+    Args:
+      path: a local path or an fsspec URL.
+      trust: ``--trust``: a plain ``torch.load`` (else weights-only plus numpy values, RNG
+        states and ``argparse.Namespace``).
+
+    Returns:
+      The checkpoint object.
+    """
     from jaxguard.cli.torch_load import load_checkpoint
     return load_checkpoint(path, trust=trust)
 

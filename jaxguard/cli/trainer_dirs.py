@@ -65,14 +65,30 @@ def _plain_files(inp) -> list:
 
 
 def compressed_name(name: str) -> str:
-    """The container name of a trainer optimizer file (``optimizer_1.bin`` -> ``optimizer_1.jg``)."""
+    """The container name of a trainer optimizer file.
+
+    Args:
+      name: ``optimizer.pt``, ``optimizer.bin``, ``optimizer_1.bin``, ...
+
+    Returns:
+      ``optimizer.jg``, ``optimizer_1.jg``, ...
+    """
     return name.rsplit(".", 1)[0] + ".jg"
 
 
 def restored_name(kind: str, name: str, meta: dict) -> str:
-    """The file a container is restored to: the one it was compressed from, else the framework's
-    own name for the integration's file (``optimizer.jg`` -> ``optimizer.pt`` for the Trainer,
-    ``optimizer.bin`` for accelerate)."""
+    """The file a container is restored to.
+
+    Args:
+      kind: the directory's kind (``hf-checkpoint`` or ``accelerate-checkpoint``).
+      name: the container's name (``optimizer.jg``, ``optimizer_1.jg``).
+      meta: its meta (``source_file``: the file `jaxguard compress` read).
+
+    Returns:
+      The file it was compressed from, else the framework's own name for an integration's
+      file (``optimizer.pt`` for the Trainer, ``optimizer.bin``/``optimizer_<i>.bin`` for
+      accelerate).
+    """
     source = meta.get("source_file")
     if isinstance(source, str) and os.path.basename(source) == source and source.startswith("optimizer"):
         return source

@@ -49,8 +49,14 @@ def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None) -> dict:
 
 
 def copy_for_later(optimizer):
-    """A `torch_compat.state.snapshot` with every tensor cloned, for `save_optimizer` on a
-    background thread while training goes on (any optimizer)."""
+    """A snapshot for `save_optimizer` on a background thread while training goes on.
+
+    Args:
+      optimizer: any torch optimizer (or a wrapper of one).
+
+    Returns:
+      `torch_compat.state.snapshot` with every tensor cloned.
+    """
     from torch_compat import state as tstate
     return tstate.snapshot(unwrap(optimizer), copy=True, any_optimizer=True)
 
