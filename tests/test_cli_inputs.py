@@ -19,21 +19,15 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+from helpers import adam_run  # noqa: E402
 
 import jaxguard as jg  # noqa: E402
 from jaxguard.cli.inputs import DESCRIPTIONS, recognise  # noqa: E402
 from jaxguard.cli.main import main  # noqa: E402
 
 
-def _adam_run(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(8, 12)).pow(2).mean().backward()
-        opt.step()
-    return model, opt
+def _adam_run():
+    return adam_run((12, 16, 3), steps=3, batch=8)
 
 
 def found_checkpoint(path):

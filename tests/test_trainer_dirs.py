@@ -18,7 +18,7 @@ import os
 
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
-from helpers import byte_tokens, tiny_gpt2  # noqa: E402
+from helpers import ByteDataset, tiny_gpt2  # noqa: E402
 from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 
 transformers = pytest.importorskip("transformers")
@@ -33,17 +33,6 @@ from jaxguard.cli.trainer_dirs import load_weights, trainer_param_order  # noqa:
 SEQ, N, MORE, LR = 16, 4, 3, 1e-3
 
 
-class _Bytes(torch.utils.data.Dataset):
-    def __init__(self):
-        self.x = byte_tokens(SEQ)[:96]
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
 def _args(out, steps):
     return transformers.TrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=LR, optim="adamw_torch",
@@ -55,7 +44,7 @@ def _args(out, steps):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_dirs")
-    tr = transformers.Trainer(model=tiny_gpt2(SEQ), args=_args(root / "run", N), train_dataset=_Bytes())
+    tr = transformers.Trainer(model=tiny_gpt2(SEQ), args=_args(root / "run", N), train_dataset=ByteDataset(SEQ, 96))
     tr.train()
     true_order = {id(p): n for n, p in tr.model.named_parameters()}
     true_order = [true_order[id(p)] for g in tr.optimizer.param_groups for p in g["params"]]
@@ -95,14 +84,14 @@ def test_hf_directory_compress_restore_resume(dirs, tmp_path, capsys):
         if name != "optimizer.pt":
             assert filecmp.cmp(src / name, out / name, shallow=False), name
     # GuardedTrainer resumes from the compressed directory as it is
-    g = GuardedTrainer(model=tiny_gpt2(SEQ), args=_args(tmp_path / "g", N + MORE), train_dataset=_Bytes())
+    g = GuardedTrainer(model=tiny_gpt2(SEQ), args=_args(tmp_path / "g", N + MORE), train_dataset=ByteDataset(SEQ, 96))
     g.train(resume_from_checkpoint=str(out))
     assert g.state.global_step == N + MORE
     # restore: the plain Trainer resumes from it
     assert main(["restore", str(out), "-o", str(back)]) == 0
     assert "(a Hugging Face Trainer checkpoint directory)" in capsys.readouterr().out
     assert sorted(os.listdir(back)) == sorted(os.listdir(src))
-    p = transformers.Trainer(model=tiny_gpt2(SEQ), args=_args(tmp_path / "p", N + MORE), train_dataset=_Bytes())
+    p = transformers.Trainer(model=tiny_gpt2(SEQ), args=_args(tmp_path / "p", N + MORE), train_dataset=ByteDataset(SEQ, 96))
     p.train(resume_from_checkpoint=str(back))
     assert p.state.global_step == N + MORE
     # the real torch first update from the original and the restored optimizer.pt: within tau

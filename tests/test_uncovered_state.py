@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
-from helpers import byte_tokens, tiny_gpt2  # noqa: E402
+from helpers import ByteDataset, tiny_gpt2  # noqa: E402
 from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 
 import torch_compat  # noqa: E402
@@ -42,17 +42,6 @@ def _same_state(a, b):
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer, bf16 parameters
-class _Bytes(torch.utils.data.Dataset):
-    def __init__(self):
-        self.x = byte_tokens(SEQ)[:96]
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
 def _hf_args(out, steps, **kw):
     transformers = pytest.importorskip("transformers")
     return transformers.TrainingArguments(
@@ -74,7 +63,7 @@ def test_guarded_trainer_with_bf16_parameters_writes_checkpoints_and_resumes(tmp
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from jaxguard.integrations.hf import GuardedTrainer
-    tr = GuardedTrainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "g", N), train_dataset=_Bytes())
+    tr = GuardedTrainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "g", N), train_dataset=ByteDataset(SEQ, 96))
     _, msgs = _warnings(tr.train)
     ckpt = tmp_path / "g" / f"checkpoint-{N}"
     assert (ckpt / "optimizer.jg").is_file() and not (ckpt / "optimizer.pt").exists()
@@ -82,13 +71,13 @@ def test_guarded_trainer_with_bf16_parameters_writes_checkpoints_and_resumes(tmp
     assert msgs[0].startswith(f"GuardedTrainer: checkpoint-{N}: ") and "bfloat16" in msgs[0], msgs
     saved = copy.deepcopy(tr.optimizer.state_dict())
     # the same run saved by the plain Trainer: its optimizer.pt is what optimizer.jg must give back
-    plain = transformers.Trainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "p", N), train_dataset=_Bytes())
+    plain = transformers.Trainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "p", N), train_dataset=ByteDataset(SEQ, 96))
     plain.train()
     pckpt = tmp_path / "p" / f"checkpoint-{N}"
     # resume both and train on: bit for bit the same run
-    g2 = GuardedTrainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "g2", N + MORE), train_dataset=_Bytes())
+    g2 = GuardedTrainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "g2", N + MORE), train_dataset=ByteDataset(SEQ, 96))
     g2.train(resume_from_checkpoint=str(ckpt))
-    p2 = transformers.Trainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "p2", N + MORE), train_dataset=_Bytes())
+    p2 = transformers.Trainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "p2", N + MORE), train_dataset=ByteDataset(SEQ, 96))
     p2.train(resume_from_checkpoint=str(pckpt))
     assert _losses(g2, N) == _losses(p2, N) and len(_losses(g2, N)) == MORE
     from jaxguard.cli.torch_load import load_checkpoint
