@@ -23,7 +23,6 @@ from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 L = pytest.importorskip("lightning")
 
 from jaxguard.format import container  # noqa: E402
-from jaxguard.errors import CheckpointError  # noqa: E402
 from jaxguard.integrations.lightning import GuardedCheckpointIO  # noqa: E402
 
 TAU, CLIP, LR = 0.01, 0.2, 1e-3
