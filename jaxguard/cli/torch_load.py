@@ -111,8 +111,8 @@ def _refusal(path, src, exc) -> str:
             names = []
     if names:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        return (f"{path} names {', '.join(sorted(names)[:3])}{more}, which a weights-only load does not build; "
-                f"jaxguard loads "
+        return (f"{path} was refused without running it: it names {', '.join(sorted(names)[:3])}{more}, which a "
+                f"weights-only load does not build; jaxguard loads "
                 f"tensors, numbers, strings, numpy scalars and arrays, RNG states and argparse.Namespace safely; "
                 + TRUST)
     return f"{path} was refused by torch's weights-only load ({_unpickler_detail(exc)}); " + TRUST

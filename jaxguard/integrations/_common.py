@@ -41,9 +41,12 @@ def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None) -> dict:
     Returns:
       The save summary (``stored_exactly``: what was stored exactly and why).
     """
+    import torch_compat
     from torch_compat import state as tstate
-    sd, params = snapshot if snapshot is not None else tstate.snapshot(unwrap(optimizer), any_optimizer=True)
-    summary = tstate.save_snapshot(path, sd, params, spec=spec, uncertifiable="exact")
+    if snapshot is None:
+        summary = torch_compat.save(path, unwrap(optimizer), spec=spec, uncertifiable="exact")
+    else:
+        summary = tstate.save_snapshot(path, *snapshot, spec=spec, uncertifiable="exact")
     uncovered.warn(where, summary["stored_exactly"], of=summary["parameters"])
     return summary
 
