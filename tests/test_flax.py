@@ -224,3 +224,16 @@ def test_a_dtype_mismatch_names_the_leaf_not_mu_dtype(tmp_path):
         (st[0]._replace(count=st[0].count.astype(jnp.int16)),) + tuple(st[1:])
     with pytest.raises(jg.CheckpointError, match=r"'0.count'.*the same dtypes as the saved state"):
         jg.load(tmp_path / "a.jg", like=like)
+
+
+def test_linen_train_state_through_a_sharded_save(tmp_path):
+    tx = optax.adamw(LR, weight_decay=WD)
+    ts, init_params = linen_trained(tx)
+    s = jg.save(str(tmp_path / "sharded"), ts, sharded=True)
+    assert s["total"]["coordinates"] == 8 * 48 + 48 + 48 + 1
+    fresh = train_state.TrainState.create(apply_fn=ts.apply_fn, params=init_params, tx=tx)
+    restored = jg.load(str(tmp_path / "sharded"), like=fresh)
+    assert restored.step == STEPS
+    for a, b in zip(jax.tree_util.tree_leaves(restored.params), jax.tree_util.tree_leaves(ts.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert audit(tx, ts.opt_state, restored.opt_state, ts.params, lr=LR)["violations"] == 0
