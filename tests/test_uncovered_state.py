@@ -6,8 +6,9 @@ moments, amsgrad, a non-Adam optimizer beside Adam) is stored exactly, in its ow
 with one warning line; the checkpoint is written and resumes.  The explicit API
 (`torch_compat.save`, `jaxguard.save`) still refuses unless asked (``uncertifiable="exact"``).
 
-Tolerances: none.  What is stored exactly comes back bit for bit, so a resume from it is
-the plain framework's resume bit for bit (losses equal, not close).
+Tolerances: none where everything is stored exactly: it comes back bit for bit, so a resume
+from it is the plain framework's resume bit for bit (losses equal, not close).  Where part
+of the state went through the codec, `TOLERANCES` says how far the continued losses may move.
 """
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ import torch_compat  # noqa: E402
 from jaxguard.errors import JaxguardWarning, UnsupportedOptimizerError  # noqa: E402
 
 SEQ, N, MORE = 16, 4, 3
+TOLERANCES = {
+    # accelerate's float32 head is compressed: each coordinate's first update is within
+    # tau * lr = 1e-5 of the uncompressed one, 3 steps of a 4-output loss of size ~0.05
+    # move by far less (measured 9.6e-7); 1e-3 only says the resume is the same run
+    "accelerate_continued_loss": 1e-3,
+}
 
 
 def _warnings(fn):
@@ -121,6 +128,7 @@ def test_accelerate_with_bf16_parameters_and_sgd_beside_adam_saves_and_resumes(t
     assert (tmp_path / "ckpt" / "optimizer.jg").is_file() and (tmp_path / "ckpt" / "optimizer_1.jg").is_file()
     assert not any(n.startswith("optimizer") and n.endswith(".bin") for n in os.listdir(tmp_path / "ckpt"))
     assert len(msgs) == 2 and all("\n" not in m for m in msgs), msgs          # one line per optimizer file
+    assert msgs[0].startswith("jaxguard accelerate integration: ckpt/optimizer.jg: "), msgs   # not the hidden stage
     assert "2 of 4 parameters stored exactly" in msgs[0] and "bfloat16" in msgs[0], msgs
     assert "2 of 2 parameters stored exactly" in msgs[1] and "not Adam" in msgs[1], msgs
     head = torch_compat.restore_tree(str(tmp_path / "ckpt" / "optimizer.jg"))[1]
@@ -135,7 +143,7 @@ def test_accelerate_with_bf16_parameters_and_sgd_beside_adam_saves_and_resumes(t
             t = adam2.state_dict()["state"][idx][k]
             assert t.dtype == torch.bfloat16 and torch.equal(t, saved_adam["state"][idx][k])
     b = [_acc_step(model2, adam2, sgd2, 100 + s) for s in range(MORE)]
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, (a, b)    # the head's moments went through the codec
+    assert max(abs(x - y) for x, y in zip(a, b)) < TOLERANCES["accelerate_continued_loss"], (a, b)
 
 
 # ---------------------------------------------------------------- Lightning: amsgrad

@@ -107,7 +107,7 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
             return accelerator.save_state(output_dir, **kwargs)
         with _optimizers_held_out(accelerator) as opts:
             location = accelerator.save_state(output_dir, **kwargs)
-        _write_optimizers(accelerator, opts, location, spec=spec, tau=tau, clip=clip, codec=codec)
+        _write_optimizers(accelerator, opts, location, spec=spec, tau=tau, clip=clip, codec=codec, named=location)
         accelerator.wait_for_everyone()
         return location
     from accelerate.utils import broadcast_object_list
@@ -124,7 +124,7 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
         else:
             with _optimizers_held_out(accelerator) as opts:
                 accelerator.save_state(stage, **kwargs)
-            _write_optimizers(accelerator, opts, stage, spec=spec, tau=tau, clip=clip, codec=codec)
+            _write_optimizers(accelerator, opts, stage, spec=spec, tau=tau, clip=clip, codec=codec, named=final)
         accelerator.wait_for_everyone()   # every process wrote its RNG state into the stage
         if accelerator.is_main_process:
             commit_directory(stage, final, token)
@@ -141,13 +141,15 @@ def _log_recovered(final):
         log.warning("jaxguard accelerate integration: %s", what)
 
 
-def _write_optimizers(accelerator, opts, location, *, spec, tau, clip, codec):
+def _write_optimizers(accelerator, opts, location, *, spec, tau, clip, codec, named):
+    """Write each optimizer's file into `location`; messages name it as in `named` (the
+    directory the user asked for, not the hidden stage it is published from)."""
     from jaxguard.core.config import save_spec
     if accelerator.is_main_process:
         spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         for i, opt in enumerate(opts):
             save_optimizer(os.path.join(location, optimizer_file(i)), opt, spec=spec,
-                           where=f"jaxguard accelerate integration: {os.path.basename(location)}/{optimizer_file(i)}")
+                           where=f"jaxguard accelerate integration: {os.path.basename(named)}/{optimizer_file(i)}")
 
 
 def load_state(accelerator, input_dir: str, **kwargs) -> None:
