@@ -163,10 +163,10 @@ DONE = {
     ("compress", "sharded"): "compressed already", ("compress", "orbax-step"): "compressed already",
     ("compress", "orbax-item"): "compressed already",
     ("restore", "container"): 0, ("restore", "dcp"): 0,
-    ("restore", "torch-file"): "not a jaxguard container", ("restore", "other-file"): "not a jaxguard container",
+    ("restore", "torch-file"): "not a jaxguard container", ("restore", "other-file"): "nothing to restore",
     ("restore", "sharded"): "jaxguard.load", ("restore", "orbax-step"): "jaxguard.load",
     ("restore", "orbax-item"): "jaxguard.load",
-    ("inspect", "torch-file"): "not a jaxguard container", ("inspect", "other-file"): "not a jaxguard container",
+    ("inspect", "torch-file"): "not a jaxguard container", ("inspect", "other-file"): "nothing to inspect",
     ("verify", "torch-file"): 1, ("verify", "other-file"): 1,
 }
 # words a message about one kind must never contain (the other formats' tell-tale names)

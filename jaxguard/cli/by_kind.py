@@ -17,7 +17,7 @@ JAX_DIRS = ("sharded", "orbax-item", "orbax-step")
 TRAINER_DIRS = ("hf-checkpoint", "accelerate-checkpoint")
 COMPRESSED_ALREADY = ("{path} is {what}: jaxguard wrote it, its Adam moments are compressed already; jaxguard inspect "
                       "and verify read it{restore}")
-NOT_A_CONTAINER = ("{path} is {what}, not a jaxguard container: nothing to {verb}; jaxguard compress writes one from "
+NOT_A_CONTAINER = ("{path} is {what}{not_container}: nothing to {verb}; jaxguard compress writes one from "
                    "a torch checkpoint")
 
 
@@ -51,7 +51,8 @@ def run(verb, a, *, file_verb, sharded_verb, torch_missing, print_summary, print
             if verb == "verify":
                 print(f"FAILED {path} ({what}): not a jaxguard container")
                 return 1
-            raise CheckpointError(NOT_A_CONTAINER.format(path=path, what=what, verb=verb))
+            raise CheckpointError(NOT_A_CONTAINER.format(   # an other-file's description says it already
+                path=path, what=what, verb=verb, not_container=", not a jaxguard container" if kind == "torch-file" else ""))
         return file_verb(a)
     if kind == "dcp":
         missing = torch_missing(f"{verb} of a torch.distributed.checkpoint directory")
