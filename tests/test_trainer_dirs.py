@@ -109,6 +109,7 @@ def test_accelerate_directory_compress_restore_resume(dirs, tmp_path, capsys):
     assert main(["compress", str(src), "-o", str(out)]) == 0
     assert "accelerate save_state directory" in capsys.readouterr().out
     assert (out / "optimizer.jg").is_file() and not (out / "optimizer.bin").exists()
+    assert recognise(out).kind == "accelerate-checkpoint"      # an optimizer.jg beside weights: not the Trainer's
 
     def fresh():
         acc = accelerate.Accelerator(cpu=True)
@@ -121,6 +122,7 @@ def test_accelerate_directory_compress_restore_resume(dirs, tmp_path, capsys):
     jg_acc.load_state(acc, str(out))                 # the integration reads the compressed directory
     assert opt.state_dict()["state"]
     assert main(["restore", str(out), "-o", str(back)]) == 0
+    assert "(an accelerate save_state directory)" in capsys.readouterr().out
     acc, opt = fresh()
     acc.load_state(str(back))                         # plain accelerate reads the restored one
     orig = load_checkpoint(str(src / "optimizer.bin"))
@@ -133,23 +135,32 @@ def test_accelerate_directory_compress_restore_resume(dirs, tmp_path, capsys):
 
 def test_every_verb_names_the_trainer_directory_it_saw(dirs, tmp_path, capsys):
     assert main(["compress", str(dirs["hf"]), "-o", str(tmp_path / "c"), "--param-order", "trainer"]) == 0
+    assert main(["compress", str(dirs["acc"]), "-o", str(tmp_path / "ac")]) == 0
     capsys.readouterr()
-    cases = [   # (verb, input, status or the words of its one-line refusal)
-        ("inspect", dirs["hf"], 0), ("verify", dirs["hf"], 1), ("restore", dirs["hf"], "no compressed optimizer"),
-        ("inspect", tmp_path / "c", 0), ("verify", tmp_path / "c", 0), ("compress", tmp_path / "c", "compressed already"),
-        ("inspect", dirs["acc"], 0), ("verify", dirs["acc"], 1), ("restore", dirs["acc"], "no compressed optimizer"),
+    hf, acc = "hf-checkpoint", "accelerate-checkpoint"
+    cases = [   # (verb, input, its kind, status or the words of its one-line refusal)
+        ("inspect", dirs["hf"], hf, 0), ("verify", dirs["hf"], hf, 1),
+        ("restore", dirs["hf"], hf, "no compressed optimizer"),
+        ("inspect", tmp_path / "c", hf, 0), ("verify", tmp_path / "c", hf, 0),
+        ("compress", tmp_path / "c", hf, "compressed already"),
+        ("inspect", dirs["acc"], acc, 0), ("verify", dirs["acc"], acc, 1),
+        ("restore", dirs["acc"], acc, "no compressed optimizer"),
+        ("inspect", tmp_path / "ac", acc, 0), ("verify", tmp_path / "ac", acc, 0),
+        ("compress", tmp_path / "ac", acc, "compressed already"),
     ]
-    for verb, path, want in cases:
+    for verb, path, kind, want in cases:
         args = [verb, str(path)] + (["-o", str(tmp_path / f"{verb}.out")] if verb in ("compress", "restore") else [])
         rc = main(args)
         out, err = capsys.readouterr()
-        kind = recognise(path).kind
+        assert recognise(path).kind == kind, (verb, path)
         if isinstance(want, str):
             assert rc == 2 and want in err and err.count("\n") == 1, (verb, path, err)
         else:
             assert rc == want, (verb, path, out, err)
         said = out + err
-        assert DESCRIPTIONS[kind] in said and ".metadata" not in said and "DCP" not in said, (verb, path, said)
+        other = DESCRIPTIONS[acc if kind == hf else hf]
+        assert DESCRIPTIONS[kind] in said and other not in said, (verb, path, said)
+        assert ".metadata" not in said and "DCP" not in said, (verb, path, said)
     assert main(["compress", str(dirs["hf"] / "optimizer.pt"), "-o", str(tmp_path / "x.jg")]) == 2
     err = capsys.readouterr().err
     assert "optimizer state_dict alone" in err and "Hugging Face Trainer checkpoint directory" in err, err

@@ -137,10 +137,13 @@ def recognise(path) -> Input:
     if sharded.MANIFEST in names or any(n.startswith("process_") and n.endswith(".jaxguard") for n in names):
         return Input("sharded", path, names)
     has_weights = any(n in WEIGHT_FILES for n in names)
-    if "trainer_state.json" in names or (has_weights and any(_HF_OPTIMIZER.fullmatch(n) for n in names)):
+    # accelerate's save_state writes random_states_<i>.pkl; the Trainer, rng_state*.pth (an
+    # optimizer.jg beside weights is either's once compressed: these tell them apart)
+    accelerate_rng = any(n.startswith("random_states_") for n in names)
+    if "trainer_state.json" in names or (
+            has_weights and not accelerate_rng and any(_HF_OPTIMIZER.fullmatch(n) for n in names)):
         return Input("hf-checkpoint", path, names)
-    if any(_ACCELERATE_OPTIMIZER.fullmatch(n) for n in names) and (
-            has_weights or any(n.startswith("random_states_") for n in names)):
+    if any(_ACCELERATE_OPTIMIZER.fullmatch(n) for n in names) and (has_weights or accelerate_rng):
         return Input("accelerate-checkpoint", path, names)
     if any(n.endswith(".jaxguard") for n in names):       # a handler item directory copied out of its step
         return Input("orbax-item", path, names)
