@@ -526,7 +526,7 @@ BATCHED_MAX_CELLS = 32
 # Cell edges in units of the coordinate's gradient scale ``sqrt(max(b2f min(v, v~), (eps B)^2) / c2)``:
 # where ``c2 g^2`` meets ``b2f v`` (or the eps term), the difference peaks; linear sixteenths
 # below the scale, then a geometric tail.  Measured on the coordinates the closed form leaves
-# (bench/results/adaptive_cells.md): 28 cells a sign certify about what level 3's 408 do.
+# (bench/experiments/results/adaptive_cells.md): 28 cells a sign certify about what level 3's 408 do.
 ADAPTIVE_GAMMAS = tuple(j / 16 for j in range(16)) + (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 64.0, 256.0,
                                                       4096.0)
 # Eighths and the same tail: every cell a union of `ADAPTIVE_GAMMAS` cells, 20 a sign.  It

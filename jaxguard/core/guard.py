@@ -527,7 +527,7 @@ _device_classify = jax.jit(device_classify)
 # DLPack tensor: `torch_compat.state.encoder_view`) only when its data is aligned to this
 # many bytes (jax 0.10.2 copies one 4..32 bytes off, measured).  numpy's arrays are 16-byte
 # aligned, and with the copy-in `_propose_classified` took 23.8 ms per 1M coordinates on one
-# core, 15.4 ms without (bench/kernel_times.py, bench/results/compress_profile_s19.md).
+# core, 15.4 ms without (bench/kernel_times.py, the compress profile at commit 7563a11).
 ALIGN = 64
 
 
