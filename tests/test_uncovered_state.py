@@ -234,3 +234,45 @@ def test_orbax_refusal_of_a_non_adam_state_leaves_no_tmp_directory(tmp_path):
             mngr.wait_until_finished()
         left = os.listdir(tmp_path / "orbax") if (tmp_path / "orbax").exists() else []
         assert not any("orbax-checkpoint-tmp" in n for n in left), left
+
+
+# ---------------------------------------------------------------- the CLI: refuses unless --uncertifiable exact
+def _bf16_inputs(tmp_path):
+    """A bfloat16 AdamW run as a torch.save file, a plain DCP directory and a trainer directory."""
+    import json
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
+    model(torch.randn(3, 8, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "bf16.pt")
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file(model.state_dict(), str(tmp_path / "hf" / "model.safetensors"))
+    torch.save(opt.state_dict(), tmp_path / "hf" / "optimizer.pt")
+    (tmp_path / "hf" / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["bf16.pt", "dcp", "hf"])
+def test_cli_compress_refuses_uncovered_state_unless_asked(kind, tmp_path, capsys):
+    from jaxguard.cli.main import main
+    saved = _bf16_inputs(tmp_path)
+    out = tmp_path / f"out_{kind}"
+    assert main(["compress", str(tmp_path / kind), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bfloat16" in err and "--uncertifiable exact" in err, err
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(f".out_{kind}")]
+    assert main(["compress", str(tmp_path / kind), "-o", str(out), "--uncertifiable", "exact"]) == 0
+    said = capsys.readouterr()
+    assert "bfloat16" in said.out + said.err, said
+    assert main(["restore", str(out), "-o", str(tmp_path / "back")]) == 0
+    if kind == "hf":
+        back = torch.load(tmp_path / "back" / "optimizer.pt", weights_only=True)
+    else:
+        back = torch.load(tmp_path / "back", weights_only=True)["optimizer"]   # DCP's too: one torch checkpoint
+    _same_state(back, saved)   # bit for bit, in bfloat16

@@ -44,6 +44,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ from jaxguard import audit as jg_audit
 from jaxguard import uncovered, writer
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container, reader
-from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
+from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, JaxguardWarning, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
 
 from torch_compat import state as _state
@@ -579,8 +580,6 @@ def _warn_other_device(entry, fqn, target, where) -> bool:
         return False
     certified = "cuda" if model in GPU_OP_MODELS else "cpu"
     if (device == "cpu") != (certified == "cpu"):
-        import warnings
-        from jaxguard.errors import JaxguardWarning
         warnings.warn(f"{where}: {fqn} was certified for {model} ({certified}) but is restored onto {device}: the "
                       f"tau guarantee holds for that kernel only; resume on it, or save the original state again "
                       f"with GuardedSavePlanner(op_model=...) for the kernel this run uses", JaxguardWarning,
@@ -1022,13 +1021,15 @@ def restore_dir(path, output) -> dict:
 
 
 def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-                 op_model=None) -> dict:
+                 op_model=None, uncertifiable="refuse") -> dict:
     """``jaxguard compress DIR -o DIR2``: a plain DCP directory -> a guarded one (one rank file).
 
     Args:
       src: the plain DCP directory.
       dst: a new (or empty) output directory.
       spec, tau, clip, codec, bound, partition, op_model: as `GuardedSavePlanner`.
+      uncertifiable: as `GuardedSavePlanner`, but ``"refuse"`` by default (the CLI is the
+        explicit API: ``jaxguard compress --uncertifiable exact`` asks to store exactly).
 
     Returns:
       The save summary (totals, ``escape_rate``, ``payload_ratio``, ``encode_seconds``, ``output``).
@@ -1049,10 +1050,12 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
     t0 = time.perf_counter()
     state = load_full(src)
     planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, bound=bound, partition=partition,
-                                 op_model=op_model)
+                                 op_model=op_model, uncertifiable=uncertifiable)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dst)) + ".", dir=parent)
     try:
-        with _unwrapped():
+        with _unwrapped(), warnings.catch_warnings():
+            # the CLI prints what was stored exactly in its summary, not as a Python warning
+            warnings.filterwarnings("ignore", message="GuardedSavePlanner: ", category=JaxguardWarning)
             dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
         if os.path.isdir(dst):
             os.rmdir(dst)
@@ -1061,7 +1064,8 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     s = jg_audit.compression_summary(planner.summary, planner.summary["container_bytes"])
-    s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst))
+    s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst),
+             stored_exactly=planner.metadata.planner_data[MANIFEST_KEY]["stored_exactly"])
     return s
 
 

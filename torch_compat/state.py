@@ -1055,7 +1055,7 @@ class HostTensor:
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
-def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None):
+def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None, uncertifiable="refuse"):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
     the first moments entry (`jaxguard.writer`)."""
     if not isinstance(ckpt, dict):
@@ -1066,7 +1066,7 @@ def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None)
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     notes: dict = {}
     opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model,
-                                    param_order=param_order, lr=lr, notes=notes)
+                                    param_order=param_order, lr=lr, notes=notes, uncertifiable=uncertifiable)
     top = []
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
@@ -1116,7 +1116,8 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
 
 
 def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False,
-                           variant=None, release=None, op_model=None, device_encode=None, param_order=None, lr=None):
+                           variant=None, release=None, op_model=None, device_encode=None, param_order=None, lr=None,
+                           uncertifiable="refuse"):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
@@ -1125,6 +1126,8 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
       path: the output file or URL.
       ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model, device_encode,
         param_order, lr: as `compress_checkpoint`.
+      uncertifiable: ``"refuse"`` or ``"exact"`` (`state_records`; ``jaxguard compress
+        --uncertifiable``).
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -1136,12 +1139,14 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr)
+    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr,
+                                               uncertifiable=uncertifiable)
     extra["variant"] = variant = _variant_of(variant)
     rel = None if release is None else (lambda sources: release([t for s in sources for t in
                                                                  (s if isinstance(s, tuple) else (s,))]))
     summary = writer.to_file(path, records, meta, extra_header=extra, progress=progress, release=rel,
                              device_encode=device_encode)
+    summary["stored_exactly"] = meta.get("stored_exactly") or []     # what --uncertifiable exact kept raw
     return _with_variant(summary, variant)
 
 

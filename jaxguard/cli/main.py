@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from jaxguard.errors import CheckpointError, JaxguardError, install_hint
+from jaxguard.errors import CheckpointError, JaxguardError, UnsupportedOptimizerError, install_hint
 
 EXIT_USAGE = 2
 # the verbs that read or write torch checkpoints or run torch; the rest (inspect, verify
@@ -75,6 +75,9 @@ def _print_summary(s, as_json):
             continue
         v = s.get(k)
         print(f"{k:>16}: {v:.6g}" if isinstance(v, float) else f"{k:>16}: {v}")
+    if s.get("stored_exactly"):           # --uncertifiable exact: one line naming what and why
+        from jaxguard import uncovered
+        print(f"{'stored_exactly':>16}: {uncovered.describe(s['stored_exactly'])}")
     if s.get("replay_matched") is False:  # informational: the guard's bound covers every variant
         print(f"{'replay':>16}: no bit-exact torch replay on this machine ({s.get('replay_detail', '')})")
 
@@ -103,7 +106,8 @@ def _cmd_compress(a):
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
                                                        variant=variant_record, op_model=a.op_model,
                                                        release=source.release if source else None,
-                                                       param_order=param_order(a.param_order), lr=a.lr)
+                                                       param_order=param_order(a.param_order), lr=a.lr,
+                                                       uncertifiable=a.uncertifiable)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
@@ -463,6 +467,9 @@ def build_parser():
                    help="the next step's learning rate, if the param groups do not hold it (saved before "
                         "scheduler.step()): X, LO:HI (certified for every rate in it) or one per param group, "
                         "comma-separated; 0 stores those moments exactly")
+    c.add_argument("--uncertifiable", default="refuse", choices=["refuse", "exact"],
+                   help="state the guard cannot certify (bfloat16/float16 state, amsgrad, an optimizer that is not "
+                        "Adam): refuse (default) or store it exactly beside the compressed rest (docs/coverage.md)")
     _add_param_order(c)
     c.set_defaults(fn=_cmd_compress)
     r = sub.add_parser("restore", help="write a torch checkpoint with the moments restored")
@@ -735,6 +742,9 @@ def main(argv=None) -> int:
         _enable_compile_cache()
     try:
         return args.fn(args)
+    except UnsupportedOptimizerError as exc:
+        fix = "; jaxguard compress --uncertifiable exact stores it exactly" if args.cmd == "compress" else ""
+        return _die(f"{exc}{fix}")
     except JaxguardError as exc:
         return _die(str(exc))
     except (OSError, MemoryError) as exc:

@@ -191,7 +191,8 @@ def _compress(a, print_summary) -> int:
             sd = load_checkpoint(os.path.join(inp.path, name), trust=a.trust)
             try:
                 opt_sk, records = tstate.state_records(sd, weights, spec=spec, op_model=a.op_model, lr=a.lr, notes=notes,
-                                                       param_order=_param_order(a.param_order, inp, sd, weights))
+                                                       param_order=_param_order(a.param_order, inp, sd, weights),
+                                                       uncertifiable=a.uncertifiable)
             except JaxguardError as exc:
                 hint = ("; for the Trainer's own optimizer, --param-order trainer asserts its order"
                         if inp.kind == "hf-checkpoint" and a.param_order is None and "param_names" in str(exc) else "")
