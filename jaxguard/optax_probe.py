@@ -13,8 +13,9 @@ with the same jnp operations):
 * ``decay``: moments 0, gradient 0, params 1: the update is ``-lr wd`` (the Adam
   direction is exactly 0), so it gives ``lr * wd`` of every leaf (0 where a mask leaves
   it out);
-* ``rate``: moments 1, gradient 0, params 0: ``-lr`` times the predicted direction, so
-  it gives ``lr`` of every leaf;
+* ``rate``: moments 1, a gradient of ``2**-20`` on every coordinate (so that ``b1 = 0``
+  still moves), params 0: ``-lr`` times the predicted direction, so it gives ``lr`` of
+  every leaf;
 * ``eps``: ``mu`` small, ``nu`` 0: the direction is ``mu / eps`` (checks eps);
 * ``gradient``: moments 0, a gradient of 1e-4 on one coordinate of every leaf (global
   norm ~1e-4 sqrt(leaves), below any sane clipping): checks ``1 - b1``, ``1 - b2`` and
@@ -50,6 +51,7 @@ import optax
 TOL = 2.0**-16               # relative gap allowed between tx.update and the prediction (fusion, pow)
 LR_HALF_WIDTH = 2.0**-14     # an lr read from tx is certified on [lr (1 - w), lr (1 + w)]
 GRADIENT = 1e-4              # the `gradient` probe's value on one coordinate of every leaf
+RATE_GRADIENT = 2.0**-20     # the `rate` probe's gradient on every coordinate (global norm ~1e-6 sqrt(coordinates))
 SMALL_MU = 1e-6              # the `eps` probe's mu
 FLOOR = 2.0**-100            # absolute slack of the comparison (flush-to-zero of tiny updates)
 PROBES = ("eps", "gradient", "state")
@@ -148,7 +150,8 @@ def _run(tx_update, opt_state, params, cands, owners):
     p32 = [jnp.asarray(x, jnp.float32) for x in leaves]
     zmom = with_moments(jnp.zeros_like, jnp.zeros_like)
     u_decay = update(zmom, zeros, ones)
-    u_rate = update(with_moments(jnp.ones_like, jnp.ones_like), zeros, zeros)
+    g_rate = [jnp.full(sh, RATE_GRADIENT, jnp.float32) for sh in shapes]
+    u_rate = update(with_moments(jnp.ones_like, jnp.ones_like), g_rate, zeros)
     u_eps = update(with_moments(lambda m: jnp.full_like(m, SMALL_MU), jnp.zeros_like), zeros, zeros)
     g_small = [_one_coordinate(sh, GRADIENT) for sh in shapes]
     u_grad = update(zmom, g_small, zeros)
@@ -163,7 +166,8 @@ def _run(tx_update, opt_state, params, cands, owners):
         si, name = owner
         c, count, mu, nu = cands[si], sites[si].count, mus[si][name], nus[si][name]
         lr_wd = -_first(u_decay[li])
-        d_rate = _direction(jnp.zeros((), jnp.float32), jnp.ones((), mu.dtype), jnp.ones((), jnp.float32), count, c)
+        d_rate = _direction(jnp.full((), RATE_GRADIENT, jnp.float32), jnp.ones((), mu.dtype), jnp.ones((), jnp.float32),
+                            count, c)
         rate = -_first(u_rate[li]) / d_rate
         uniform = jnp.all(u_decay[li] == _first(u_decay[li])) & jnp.all(u_rate[li] == _first(u_rate[li]))
         wd = jnp.where(rate != 0, lr_wd / jnp.where(rate != 0, rate, 1.0), 0.0)

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from jaxguard.core.config import GuardConfig, GuardSpec, NextUpdate, is_interval, lr_bounds, save_spec
-from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled, resolve_optax_op_model
+from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled, resolve_optax_op_model, validate_hparams
 from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning, UnsupportedOptimizerError
 from jaxguard.uncovered import policy as uncovered_policy
 
@@ -545,7 +545,7 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
                                               "variant: nesterov, eps_root, nadamw, adamax, ...)"))
                     continue
             else:
-                rate, source = _from_arguments(site, given_lr, given_wd, count), "given"
+                rate, source = _from_arguments(site, given_lr, count), "given"
                 wd = given_wd if given_wd is not None else hp.get("weight_decay")
                 if wd is None:
                     if site.decay_layout:
@@ -624,7 +624,7 @@ def _pair_op_model(op_model, wd: float, platforms, masked: bool) -> str:
     return resolve_optax_op_model(decoupled=wd > 0, op_model=op_model, platforms=platforms)
 
 
-def _from_arguments(site, given_lr, given_wd, count):
+def _from_arguments(site, given_lr, count):
     """The learning rate without `tx`: the argument's (required)."""
     if given_lr is not None:
         return given_lr
@@ -648,7 +648,10 @@ def _read_tx(tx, opt_state, params, sites, pairs_of, pflat, betas, eps) -> dict:
     for site in sites:
         hp = site.hparams_arrays
         b1, b2 = (betas[0], betas[1]) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
-        cands.append(optax_probe.Candidates(b1, b2, eps if eps is not None else hp.get("eps", 1e-8)))
+        e = eps if eps is not None else hp.get("eps", 1e-8)
+        # candidates optax cannot run (a beta that rounds to 1 divides by 0): refused as such, not by the probes
+        validate_hparams(1.0, (float(b1), float(b2)), float(e), 0, 0.0, "optax-adam")
+        cands.append(optax_probe.Candidates(b1, b2, e))
     names = list(pflat)
     readings = optax_probe.probe(tx, opt_state, params, [owner.get(n) for n in names], cands)
     return {n: r for n, r in zip(names, readings) if r is not None}

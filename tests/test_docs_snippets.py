@@ -98,7 +98,7 @@ def test_readme_optax_and_orbax_quickstarts(tmp_path, monkeypatch):
     assert mu.shape == (4096,) and np.all(nu >= 0) and np.any(mu != 0)
     pytest.importorskip("orbax.checkpoint")
     # what the orbax example saves (the state jg.load returned), through jg.save
-    jg.save("again.jg", ns["state"], ns["params"], lr=1e-3, weight_decay=1e-2)
+    jg.save("again.jg", ns["state"], ns["params"], tx=ns["tx"])
     again = jg.load("again.jg", like=ns["tx"].init(ns["params"]))
     ns = _run("orbax", ns)
     # the orbax handler certifies the same codes as jg.save: the restores agree bit for bit

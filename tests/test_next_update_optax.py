@@ -330,3 +330,17 @@ def test_inspect_shows_what_each_group_was_certified_for(tmp_path):
     text = subprocess.run([sys.executable, "-m", "jaxguard", "inspect", str(tmp_path / "m.jg")],
                           capture_output=True, text=True, timeout=300, env=env).stdout
     assert "certified_for: 2 updates" in text and "from tx" in text and "lr [9.99" in text
+
+
+def test_sharded_and_jitted_saves_take_tx_per_group(tmp_path):
+    tx = _multi()
+    params, st = train(tx)
+    jg.save(tmp_path / "dir", st, params, tx=tx, sharded=True)
+    restored = jg.load(tmp_path / "dir", tx.init(params), tx=tx, params=params)
+    assert real_first_update(tx, st, restored, params, _group_lr).violations == 0
+    k = jg.state_constants(st, params, tx=tx)
+    assert len(k.k) == 2                                 # one constants row per group rate
+    enc = jax.jit(lambda s, p, k: jg.encode_state_jit(s, p, k))(st, params, k)
+    jg.write(tmp_path / "jit", enc, k)
+    restored = jg.load(tmp_path / "jit", tx.init(params), tx=tx, params=params)
+    assert real_first_update(tx, st, restored, params, _group_lr).violations == 0

@@ -1082,7 +1082,8 @@ def inspect_dir(path) -> dict:
 
     Returns:
       {"format", "files", "bytes_on_disk", "items"} and, when guarded, the contract, the
-      shard count and the coordinates/escapes/payload totals.
+      shard count, the coordinates/escapes/payload totals, what the shards were certified
+      for (``certified_for``, `jaxguard.audit.certified_for`) and ``stored_exactly``.
 
     Raises:
       CheckpointError: as `read_metadata`.
@@ -1101,6 +1102,8 @@ def inspect_dir(path) -> dict:
         out.update(moment_tensors=len(man["moments"]), shards=len(shards), coordinates=n, escapes=esc,
                    escape_rate=esc / max(n, 1), payload_bytes=pay, raw_fp32_bytes=8 * n,
                    payload_ratio=pay / max(8 * n, 1), guarded_bytes=sum(s["bytes"] for s in shards))
+        out["certified_for"] = jg_audit.certified_for((s.get("config"), s.get("stats")) for s in shards)
+        out["stored_exactly"] = [{"param": x, "why": _state.EXACT_REASON} for x in man.get("stored_exactly", ())]
     return out
 
 
