@@ -76,6 +76,8 @@ def test_guarded_trainer_with_bf16_parameters_writes_checkpoints_and_resumes(tmp
     assert (ckpt / "optimizer.jg").is_file() and not (ckpt / "optimizer.pt").exists()
     assert len(msgs) == 1 and "\n" not in msgs[0], msgs      # one line per save (one save here)
     assert msgs[0].startswith(f"GuardedTrainer: checkpoint-{N}: ") and "bfloat16" in msgs[0], msgs
+    assert "e.g. 'transformer." in msgs[0], msgs       # named as the model names it, not 'group0.param0'
+
     saved = copy.deepcopy(tr.optimizer.state_dict())
     # the same run saved by the plain Trainer: its optimizer.pt is what optimizer.jg must give back
     plain = transformers.Trainer(model=_bf16_gpt2(), args=_hf_args(tmp_path / "p", N), train_dataset=ByteDataset(SEQ, 96))
@@ -130,6 +132,7 @@ def test_accelerate_with_bf16_parameters_and_sgd_beside_adam_saves_and_resumes(t
     assert len(msgs) == 2 and all("\n" not in m for m in msgs), msgs          # one line per optimizer file
     assert msgs[0].startswith("jaxguard accelerate integration: ckpt/optimizer.jg: "), msgs   # not the hidden stage
     assert "2 of 4 parameters stored exactly" in msgs[0] and "bfloat16" in msgs[0], msgs
+    assert "e.g. 'body." in msgs[0] and "e.g. 'aux." in msgs[1], msgs    # the model's names
     assert "2 of 2 parameters stored exactly" in msgs[1] and "not Adam" in msgs[1], msgs
     head = torch_compat.restore_tree(str(tmp_path / "ckpt" / "optimizer.jg"))[1]
     assert sum(e["kind"] == "moments" for e in head["entries"]) == 2          # the float32 head is compressed

@@ -51,8 +51,8 @@ def run(verb, a, *, file_verb, sharded_verb, torch_missing, print_summary, print
             if verb == "verify":
                 print(f"FAILED {path} ({what}): not a jaxguard container")
                 return 1
-            raise CheckpointError(NOT_A_CONTAINER.format(   # an other-file's description says it already
-                path=path, what=what, verb=verb, not_container=", not a jaxguard container" if kind == "torch-file" else ""))
+            not_container = ", not a jaxguard container" if kind == "torch-file" else ""   # other-file's says it
+            raise CheckpointError(NOT_A_CONTAINER.format(path=path, what=what, verb=verb, not_container=not_container))
         return file_verb(a)
     if kind == "dcp":
         missing = torch_missing(f"{verb} of a torch.distributed.checkpoint directory")

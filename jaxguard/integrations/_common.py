@@ -24,7 +24,25 @@ def unwrap(optimizer):
     return optimizer
 
 
-def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None) -> dict:
+def model_names(optimizer, models) -> dict:
+    """The models' parameter names for an optimizer built from ``model.parameters()``.
+
+    Its state_dict names nothing (`torch_compat.state.snapshot` calls parameter i of group
+    g ``group<g>.param<i>``); the warning names them as the model does, by identity.
+
+    Args:
+      optimizer: the optimizer (or a wrapper of one).
+      models: the modules its parameters belong to.
+
+    Returns:
+      ``{"group<g>.param<i>": model name}`` for each parameter a model holds.
+    """
+    by_id = {id(p): n for m in models for n, p in m.named_parameters()}
+    return {f"group{g}.param{i}": by_id[id(p)] for g, group in enumerate(unwrap(optimizer).param_groups)
+            for i, p in enumerate(group["params"]) if id(p) in by_id}
+
+
+def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None, names=None) -> dict:
     """The integrations' save of one optimizer: a save is never lost to the guard.
 
     What the guard certifies is compressed; what it cannot (bfloat16/float16 parameters or
@@ -37,6 +55,7 @@ def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None) -> dict:
       spec: the guard settings.
       where: who saves, for the warning (``"GuardedTrainer: checkpoint-20"``).
       snapshot: a `torch_compat.state.snapshot` taken earlier (a background save), or None.
+      names: `model_names`, for the warning (the file records the optimizer's own names).
 
     Returns:
       The save summary (``stored_exactly``: what was stored exactly and why).
@@ -47,7 +66,8 @@ def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None) -> dict:
         summary = torch_compat.save(path, unwrap(optimizer), spec=spec, uncertifiable="exact")
     else:
         summary = tstate.save_snapshot(path, *snapshot, spec=spec, uncertifiable="exact")
-    uncovered.warn(where, summary["stored_exactly"], of=summary["parameters"])
+    named = [{**s, "param": (names or {}).get(s["param"], s["param"])} for s in summary["stored_exactly"]]
+    uncovered.warn(where, named, of=summary["parameters"])
     return summary
 
 

@@ -42,7 +42,7 @@ import os
 import shutil
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.integrations._common import save_optimizer, unwrap, zero_lr_groups
+from jaxguard.integrations._common import model_names, save_optimizer, unwrap, zero_lr_groups
 from jaxguard.integrations.checkpoint_dir import commit_directory, new_token, recover_directory, staging_path
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ def _write_optimizers(accelerator, opts, location, *, spec, tau, clip, codec, na
         spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         for i, opt in enumerate(opts):
             save_optimizer(os.path.join(location, optimizer_file(i)), opt, spec=spec,
-                           where=f"jaxguard accelerate integration: {os.path.basename(named)}/{optimizer_file(i)}")
+                           where=f"jaxguard accelerate integration: {os.path.basename(named)}/{optimizer_file(i)}",
+                           names=model_names(opt, [accelerator.unwrap_model(m) for m in accelerator._models]))
 
 
 def load_state(accelerator, input_dir: str, **kwargs) -> None:

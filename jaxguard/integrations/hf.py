@@ -53,7 +53,8 @@ import torch
 from transformers import Trainer
 
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.integrations._common import OPTIMIZER_FILE, copy_for_later, save_optimizer, unwrap, zero_lr_groups
+from jaxguard.integrations._common import (OPTIMIZER_FILE, copy_for_later, model_names, save_optimizer, unwrap,
+                                          zero_lr_groups)
 from jaxguard.integrations.checkpoint_dir import (commit_directory, new_token, recover_directories, recover_directory,
                                                   staging_path)
 
@@ -240,16 +241,18 @@ class GuardedTrainer(Trainer):
         if self.args.should_save:
             path = os.path.join(output_dir, OPTIMIZER_FILE)
             where = f"GuardedTrainer: checkpoint-{self.state.global_step}"
+            names = model_names(self.optimizer, [self.model])
             if (self.jaxguard_async and not self.args.push_to_hub and self._jaxguard_stage_root is not None
                     and self.state.global_step < self.state.max_steps):   # the last save: training ends, no gain
                 taken = copy_for_later(self.optimizer)   # the loop goes on meanwhile
 
                 def job():
                     self.jaxguard_last_summary = save_optimizer(path, None, spec=self.jaxguard_spec, where=where,
-                                                                snapshot=taken)
+                                                                snapshot=taken, names=names)
                 self._jaxguard_job = job     # run by _save_checkpoint's background publish
             else:
-                self.jaxguard_last_summary = save_optimizer(path, self.optimizer, spec=self.jaxguard_spec, where=where)
+                self.jaxguard_last_summary = save_optimizer(path, self.optimizer, spec=self.jaxguard_spec, where=where,
+                                                            names=names)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
