@@ -217,7 +217,7 @@ def test_s3_cli_inspect_verify_restore(s3, capsys):
     assert cli.main(["inspect", url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["container_bytes"] == storage.size(url)
     assert cli.main(["verify", url]) == 0
-    assert capsys.readouterr().out.startswith(f"ok {url}:")
+    assert capsys.readouterr().out.startswith(f"ok {url} (a jaxguard container file):")
     out = "s3://jg-bucket/cli/restored.pt"
     assert cli.main(["restore", url, "-o", out]) == 0
     import io

@@ -187,6 +187,8 @@ class _Pickle:
                 return
             if "__float__" in sk:
                 return self.plain(float(sk["__float__"]))
+            if any(k in sk for k in ("__ndarray__", "__npscalar__", "__namespace__")):
+                raise Unsupported("numpy values or an argparse.Namespace")   # torch_compat.restore_tree + torch.save
         return self.plain(sk)
 
     def bytes(self):
