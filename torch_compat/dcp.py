@@ -41,8 +41,6 @@ import hashlib
 import io
 import math
 import os
-import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -65,7 +63,7 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
 from jaxguard import audit as jg_audit
 from jaxguard import writer
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
-from jaxguard.format import container, reader
+from jaxguard.format import container, reader, storage
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
 
@@ -969,16 +967,8 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
     state = load_full(src)
     planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, bound=bound, partition=partition,
                                  op_model=op_model)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dst)) + ".", dir=parent)
-    try:
-        with _unwrapped():
-            dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with storage.atomic_directory(dst) as tmp, _unwrapped():
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
     s = jg_audit.compression_summary(planner.summary, planner.summary["container_bytes"])
     s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst))
     return s
