@@ -35,6 +35,10 @@ load bit-identically to a plain DCP save.
 """
 from __future__ import annotations
 
+__all__ = ["FORMAT", "SHARD_PREFIX", "manifest_of", "GuardedSavePlanner", "GuardedFileSystemReader",
+           "GuardedLoadPlanner", "read_metadata", "load_full", "restore_dir", "compress_dir", "inspect_dir",
+           "verify_dir", "first_update_audit"]
+
 import contextlib
 import dataclasses
 import hashlib

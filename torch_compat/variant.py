@@ -23,6 +23,12 @@ etc. hand calibrate the replay it checks candidates with).
 
 from __future__ import annotations
 
+__all__ = ["SQRT_TABLE_SIZE", "ReplayVariantWarning", "AdamVariant", "SqrtTable", "require_torch",
+           "environment_fingerprint", "cache_dir", "float32_from_bits", "torch_sqrt", "binade_name",
+           "EDGE_BINADES", "measure_sqrt_table", "torch_sqrt_table", "ieee_sqrt_table", "sqrt_table_for",
+           "calibration_rng", "IMPLEMENTATIONS", "VECTOR_WIDTHS", "FusedAdamVariant", "check_implementation",
+           "ReplayFunctions"]
+
 import dataclasses
 import functools
 import hashlib

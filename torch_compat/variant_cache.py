@@ -25,6 +25,8 @@ kernels, so the second key never names another environment than the first.
 """
 from __future__ import annotations
 
+__all__ = ["cache_path", "cached_detect_variant", "fast_key", "fast_record", "variant_record"]
+
 import contextlib
 import dataclasses
 import hashlib

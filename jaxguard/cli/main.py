@@ -4,6 +4,8 @@ Every error a user can cause prints one line, ``jaxguard: error: ...``, and exit
 """
 from __future__ import annotations
 
+__all__ = ["build_parser", "main", "start_cpu_backend_one_thread_pool"]
+
 import argparse
 import gc
 import io

@@ -33,6 +33,10 @@ every read (`container.read`), wherever the bytes came from.
 """
 from __future__ import annotations
 
+__all__ = ["is_url", "local_path", "join", "STALE_TMP_SECONDS", "tmp_name", "atomic_write_with",
+           "atomic_directory", "atomic_write", "read_bytes", "read_range", "is_dir", "mkdir", "listdir",
+           "exists", "size", "remove"]
+
 import contextlib
 import io
 import os
