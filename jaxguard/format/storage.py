@@ -206,7 +206,8 @@ def atomic_directory(path):
     included) the staging directory is removed, `path` is as it was, and the exception
     propagates.  Durability contract: a reader of `path` sees no directory (or the empty
     one) or the complete new one, never a partial one; a process killed inside the block
-    leaves only the hidden staging directory.
+    leaves only the hidden staging directory, which nothing removes automatically (unlike
+    `atomic_write`'s temporary files).
 
     Args:
       path: a local directory that does not exist yet or is empty.
