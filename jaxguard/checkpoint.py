@@ -34,6 +34,8 @@ that process its own error, the others a `CheckpointError` naming it; no step is
 """
 from __future__ import annotations
 
+__all__ = ["FILENAME", "GuardedCheckpointHandler", "GuardedSave", "GuardedRestore"]
+
 import asyncio
 import concurrent.futures
 import dataclasses

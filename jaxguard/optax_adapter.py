@@ -39,6 +39,8 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
+__all__ = ["summary", "to_bytes", "save", "read", "load", "load_params", "audit"]
+
 from jaxguard.core.config import save_spec
 
 import jax

@@ -12,6 +12,10 @@ paths, which is how torch names map to JAX params (torch_compat.migrate).
 """
 from __future__ import annotations
 
+__all__ = ["INJECT_STATES", "NO_ADAM", "key_str", "dotted", "flat_by_dotted", "dtype_name", "AdamSite",
+           "find_adam_states", "MomentPair", "moment_pairs", "platforms_of", "site_config", "AGREE",
+           "EXACT_REASON", "plan_updates", "updates_by_pair", "warn_other_platform", "stored_like_leaf"]
+
 import dataclasses
 import warnings
 from typing import Any, NamedTuple

@@ -39,6 +39,12 @@ every other leaf is restored bit-exactly.
 """
 from __future__ import annotations
 
+__all__ = ["MANIFEST", "INDEX_SUFFIX", "file_name", "new_save_id", "is_sharded", "host_scalar",
+           "host_scalars", "shard_start", "local_shards", "plan_state", "build_local", "encode_local",
+           "param_leaves", "commit_manifest", "remove_unnamed", "check_files", "first_op_model",
+           "common_meta", "write_process_files", "remove_process_files", "save", "prepare_directory",
+           "write_and_commit", "read_manifest", "certified_configs", "load", "verify"]
+
 import contextlib
 import dataclasses
 import hashlib

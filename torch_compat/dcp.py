@@ -35,14 +35,16 @@ load bit-identically to a plain DCP save.
 """
 from __future__ import annotations
 
+__all__ = ["FORMAT", "SHARD_PREFIX", "manifest_of", "GuardedSavePlanner", "GuardedFileSystemReader",
+           "GuardedLoadPlanner", "read_metadata", "load_full", "restore_dir", "compress_dir", "inspect_dir",
+           "verify_dir", "first_update_audit"]
+
 import contextlib
 import dataclasses
 import hashlib
 import io
 import math
 import os
-import shutil
-import tempfile
 import time
 import warnings
 
@@ -66,7 +68,7 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
 from jaxguard import audit as jg_audit
 from jaxguard import uncovered, writer
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
-from jaxguard.format import container, reader
+from jaxguard.format import container, reader, storage
 from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, JaxguardWarning, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
 
@@ -1051,18 +1053,10 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
     state = load_full(src)
     planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, bound=bound, partition=partition,
                                  op_model=op_model, uncertifiable=uncertifiable)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dst)) + ".", dir=parent)
-    try:
-        with _unwrapped(), warnings.catch_warnings():
-            # the CLI prints what was stored exactly in its summary, not as a Python warning
-            warnings.filterwarnings("ignore", message="GuardedSavePlanner: ", category=JaxguardWarning)
-            dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with storage.atomic_directory(dst) as tmp, _unwrapped(), warnings.catch_warnings():
+        # the CLI prints what was stored exactly in its summary, not as a Python warning
+        warnings.filterwarnings("ignore", message="GuardedSavePlanner: ", category=JaxguardWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
     s = jg_audit.compression_summary(planner.summary, planner.summary["container_bytes"])
     s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst),
              stored_exactly=planner.metadata.planner_data[MANIFEST_KEY]["stored_exactly"])

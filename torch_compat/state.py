@@ -14,6 +14,14 @@ weight decay, the state's step, the op model, the parameter) is recorded in its 
 """
 from __future__ import annotations
 
+__all__ = ["EXACT_REASON", "tensor_to_numpy", "to_skeleton", "scalar_value", "check_param_group",
+           "check_optimizer_state", "implementation_of", "infer_param_names", "with_param_names",
+           "param_index", "op_model_of", "next_update", "guard_config", "step_count", "MappedSource",
+           "state_records", "writer_config", "encoder_view", "jax_platform_of", "HostTensor",
+           "compress_checkpoint", "compress_checkpoint_to", "restore_tree", "save", "snapshot",
+           "save_snapshot", "load", "check_next_update", "certified_by_group", "warn_other_kernel",
+           "torch_step", "audit", "save_torch"]
+
 import argparse
 import functools
 import hashlib

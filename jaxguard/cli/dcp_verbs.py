@@ -4,6 +4,8 @@ The verbs' work is `torch_compat.dcp` (`compress_dir`, `restore_dir`, `inspect_d
 `verify_dir`); this module turns the parsed arguments into those calls and prints."""
 from __future__ import annotations
 
+__all__ = ["run"]
+
 from jaxguard.errors import JaxguardError
 
 

@@ -4,6 +4,8 @@ Every error a user can cause prints one line, ``jaxguard: error: ...``, and exit
 """
 from __future__ import annotations
 
+__all__ = ["build_parser", "main", "start_cpu_backend_one_thread_pool"]
+
 import argparse
 import gc
 import json
@@ -11,6 +13,8 @@ import os
 import sys
 import time
 
+from jaxguard import _process_tuning as process_tuning
+from jaxguard._process_tuning import start_cpu_backend_one_thread_pool  # noqa: F401 - its documented path
 from jaxguard.errors import CheckpointError, JaxguardError, UnsupportedOptimizerError, install_hint
 
 EXIT_USAGE = 2
@@ -600,21 +604,6 @@ def program_cache_bytes():
     return None if mb < 0 else mb << 20
 
 
-def _synchronous_cpu_dispatch():
-    """Compress's programs run on the calling thread, not handed to a dispatch thread: the
-    guard calls thousands of small kernels and reads each result at once, so the hand-off
-    (a cross-core wake-up per call) was pure cost.  GPT-2 compress (124M coordinates,
-    alternating runs, 2-core AMD EPYC): encode 17.77/15.43 s against 20.15/19.14 s.
-    Same programs, same results.  jax reads the option when its backend starts, so it
-    only takes effect in a process whose first program is the verb's (a library
-    caller's process is never touched)."""
-    try:
-        import jax
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-    except Exception:  # noqa: BLE001 - an older jax without the option: dispatch as it does
-        pass
-
-
 def _one_thread_xla_pool_if_threaded(a):
     """For a compress that will run more than one encode thread: start jax's CPU backend
     with an intra-op pool of one thread (`start_cpu_backend_one_thread_pool`).
@@ -638,84 +627,6 @@ def _one_thread_xla_pool_if_threaded(a):
     start_cpu_backend_one_thread_pool()
 
 
-def start_cpu_backend_one_thread_pool() -> bool:
-    """Start jax's CPU backend with an intra-op pool of one thread, so that each thread
-    that runs programs (compress's encode threads) runs them on its own core.
-
-    XLA sizes that pool by the CPUs the starting thread may run on and splits large
-    fusions over it.  With an encode thread per core the splits only contend: a
-    60M-coordinate in-process encode on 2 cores took 1.99-2.19 s and 3.2-3.7 s of CPU with
-    that pool, 1.71-1.80 s and 2.8-3.0 s of CPU with one thread in it (one core: 2.5 s;
-    bench/experiments/results/encode_cores.md).  The backend starts while this thread may
-    run on one CPU, then every thread gets back the CPUs the process had.  Same programs,
-    same results.  For a process that is about to run the guard on several threads, before
-    anything else starts jax's backend.
-
-    Returns:
-      True if the backend started so; False on one CPU, off Linux, or when something had
-      started it already (then nothing changed).
-    """
-    try:
-        import jax
-        from jax._src import xla_bridge
-        if xla_bridge.backends_are_initialized():
-            return False
-        cpus = os.sched_getaffinity(0)
-        if len(cpus) < 2:
-            return False
-        before = set(os.listdir("/proc/self/task"))
-    except (AttributeError, OSError, ImportError):
-        return False
-    try:
-        os.sched_setaffinity(0, {min(cpus)})
-        jax.devices()
-    except Exception:  # noqa: BLE001 - the backend's own errors surface at its first use
-        return False
-    finally:
-        os.sched_setaffinity(0, cpus)
-        for tid in set(os.listdir("/proc/self/task")) - before:   # the pool's threads
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except (OSError, ValueError):
-                pass
-    return True
-
-
-def _reuse_freed_memory():
-    """glibc, for compress and restore: keep freed buffers of up to 32 MiB (a slab's
-    guard temporaries, restore's decode chunks of `torchfile.CHUNK` coordinates) in the
-    heap for the next slab instead of returning them and page-faulting fresh ones, and
-    return the heap's free top only beyond 256 MiB (no effect elsewhere).  Compress used
-    to mmap every buffer from 1 MiB for a smaller heap: 13.0M page faults and 58 s of
-    system time at 124M coordinates (measured at commit da48a3f)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)    # M_MMAP_THRESHOLD (its maximum on 64-bit)
-        libc.mallopt(-1, 256 << 20)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def _no_numpy_huge_pages():
-    """Compress and restore: numpy's large arrays are not marked for transparent huge pages.
-
-    numpy asks the kernel for huge pages on every array of 4 MiB or more (``madvise``), and
-    with the kernel's default ``defrag=madvise`` a first touch of such memory compacts
-    memory on the spot whenever no free 2 MiB page is at hand, as on a machine whose page
-    cache holds the checkpoints just written.  There a fresh 154 MB array took 196-325 ms
-    to fill against 70-75 ms without (12.5 ms when free huge pages happen to be ready),
-    and a GPT-2-sized restore 3.74-4.41 s against 2.49-2.86 s (system time 2.8-3.6 s
-    against 0.8-1.2 s; 2-core AMD EPYC, 4 interleaved pairs).  ``NUMPY_MADVISE_HUGEPAGE``
-    does the same, but only when set before numpy is imported."""
-    try:
-        import numpy as np
-        core = getattr(np, "_core", None) or np.core
-        core.multiarray._set_madvise_hugepage(False)
-    except (AttributeError, ImportError):   # a numpy without the switch: its own default
-        pass
-
-
 def main(argv=None) -> int:
     """The ``jaxguard`` console script.
 
@@ -733,10 +644,10 @@ def main(argv=None) -> int:
             return _die(missing)
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
-        _reuse_freed_memory()
-        _no_numpy_huge_pages()
+        process_tuning.reuse_freed_memory()
+        process_tuning.no_numpy_huge_pages()
     if args.cmd == "compress":        # (restore runs no JAX program: it must not import jax)
-        _synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
+        process_tuning.synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
         _one_thread_xla_pool_if_threaded(args)
     if args.cmd not in NUMPY_VERBS:
         _enable_compile_cache()

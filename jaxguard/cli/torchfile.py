@@ -26,6 +26,8 @@ The pickle is protocol 2 with only the globals torch's ``weights_only`` loader a
 """
 from __future__ import annotations
 
+__all__ = ["AHEAD_BYTES", "CHUNK", "SUB", "WINDOW", "RANS_WINDOW", "CRC_BESIDE_FROM", "restore"]
+
 import hashlib
 import os
 import pickle

@@ -18,6 +18,10 @@ from the registry, `jaxguard.format.spec`; this module holds the numpy decodes
 """
 from __future__ import annotations
 
+__all__ = ["MAGIC", "VERSION", "PREFIX", "TRAILER", "BLOCK", "DTYPES", "ReaderError", "DECODERS", "decoder",
+           "decode_codes", "parse", "parse_deferred", "read_tables", "read_raw", "read_moments", "read_codes",
+           "decode_rans_entries", "skeleton_ref", "decoded_digest", "verify_bytes", "verify_file", "main"]
+
 import hashlib
 import json
 import struct
