@@ -19,6 +19,9 @@ gap exceeds ``tau``, the contract ``|p_ref - p_test| <= tau * lr`` checked as st
 """
 from __future__ import annotations
 
+__all__ = ["TOTAL_KEYS", "gradient_grid", "gap_lr", "AuditTally", "new_totals", "add_stats",
+           "compression_summary", "certified_for", "describe_certified"]
+
 import dataclasses
 from typing import Any
 

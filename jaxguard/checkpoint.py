@@ -34,6 +34,8 @@ that process its own error, the others a `CheckpointError` naming it; no step is
 """
 from __future__ import annotations
 
+__all__ = ["FILENAME", "GuardedCheckpointHandler", "GuardedSave", "GuardedRestore"]
+
 import asyncio
 import concurrent.futures
 import dataclasses
@@ -47,7 +49,7 @@ from etils import epath
 from orbax.checkpoint import future
 
 from jaxguard.format import container
-from jaxguard import optax_adapter, optax_state
+from jaxguard import flax_state, optax_adapter, optax_state, uncovered
 from jaxguard.core.config import GuardSpec, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
@@ -334,7 +336,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise CheckpointError("restoring guarded optax state needs args=jaxguard.checkpoint.GuardedRestore(like), "
                                   "with like a state of the same structure (e.g. tx.init(params))")
         if (epath.Path(directory) / _sharded.MANIFEST).exists():
-            return _sharded.load(str(directory), args.like)
+            return optax_adapter.load(str(directory), args.like)
         path = epath.Path(directory) / self._filename
         if not path.exists():
             raise CheckpointError(f"{path} does not exist; was this item saved with GuardedSave?")
@@ -408,7 +410,14 @@ class GuardedSave(ocp.args.CheckpointArgs):
     (`optax_state.plan_updates`: `tx`'s probes, the given values), before orbax creates the
     step's directory: a refusal (a wrong ``lr=``, an Adam variant, a bad hyperparameter)
     raises from this constructor, at its own step, and leaves no temporary directory.
-    The background encode then uses those updates (``next_updates``)."""
+    The background encode then uses those updates (``next_updates``).
+
+    Moments the guarantee does not cover (bfloat16 or float16 parameters, an Adam variant
+    that `tx` reveals, ``eps_root``) are stored exactly, each leaf saying why, with one
+    warning line from this constructor (``uncertifiable="exact"``, the default: a save is
+    never lost to the guard; ``"refuse"`` raises as `jaxguard.save` does).  A state with
+    no Adam state at all (lion, adafactor) is refused here: there is nothing to guard, save
+    it with orbax's own handlers."""
 
     opt_state: Any
     params: Any = None
@@ -425,17 +434,23 @@ class GuardedSave(ocp.args.CheckpointArgs):
     include_params: bool = False
     sharded: Optional[bool] = None
     op_model: Optional[str] = None       # the optax kernel the run resumes on (see jaxguard.save)
-    tx: Any = None                       # the optax transformation: the next update is read from it (jaxguard.save)
+    tx: Any = None                       # the optax transformation: the next update is read from it (jaxguard.save;
+                                         # required with an nnx.State, whose optax types are rebuilt from it)
+    uncertifiable: str = "exact"         # what the guarantee does not cover: stored exactly ("refuse": raise)
 
     def __post_init__(self):
-        if self.params is None:
-            raise CheckpointError("GuardedSave needs params=...: the guard certifies the next update against the "
-                                  "parameters the state belongs to")
+        # Flax state as plain optax pytrees (jaxguard.flax_state); no params: "GuardedSave needs params=..."
+        self.opt_state, self.params, self.tx = flax_state.save_inputs(self.opt_state, self.params, self.tx,
+                                                                      what="GuardedSave's opt_state")
         self.guard_spec()   # bad settings fail here, in one line
-        self.next_updates = optax_state.updates_by_pair(optax_state.plan_updates(
+        plans = optax_state.plan_updates(
             self.opt_state, self.params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
             op_model=self.op_model, tx=self.tx, sites=optax_state.find_adam_states(_sharded.host_scalars(
-                self.opt_state))))
+                self.opt_state)), uncertifiable=self.uncertifiable)
+        self.next_updates = optax_state.updates_by_pair(plans)
+        uncovered.warn("GuardedSave", [s for s in optax_state.stored_exactly(plans)
+                                       if s["why"] != optax_state.EXACT_REASON],
+                       of=sum(len(p.pairs) + len(p.uncovered) for p in plans))
 
     def guard_spec(self) -> GuardSpec:
         """The save's `GuardSpec`: `spec` with the given fields (`jaxguard.core.config.save_spec`)."""

@@ -33,6 +33,8 @@ step the constants were built for.
 """
 from __future__ import annotations
 
+__all__ = ["state_constants", "encode_state_jit", "write"]
+
 import dataclasses
 
 import jax

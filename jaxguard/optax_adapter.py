@@ -39,6 +39,8 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
+__all__ = ["summary", "to_bytes", "save", "read", "load", "load_params", "audit"]
+
 from jaxguard.core.config import save_spec
 
 import jax
@@ -50,18 +52,19 @@ from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container
 from jaxguard.errors import CheckpointError, ConfigError
 from jaxguard import audit as _audit
+from jaxguard import flax_state
 from jaxguard import sharded as _sharded
 from jaxguard import writer
 from jaxguard.core.config import GuardConfig
 from jaxguard.optax_probe import LR_HALF_WIDTH
 from jaxguard.optax_state import (AGREE, EXACT_REASON, INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted,  # noqa: F401
-                                  dtype_name, find_adam_states, flat_by_dotted, key_str, moment_pairs, plan_updates,
-                                  site_config, stored_like_leaf, warn_other_platform)
+                                  dtype_name, exact_reasons, find_adam_states, flat_by_dotted, key_str, moment_pairs,
+                                  plan_updates, site_config, stored_exactly, stored_like_leaf, warn_other_platform)
 
 
 # ---------------------------------------------------------------- records for the writer
 def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-                  op_model=None, tx=None, fixed=None):
+                  op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
     """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
     ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
     `Raw` record per other leaf; a pair whose next learning rate is 0 is stored raw.
@@ -69,14 +72,16 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
     Args:
       opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
       params: the parameter pytree the state belongs to.
-      lr, weight_decay, betas, eps, tx, fixed: see `save` and `optax_state.plan_updates`.
+      lr, weight_decay, betas, eps, tx, fixed, uncertifiable: see `save` and
+        `optax_state.plan_updates`.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves in the container.
       op_model: the kernel the run resumes on (`site_config`; None: where the state lives).
 
     Returns:
       ``(records, state meta)``: the records and the meta that `restore_state` reads
-      (``leaves``, ``sites``, ``treedef``; a moment leaf stored exactly says ``why``).
+      (``leaves``, ``sites``, ``treedef``; a moment leaf stored exactly says ``why``, and
+      ``stored_exactly`` lists those pairs: ``{"param", "why"}``).
 
     Raises:
       CheckpointError: no Adam state, moments without a matching param, shapes that differ,
@@ -87,14 +92,13 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
     """
     spec = save_spec(spec)
     plans = plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                         op_model=op_model, tx=tx, fixed=fixed)
+                         op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
     roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
     records = []
-    exact = set()
+    exact = exact_reasons(plans)     # stored as raw leaves, each with why
     for plan in plans:
         for pair, update in plan.pairs:
             if update.stores_exactly:
-                exact.update((pair.mu_path, pair.nu_path))
                 continue
             cfg = GuardConfig.from_update(spec, update)
             ename = f"{prefix}/moments/{pair.mu_path}"
@@ -122,8 +126,9 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
             records.append(_raw(ename, leaf))
             kind = "raw"
         leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
-                            "shape": list(np.shape(leaf)), **({"why": EXACT_REASON} if d in exact else {})})
-    return records, {"leaves": leaves_meta, "sites": [plan.meta(spec) for plan in plans], "treedef": str(treedef)}
+                            "shape": list(np.shape(leaf)), **({"why": exact[d]} if d in exact else {})})
+    return records, {"leaves": leaves_meta, "sites": [plan.meta(spec) for plan in plans], "treedef": str(treedef),
+                     "stored_exactly": stored_exactly(plans)}
 
 
 def _raw(name, leaf):
@@ -159,12 +164,13 @@ def state_nbytes(tree) -> int:
 
 
 def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-             include_params=False, extra_meta=None, op_model=None, tx=None, fixed=None) -> tuple[bytes, dict]:
+             include_params=False, extra_meta=None, op_model=None, tx=None, fixed=None,
+             uncertifiable="refuse") -> tuple[bytes, dict]:
     """Container bytes and a summary dict (see `save`).
 
     Args:
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params, op_model, tx: as `save`.
+        include_params, op_model, tx, uncertifiable: as `save`.
       fixed: the next updates resolved already (`optax_state.plan_updates`).
       extra_meta: more keys for the container's meta (e.g. ``{"source": ...}``).
 
@@ -176,25 +182,34 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
     """
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
-                                   op_model=op_model, tx=tx, fixed=fixed)
+                                   op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
+    stored = smeta.pop("stored_exactly")
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
     if include_params:
         pnames = list(flat_by_dotted(params, "params"))
         records += [_raw(f"params/{name}", leaf) for name, leaf in flat_by_dotted(params, "params").items()]
         meta["params"] = pnames
-    return writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
+    data, summary = writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
+    summary["stored_exactly"] = stored
+    return data, summary
 
 
-def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None, tx=None) -> dict:
+def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
+         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None, tx=None,
+         uncertifiable: str = "refuse") -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
     Args:
-      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
-      params: the parameter pytree the state belongs to (the next update's ``p``);
+      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s), a Flax
+        ``nnx.state(optimizer)`` (with ``tx=optimizer.tx``) or a linen ``TrainState``
+        (`jaxguard.flax_state`).
+      params: the parameter pytree the state belongs to (the next update's ``p``;
+        ``nnx.state(model, nnx.Param)`` for NNX; default a ``TrainState``'s own);
         ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
-      tx: the optax transformation the state belongs to (recommended): the next update's
+      tx: the optax transformation the state belongs to (recommended; required with an
+        ``nnx.State``, whose optax types are rebuilt from ``tx.init``,
+        `jaxguard.flax_state.plain_state`): the next update's
         learning rate and weight decay of every parameter are read from it and the betas,
         eps and update rule checked (`jaxguard.optax_probe`); an Adam variant the op model
         does not cover, or a given value it disagrees with, is refused in one line.
@@ -216,9 +231,13 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
         or ``optax-adam-gpu``/``optax-adamw-gpu`` (XLA:GPU), matching the weight decay.
         None: the GPU model when the Adam moments are `jax.Array`s on a GPU, else the CPU
         one.  The container header records it (``jaxguard inspect`` shows it).
+      uncertifiable: ``"refuse"`` (default: moments the guarantee does not cover raise) or
+        ``"exact"`` (they are stored exactly, each leaf saying why: bfloat16 parameters,
+        an Adam variant `tx` reveals, ``eps_root``; `jaxguard.uncovered`, docs/coverage.md).
 
     Returns:
-      A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes, ...
+      A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes,
+      ``stored_exactly`` (``{"param", "why"}`` of the pairs stored exactly), ...
 
     Raises:
       ConfigError: no ``lr`` and no ``tx`` (one line saying what to pass), a given value
@@ -231,13 +250,14 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
       JaxguardWarning: (once) saved without `tx`: nothing was checked against the
         transformation.
     """
+    opt_state, params, tx = flax_state.save_inputs(opt_state, params, tx)
     if sharded or (sharded is None and jax.process_count() > 1):
         return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                              spec=spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                             include_params=include_params, op_model=op_model, tx=tx)
+                             include_params=include_params, op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, tau=tau,
                        clip=clip, codec=codec, bound=bound, partition=partition, include_params=include_params,
-                       op_model=op_model, tx=tx)
+                       op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     container.atomic_write(path, data)
     return s
 
@@ -331,13 +351,15 @@ def load(path, like, *, tx=None, params=None):
 
     Args:
       path: the file or directory written by `save`.
-      like: a state of the same optax transformation and params (``tx.init(params)``).
+      like: a state of the same optax transformation and params (``tx.init(params)``),
+        ``nnx.state(optimizer)`` of a fresh optimizer or a linen ``TrainState``.
       tx, params: the transformation the run resumes with and its params: the next update
         they will make (`optax_state.plan_updates` with `tx`) is compared with what every
         moment was certified for (`check_next_update`).
 
     Returns:
-      The restored optax state, with `like`'s structure, dtypes and shardings.
+      The restored optax state, with `like`'s structure, dtypes and shardings (an
+      ``nnx.State`` for ``nnx.update(optimizer, state)`` when `like` is one).
 
     Raises:
       CheckpointError: `like` does not match what was saved, or the file is not optax state.
@@ -348,16 +370,19 @@ def load(path, like, *, tx=None, params=None):
     if tx is not None and params is None:
         raise ConfigError("jaxguard.load(..., tx=tx) needs params= too (the params the run resumes from): the next "
                           "update is read from tx.update on the restored state and those params")
+    view = flax_state.plain_state(like, typed=False, what="like")
     if _sharded.is_sharded(path):
-        state = _sharded.load(path, like)
+        state = _sharded.load(path, view.state)
         configs = _sharded.certified_configs(path) if tx is not None else None
     else:
         header, arrays = read(path)
-        state = restore_state(header, arrays, like, source=str(path))
+        state = restore_state(header, arrays, view.state, source=str(path))
         configs = certified_configs(header) if tx is not None else None
+    restored = view.back(state)
     if tx is not None:
-        check_next_update(configs, state, params, tx, source=str(path))
-    return state
+        typed, plain_params, _ = flax_state.save_inputs(restored, params, tx, what="like")
+        check_next_update(configs, typed, plain_params, tx, source=str(path))
+    return restored
 
 
 def certified_configs(header) -> dict:

@@ -39,6 +39,8 @@ of the bound grows with it); the betas and eps are the candidates the probes con
 """
 from __future__ import annotations
 
+__all__ = ["TOL", "LR_HALF_WIDTH", "PROBE_WORDS", "Candidates", "probe"]
+
 import functools
 import itertools
 from typing import Any, NamedTuple

@@ -12,6 +12,10 @@ paths, which is how torch names map to JAX params (torch_compat.migrate).
 """
 from __future__ import annotations
 
+__all__ = ["INJECT_STATES", "NO_ADAM", "key_str", "dotted", "flat_by_dotted", "dtype_name", "AdamSite",
+           "find_adam_states", "MomentPair", "moment_pairs", "platforms_of", "site_config", "AGREE",
+           "EXACT_REASON", "plan_updates", "updates_by_pair", "warn_other_platform", "stored_like_leaf"]
+
 import dataclasses
 import warnings
 from typing import Any, NamedTuple
@@ -23,6 +27,7 @@ import optax
 from jaxguard.core.config import GuardConfig, GuardSpec, NextUpdate, is_interval, lr_bounds, save_spec
 from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled, resolve_optax_op_model, validate_hparams
 from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning, UnsupportedOptimizerError
+from jaxguard.uncovered import policy as uncovered_policy
 
 INJECT_STATES = tuple(c for c in (getattr(optax, "InjectHyperparamsState", None),
                                   getattr(optax, "InjectStatefulHyperparamsState", None)) if c is not None)
@@ -210,12 +215,14 @@ class MomentPair(NamedTuple):
     mu_dtype: str    # "float32" (coded) or "bfloat16" (stored raw, only nu coded)
 
 
-def moment_pairs(site: AdamSite, params_by_dotted: dict) -> list[MomentPair]:
+def moment_pairs(site: AdamSite, params_by_dotted: dict, *, uncovered: list | None = None) -> list[MomentPair]:
     """The moment pairs of `site`, each matched to its parameter and checked.
 
     Args:
       site: from `find_adam_states`.
       params_by_dotted: ``flat_by_dotted(params, "params")``.
+      uncovered: a list that receives ``(MomentPair, why)`` for each pair whose dtypes the
+        guarantee does not cover, instead of raising (``uncertifiable="exact"``).
 
     Returns:
       One `MomentPair` per leaf of ``site.state.mu``, in flattening order.
@@ -241,13 +248,22 @@ def moment_pairs(site: AdamSite, params_by_dotted: dict) -> list[MomentPair]:
         if tuple(np.shape(p)) != shape or tuple(np.shape(nu)) != shape:
             raise CheckpointError(f"param {sub!r} has shape {tuple(np.shape(p))} but its Adam moments have "
                                   f"{shape}; the params and optimizer state do not match")
-        if dtype_name(p) != "float32" or dtype_name(nu) != "float32":
-            raise UnsupportedOptimizerError(f"param {sub!r} is {dtype_name(p)} with nu {dtype_name(nu)}; the "
-                                            "guarantee covers float32 params and nu (mu may be bfloat16)")
         mdt = dtype_name(mu)
-        if mdt not in MU_DTYPES:
-            raise UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and bfloat16 mu")
-        out.append(MomentPair(sub, site.leaf_path("mu", mpath), site.leaf_path("nu", npath), mu, nu, p, mdt))
+        pair = MomentPair(sub, site.leaf_path("mu", mpath), site.leaf_path("nu", npath), mu, nu, p, mdt)
+        if dtype_name(p) != "float32" or dtype_name(nu) != "float32":
+            why = (f"{dtype_name(p)} parameters" if dtype_name(p) != "float32" else f"{dtype_name(nu)} nu") + \
+                " (the guarantee covers float32)"
+            error = UnsupportedOptimizerError(f"param {sub!r} is {dtype_name(p)} with nu {dtype_name(nu)}; the "
+                                              "guarantee covers float32 params and nu (mu may be bfloat16)")
+        elif mdt not in MU_DTYPES:
+            why = f"{mdt} mu (the guarantee covers float32 and bfloat16)"
+            error = UnsupportedOptimizerError(f"mu of {sub!r} is {mdt}; jaxguard supports float32 and bfloat16 mu")
+        else:
+            out.append(pair)
+            continue
+        if uncovered is None:
+            raise error
+        uncovered.append((pair, why))
     return out
 
 
@@ -428,6 +444,7 @@ class SitePlan(NamedTuple):
 
     site: AdamSite
     pairs: list         # [(MomentPair, NextUpdate)]; `NextUpdate.stores_exactly`: no certificate
+    uncovered: tuple = ()   # ((MomentPair, why), ...): stored exactly (uncertifiable="exact")
 
     def meta(self, spec: GuardSpec) -> dict:
         """The site's record in a container's meta.
@@ -448,7 +465,7 @@ EXACT_REASON = "the next update's learning rate is 0 (nothing to certify against
 
 
 def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, op_model=None, tx=None,
-                 sites=None, fixed=None) -> list:
+                 sites=None, fixed=None, uncertifiable="refuse") -> list:
     """The next update of every moment pair of `opt_state` (the typed value each entry
     records: `jaxguard.core.config.NextUpdate`).
 
@@ -468,6 +485,10 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
       sites: `find_adam_states` of `opt_state` (or of a host copy of it), if known.
       fixed: the updates an earlier call resolved for this state (`updates_by_pair` of its
         result: an orbax save resolves them before its host copy is encoded), or None.
+      uncertifiable: ``"refuse"`` (raise on moments the guarantee does not cover) or
+        ``"exact"`` (they go to the plans' ``uncovered``, stored exactly:
+        `jaxguard.uncovered`): dtypes outside float32 (bfloat16 mu aside), ``eps_root``,
+        a `tx` update the op model does not reproduce.
 
     Returns:
       A `SitePlan` per Adam site.
@@ -484,10 +505,17 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
     if not sites:
         raise CheckpointError(NO_ADAM)
     pflat = flat_by_dotted(params, "params")
-    pairs_of = [moment_pairs(site, pflat) for site in sites]
+    exact = uncovered_policy(uncertifiable) == "exact" or (fixed is not None and any(
+        isinstance(u, str) for u in fixed.values()))
+    skipped = [[] for _ in sites]
+    pairs_of = [moment_pairs(site, pflat, uncovered=skipped[si] if exact else None) for si, site in enumerate(sites)]
     if fixed is not None:
-        return [SitePlan(site, [(pair, fixed[(si, pair.param)]) for pair in pairs])
-                for si, (site, pairs) in enumerate(zip(sites, pairs_of))]
+        plans = []
+        for si, (site, pairs) in enumerate(zip(sites, pairs_of)):
+            got = [(pair, fixed[(si, pair.param)]) for pair in pairs]
+            plans.append(SitePlan(site, [(p, u) for p, u in got if not isinstance(u, str)],
+                                  tuple(skipped[si]) + tuple((p, u) for p, u in got if isinstance(u, str))))
+        return plans
     lr_of = per_param(lr, list(pflat), "lr")
     wd_of = per_param(weight_decay, list(pflat), "weight_decay")
     readings = {}
@@ -499,8 +527,11 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
     for si, (site, pairs) in enumerate(zip(sites, pairs_of)):
         hp, count = site.hparams, _count(site)
         if hp.get("eps_root", 0.0):
-            raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; the "
-                                            "optax op model covers eps_root=0 only")
+            if not exact:
+                raise UnsupportedOptimizerError(f"the Adam state at {site.name!r} uses eps_root={hp['eps_root']}; "
+                                                "the optax op model covers eps_root=0 only")
+            skipped[si] += [(pair, f"eps_root={hp['eps_root']:g} (outside the op model)") for pair in pairs]
+            pairs = []
         b = tuple(betas) if betas is not None else (hp.get("b1", 0.9), hp.get("b2", 0.999))
         e = eps if eps is not None else hp.get("eps", 1e-8)
         out = []
@@ -508,8 +539,15 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
             given_lr = _at_count(lr_of[pair.param], count, "lr", pair.param)
             given_wd = _at_count(wd_of[pair.param], count, "weight_decay", pair.param)
             if tx is not None:
-                rate, wd, source = _from_tx(readings[pair.param], site, pair, given_lr, given_wd, count,
-                                            given=any(x is not None for x in (lr, weight_decay, betas, eps)))
+                try:
+                    rate, wd, source = _from_tx(readings[pair.param], site, pair, given_lr, given_wd, count,
+                                                given=any(x is not None for x in (lr, weight_decay, betas, eps)))
+                except UnsupportedOptimizerError:
+                    if not exact:
+                        raise
+                    skipped[si].append((pair, "an update tx makes that the op model does not reproduce (an Adam "
+                                              "variant: nesterov, eps_root, nadamw, adamax, ...)"))
+                    continue
             else:
                 rate, source = _from_arguments(site, given_lr, count), "given"
                 wd = given_wd if given_wd is not None else hp.get("weight_decay")
@@ -525,12 +563,12 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
     # as long as some pair has decay (else the name is another optimizer's: refused)
     masked = op_model is not None and any(wd > 0 for *_, out in resolved for _, _, wd, _ in out)
     plans = []
-    for site, count, b, e, out in resolved:
+    for si, (site, count, b, e, out) in enumerate(resolved):
         platforms = platforms_of((site.state.mu, site.state.nu))
         plans.append(SitePlan(site, [(pair, NextUpdate(lr=rate, step=count, betas=b, eps=e, weight_decay=wd,
                                                        op_model=_pair_op_model(op_model, wd, platforms, masked),
                                                        source=source))
-                                     for pair, rate, wd, source in out]))
+                                     for pair, rate, wd, source in out], tuple(skipped[si])))
     return plans
 
 
@@ -541,9 +579,45 @@ def updates_by_pair(plans) -> dict:
       plans: `plan_updates`' result.
 
     Returns:
-      {(site index, param dotted name): `NextUpdate`}.
+      {(site index, param dotted name): `NextUpdate`, or why it is stored exactly (a pair
+      the guarantee does not cover, `SitePlan.uncovered`)}.
     """
-    return {(si, pair.param): update for si, plan in enumerate(plans) for pair, update in plan.pairs}
+    out = {(si, pair.param): update for si, plan in enumerate(plans) for pair, update in plan.pairs}
+    out.update({(si, pair.param): why for si, plan in enumerate(plans) for pair, why in plan.uncovered})
+    return out
+
+
+def exact_reasons(plans) -> dict:
+    """{dotted leaf path: why} of every moment leaf the plans store exactly (a next lr of 0,
+    a pair the guarantee does not cover).
+
+    Args:
+      plans: `plan_updates`' result.
+
+    Returns:
+      The dict (mu and nu of each such pair).
+    """
+    out = {}
+    for plan in plans:
+        for pair, update in plan.pairs:
+            if update.stores_exactly:
+                out[pair.mu_path] = out[pair.nu_path] = EXACT_REASON
+        for pair, why in plan.uncovered:
+            out[pair.mu_path] = out[pair.nu_path] = why
+    return out
+
+
+def stored_exactly(plans) -> list:
+    """The pairs the plans store exactly (`jaxguard.uncovered`).
+
+    Args:
+      plans: `plan_updates`' result.
+
+    Returns:
+      ``[{"param", "why"}]``.
+    """
+    out = [{"param": pair.param, "why": EXACT_REASON} for plan in plans for pair, u in plan.pairs if u.stores_exactly]
+    return out + [{"param": pair.param, "why": why} for plan in plans for pair, why in plan.uncovered]
 
 
 def _pair_op_model(op_model, wd: float, platforms, masked: bool) -> str:
@@ -666,6 +740,17 @@ def warn_other_platform(sites_meta, like, source="the checkpoint") -> None:
             return
 
 
+def _python_number_takes(leaf, stored) -> bool:
+    """A Python number in `like` (a linen TrainState's ``step=0``) takes a stored scalar of
+    its kind (the int32 ``step`` of a jitted update); it is restored as a Python number."""
+    if not isinstance(leaf, (bool, int, float)) or tuple(stored["shape"]) != ():
+        return False
+    try:
+        return np.dtype(stored["dtype"]).kind == np.asarray(leaf).dtype.kind
+    except TypeError:   # a dtype numpy does not name (bfloat16)
+        return False
+
+
 def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
     """The stored record of `like`'s leaf at dotted path `d`, checked for presence, shape and dtype.
 
@@ -689,7 +774,8 @@ def stored_like_leaf(stored: dict, d: str, leaf, source) -> dict:
     if tuple(s["shape"]) != shape:
         raise CheckpointError(f"like has shape {shape} at {d!r} but {source} holds {tuple(s['shape'])}; pass a "
                               "state initialised from params of the saved shapes")
-    if s["dtype"] != dt:
+    if s["dtype"] != dt and not _python_number_takes(leaf, s):
+        hint = "the same mu_dtype" if "mu" in d.split(".") else "the same dtypes"
         raise CheckpointError(f"like has dtype {dt} at {d!r} but {source} holds {s['dtype']}; initialise like "
-                              "with the same dtypes (e.g. the same mu_dtype)")
+                              f"with {hint} as the saved state")
     return s

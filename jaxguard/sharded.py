@@ -39,6 +39,12 @@ every other leaf is restored bit-exactly.
 """
 from __future__ import annotations
 
+__all__ = ["MANIFEST", "INDEX_SUFFIX", "file_name", "new_save_id", "is_sharded", "host_scalar",
+           "host_scalars", "shard_start", "local_shards", "plan_state", "build_local", "encode_local",
+           "param_leaves", "commit_manifest", "remove_unnamed", "check_files", "first_op_model",
+           "common_meta", "write_process_files", "remove_process_files", "save", "prepare_directory",
+           "write_and_commit", "read_manifest", "certified_configs", "load", "verify"]
+
 import contextlib
 import dataclasses
 import hashlib
@@ -230,7 +236,7 @@ def aligned(x, like):
 
 # ---------------------------------------------------------------- plan (what every leaf becomes)
 def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-               op_model=None, tx=None, fixed=None):
+               op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
     names as `optax_adapter.state_records`, without touching any array's data.
 
@@ -240,7 +246,8 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     are raw leaves, stored exactly (their leaf records say why).
 
     Args:
-      opt_state, params, lr, weight_decay, betas, eps, op_model, tx: as `jaxguard.save`.
+      opt_state, params, lr, weight_decay, betas, eps, op_model, tx, uncertifiable: as
+        `jaxguard.save`.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves.
       fixed: the next updates resolved already (`optax_state.plan_updates`).
@@ -259,8 +266,9 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     if not sites:
         raise CheckpointError(NO_ADAM)
     plans = optax_state.plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                                     op_model=op_model, tx=tx, sites=sites, fixed=fixed)
+                                     op_model=op_model, tx=tx, sites=sites, fixed=fixed, uncertifiable=uncertifiable)
     oflat = flat_by_dotted(opt_state, "opt_state")
+    exact = optax_state.exact_reasons(plans)
     roles, pairs, sites_meta = {}, [], []
     for si, plan in enumerate(plans):
         sites_meta.append({**plan.meta(spec), "count_path": plan.site.leaf_path("count")})
@@ -281,8 +289,8 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
         kind, ename = roles.get(d, ("raw", f"{prefix}/{d}"))
         rec = {"path": d, "kind": kind, "entry": ename or f"{prefix}/{d}", "dtype": dtype_name(leaf),
                "shape": list(np.shape(leaf))}
-        if kind == "raw" and ename is None:
-            rec["why"] = optax_state.EXACT_REASON
+        if d in exact:
+            rec["why"] = exact[d]
         leaves.append(rec)
     treedef = jax.tree_util.tree_structure(opt_state)
     return sites_meta, pairs, leaves, str(treedef)
@@ -677,13 +685,14 @@ def remove_process_files(directory, process: int, save_id: str) -> None:
 
 
 def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
-         codec=None, bound=None, partition=None, include_params=False, primary=0, op_model=None, tx=None) -> dict:
+         codec=None, bound=None, partition=None, include_params=False, primary=0, op_model=None, tx=None,
+         uncertifiable="refuse") -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
     Args:
       path: the checkpoint directory (the same on every process).
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params, op_model, tx: as `jaxguard.save`.
+        include_params, op_model, tx, uncertifiable: as `jaxguard.save`.
       primary: the process that writes host leaves and commits the manifest.
 
     Returns:
@@ -698,7 +707,8 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     d = _dir(path)
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas,
-                                                    eps=eps, spec=spec, op_model=op_model, tx=tx)
+                                                    eps=eps, spec=spec, op_model=op_model, tx=tx,
+                                                    uncertifiable=uncertifiable)
     prepare_directory(d, primary)
     try:
         items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,

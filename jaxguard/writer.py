@@ -19,10 +19,10 @@ the encoder one slab ahead of the writer in a thread).
 Numerical contract
 ------------------
 What a `MomentJob` certifies is `jaxguard.core.guard.encode`'s contract for its
-`GuardConfig`; with ``mu="exact"`` it is `encode_v_only`'s with ``tau / BF16_TAU_FACTOR``
-(an optax ``mu_dtype=bfloat16`` state: optax computes ``b1 * mu`` in bfloat16, ``b1``
-rounds to 0.8984375, a relative change < 0.6% of the ``m'`` the bound assumes, which
-the 2% margin covers).  The writer never changes a code: a file holds exactly the
+`GuardConfig`; with ``mu="exact"`` it is `jaxguard.core.guard.encode_v_only`'s with
+``tau / BF16_TAU_FACTOR`` (an optax ``mu_dtype=bfloat16`` state: optax computes
+``b1 * mu`` in bfloat16, ``b1`` rounds to 0.8984375, a relative change < 0.6% of the
+``m'`` the bound assumes, which the 2% margin covers).  The writer never changes a code: a file holds exactly the
 codes the guard certified, or nothing is written (`ContainerError`).
 """
 from __future__ import annotations
@@ -209,8 +209,10 @@ def _entry_info(job: MomentJob) -> dict:
             **{k: v() if callable(v) else v for k, v in job.info.items()}}
 
 
-def encode_v_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
-    """Code only `v` beside an exact `m` (`MomentJob(mu="exact")`; module docstring).
+def _encode_bf16_m_job(m, v, p, config: GuardConfig) -> _guard.Encoded:
+    """The encoder of a `MomentJob(mu="exact")` (an optax ``mu_dtype=bfloat16`` pair): only
+    `v` is coded, by `jaxguard.core.guard.encode_v_only` at ``tau / BF16_TAU_FACTOR``, beside
+    the exact `m` (module docstring).
 
     Args:
       m: the first moment as float32 (stored exactly beside the codes).
@@ -419,7 +421,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
                 continue
             yield from flush()
             if isinstance(r, MomentJob):
-                enc = encode_v_only(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
+                enc = _encode_bf16_m_job(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
                 add(enc.stats)
                 if bar is not None:
                     bar.update(enc.n)

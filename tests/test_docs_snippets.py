@@ -55,6 +55,15 @@ def test_snippet_runs(doc, heading, capsys):
     assert "block8-unguarded" in lines
 
 
+@pytest.mark.parametrize("heading", ["## NNX", "## linen"])
+def test_flax_doc_examples_run(heading, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("flax")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_block_under("docs/flax.md", heading), f"docs/flax.md:{heading}", "exec"), {})
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["step", "3"] and np.isfinite(float(words[3]))   # resumed at the saved step, trains on
+
+
 def test_readme_has_the_five_quickstarts():
     assert list(QUICK) == ["torch", "optax", "orbax", "Hugging Face Trainer", "torch.distributed.checkpoint"]
 

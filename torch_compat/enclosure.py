@@ -45,6 +45,8 @@ lr / lo`` (the interval's claim: ``|p1' - p2'| <= tau lr`` wherever ``bound <= t
 """
 from __future__ import annotations
 
+__all__ = ["POINTS_PER_CASE", "draw_cases", "draw_edge_cases", "cell_points", "audit_enclosure", "run"]
+
 import functools
 import json
 import math

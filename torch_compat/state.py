@@ -14,12 +14,21 @@ weight decay, the state's step, the op model, the parameter) is recorded in its 
 """
 from __future__ import annotations
 
+__all__ = ["EXACT_REASON", "tensor_to_numpy", "to_skeleton", "scalar_value", "check_param_group",
+           "check_optimizer_state", "implementation_of", "infer_param_names", "with_param_names",
+           "param_index", "op_model_of", "next_update", "guard_config", "step_count", "MappedSource",
+           "state_records", "writer_config", "encoder_view", "jax_platform_of", "HostTensor",
+           "compress_checkpoint", "compress_checkpoint_to", "restore_tree", "save", "snapshot",
+           "save_snapshot", "load", "check_next_update", "certified_by_group", "warn_other_kernel",
+           "torch_step", "audit", "save_torch"]
+
+import argparse
 import functools
 import hashlib
 import math
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -28,6 +37,7 @@ from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container, reader
 from jaxguard.format.torchzip import FileTensor
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.uncovered import policy as uncovered_policy
 from jaxguard.core.opmodel import resolve_op_model, torch_op_model
 from torch_compat.replay import TORCH_FLAGS
 
@@ -169,7 +179,8 @@ def to_skeleton(obj, path, raws, tied=None):
     its node names the first one's entry, as ``torch.save`` keeps one storage for both.
 
     Args:
-      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None.
+      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None, numpy
+        arrays and scalars, ``argparse.Namespace``.
       path: the entry-name prefix of `obj` (``"model"``, ``"optimizer/state/0"``).
       raws: the list the `container.Raw` records are appended to.
       tied: ``{tensor identity: entry name}`` shared by the calls of one checkpoint
@@ -201,12 +212,21 @@ def to_skeleton(obj, path, raws, tied=None):
     if isinstance(obj, (list, tuple)):
         tag = "__list__" if isinstance(obj, list) else "__tuple__"
         return {tag: [to_skeleton(v, f"{path}/{i}", raws, tied) for i, v in enumerate(obj)]}
+    if isinstance(obj, (np.ndarray, np.generic)) and not isinstance(obj, np.str_):
+        # numpy values as checkpoints hold them (best_val_loss=np.float64(...), np.random.get_state()'s
+        # uint32 key): raw entries, restored with their type, shape and bits
+        arr = np.ascontiguousarray(obj)
+        raws.append(container.Raw(path, arr, container.numpy_dtype_name(arr)))
+        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__npscalar__": path}
+    if isinstance(obj, argparse.Namespace):   # a run's arguments
+        return {"__namespace__": to_skeleton(vars(obj), path, raws, tied)["__dict__"]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"__float__": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise CheckpointError(f"{path!r} holds a {type(obj).__name__}; jaxguard stores tensors, numbers, strings, "
-                          "lists and dicts (convert it, or keep it outside the checkpoint)")
+                          "lists, tuples, dicts, numpy arrays and scalars and argparse.Namespace (convert it, or keep "
+                          "it outside the checkpoint)")
 
 
 def from_skeleton(sk, arrays, dtypes):
@@ -238,6 +258,15 @@ def from_skeleton(sk, arrays, dtypes):
             return tuple(from_skeleton(v, arrays, dtypes) for v in sk["__tuple__"])
         if "__float__" in sk:
             return float(sk["__float__"])
+        if "__ndarray__" in sk or "__npscalar__" in sk:
+            name = sk.get("__ndarray__", sk.get("__npscalar__"))
+            arr = np.array(arrays[name])
+            if dtypes[name] == "bfloat16":
+                import ml_dtypes
+                arr = arr.view(ml_dtypes.bfloat16)
+            return arr if "__ndarray__" in sk else arr.reshape(())[()]
+        if "__namespace__" in sk:
+            return argparse.Namespace(**{k: from_skeleton(v, arrays, dtypes) for k, v in sk["__namespace__"]})
     return sk
 
 
@@ -262,6 +291,43 @@ def scalar_value(x, what):
     return x
 
 
+class Uncovered(NamedTuple):
+    """State the guard cannot certify (`jaxguard.uncovered`): why, in a few words (the
+    integrations' warning, the file's ``stored_exactly``), and the one-line error the
+    explicit API raises instead."""
+
+    why: str
+    error: Exception
+
+
+def group_uncovered(gi, g, *, who="jaxguard") -> Uncovered | None:
+    """Why param group `g` is outside the op models, or None.
+
+    Args:
+      gi: the group's index, for the error.
+      g: the param group (a dict of an optimizer state_dict's ``param_groups``).
+      who: what refuses it, for the error (``"jaxguard"``, ``"GuardedSavePlanner"``).
+
+    Returns:
+      An `Uncovered` (not Adam/AdamW, one of `UNSUPPORTED_FLAGS` set, fused and foreach both
+      set), or None.
+    """
+    if "betas" not in g or "eps" not in g:
+        return Uncovered("parameters of an optimizer that is not Adam or AdamW", UnsupportedOptimizerError(
+            f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; {who} compresses "
+            "torch.optim.Adam and AdamW state only"))
+    for flag in UNSUPPORTED_FLAGS:
+        if g.get(flag):
+            return Uncovered(f"parameters with {flag}={g[flag]!r} (outside the op models)", UnsupportedOptimizerError(
+                f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers {flag}=False only (rebuild the "
+                f"optimizer with {flag}=False)"))
+    try:
+        implementation_of(g, gi)
+    except UnsupportedOptimizerError as exc:
+        return Uncovered("parameters with fused=True and foreach=True", exc)
+    return None
+
+
 def check_param_group(gi, g, *, who="jaxguard") -> None:
     """Check that one param group is Adam/AdamW without the flags the guarantee excludes.
 
@@ -272,18 +338,63 @@ def check_param_group(gi, g, *, who="jaxguard") -> None:
 
     Raises:
       UnsupportedOptimizerError: no ``betas``/``eps`` (not Adam), or one of
-        `UNSUPPORTED_FLAGS` (amsgrad, maximize, ...) set.
+        `UNSUPPORTED_FLAGS` (amsgrad, maximize, ...) set (`group_uncovered`).
     """
-    if "betas" not in g or "eps" not in g:
-        raise UnsupportedOptimizerError(f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; "
-                                        f"{who} compresses torch.optim.Adam and AdamW state only")
-    for flag in UNSUPPORTED_FLAGS:
-        if g.get(flag):
-            raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
-                                            f"{flag}=False only (rebuild the optimizer with {flag}=False)")
+    u = group_uncovered(gi, g, who=who)
+    if u is not None:
+        raise u.error
 
 
-def check_optimizer_state(opt_sd, model_sd=None, param_order=None) -> None:
+def state_uncovered(idx, st, gi, g) -> Uncovered | None:
+    """Why one parameter's optimizer state cannot be certified, or None.
+
+    Args:
+      idx: its key in the state_dict's ``state``.
+      st: the state (``exp_avg``, ``exp_avg_sq``, ``step``).
+      gi, g: its param group and the group's index (None when no group lists it).
+
+    Returns:
+      An `Uncovered` (no Adam moments, a kernel no op model covers on the state's device,
+      moments that are not float32), or None.
+    """
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        if not isinstance(st, dict) or key not in st:
+            return Uncovered("states without Adam moments", CheckpointError(
+                f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?"))
+    if g is not None and is_tensor(st["exp_avg"]) and st["exp_avg"].device.type != "cpu":
+        try:
+            op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
+        except UnsupportedOptimizerError as exc:
+            impl = implementation_of(g, gi)
+            has = f"has {impl}=True" if impl != "single" else "runs the single-tensor kernel"
+            return Uncovered(f"states on {st['exp_avg'].device.type} whose kernel no op model covers",
+                             UnsupportedOptimizerError(f"param group {gi} {has} with its state on "
+                                                       f"{st['exp_avg'].device}: {str(exc).split(': ', 1)[-1]}"))
+    for key in ("exp_avg", "exp_avg_sq"):
+        if dtype_name(st[key]) != "float32":
+            return Uncovered(f"{dtype_name(st[key])} moments (the guarantee covers float32)", UnsupportedOptimizerError(
+                f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies float32 moments only (keep "
+                "Adam state in float32)"))
+    return None
+
+
+def param_uncovered(name, p) -> Uncovered | None:
+    """Why parameter `p` cannot be the ``p`` of a certificate, or None.
+
+    Args:
+      name: its name, for the error.
+      p: the parameter tensor.
+
+    Returns:
+      An `Uncovered` when it is not float32, else None.
+    """
+    if dtype_name(p) != "float32":
+        return Uncovered(f"{dtype_name(p)} parameters (the guarantee covers float32)", UnsupportedOptimizerError(
+            f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters"))
+    return None
+
+
+def check_optimizer_state(opt_sd, model_sd=None, param_order=None, *, uncovered: dict | None = None) -> None:
     """Check that `opt_sd` is a torch Adam/AdamW state_dict jaxguard can certify.
 
     Args:
@@ -292,6 +403,9 @@ def check_optimizer_state(opt_sd, model_sd=None, param_order=None) -> None:
         `model_sd` is needed and must map by order, `infer_param_names`).
       model_sd: the model ``state_dict`` the optimizer belongs to, optional.
       param_order: an asserted parameter order (`infer_param_names`).
+      uncovered: a dict that receives ``{state index: Uncovered}`` for each parameter
+        whose group or state the guard cannot certify, instead of raising
+        (``uncertifiable="exact"``: `state_records`).
 
     Raises:
       CheckpointError: not an optimizer state_dict, no ``param_names`` and no provable
@@ -302,9 +416,13 @@ def check_optimizer_state(opt_sd, model_sd=None, param_order=None) -> None:
     if not isinstance(opt_sd, dict) or "state" not in opt_sd or "param_groups" not in opt_sd:
         raise CheckpointError("'optimizer' is not an optimizer state_dict (needs 'state' and 'param_groups'); "
                               "save optimizer.state_dict() under 'optimizer'")
+    bad_groups = {}
     for gi, g in enumerate(opt_sd["param_groups"]):
-        check_param_group(gi, g)
-        implementation_of(g, gi)
+        u = group_uncovered(gi, g)
+        if u is not None:
+            if uncovered is None:
+                raise u.error
+            bad_groups[gi] = u
         if "param_names" in g and len(g["param_names"]) != len(g["params"]):
             raise CheckpointError(f"param group {gi} has {len(g['param_names'])} param_names for {len(g['params'])} params")
     if param_order is not None or not all("param_names" in g for g in opt_sd["param_groups"]):
@@ -313,22 +431,12 @@ def check_optimizer_state(opt_sd, model_sd=None, param_order=None) -> None:
         infer_param_names(opt_sd, model_sd, param_order)
     groups = {idx: (gi, g) for gi, g in enumerate(opt_sd["param_groups"]) for idx in g.get("params", ())}
     for idx, st in opt_sd["state"].items():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            if key not in st:
-                raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
-        if idx in groups and is_tensor(st["exp_avg"]) and st["exp_avg"].device.type != "cpu":
-            gi, g = groups[idx]
-            try:
-                op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
-            except UnsupportedOptimizerError as exc:
-                impl = implementation_of(g, gi)
-                has = f"has {impl}=True" if impl != "single" else "runs the single-tensor kernel"
-                raise UnsupportedOptimizerError(f"param group {gi} {has} with its state on {st['exp_avg'].device}: "
-                                                f"{str(exc).split(': ', 1)[-1]}") from None
-        for key in ("exp_avg", "exp_avg_sq"):
-            if dtype_name(st[key]) != "float32":
-                raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
-                                                "float32 moments only (keep Adam state in float32)")
+        gi, g = groups.get(idx, (None, None))
+        u = bad_groups.get(gi) or state_uncovered(idx, st, gi, g)
+        if u is not None:
+            if uncovered is None:
+                raise u.error
+            uncovered[idx] = u
 
 
 def implementation_of(group, gi=0) -> str:
@@ -714,7 +822,7 @@ class MappedSource:
 
 
 def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None, param_order=None, lr=None,
-                  notes: dict | None = None, param_map: str | None = None):
+                  notes: dict | None = None, param_map: str | None = None, uncertifiable: str = "refuse"):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
 
     The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
@@ -737,6 +845,9 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
       notes: a dict that receives ``stored_exactly`` (a list of ``{"param", "why"}``)
         for the container's meta, when some moments are.
       param_map: how `params` was matched (a key of `PARAM_MAPS`; default from `opt_sd`).
+      uncertifiable: ``"refuse"`` (raise on state the guard cannot certify) or ``"exact"``
+        (store it exactly and say so in `notes`: `jaxguard.uncovered`; an optimizer that
+        is not Adam at all is stored whole).
 
     Returns:
       ``(optimizer skeleton, list of records)``.
@@ -749,7 +860,16 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
       ConfigError: a bad `lr`.
     """
     spec = _save_spec(spec)
-    check_optimizer_state(opt_sd, params, param_order)
+    exact_ok = uncovered_policy(uncertifiable) == "exact"
+    if exact_ok and _not_adam_at_all(opt_sd):
+        return _stored_whole(opt_sd, prefix, notes, group_uncovered(0, opt_sd["param_groups"][0]).why)
+    if exact_ok and isinstance(opt_sd, dict) and isinstance(opt_sd.get("param_groups"), list):
+        try:
+            param_index(opt_sd, params, param_order)
+        except CheckpointError:    # which weights the moments belong to is not known: nothing to certify against
+            return _stored_whole(opt_sd, prefix, notes, UNNAMED_WHY)
+    found: dict | None = {} if exact_ok else None
+    check_optimizer_state(opt_sd, params, param_order, uncovered=found)
     names = param_index(opt_sd, params, param_order)
     param_map = param_map or param_map_of(opt_sd, param_order)
     group_lr = _group_rates(lr, len(opt_sd["param_groups"]))
@@ -763,17 +883,24 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         if idx not in names:
             raise CheckpointError(f"optimizer state has parameter index {idx} that no param group lists")
         name, group = names[idx]
-        if name not in params:
-            raise CheckpointError(f"parameter {name!r} is in the optimizer but not in the model state_dict; "
-                                  "save model.state_dict() under 'model'")
-        p = params[name]
-        if tuple(p.shape) != tuple(st["exp_avg"].shape) or tuple(p.shape) != tuple(st["exp_avg_sq"].shape):
-            raise CheckpointError(f"parameter {name!r} has shape {tuple(p.shape)} but its moments have "
-                                  f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
-        if dtype_name(p) != "float32":
-            raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
-        step, device_type = step_count(st, idx), st["exp_avg"].device.type
         ename = f"{prefix}/state/{idx}"
+        u = found.get(idx) if found else None
+        if u is None:
+            if name not in params:
+                raise CheckpointError(f"parameter {name!r} is in the optimizer but not in the model state_dict; "
+                                      "save model.state_dict() under 'model'")
+            p = params[name]
+            if tuple(p.shape) != tuple(st["exp_avg"].shape) or tuple(p.shape) != tuple(st["exp_avg_sq"].shape):
+                raise CheckpointError(f"parameter {name!r} has shape {tuple(p.shape)} but its moments have "
+                                      f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
+            u = param_uncovered(name, p)
+            if u is not None and not exact_ok:
+                raise u.error
+        if u is not None:    # uncertifiable="exact": the whole state raw, exactly
+            exact.append({"param": name, "why": u.why})
+            state_sk.append([idx, to_skeleton(st, ename, raws)])
+            continue
+        step, device_type = step_count(st, idx), st["exp_avg"].device.type
         cfg = configs.get((id(group), step, device_type))
         if cfg is None:
             update = next_update(group, step, device_type=device_type, op_model=op_model,
@@ -799,6 +926,28 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
     if exact and notes is not None:
         notes.setdefault("stored_exactly", []).extend(exact)
     return opt_sk, jobs + raws
+
+
+def _not_adam_at_all(opt_sd) -> bool:
+    """An optimizer state_dict none of whose groups is Adam/AdamW (SGD, Adafactor, ...)."""
+    groups = opt_sd.get("param_groups") if isinstance(opt_sd, dict) else None
+    return (isinstance(groups, list) and isinstance(opt_sd.get("state"), dict) and bool(groups)
+            and all(isinstance(g, dict) and ("betas" not in g or "eps" not in g) for g in groups))
+
+
+UNNAMED_WHY = ("moments whose parameters are not named (build the optimizer from model.named_parameters()), so no "
+               "weights to certify against")
+
+
+def _stored_whole(opt_sd, prefix, notes, why):
+    """An optimizer that is not Adam, or whose parameters are not known, stored exactly as it
+    is (``uncertifiable="exact"``)."""
+    raws: list = []
+    names = {idx: n for g in opt_sd["param_groups"] for idx, n in zip(g.get("params", ()), g.get("param_names") or ())}
+    if notes is not None:
+        notes.setdefault("stored_exactly", []).extend(
+            {"param": names.get(idx, f"{prefix} parameter {idx}"), "why": why} for idx in opt_sd["state"])
+    return to_skeleton(opt_sd, prefix, raws), raws
 
 
 def _group_rates(lr, n_groups) -> list:
@@ -914,7 +1063,7 @@ class HostTensor:
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
-def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None):
+def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None, uncertifiable="refuse"):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
     the first moments entry (`jaxguard.writer`)."""
     if not isinstance(ckpt, dict):
@@ -925,7 +1074,7 @@ def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None)
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     notes: dict = {}
     opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model,
-                                    param_order=param_order, lr=lr, notes=notes)
+                                    param_order=param_order, lr=lr, notes=notes, uncertifiable=uncertifiable)
     top = []
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
@@ -975,7 +1124,8 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
 
 
 def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False,
-                           variant=None, release=None, op_model=None, device_encode=None, param_order=None, lr=None):
+                           variant=None, release=None, op_model=None, device_encode=None, param_order=None, lr=None,
+                           uncertifiable="refuse"):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
@@ -984,6 +1134,8 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
       path: the output file or URL.
       ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model, device_encode,
         param_order, lr: as `compress_checkpoint`.
+      uncertifiable: ``"refuse"`` or ``"exact"`` (`state_records`; ``jaxguard compress
+        --uncertifiable``).
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -995,12 +1147,14 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr)
+    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr,
+                                               uncertifiable=uncertifiable)
     extra["variant"] = variant = _variant_of(variant)
     rel = None if release is None else (lambda sources: release([t for s in sources for t in
                                                                  (s if isinstance(s, tuple) else (s,))]))
     summary = writer.to_file(path, records, meta, extra_header=extra, progress=progress, release=rel,
                              device_encode=device_encode)
+    summary["stored_exactly"] = meta.get("stored_exactly") or []     # what --uncertifiable exact kept raw
     return _with_variant(summary, variant)
 
 
@@ -1038,7 +1192,7 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
          tau: float | None = None,
          clip: float | None = None, codec: str | None = None, bound: str | None = None, partition: str | None = None,
          progress: bool = False, op_model: str | None = None, device_encode: bool | None = None,
-         lr: float | tuple | list | None = None) -> dict:
+         lr: float | tuple | list | None = None, uncertifiable: str = "refuse") -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
     Each param group is certified for its next step as the group holds it (call it after
@@ -1061,27 +1215,32 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
       device_encode: as `compress_checkpoint` (True encodes CPU tensors on the device
         route too: how it is tested without a GPU).
       lr: the next step's learning rate instead of the groups' (`state_records`).
+      uncertifiable: ``"refuse"`` (default: state the guarantee does not cover raises) or
+        ``"exact"`` (stored exactly, any torch optimizer: `jaxguard.uncovered`; the trainer
+        integrations' policy).
 
     Returns:
-      The summary dict.
+      The summary dict; ``stored_exactly`` lists what was stored exactly and why.
 
     Raises:
-      UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover.
+      UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover
+        (``uncertifiable="refuse"``).
       CheckpointError: as `state_records`.
     """
-    sd, params = snapshot(optimizer)
+    sd, params = snapshot(optimizer, any_optimizer=uncovered_policy(uncertifiable) == "exact")
     return save_snapshot(path, sd, params, spec=spec, tau=tau, clip=clip, codec=codec, bound=bound,
                          partition=partition, progress=progress, op_model=op_model, device_encode=device_encode,
-                         lr=lr)
+                         lr=lr, uncertifiable=uncertifiable)
 
 
-def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
+def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False, any_optimizer: bool = False) -> tuple:
     """`optimizer`'s state_dict and its live parameters by name, as `save` certifies them.
 
     Args:
-      optimizer: a `torch.optim.Adam` or `AdamW`.
+      optimizer: a `torch.optim.Adam` or `AdamW` (any torch optimizer with `any_optimizer`).
       copy: clone every tensor (state and parameters), so that the training loop may go on
         while `save_snapshot` encodes them on another thread (a background save).
+      any_optimizer: take any optimizer (``uncertifiable="exact"`` stores what is not Adam).
 
     Returns:
       ``(state_dict, {param name: tensor})`` with ``param_names`` filled in (unnamed params
@@ -1090,13 +1249,13 @@ def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
     Raises:
       UnsupportedOptimizerError: not Adam/AdamW.
     """
-    if not isinstance(optimizer, torch.optim.Adam):
+    if not any_optimizer and not isinstance(optimizer, torch.optim.Adam):
         raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "
                                         "torch.optim.Adam and AdamW")
     sd = optimizer.state_dict()
     if copy:
         sd = {"state": {k: {n: t.detach().clone() if torch.is_tensor(t) else t for n, t in st.items()}
-                        for k, st in sd["state"].items()},
+                        if isinstance(st, dict) else st for k, st in sd["state"].items()},
               "param_groups": [dict(g) for g in sd["param_groups"]]}
     params = {}
     for gi, (g, live) in enumerate(zip(sd["param_groups"], optimizer.param_groups)):
@@ -1111,29 +1270,33 @@ def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: Guar
                   tau: float | None = None, clip: float | None = None, codec: str | None = None,
                   bound: str | None = None, partition: str | None = None, progress: bool = False,
                   op_model: str | None = None, device_encode: bool | None = None,
-                  lr: float | tuple | list | None = None) -> dict:
+                  lr: float | tuple | list | None = None, uncertifiable: str = "refuse") -> dict:
     """`save` of a `snapshot` (the same file `save` writes of that state).
 
     Args:
       path: the output file.
       sd, params: what `snapshot` returned.
-      spec, tau, clip, codec, bound, partition, progress, op_model, device_encode, lr: as `save`.
+      spec, tau, clip, codec, bound, partition, progress, op_model, device_encode, lr,
+        uncertifiable: as `save`.
 
     Returns:
-      The summary dict.
+      The summary dict (``stored_exactly``: as `save`).
 
     Raises:
       UnsupportedOptimizerError, CheckpointError: as `save`.
     """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     notes: dict = {}
-    opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model, lr=lr, notes=notes, param_map="live")
+    opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model, lr=lr, notes=notes, param_map="live",
+                                    uncertifiable=uncertifiable)
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__,
             **notes}
     data, summary = writer.to_bytes(records, meta, extra_header={"tau": spec.tau, "clip": spec.clip,
                                                                  "codec": spec.codec}, progress=progress,
                                     device_encode=device_encode)
     container.atomic_write(path, data)
+    summary["stored_exactly"] = notes.get("stored_exactly", [])
+    summary["parameters"] = sum(len(g["params"]) for g in sd["param_groups"])
     return summary
 
 
@@ -1208,8 +1371,9 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 def _group_values(group) -> tuple:
     """A param group's hyperparameters as comparable numbers."""
-    return (float(scalar_value(group["lr"], "lr")), tuple(float(scalar_value(b, "beta")) for b in group["betas"]),
-            float(group["eps"]), float(group.get("weight_decay", 0.0) or 0.0))
+    return (float(scalar_value(group["lr"], "lr")),   # (a group that is not Adam, stored exactly: no betas, eps)
+            tuple(float(scalar_value(b, "beta")) for b in group.get("betas", ())),
+            float(group.get("eps", 0.0)), float(group.get("weight_decay", 0.0) or 0.0))
 
 
 def next_update_differences(header, sd, groups, *, prefix="optimizer") -> list:

@@ -26,6 +26,8 @@ The pickle is protocol 2 with only the globals torch's ``weights_only`` loader a
 """
 from __future__ import annotations
 
+__all__ = ["AHEAD_BYTES", "CHUNK", "SUB", "WINDOW", "RANS_WINDOW", "CRC_BESIDE_FROM", "restore"]
+
 import hashlib
 import os
 import pickle
@@ -187,6 +189,8 @@ class _Pickle:
                 return
             if "__float__" in sk:
                 return self.plain(float(sk["__float__"]))
+            if any(k in sk for k in ("__ndarray__", "__npscalar__", "__namespace__")):
+                raise Unsupported("numpy values or an argparse.Namespace")   # torch_compat.restore_tree + torch.save
         return self.plain(sk)
 
     def bytes(self):

@@ -35,6 +35,12 @@ never comes out of `cell_bounds`.  The derivation is in docs/bound.md; the enclo
 """
 from __future__ import annotations
 
+__all__ = ["U", "N_MIN", "GAMMA", "CONST_REL", "NATIVE_LIMIT", "RHO_MAX", "LEVELS", "unit_edges", "StepRow",
+           "pack_constants", "pack_interval", "as_step_row", "stack_rows", "shared_ideal", "cell_bounds",
+           "coordinate_bound", "batch_bound", "PROBE_POINTS", "DENSE_PROBE_POINTS", "batch_lower",
+           "batch_bound_pc", "ADAPTIVE_GAMMAS", "ADAPTIVE_GAMMAS_DOUBLING", "ADAPTIVE_PARTITIONS",
+           "adaptive_unit_edges", "batch_bound_adaptive_pc", "batch_lower_pc"]
+
 import functools
 from typing import Any
 

@@ -18,6 +18,11 @@ for every ``|g| <= clip``.  Callers pass only coordinates `classify` calls certi
 """
 from __future__ import annotations
 
+__all__ = ["classify", "block_stats_valid", "v_positive", "device_masks", "device_classify", "certify",
+           "FAST_TIER", "ADAPTIVE_TIER", "FAST_CELLS_TIER", "SIGNED_CELLS_TIER", "SIGNED_MARGIN",
+           "TIERED_FIRST_LEVEL", "FAST_CHUNK", "FAST_MIN_CHUNK", "fast_accept", "Stage", "stages", "stage_calls",
+           "prepare_stages", "certify_pc"]
+
 import dataclasses
 import functools
 from typing import Callable, Optional

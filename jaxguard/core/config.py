@@ -12,6 +12,9 @@ new step or learning rate does not recompile.
 """
 from __future__ import annotations
 
+__all__ = ["CODECS", "DEFAULT_CODEC", "BOUNDS", "PARTITIONS", "GuardSpec", "is_interval", "lr_bounds",
+           "check_lr_interval", "NextUpdate", "GuardConfig", "save_spec"]
+
 import dataclasses
 from typing import Any
 

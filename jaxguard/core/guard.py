@@ -25,6 +25,9 @@ there is no such guarantee: only the exact and the non-certifiable coordinates a
 """
 from __future__ import annotations
 
+__all__ = ["decode_arrays", "encode", "encode_many", "MAX_PIECE", "join_pieces", "propose_blocks", "ALIGN",
+           "aligned_zeros", "encode_v_only", "decode", "GuardConfig", "Encoded", "CODECS", "DEFAULT_CODEC"]
+
 import functools
 import time
 

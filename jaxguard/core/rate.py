@@ -37,6 +37,8 @@ the certified distance (``|u~ - u| <= tau*lr`` for every ``|g| <= C``).
 """
 from __future__ import annotations
 
+__all__ = ["ROUNDS", "MOVE_MAX_LEVEL", "SEARCH_MAX_LEVEL", "optimize"]
+
 import numpy as np
 
 from jaxguard.format import packed, rans
