@@ -120,22 +120,22 @@ def test_a_damaged_or_foreign_entry_is_ignored_and_replaced(cache_dir, how):
     programs.enable(cache_dir)   # a fresh process
     assert path.read_bytes() != good
     assert np.array_equal(_bits(programs.call(B.batch_lower_pc, *args)), _bits(want))
-    assert programs._unwrap(path.read_bytes(), name[:-len(programs.SUFFIX)]) is not None   # replaced by a whole one
+    assert programs.unwrap_entry(path.read_bytes(), name[:-len(programs.SUFFIX)]) is not None   # replaced by a whole one
     assert len(_stored(cache_dir)) == 2
 
 
 def test_the_integrity_check_refuses_what_it_must():
-    """The control of the test above: `_unwrap` takes a whole entry stored under its own
+    """The control of the test above: `unwrap_entry` takes a whole entry stored under its own
     name, and refuses a flipped bit anywhere, a cut and another name."""
     body = bytes(range(256)) * 4
-    raw = programs._wrap("abc-123", body)
-    assert programs._unwrap(raw, "abc-123") == body
-    assert programs._unwrap(raw, "abc-124") is None
-    assert programs._unwrap(raw[:-1], "abc-123") is None
+    raw = programs.wrap_entry("abc-123", body)
+    assert programs.unwrap_entry(raw, "abc-123") == body
+    assert programs.unwrap_entry(raw, "abc-124") is None
+    assert programs.unwrap_entry(raw[:-1], "abc-123") is None
     for i in (0, len(programs.MAGIC) + 2, len(raw) // 2, len(raw) - 1):
         flipped = bytearray(raw)
         flipped[i] ^= 1
-        assert programs._unwrap(bytes(flipped), "abc-123") is None, i
+        assert programs.unwrap_entry(bytes(flipped), "abc-123") is None, i
 
 
 _FRESH = ("import sys\n"
@@ -370,4 +370,4 @@ def test_two_processes_fill_one_cache_and_later_saves_compile_nothing(tmp_path):
     assert files and all(f.endswith(programs.SUFFIX) for f in files)        # no temporary file left
     for f in files:
         raw = (home / "jaxguard" / "programs" / version / f).read_bytes()
-        assert programs._unwrap(raw, f[:-len(programs.SUFFIX)]) is not None
+        assert programs.unwrap_entry(raw, f[:-len(programs.SUFFIX)]) is not None

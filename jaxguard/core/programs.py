@@ -443,7 +443,7 @@ def _load_executable(path, ident):
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
-        body = _unwrap(raw, ident)
+        body = unwrap_entry(raw, ident)
         if body is None:
             return None
         import pickle
@@ -457,14 +457,31 @@ def _load_executable(path, ident):
     return loaded
 
 
-def _wrap(ident: str, body: bytes) -> bytes:
-    """A stored program: `MAGIC`, the key it was stored under, SHA-256 of both and `body`."""
+def wrap_entry(ident: str, body: bytes) -> bytes:
+    """A stored program's bytes: `MAGIC`, the key it is stored under, SHA-256 of both and `body`.
+
+    Args:
+      ident: the program's key (its file name less `SUFFIX`).
+      body: the serialized executable.
+
+    Returns:
+      The file's content.
+    """
     head = MAGIC + ident.encode() + b"\n"
     return head + hashlib.sha256(head + body).digest() + body
 
 
-def _unwrap(raw: bytes, ident: str):
-    """`body` of `_wrap` if `raw` is a whole program stored under `ident`, else None."""
+def unwrap_entry(raw: bytes, ident: str):
+    """The body of a `wrap_entry` file, checked.
+
+    Args:
+      raw: a file's content.
+      ident: the key it was looked up under.
+
+    Returns:
+      The body if `raw` is a whole program stored under `ident` (its key and SHA-256
+      match), else None.
+    """
     head = MAGIC + ident.encode() + b"\n"
     if not raw.startswith(head) or len(raw) < len(head) + 32:
         return None
@@ -486,7 +503,7 @@ def _store_executable(path, ident, serialized) -> None:
     from jaxguard.errors import JaxguardError
     from jaxguard.format import storage
     try:
-        data = _wrap(ident, pickle.dumps(serialized))
+        data = wrap_entry(ident, pickle.dumps(serialized))
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         # atomic (a concurrent process reads a whole file or none), not durable: a cache
         storage.atomic_write_with(path, lambda fh: fh.write(data), durable=False, mode=0o600)
