@@ -138,7 +138,11 @@ def _remove_stale_tmps(directory: str, name: str) -> None:
 
 
 def fsync_dir(directory: str) -> None:
-    """Make `directory`'s entries (a rename, a new file) durable (POSIX fsync of the directory)."""
+    """Make `directory`'s entries (a rename, a new file) durable (POSIX fsync of the directory).
+
+    Args:
+      directory: a local directory.
+    """
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -147,7 +151,11 @@ def fsync_dir(directory: str) -> None:
 
 
 def fsync_tree(root: str) -> None:
-    """fsync every file under `root`, then each directory, deepest entries included."""
+    """fsync every file under `root`, then each directory, deepest entries included.
+
+    Args:
+      root: a local directory.
+    """
     for here, _dirs, files in os.walk(root):
         for name in files:
             with open(os.path.join(here, name), "rb") as fh:
