@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.format import packed, rans, spec
+from jaxguard.format import entropy, packed, rans, spec
 
 MAGIC = b"JAXGUARD"
 VERSION = 1
@@ -524,9 +524,10 @@ def read_moments(entry, payload, tables, rans_symbols=None):
 def read_codes(entry, payload, tables, rans_symbols=None):
     """The codes of one moments entry in the fixed form every decode takes.
 
-    A packed entry (``logrel-aw``, or ``logrel-ans`` in either of its forms) is unpacked
-    to the fixed form of its decode (``log8-rel``): codes per coordinate, parameters
-    ``[nb, k]`` float32.
+    A packed entry (``logrel-aw``, or ``logrel-ans`` in either of its forms) is unpacked,
+    and a ``log8-rel-zstd`` entry's streams decoded (`jaxguard.format.entropy`), to the
+    fixed form of its decode (``log8-rel``): codes per coordinate, parameters ``[nb, k]``
+    float32.
 
     Args:
       entry: a moments entry of a header checked by `parse`.
@@ -548,6 +549,11 @@ def read_codes(entry, payload, tables, rans_symbols=None):
         raise ReaderError(f"{cs.id} entries need the {'/'.join(cs.tables)} tables")
     nb = max(1, -(-n // BLOCK))
     name = entry["name"]
+    if cs.layout == "zstd":
+        try:
+            return entropy.read_entry(name, entry["sections"], payload, n)
+        except (entropy.StreamError, packed.PackError) as exc:
+            raise ReaderError(str(exc)) from None
     if cs.layout in ("packed", "ans"):
         try:
             return _read_packed(name, entry["sections"], payload, n, nb, rans_symbols)

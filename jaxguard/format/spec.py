@@ -47,6 +47,9 @@ ANS_SECTIONS = ("widths", "mv_rans", "v_params", "escape_pairs")
 ESCAPE_FORMS = ("escape_mask", "escape_index")
 LOW_SECTIONS = ((), ("m_low",), ("v_low",), ("m_low", "v_low"))
 """The optional low-bit sections of an ``mv_rans`` entry (blocks wider than 8 bits)."""
+ZSTD_SECTIONS = ("m_codes", "v_codes", "params", "escape_index", "escape_pairs")
+ZSTD_WIDE = ((), ("widths", "m_high"), ("widths", "v_high"), ("widths", "m_high", "v_high"))
+"""The optional sections of a ``log8-rel-zstd`` entry whose blocks are not all 8 bits wide."""
 LAYOUTS = {
     "fixed": (FIXED_SECTIONS,),
     # jaxguard.format.packed: per-block widths, and exactly one of the two escape forms
@@ -56,6 +59,8 @@ LAYOUTS = {
     # ``m_low`` / ``v_low`` hold the bits below the top 8 of the fields of wider blocks
     "ans": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS)
     + tuple(ANS_SECTIONS + low + (e,) for low in LOW_SECTIONS for e in ESCAPE_FORMS),
+    # jaxguard.format.entropy: the codes, parameters and widths as zstd streams
+    "zstd": tuple(ZSTD_SECTIONS + wide for wide in ZSTD_WIDE),
 }
 """The section-name sets a moments entry of each layout may have (docs/format.md)."""
 
@@ -77,9 +82,10 @@ class CodecSpec:
         m and v code after any unpacking.
       m_params, v_params: float32 block parameters per block in the fixed layout.
       layout: ``"fixed"`` (sections m_codes, v_codes, m_params, v_params, escape_mask,
-        escape_pairs), ``"packed"`` (jaxguard.format.packed: per-block widths) or ``"ans"``
+        escape_pairs), ``"packed"`` (jaxguard.format.packed: per-block widths), ``"ans"``
         (per tensor the packed sections, or an ``mv_rans`` section instead of m_codes,
-        v_codes and m_params: jaxguard.format.rans).
+        v_codes and m_params: jaxguard.format.rans) or ``"zstd"`` (log8-rel's codes and
+        parameters as zstd streams: jaxguard.format.entropy).
       decode: the id of the fixed decode this codec's codes go through (its own id
         unless it shares another codec's arithmetic).
       tables: names of the stored tables its decode needs.
@@ -332,3 +338,5 @@ register(CodecSpec("logrel-aw", "log8-rel decode, 4..12-bit widths per block, co
                    1, 4, layout="packed", decode="log8-rel"))
 register(CodecSpec("logrel-ans", "logrel-aw with rANS-coded m and v code streams (per tensor, when smaller)",
                    "i1", "u1", 1, 4, layout="ans", decode="log8-rel"))
+register(CodecSpec("log8-rel-zstd", "log8-rel's codes through a zstd entropy stage (the default)", "i1", "u1", 1, 4,
+                   layout="zstd", decode="log8-rel"))

@@ -1,0 +1,526 @@
+"""The entropy stage of codec ``log8-rel-zstd``: log8-rel's codes, stored as zstd frames.
+
+A ``log8-rel-zstd`` entry holds exactly the codes, block parameters and escapes the guard
+certified for ``log8-rel``; this module only stores them in fewer bytes, losslessly, with
+zstd (RFC 8878, the ``zstandard`` package: Huffman-coded literals over 8-bit codes).  Numpy
+only, like the whole format layer; ``zstandard`` is imported when a frame is written or
+read, so that the reader of every other codec needs numpy alone.
+
+Sections of one entry of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` blocks
+(docs/format.md has the byte layout):
+
+* ``m_codes``, ``v_codes``: streams of n bytes, the low 8 bits of each coordinate's m field
+  ``q + L_b`` (``L_b = 2**(bm_b - 1) - 1``: 127 for an 8-bit block) and of its v code.
+* ``params``: a stream of float32 block parameters in byte planes: ``scale, lo, r`` per
+  block (12 nb bytes); when some block's ``wlo, rr`` are not ``sqrt(lo), sqrt(r)``
+  (float32, correctly rounded), ``wlo, rr`` follow (20 nb bytes).
+* ``escape_index``: a stream of the escapes' LEB128 gap varints (`jaxguard.format.packed`),
+  and ``escape_pairs`` (float32 m, v per escape), as logrel-aw's.
+* only when some block is wider than 8 bits: ``widths`` (a stream of nb bytes
+  ``(bm << 4) | bv``, each 8..12), and ``m_high`` / ``v_high`` (streams of one byte per
+  coordinate of the blocks whose m / v width is above 8: ``field >> 8``).
+
+A stream is ``varint D`` (decoded bytes), ``varint S_i`` for each of ``ceil(D / FRAME)``
+frames, then the frames: frame i decodes to ``d_i = min(FRAME, D - i*FRAME)`` bytes and is
+stored as is when ``S_i == d_i``, else as one zstd frame without the magic number, its
+content size written (and equal to ``d_i``), no dictionary, ``S_i < d_i`` bytes exactly.
+Frames decode independently: the restore decodes an entry's frames on all cores.
+
+Numerical contract
+------------------
+Nothing here rounds.  The stage is lossless over the bytes it is given (zstd decodes
+bit-exactly), the derived parameters are float32 square roots, correctly rounded in numpy,
+JAX and torch alike, and the writer stores ``wlo, rr`` explicitly whenever any block's
+differ from them; the container's sample check decodes the entry as written and compares
+it bit for bit with what the guard certified.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from jaxguard.errors import JaxguardError
+from jaxguard.format import packed
+from jaxguard.format.spec import BLOCK
+
+CODEC = "log8-rel-zstd"
+FRAME = 1 << 20          # decoded bytes per frame (a whole number of blocks of 1-byte codes)
+LEVEL = 1                # zstd level: 1 and 3 store the same +-0.03% here, level 1 at 1.5x the speed
+NARROW, WIDEST = 8, packed.MAX_WIDTH
+NARROW_WIDTHS = (NARROW << 4) | NARROW
+MAX_STREAM = 1 << 44     # decoded bytes a stream may declare (the reader's 2**40 elements x 20 bytes)
+BASE_SECTIONS = ("m_codes", "v_codes", "params", "escape_index", "escape_pairs")
+WIDE_SECTIONS = (("widths", "m_high"), ("widths", "v_high"), ("widths", "m_high", "v_high"))
+
+
+class StreamError(JaxguardError):
+    """A zstd stream of an entry is malformed (the message names the section and the fault)."""
+
+
+# ---------------------------------------------------------------- varints
+def _varint(x: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = x & 0x7F
+        x >>= 7
+        out.append(b | (0x80 if x else 0))
+        if not x:
+            return bytes(out)
+
+
+def _read_varint(buf, pos: int, what: str):
+    val, shift = 0, 0
+    for k in range(packed.MAX_VARINT_BYTES):
+        if pos + k >= len(buf):
+            raise StreamError(f"{what}: the stream ends inside its header")
+        b = int(buf[pos + k])
+        val |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return val, pos + k + 1
+    raise StreamError(f"{what}: a header varint is longer than {packed.MAX_VARINT_BYTES} bytes")
+
+
+# ---------------------------------------------------------------- zstd, imported when used
+_LOCAL = threading.local()
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError:   # pragma: no cover - a dependency; kept for a broken environment
+        raise StreamError("this entry's streams are zstd frames and the zstandard package is not installed; "
+                          "pip install zstandard") from None
+    return zstandard
+
+
+def _compressor(level: int):
+    """A zstd compressor of this thread (they are not shareable between threads)."""
+    key = f"c{level}"
+    c = getattr(_LOCAL, key, None)
+    if c is None:
+        zs = _zstd()
+        params = zs.ZstdCompressionParameters.from_level(level, format=zs.FORMAT_ZSTD1_MAGICLESS,
+                                                         write_content_size=True, write_checksum=False,
+                                                         write_dict_id=False)
+        c = zs.ZstdCompressor(compression_params=params)
+        setattr(_LOCAL, key, c)
+    return c
+
+
+def _decompressor():
+    d = getattr(_LOCAL, "d", None)
+    if d is None:
+        zs = _zstd()
+        d = zs.ZstdDecompressor(format=zs.FORMAT_ZSTD1_MAGICLESS)
+        _LOCAL.d = d
+    return d
+
+
+# ---------------------------------------------------------------- streams
+def frame_lengths(decoded: int) -> list:
+    """Decoded bytes of each frame of a stream of `decoded` bytes (``[]`` for none)."""
+    return [min(FRAME, decoded - s) for s in range(0, decoded, FRAME)]
+
+
+def compress_frames(data, level: int = LEVEL) -> list:
+    """The stored frames of `data` (bytes-like): each `FRAME` bytes as a zstd frame, or as
+    is where zstd does not make it smaller.
+
+    Args:
+      data: the bytes to store (a uint8 array or anything with the buffer protocol).
+      level: the zstd level.
+
+    Returns:
+      A list of ``bytes``-like frames, one per `frame_lengths`.
+    """
+    view = memoryview(_as_bytes(data))
+    out = []
+    c = _compressor(level) if len(view) > 64 else None   # below that a frame's header outweighs it
+    for s in range(0, len(view), FRAME):
+        part = view[s:s + FRAME]
+        z = c.compress(part) if c is not None else None
+        out.append(z if z is not None and len(z) < len(part) else bytes(part))
+    return out
+
+
+def join_frames(decoded: int, frames) -> np.ndarray:
+    """A stream's bytes from its frames (`compress_frames`) and decoded length."""
+    head = _varint(decoded) + b"".join(_varint(len(f)) for f in frames)
+    return np.frombuffer(head + b"".join(bytes(f) for f in frames), np.uint8)
+
+
+def encode_stream(data, level: int = LEVEL) -> np.ndarray:
+    """One stream (module docstring) holding `data`.
+
+    Args:
+      data: bytes-like or a numpy array (its bytes, C order).
+      level: the zstd level.
+
+    Returns:
+      The stream as a uint8 array.
+    """
+    arr = _as_bytes(data)
+    return join_frames(arr.size, compress_frames(arr, level))
+
+
+def _as_bytes(data) -> np.ndarray:
+    """`data`'s bytes as a flat contiguous uint8 array (a numpy array's in C order)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, np.uint8)
+
+
+def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
+    """Parse a stream's header.
+
+    Args:
+      buf: the stream's bytes (uint8 array or memoryview).
+      what: how errors name the section (``"entry.section"``).
+      expected: the decoded lengths the stream may declare (an int or a tuple of ints);
+        None: any up to `limit`.
+      limit: the most decoded bytes the stream may declare.
+
+    Returns:
+      ``(decoded bytes, [(start, stored, decoded) per frame])``, offsets into `buf`.
+
+    Raises:
+      StreamError: a malformed header, a length other than `expected`, frame sizes that do
+        not tile the stream, or a frame stored larger than it decodes.
+    """
+    buf = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
+    decoded, pos = _read_varint(buf, 0, what)
+    allowed = (expected,) if isinstance(expected, int) else expected
+    if allowed is not None and decoded not in allowed:
+        want = " or ".join(str(a) for a in allowed)
+        raise StreamError(f"{what}: the stream declares {decoded} decoded bytes where {want} are needed")
+    if decoded > min(limit, MAX_STREAM):
+        raise StreamError(f"{what}: the stream declares {decoded} decoded bytes, more than its entry can hold "
+                          f"({min(limit, MAX_STREAM)})")
+    frames = []
+    sizes = []
+    for d in frame_lengths(decoded):
+        s, pos = _read_varint(buf, pos, what)
+        if s > d or s == 0:
+            raise StreamError(f"{what}: frame {len(sizes)} is stored in {s} bytes for {d} decoded; a frame is "
+                              "stored as is or smaller")
+        sizes.append((s, d))
+    start = pos
+    for s, d in sizes:
+        frames.append((start, s, d))
+        start += s
+    if start != len(buf):
+        raise StreamError(f"{what}: the frames take {start - pos} bytes but the stream has {len(buf) - pos} "
+                          "after its header")
+    return decoded, frames
+
+
+def _zstd_frame_end(frame, what):
+    """The length of the (magic-less) zstd frame at the start of `frame`, its content size
+    and whether it carries a checksum, from its header and block headers (RFC 8878 3.1.1)."""
+    n = len(frame)
+    if n < 1:
+        raise StreamError(f"{what}: an empty zstd frame")
+    fhd = int(frame[0])
+    fcs_flag, single, reserved, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 3) & 1, (fhd >> 2) & 1, fhd & 3
+    if reserved or dict_flag:
+        raise StreamError(f"{what}: a zstd frame header with {'a reserved bit' if reserved else 'a dictionary'} set")
+    pos = 1 + (0 if single else 1)
+    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if fcs_size == 0:
+        raise StreamError(f"{what}: a zstd frame without its content size")
+    if pos + fcs_size > n:
+        raise StreamError(f"{what}: a zstd frame header runs past the frame")
+    content = int.from_bytes(bytes(frame[pos:pos + fcs_size]), "little") + (256 if fcs_size == 2 else 0)
+    pos += fcs_size
+    while True:
+        if pos + 3 > n:
+            raise StreamError(f"{what}: a zstd block header runs past the frame")
+        bh = int.from_bytes(bytes(frame[pos:pos + 3]), "little")
+        last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
+        if btype == 3:
+            raise StreamError(f"{what}: a zstd block of the reserved type")
+        pos += 3 + (1 if btype == 1 else bsize)
+        if pos > n:
+            raise StreamError(f"{what}: a zstd block runs past the frame")
+        if last:
+            break
+    return pos + (4 if checksum else 0), content
+
+
+def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
+    """One frame's decoded bytes (a bytes-like of `decoded` bytes).
+
+    Raises:
+      StreamError: a zstd frame that does not take exactly `stored` bytes, declares
+        another content size, or that zstd refuses.
+    """
+    frame = buf[start:start + stored]
+    if stored == decoded:
+        return frame
+    end, content = _zstd_frame_end(frame, what)
+    if end != stored or content != decoded:
+        raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {stored} bytes "
+                          f"for {decoded}")
+    try:
+        out = _decompressor().decompress(memoryview(np.ascontiguousarray(frame)), max_output_size=decoded)
+    except _zstd().ZstdError as exc:
+        raise StreamError(f"{what}: zstd refuses a frame ({str(exc)[:80]})") from None
+    if len(out) != decoded:
+        raise StreamError(f"{what}: a zstd frame decodes to {len(out)} bytes, not {decoded}")
+    return out
+
+
+def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STREAM) -> np.ndarray:
+    """A whole stream's decoded bytes.
+
+    Args:
+      buf: the stream (uint8 array or memoryview).
+      what: how errors name the section.
+      expected, limit: as for `stream_frames`.
+      out: optional uint8 array of the decoded length to decode into.
+
+    Returns:
+      uint8 array of the decoded bytes.
+
+    Raises:
+      StreamError: as `stream_frames` and `decode_frame`.
+    """
+    buf = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
+    decoded, frames = stream_frames(buf, what, expected, limit)
+    if len(frames) == 1 and frames[0][1] == decoded and out is None:
+        return buf[frames[0][0]:]          # stored as is: a view
+    out = np.empty(decoded, np.uint8) if out is None else out
+    pos = 0
+    for start, stored, d in frames:
+        out[pos:pos + d] = np.frombuffer(decode_frame(buf, start, stored, d, what), np.uint8)
+        pos += d
+    return out
+
+
+# ---------------------------------------------------------------- byte planes (float32 parameters)
+def to_planes(values) -> np.ndarray:
+    """float32 values -> their little-endian bytes regrouped by plane (every value's byte 0,
+    then byte 1, 2, 3): the exponent bytes of similar values sit together."""
+    b = np.ascontiguousarray(np.asarray(values, "<f4")).reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(b.reshape(-1, 4).T).reshape(-1)
+
+
+def from_planes(planes) -> np.ndarray:
+    """Inverse of `to_planes`: float32 values."""
+    p = np.asarray(planes, np.uint8)
+    return np.ascontiguousarray(p.reshape(4, -1).T).reshape(-1).view("<f4")
+
+
+# ---------------------------------------------------------------- one entry
+def _sqrt_derived(vp) -> bool:
+    with np.errstate(invalid="ignore"):
+        return bool((np.sqrt(vp[:, 0]).view(np.uint32) == vp[:, 2].view(np.uint32)).all()
+                    and (np.sqrt(vp[:, 1]).view(np.uint32) == vp[:, 3].view(np.uint32)).all())
+
+
+def block_widths(arrays, nb):
+    """(bm, bv) int64 per block: the ``widths`` array of a widened encoding, else all 8."""
+    w = arrays.get("widths")
+    if w is None:
+        full = np.full(nb, NARROW, np.int64)
+        return full, full
+    return packed.split_widths(np.asarray(w, np.uint8))
+
+
+def _fields(q, widths, signed, nb, n):
+    """(fields as int64 or None, low bytes uint8 [n]): m fields ``q + L_b`` / v codes."""
+    q = np.asarray(q).reshape(-1)
+    if widths is None:                       # every block 8 bits: the low byte is the field itself
+        lo, hi = (-127, 127) if signed else (0, 255)
+        if q.dtype != (np.int8 if signed else np.uint8):
+            if q.size and (q.min() < lo or q.max() > hi):
+                raise packed.PackError(f"an 8-bit block's {'m' if signed else 'v'} code is outside {lo}..{hi}")
+            q = q.astype(np.int8 if signed else np.uint8)
+        elif signed and (q == -128).any():
+            raise packed.PackError("an 8-bit block's m code is -128, outside -127..127")
+        low = q.view(np.uint8) + np.uint8(127) if signed else q.view(np.uint8)
+        return None, np.ascontiguousarray(low)
+    off = np.repeat((1 << (widths - 1)) - 1, BLOCK)[:n] if signed else 0
+    f = q.astype(np.int64) + off
+    return f, (f & 0xFF).astype(np.uint8)
+
+
+def entry_sections(arrays, n: int, level: int = LEVEL, code_streams=None) -> dict:
+    """The sections of one ``log8-rel-zstd`` moments entry (module docstring).
+
+    Args:
+      arrays: the encoded arrays of log8-rel's codes: ``m_codes`` [n] (int8, or int16 with
+        ``widths``), ``v_codes`` [n] (uint8 / uint16), ``m_params`` [nb, 1], ``v_params``
+        [nb, 4] float32 (lo, r, wlo, rr), ``escape_index``, ``escape_m``, ``escape_v``, and
+        optionally ``widths`` [nb] (``(bm << 4) | bv``, 8..12; all ``0x88``: none wider).
+      n: coordinates.
+      level: the zstd level.
+      code_streams: the ``m_codes`` and ``v_codes`` streams already built (`join_sections`),
+        for an entry whose blocks are all 8 bits wide.
+
+    Returns:
+      dict section name -> uint8 / float32 array, in the header's order.
+
+    Raises:
+      packed.PackError: a code outside its block's width, or widths outside 8..12.
+    """
+    nb = max(1, -(-n // BLOCK))
+    mp = np.asarray(arrays["m_params"], np.float32).reshape(nb, -1)
+    vp = np.asarray(arrays["v_params"], np.float32).reshape(nb, 4)
+    wide = is_wide(arrays)
+    bm, bv = _check_widths(np.asarray(arrays["widths"], np.uint8), "widths") if wide else (None, None)
+    if code_streams is not None and not wide:
+        out = dict(code_streams)
+    else:
+        fm, low_m = _fields(arrays["m_codes"], bm, True, nb, n)
+        fv, low_v = _fields(arrays["v_codes"], bv, False, nb, n)
+        if wide:
+            lm = np.repeat((1 << (bm - 1)) - 1, BLOCK)[:n]
+            if (fm < 0).any() or (fm > 2 * lm).any() or (fv < 0).any() or (fv >= (1 << np.repeat(bv, BLOCK)[:n])).any():
+                raise packed.PackError("a code does not fit its block's width")
+        out = {"m_codes": encode_stream(low_m, level), "v_codes": encode_stream(low_v, level)}
+    cols = [mp[:, 0], vp[:, 0], vp[:, 1]] + ([] if _sqrt_derived(vp) else [vp[:, 2], vp[:, 3]])
+    out["params"] = encode_stream(to_planes(np.concatenate(cols)), level)
+    if wide:
+        out["widths"] = encode_stream(np.asarray(arrays["widths"], np.uint8), level)
+        for key, f, w in (("m_high", fm, bm), ("v_high", fv, bv)):
+            on = np.repeat(w > NARROW, BLOCK)[:n]
+            if on.any():
+                out[key] = encode_stream((f[on] >> 8).astype(np.uint8), level)
+    out["escape_index"] = encode_stream(packed.varint_encode(np.asarray(arrays["escape_index"], np.int64)), level)
+    out["escape_pairs"] = np.stack([np.asarray(arrays["escape_m"], np.float32),
+                                    np.asarray(arrays["escape_v"], np.float32)], axis=1).reshape(-1)
+    return out
+
+
+def is_wide(arrays) -> bool:
+    """Whether an encoding has a block wider than 8 bits (a ``widths`` array not all 0x88)."""
+    w = arrays.get("widths")
+    return w is not None and bool((np.asarray(w, np.uint8) != NARROW_WIDTHS).any())
+
+
+def join_sections(parts, arrays, n: int, level: int = LEVEL):
+    """The sections of a tensor encoded in consecutive pieces, from the pieces' sections.
+
+    The code streams of pieces whose lengths are whole frames are their frames joined (no
+    second compression); the small sections are built from the joined `arrays`.
+
+    Args:
+      parts: ``[(n_i, sections_i)]`` of the pieces in order (`entry_sections`).
+      arrays, n: the joined encoding's arrays and coordinates.
+      level: the zstd level.
+
+    Returns:
+      The joined sections, or None when the pieces cannot be joined so (a piece other
+      than the last not a whole number of frames, or a block wider than 8 bits).
+    """
+    if is_wide(arrays) or any(k % FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
+        return None
+    streams = {}
+    for key in ("m_codes", "v_codes"):
+        frames = []
+        for _, sec in parts:
+            buf = np.asarray(sec[key], np.uint8)
+            _, fr = stream_frames(buf, key)
+            frames += [buf[a:a + s] for a, s, _ in fr]
+        streams[key] = join_frames(n, frames)
+    return entry_sections(arrays, n, level, code_streams=streams)
+
+
+def _check_widths(w, what):
+    bm, bv = packed.split_widths(w)
+    bad = (bm < NARROW) | (bm > WIDEST) | (bv < NARROW) | (bv > WIDEST)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise packed.PackError(f"{what}: block {i} has widths byte {int(w[i]):#04x}; m and v widths must be "
+                               f"{NARROW}..{WIDEST}")
+    return bm, bv
+
+
+def read_entry(name: str, sections: dict, payload, n: int) -> dict:
+    """One ``log8-rel-zstd`` entry's codes in log8-rel's fixed form.
+
+    Args:
+      name: the entry's name (for messages).
+      sections: ``{section: [begin, end)}`` of the entry (names checked by the reader).
+      payload: the container payload.
+      n: coordinates.
+
+    Returns:
+      dict ``m_codes`` (int8, or int16 when a block is wider than 8 bits), ``v_codes``
+      (uint8 / uint16), ``m_params`` [nb, 1], ``v_params`` [nb, 4] (lo, r, wlo, rr),
+      ``escape_index``, ``escape_pairs`` [e, 2] float32.
+
+    Raises:
+      StreamError, packed.PackError: a malformed section (one line naming it).
+    """
+    nb = max(1, -(-n // BLOCK))
+
+    def sec(key):
+        b, e = sections[key]
+        return np.frombuffer(payload[b:e], np.uint8)
+
+    low_m = decode_stream(sec("m_codes"), f"{name}.m_codes", n)
+    low_v = decode_stream(sec("v_codes"), f"{name}.v_codes", n)
+    return assemble(name, sections, sec, n, nb, low_m, low_v)
+
+
+def assemble(name, sections, sec, n, nb, low_m, low_v) -> dict:
+    """The fixed form from the decoded low bytes of the codes (`read_entry`; the restore
+    decodes the code frames itself, on its pool) and the entry's other sections."""
+    p = decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))
+    vals = from_planes(p).reshape(-1, nb)
+    with np.errstate(invalid="ignore"):
+        wlo, rr = (vals[3], vals[4]) if vals.shape[0] == 5 else (np.sqrt(vals[1]), np.sqrt(vals[2]))
+    codes = {"m_params": vals[0].reshape(nb, 1).copy(),
+             "v_params": np.stack([vals[1], vals[2], wlo, rr], axis=1).astype(np.float32)}
+    if "widths" in sections:
+        w = decode_stream(sec("widths"), f"{name}.widths", nb)
+        bm, bv = _check_widths(w, f"{name}.widths")
+        if not ((bm > NARROW).any() or (bv > NARROW).any()):
+            raise StreamError(f"{name}.widths: every block is {NARROW} bits wide; an entry without wider blocks "
+                              "has no widths section")
+        codes["m_codes"] = _wide_field(name, sections, sec, "m_high", low_m, bm, n, signed=True)
+        codes["v_codes"] = _wide_field(name, sections, sec, "v_high", low_v, bv, n, signed=False)
+    else:
+        if (low_m == 255).any():
+            i = int(np.argmax(low_m == 255))
+            raise StreamError(f"{name}.m_codes: coordinate {i} has m field 255, outside 0..254")
+        codes["m_codes"] = (low_m - np.uint8(127)).view(np.int8)
+        codes["v_codes"] = low_v
+    gaps = decode_stream(sec("escape_index"), f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
+    idx = packed.varint_decode(gaps, n, f"{name}.escape_index")
+    b, e = sections["escape_pairs"]
+    if e - b != 8 * idx.size:
+        raise StreamError(f"{name}.escape_pairs: {e - b} bytes where {idx.size} x 8 are needed")
+    codes["escape_index"] = idx
+    codes["escape_pairs"] = sec("escape_pairs").view("<f4").reshape(-1, 2)
+    return codes
+
+
+def _wide_field(name, sections, sec, key, low, widths, n, signed):
+    on = np.repeat(widths > NARROW, BLOCK)[:n]
+    count = int(on.sum())
+    if count == 0:
+        if key in sections:
+            raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")
+        f = low.astype(np.int64)
+    else:
+        if key not in sections:
+            raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
+        high = decode_stream(sec(key), f"{name}.{key}", count)
+        w_on = np.repeat(widths, BLOCK)[:n][on]
+        if (high >= (1 << (w_on - NARROW))).any():
+            raise StreamError(f"{name}.{key}: a high part is outside its block's width")
+        f = low.astype(np.int64)
+        f[on] |= high.astype(np.int64) << 8
+    if not signed:
+        return f.astype(np.uint16)
+    lm = np.repeat((1 << (widths - 1)) - 1, BLOCK)[:n]
+    if (f > 2 * lm).any():
+        i = int(np.argmax(f > 2 * lm))
+        raise StreamError(f"{name}.m_codes: coordinate {i} has m field {int(f[i])}, outside its "
+                          f"{int(widths[i // BLOCK])}-bit block's range")
+    return (f - lm).astype(np.int16)
