@@ -244,3 +244,92 @@ def decode_blocks(mq, vq, mp, vp):
     mt = jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w)
     vt = jax.vmap(functools.partial(codes.log_decode_block, bits=bits))(vq, vp[:, 0], vp[:, 1])
     return mt, vt
+
+
+# ---------------------------------------------------------------- widening log8-rel's escaping blocks (log8-rel-zstd)
+# (bm, bv) pairs tried on a log8-rel block that escapes at least `WIDEN_FROM` coordinates.
+# Measured on the optax MLP LM of bench/lm_runs.py at step 2,000 (163,840-coordinate output
+# kernel, 73,370 log8-rel escapes): its blocks mix output bytes whose v differ by ~19
+# binades, and 8-bit log steps of v (2.6%) are too coarse for the update when g ~ 30 sqrt(v);
+# logrel-aw's search chose bv = 9..10 with bm = 7..8 for them (bench/results/long_run.md).
+WIDEN_PAIRS = ((8, 9), (8, 10))
+# A block is retried from this many escapes on: below it the extra bits of a wider block
+# (~1-2.5 a coordinate after the entropy stage, 32-80 bytes a block) cost more than the
+# `ESCAPE_COST` bytes of each escape they could save; GPT-2 (3 steps) has 3,511 such blocks
+# of 486,093 (0.7%), the optax MLP LM nearly every block of its output kernel.
+WIDEN_FROM = 4
+NARROW_WIDTHS = int(packed.join_widths(8, 8))
+
+
+def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, certify_at,
+                          pairs=WIDEN_PAIRS, min_escapes=WIDEN_FROM):
+    """Blocks of a log8-rel proposal that escape at least `min_escapes` coordinates, proposed
+    again at the wider `pairs` (`propose_wide`) and kept where that costs fewer bytes.
+
+    A block's cost is `ESCAPE_COST` bytes per escape plus, for a wider pair, its extra code
+    bits (``bm + bv - 16`` a coordinate).  The wider proposals are decoded exactly as the
+    reader decodes them and certified by the guard's own certificate (`certify_at`); a
+    coordinate of a kept block is exact, certified, or escapes, as everywhere.
+
+    Args:
+      mh, vh, ph: flat float32 moments and parameter of the padded group (whole blocks).
+      in_tensor: flat bool, True on the coordinates of a tensor.
+      mq, vq: flat int8 / uint8 codes of the log8-rel proposal; mp [nb, 1], vp [nb, 4]: its
+        block parameters; mt, vt: flat decoded values; exact, ok: flat bool, the guard's
+        classification of them; escape: flat bool; level_of: flat int8 certifying level of
+        each coordinate (-1: none).
+      certify_at: ``certify_at(idx, mt_idx, vt_idx) -> int8 levels`` over positions `idx`
+        with decoded values given at them (the guard's certificate bound to the group).
+      pairs, min_escapes: the pairs tried, and the escapes from which a block is tried.
+
+    Returns:
+      ``(mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths)``: where a block was widened the
+      codes come back as int16 / uint16 (flat), the others unchanged; ``widths`` [nb]
+      uint8, ``(bm << 4) | bv`` (``0x88`` for the log8-rel blocks).
+    """
+    from jaxguard.core.certify import block_stats_valid, classify, v_positive
+    nb = mh.size // codes.BLOCK
+    widths = np.full(nb, NARROW_WIDTHS, np.uint8)
+    esc_per_block = np.bincount(np.flatnonzero(escape & in_tensor) // codes.BLOCK, minlength=nb)
+    rows = np.flatnonzero(esc_per_block >= min_escapes)
+    if rows.size == 0:
+        return mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths
+    k = rows.size
+    idx = (rows[:, None] * codes.BLOCK + np.arange(codes.BLOCK)).reshape(-1)
+    inb = in_tensor[idx]
+    valid = (inb & block_stats_valid(mh[idx], vh[idx], ph[idx])).reshape(k, codes.BLOCK)
+    vpos = v_positive(vh[idx]).reshape(k, codes.BLOCK)
+    sel = _bucket_rows(np.arange(k))
+    args = (mh[idx].reshape(k, codes.BLOCK)[sel], vh[idx].reshape(k, codes.BLOCK)[sel], valid[sel], vpos[sel])
+    count = inb.reshape(k, codes.BLOCK).sum(1)
+    best_cost = ESCAPE_COST * esc_per_block[rows].astype(np.float64)
+    best = [None] * k
+    for bm, bv in pairs:
+        qm, qv, smp, svp, smt, svt = (np.asarray(x)[:k] for x in propose_wide(*args, np.int32(bm), np.int32(bv)))
+        a, b = smt.reshape(-1), svt.reshape(-1)
+        ex, okk = classify(mh[idx], vh[idx], ph[idx], a, b)
+        cand = np.flatnonzero(inb & ~ex & okk)
+        lv = np.full(idx.size, -1, np.int8)
+        lv[cand] = certify_at(idx[cand], a[cand], b[cand])
+        esc = inb & ~ex & (lv < 0)
+        cost = ESCAPE_COST * esc.reshape(k, codes.BLOCK).sum(1) + (bm + bv - 16) * count / 8
+        for j in np.flatnonzero(cost < best_cost):
+            best_cost[j] = cost[j]
+            s = slice(j * codes.BLOCK, (j + 1) * codes.BLOCK)
+            best[j] = (bm, bv, qm[j], qv[j], smp[j], svp[j], a[s], b[s], ex[s], okk[s], esc[s], lv[s])
+    taken = [j for j in range(k) if best[j] is not None]
+    if not taken:
+        return mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths
+    mq, vq = np.asarray(mq).astype(np.int16), np.asarray(vq).astype(np.uint16)
+    mp, vp = np.array(mp, np.float32), np.array(vp, np.float32)
+    mt, vt = np.array(mt, np.float32), np.array(vt, np.float32)
+    exact, ok, escape, level_of = np.array(exact), np.array(ok), np.array(escape), np.array(level_of)
+    for j in taken:
+        bm, bv, qm, qv, smp, svp, a, b, ex, okk, esc, lv = best[j]
+        r = int(rows[j])
+        s = slice(r * codes.BLOCK, (r + 1) * codes.BLOCK)
+        mq[s], vq[s], mp[r], vp[r], mt[s], vt[s], exact[s], ok[s] = qm, qv, smp, svp, a, b, ex, okk
+        level_of[s] = np.where(in_tensor[s], lv, level_of[s])
+        escape[s] = esc
+        widths[r] = packed.join_widths(bm, bv)
+    return mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths
