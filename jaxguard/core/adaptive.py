@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard.core import codes
+from jaxguard.core import programs as _programs
 from jaxguard.core.floatbits import device as _fb
 from jaxguard.format import packed
 
@@ -248,16 +249,18 @@ def decode_blocks(mq, vq, mp, vp):
 
 # ---------------------------------------------------------------- widening log8-rel's escaping blocks (log8-rel-zstd)
 # (bm, bv) pairs tried on a log8-rel block that escapes at least `WIDEN_FROM` coordinates.
-# Measured on the optax MLP LM of bench/lm_runs.py at step 2,000 (163,840-coordinate output
-# kernel, 73,370 log8-rel escapes): its blocks mix output bytes whose v differ by ~19
-# binades, and 8-bit log steps of v (2.6%) are too coarse for the update when g ~ 30 sqrt(v);
-# logrel-aw's search chose bv = 9..10 with bm = 7..8 for them (bench/results/long_run.md).
-WIDEN_PAIRS = ((8, 9), (8, 10))
-# A block is retried from this many escapes on: below it the extra bits of a wider block
-# (~1-2.5 a coordinate after the entropy stage, 32-80 bytes a block) cost more than the
-# `ESCAPE_COST` bytes of each escape they could save; GPT-2 (3 steps) has 3,511 such blocks
-# of 486,093 (0.7%), the optax MLP LM nearly every block of its output kernel.
-WIDEN_FROM = 4
+# Measured on the optax MLP LM of bench/lm_runs.py at step 2,000 (its output kernel's blocks
+# mix bytes whose v differ by ~19 binades: 8-bit log steps of v, 2.6%, are too coarse when
+# g ~ 30 sqrt(v); logrel-aw's search chose bv = 9..10, bm = 7..8 there): log8-rel escapes
+# 21.8% of the state, (8, 10) alone leaves 30 escapes and 21.34% of FP32; (8, 9) and (8, 10)
+# 271 and 21.33% at twice the retry's cost; (8, 9) alone 4,615 and 22.32%.
+WIDEN_PAIRS = ((8, 10),)
+# A block is retried from this many escapes on: its 2 more bits a coordinate (64 bytes a
+# block) cost about what `ESCAPE_COST` bytes of 7 escapes do.  GPT-2 after 3 steps has 645
+# such blocks of 486,093; the MLP LM above nearly every block of its output kernel (the
+# same payload as from 4 escapes on, to 0.001 points).
+WIDEN_FROM = 8
+WIDEN_ROWS = 64    # blocks proposed per call (padded): one compiled program for every retry
 NARROW_WIDTHS = int(packed.join_widths(8, 8))
 
 
@@ -299,13 +302,16 @@ def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, 
     inb = in_tensor[idx]
     valid = (inb & block_stats_valid(mh[idx], vh[idx], ph[idx])).reshape(k, codes.BLOCK)
     vpos = v_positive(vh[idx]).reshape(k, codes.BLOCK)
-    sel = _bucket_rows(np.arange(k))
-    args = (mh[idx].reshape(k, codes.BLOCK)[sel], vh[idx].reshape(k, codes.BLOCK)[sel], valid[sel], vpos[sel])
+    kp = -(-k // WIDEN_ROWS) * WIDEN_ROWS     # one compiled shape: rows in chunks of WIDEN_ROWS
+    pad = np.concatenate([np.arange(k), np.zeros(kp - k, np.int64)])
+    blocks = [x.reshape(k, codes.BLOCK)[pad] for x in (mh[idx], vh[idx], valid, vpos)]
     count = inb.reshape(k, codes.BLOCK).sum(1)
     best_cost = ESCAPE_COST * esc_per_block[rows].astype(np.float64)
     best = [None] * k
     for bm, bv in pairs:
-        qm, qv, smp, svp, smt, svt = (np.asarray(x)[:k] for x in propose_wide(*args, np.int32(bm), np.int32(bv)))
+        outs = [_programs.call(propose_wide, *(x[c:c + WIDEN_ROWS] for x in blocks), np.int32(bm), np.int32(bv))
+                for c in range(0, kp, WIDEN_ROWS)]
+        qm, qv, smp, svp, smt, svt = (np.concatenate([np.asarray(o[i]) for o in outs])[:k] for i in range(6))
         a, b = smt.reshape(-1), svt.reshape(-1)
         ex, okk = classify(mh[idx], vh[idx], ph[idx], a, b)
         cand = np.flatnonzero(inb & ~ex & okk)

@@ -172,11 +172,17 @@ def _as_bytes(data) -> np.ndarray:
     return np.frombuffer(data, np.uint8)
 
 
+def _bytes_view(buf) -> memoryview:
+    """`buf` (bytes, a memoryview of the payload, a uint8 array) as a flat byte memoryview."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
     """Parse a stream's header.
 
     Args:
-      buf: the stream's bytes (uint8 array or memoryview).
+      buf: the stream's bytes (bytes-like or a uint8 array).
       what: how errors name the section (``"entry.section"``).
       expected: the decoded lengths the stream may declare (an int or a tuple of ints);
         None: any up to `limit`.
@@ -189,40 +195,38 @@ def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
       StreamError: a malformed header, a length other than `expected`, frame sizes that do
         not tile the stream, or a frame stored larger than it decodes.
     """
-    buf = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
-    decoded, pos = _read_varint(buf, 0, what)
-    allowed = (expected,) if isinstance(expected, int) else expected
-    if allowed is not None and decoded not in allowed:
-        want = " or ".join(str(a) for a in allowed)
+    mv = _bytes_view(buf)
+    decoded, pos = _read_varint(mv, 0, what)
+    if expected is not None and decoded != expected and (isinstance(expected, int) or decoded not in expected):
+        want = " or ".join(str(a) for a in ((expected,) if isinstance(expected, int) else expected))
         raise StreamError(f"{what}: the stream declares {decoded} decoded bytes where {want} are needed")
     if decoded > min(limit, MAX_STREAM):
         raise StreamError(f"{what}: the stream declares {decoded} decoded bytes, more than its entry can hold "
                           f"({min(limit, MAX_STREAM)})")
-    frames = []
     sizes = []
     for d in frame_lengths(decoded):
-        s, pos = _read_varint(buf, pos, what)
+        s, pos = _read_varint(mv, pos, what)
         if s > d or s == 0:
             raise StreamError(f"{what}: frame {len(sizes)} is stored in {s} bytes for {d} decoded; a frame is "
                               "stored as is or smaller")
         sizes.append((s, d))
-    start = pos
+    frames, start = [], pos
     for s, d in sizes:
         frames.append((start, s, d))
         start += s
-    if start != len(buf):
-        raise StreamError(f"{what}: the frames take {start - pos} bytes but the stream has {len(buf) - pos} "
+    if start != len(mv):
+        raise StreamError(f"{what}: the frames take {start - pos} bytes but the stream has {len(mv) - pos} "
                           "after its header")
     return decoded, frames
 
 
 def _zstd_frame_end(frame, what):
-    """The length of the (magic-less) zstd frame at the start of `frame`, its content size
-    and whether it carries a checksum, from its header and block headers (RFC 8878 3.1.1)."""
+    """The length of the (magic-less) zstd frame at the start of `frame` and its content
+    size, from its header and block headers (RFC 8878 3.1.1)."""
     n = len(frame)
     if n < 1:
         raise StreamError(f"{what}: an empty zstd frame")
-    fhd = int(frame[0])
+    fhd = frame[0]
     fcs_flag, single, reserved, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 3) & 1, (fhd >> 2) & 1, fhd & 3
     if reserved or dict_flag:
         raise StreamError(f"{what}: a zstd frame header with {'a reserved bit' if reserved else 'a dictionary'} set")
@@ -232,12 +236,12 @@ def _zstd_frame_end(frame, what):
         raise StreamError(f"{what}: a zstd frame without its content size")
     if pos + fcs_size > n:
         raise StreamError(f"{what}: a zstd frame header runs past the frame")
-    content = int.from_bytes(bytes(frame[pos:pos + fcs_size]), "little") + (256 if fcs_size == 2 else 0)
+    content = int.from_bytes(frame[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
     pos += fcs_size
     while True:
         if pos + 3 > n:
             raise StreamError(f"{what}: a zstd block header runs past the frame")
-        bh = int.from_bytes(bytes(frame[pos:pos + 3]), "little")
+        bh = frame[pos] | (frame[pos + 1] << 8) | (frame[pos + 2] << 16)
         last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
         if btype == 3:
             raise StreamError(f"{what}: a zstd block of the reserved type")
@@ -250,13 +254,17 @@ def _zstd_frame_end(frame, what):
 
 
 def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
-    """One frame's decoded bytes (a bytes-like of `decoded` bytes).
+    """One frame's decoded bytes (a bytes-like object of `decoded` bytes).
+
+    Args:
+      buf: the stream (bytes-like); start, stored, decoded: the frame (`stream_frames`).
+      what: how errors name the section.
 
     Raises:
       StreamError: a zstd frame that does not take exactly `stored` bytes, declares
         another content size, or that zstd refuses.
     """
-    frame = buf[start:start + stored]
+    frame = _bytes_view(buf)[start:start + stored]
     if stored == decoded:
         return frame
     end, content = _zstd_frame_end(frame, what)
@@ -264,7 +272,7 @@ def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
         raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {stored} bytes "
                           f"for {decoded}")
     try:
-        out = _decompressor().decompress(memoryview(np.ascontiguousarray(frame)), max_output_size=decoded)
+        out = _decompressor().decompress(frame, max_output_size=decoded)
     except _zstd().ZstdError as exc:
         raise StreamError(f"{what}: zstd refuses a frame ({str(exc)[:80]})") from None
     if len(out) != decoded:
@@ -276,25 +284,25 @@ def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STRE
     """A whole stream's decoded bytes.
 
     Args:
-      buf: the stream (uint8 array or memoryview).
+      buf: the stream (bytes-like or a uint8 array).
       what: how errors name the section.
       expected, limit: as for `stream_frames`.
       out: optional uint8 array of the decoded length to decode into.
 
     Returns:
-      uint8 array of the decoded bytes.
+      uint8 array of the decoded bytes (a view of `buf` for a stream stored as is).
 
     Raises:
       StreamError: as `stream_frames` and `decode_frame`.
     """
-    buf = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
-    decoded, frames = stream_frames(buf, what, expected, limit)
-    if len(frames) == 1 and frames[0][1] == decoded and out is None:
-        return buf[frames[0][0]:]          # stored as is: a view
+    mv = _bytes_view(buf)
+    decoded, frames = stream_frames(mv, what, expected, limit)
+    if len(frames) == 1 and out is None:
+        return np.frombuffer(decode_frame(mv, *frames[0], what), np.uint8)
     out = np.empty(decoded, np.uint8) if out is None else out
     pos = 0
     for start, stored, d in frames:
-        out[pos:pos + d] = np.frombuffer(decode_frame(buf, start, stored, d, what), np.uint8)
+        out[pos:pos + d] = np.frombuffer(decode_frame(mv, start, stored, d, what), np.uint8)
         pos += d
     return out
 
@@ -329,22 +337,48 @@ def block_widths(arrays, nb):
     return packed.split_widths(np.asarray(w, np.uint8))
 
 
-def _fields(q, widths, signed, nb, n):
-    """(fields as int64 or None, low bytes uint8 [n]): m fields ``q + L_b`` / v codes."""
+def _row_coords(rows, n):
+    """Flat coordinates of blocks `rows` (the last block's padding left out)."""
+    c = (np.asarray(rows, np.int64)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
+    return c[c < n]
+
+
+def _low_bytes(q, widths, signed, n, low=True):
+    """(low bytes uint8 [n] or None, the high bytes ``field >> 8`` of the coordinates of the
+    blocks wider than 8 in order, or None): the stored m fields ``q + L_b`` / v codes, every
+    code checked against its block's width.  `low`: False for the high bytes only."""
     q = np.asarray(q).reshape(-1)
+    what = "m" if signed else "v"
     if widths is None:                       # every block 8 bits: the low byte is the field itself
+        if not low:
+            return None, None
         lo, hi = (-127, 127) if signed else (0, 255)
         if q.dtype != (np.int8 if signed else np.uint8):
             if q.size and (q.min() < lo or q.max() > hi):
-                raise packed.PackError(f"an 8-bit block's {'m' if signed else 'v'} code is outside {lo}..{hi}")
+                raise packed.PackError(f"an 8-bit block's {what} code is outside {lo}..{hi}")
             q = q.astype(np.int8 if signed else np.uint8)
         elif signed and (q == -128).any():
             raise packed.PackError("an 8-bit block's m code is -128, outside -127..127")
         low = q.view(np.uint8) + np.uint8(127) if signed else q.view(np.uint8)
-        return None, np.ascontiguousarray(low)
-    off = np.repeat((1 << (widths - 1)) - 1, BLOCK)[:n] if signed else 0
-    f = q.astype(np.int64) + off
-    return f, (f & 0xFF).astype(np.uint8)
+        return np.ascontiguousarray(low), None
+    # blocks of mixed widths: 8-bit blocks take the fast path (int16 arithmetic wraps mod 2**16,
+    # so the low byte of q + 127 is right); the few wider blocks are recomputed alone
+    nb = widths.size
+    full = np.zeros(nb * BLOCK, q.dtype)
+    full[:n] = q
+    qb = full.reshape(nb, BLOCK)
+    lim = (1 << (widths - 1)) - 1 if signed else (1 << widths) - 1
+    lo = -lim if signed else np.zeros(nb, np.int64)
+    if (qb.max(axis=1) > lim).any() or (qb.min(axis=1) < lo).any():
+        raise packed.PackError(f"a {what} code does not fit its block's width")
+    rows = np.flatnonzero(widths > NARROW)
+    coords = _row_coords(rows, n)
+    f = q[coords].astype(np.int64) + (np.repeat(lim[rows], BLOCK)[:coords.size] if signed else 0)
+    if not low:
+        return None, (f >> 8).astype(np.uint8)
+    lows = ((q.astype(np.int16) + np.int16(127)) if signed else q).astype(np.uint8)
+    lows[coords] = (f & 0xFF).astype(np.uint8)
+    return lows, (f >> 8).astype(np.uint8)
 
 
 def entry_sections(arrays, n: int, level: int = LEVEL, code_streams=None) -> dict:
@@ -357,8 +391,8 @@ def entry_sections(arrays, n: int, level: int = LEVEL, code_streams=None) -> dic
         optionally ``widths`` [nb] (``(bm << 4) | bv``, 8..12; all ``0x88``: none wider).
       n: coordinates.
       level: the zstd level.
-      code_streams: the ``m_codes`` and ``v_codes`` streams already built (`join_sections`),
-        for an entry whose blocks are all 8 bits wide.
+      code_streams: the ``m_codes`` and ``v_codes`` streams (the codes' low bytes) already
+        built (`join_sections`).
 
     Returns:
       dict section name -> uint8 / float32 array, in the header's order.
@@ -371,24 +405,19 @@ def entry_sections(arrays, n: int, level: int = LEVEL, code_streams=None) -> dic
     vp = np.asarray(arrays["v_params"], np.float32).reshape(nb, 4)
     wide = is_wide(arrays)
     bm, bv = _check_widths(np.asarray(arrays["widths"], np.uint8), "widths") if wide else (None, None)
-    if code_streams is not None and not wide:
+    low_m, high_m = _low_bytes(arrays["m_codes"], bm, True, n, low=code_streams is None)
+    low_v, high_v = _low_bytes(arrays["v_codes"], bv, False, n, low=code_streams is None)
+    if code_streams is not None:
         out = dict(code_streams)
     else:
-        fm, low_m = _fields(arrays["m_codes"], bm, True, nb, n)
-        fv, low_v = _fields(arrays["v_codes"], bv, False, nb, n)
-        if wide:
-            lm = np.repeat((1 << (bm - 1)) - 1, BLOCK)[:n]
-            if (fm < 0).any() or (fm > 2 * lm).any() or (fv < 0).any() or (fv >= (1 << np.repeat(bv, BLOCK)[:n])).any():
-                raise packed.PackError("a code does not fit its block's width")
         out = {"m_codes": encode_stream(low_m, level), "v_codes": encode_stream(low_v, level)}
     cols = [mp[:, 0], vp[:, 0], vp[:, 1]] + ([] if _sqrt_derived(vp) else [vp[:, 2], vp[:, 3]])
     out["params"] = encode_stream(to_planes(np.concatenate(cols)), level)
     if wide:
         out["widths"] = encode_stream(np.asarray(arrays["widths"], np.uint8), level)
-        for key, f, w in (("m_high", fm, bm), ("v_high", fv, bv)):
-            on = np.repeat(w > NARROW, BLOCK)[:n]
-            if on.any():
-                out[key] = encode_stream((f[on] >> 8).astype(np.uint8), level)
+        for key, high in (("m_high", high_m), ("v_high", high_v)):
+            if high.size:
+                out[key] = encode_stream(high, level)
     out["escape_index"] = encode_stream(packed.varint_encode(np.asarray(arrays["escape_index"], np.int64)), level)
     out["escape_pairs"] = np.stack([np.asarray(arrays["escape_m"], np.float32),
                                     np.asarray(arrays["escape_v"], np.float32)], axis=1).reshape(-1)
@@ -405,7 +434,8 @@ def join_sections(parts, arrays, n: int, level: int = LEVEL):
     """The sections of a tensor encoded in consecutive pieces, from the pieces' sections.
 
     The code streams of pieces whose lengths are whole frames are their frames joined (no
-    second compression); the small sections are built from the joined `arrays`.
+    second compression: they hold one byte a coordinate, whatever the widths); the other
+    sections are built from the joined `arrays`.
 
     Args:
       parts: ``[(n_i, sections_i)]`` of the pieces in order (`entry_sections`).
@@ -414,9 +444,9 @@ def join_sections(parts, arrays, n: int, level: int = LEVEL):
 
     Returns:
       The joined sections, or None when the pieces cannot be joined so (a piece other
-      than the last not a whole number of frames, or a block wider than 8 bits).
+      than the last not a whole number of frames).
     """
-    if is_wide(arrays) or any(k % FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
+    if any(k % FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
         return None
     streams = {}
     for key in ("m_codes", "v_codes"):
@@ -439,14 +469,16 @@ def _check_widths(w, what):
     return bm, bv
 
 
-def read_entry(name: str, sections: dict, payload, n: int) -> dict:
+def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -> dict:
     """One ``log8-rel-zstd`` entry's codes in log8-rel's fixed form.
 
     Args:
       name: the entry's name (for messages).
       sections: ``{section: [begin, end)}`` of the entry (names checked by the reader).
-      payload: the container payload.
+      payload: the container payload (bytes-like).
       n: coordinates.
+      lazy: for an entry of 8-bit blocks, ``m_codes`` and ``v_codes`` as `FramedCodes`,
+        decoded when sliced (every other section is read and checked here).
 
     Returns:
       dict ``m_codes`` (int8, or int16 when a block is wider than 8 bits), ``v_codes``
@@ -456,26 +488,78 @@ def read_entry(name: str, sections: dict, payload, n: int) -> dict:
     Raises:
       StreamError, packed.PackError: a malformed section (one line naming it).
     """
+    pay = _bytes_view(payload)
+    (bm, em), (bv, ev) = sections["m_codes"], sections["v_codes"]
+    if lazy and "widths" not in sections:
+        low_m = FramedCodes(pay[bm:em], n, True, f"{name}.m_codes")
+        low_v = FramedCodes(pay[bv:ev], n, False, f"{name}.v_codes")
+    else:
+        low_m = decode_stream(pay[bm:em], f"{name}.m_codes", n)
+        low_v = decode_stream(pay[bv:ev], f"{name}.v_codes", n)
+    return assemble(name, sections, pay, n, low_m, low_v)
+
+
+class FramedCodes:
+    """One code stream of an entry (every block 8 bits wide), decoded frame by frame when
+    sliced: the restore's pool decodes each chunk's own frames (`read_entry` with
+    ``lazy=True``).  ``codes[a:b]`` is int8 m codes (``signed``) or uint8 v codes.
+
+    Args:
+      stream: the section's bytes; n: coordinates; signed: m (fields ``q + 127``) or v;
+      what: how errors name the section.
+    """
+
+    def __init__(self, stream, n: int, signed: bool, what: str):
+        self.stream, self.n, self.signed, self.what = _bytes_view(stream), n, signed, what
+        _, self.frames = stream_frames(self.stream, what, n)
+        self.dtype = np.dtype(np.int8 if signed else np.uint8)
+        self.size = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, sl):
+        a, b, step = sl.indices(self.n) if isinstance(sl, slice) else (None, None, None)
+        if step != 1:
+            return self[0:self.n][sl]          # anything but a plain range: the whole stream
+        f0, f1 = a // FRAME, -(-b // FRAME)
+        low = np.empty(max(0, (f1 - f0) * FRAME), np.uint8)
+        pos = 0
+        for start, stored, d in self.frames[f0:f1]:
+            low[pos:pos + d] = np.frombuffer(decode_frame(self.stream, start, stored, d, self.what), np.uint8)
+            pos += d
+        low = low[a - f0 * FRAME:b - f0 * FRAME]
+        return _m_codes(low, self.what) if self.signed else low
+
+
+def _m_codes(low_m, what):
+    """int8 m codes from the low bytes of 8-bit blocks' fields (``q + 127``; 255 refused)."""
+    mq = (low_m - np.uint8(127)).view(np.int8)
+    if (mq == -128).any():
+        i = int(np.argmax(mq == -128))
+        raise StreamError(f"{what}: coordinate {i} of the range has m field 255, outside 0..254")
+    return mq
+
+
+def assemble(name, sections, payload, n, low_m, low_v) -> dict:
+    """The fixed form of an entry from the decoded low bytes of its codes (`read_entry`;
+    the restore decodes large entries' code frames on its pool) and its other sections."""
+    pay = _bytes_view(payload)
     nb = max(1, -(-n // BLOCK))
 
     def sec(key):
         b, e = sections[key]
-        return np.frombuffer(payload[b:e], np.uint8)
+        return pay[b:e]
 
-    low_m = decode_stream(sec("m_codes"), f"{name}.m_codes", n)
-    low_v = decode_stream(sec("v_codes"), f"{name}.v_codes", n)
-    return assemble(name, sections, sec, n, nb, low_m, low_v)
-
-
-def assemble(name, sections, sec, n, nb, low_m, low_v) -> dict:
-    """The fixed form from the decoded low bytes of the codes (`read_entry`; the restore
-    decodes the code frames itself, on its pool) and the entry's other sections."""
-    p = decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))
-    vals = from_planes(p).reshape(-1, nb)
-    with np.errstate(invalid="ignore"):
-        wlo, rr = (vals[3], vals[4]) if vals.shape[0] == 5 else (np.sqrt(vals[1]), np.sqrt(vals[2]))
-    codes = {"m_params": vals[0].reshape(nb, 1).copy(),
-             "v_params": np.stack([vals[1], vals[2], wlo, rr], axis=1).astype(np.float32)}
+    vals = from_planes(decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))).reshape(-1, nb)
+    vp = np.empty((nb, 4), np.float32)
+    vp[:, 0], vp[:, 1] = vals[1], vals[2]
+    if vals.shape[0] == 5:
+        vp[:, 2], vp[:, 3] = vals[3], vals[4]
+    else:
+        with np.errstate(invalid="ignore"):
+            np.sqrt(vals[1:3].T, out=vp[:, 2:4])
+    codes = {"m_params": vals[0].reshape(nb, 1).copy(), "v_params": vp}
     if "widths" in sections:
         w = decode_stream(sec("widths"), f"{name}.widths", nb)
         bm, bv = _check_widths(w, f"{name}.widths")
@@ -484,19 +568,17 @@ def assemble(name, sections, sec, n, nb, low_m, low_v) -> dict:
                               "has no widths section")
         codes["m_codes"] = _wide_field(name, sections, sec, "m_high", low_m, bm, n, signed=True)
         codes["v_codes"] = _wide_field(name, sections, sec, "v_high", low_v, bv, n, signed=False)
+    elif isinstance(low_m, FramedCodes):
+        codes["m_codes"], codes["v_codes"] = low_m, low_v
     else:
-        if (low_m == 255).any():
-            i = int(np.argmax(low_m == 255))
-            raise StreamError(f"{name}.m_codes: coordinate {i} has m field 255, outside 0..254")
-        codes["m_codes"] = (low_m - np.uint8(127)).view(np.int8)
-        codes["v_codes"] = low_v
+        codes["m_codes"], codes["v_codes"] = _m_codes(low_m, f"{name}.m_codes"), low_v
     gaps = decode_stream(sec("escape_index"), f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
-    idx = packed.varint_decode(gaps, n, f"{name}.escape_index")
-    b, e = sections["escape_pairs"]
-    if e - b != 8 * idx.size:
-        raise StreamError(f"{name}.escape_pairs: {e - b} bytes where {idx.size} x 8 are needed")
+    idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
+    pairs = sec("escape_pairs")
+    if len(pairs) != 8 * idx.size:
+        raise StreamError(f"{name}.escape_pairs: {len(pairs)} bytes where {idx.size} x 8 are needed")
     codes["escape_index"] = idx
-    codes["escape_pairs"] = sec("escape_pairs").view("<f4").reshape(-1, 2)
+    codes["escape_pairs"] = np.frombuffer(pairs, "<f4").reshape(-1, 2)
     return codes
 
 
