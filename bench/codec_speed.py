@@ -2,8 +2,8 @@
 and certification throughput from 1M to 100M coordinates.
 
     python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100] [--codec log8-rel]
-                                [--out bench/results/codec_speed] [--work DIR] [--one-core]
-    python bench/codec_speed.py --gpt2 [--steps 3] --sweep "" --out bench/results/codec_speed_gpt2
+                                [--out bench/results/codec_speed_16m] [--work DIR] [--one-core]
+    python bench/codec_speed.py --gpt2 [--steps 3] --sweep ""      # bench/results/codec_speed_gpt2.*
 
 With ``--gpt2`` the checkpoint is GPT-2 small instead (transformers' ``GPT2LMHeadModel(GPT2Config())``,
 built here, no download: 124,439,808 parameters, the real ``torch.optim.AdamW`` over
@@ -29,7 +29,8 @@ one CPU (``taskset``), interleaved with the others.
    each size encoded twice and the second pass timed (`sweep`), with and without building
    the records; the least-squares slopes seconds/coordinate are reported.
 
-Writes JSON, Markdown and a PNG next to --out.
+Writes JSON, Markdown and a PNG next to --out (default: bench/results/codec_speed_16m, or
+codec_speed_gpt2 with --gpt2, each followed by _CODEC when --codec is not log8-rel).
 """
 from __future__ import annotations
 
@@ -374,7 +375,8 @@ def main(argv=None):
     ap.add_argument("--replicas", type=int, default=19)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", default="1,4,16,64,100")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "codec_speed"))
+    ap.add_argument("--out", default=None, help="path prefix of the results (default: bench/results/codec_speed_16m "
+                                                "or _gpt2, then _CODEC for a codec other than log8-rel)")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--codec", default="log8-rel", help="the codec compressed with")
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
@@ -395,6 +397,9 @@ def main(argv=None):
     ap.add_argument("--durable-plain", action="store_true", help="also run the plain save with an fsync before it "
                                                                  "returns (interleaved), as jaxguard's writes are")
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = os.path.join(ROOT, "bench", "results", "codec_speed_" + ("gpt2" if a.gpt2 else "16m")
+                             + ("" if a.codec == "log8-rel" else "_" + a.codec))
 
     import jax
     try:

@@ -7,7 +7,7 @@ The state is the trained ByteTransformer of bench/cert_speed.py (867,328 coordin
 the real ``torch.optim.Adam``), tiled to 1M coordinates.  Each program is jitted, warmed
 up, then timed 10 times (median); "numpy inputs" pass host arrays (jax copies them in on
 every call unless their data is 64-byte aligned, which `guard._encode_group`'s are since
-session 19), "device inputs" pass `jax.device_put` arrays.  `encode_many` is the whole guard on that slab (proposal, closed-form tier,
+commit 6e4341c), "device inputs" pass `jax.device_put` arrays.  `encode_many` is the whole guard on that slab (proposal, closed-form tier,
 cells, escapes, certified values).  Prints one Markdown table.
 """
 from __future__ import annotations

@@ -423,6 +423,8 @@ def main(argv=None):
     ap.add_argument("--machine", default="2-core AMD EPYC (AVX-512), shared with other work")
     ap.add_argument("--only", choices=list(FRAMEWORKS))
     ap.add_argument("--replot", metavar="NAME", help="rewrite bench/results/NAME.{md,png} from NAME.json")
+    ap.add_argument("--name", default=None, help="results file stem (default: train_loop_save, or "
+                                                 "train_loop_save_FRAMEWORK_everyN with --only)")
     a = ap.parse_args(argv)
     if a.replot:
         with open(os.path.join(RESULTS, a.replot + ".json")) as fh:
@@ -449,8 +451,8 @@ def main(argv=None):
             res["ratio_hf"] = _ratio(res["hf"], "hf Trainer (blocking), plain", "hf GuardedTrainer async, guarded")
             res["ratio_hf_blocking"] = _ratio(res["hf"], "hf Trainer (blocking), plain",
                                               "hf GuardedTrainer (blocking), guarded")
-        write(res, "train_loop_save" if a.only is None else
-              f"train_loop_save_{a.only}_every{a.every if a.only == 'jax' else a.torch_every}")
+        write(res, a.name or ("train_loop_save" if a.only is None else
+              f"train_loop_save_{a.only}_every{a.every if a.only == 'jax' else a.torch_every}"))
         print(json.dumps({k: res.get(k) for k in ("ratio_orbax", "ratio_dcp", "ratio_lightning", "ratio_hf",
                                                   "ratio_hf_blocking")}))
     finally:

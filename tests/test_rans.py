@@ -686,7 +686,7 @@ def _cost_bits(hist, freqs, prob_bits):
     return float((hist[nz] * (prob_bits - np.log2(freqs[nz]))).sum())
 
 def _smooth_levels_reference(hist, lo, hi, mode):
-    """Knot positions of a mode and their levels [4, K] at shifts 0..3 (session 10's code)."""
+    """Knot positions of a mode and their levels [4, K] at shifts 0..3 (the formulas before commit 35952bd)."""
     pos = _knot_positions(lo, hi, mode)
     half = (1 << mode) // 2
     c = np.concatenate([[0], np.cumsum(hist)])
@@ -724,7 +724,7 @@ def _coded_bits_rows_reference(hist, levels, prob_bits):
 
 
 def _fit_compact_reference(hist, width, cands):
-    """`rans.fit_compact_model` as session 10 wrote it (plain formulas, one candidate set a call):
+    """`rans.fit_compact_model` as it was before commit 35952bd (plain formulas, one candidate set a call):
     the fast fit must return exactly its (P, levels)."""
     hist = np.asarray(hist, np.int64)
     nz = np.flatnonzero(hist)

@@ -1,4 +1,4 @@
-"""Negative result (issue 25, session 19): slabs certified in worker processes, not threads.
+"""Negative result (issue 25, commit 1029719): slabs certified in worker processes, not threads.
 
     python bench/experiments/encode_workers.py [--size 16] [--workers 2] [--repeats 3]
 
@@ -13,7 +13,7 @@ ByteTransformer of bench/cert_speed.py, tiled to ``--size`` million coordinates)
 1M-coordinate slabs both ways, alternating, checks that both routes give the same bytes
 (SHA-256 over every encoding's arrays), and prints coordinates/s.
 
-Measured in session 19 (2-core AMD EPYC, 15,611,904 coordinates, both routes alternating):
+Measured at commit 1029719 (2026-12-04) (2-core AMD EPYC, 15,611,904 coordinates, both routes alternating):
 
 * this runner, ``--repeats 3``: threads 26.27 / 26.39 / 28.89, workers 28.67 / 28.90 / 27.65M
   coordinates/s (medians 26.4 and 28.7); ``--repeats 5``: threads 21.3-23.6 (median 22.3),
@@ -24,9 +24,9 @@ Measured in session 19 (2-core AMD EPYC, 15,611,904 coordinates, both routes alt
   are in that figure).
 
 So 0-13% in the encode alone, within this machine's noise, and a loss in the whole
-process: nowhere near the 2x a two-process microbenchmark of session 14 suggested.  Each
+process: nowhere near the 2x a two-process microbenchmark of commit cba292e suggested.  Each
 worker spent 60-90 ms on a 1M slab, as a thread does: the kernels bound the encode
-(bench/results/compress_profile_s19.md).
+(the compress profile at commit 7563a11).
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Timed adversarial search for guarantee violations (issue 10), torch and optax.
 
 Usage:
-    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 10 --out bench/results/adversarial
+    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 10          # bench/results/adversarial.{json,md}
     PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 1 --seed 1 --out /tmp/adv   # quick
-    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 5 --seed 25 --codecs logrel-ans,logrel-aw --out P
+    PYTHONPATH=$PWD python bench/fuzz/adversarial.py --minutes 5 --seed 25 --codecs logrel-ans,logrel-aw
+                                                    # bench/results/adversarial_logrel-ans.{json,md}
 
 30% of the cases are targeted at the families of issue 10's counterexamples
 (`targeted_case`).  The others: a state of 512 or 1024 coordinates made of 256-blocks, each block drawn from
@@ -231,11 +232,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
+    ap.add_argument("--out", default=None, help="path prefix: writes PREFIX.json and PREFIX.md (default: "
+                    "bench/results/adversarial, or adversarial_CODEC with --codecs, CODEC its first)")
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
     ap.add_argument("--codecs", default=",".join(CODECS), help="the codecs drawn from (comma-separated; e.g. "
                     "logrel-ans,logrel-aw for the entropy-coded ones)")
     args = ap.parse_args()
+    if args.out is None:
+        name = "adversarial" if args.codecs == ",".join(CODECS) else "adversarial_" + args.codecs.split(",")[0]
+        args.out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", name)
     CODECS = tuple(args.codecs.split(","))
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.join(
