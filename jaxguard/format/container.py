@@ -598,8 +598,8 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
     try:
         if certified is None or isinstance(certified, dict):
             m, v = reader.read_moments(entry, body, tables)
-        else:
-            codes = reader.read_codes(entry, body, tables)
+        else:   # a zstd entry's codes decoded frame by frame, only at the sampled positions
+            codes = reader.read_codes(entry, body, tables, lazy=True)
     except reader.ReaderError as exc:
         raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
     if certified is None:
@@ -612,7 +612,10 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
         raise ContainerError(f"entry {name!r}: its certified values are {m.dtype}[{m.size}] and {v.dtype}[{v.size}], "
                              f"expected float32[{n}]; encode it again with jaxguard.core.guard.encode")
     if n:
-        sample.add(name, entry["codec"], codes, m, v, n)
+        try:
+            sample.add(name, entry["codec"], codes, m, v, n)
+        except entropy.StreamError as exc:   # a lazily read zstd frame the reader refuses
+            raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
     return m, v
 
 

@@ -148,7 +148,15 @@ def compress_frames(data, level: int = LEVEL) -> list:
 def join_frames(decoded: int, frames) -> np.ndarray:
     """A stream's bytes from its frames (`compress_frames`) and decoded length."""
     head = _varint(decoded) + b"".join(_varint(len(f)) for f in frames)
-    return np.frombuffer(head + b"".join(bytes(f) for f in frames), np.uint8)
+    if len(frames) == 1:
+        return np.frombuffer(head + bytes(frames[0]), np.uint8)
+    out = np.empty(len(head) + sum(len(f) for f in frames), np.uint8)
+    out[:len(head)] = np.frombuffer(head, np.uint8)
+    pos = len(head)
+    for f in frames:
+        out[pos:pos + len(f)] = np.frombuffer(f, np.uint8)
+        pos += len(f)
+    return out
 
 
 def encode_stream(data, level: int = LEVEL) -> np.ndarray:
@@ -518,17 +526,36 @@ class FramedCodes:
     def __len__(self):
         return self.n
 
+    def _frame(self, j):
+        start, stored, d = self.frames[j]
+        return np.frombuffer(decode_frame(self.stream, start, stored, d, self.what), np.uint8)
+
     def __getitem__(self, sl):
-        a, b, step = sl.indices(self.n) if isinstance(sl, slice) else (None, None, None)
+        if not isinstance(sl, slice):          # positions: only their frames are decoded
+            idx = np.asarray(sl, np.int64)
+            low = np.empty(idx.shape, np.uint8)
+            flat, dst = idx.reshape(-1), low.reshape(-1)
+            if flat.size and (flat.min() < 0 or flat.max() >= self.n):
+                raise IndexError(f"{self.what}: positions outside 0..{self.n - 1}")
+            which = flat // FRAME
+            for j in np.unique(which):
+                at = np.flatnonzero(which == j)
+                dst[at] = self._frame(int(j))[flat[at] - int(j) * FRAME]
+            return _m_codes(low, self.what) if self.signed else low
+        a, b, step = sl.indices(self.n)
         if step != 1:
-            return self[0:self.n][sl]          # anything but a plain range: the whole stream
+            return self[np.arange(a, b, step)]
         f0, f1 = a // FRAME, -(-b // FRAME)
-        low = np.empty(max(0, (f1 - f0) * FRAME), np.uint8)
-        pos = 0
-        for start, stored, d in self.frames[f0:f1]:
-            low[pos:pos + d] = np.frombuffer(decode_frame(self.stream, start, stored, d, self.what), np.uint8)
-            pos += d
-        low = low[a - f0 * FRAME:b - f0 * FRAME]
+        if f1 - f0 == 1:
+            low = self._frame(f0)[a - f0 * FRAME:b - f0 * FRAME]
+        else:
+            low = np.empty(max(0, (f1 - f0) * FRAME), np.uint8)
+            pos = 0
+            for j in range(f0, f1):
+                part = self._frame(j)
+                low[pos:pos + part.size] = part
+                pos += part.size
+            low = low[a - f0 * FRAME:b - f0 * FRAME]
         return _m_codes(low, self.what) if self.signed else low
 
 
@@ -583,26 +610,36 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
 
 
 def _wide_field(name, sections, sec, key, low, widths, n, signed):
-    on = np.repeat(widths > NARROW, BLOCK)[:n]
-    count = int(on.sum())
-    if count == 0:
+    """One stream's codes (int16 m / uint16 v) of an entry with widths: the 8-bit blocks from
+    their low bytes alone, the wider blocks' fields joined with their ``m_high`` / ``v_high``."""
+    rows = np.flatnonzero(widths > NARROW)
+    coords = _row_coords(rows, n)
+    if coords.size == 0:
         if key in sections:
             raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")
-        f = low.astype(np.int64)
+        high = np.zeros(0, np.uint8)
     else:
         if key not in sections:
             raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
-        high = decode_stream(sec(key), f"{name}.{key}", count)
-        w_on = np.repeat(widths, BLOCK)[:n][on]
-        if (high >= (1 << (w_on - NARROW))).any():
-            raise StreamError(f"{name}.{key}: a high part is outside its block's width")
-        f = low.astype(np.int64)
-        f[on] |= high.astype(np.int64) << 8
+        high = decode_stream(sec(key), f"{name}.{key}", coords.size)
+    w_on = np.repeat(widths[rows], BLOCK)[:coords.size]
+    if (high >= (1 << (w_on - NARROW))).any():
+        raise StreamError(f"{name}.{key}: a high part is outside its block's width")
+    f = low[coords].astype(np.int64) | (high.astype(np.int64) << 8)
     if not signed:
-        return f.astype(np.uint16)
-    lm = np.repeat((1 << (widths - 1)) - 1, BLOCK)[:n]
-    if (f > 2 * lm).any():
-        i = int(np.argmax(f > 2 * lm))
-        raise StreamError(f"{name}.m_codes: coordinate {i} has m field {int(f[i])}, outside its "
+        q = low.astype(np.uint16)
+        q[coords] = f
+        return q
+    bad = np.flatnonzero(low == 255)                 # an 8-bit block's field 255 (q = 128)
+    bad = bad[widths[bad // BLOCK] == NARROW]
+    lm = np.repeat((1 << (widths[rows] - 1)) - 1, BLOCK)[:coords.size]
+    over = np.flatnonzero(f > 2 * lm)
+    if bad.size or over.size:
+        i = int(bad[0]) if bad.size else int(coords[over[0]])
+        val = 255 if bad.size else int(f[over[0]])
+        raise StreamError(f"{name}.m_codes: coordinate {i} has m field {val}, outside its "
                           f"{int(widths[i // BLOCK])}-bit block's range")
-    return (f - lm).astype(np.int16)
+    q = low.astype(np.int16)
+    q -= np.int16(127)
+    q[coords] = f - lm
+    return q
