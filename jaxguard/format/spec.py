@@ -153,10 +153,11 @@ def unregister(codec_id: str) -> None:
     del CODECS[codec_id]
 
 
-# The one default codec of every writer, verb and adapter (imported from here).  log8-rel
-# codes m relative to sqrt(v~): the bytes of log8 (+8 B per block) and, on trained
-# transformers, ~100x fewer escapes at early checkpoints (bench/results/).
-DEFAULT_CODEC = "log8-rel"
+# The one default codec of every writer, verb and adapter (imported from here).
+# log8-rel-zstd: log8-rel's certified codes (m relative to sqrt(v~)) through a lossless zstd
+# stage (jaxguard/format/entropy.py); the same decoded values in fewer bytes.  Files of every
+# earlier default still read.
+DEFAULT_CODEC = "log8-rel-zstd"
 # The other guard settings' defaults, defined here once (numpy-only, so the CLI and the
 # reader know them without JAX); `jaxguard.GuardSpec` takes its defaults from these.
 DEFAULT_TAU = 0.01        # |u1 - u2| <= tau * lr
