@@ -136,12 +136,13 @@ def plot(res, path):
 
 
 def write_md(res, path):
-    lines = ["# Many resumes: a 2,000-step run resumed every 20 steps", "",
-             f"`python bench/many_resumes.py --every {res['every']} --codec {res['codec']}`. Machine: {res['machine']}. "
+    lines = [f"# Many resumes: a {res['steps']:,}-step run resumed every {res['every']} steps", "",
+             f"`python bench/many_resumes.py --every {res['every']} --steps {res['steps']} --codec {res['codec']}`. "
+             f"Machine: {res['machine']}. "
              f"Commit {res['commit']}, torch {res['versions']['torch']}, jax {res['versions']['jax']}, optax "
              f"{res['versions']['optax']}.", "",
              "Models and schedules: bench/lm_runs.py (torch ByteTransformer, AdamW; optax MLP LM, adamw; warmup 100 "
-             "+ cosine 1e-3 -> 1e-4, 2,000 steps). Every run starts from the same initial state and sees the same "
+             "+ cosine 1e-3 -> 1e-4 over 2,000 steps; a shorter --steps runs the first steps of that schedule). Every run starts from the same initial state and sees the same "
              "batches (but `other batch order`); eval loss on 8 held-out batches every 100 steps; distances against "
              "the run that never stopped.", "",
              "| model | run | resumes | max abs eval loss diff | final eval loss diff | max train loss after warmup | "
