@@ -244,3 +244,29 @@ def fp32_checkpoints(kind: str, cache: str, steps: int = STEPS, every: int = 100
 
 if __name__ == "__main__":   # python bench/lm_runs.py torch|optax CACHE: the no-resume run's checkpoints
     fp32_checkpoints(sys.argv[1], sys.argv[2])
+
+
+def bench_options(ap, name):
+    """The options bench/long_run.py and bench/many_resumes.py share."""
+    ap.add_argument("--cache", default=os.path.join(ROOT, "bench", ".cache", "long_run"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", name))
+    ap.add_argument("--machine", default="2-core AMD EPYC, shared with other work")
+    ap.add_argument("--notes", default="")
+
+
+def run_context(machine) -> dict:
+    """The machine, commit and versions a result file names."""
+    import platform
+    import subprocess
+
+    import jax
+    import optax
+    import torch
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return {"machine": f"{machine} ({platform.processor() or platform.machine()})", "commit": commit,
+            "versions": {"torch": torch.__version__, "jax": jax.__version__, "optax": optax.__version__}}
+
+
+def write_markdown(path, lines, notes):
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines + ["", notes or ""]).rstrip() + "\n")

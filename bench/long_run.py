@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -211,28 +209,17 @@ def write_md(res, path):
                              f"{t.get('span_escaping_blocks', float('nan')):.1f} / {t.get('span_all_blocks', float('nan')):.1f} | "
                              f"{t.get('v_escaped_over_median', float('nan')):.2g} | {t.get('m_over_sqrt_v', float('nan')):.2f} | "
                              f"{100 * t.get('final_rounding_share', 0):.0f}% | {t.get('wide_blocks', '')} |")
-    lines += ["", res.get("notes", "")]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines).rstrip() + "\n")
+    lm_runs.write_markdown(path, lines, res.get("notes"))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--codecs", default="log8-rel,log8-rel-zstd")
-    ap.add_argument("--cache", default=os.path.join(ROOT, "bench", ".cache", "long_run"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "long_run"))
-    ap.add_argument("--machine", default="2-core AMD EPYC, shared with other work")
-    ap.add_argument("--notes", default="")
+    lm_runs.bench_options(ap, "long_run")
     a = ap.parse_args(argv)
-    import jax
-    import optax
-    import torch
     codecs = [c for c in a.codecs.split(",") if c]
     rows, curves = run(codecs, a.cache)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    res = {"machine": f"{a.machine} ({platform.processor() or platform.machine()})", "commit": commit,
-           "versions": {"torch": torch.__version__, "jax": jax.__version__, "optax": optax.__version__},
-           "codecs": codecs, "rows": rows, "curves": curves, "summary": summary(rows, codecs), "notes": a.notes}
+    res = {**lm_runs.run_context(a.machine), "codecs": codecs, "rows": rows, "curves": curves, "summary": summary(rows, codecs), "notes": a.notes}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
         json.dump(res, fh, indent=1)

@@ -29,8 +29,6 @@ import argparse
 import io
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -158,9 +156,7 @@ def write_md(res, path):
         if ref:
             lines.append(f"| {kind} | no resume (reference) | 0 | 0 | eval {ref['final_eval_loss']:.4f} | "
                          f"{ref['max_train_loss_after_warmup']:.3f} | 0 | 0 | 0 |")
-    lines += ["", res.get("notes", "")]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines).rstrip() + "\n")
+    lm_runs.write_markdown(path, lines, res.get("notes"))
 
 
 def main(argv=None):
@@ -169,14 +165,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=lm_runs.STEPS)
     ap.add_argument("--codec", default=None, help="the guarded resumes' codec (default: jaxguard's default)")
     ap.add_argument("--kinds", default="torch,optax")
-    ap.add_argument("--cache", default=os.path.join(ROOT, "bench", ".cache", "long_run"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "many_resumes"))
-    ap.add_argument("--machine", default="2-core AMD EPYC, shared with other work")
-    ap.add_argument("--notes", default="")
+    lm_runs.bench_options(ap, "many_resumes")
     a = ap.parse_args(argv)
-    import jax
-    import optax
-    import torch
     from jaxguard.format.spec import DEFAULT_CODEC
     codec = a.codec or DEFAULT_CODEC
     os.makedirs(a.cache, exist_ok=True)
@@ -210,10 +200,7 @@ def main(argv=None):
         reference[kind] = {k: v for k, v in compare(ref, ref).items() if k in ("final_eval_loss", "max_train_loss_after_warmup")}
         for mode in MODES[1:]:
             comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    res = {"machine": f"{a.machine} ({platform.processor() or platform.machine()})", "commit": commit,
-           "versions": {"torch": torch.__version__, "jax": jax.__version__, "optax": optax.__version__},
-           "every": a.every, "steps": a.steps, "codec": codec, "comparisons": comparisons, "reference": reference,
+    res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": a.steps, "codec": codec, "comparisons": comparisons, "reference": reference,
            "curves": curves, "notes": a.notes}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
