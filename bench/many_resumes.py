@@ -134,8 +134,10 @@ def plot(res, path):
 
 
 def write_md(res, path):
-    lines = [f"# Many resumes: a {res['steps']:,}-step run resumed every {res['every']} steps", "",
-             f"`python bench/many_resumes.py --every {res['every']} --steps {res['steps']} --codec {res['codec']}`. "
+    steps = ", ".join(f"{k} {n:,}" for k, n in res["steps"].items())
+    lines = [f"# Many resumes: runs of {steps} steps resumed every {res['every']} steps", "",
+             f"`python bench/many_resumes.py --every {res['every']} --steps "
+             f"{','.join(f'{k}={n}' for k, n in res['steps'].items())} --codec {res['codec']}`. "
              f"Machine: {res['machine']}. "
              f"Commit {res['commit']}, torch {res['versions']['torch']}, jax {res['versions']['jax']}, optax "
              f"{res['versions']['optax']}.", "",
@@ -162,13 +164,18 @@ def write_md(res, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--every", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=lm_runs.STEPS)
+    ap.add_argument("--steps", default=str(lm_runs.STEPS),
+                    help="steps of every run: N, or per model torch=N,optax=M (a shorter run follows the "
+                         "first steps of the 2,000-step schedule)")
     ap.add_argument("--codec", default=None, help="the guarded resumes' codec (default: jaxguard's default)")
     ap.add_argument("--kinds", default="torch,optax")
     lm_runs.bench_options(ap, "many_resumes")
     a = ap.parse_args(argv)
     from jaxguard.format.spec import DEFAULT_CODEC
     codec = a.codec or DEFAULT_CODEC
+    kinds = a.kinds.split(",")
+    steps = {k: int(n) for k, n in (p.split("=") for p in a.steps.split(","))} if "=" in a.steps \
+        else dict.fromkeys(kinds, int(a.steps))
     os.makedirs(a.cache, exist_ok=True)
     jsonl = os.path.join(a.cache, "many_resumes.jsonl")
     done = {}
@@ -178,16 +185,16 @@ def main(argv=None):
                 r = json.loads(line)
                 done[(r["kind"], r["mode"], r["every"], r["steps"], r["codec"])] = r
     comparisons, reference, curves = {}, {}, {}
-    for kind in a.kinds.split(","):
+    for kind in kinds:
         runs = {}
         for mode in MODES:
-            key = (kind, mode, a.every, a.steps, codec if mode == "guarded resume" else "")
+            key = (kind, mode, a.every, steps[kind], codec if mode == "guarded resume" else "")
             if key not in done:
-                r = train(kind, mode, a.steps, a.every, codec)
-                rec = {"kind": kind, "mode": mode, "every": a.every, "steps": a.steps, "codec": key[-1],
+                r = train(kind, mode, steps[kind], a.every, codec)
+                rec = {"kind": kind, "mode": mode, "every": a.every, "steps": steps[kind], "codec": key[-1],
                        "train_loss": r["train_loss"], "eval_loss": {str(k): v for k, v in r["eval_loss"].items()},
                        "resumes": r["resumes"], "resume_seconds": r["resume_seconds"],
-                       "params_npy": os.path.join(a.cache, f"many_resumes-{kind}-{mode.replace(' ', '_')}-{key[-1]}.npy")}
+                       "params_npy": os.path.join(a.cache, f"many_resumes-{kind}-{steps[kind]}-{mode.replace(' ', '_')}-{key[-1]}.npy")}
                 np.save(rec["params_npy"], r["params"])
                 with open(jsonl, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
@@ -200,7 +207,8 @@ def main(argv=None):
         reference[kind] = {k: v for k, v in compare(ref, ref).items() if k in ("final_eval_loss", "max_train_loss_after_warmup")}
         for mode in MODES[1:]:
             comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
-    res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": a.steps, "codec": codec, "comparisons": comparisons, "reference": reference,
+    res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": {k: steps[k] for k in kinds}, "codec": codec,
+           "comparisons": comparisons, "reference": reference,
            "curves": curves, "notes": a.notes}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
