@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "GuardConfig": ("jaxguard.core.guard", "GuardConfig"),
     "GuardSpec": ("jaxguard.core.config", "GuardSpec"),
+    "NextUpdate": ("jaxguard.core.config", "NextUpdate"),
     "StepRow": ("jaxguard.core.bound", "StepRow"),
     "encode_v_only": ("jaxguard.core.guard", "encode_v_only"),
     "Encoded": ("jaxguard.core.guard", "Encoded"),
@@ -44,7 +45,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 if TYPE_CHECKING:   # what type checkers and IDEs see; at run time `__getattr__` imports on first use
     from jaxguard import quant
     from jaxguard.core.bound import StepRow
-    from jaxguard.core.config import GuardSpec
+    from jaxguard.core.config import GuardSpec, NextUpdate
     from jaxguard.core.guard import CODECS, Encoded, GuardConfig, decode, encode, encode_v_only
     from jaxguard.core.jit_encode import encode_jit
     from jaxguard.errors import (CheckpointError, ConfigError, ContainerError, JaxguardError,

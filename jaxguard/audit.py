@@ -19,6 +19,9 @@ gap exceeds ``tau``, the contract ``|p_ref - p_test| <= tau * lr`` checked as st
 """
 from __future__ import annotations
 
+__all__ = ["TOTAL_KEYS", "gradient_grid", "gap_lr", "AuditTally", "new_totals", "add_stats",
+           "compression_summary", "certified_for", "describe_certified"]
+
 import dataclasses
 from typing import Any
 
@@ -207,3 +210,69 @@ def compression_summary(totals: dict, container_bytes: int, raw_state_bytes=None
         s["raw_state_bytes"] = raw_state_bytes
         s["container_ratio"] = container_bytes / raw_state_bytes
     return s
+
+
+# ---------------------------------------------------------------- what a file was certified for
+# the fields of an entry's config that say which update it was certified for
+CERTIFIED_FIELDS = ("lr", "weight_decay", "betas", "eps", "step", "op_model", "tau", "clip", "source", "param_map")
+
+
+def certified_for(entries) -> list:
+    """The moment entries of a file grouped by the update they were certified for, so that
+    a GPT-2-sized file lists a few groups, not 150 identical rows (``jaxguard inspect``).
+
+    Args:
+      entries: ``(config, stats)`` per moment entry (or shard): its config dict (the
+        `GuardConfig` JSON plus ``param``, ...) and its stats (``coordinates``,
+        ``escapes``), either may lack fields (files written before they existed).
+
+    Returns:
+      One dict per distinct update, in order of first appearance: the `CERTIFIED_FIELDS`
+      (``source`` defaults to ``"given"``; None where not recorded), ``certify`` (False
+      for codes stored without the guard), ``tensors``, ``coordinates``, ``escapes`` and
+      ``params`` (the parameter names, each once, in order).
+    """
+    groups: dict = {}
+    for cfg, stats in entries:
+        cfg = cfg or {}
+        row = {k: cfg.get(k) for k in CERTIFIED_FIELDS}
+        row["source"] = row["source"] or ("given" if cfg else None)
+        row["certify"] = cfg.get("certify", True)
+        key = repr(sorted(row.items()))
+        g = groups.setdefault(key, {**row, "tensors": 0, "coordinates": 0, "escapes": 0, "params": []})
+        g["tensors"] += 1
+        g["coordinates"] += int((stats or {}).get("coordinates", 0))
+        g["escapes"] += int((stats or {}).get("escapes", 0))
+        if cfg.get("param") is not None and cfg["param"] not in g["params"]:
+            g["params"].append(cfg["param"])
+    return list(groups.values())
+
+
+def describe_certified(group: dict, shown: int = 3) -> str:
+    """One line of `certified_for`'s group for ``jaxguard inspect``.
+
+    Args:
+      group: a dict of `certified_for`.
+      shown: how many parameter names to show.
+
+    Returns:
+      ``"lr 0.001, weight_decay 0.1, betas (0.9, 0.999), eps 1e-08, step 41, optax-adamw,
+      tau 0.01, clip 0.2, from tx: 148 tensors, 124,439,808 coordinates, 12 escapes (a, b, ...)"``.
+    """
+    def fmt(k, v):
+        if k == "lr" and isinstance(v, (list, tuple)):
+            return f"lr [{v[0]:.6g}, {v[1]:.6g}] (every rate in it)"
+        if k == "betas" and v is not None:
+            return f"betas ({', '.join(f'{b:g}' for b in v)})"
+        return f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
+
+    head = ", ".join(fmt(k, group[k]) for k in ("lr", "weight_decay", "betas", "eps", "step", "op_model", "tau", "clip")
+                     if group.get(k) is not None)
+    if not group.get("certify", True):
+        head += ", NOT certified (certify=False)"
+    names = group["params"]
+    more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+    where = f", params by {group['param_map']}" if group.get("param_map") else ""
+    return (f"{head or 'not recorded'}, from {group.get('source') or 'not recorded'}{where}: {group['tensors']} "
+            f"tensors, {group['coordinates']:,} coordinates, {group['escapes']:,} escapes"
+            + (f" ({', '.join(names[:shown])}{more})" if names else ""))

@@ -4,7 +4,7 @@
     mngr = ocp.CheckpointManager(dir, options=ocp.CheckpointManagerOptions(max_to_keep=3))
     mngr.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params),
-        opt_state=jgc.GuardedSave(opt_state, params=params, lr=1e-3)))
+        opt_state=jgc.GuardedSave(opt_state, params=params, tx=tx)))
     restored = mngr.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(params),
         opt_state=jgc.GuardedRestore(like=opt_state)))
@@ -34,6 +34,8 @@ that process its own error, the others a `CheckpointError` naming it; no step is
 """
 from __future__ import annotations
 
+__all__ = ["FILENAME", "GuardedCheckpointHandler", "GuardedSave", "GuardedRestore"]
+
 import asyncio
 import concurrent.futures
 import dataclasses
@@ -47,12 +49,13 @@ from etils import epath
 from orbax.checkpoint import future
 
 from jaxguard.format import container
-from jaxguard import optax_adapter, optax_state
+from jaxguard import flax_state, optax_adapter, optax_state, uncovered
 from jaxguard.core.config import GuardSpec, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
 
 FILENAME = "opt_state.jaxguard"
+TMP_MARK = ".orbax-checkpoint-tmp"   # orbax's temporary step directory: "<step>.orbax-checkpoint-tmp[-...]"
 
 
 def _run_sync(coro):
@@ -199,6 +202,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._primary_host = primary_host
         self._buffers = _HostBuffers()
         self._common = {}
+        self._failed: list = []     # temporary step directories of saves that failed in the background
 
     async def async_save(self, directory: epath.Path, args: "GuardedSave" = None) -> Optional[List[future.Future]]:
         """Take a host snapshot of the state and return the futures that encode and write it
@@ -230,9 +234,9 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         if not isinstance(args, GuardedSave):
             raise CheckpointError("GuardedCheckpointHandler.save needs args=jaxguard.checkpoint.GuardedSave(...)")
+        self._remove_failed()
         if args.sharded or (args.sharded is None and jax.process_count() > 1):
             return self._async_save_sharded(directory, args)
-        op_model = self._op_model_where_it_lives(args)
         for x in jax.tree_util.tree_leaves((args.opt_state, args.params)):   # start every transfer first
             if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()):
                 x.copy_to_host_async()
@@ -243,9 +247,8 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         async def write():
             try:
-                data, summary = optax_adapter.to_bytes(
-                    opt_state, params, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas, eps=args.eps,
-                    spec=args.guard_spec(), include_params=args.include_params, op_model=op_model)
+                data, summary = optax_adapter.to_bytes(opt_state, params, spec=args.guard_spec(),
+                                                       include_params=args.include_params, fixed=args.next_updates)
                 if self._buffers.donated(viewed):
                     raise CheckpointError(f"{path}: an array of the state was donated to a later step while this "
                                           "async save read it (this JAX donated a buffer a host view held); nothing "
@@ -254,37 +257,23 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
                 self.last_summary = summary
                 if primary:
                     container.atomic_write(path, data)
+            except Exception:
+                self._failed_in(directory)
+                raise
             finally:
                 self._buffers.give_back(lent)
 
         return [future.CommitFutureAwaitingContractedSignals(write(), name="jaxguard_save")]
 
-    @staticmethod
-    def _op_model_where_it_lives(args):
-        """The op model the sites resolve to on the device the state lives on (the host copy
-        would name the CPU's): `args.op_model`, or the one model all sites resolve to; None
-        when they differ or the state is refused (the background encode then resolves it
-        per site, or raises the refusal from ``wait_until_finished``)."""
-        if args.op_model is not None:
-            return args.op_model
-        try:
-            models = {optax_state.site_config(site, lr=args.lr, weight_decay=args.weight_decay, betas=args.betas,
-                                              eps=args.eps, spec=args.guard_spec()).op_model
-                      for site in optax_state.find_adam_states(args.opt_state)}
-        except Exception:     # noqa: BLE001 - the background encode raises it where orbax reports it
-            return None
-        return models.pop() if len(models) == 1 else None
-
     def _async_save_sharded(self, directory, args):
         spec = args.guard_spec()
-        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, lr=args.lr,
-                                                                 weight_decay=args.weight_decay, betas=args.betas,
-                                                                 eps=args.eps, spec=spec, op_model=args.op_model)
+        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, spec=spec,
+                                                                 fixed=args.next_updates)
         primary = self._primary_host or 0
         items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
                                                  include_params=args.include_params, primary=primary)
         items = [(entry, start, _host_record(rec)) for entry, start, rec in items]
-        extra = {"op_model": sites_meta[0]["config"]["op_model"], "tau": spec.tau, "clip": spec.clip,
+        extra = {"op_model": _sharded.first_op_model(sites_meta), "tau": spec.tau, "clip": spec.clip,
                  "codec": spec.codec}
         pid = jax.process_index()
         save_id = _sharded.new_save_id(primary)   # a collective, here on the calling thread of every process
@@ -303,6 +292,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             failed = _failed_processes_in_commit(str(directory), save_id, pid, err is None)
             if failed:
                 _sharded.remove_process_files(str(directory), pid, save_id)
+                self._failed_in(directory)
                 if err is not None:
                     raise err
                 raise CheckpointError(f"{directory}: process{'es' if len(failed) > 1 else ''} "
@@ -346,7 +336,7 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise CheckpointError("restoring guarded optax state needs args=jaxguard.checkpoint.GuardedRestore(like), "
                                   "with like a state of the same structure (e.g. tx.init(params))")
         if (epath.Path(directory) / _sharded.MANIFEST).exists():
-            return _sharded.load(str(directory), args.like)
+            return optax_adapter.load(str(directory), args.like)
         path = epath.Path(directory) / self._filename
         if not path.exists():
             raise CheckpointError(f"{path} does not exist; was this item saved with GuardedSave?")
@@ -387,20 +377,51 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
         if got is not None:
             _sharded.commit_manifest(str(directory), got[0], jax.process_count(), got[1])
 
+    def _failed_in(self, directory) -> None:
+        """Remember the temporary step directory of a save that failed in the background:
+        orbax commits no step and leaves it behind; `_remove_failed` removes it."""
+        step_dir = epath.Path(directory).parent
+        if TMP_MARK in step_dir.name and ocp.utils.is_primary_host(self._primary_host):
+            self._failed.append(step_dir)
+
+    def _remove_failed(self) -> None:
+        """Remove the temporary directories of failed saves (at the next save and at close,
+        once orbax has raised the failure and the step's other items are done)."""
+        while self._failed:
+            step_dir = self._failed.pop()
+            try:
+                if step_dir.exists() and TMP_MARK in step_dir.name:
+                    step_dir.rmtree()
+            except OSError:   # best effort: a cleanup must not hide the save's own error
+                pass
+
     def close(self):
-        """Nothing to release (orbax's handler protocol)."""
-        pass
+        """Remove what failed saves left behind (orbax's handler protocol: the manager closes it)."""
+        self._remove_failed()
 
 
 @ocp.args.register_with_handler(GuardedCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class GuardedSave(ocp.args.CheckpointArgs):
     """Save args: the optax state, the params it belongs to and the next update's
-    hyperparameters (see `jaxguard.save`)."""
+    hyperparameters (see `jaxguard.save`).
+
+    The next update of every moment pair is resolved when the args are built
+    (`optax_state.plan_updates`: `tx`'s probes, the given values), before orbax creates the
+    step's directory: a refusal (a wrong ``lr=``, an Adam variant, a bad hyperparameter)
+    raises from this constructor, at its own step, and leaves no temporary directory.
+    The background encode then uses those updates (``next_updates``).
+
+    Moments the guarantee does not cover (bfloat16 or float16 parameters, an Adam variant
+    that `tx` reveals, ``eps_root``) are stored exactly, each leaf saying why, with one
+    warning line from this constructor (``uncertifiable="exact"``, the default: a save is
+    never lost to the guard; ``"refuse"`` raises as `jaxguard.save` does).  A state with
+    no Adam state at all (lion, adafactor) is refused here: there is nothing to guard, save
+    it with orbax's own handlers."""
 
     opt_state: Any
     params: Any = None
-    lr: Any = None          # the next update's lr (required): a number or the optax schedule
+    lr: Any = None          # the next update's lr (required without tx): as jaxguard.save
     spec: Optional[GuardSpec] = None     # the guard settings (default GuardSpec()); the fields below override it
     tau: Optional[float] = None
     clip: Optional[float] = None
@@ -413,12 +434,23 @@ class GuardedSave(ocp.args.CheckpointArgs):
     include_params: bool = False
     sharded: Optional[bool] = None
     op_model: Optional[str] = None       # the optax kernel the run resumes on (see jaxguard.save)
+    tx: Any = None                       # the optax transformation: the next update is read from it (jaxguard.save;
+                                         # required with an nnx.State, whose optax types are rebuilt from it)
+    uncertifiable: str = "exact"         # what the guarantee does not cover: stored exactly ("refuse": raise)
 
     def __post_init__(self):
-        if self.params is None:
-            raise CheckpointError("GuardedSave needs params=...: the guard certifies the next update against the "
-                                  "parameters the state belongs to")
+        # Flax state as plain optax pytrees (jaxguard.flax_state); no params: "GuardedSave needs params=..."
+        self.opt_state, self.params, self.tx = flax_state.save_inputs(self.opt_state, self.params, self.tx,
+                                                                      what="GuardedSave's opt_state")
         self.guard_spec()   # bad settings fail here, in one line
+        plans = optax_state.plan_updates(
+            self.opt_state, self.params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
+            op_model=self.op_model, tx=self.tx, sites=optax_state.find_adam_states(_sharded.host_scalars(
+                self.opt_state)), uncertifiable=self.uncertifiable)
+        self.next_updates = optax_state.updates_by_pair(plans)
+        uncovered.warn("GuardedSave", [s for s in optax_state.stored_exactly(plans)
+                                       if s["why"] != optax_state.EXACT_REASON],
+                       of=sum(len(p.pairs) + len(p.uncovered) for p in plans))
 
     def guard_spec(self) -> GuardSpec:
         """The save's `GuardSpec`: `spec` with the given fields (`jaxguard.core.config.save_spec`)."""

@@ -5,6 +5,9 @@ one line naming the offending value and the fix. The CLI prints that line and ex
 with status 2; nothing else escapes as a traceback.
 """
 
+__all__ = ["JaxguardError", "ConfigError", "UnsupportedOptimizerError", "CheckpointError", "ContainerError",
+           "JaxguardWarning", "install_hint"]
+
 
 class JaxguardError(ValueError):
     """Base class for every error jaxguard raises on bad input."""

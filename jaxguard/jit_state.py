@@ -33,6 +33,8 @@ step the constants were built for.
 """
 from __future__ import annotations
 
+__all__ = ["state_constants", "encode_state_jit", "write"]
+
 import dataclasses
 
 import jax
@@ -47,7 +49,6 @@ from jaxguard.format import container
 from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
-from jaxguard.core.guard import GuardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,8 @@ class MomentPlan:
     mu_path: str
     nu_path: str
     param: str
-    site: int
-    config: object          # GuardSpec: the static part of the site's GuardConfig
+    site: int               # the row of its constants in `StateConstants.k` (pairs certified alike share one)
+    config: object          # GuardSpec: the static part of the pair's GuardConfig
     shape: tuple
     mesh: object            # jax.sharding.Mesh, or None for a single-device / host leaf
     spec: object            # PartitionSpec, or None
@@ -115,14 +116,16 @@ def _layout(x, name):
 
 
 def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, spec=None,
-                    tau=None, clip=None, codec=None, bound=None, partition=None, op_model=None) -> StateConstants:
+                    tau=None, clip=None, codec=None, bound=None, partition=None, op_model=None,
+                    tx=None) -> StateConstants:
     """Host: the constants and static plan for `encode_state_jit` at one step.
 
     Args:
       opt_state, params: the state and params (arrays with their shardings; abstract
         shapes are not enough: the Adam sites' hyperparameters are read from the state).
-      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition, op_model: as
-        `jaxguard.save` (the default op model follows the platform the moments live on).
+      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition, op_model, tx:
+        as `jaxguard.save` (the default op model follows the platform the moments live on;
+        pairs whose next learning rate is 0 pass through as raw leaves, stored exactly).
       step: the optax ``count`` of the state that will be encoded (default: the count
         in `opt_state`); a state encoded right after an update has the next count.
     Returns:
@@ -134,26 +137,30 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
     """
     guard = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay,
-                                                            betas=betas, eps=eps, spec=guard, op_model=op_model)
-    ks, configs = [], []
-    for i, sm in enumerate(sites_meta):
-        cfg = GuardConfig.from_json(sm["config"])
-        if step is not None:
-            cfg = dataclasses.replace(cfg, step=int(step))
-            sm["config"] = cfg.to_json()
-        configs.append(cfg)
-        ks.append(cfg.step_row())
+                                                            betas=betas, eps=eps, spec=guard, op_model=op_model, tx=tx)
+    if step is not None:
+        for sm in sites_meta:
+            if sm.get("config"):
+                sm["config"] = {**sm["config"], "step": int(step)}
+    ks, configs, row_of, pair_site = [], [], {}, {}
     plans = []
     for pr in pairs:
         if pr["mu_mode"] != "coded":
             raise UnsupportedOptimizerError(f"mu of {pr['param']!r} is bfloat16; encode_state_jit codes float32 mu "
                                             "only: save this state with jaxguard.save")
-        site = pr["site"]
+        cfg = pr["config"] if step is None else dataclasses.replace(pr["config"], step=int(step))
+        key = (pr["site"], cfg)      # per site: rows of two sites never merge when their rates meet
+        if key not in row_of:
+            row_of[key] = len(configs)
+            configs.append(cfg)
+            ks.append(cfg.step_row())
+        row = row_of[key]
+        pair_site[pr["entry"]] = pr["site"]
         mesh, spec = _layout(pr["mu"], pr["mu_path"])
-        static = configs[site].spec   # the jit key: lr, step, ... are traced in `ks`
-        plans.append(MomentPlan(pr["entry"], pr["mu_path"], pr["nu_path"], pr["param"], site, static,
+        static = cfg.spec   # the jit key: lr, step, ... are traced in `ks`
+        plans.append(MomentPlan(pr["entry"], pr["mu_path"], pr["nu_path"], pr["param"], row, static,
                                 tuple(np.shape(pr["mu"])), mesh, spec))
-    host = {"configs": configs, "sites": sites_meta, "leaves": leaves, "treedef": treedef,
+    host = {"configs": configs, "sites": sites_meta, "pair_sites": pair_site, "leaves": leaves, "treedef": treedef,
             "tau": guard.tau, "clip": guard.clip, "codec": guard.codec}
     return StateConstants(ks, tuple(plans), host)
 
@@ -298,7 +305,8 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
         raise CheckpointError("encoded was built with other constants (another tree, sharding or guard setting); "
                               "pass the state_constants used for this encode_state_jit call")
     host = constants.host
-    for sm, cfg in zip(host["sites"], host["configs"]):
+    for pl in constants.plan:
+        sm, cfg = host["sites"][host["pair_sites"][pl.entry]], host["configs"][pl.site]
         cnt = encoded.raw.get(sm["count_path"])
         if cnt is not None and int(np.asarray(sharded.host_scalar(cnt))) != cfg.step:
             raise CheckpointError(f"the state's {sm['count_path']} is {int(np.asarray(sharded.host_scalar(cnt)))} "

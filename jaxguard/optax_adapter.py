@@ -39,6 +39,8 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
+__all__ = ["summary", "to_bytes", "save", "read", "load", "load_params", "audit"]
+
 from jaxguard.core.config import save_spec
 
 import jax
@@ -48,52 +50,57 @@ import optax
 
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container
-from jaxguard.errors import CheckpointError
+from jaxguard.errors import CheckpointError, ConfigError
 from jaxguard import audit as _audit
+from jaxguard import flax_state
 from jaxguard import sharded as _sharded
 from jaxguard import writer
-from jaxguard.optax_state import (INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted, dtype_name,  # noqa: F401
-                                  find_adam_states, flat_by_dotted, key_str, moment_pairs, site_config,
-                                  stored_like_leaf, warn_other_platform)
+from jaxguard.core.config import GuardConfig
+from jaxguard.optax_probe import LR_HALF_WIDTH
+from jaxguard.optax_state import (AGREE, EXACT_REASON, INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted,  # noqa: F401
+                                  dtype_name, exact_reasons, find_adam_states, flat_by_dotted, key_str, moment_pairs,
+                                  plan_updates, site_config, stored_exactly, stored_like_leaf, warn_other_platform)
 
 
 # ---------------------------------------------------------------- records for the writer
 def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-                  op_model=None):
+                  op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
     """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
     ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
-    `Raw` record per other leaf.
+    `Raw` record per other leaf; a pair whose next learning rate is 0 is stored raw.
 
     Args:
       opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
       params: the parameter pytree the state belongs to.
-      lr, weight_decay, betas, eps: see `save` and `site_config`.
+      lr, weight_decay, betas, eps, tx, fixed, uncertifiable: see `save` and
+        `optax_state.plan_updates`.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves in the container.
       op_model: the kernel the run resumes on (`site_config`; None: where the state lives).
 
     Returns:
       ``(records, state meta)``: the records and the meta that `restore_state` reads
-      (``leaves``, ``sites``, ``treedef``).
+      (``leaves``, ``sites``, ``treedef``; a moment leaf stored exactly says ``why``, and
+      ``stored_exactly`` lists those pairs: ``{"param", "why"}``).
 
     Raises:
       CheckpointError: no Adam state, moments without a matching param, shapes that differ,
         two leaves with one dotted path.
       UnsupportedOptimizerError: a param or nu that is not float32, a mu that is neither
-        float32 nor bfloat16, ``eps_root != 0``.
-      ConfigError: see `site_config`.
+        float32 nor bfloat16, ``eps_root != 0``, a `tx` the op model does not reproduce.
+      ConfigError: see `optax_state.plan_updates`.
     """
-    sites = find_adam_states(opt_state)
-    if not sites:
-        raise CheckpointError(NO_ADAM)
-    pflat = flat_by_dotted(params, "params")
+    spec = save_spec(spec)
+    plans = plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                         op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
     roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
     records = []
-    sites_meta = []
-    for site in sites:
-        cfg = site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, op_model=op_model)
-        sites_meta.append({"path": site.name, "config": cfg.to_json()})
-        for pair in moment_pairs(site, pflat):
+    exact = exact_reasons(plans)     # stored as raw leaves, each with why
+    for plan in plans:
+        for pair, update in plan.pairs:
+            if update.stores_exactly:
+                continue
+            cfg = GuardConfig.from_update(spec, update)
             ename = f"{prefix}/moments/{pair.mu_path}"
             if pair.mu_dtype == "float32":
                 records.append(writer.MomentJob(ename, pair.mu, pair.nu, pair.p, cfg, {"param": pair.param}))
@@ -119,8 +126,9 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
             records.append(_raw(ename, leaf))
             kind = "raw"
         leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
-                            "shape": list(np.shape(leaf))})
-    return records, {"leaves": leaves_meta, "sites": sites_meta, "treedef": str(treedef)}
+                            "shape": list(np.shape(leaf)), **({"why": exact[d]} if d in exact else {})})
+    return records, {"leaves": leaves_meta, "sites": [plan.meta(spec) for plan in plans], "treedef": str(treedef),
+                     "stored_exactly": stored_exactly(plans)}
 
 
 def _raw(name, leaf):
@@ -156,12 +164,14 @@ def state_nbytes(tree) -> int:
 
 
 def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-             include_params=False, extra_meta=None, op_model=None) -> tuple[bytes, dict]:
+             include_params=False, extra_meta=None, op_model=None, tx=None, fixed=None,
+             uncertifiable="refuse") -> tuple[bytes, dict]:
     """Container bytes and a summary dict (see `save`).
 
     Args:
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params, op_model: as `save`.
+        include_params, op_model, tx, uncertifiable: as `save`.
+      fixed: the next updates resolved already (`optax_state.plan_updates`).
       extra_meta: more keys for the container's meta (e.g. ``{"source": ...}``).
 
     Returns:
@@ -172,28 +182,45 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
     """
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
-                                   op_model=op_model)
+                                   op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
+    stored = smeta.pop("stored_exactly")
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
     if include_params:
         pnames = list(flat_by_dotted(params, "params"))
         records += [_raw(f"params/{name}", leaf) for name, leaf in flat_by_dotted(params, "params").items()]
         meta["params"] = pnames
-    return writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
+    data, summary = writer.to_bytes(records, meta, raw_state_bytes=state_nbytes(opt_state))
+    summary["stored_exactly"] = stored
+    return data, summary
 
 
-def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None) -> dict:
+def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
+         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None, tx=None,
+         uncertifiable: str = "refuse") -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
     Args:
-      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
-      params: the parameter pytree the state belongs to (the next update's ``p``);
+      opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s), a Flax
+        ``nnx.state(optimizer)`` (with ``tx=optimizer.tx``) or a linen ``TrainState``
+        (`jaxguard.flax_state`).
+      params: the parameter pytree the state belongs to (the next update's ``p``;
+        ``nnx.state(model, nnx.Param)`` for NNX; default a ``TrainState``'s own);
         ``include_params=True`` also stores it (needed by ``jaxguard migrate --to torch``).
-      lr: the next update's learning rate, required: a number, or the optax schedule
-        (evaluated at the Adam state's ``count``).  An `inject_hyperparams` state's
-        ``learning_rate`` is the last update's and is not used.
-      weight_decay, betas, eps: the next update's, see the module docstring.
+      tx: the optax transformation the state belongs to (recommended; required with an
+        ``nnx.State``, whose optax types are rebuilt from ``tx.init``,
+        `jaxguard.flax_state.plain_state`): the next update's
+        learning rate and weight decay of every parameter are read from it and the betas,
+        eps and update rule checked (`jaxguard.optax_probe`); an Adam variant the op model
+        does not cover, or a given value it disagrees with, is refused in one line.
+      lr: the next update's learning rate (required without `tx`): a number, the optax
+        schedule (evaluated at the Adam state's ``count``), an interval ``(lo, hi)``
+        certified for every rate in it, or a pytree prefix of the params of those (one
+        rate per subtree, as optax's masks are given).  An `inject_hyperparams` state's
+        ``learning_rate`` is the last update's and is not used.  A next rate of 0 stores
+        those moments exactly.
+      weight_decay: a number, a schedule or a pytree prefix of the params of those.
+      betas, eps: the next update's, see the module docstring.
       spec: the guard settings, a `jaxguard.GuardSpec` (tau, clip, codec, bound, partition;
         default ``GuardSpec()``: tau 0.01, clip 0.2, log8-rel, shared bound, mixed partition).
       tau, clip, codec, bound, partition: override the spec's field when given.
@@ -204,23 +231,33 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
         or ``optax-adam-gpu``/``optax-adamw-gpu`` (XLA:GPU), matching the weight decay.
         None: the GPU model when the Adam moments are `jax.Array`s on a GPU, else the CPU
         one.  The container header records it (``jaxguard inspect`` shows it).
+      uncertifiable: ``"refuse"`` (default: moments the guarantee does not cover raise) or
+        ``"exact"`` (they are stored exactly, each leaf saying why: bfloat16 parameters,
+        an Adam variant `tx` reveals, ``eps_root``; `jaxguard.uncovered`, docs/coverage.md).
 
     Returns:
-      A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes, ...
+      A summary dict: coordinates, escapes, escape_rate, payload_ratio, container_bytes,
+      ``stored_exactly`` (``{"param", "why"}`` of the pairs stored exactly), ...
 
     Raises:
-      ConfigError: no ``lr`` (one line saying what to pass), a hyperparameter that is
-        invalid in float32 (e.g. a beta that rounds to 1.0), or an `op_model` of torch or
-        of the other optimizer (adam vs adamw); nothing is written.
+      ConfigError: no ``lr`` and no ``tx`` (one line saying what to pass), a given value
+        that `tx` disagrees with (one line naming both), a hyperparameter that is invalid
+        in float32 (e.g. a beta that rounds to 1.0), or an `op_model` of torch or of the
+        other optimizer (adam vs adamw); nothing is written.
       CheckpointError, UnsupportedOptimizerError: see `state_records`.
+
+    Warns:
+      JaxguardWarning: (once) saved without `tx`: nothing was checked against the
+        transformation.
     """
+    opt_state, params, tx = flax_state.save_inputs(opt_state, params, tx)
     if sharded or (sharded is None and jax.process_count() > 1):
         return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                              spec=spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                             include_params=include_params, op_model=op_model)
+                             include_params=include_params, op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, tau=tau,
                        clip=clip, codec=codec, bound=bound, partition=partition, include_params=include_params,
-                       op_model=op_model)
+                       op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     container.atomic_write(path, data)
     return s
 
@@ -306,7 +343,7 @@ def restore_state(header, arrays, like, *, source="the file"):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def load(path, like):
+def load(path, like, *, tx=None, params=None):
     """Restore the optax state saved at `path` into the structure, dtypes and shardings of `like`.
 
     `path` is a file (`save`) or a sharded checkpoint directory (``save(..., sharded=True)``
@@ -314,19 +351,100 @@ def load(path, like):
 
     Args:
       path: the file or directory written by `save`.
-      like: a state of the same optax transformation and params (``tx.init(params)``).
+      like: a state of the same optax transformation and params (``tx.init(params)``),
+        ``nnx.state(optimizer)`` of a fresh optimizer or a linen ``TrainState``.
+      tx, params: the transformation the run resumes with and its params: the next update
+        they will make (`optax_state.plan_updates` with `tx`) is compared with what every
+        moment was certified for (`check_next_update`).
 
     Returns:
-      The restored optax state, with `like`'s structure, dtypes and shardings.
+      The restored optax state, with `like`'s structure, dtypes and shardings (an
+      ``nnx.State`` for ``nnx.update(optimizer, state)`` when `like` is one).
 
     Raises:
       CheckpointError: `like` does not match what was saved, or the file is not optax state.
+      ConfigError: `tx` without `params`; `tx` will make another update than the one
+        certified (one line naming both values).
       ContainerError, ReaderError: the file is damaged.
     """
+    if tx is not None and params is None:
+        raise ConfigError("jaxguard.load(..., tx=tx) needs params= too (the params the run resumes from): the next "
+                          "update is read from tx.update on the restored state and those params")
+    view = flax_state.plain_state(like, typed=False, what="like")
     if _sharded.is_sharded(path):
-        return _sharded.load(path, like)
-    header, arrays = read(path)
-    return restore_state(header, arrays, like, source=str(path))
+        state = _sharded.load(path, view.state)
+        configs = _sharded.certified_configs(path) if tx is not None else None
+    else:
+        header, arrays = read(path)
+        state = restore_state(header, arrays, view.state, source=str(path))
+        configs = certified_configs(header) if tx is not None else None
+    restored = view.back(state)
+    if tx is not None:
+        typed, plain_params, _ = flax_state.save_inputs(restored, params, tx, what="like")
+        check_next_update(configs, typed, plain_params, tx, source=str(path))
+    return restored
+
+
+def certified_configs(header) -> dict:
+    """{param dotted name: the entry config it was certified with} of an optax container.
+
+    Args:
+      header: the container header.
+
+    Returns:
+      The dict (params stored exactly have none).
+    """
+    return {e["config"]["param"]: e["config"] for e in header["entries"]
+            if e.get("kind") == "moments" and (e.get("config") or {}).get("param")}
+
+
+def _shown(x):
+    """A hyperparameter as a message shows it: floats to 6 significant digits."""
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    if isinstance(x, (list, tuple)):
+        return "(" + ", ".join(_shown(v) for v in x) + ")"
+    return str(x)
+
+
+def check_next_update(configs: dict, state, params, tx, *, source="the checkpoint") -> None:
+    """Refuse a restore whose next update (read from `tx`, `optax_state.plan_updates`) is
+    not the one its moments were certified for: a learning rate outside the certified one
+    or interval, another weight decay, betas, eps, step or op model.
+
+    Args:
+      configs: {param: certified entry config} (`certified_configs`).
+      state, params, tx: the restored state, the params and the transformation.
+      source: how to name the checkpoint.
+
+    Raises:
+      ConfigError: the first difference, in one line naming both values.
+    """
+    from jaxguard.core.config import lr_bounds
+    for plan in plan_updates(state, params, tx=tx):
+        for pair, now in plan.pairs:
+            cfg = configs.get(pair.param)
+            if cfg is None:
+                continue
+            lo, hi = lr_bounds(tuple(cfg["lr"]) if isinstance(cfg["lr"], list) else cfg["lr"])
+            (nlo, nhi) = now.lr_interval
+            rate = (nlo + nhi) / 2
+            differs = []
+            if not lo * (1 - AGREE) <= rate <= hi * (1 + AGREE):
+                differs.append(("lr", cfg["lr"], rate))
+            want_wd, got_wd = float(cfg.get("weight_decay", 0.0)), now.weight_decay
+            if abs(want_wd - got_wd) > (AGREE + 2 * LR_HALF_WIDTH) * max(want_wd, got_wd):   # tx widens its own
+                differs.append(("weight_decay", want_wd, got_wd))
+            for name, want, got in (("betas", tuple(cfg["betas"]), now.betas), ("eps", cfg["eps"], now.eps),
+                                    ("step", cfg["step"], now.step), ("op_model", cfg["op_model"], now.op_model)):
+                if (tuple(want) != tuple(got)) if name == "betas" else (want != got):
+                    differs.append((name, want, got))
+            if differs:
+                name, want, got = (_shown(x) for x in differs[0])
+                raise ConfigError(f"{source}: the moments of {pair.param!r} were certified for {name}={want} but tx's "
+                                  f"next update uses {name}={got}: the tau guarantee does not cover that update; "
+                                  "resume with the transformation it was saved with, or save the original state "
+                                  "again for this one")
 
 
 def load_params(path) -> dict:

@@ -39,6 +39,12 @@ every other leaf is restored bit-exactly.
 """
 from __future__ import annotations
 
+__all__ = ["MANIFEST", "INDEX_SUFFIX", "file_name", "new_save_id", "is_sharded", "host_scalar",
+           "host_scalars", "shard_start", "local_shards", "plan_state", "build_local", "encode_local",
+           "param_leaves", "commit_manifest", "remove_unnamed", "check_files", "first_op_model",
+           "common_meta", "write_process_files", "remove_process_files", "save", "prepare_directory",
+           "write_and_commit", "read_manifest", "certified_configs", "load", "verify"]
+
 import contextlib
 import dataclasses
 import hashlib
@@ -56,7 +62,7 @@ from jaxguard.format import container, reader, storage
 from jaxguard import audit, optax_state, writer
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted, moment_pairs
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.core.config import save_spec
+from jaxguard.core.config import GuardConfig, save_spec
 
 MANIFEST = "manifest.json"
 SCHEMA = "jaxguard-sharded"
@@ -230,49 +236,62 @@ def aligned(x, like):
 
 # ---------------------------------------------------------------- plan (what every leaf becomes)
 def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-               op_model=None):
+               op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
     names as `optax_adapter.state_records`, without touching any array's data.
 
     A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
-    name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16").
+    name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16"), site (its
+    Adam site's index).  A pair whose next learning rate is 0 is no pair: its mu and nu
+    are raw leaves, stored exactly (their leaf records say why).
 
     Args:
-      opt_state, params, lr, weight_decay, betas, eps, op_model: as `jaxguard.save`.
+      opt_state, params, lr, weight_decay, betas, eps, op_model, tx, uncertifiable: as
+        `jaxguard.save`.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves.
+      fixed: the next updates resolved already (`optax_state.plan_updates`).
 
     Returns:
-      ``(sites meta, moment pairs, leaves meta, treedef string)``.
+      ``(sites meta, moment pairs, leaves meta, treedef string)``; the leaf record of a
+      moment stored exactly says why (``"why"``).
 
     Raises:
       CheckpointError, UnsupportedOptimizerError, ConfigError: as
         `optax_adapter.state_records` (no Adam state, mismatched params, dtypes, lr).
     """
+    spec = save_spec(spec)
     hstate = host_scalars(opt_state)
     sites = find_adam_states(hstate)
     if not sites:
         raise CheckpointError(NO_ADAM)
-    pflat = flat_by_dotted(params, "params")
+    plans = optax_state.plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                                     op_model=op_model, tx=tx, sites=sites, fixed=fixed, uncertifiable=uncertifiable)
     oflat = flat_by_dotted(opt_state, "opt_state")
+    exact = optax_state.exact_reasons(plans)
     roles, pairs, sites_meta = {}, [], []
-    for si, site in enumerate(sites):
-        cfg = optax_state.site_config(site, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
-                                      op_model=op_model)
-        sites_meta.append({"path": site.name, "config": cfg.to_json(), "count_path": site.leaf_path("count")})
-        for pair in moment_pairs(site, pflat):
+    for si, plan in enumerate(plans):
+        sites_meta.append({**plan.meta(spec), "count_path": plan.site.leaf_path("count")})
+        for pair, update in plan.pairs:
             mfull, nfull = pair.mu_path, pair.nu_path
+            if update.stores_exactly:
+                roles[mfull] = roles[nfull] = ("raw", None)
+                continue
             ename = f"{prefix}/moments/{mfull}"
             mode = "coded" if pair.mu_dtype == "float32" else "raw-bfloat16"
             pairs.append({"entry": ename, "mu": oflat[mfull], "nu": oflat[nfull], "p": pair.p, "mu_path": mfull,
-                          "nu_path": nfull, "param": pair.param, "config": cfg, "mu_mode": mode, "site": si})
+                          "nu_path": nfull, "param": pair.param, "config": GuardConfig.from_update(spec, update),
+                          "mu_mode": mode, "site": si})
             roles[nfull] = ("nu", ename)
             roles[mfull] = ("mu", ename) if mode == "coded" else ("raw", f"{prefix}/{mfull}")
     leaves = []
     for d, leaf in oflat.items():
         kind, ename = roles.get(d, ("raw", f"{prefix}/{d}"))
-        leaves.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
-                       "shape": list(np.shape(leaf))})
+        rec = {"path": d, "kind": kind, "entry": ename or f"{prefix}/{d}", "dtype": dtype_name(leaf),
+               "shape": list(np.shape(leaf))}
+        if d in exact:
+            rec["why"] = exact[d]
+        leaves.append(rec)
     treedef = jax.tree_util.tree_structure(opt_state)
     return sites_meta, pairs, leaves, str(treedef)
 
@@ -600,6 +619,18 @@ def _check_coverage(man, source):
                                   "the checkpoint is incomplete or two processes wrote the same shard")
 
 
+def first_op_model(sites_meta):
+    """The op model the header names: the first site's with a certified pair.
+
+    Args:
+      sites_meta: from `plan_state`.
+
+    Returns:
+      The op model, or None when every moment is stored exactly.
+    """
+    return next((sm["config"]["op_model"] for sm in sites_meta if sm.get("config")), None)
+
+
 def common_meta(sites_meta, leaves, treedef, *, tau, clip, codec, params_meta=None):
     """The meta every process's file and the manifest share.
 
@@ -612,7 +643,7 @@ def common_meta(sites_meta, leaves, treedef, *, tau, clip, codec, params_meta=No
       {"framework": "optax", "state", "op_model", "tau", "clip", "codec", "jax_version"[, "params"]}.
     """
     c = {"framework": "optax", "state": {"leaves": leaves, "sites": sites_meta, "treedef": treedef},
-         "op_model": sites_meta[0]["config"]["op_model"], "tau": tau, "clip": clip, "codec": codec,
+         "op_model": first_op_model(sites_meta), "tau": tau, "clip": clip, "codec": codec,
          "jax_version": jax.__version__}
     if params_meta:
         c["params"] = params_meta
@@ -654,13 +685,14 @@ def remove_process_files(directory, process: int, save_id: str) -> None:
 
 
 def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
-         codec=None, bound=None, partition=None, include_params=False, primary=0, op_model=None) -> dict:
+         codec=None, bound=None, partition=None, include_params=False, primary=0, op_model=None, tx=None,
+         uncertifiable="refuse") -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
     Args:
       path: the checkpoint directory (the same on every process).
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params, op_model: as `jaxguard.save`.
+        include_params, op_model, tx, uncertifiable: as `jaxguard.save`.
       primary: the process that writes host leaves and commits the manifest.
 
     Returns:
@@ -675,7 +707,8 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     d = _dir(path)
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas,
-                                                    eps=eps, spec=spec, op_model=op_model)
+                                                    eps=eps, spec=spec, op_model=op_model, tx=tx,
+                                                    uncertifiable=uncertifiable)
     prepare_directory(d, primary)
     try:
         items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
@@ -1066,6 +1099,25 @@ def _sharding_of(leaf):
     if isinstance(leaf, jax.ShapeDtypeStruct) and getattr(leaf, "sharding", None) is not None:
         return leaf.sharding
     return None
+
+
+def certified_configs(path) -> dict:
+    """{param dotted name: the entry config its shards were certified with} of a sharded
+    checkpoint (`jaxguard.optax_adapter.certified_configs` for a directory).
+
+    Args:
+      path: the checkpoint directory.
+
+    Returns:
+      The dict (moments stored exactly have none).
+    """
+    out = {}
+    for shards in read_manifest(path)["shards"].values():
+        for sh in shards:
+            cfg = (sh.get("header") or {}).get("config") or {}
+            if sh.get("header", {}).get("kind") == "moments" and cfg.get("param"):
+                out.setdefault(cfg["param"], cfg)
+    return out
 
 
 def load(path, like, *, what="state"):

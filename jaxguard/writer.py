@@ -19,10 +19,10 @@ the encoder one slab ahead of the writer in a thread).
 Numerical contract
 ------------------
 What a `MomentJob` certifies is `jaxguard.core.guard.encode`'s contract for its
-`GuardConfig`; with ``mu="exact"`` it is `encode_v_only`'s with ``tau / BF16_TAU_FACTOR``
-(an optax ``mu_dtype=bfloat16`` state: optax computes ``b1 * mu`` in bfloat16, ``b1``
-rounds to 0.8984375, a relative change < 0.6% of the ``m'`` the bound assumes, which
-the 2% margin covers).  The writer never changes a code: a file holds exactly the
+`GuardConfig`; with ``mu="exact"`` it is `jaxguard.core.guard.encode_v_only`'s with
+``tau / BF16_TAU_FACTOR`` (an optax ``mu_dtype=bfloat16`` state: optax computes
+``b1 * mu`` in bfloat16, ``b1`` rounds to 0.8984375, a relative change < 0.6% of the
+``m'`` the bound assumes, which the 2% margin covers).  The writer never changes a code: a file holds exactly the
 codes the guard certified, or nothing is written (`ContainerError`).
 """
 from __future__ import annotations
@@ -106,12 +106,12 @@ class MomentJob:
 # proposal over the cores, and a second thread gained 5% at 16.5M coordinates for 1.14x
 # the peak memory (2-core AMD EPYC, 5 alternating runs each: 3.03 s / 602 MB with two,
 # 3.19 s / 526 MB with one; 2.89 s / 429 MB for the plain torch load+save).  At 124M
-# coordinates two threads take 1.25x less time (bench/results/codec_speed_s18b_gpt2.md).
+# coordinates two threads take 1.25x less time (measured at commit ad7c841).
 SECOND_THREAD_FROM = 1 << 25
 # A coordinate of a codec whose codes are chosen on the host (logrel-aw, logrel-ans: width
 # search and rate pass in numpy beside the jitted certificate) counts this many towards
 # `SECOND_THREAD_FROM`: logrel-ans's compress costs ~32x log8-rel's per coordinate
-# (bench/results/codec_speed_s21_16m_logrel-ans.md), and there a second thread pays from two
+# (measured at commit 456f546), and there a second thread pays from two
 # slabs on: at 16.5M coordinates (2-core AMD EPYC, one run each) 113.6 s / 1,287 MiB with
 # two against 135.2 s / 945 MiB with one, the same container bytes.
 HOST_CHOSEN_WEIGHT = 32
@@ -121,7 +121,7 @@ def encode_threads(coordinates: int | None = None) -> int:
     """Returns: slabs `encode` certifies at once: ``JAXGUARD_ENCODE_THREADS`` if set, else
     1 for fewer than `SECOND_THREAD_FROM` `coordinates`, else the cores this process may
     run on (``os.sched_getaffinity``), 1 to `MAX_ENCODE_THREADS`
-    (bench/results/codec_speed_s13_threads.md: once a large tensor's pieces were tasks of
+    (measured at commit aa7b5ff: once a large tensor's pieces were tasks of
     their own, a whole-process 124M compress on 2 cores took 29.1 s and 36.2 s with two
     threads against 31.9 s and 46.7 s with one, peak RSS +1-4%).
 
@@ -209,8 +209,10 @@ def _entry_info(job: MomentJob) -> dict:
             **{k: v() if callable(v) else v for k, v in job.info.items()}}
 
 
-def encode_v_only(m, v, p, config: GuardConfig) -> _guard.Encoded:
-    """Code only `v` beside an exact `m` (`MomentJob(mu="exact")`; module docstring).
+def _encode_bf16_m_job(m, v, p, config: GuardConfig) -> _guard.Encoded:
+    """The encoder of a `MomentJob(mu="exact")` (an optax ``mu_dtype=bfloat16`` pair): only
+    `v` is coded, by `jaxguard.core.guard.encode_v_only` at ``tau / BF16_TAU_FACTOR``, beside
+    the exact `m` (module docstring).
 
     Args:
       m: the first moment as float32 (stored exactly beside the codes).
@@ -419,7 +421,7 @@ def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = 
                 continue
             yield from flush()
             if isinstance(r, MomentJob):
-                enc = encode_v_only(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
+                enc = _encode_bf16_m_job(np.asarray(r.m, np.float32), np.asarray(r.v), np.asarray(r.p), r.config)
                 add(enc.stats)
                 if bar is not None:
                     bar.update(enc.n)

@@ -51,6 +51,33 @@ def adam_checkpoint(path, dims, *, steps: int, batch: int):
     return model
 
 
+def adam_run(dims, *, steps: int, batch: int, seed: int = 0):
+    """An MLP of `dims` (Linear layers, Tanh between, seed `seed`) and a `torch.optim.AdamW`
+    over its named parameters after `steps` steps on random inputs: ``(model, optimizer)``."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:])]
+    model = torch.nn.Sequential(*[m for lin in layers for m in (lin, torch.nn.Tanh())][:-1])
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(batch, dims[0])).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+class ByteDataset(torch.utils.data.Dataset):
+    """Causal-LM rows ``{"input_ids", "labels"}`` of `byte_tokens` (the first `rows`)."""
+
+    def __init__(self, seq: int, rows: int | None = None):
+        self.x = byte_tokens(seq)[:rows]
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
 def run_probe(code: str, *argv, env=None) -> dict:
     """Run `code` in a fresh Python process with `argv` (a CLI verb starts jax's backend and
     changes process settings once a process) and return the JSON object its last output

@@ -67,3 +67,14 @@ def test_inspect_takes_settings_the_header_lacks_from_the_entries(capsys):
     assert main(["inspect", str(golden.with_name("log8.jaxguard"))]) == 0   # entries without configs either
     out = capsys.readouterr().out
     assert "op_model: not recorded" in out and "None" not in out, out
+
+
+def test_one_encode_v_only():
+    """`jaxguard.encode_v_only` is the core's (v coded at the config's tau); the writer's
+    encoder of a bfloat16-m job (tau / BF16_TAU_FACTOR, log8-rel's codes for host-chosen
+    widths) has a name of its own, so one public name has one meaning."""
+    from jaxguard.core import guard
+    defined = sorted(str(p.relative_to(ROOT)) for p in _sources() for node in ast.parse(p.read_text()).body
+                     if isinstance(node, ast.FunctionDef) and node.name == "encode_v_only")
+    assert defined == ["jaxguard/core/guard.py"], defined
+    assert jaxguard.encode_v_only is guard.encode_v_only

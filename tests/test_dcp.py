@@ -64,10 +64,10 @@ def _load_plain(path, planner):
     return W.load_into(path, None, planner)   # one process, no mesh
 
 
-def _guarded_save_error(tmp_path, state):
+def _guarded_save_error(tmp_path, state, **planner):
     """The one error a GuardedSavePlanner save of `state` fails with (DCP wraps it)."""
     with pytest.raises(BaseException) as info:
-        dcp.save(state, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner())
+        dcp.save(state, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner(**planner))
     (err, _), = info.value.failures.values()
     return err
 
@@ -148,9 +148,54 @@ def test_save_refuses_moments_without_their_parameters(tmp_path):
 def test_save_refuses_optimizer_options_outside_the_op_model(tmp_path, flag):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), foreach=False, **{flag: True})
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
     msd, osd = get_state_dict(model, opt)
-    err = _guarded_save_error(tmp_path, {"model": msd, "optim": osd})
+    err = _guarded_save_error(tmp_path, {"model": msd, "optim": osd}, uncertifiable="refuse")
     assert f"{flag}=True" in str(err) and "\n" not in str(err)
+
+
+@pytest.mark.parametrize("case", ["amsgrad", "sgd", "bfloat16"])
+def test_state_the_guard_cannot_certify_is_stored_exactly_with_one_warning(tmp_path, case):
+    """The planner's default (uncertifiable="exact"): the save is written, what the guard
+    cannot certify stays plain DCP tensors (the manifest says why), one warning line; the
+    load gives it back bit for bit."""
+    import warnings
+    from jaxguard.errors import JaxguardWarning
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    if case == "bfloat16":
+        model[0].to(torch.bfloat16)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if case == "sgd" else
+           torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False, amsgrad=case == "amsgrad"))
+    x = torch.randn(4, 6, dtype=torch.bfloat16 if case == "bfloat16" else torch.float32)
+    model[1](model[0](x).float()).pow(2).mean().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", JaxguardWarning)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedSavePlanner(),
+                 no_dist=True)
+    msgs = [str(w.message) for w in seen if issubclass(w.category, JaxguardWarning)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "stored exactly, not compressed" in msgs[0], msgs
+    why = {"amsgrad": "amsgrad=True", "sgd": "not Adam or AdamW", "bfloat16": "bfloat16"}[case]
+    assert why in msgs[0], msgs
+    man = tdcp.read_metadata(str(tmp_path / "x"))[1]
+    assert man["stored_exactly"] and all(why in s["why"] for s in man["stored_exactly"]), man["stored_exactly"]
+    assert len(man["moments"]) == (2 if case == "bfloat16" else 0)      # the float32 layer's weight and bias: guarded
+    fresh_model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    if case == "bfloat16":
+        fresh_model[0].to(torch.bfloat16)
+    fresh = type(opt)(fresh_model.parameters(), **{k: v for k, v in opt.defaults.items()
+                                                   if k in ("lr", "momentum", "amsgrad", "foreach")})
+    fmsd, fosd = get_state_dict(fresh_model, fresh)
+    state = {"model": fmsd, "optim": fosd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "x"), planner=tdcp.GuardedLoadPlanner(), no_dist=True)
+    exact = {s["param"].split(".", 2)[-1] for s in man["stored_exactly"]}
+    for fqn, st in osd["state"].items():
+        if fqn in exact:
+            for k, t in st.items():
+                assert torch.equal(state["optim"]["state"][fqn][k], t), (fqn, k)   # bit for bit
 
 
 def test_save_refuses_a_non_adam_optimizer(tmp_path):
@@ -159,7 +204,7 @@ def test_save_refuses_a_non_adam_optimizer(tmp_path):
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    err = _guarded_save_error(tmp_path, {"model": msd, "optim": osd})
+    err = _guarded_save_error(tmp_path, {"model": msd, "optim": osd}, uncertifiable="refuse")
     assert "not Adam or AdamW" in str(err) and "\n" not in str(err)
 
 

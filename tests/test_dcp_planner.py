@@ -1,5 +1,6 @@
-"""GuardedLoadPlanner is told where to read (no frame walking): checkpoint_id= or the
-same storage_reader= as dcp.load, and a one-line error for anything else; the
+"""GuardedLoadPlanner reads where DCP's metadata says the checkpoint is
+(``storage_meta.checkpoint_id``), or where it is told (no frame walking): checkpoint_id=
+or the same storage_reader= as dcp.load, and a one-line error for anything else; the
 GuardedFileSystemReader reads .metadata without running code."""
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
@@ -32,6 +33,34 @@ def test_planner_reads_where_it_is_told(tmp_path):
     got = _target()
     dcp.load(got, storage_reader=fs, planner=GuardedLoadPlanner(storage_reader=fs), no_dist=True)
     assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+
+
+def test_planner_without_arguments_reads_where_the_metadata_says(tmp_path, monkeypatch):
+    """The call DCP users write: GuardedLoadPlanner() finds the directory in the metadata
+    dcp.load read; where that path no longer holds the checkpoint, one line."""
+    a = _saved(tmp_path / "a", 0)
+    got = _target()
+    dcp.load(got, checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(), no_dist=True)
+    assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+    # a checkpoint moved since it was saved: its metadata names a path that holds nothing
+    (tmp_path / "a").rename(tmp_path / "moved")
+    err = _load_error(checkpoint_id=str(tmp_path / "moved"), planner=GuardedLoadPlanner())
+    assert isinstance(err, CheckpointError) and "GuardedLoadPlanner(checkpoint_id=path)" in str(err), err
+    assert "\n" not in str(err) and "holds no DCP checkpoint" in str(err)
+    got = _target()
+    dcp.load(got, checkpoint_id=str(tmp_path / "moved"), planner=GuardedLoadPlanner(str(tmp_path / "moved")),
+             no_dist=True)
+    assert all(torch.equal(got["model"][k], a["model"][k]) for k in a["model"])
+    # another checkpoint now at the saved path: its save id differs
+    _saved(tmp_path / "a", 1)
+    err = _load_error(checkpoint_id=str(tmp_path / "moved"), planner=GuardedLoadPlanner())
+    assert isinstance(err, CheckpointError) and "holds another checkpoint" in str(err), err
+    # a relative path saved from another working directory
+    monkeypatch.chdir(tmp_path)
+    _saved("b", 2)
+    monkeypatch.chdir(tmp_path / "a")
+    err = _load_error(checkpoint_id=str(tmp_path / "b"), planner=GuardedLoadPlanner())
+    assert isinstance(err, CheckpointError) and "relative path" in str(err), err
 
 
 def test_a_plain_reader_given_to_the_planner_warns_that_metadata_was_unpickled(tmp_path):
@@ -82,9 +111,9 @@ def _load_error(**kw):
     return next(iter(failures.values()))[0] if failures else info.value
 
 
-def test_planner_without_a_place_or_with_another_one_is_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"GuardedLoadPlanner\(checkpoint_id=path\)"):
-        GuardedLoadPlanner()
+def test_planner_with_two_places_or_another_one_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="not both"):
+        GuardedLoadPlanner(str(tmp_path / "a"), storage_reader=GuardedFileSystemReader(str(tmp_path)))
     _saved(tmp_path / "a", 0)
     _saved(tmp_path / "b", 1)
     err = _load_error(checkpoint_id=str(tmp_path / "a"), planner=GuardedLoadPlanner(str(tmp_path / "b")))

@@ -25,7 +25,7 @@ BARE = re.compile(r"(?<![\w/.{,-])([\w-]+(?:\.[\w-]+)*\.(?:md|json|jsonl|png|txt
 # the flags before a path a command writes or fills, not one it reads
 WRITTEN = re.compile(r"(?:--out|--cache|--work|--results|-o|>)[ =]$")
 # names that are formats the software or the frameworks write, not files of this project
-FORMAT_NAMES = {"manifest.json"}
+FORMAT_NAMES = {"manifest.json", "config.json", "trainer_state.json"}   # jaxguard's sharded; Hugging Face's
 
 
 def _expand(path):

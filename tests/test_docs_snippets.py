@@ -55,6 +55,15 @@ def test_snippet_runs(doc, heading, capsys):
     assert "block8-unguarded" in lines
 
 
+@pytest.mark.parametrize("heading", ["## NNX", "## linen"])
+def test_flax_doc_examples_run(heading, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("flax")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_block_under("docs/flax.md", heading), f"docs/flax.md:{heading}", "exec"), {})
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["step", "3"] and np.isfinite(float(words[3]))   # resumed at the saved step, trains on
+
+
 def test_readme_has_the_five_quickstarts():
     assert list(QUICK) == ["torch", "optax", "orbax", "Hugging Face Trainer", "torch.distributed.checkpoint"]
 
@@ -89,7 +98,7 @@ def test_readme_optax_and_orbax_quickstarts(tmp_path, monkeypatch):
     assert mu.shape == (4096,) and np.all(nu >= 0) and np.any(mu != 0)
     pytest.importorskip("orbax.checkpoint")
     # what the orbax example saves (the state jg.load returned), through jg.save
-    jg.save("again.jg", ns["state"], ns["params"], lr=1e-3, weight_decay=1e-2)
+    jg.save("again.jg", ns["state"], ns["params"], tx=ns["tx"])
     again = jg.load("again.jg", like=ns["tx"].init(ns["params"]))
     ns = _run("orbax", ns)
     # the orbax handler certifies the same codes as jg.save: the restores agree bit for bit

@@ -29,6 +29,17 @@ def test_bound_encloses_replay_adamw():
     assert rep["edge_finite"] > 0
 
 
+@pytest.mark.parametrize("op_model", ["torch-adam", "torch-adamw"])
+def test_an_lr_interval_row_encloses_the_replay_at_every_rate_in_it(op_model):
+    """Groups certified for [lo, hi] (hi/lo up to 1000) and replayed at lo, hi or between:
+    the scaled difference stays under the row's bound; without the radius it does not."""
+    rep = audit_enclosure(16384, op_model=op_model, seed=5, lr_interval=True)
+    assert rep["lr_interval"] and rep["failures"] == 0 and rep["fast"]["failures"] == 0, rep["failure_examples"][:2]
+    assert rep["adaptive"]["failures"] == 0 and rep["max_ratio"] <= 1.0
+    control = audit_enclosure(16384, op_model=op_model, seed=5, lr_interval=True, no_radius=True)
+    assert control["failures"] > 0
+
+
 def test_no_radius_is_detected():
     rep = audit_enclosure(20000, no_radius=True)
     assert rep["no_radius"] is True

@@ -23,7 +23,6 @@ from helpers import one_torch_thread  # noqa: E402,F401 - an autouse fixture
 L = pytest.importorskip("lightning")
 
 from jaxguard.format import container  # noqa: E402
-from jaxguard.errors import CheckpointError  # noqa: E402
 from jaxguard.integrations.lightning import GuardedCheckpointIO  # noqa: E402
 
 TAU, CLIP, LR = 0.01, 0.2, 1e-3
@@ -121,13 +120,25 @@ def test_next_50_losses_within_run_to_run_noise(runs):
     assert_losses_within_noise(*(runs[k].losses for k in ("guarded", "plain", "noise")), NEXT)
 
 
-def test_unnamed_optimizer_refused_one_line(tmp_path):
+def test_unnamed_optimizer_is_stored_exactly_with_one_warning(tmp_path):
+    """An optimizer built from self.parameters() (no param_names; this MLP's moments do not
+    name their weights by shape): the save is not lost, the optimizer is stored exactly and
+    one warning line says why; the checkpoint loads back bit for bit."""
+    import warnings
+    from jaxguard.errors import JaxguardWarning
     L.seed_everything(0, verbose=False)
     tr = _trainer(tmp_path, 2, [GuardedCheckpointIO()])
     tr.fit(MLP(named=False), _data(0))
-    with pytest.raises(CheckpointError, match=r"optimizer_states\[0\] has no 'param_names'"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", JaxguardWarning)
         tr.save_checkpoint(tmp_path / "x.ckpt")
-    assert not (tmp_path / "x.ckpt").exists()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, JaxguardWarning)]
+    assert len(msgs) == 1 and "6 of 6 parameters stored exactly" in msgs[0] and "named_parameters" in msgs[0], msgs
+    back = GuardedCheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
+    sd = tr.optimizers[0].state_dict() if isinstance(tr.optimizers, list) else tr.optimizers.state_dict()
+    for idx, st in sd["state"].items():
+        for k, t in st.items():
+            assert torch.equal(back["optimizer_states"][0]["state"][idx][k], t), (idx, k)
 
 
 def test_remove_checkpoint(runs, tmp_path):

@@ -70,7 +70,8 @@ def test_cli_verify_and_inspect_a_sharded_directory(tmp_path, trained, capsys):
     s = jg.save(tmp_path / "dir", st, params, lr=1e-3, weight_decay=1e-2, sharded=True)
     assert main(["verify", str(tmp_path / "dir")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"ok {tmp_path / 'dir'}: 1 process files and ") and s["save_id"] in out
+    assert out.startswith(f"ok {tmp_path / 'dir'} (a jaxguard sharded checkpoint directory): 1 process files and ")
+    assert s["save_id"] in out
     assert main(["inspect", "--json", str(tmp_path / "dir")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["framework"] == "optax-sharded" and info["coordinates"] == 1230 and info["save_id"] == s["save_id"]
@@ -79,7 +80,7 @@ def test_cli_verify_and_inspect_a_sharded_directory(tmp_path, trained, capsys):
     data[100] ^= 1
     f.write_bytes(bytes(data))
     assert main(["verify", str(tmp_path / "dir")]) == 1
-    assert capsys.readouterr().out.startswith(f"FAILED {tmp_path / 'dir'}: ")
+    assert capsys.readouterr().out.startswith(f"FAILED {tmp_path / 'dir'} (a jaxguard sharded checkpoint directory): ")
     os.unlink(f)
     assert main(["inspect", str(tmp_path / "dir")]) == 2
     err = capsys.readouterr().err

@@ -217,7 +217,7 @@ def test_s3_cli_inspect_verify_restore(s3, capsys):
     assert cli.main(["inspect", url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["container_bytes"] == storage.size(url)
     assert cli.main(["verify", url]) == 0
-    assert capsys.readouterr().out.startswith(f"ok {url}:")
+    assert capsys.readouterr().out.startswith(f"ok {url} (a jaxguard container file):")
     out = "s3://jg-bucket/cli/restored.pt"
     assert cli.main(["restore", url, "-o", out]) == 0
     import io
@@ -355,3 +355,31 @@ def test_a_local_write_removes_what_a_killed_writer_left_of_the_same_target(tmp_
     storage.atomic_write(str(target), b"complete")
     assert target.read_bytes() == b"complete"
     assert not stale.exists() and fresh.exists() and other.exists()
+
+
+def test_atomic_directory_publishes_whole_or_leaves_nothing(tmp_path):
+    """A new directory appears complete in one rename; a failure inside the block leaves
+    neither it nor its staging directory; a non-empty target or a missing parent is refused."""
+    dst = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="stopped"):
+        with storage.atomic_directory(dst) as stage:
+            with open(os.path.join(stage, "half.bin"), "wb") as fh:
+                fh.write(b"x")
+            raise RuntimeError("stopped half way")
+    assert os.listdir(tmp_path) == []
+    dst.mkdir()                                   # an empty directory is replaced
+    with storage.atomic_directory(dst) as stage:
+        os.mkdir(os.path.join(stage, "sub"))
+        for name in ("a.bin", os.path.join("sub", "b.bin")):
+            with open(os.path.join(stage, name), "wb") as fh:
+                fh.write(name.encode())
+        assert not os.path.exists(dst / "a.bin")  # nothing visible before the block ends
+    assert os.listdir(tmp_path) == ["out"]
+    assert (dst / "a.bin").read_bytes() == b"a.bin" and (dst / "sub" / "b.bin").read_bytes() == b"sub/b.bin"
+    with pytest.raises(ContainerError, match="not an empty directory"):
+        with storage.atomic_directory(dst):
+            pass
+    with pytest.raises(ContainerError, match="does not exist; create it first"):
+        with storage.atomic_directory(tmp_path / "missing" / "out"):
+            pass
+    assert os.listdir(tmp_path) == ["out"]

@@ -60,7 +60,7 @@ def test_order_mapping_is_refused_when_buffers_make_it_ambiguous(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     ckpt, _ = _trained(model)
-    with pytest.raises(CheckpointError, match="floating-point tensors") as exc:
+    with pytest.raises(CheckpointError, match=r"5 tensors of the model have the shape \(8,\)") as exc:
         infer_param_names(ckpt["optimizer"], ckpt["model"])
     assert "named_parameters()" in str(exc.value) and "\n" not in str(exc.value)
     torch.save(ckpt, tmp_path / "bn.pt")
@@ -69,19 +69,25 @@ def test_order_mapping_is_refused_when_buffers_make_it_ambiguous(tmp_path):
     assert not (tmp_path / "bn.jg").exists()
 
 
-def test_order_mapping_rule():
+def test_unnamed_parameters_map_by_shape_only_when_every_shape_names_one_tensor():
     ckpt, _ = _trained(_mlp())
-    assert infer_param_names(ckpt["optimizer"], ckpt["model"]) == [["0.weight", "0.bias", "2.weight", "2.bias"]]
-    # shapes that do not line up in order: refused, naming the parameter
+    names = [["0.weight", "0.bias", "2.weight", "2.bias"]]
+    assert infer_param_names(ckpt["optimizer"], ckpt["model"]) == names
+    # every shape is the model's only tensor of that shape: the map is proven whatever the order
     swapped = dict(reversed(list(ckpt["model"].items())))
-    with pytest.raises(CheckpointError, match="by order, parameter 0 would be '2.bias'"):
-        infer_param_names(ckpt["optimizer"], swapped)
-    # a frozen parameter left out of the optimizer: the count differs
+    assert infer_param_names(ckpt["optimizer"], swapped) == names
+    # the asserted model order is checked against the shapes, naming the parameter
+    with pytest.raises(CheckpointError, match="parameter 0 would be '2.bias'"):
+        infer_param_names(ckpt["optimizer"], swapped, param_order="model")
+    # a frozen parameter left out of the optimizer: proven by shape; the asserted order's count differs
     model = _mlp()
     model[0].bias.requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    assert infer_param_names(opt.state_dict(), model.state_dict()) == [["0.weight", "2.weight", "2.bias"]]
     with pytest.raises(CheckpointError, match="3 parameters, but the model state_dict has 4"):
-        infer_param_names(opt.state_dict(), model.state_dict())
+        infer_param_names(opt.state_dict(), model.state_dict(), param_order="model")
 
 
 def test_load_into_another_layout_is_refused_before_writing(tmp_path):

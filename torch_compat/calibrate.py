@@ -12,6 +12,8 @@ imports point one way: float32 <- variant <- calibrate <- replay. Users call
 """
 from __future__ import annotations
 
+__all__ = ["detect_variant", "detect_fused_variant", "detect_foreach_variant", "detect_implementation_variant"]
+
 import dataclasses
 import itertools
 import time

@@ -7,6 +7,8 @@ dispatches, `read_moments` decodes a container entry read by the numpy reader.
 """
 from __future__ import annotations
 
+__all__ = ["linear8_decode", "log_decode", "table_decode", "rel8_decode", "decode_codes", "read_moments"]
+
 import numpy as np
 import torch
 

@@ -35,15 +35,18 @@ load bit-identically to a plain DCP save.
 """
 from __future__ import annotations
 
+__all__ = ["FORMAT", "SHARD_PREFIX", "manifest_of", "GuardedSavePlanner", "GuardedFileSystemReader",
+           "GuardedLoadPlanner", "read_metadata", "load_full", "restore_dir", "compress_dir", "inspect_dir",
+           "verify_dir", "first_update_audit"]
+
 import contextlib
 import dataclasses
 import hashlib
 import io
 import math
 import os
-import shutil
-import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -63,10 +66,10 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
     from torch.distributed._tensor import DTensor
 
 from jaxguard import audit as jg_audit
-from jaxguard import writer
+from jaxguard import uncovered, writer
 from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
-from jaxguard.format import container, reader
-from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, UnsupportedOptimizerError
+from jaxguard.format import container, reader, storage
+from jaxguard.errors import CheckpointError, ConfigError, ContainerError, JaxguardError, JaxguardWarning, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
 
 from torch_compat import state as _state
@@ -160,6 +163,15 @@ class GuardedSavePlanner(DefaultSavePlanner):
         `clip`, `codec`, `bound`, `partition` override its fields when given.
       op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
         one torch runs where the state lives).
+      lr: the next step's learning rate, if the param groups do not hold it (saved before
+        ``scheduler.step()``): a number or ``(lo, hi)`` for every group; a group whose next
+        rate is 0 keeps its moments as plain DCP tensors (listed in the manifest's
+        ``stored_exactly``).
+      uncertifiable: ``"exact"`` (default, `jaxguard.uncovered`): state the guard cannot
+        certify (bfloat16/float16 parameters or moments, amsgrad and the other flags
+        outside the op models, an optimizer that is not Adam) stays plain DCP tensors,
+        listed with the reason in the manifest's ``stored_exactly``, with one warning
+        line; ``"refuse"``: such a save raises instead.
       overwrite: save into a directory that already holds a DCP checkpoint (default False:
         refused, since DCP rewrites its rank files in place and an interrupted save then
         leaves neither checkpoint; a directory per step keeps the last one whole).
@@ -173,13 +185,17 @@ class GuardedSavePlanner(DefaultSavePlanner):
     Raises:
       ConfigError: a bad tau/clip/codec, or flatten_state_dict/plan caching requested.
       CheckpointError / UnsupportedOptimizerError (wrapped by DCP in a
-        ``CheckpointException``): the state is not float32 Adam/AdamW state, or a
-        parameter is missing.
+        ``CheckpointException``): a parameter is missing or shaped otherwise than its
+        moments; (``uncertifiable="refuse"``) the state is not float32 Adam/AdamW state.
+
+    Warns:
+      JaxguardWarning: (``uncertifiable="exact"``) one line naming what was stored exactly
+        and why (`jaxguard.uncovered.warn`).
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
                  bound: str | None = None, partition: str | None = None, op_model: str | None = None,
-                 overwrite: bool = False, **kwargs):
+                 overwrite: bool = False, lr=None, uncertifiable: str = "exact", **kwargs):
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
@@ -187,6 +203,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
         self.op_model = op_model
+        self.lr = lr
+        self.uncertifiable = uncovered.policy(uncertifiable)
         self.overwrite = overwrite
         s = self.spec
         self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
@@ -240,30 +258,40 @@ class GuardedSavePlanner(DefaultSavePlanner):
     def _encode_local_shards(self) -> dict:
         self._blobs: dict = {}
         roots = _optimizer_roots(self._nested)
+        refuse = self.uncertifiable == uncovered.REFUSE
+        bad_groups = {}
         for root, osd in roots.items():
             for gi, g in enumerate(osd["param_groups"]):
-                _state.check_param_group(gi, g, who="GuardedSavePlanner")
+                u = _state.group_uncovered(gi, g, who="GuardedSavePlanner")
+                if u is not None and refuse:
+                    raise u.error
+                bad_groups[(root, gi)] = u
         pairs: dict = {}
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
                 pairs.setdefault((tuple(path[:-3]), path[-2]), {})[path[-1]] = key
-        jobs, entries = [], {}
+        jobs, entries, exact = [], {}, {}
         for (root, fqn), keys in pairs.items():
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
             osd = roots[root]
             gi, group = _group_of(osd, fqn, root)
-            _state.check_param_group(gi, group, who="GuardedSavePlanner")
+            u = bad_groups.get((root, gi)) or self._pair_uncovered(fqn, keys, root)
+            if u is not None:     # uncertifiable="exact": the pair stays plain DCP tensors, stored exactly
+                if refuse:
+                    raise u.error
+                exact[(root, fqn)] = u.why
+                continue
             step = _state.step_count(osd["state"][fqn], fqn)
-            cfg = _state.guard_config(group, step, spec=self.spec, op_model=self.op_model,
-                                      device_type=osd["state"][fqn]["exp_avg"].device.type)
+            update = _state.next_update(group, step, op_model=self.op_model, lr=self.lr,
+                                        device_type=osd["state"][fqn]["exp_avg"].device.type)
+            if update.stores_exactly:     # next lr 0: the pair stays plain DCP tensors, stored exactly
+                exact[(root, fqn)] = _state.EXACT_REASON
+                continue
+            cfg = _state.writer_config(self.spec, update)
             m_key, v_key = keys["exp_avg"], keys["exp_avg_sq"]
             p_key = self._param_key(fqn, root)
             m, v, p = self.state_dict[m_key], self.state_dict[v_key], self.state_dict[p_key]
-            for what, t in (("exp_avg", m), ("exp_avg_sq", v), ("parameter", p)):
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                    raise UnsupportedOptimizerError(f"{what} of {fqn!r} is {getattr(t, 'dtype', type(t).__name__)}; "
-                                                    "the guarantee covers float32 parameters and moments")
             if not (m.shape == v.shape == p.shape):
                 raise CheckpointError(f"parameter {fqn!r} has shape {tuple(p.shape)} but its moments "
                                       f"{tuple(m.shape)}; the model and optimizer do not match")
@@ -301,11 +329,35 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 "config": cfg.to_json(), "stats": stats})
             totals["container_bytes"] += len(data)
         for (root, fqn), keys in pairs.items():  # even a rank with only empty shards drops the tensors
+            if (root, fqn) in exact:
+                continue
             for k in keys.values():
                 self.state_dict.pop(k, None)
                 self.mappings.pop(k, None)
+        for (root, gi), u in bad_groups.items():    # an optimizer that is not Adam: its state stays plain too
+            if u is not None:
+                osd = roots[root]
+                exact.update({(root, fqn): u.why for fqn in osd["param_groups"][gi].get("params", ())
+                              if fqn in osd["state"] and (root, fqn) not in exact})
         self.summary = totals
-        return {"moments": moments, "totals": totals}
+        stored = sorted(({"param": ".".join(map(str, root + (fqn,))), "why": why} for (root, fqn), why in exact.items()),
+                        key=lambda x: x["param"])
+        if self.uncertifiable == uncovered.EXACT:
+            uncovered.warn("GuardedSavePlanner", [s for s in stored if s["why"] != _state.EXACT_REASON],
+                           of=sum(len(osd["state"]) for osd in roots.values()))
+        return {"moments": moments, "totals": totals, "stored_exactly": stored}
+
+    def _pair_uncovered(self, fqn, keys, root):
+        """Why the moment pair of `fqn` cannot be certified (not float32 parameter or moments), or None."""
+        p = self.state_dict.get(self._param_key(fqn, root))
+        for what, key in (("moments", keys["exp_avg"]), ("moments", keys["exp_avg_sq"]), ("parameters", None)):
+            t = p if key is None else self.state_dict[key]
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                dt = str(getattr(t, "dtype", type(t).__name__)).replace("torch.", "")
+                return _state.Uncovered(f"{dt} {what} (the guarantee covers float32)", UnsupportedOptimizerError(
+                    f"{'parameter' if key is None else key.rsplit('.', 1)[-1]} of {fqn!r} is {dt}; the guarantee "
+                    "covers float32 parameters and moments"))
+        return None
 
     def _param_key(self, fqn, root):
         hits = [k for k, path in self.mappings.items()
@@ -357,6 +409,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
                     "partition": self.partition, "world_size": len(all_plans), "torch_version": torch.__version__,
                     "moments": moments, "tensors": tensors, "bytes": blobs,
                     "totals": {k: sum(loc["totals"][k] for loc in locals_) for k in locals_[0]["totals"]},
+                    "stored_exactly": sorted({x["param"]: x for loc in locals_ for x in loc.get("stored_exactly", ())
+                                              }.values(), key=lambda x: x["param"]),
                     "encode_seconds_per_rank": [loc["seconds"] for loc in locals_]}
         pd = dict(metadata.planner_data or {})
         pd[MANIFEST_KEY] = manifest
@@ -528,8 +582,6 @@ def _warn_other_device(entry, fqn, target, where) -> bool:
         return False
     certified = "cuda" if model in GPU_OP_MODELS else "cpu"
     if (device == "cpu") != (certified == "cpu"):
-        import warnings
-        from jaxguard.errors import JaxguardWarning
         warnings.warn(f"{where}: {fqn} was certified for {model} ({certified}) but is restored onto {device}: the "
                       f"tau guarantee holds for that kernel only; resume on it, or save the original state again "
                       f"with GuardedSavePlanner(op_model=...) for the kernel this run uses", JaxguardWarning,
@@ -577,15 +629,52 @@ class GuardedFileSystemReader(FileSystemReader):
         return md
 
 
+def where_dcp_reads(metadata) -> str:
+    """The checkpoint directory DCP's metadata names (``storage_meta.checkpoint_id``, which
+    torch's `FileSystemWriter` records), for a `GuardedLoadPlanner` given no place.
+
+    Args:
+      metadata: the `Metadata` ``dcp.load`` read.
+
+    Returns:
+      The local directory, holding a ``.metadata``.
+
+    Raises:
+      CheckpointError: (one line naming ``checkpoint_id=``) no path recorded (another
+        storage writer, torch < 2.4), a URL, or no DCP checkpoint there now.
+    """
+    cid = getattr(getattr(metadata, "storage_meta", None), "checkpoint_id", None)
+    fix = "pass GuardedLoadPlanner(checkpoint_id=path) with the path given to dcp.load"
+    if cid is None:
+        raise CheckpointError("GuardedLoadPlanner(): the checkpoint's metadata does not say where it is (no "
+                              f"storage_meta.checkpoint_id: another storage writer than FileSystemWriter); {fix}")
+    path = os.fspath(cid)
+    if "://" in path:
+        raise CheckpointError(f"GuardedLoadPlanner(): the checkpoint's metadata names {path}, which the planner's "
+                              f"local reader cannot read; pass storage_reader= (the reader given to dcp.load)")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"GuardedLoadPlanner(): the checkpoint's metadata says it was saved at {path}, which "
+                              f"holds no DCP checkpoint from here (moved since, or a relative path saved from another "
+                              f"directory); {fix}")
+    return path
+
+
 class GuardedLoadPlanner(DefaultLoadPlanner):
     """Load a checkpoint written with `GuardedSavePlanner` at any world size, all or nothing.
 
     The planner reads and verifies the stored data while DCP plans (before any target is
-    written), which DCP's planner API gives it no reader for, so it is told where to read:
+    written), which DCP's planner API gives it no reader for.  It reads where DCP's metadata
+    says the checkpoint is (``Metadata.storage_meta.checkpoint_id``, which torch's
+    `FileSystemWriter` records, torch >= 2.4), or where it is told:
 
+        dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner())
         dcp.load(state, checkpoint_id=path, planner=GuardedLoadPlanner(checkpoint_id=path))
         r = GuardedFileSystemReader(path)      # or another StorageReader
         dcp.load(state, storage_reader=r, planner=GuardedLoadPlanner(storage_reader=r))
+
+    With no argument the metadata's path must still hold the checkpoint that was read (the
+    same save id; a directory moved since, or saved under a relative path from another
+    working directory, is refused in one line naming ``checkpoint_id=``).
 
     ``dcp.load`` unpickles ``.metadata`` through its storage reader before the planner sees
     anything, and torch's `FileSystemReader` does that with plain ``pickle.load`` (code in a
@@ -598,10 +687,13 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
 
     Args:
       checkpoint_id: the checkpoint directory given to ``dcp.load`` (read through a
-        `FileSystemReader` of the planner's own).
+        `FileSystemReader` of the planner's own); None: the metadata's.
       storage_reader: the storage reader given to ``dcp.load`` (the same object: it is set
-        up by DCP); exactly one of the two.
+        up by DCP); at most one of the two.
       allow_partial_load: as `DefaultLoadPlanner`.
+      strict: a param group the load installs with other hyperparameters (lr, betas, eps,
+        weight decay) than its moments were certified for raises instead of warning
+        (`check_next_update`).
 
     Every stored chunk and guarded shard a rank's targets overlap is read, hashed and
     decoded during DCP's planning step; targets are written in ``finish_plan``, which DCP
@@ -611,16 +703,16 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
     Raises (wrapped by DCP in a ``CheckpointException`` listing the failing ranks):
       CheckpointError: a rank file is missing, truncated or altered (one line naming the
         file); a key is missing; shapes differ; `storage_reader` is not the reader
-        ``dcp.load`` reads with, or `checkpoint_id` holds another checkpoint.
-      ConfigError (at construction): neither or both of `checkpoint_id` and `storage_reader`.
+        ``dcp.load`` reads with, or `checkpoint_id` holds another checkpoint; neither
+        argument and no local ``storage_meta.checkpoint_id`` holding the checkpoint read.
+      ConfigError (at construction): both `checkpoint_id` and `storage_reader`.
     """
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None, *,
-                 storage_reader: StorageReader | None = None, allow_partial_load: bool = False):
-        if (checkpoint_id is None) == (storage_reader is None):
-            raise ConfigError("GuardedLoadPlanner reads the checkpoint while DCP plans and needs to know where: pass "
-                              "GuardedLoadPlanner(checkpoint_id=path) with the path given to dcp.load (or "
-                              "storage_reader=the reader given to dcp.load), one of the two")
+                 storage_reader: StorageReader | None = None, allow_partial_load: bool = False, strict: bool = False):
+        if checkpoint_id is not None and storage_reader is not None:
+            raise ConfigError("GuardedLoadPlanner reads the checkpoint where dcp.load does: pass checkpoint_id= (the "
+                              "path given to dcp.load) or storage_reader= (the reader given to it), not both")
         if storage_reader is not None and not isinstance(storage_reader, StorageReader):
             raise ConfigError(f"storage_reader is a {type(storage_reader).__name__}; pass the "
                               "torch.distributed.checkpoint StorageReader given to dcp.load")
@@ -628,8 +720,10 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         if checkpoint_id is not None and "://" not in os.fspath(checkpoint_id):
             load_metadata(checkpoint_id)   # before dcp.load unpickles it: one line, no code run
         self._checkpoint_id = checkpoint_id
+        self._told = checkpoint_id is not None    # False: the path is the metadata's (where_dcp_reads)
         self._given_reader = storage_reader
         self._apply: list = []
+        self.strict = strict
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         """`DefaultLoadPlanner.set_up_planner`, finding the storage reader and the manifest.
@@ -650,6 +744,8 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
                           "GuardedLoadPlanner saw it: a .metadata someone else wrote could have run code; pass "
                           "storage_reader=torch_compat.dcp.GuardedFileSystemReader(path)", JaxguardWarning,
                           stacklevel=2)
+        if self._given_reader is None and self._checkpoint_id is None:
+            self._checkpoint_id, self._told = where_dcp_reads(metadata), False
         self._reader = self._given_reader or self._own_reader(metadata, is_coordinator)
         sm = getattr(metadata, "storage_meta", None)
         ours, theirs = getattr(self._given_reader, "load_id", None), getattr(sm, "load_id", None)
@@ -669,8 +765,10 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         mine = getattr(getattr(fs.read_metadata(), "storage_meta", None), "save_id", None)
         want = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         if mine is not None and want is not None and mine != want:
-            raise CheckpointError(f"GuardedLoadPlanner(checkpoint_id={path!r}) holds another checkpoint than the one "
-                                  "dcp.load is reading; pass the path given to dcp.load")
+            where = (f"GuardedLoadPlanner(checkpoint_id={path!r})" if self._told else
+                     f"GuardedLoadPlanner(): {path}, where the checkpoint's metadata says it was saved,")
+            raise CheckpointError(f"{where} holds another checkpoint than the one dcp.load is reading; pass "
+                                  "checkpoint_id= with the path given to dcp.load")
         fs.set_up_storage_reader(metadata, is_coordinator)
         return fs
 
@@ -748,7 +846,18 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         return LoadPlan([])   # everything is read and verified already; finish_plan writes it
 
     def finish_plan(self, new_plan):
-        """Copy the verified data into the state_dict.  Args: new_plan: DCP's.  Returns: `new_plan`."""
+        """Copy the verified data into the state_dict, then compare the param groups it
+        installs with what their moments were certified for (`check_next_update`).
+
+        Args:
+          new_plan: DCP's.
+
+        Returns:
+          `new_plan`.
+
+        Raises:
+          CheckpointError: (``strict``) a param group that will step otherwise than certified.
+        """
         for kind, a, b in self._apply:
             if kind == "copy":
                 a.copy_(b)
@@ -757,7 +866,43 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             else:
                 self.state_dict[a] = b
         self._apply = []
+        check_next_update(self.manifest, self.original_state_dict if self.flatten_state_dict else self.state_dict,
+                          where=self._checkpoint_id or "the checkpoint", strict=self.strict)
         return new_plan
+
+
+def check_next_update(manifest, state_dict, *, where="the checkpoint", strict=False) -> None:
+    """Warn (one `JaxguardWarning` line) or, with `strict`, raise when a param group of the
+    optimizer state in `state_dict` (as a load installs it) would step with other
+    hyperparameters than its guarded moments were certified for
+    (`torch_compat.state.check_next_update`).
+
+    Args:
+      manifest: the checkpoint's jaxguard manifest (`manifest_of`), or None.
+      state_dict: the nested state_dict being loaded (``{"optim": osd, ...}``).
+      where: how to name the checkpoint.
+      strict: raise instead of warning.
+
+    Raises:
+      CheckpointError: (``strict``) the first difference, naming both values.
+    """
+    if not manifest:
+        return
+    roots = _optimizer_roots(state_dict)
+    for root, osd in roots.items():
+        entries, members = [], [[] for _ in osd["param_groups"]]
+        for e in manifest.get("moments", {}).values():
+            if tuple(e.get("m_path") or ())[:-3] != root or not e.get("shards"):
+                continue
+            try:
+                gi, _ = _group_of(osd, e["param"], root)
+            except CheckpointError:
+                continue
+            members[gi].append(len(entries))
+            entries.append({"name": f"optimizer/state/{len(entries)}", "kind": "moments",
+                            "config": e["shards"][0].get("config")})
+        sd = {"param_groups": [{"params": m} for m in members]}
+        _state.check_next_update({"entries": entries}, sd, osd["param_groups"], str(where), strict=strict)
 
 
 # ---------------------------------------------------------------- offline: whole directories in one process
@@ -878,13 +1023,15 @@ def restore_dir(path, output) -> dict:
 
 
 def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-                 op_model=None) -> dict:
+                 op_model=None, uncertifiable="refuse") -> dict:
     """``jaxguard compress DIR -o DIR2``: a plain DCP directory -> a guarded one (one rank file).
 
     Args:
       src: the plain DCP directory.
       dst: a new (or empty) output directory.
       spec, tau, clip, codec, bound, partition, op_model: as `GuardedSavePlanner`.
+      uncertifiable: as `GuardedSavePlanner`, but ``"refuse"`` by default (the CLI is the
+        explicit API: ``jaxguard compress --uncertifiable exact`` asks to store exactly).
 
     Returns:
       The save summary (totals, ``escape_rate``, ``payload_ratio``, ``encode_seconds``, ``output``).
@@ -895,7 +1042,8 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
     """
     _, man = read_metadata(src)
     if man is not None:
-        raise CheckpointError(f"{src} is already a guarded checkpoint; restore it first or copy it as is")
+        raise CheckpointError(f"{src} is a torch.distributed.checkpoint directory whose moments are compressed already "
+                              "(GuardedSavePlanner); restore it first or copy it as is")
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise CheckpointError(f"{dst} exists and is not an empty directory; choose a new output directory")
     parent = os.path.dirname(os.path.abspath(dst))
@@ -904,19 +1052,14 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
     t0 = time.perf_counter()
     state = load_full(src)
     planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, bound=bound, partition=partition,
-                                 op_model=op_model)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(dst)) + ".", dir=parent)
-    try:
-        with _unwrapped():
-            dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                                 op_model=op_model, uncertifiable=uncertifiable)
+    with storage.atomic_directory(dst) as tmp, _unwrapped(), warnings.catch_warnings():
+        # the CLI prints what was stored exactly in its summary, not as a Python warning
+        warnings.filterwarnings("ignore", message="GuardedSavePlanner: ", category=JaxguardWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner, no_dist=True)
     s = jg_audit.compression_summary(planner.summary, planner.summary["container_bytes"])
-    s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst))
+    s.update(encode_seconds=time.perf_counter() - t0, output=os.fspath(dst),
+             stored_exactly=planner.metadata.planner_data[MANIFEST_KEY]["stored_exactly"])
     return s
 
 
@@ -933,7 +1076,8 @@ def inspect_dir(path) -> dict:
 
     Returns:
       {"format", "files", "bytes_on_disk", "items"} and, when guarded, the contract, the
-      shard count and the coordinates/escapes/payload totals.
+      shard count, the coordinates/escapes/payload totals, what the shards were certified
+      for (``certified_for``, `jaxguard.audit.certified_for`) and ``stored_exactly``.
 
     Raises:
       CheckpointError: as `read_metadata`.
@@ -952,6 +1096,8 @@ def inspect_dir(path) -> dict:
         out.update(moment_tensors=len(man["moments"]), shards=len(shards), coordinates=n, escapes=esc,
                    escape_rate=esc / max(n, 1), payload_bytes=pay, raw_fp32_bytes=8 * n,
                    payload_ratio=pay / max(8 * n, 1), guarded_bytes=sum(s["bytes"] for s in shards))
+        out["certified_for"] = jg_audit.certified_for((s.get("config"), s.get("stats")) for s in shards)
+        out["stored_exactly"] = [{"param": x, "why": _state.EXACT_REASON} for x in man.get("stored_exactly", ())]
     return out
 
 

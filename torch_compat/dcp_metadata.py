@@ -10,6 +10,8 @@ Every refusal is one `CheckpointError` line naming the file and the field.
 """
 from __future__ import annotations
 
+__all__ = ["load_metadata", "check_manifest"]
+
 import io
 import math
 import os

@@ -35,8 +35,17 @@ under ``adaptive`` (``finite`` and ``certified_at_tau_0.01`` count a case once a
 Cases are grouped: all cases of one group share ``(step, lr, wd)`` so that one
 `adam_step` call (one jitted kernel, its numpy fallback for the extreme range included)
 replays the whole group at once; groups differ in ``(step, lr)``.
+
+``--lr-interval`` (``lr_interval=True``): every group is certified for an interval
+``[lo, hi]`` (`jaxguard.core.bound.pack_interval`; ``hi/lo`` drawn from ``1 + 2**-14``
+(a rate read from an optax transformation), 10, 100 and 1000, ``hi <= 1``, ``hi wd <=
+1``) and replayed at ``lo``, at ``hi`` or at a log-uniform rate between (a third each);
+the replay's difference is compared with the bound scaled to that rate, ``bound *
+lr / lo`` (the interval's claim: ``|p1' - p2'| <= tau lr`` wherever ``bound <= tau lo``).
 """
 from __future__ import annotations
+
+__all__ = ["POINTS_PER_CASE", "draw_cases", "draw_edge_cases", "cell_points", "audit_enclosure", "run"]
 
 import functools
 import json
@@ -278,7 +287,7 @@ def cell_points(rng, gl, gh):
 
 # ---------------------------------------------------------------- audit
 def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", keep_failures=20,
-                    edge_fraction=0.25, variant=None, approx="adversarial") -> dict:
+                    edge_fraction=0.25, variant=None, approx="adversarial", lr_interval=False) -> dict:
     """Check `bound.cell_bounds` against the bit-exact torch replay (module docstring).
 
     Args:
@@ -300,6 +309,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         approximate op to the worst float32 its error allows, ``"nearest"`` to the nearest;
         each case's kernel contracts multiply-adds to FMA or not, and (foreach) divides
         by a host scalar through its reciprocal or not (drawn, 50% each).
+      lr_interval: certify every group for an lr interval and replay it at a rate in it
+        (module docstring).
 
     Returns:
       A dict: cases, failures (finite bound below the actual difference, or a NaN
@@ -347,9 +358,27 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         for i in np.flatnonzero(sim_rng.random(n_groups) < 0.25):
             group_betas[i] = ODD_BETAS[sim_rng.integers(len(ODD_BETAS))]
             group_eps[i] = ODD_EPS[sim_rng.integers(len(ODD_EPS))]
-    ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=bb, eps=ee,
-                                                        weight_decay=float(w)), 0.01)
-                   for s, lr, w, bb, ee in zip(steps, lrs, wds, group_betas, group_eps)])
+    replay_lrs = lrs
+    if lr_interval:   # drawn apart: the other draws stay those of the point audit
+        irng = np.random.default_rng([seed, 55])
+        his = np.minimum(lrs, 1.0)
+        los = his / irng.choice([1 + 2.0**-14, 10.0, 100.0, 1000.0], n_groups)
+        wds = np.minimum(wds, 1.0 / his)
+        at = irng.integers(0, 3, n_groups)
+        between = np.exp(irng.uniform(np.log(los), np.log(his)))
+        replay_lrs = np.where(at == 0, los, np.where(at == 1, his, between))
+
+        def row(s, lo, hi, w, bb, ee):
+            c = [step_constants(op_model, lr=float(x), step=int(s), betas=bb, eps=ee, weight_decay=float(w))
+                 for x in (lo, hi)]
+            return _bound.pack_interval(c[0], c[1], 0.01)
+        ks = np.stack([row(s, lo, hi, w, bb, ee)
+                       for s, lo, hi, w, bb, ee in zip(steps, los, his, wds, group_betas, group_eps)])
+        lrs = los
+    else:
+        ks = np.stack([_bound.pack_constants(step_constants(op_model, lr=float(lr), step=int(s), betas=bb, eps=ee,
+                                                            weight_decay=float(w)), 0.01)
+                       for s, lr, w, bb, ee in zip(steps, lrs, wds, group_betas, group_eps)])
     failures = 0
     max_ratio = 0.0
     worst = None
@@ -390,8 +419,9 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             nr = rows.size
             pp = np.repeat(d["p"][rows], P)
             gg = g[rows].reshape(-1)
-            args = dict(step=int(steps[grp]), lr=float(lrs[grp]), betas=group_betas[grp], eps=group_eps[grp],
+            args = dict(step=int(steps[grp]), lr=float(replay_lrs[grp]), betas=group_betas[grp], eps=group_eps[grp],
                         weight_decay=float(wds[grp]))
+            scale = float(lrs[grp]) / float(replay_lrs[grp])     # 1 unless an interval is replayed inside
             if gpu:
                 fma = np.repeat(sim_rng.random(nr) < 0.5, P)
                 recip = np.repeat(sim_rng.random(nr) < 0.5, P)
@@ -403,7 +433,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
                 p1, p2 = out[:nr * P].astype(np.float64), out[nr * P:].astype(np.float64)
                 with np.errstate(invalid="ignore"):
                     diff = np.where(np.isfinite(p1) & np.isfinite(p2), np.abs(p1 - p2), np.inf)
-                actual[rows] = diff.reshape(nr, P)
+                actual[rows] = diff.reshape(nr, P) * scale
                 continue
             args.update(decoupled=decoupled, variant=variant, implementation=implementation)
             if tail_rng is not None:
@@ -419,7 +449,7 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
             # a finite bound claims that every native intermediate is finite
             with np.errstate(invalid="ignore"):
                 diff = np.where(np.isfinite(p1) & np.isfinite(p2), np.abs(p1 - p2), np.inf)
-            actual[rows] = diff.reshape(nr, P)
+            actual[rows] = diff.reshape(nr, P) * scale
         amax = actual.max(1)
         # the closed-form tier bounds every |g| <= clip, so it must enclose every point of
         # the cell as well; only coordinates it declares usable count (others go to cells)
@@ -504,6 +534,8 @@ def audit_enclosure(cases, *, no_radius=False, seed=0, op_model="torch-adam", ke
         "edge_failures": edge_failures,
         "seconds": round(time.perf_counter() - t0, 2), "no_radius": bool(no_radius), "seed": int(seed),
         "op_model": op_model, "weight_decay": wd if not decoupled else "0.01; edge groups lr*wd in [0.5, 30]",
+        "lr_interval": ("hi/lo in {1+2**-14, 10, 100, 1000}, replayed at lo, hi or between; actual scaled by lo/lr"
+                        if lr_interval else False),
         "betas": list(BETAS), "eps": EPS,
         "levels": list(LEVEL_RANGE), "partition": "mixed",
         "variant": ({"simulation": "torch_compat.gpu_sim (CPU, not a GPU)", "approx": approx, "fma": "per case, 50%",
@@ -541,11 +573,12 @@ def run(args) -> int:
       ``--no-radius`` (failures are expected there).
     """
     rep = audit_enclosure(args.cases, no_radius=args.no_radius, seed=args.seed, op_model=args.op_model,
-                          edge_fraction=args.edge_fraction)
+                          edge_fraction=args.edge_fraction, lr_interval=getattr(args, "lr_interval", False))
     if args.json:
         print(json.dumps(rep))
     else:
-        print(f"audit-enclosure ({rep['op_model']}{', no radius' if rep['no_radius'] else ''}): "
+        print(f"audit-enclosure ({rep['op_model']}{', no radius' if rep['no_radius'] else ''}"
+              f"{', lr intervals' if rep['lr_interval'] else ''}): "
               f"{rep['cases']} cases x {rep['points_per_case']} points, {rep['failures']} failures, "
               f"max actual/bound {rep['max_ratio']:.4g}, {rep['escaped']} escaped (bound +inf); edge cases "
               f"{rep['edge_cases']} ({rep['edge_finite']} with a finite bound, {rep['edge_failures']} failures), "

@@ -14,6 +14,8 @@ result (``torch.sqrt`` agrees on every CPU measured).
 """
 from __future__ import annotations
 
+__all__ = ["MANTISSA_BITS", "fma_float32_numpy", "sqrt_float32_numpy"]
+
 import numpy as np
 
 MANTISSA_BITS = 23

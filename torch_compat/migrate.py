@@ -35,6 +35,8 @@ difference torch cannot reproduce).
 """
 from __future__ import annotations
 
+__all__ = ["to_optax", "from_optax", "container_to_torch", "torch_to_container", "load_migrated"]
+
 from jaxguard.core.config import save_spec
 import numpy as np
 import torch

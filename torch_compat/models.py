@@ -3,6 +3,9 @@ and benchmarks: a byte-level transformer on the Python standard library's own so
 text, and a residual CNN with BatchNorm on scikit-learn's 8x8 digits."""
 from __future__ import annotations
 
+__all__ = ["ByteTransformer", "text_batches", "digits_batches", "loss_fn", "make", "train", "next_gradients",
+           "odd_values_checkpoint"]
+
 import copy
 import functools
 import os

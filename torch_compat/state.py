@@ -3,18 +3,32 @@
 A checkpoint ("CKPT") is a dict with the model ``state_dict`` under ``"model"`` and an
 Adam/AdamW optimizer ``state_dict`` under ``"optimizer"``.  Its param groups carry
 ``param_names`` when the optimizer was built from ``model.named_parameters()``; one
-built from ``model.parameters()`` is mapped by order when that is unambiguous
+built from ``model.parameters()`` is mapped to the model's tensors only where the map is
+provable (every moment's shape names one tensor), or in an order the user asserts
 (`infer_param_names`).  Every other key passes through exactly (tensors as raw arrays,
 numbers/strings/lists/dicts as JSON; nothing is pickled).
+
+What each moment pair was certified for (the param group's next-step lr, betas, eps,
+weight decay, the state's step, the op model, the parameter) is recorded in its entry;
+`load` compares the optimizer about to step with it (`check_next_update`).
 """
 from __future__ import annotations
 
+__all__ = ["EXACT_REASON", "tensor_to_numpy", "to_skeleton", "scalar_value", "check_param_group",
+           "check_optimizer_state", "implementation_of", "infer_param_names", "with_param_names",
+           "param_index", "op_model_of", "next_update", "guard_config", "step_count", "MappedSource",
+           "state_records", "writer_config", "encoder_view", "jax_platform_of", "HostTensor",
+           "compress_checkpoint", "compress_checkpoint_to", "restore_tree", "save", "snapshot",
+           "save_snapshot", "load", "check_next_update", "certified_by_group", "warn_other_kernel",
+           "torch_step", "audit", "save_torch"]
+
+import argparse
 import functools
 import hashlib
 import math
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -23,6 +37,7 @@ from jaxguard.format.spec import DEFAULT_CLIP, DEFAULT_TAU
 from jaxguard.format import container, reader
 from jaxguard.format.torchzip import FileTensor
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
+from jaxguard.uncovered import policy as uncovered_policy
 from jaxguard.core.opmodel import resolve_op_model, torch_op_model
 from torch_compat.replay import TORCH_FLAGS
 
@@ -92,7 +107,16 @@ UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
             "model.named_parameters(), e.g. torch.optim.Adam(model.named_parameters(), lr=1e-3)")
 BY_ORDER_FIX = ("build the optimizer from model.named_parameters(), e.g. "
-                "torch.optim.Adam(model.named_parameters(), lr=1e-3), or save with torch_compat.save(path, optimizer)")
+                "torch.optim.Adam(model.named_parameters(), lr=1e-3), save with torch_compat.save(path, optimizer), "
+                "or assert the order: jaxguard compress --param-order model (built from model.parameters()) or "
+                "--param-order FILE (the names in the optimizer's order, one a line)")
+# how an entry's parameter was found (its config's "param_map")
+PARAM_MAPS = {"param_names": "the optimizer's param_names",
+              "shapes": "each moment's shape names one tensor of the model (provable)",
+              "asserted-model-order": "asserted: the optimizer was built from model.parameters() (--param-order model)",
+              "asserted-names": "asserted: the names given in the optimizer's order (--param-order FILE)",
+              "live": "the live optimizer's parameters (torch_compat.save)"}
+EXACT_REASON = "the param group's next learning rate is 0 (nothing to certify against): moments stored exactly"
 
 
 # ---------------------------------------------------------------- generic tree <-> JSON skeleton
@@ -155,7 +179,8 @@ def to_skeleton(obj, path, raws, tied=None):
     its node names the first one's entry, as ``torch.save`` keeps one storage for both.
 
     Args:
-      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None.
+      obj: tensors, dicts (str/int keys), lists, tuples, numbers, strings, None, numpy
+        arrays and scalars, ``argparse.Namespace``.
       path: the entry-name prefix of `obj` (``"model"``, ``"optimizer/state/0"``).
       raws: the list the `container.Raw` records are appended to.
       tied: ``{tensor identity: entry name}`` shared by the calls of one checkpoint
@@ -187,12 +212,21 @@ def to_skeleton(obj, path, raws, tied=None):
     if isinstance(obj, (list, tuple)):
         tag = "__list__" if isinstance(obj, list) else "__tuple__"
         return {tag: [to_skeleton(v, f"{path}/{i}", raws, tied) for i, v in enumerate(obj)]}
+    if isinstance(obj, (np.ndarray, np.generic)) and not isinstance(obj, np.str_):
+        # numpy values as checkpoints hold them (best_val_loss=np.float64(...), np.random.get_state()'s
+        # uint32 key): raw entries, restored with their type, shape and bits
+        arr = np.ascontiguousarray(obj)
+        raws.append(container.Raw(path, arr, container.numpy_dtype_name(arr)))
+        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__npscalar__": path}
+    if isinstance(obj, argparse.Namespace):   # a run's arguments
+        return {"__namespace__": to_skeleton(vars(obj), path, raws, tied)["__dict__"]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"__float__": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise CheckpointError(f"{path!r} holds a {type(obj).__name__}; jaxguard stores tensors, numbers, strings, "
-                          "lists and dicts (convert it, or keep it outside the checkpoint)")
+                          "lists, tuples, dicts, numpy arrays and scalars and argparse.Namespace (convert it, or keep "
+                          "it outside the checkpoint)")
 
 
 def from_skeleton(sk, arrays, dtypes):
@@ -224,6 +258,15 @@ def from_skeleton(sk, arrays, dtypes):
             return tuple(from_skeleton(v, arrays, dtypes) for v in sk["__tuple__"])
         if "__float__" in sk:
             return float(sk["__float__"])
+        if "__ndarray__" in sk or "__npscalar__" in sk:
+            name = sk.get("__ndarray__", sk.get("__npscalar__"))
+            arr = np.array(arrays[name])
+            if dtypes[name] == "bfloat16":
+                import ml_dtypes
+                arr = arr.view(ml_dtypes.bfloat16)
+            return arr if "__ndarray__" in sk else arr.reshape(())[()]
+        if "__namespace__" in sk:
+            return argparse.Namespace(**{k: from_skeleton(v, arrays, dtypes) for k, v in sk["__namespace__"]})
     return sk
 
 
@@ -248,6 +291,43 @@ def scalar_value(x, what):
     return x
 
 
+class Uncovered(NamedTuple):
+    """State the guard cannot certify (`jaxguard.uncovered`): why, in a few words (the
+    integrations' warning, the file's ``stored_exactly``), and the one-line error the
+    explicit API raises instead."""
+
+    why: str
+    error: Exception
+
+
+def group_uncovered(gi, g, *, who="jaxguard") -> Uncovered | None:
+    """Why param group `g` is outside the op models, or None.
+
+    Args:
+      gi: the group's index, for the error.
+      g: the param group (a dict of an optimizer state_dict's ``param_groups``).
+      who: what refuses it, for the error (``"jaxguard"``, ``"GuardedSavePlanner"``).
+
+    Returns:
+      An `Uncovered` (not Adam/AdamW, one of `UNSUPPORTED_FLAGS` set, fused and foreach both
+      set), or None.
+    """
+    if "betas" not in g or "eps" not in g:
+        return Uncovered("parameters of an optimizer that is not Adam or AdamW", UnsupportedOptimizerError(
+            f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; {who} compresses "
+            "torch.optim.Adam and AdamW state only"))
+    for flag in UNSUPPORTED_FLAGS:
+        if g.get(flag):
+            return Uncovered(f"parameters with {flag}={g[flag]!r} (outside the op models)", UnsupportedOptimizerError(
+                f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers {flag}=False only (rebuild the "
+                f"optimizer with {flag}=False)"))
+    try:
+        implementation_of(g, gi)
+    except UnsupportedOptimizerError as exc:
+        return Uncovered("parameters with fused=True and foreach=True", exc)
+    return None
+
+
 def check_param_group(gi, g, *, who="jaxguard") -> None:
     """Check that one param group is Adam/AdamW without the flags the guarantee excludes.
 
@@ -258,18 +338,63 @@ def check_param_group(gi, g, *, who="jaxguard") -> None:
 
     Raises:
       UnsupportedOptimizerError: no ``betas``/``eps`` (not Adam), or one of
-        `UNSUPPORTED_FLAGS` (amsgrad, maximize, ...) set.
+        `UNSUPPORTED_FLAGS` (amsgrad, maximize, ...) set (`group_uncovered`).
     """
-    if "betas" not in g or "eps" not in g:
-        raise UnsupportedOptimizerError(f"param group {gi} has no 'betas'/'eps': the optimizer is not Adam or AdamW; "
-                                        f"{who} compresses torch.optim.Adam and AdamW state only")
-    for flag in UNSUPPORTED_FLAGS:
-        if g.get(flag):
-            raise UnsupportedOptimizerError(f"param group {gi} has {flag}={g[flag]!r}; the guarantee covers "
-                                            f"{flag}=False only (rebuild the optimizer with {flag}=False)")
+    u = group_uncovered(gi, g, who=who)
+    if u is not None:
+        raise u.error
 
 
-def check_optimizer_state(opt_sd, model_sd=None) -> None:
+def state_uncovered(idx, st, gi, g) -> Uncovered | None:
+    """Why one parameter's optimizer state cannot be certified, or None.
+
+    Args:
+      idx: its key in the state_dict's ``state``.
+      st: the state (``exp_avg``, ``exp_avg_sq``, ``step``).
+      gi, g: its param group and the group's index (None when no group lists it).
+
+    Returns:
+      An `Uncovered` (no Adam moments, a kernel no op model covers on the state's device,
+      moments that are not float32), or None.
+    """
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        if not isinstance(st, dict) or key not in st:
+            return Uncovered("states without Adam moments", CheckpointError(
+                f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?"))
+    if g is not None and is_tensor(st["exp_avg"]) and st["exp_avg"].device.type != "cpu":
+        try:
+            op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
+        except UnsupportedOptimizerError as exc:
+            impl = implementation_of(g, gi)
+            has = f"has {impl}=True" if impl != "single" else "runs the single-tensor kernel"
+            return Uncovered(f"states on {st['exp_avg'].device.type} whose kernel no op model covers",
+                             UnsupportedOptimizerError(f"param group {gi} {has} with its state on "
+                                                       f"{st['exp_avg'].device}: {str(exc).split(': ', 1)[-1]}"))
+    for key in ("exp_avg", "exp_avg_sq"):
+        if dtype_name(st[key]) != "float32":
+            return Uncovered(f"{dtype_name(st[key])} moments (the guarantee covers float32)", UnsupportedOptimizerError(
+                f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies float32 moments only (keep "
+                "Adam state in float32)"))
+    return None
+
+
+def param_uncovered(name, p) -> Uncovered | None:
+    """Why parameter `p` cannot be the ``p`` of a certificate, or None.
+
+    Args:
+      name: its name, for the error.
+      p: the parameter tensor.
+
+    Returns:
+      An `Uncovered` when it is not float32, else None.
+    """
+    if dtype_name(p) != "float32":
+        return Uncovered(f"{dtype_name(p)} parameters (the guarantee covers float32)", UnsupportedOptimizerError(
+            f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters"))
+    return None
+
+
+def check_optimizer_state(opt_sd, model_sd=None, param_order=None, *, uncovered: dict | None = None) -> None:
     """Check that `opt_sd` is a torch Adam/AdamW state_dict jaxguard can certify.
 
     Args:
@@ -277,43 +402,41 @@ def check_optimizer_state(opt_sd, model_sd=None) -> None:
         built from ``model.named_parameters()``, torch >= 2.6) or without (then
         `model_sd` is needed and must map by order, `infer_param_names`).
       model_sd: the model ``state_dict`` the optimizer belongs to, optional.
+      param_order: an asserted parameter order (`infer_param_names`).
+      uncovered: a dict that receives ``{state index: Uncovered}`` for each parameter
+        whose group or state the guard cannot certify, instead of raising
+        (``uncertifiable="exact"``: `state_records`).
 
     Raises:
-      CheckpointError: not an optimizer state_dict, no ``param_names`` and no unambiguous
-        order mapping, a state without ``exp_avg``/``exp_avg_sq``/``step``.
+      CheckpointError: not an optimizer state_dict, no ``param_names`` and no provable
+        map, a state without ``exp_avg``/``exp_avg_sq``/``step``.
       UnsupportedOptimizerError: not Adam/AdamW, an unsupported flag, foreach/fused state
         off the CPU, moments that are not float32.
     """
     if not isinstance(opt_sd, dict) or "state" not in opt_sd or "param_groups" not in opt_sd:
         raise CheckpointError("'optimizer' is not an optimizer state_dict (needs 'state' and 'param_groups'); "
                               "save optimizer.state_dict() under 'optimizer'")
+    bad_groups = {}
     for gi, g in enumerate(opt_sd["param_groups"]):
-        check_param_group(gi, g)
-        implementation_of(g, gi)
+        u = group_uncovered(gi, g)
+        if u is not None:
+            if uncovered is None:
+                raise u.error
+            bad_groups[gi] = u
         if "param_names" in g and len(g["param_names"]) != len(g["params"]):
             raise CheckpointError(f"param group {gi} has {len(g['param_names'])} param_names for {len(g['params'])} params")
-    if not all("param_names" in g for g in opt_sd["param_groups"]):
+    if param_order is not None or not all("param_names" in g for g in opt_sd["param_groups"]):
         if model_sd is None:
             raise CheckpointError(NO_NAMES)
-        infer_param_names(opt_sd, model_sd)
+        infer_param_names(opt_sd, model_sd, param_order)
     groups = {idx: (gi, g) for gi, g in enumerate(opt_sd["param_groups"]) for idx in g.get("params", ())}
     for idx, st in opt_sd["state"].items():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            if key not in st:
-                raise CheckpointError(f"optimizer state of parameter {idx} has no {key!r}; is this an Adam/AdamW state_dict?")
-        if idx in groups and is_tensor(st["exp_avg"]) and st["exp_avg"].device.type != "cpu":
-            gi, g = groups[idx]
-            try:
-                op_model_of(g, st["exp_avg"].device.type, gi=gi)    # a kernel no op model covers: one line
-            except UnsupportedOptimizerError as exc:
-                impl = implementation_of(g, gi)
-                has = f"has {impl}=True" if impl != "single" else "runs the single-tensor kernel"
-                raise UnsupportedOptimizerError(f"param group {gi} {has} with its state on {st['exp_avg'].device}: "
-                                                f"{str(exc).split(': ', 1)[-1]}") from None
-        for key in ("exp_avg", "exp_avg_sq"):
-            if dtype_name(st[key]) != "float32":
-                raise UnsupportedOptimizerError(f"optimizer state {idx}.{key} is {st[key].dtype}; jaxguard certifies "
-                                                "float32 moments only (keep Adam state in float32)")
+        gi, g = groups.get(idx, (None, None))
+        u = bad_groups.get(gi) or state_uncovered(idx, st, gi, g)
+        if u is not None:
+            if uncovered is None:
+                raise u.error
+            uncovered[idx] = u
 
 
 def implementation_of(group, gi=0) -> str:
@@ -339,67 +462,143 @@ def implementation_of(group, gi=0) -> str:
     return "fused" if fused else "foreach" if foreach else "single"
 
 
-def infer_param_names(opt_sd, model_sd) -> list:
-    """The parameter names of an optimizer built from ``model.parameters()`` (no ``param_names``).
+def infer_param_names(opt_sd, model_sd, param_order=None) -> list:
+    """The parameter names of an optimizer state_dict whose groups have no ``param_names``
+    (built from ``model.parameters()``), or whose ``param_names`` the user overrides.
 
-    torch numbers an optimizer's parameters 0, 1, ... in the order it was given them, and
-    ``model.parameters()`` yields them in ``model.state_dict()`` order.  The mapping by
-    order is taken only when it cannot be confused, by this rule:
-
-    - no param group has ``param_names`` (a mix is refused);
-    - the groups list the indices 0..N-1, in order;
-    - the model state_dict holds exactly N floating-point tensors (integer buffers such as
-      BatchNorm's ``num_batches_tracked`` are not candidates; a floating buffer such as
-      ``running_mean``, a tied weight listed twice, or a frozen parameter left out of the
-      optimizer makes the count differ, so the order says nothing and it is refused);
-    - every state's ``exp_avg`` has the shape of the tensor at its position.
+    Without `param_order` the map is taken only when it is provable: every parameter with
+    Adam state has an ``exp_avg`` whose shape is that of exactly one floating-point tensor
+    of the model state_dict, a different one for each (a tied weight, one storage under
+    two names such as nanoGPT's ``wte``/``lm_head``, counts once, by its first name).  Two
+    same-shaped tensors (q/k/v projections, the layers of a stack) leave the map unproven:
+    torch numbers the optimizer's parameters in the order it was given them, and param
+    groups (weight decay on some) reorder them, so the order says nothing; it is refused
+    in one line naming the fix.
 
     Args:
       opt_sd: the optimizer state_dict.
       model_sd: the model state_dict ({name: tensor}).
+      param_order: an assertion the user makes instead of a proof: ``"model"`` (the
+        optimizer was built from ``model.parameters()``: its i-th parameter is the model's
+        i-th floating-point tensor, tied weights once; the count and every shape must
+        agree) or a list of names in the optimizer's parameter order (groups in order).
 
     Returns:
       One list of names per param group (parallel to its ``params``).
 
     Raises:
-      CheckpointError: the rule does not hold (one line saying which part, and the fix:
-        build the optimizer from ``model.named_parameters()``).
+      CheckpointError: no provable map and no assertion, or an assertion that the counts
+        or shapes contradict (one line, naming the fix).
     """
     groups = opt_sd["param_groups"]
-    if any("param_names" in g for g in groups):
-        raise CheckpointError("some param groups have 'param_names' and some do not; " + BY_ORDER_FIX)
     if not isinstance(model_sd, dict):
         raise CheckpointError(f"the model state_dict is a {type(model_sd).__name__}; save model.state_dict() under 'model'")
+    if param_order is None and any("param_names" in g for g in groups):
+        raise CheckpointError("some param groups have 'param_names' and some do not; " + BY_ORDER_FIX)
     indices = [idx for g in groups for idx in g["params"]]
-    if indices != list(range(len(indices))):
-        raise CheckpointError(f"the optimizer has no 'param_names' and its parameter indices are not 0..{len(indices) - 1} "
-                              "in order, so they cannot be mapped to the model; " + BY_ORDER_FIX)
-    floats = [k for k, t in model_sd.items() if is_tensor(t) and t.is_floating_point()]
-    if len(floats) != len(indices):
-        raise CheckpointError(f"the optimizer has no 'param_names' and {len(indices)} parameters, but the model "
-                              f"state_dict has {len(floats)} floating-point tensors (buffers, tied or frozen weights), "
-                              "so the order does not say which is which; " + BY_ORDER_FIX)
-    for idx, st in opt_sd["state"].items():
-        m = st.get("exp_avg") if isinstance(st, dict) else None
-        if isinstance(idx, int) and 0 <= idx < len(floats) and is_tensor(m) \
-                and tuple(m.shape) != tuple(model_sd[floats[idx]].shape):
-            raise CheckpointError(f"the optimizer has no 'param_names'; by order, parameter {idx} would be "
-                                  f"{floats[idx]!r} of shape {tuple(model_sd[floats[idx]].shape)}, but its state has "
-                                  f"shape {tuple(m.shape)}; " + BY_ORDER_FIX)
-    out, i = [], 0
-    for g in groups:
-        out.append(floats[i:i + len(g["params"])])
-        i += len(g["params"])
+    floats = _parameter_candidates(model_sd)
+    shape_of = {idx: tuple(st["exp_avg"].shape) for idx, st in opt_sd["state"].items()
+                if isinstance(st, dict) and is_tensor(st.get("exp_avg"))}
+    if param_order is None:
+        names = _by_shape(indices, shape_of, floats, model_sd)
+    elif isinstance(param_order, str) and param_order == "model":
+        if len(floats) != len(indices):
+            raise CheckpointError(f"--param-order model: the optimizer has {len(indices)} parameters, but the model "
+                                  f"state_dict has {len(floats)} floating-point tensors (tied weights counted once; "
+                                  "buffers or frozen weights make the count differ), so that order cannot be it; "
+                                  "pass --param-order FILE with the names, or build the optimizer from "
+                                  "model.named_parameters()")
+        names = dict(zip(indices, floats))
+    else:
+        order = [str(n) for n in param_order]
+        if len(order) != len(indices):
+            raise CheckpointError(f"--param-order lists {len(order)} names for the optimizer's {len(indices)} "
+                                  "parameters; list one name per parameter, in the optimizer's order")
+        missing = [n for n in order if n not in model_sd]
+        if missing or len(set(order)) != len(order):
+            what = f"{missing[0]!r} is not in the model state_dict" if missing else "a name appears twice"
+            raise CheckpointError(f"--param-order: {what}; list the model's parameter names in the optimizer's order")
+        names = dict(zip(indices, order))
+    for idx, shape in shape_of.items():
+        if idx in names and tuple(model_sd[names[idx]].shape) != shape:
+            raise CheckpointError(f"the optimizer's parameter {idx} would be {names[idx]!r} of shape "
+                                  f"{tuple(model_sd[names[idx]].shape)}, but its state has shape {shape}; "
+                                  + BY_ORDER_FIX)
+    return [[names[idx] for idx in g["params"]] for g in groups]
+
+
+def _parameter_candidates(model_sd) -> list:
+    """The model's floating-point tensors in state_dict order, a tied weight (one storage,
+    offset, shape and strides under two names) once, by its first name: what
+    ``model.parameters()`` yields when every floating tensor is a parameter."""
+    out, seen = [], set()
+    for k, t in model_sd.items():
+        if not (is_tensor(t) and t.is_floating_point()):
+            continue
+        key = _tie_key(t)
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        out.append(k)
     return out
 
 
-def with_param_names(opt_sd, model_sd):
-    """`opt_sd` itself when every group has ``param_names``, else a copy whose groups carry
-    the names `infer_param_names` maps them to (state tensors shared, not copied).
+def _by_shape(indices, shape_of, floats, model_sd) -> dict:
+    """{optimizer index: name} where every stateful parameter's shape names one candidate."""
+    by_shape: dict = {}
+    for k in floats:
+        by_shape.setdefault(tuple(model_sd[k].shape), []).append(k)
+    names, taken = {}, {}
+    for idx in indices:
+        if idx not in shape_of:
+            continue
+        hits = by_shape.get(shape_of[idx], [])
+        if not hits:
+            raise CheckpointError(f"the optimizer has no 'param_names' and no floating-point tensor of the model has "
+                                  f"the shape {shape_of[idx]} of parameter {idx}'s state; the model and optimizer do "
+                                  "not match, or " + BY_ORDER_FIX)
+        if len(hits) > 1 or hits[0] in taken:
+            what = f"{len(hits)} tensors of the model" if len(hits) > 1 else f"parameters {taken[hits[0]]} and {idx}"
+            raise CheckpointError(f"the optimizer has no 'param_names' and {what} have the shape {shape_of[idx]}, so "
+                                  f"which tensor parameter {idx}'s state belongs to cannot be proven (param groups "
+                                  "reorder parameters); " + BY_ORDER_FIX)
+        names[idx], taken[hits[0]] = hits[0], idx
+    for idx in indices:
+        names.setdefault(idx, f"unused.{idx}")    # no state: never certified
+    return names
+
+
+def stale_names_error(opt_sd, model_sd):
+    """A one-line `CheckpointError` when the groups' ``param_names`` name tensors the
+    model state_dict lacks, else None: torch's ``load_state_dict`` keeps the names of the
+    run that saved the state, so after a module rename they are stale.
+
+    Args:
+      opt_sd, model_sd: the optimizer and model state_dicts.
+
+    Returns:
+      The error to raise, or None.
+    """
+    named = [n for g in opt_sd["param_groups"] for n in (g.get("param_names") or ())]
+    missing = [n for n in named if n not in model_sd]
+    if not missing or not isinstance(model_sd, dict):
+        return None
+    return CheckpointError(f"the optimizer's param_names name {len(missing)} parameters the model state_dict does not "
+                           f"have (first {missing[0]!r}): names torch's load_state_dict kept from an earlier run, stale "
+                           "after a module rename; pass --param-order model (CLI) or param_order='model' to map by "
+                           "the order you assert, or save the model's state_dict under 'model' with the names the "
+                           "optimizer has")
+
+
+def with_param_names(opt_sd, model_sd, param_order=None):
+    """`opt_sd` itself when every group has ``param_names`` (and no `param_order` is
+    asserted), else a copy whose groups carry the names `infer_param_names` maps them to
+    (state tensors shared, not copied).
 
     Args:
       opt_sd: an optimizer state_dict.
       model_sd: the model state_dict it belongs to.
+      param_order: as `infer_param_names`.
 
     Returns:
       An optimizer state_dict with ``param_names`` in every group.
@@ -407,33 +606,52 @@ def with_param_names(opt_sd, model_sd):
     Raises:
       CheckpointError: as `infer_param_names`.
     """
-    if all("param_names" in g for g in opt_sd["param_groups"]):
+    if param_order is None and all("param_names" in g for g in opt_sd["param_groups"]):
         return opt_sd
-    names = infer_param_names(opt_sd, model_sd)
+    names = infer_param_names(opt_sd, model_sd, param_order)
     return {**opt_sd, "param_groups": [{**g, "param_names": list(n)} for g, n in zip(opt_sd["param_groups"], names)]}
 
 
-def param_index(opt_sd, model_sd=None):
+def param_map_of(opt_sd, param_order=None) -> str:
+    """How `param_index` finds an optimizer's parameters (a key of `PARAM_MAPS`).
+
+    Args:
+      opt_sd: the optimizer state_dict.
+      param_order: as `infer_param_names`.
+
+    Returns:
+      ``"param_names"``, ``"shapes"``, ``"asserted-model-order"`` or ``"asserted-names"``.
+    """
+    if param_order is not None:
+        return "asserted-model-order" if isinstance(param_order, str) else "asserted-names"
+    return "param_names" if all("param_names" in g for g in opt_sd["param_groups"]) else "shapes"
+
+
+def param_index(opt_sd, model_sd=None, param_order=None):
     """The name and group of every parameter of an optimizer state_dict.
 
     Args:
       opt_sd: an optimizer state_dict, with ``param_names`` in its groups or without
-        (then mapped by order to `model_sd`, `infer_param_names`).
-      model_sd: the model state_dict, needed only without ``param_names``.
+        (then mapped to `model_sd` where provable, `infer_param_names`).
+      model_sd: the model state_dict, needed without ``param_names`` (and to see stale ones).
+      param_order: an asserted order instead (`infer_param_names`).
 
     Returns:
       {state index: (name, group dict)}.
 
     Raises:
-      CheckpointError: no ``param_names`` and no unambiguous order mapping.
+      CheckpointError: no ``param_names`` and no provable map; stale ``param_names``.
     """
     groups = opt_sd["param_groups"]
-    if all("param_names" in g for g in groups):
+    if param_order is None and all("param_names" in g for g in groups):
+        stale = stale_names_error(opt_sd, model_sd) if model_sd is not None else None
+        if stale is not None:
+            raise stale
         names = [g["param_names"] for g in groups]
     elif model_sd is None:
         raise CheckpointError(NO_NAMES)
     else:
-        names = infer_param_names(opt_sd, model_sd)
+        names = infer_param_names(opt_sd, model_sd, param_order)
     out = {}
     for g, gnames in zip(groups, names):
         for name, idx in zip(gnames, g["params"]):
@@ -471,14 +689,41 @@ def op_model_of(group, device_type="cpu", op_model=None, gi=0) -> str:
         raise UnsupportedOptimizerError(f"param group {gi}: {exc}") from None
 
 
-def guard_config(group, step, *, spec, device_type="cpu", op_model=None) -> GuardConfig:
-    """The `GuardConfig` of one param group's next step.
+def next_update(group, step, *, device_type="cpu", op_model=None, lr=None):
+    """The `jaxguard.core.config.NextUpdate` of one param group: what its next step will
+    use, read from the group (torch keeps the next step's lr there once
+    ``scheduler.step()`` ran), or the learning rate given to the save.
+
+    Args:
+      group: the param group (lr, betas, eps, weight_decay, decoupled_weight_decay, flags).
+      step: the steps already taken.
+      device_type, op_model: as `op_model_of` (where the state lives; the named kernel).
+      lr: the next step's learning rate given to the save (a number or ``(lo, hi)``), or
+        None: the group's.
+
+    Returns:
+      The `NextUpdate` (``stores_exactly`` where the learning rate is 0).
+
+    Raises:
+      CheckpointError: a tensor lr or beta of more than one element.
+      UnsupportedOptimizerError: fused and foreach both set.
+    """
+    from jaxguard.core.config import NextUpdate   # jax: only compress pays for it, not restore
+    rate = float(scalar_value(group["lr"], "lr")) if lr is None else lr
+    return NextUpdate(lr=rate, step=int(step), betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]),
+                      eps=float(group["eps"]), weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
+                      op_model=op_model_of(group, device_type, op_model),
+                      source="param_groups" if lr is None else "param_groups+given")
+
+
+def guard_config(group, step, *, spec, device_type="cpu", op_model=None, lr=None) -> GuardConfig:
+    """The `GuardConfig` of one param group's next step (`next_update` with the save's `spec`).
 
     Args:
       group: the param group (lr, betas, eps, weight_decay, decoupled_weight_decay, flags).
       step: the steps already taken.
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
-      device_type, op_model: as `op_model_of` (where the state lives; the named kernel).
+      device_type, op_model, lr: as `next_update`.
 
     Returns:
       The config, with the torch op model of the group's implementation on that device.
@@ -486,12 +731,10 @@ def guard_config(group, step, *, spec, device_type="cpu", op_model=None) -> Guar
     Raises:
       CheckpointError: a tensor lr or beta of more than one element.
       UnsupportedOptimizerError: fused and foreach both set.
+      ConfigError: a learning rate that is not > 0 (`next_update` stores such moments exactly).
     """
     from jaxguard.core.guard import GuardConfig   # jax: only compress pays for it, not restore
-    return GuardConfig.from_spec(spec, lr=float(scalar_value(group["lr"], "lr")), step=int(step),
-                                 betas=tuple(float(scalar_value(b, "beta")) for b in group["betas"]),
-                                 eps=float(group["eps"]), weight_decay=float(group.get("weight_decay", 0.0) or 0.0),
-                                 op_model=op_model_of(group, device_type, op_model))
+    return GuardConfig.from_update(spec, next_update(group, step, device_type=device_type, op_model=op_model, lr=lr))
 
 
 def step_count(st, idx):
@@ -578,34 +821,60 @@ class MappedSource:
                     self._madvise(b, e - b, self.MADV_DONTNEED)
 
 
-def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None):
+def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None, param_order=None, lr=None,
+                  notes: dict | None = None, param_map: str | None = None, uncertifiable: str = "refuse"):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
 
     The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
     ``exp_avg_sq`` and the parameter, as zero-copy numpy views; ``source`` holds the
     three tensors) in state order, then a `Raw` record per other tensor of the state.
-    Everything is validated before this returns, so a bad checkpoint fails before any
-    encoding or output.
+    A parameter whose group's next learning rate is 0 has no `MomentJob`: its moments are
+    raw tensors, stored exactly.  Everything is validated before this returns, so a bad
+    checkpoint fails before any encoding or output.
 
     Args:
-      opt_sd: the optimizer state_dict (with ``param_names``).
+      opt_sd: the optimizer state_dict (with ``param_names``, or mapped: `param_index`).
       params: {name: tensor} of the live parameters.
       spec: the save's `GuardSpec` (None: the defaults).
       prefix: the entry-name prefix (``"optimizer"``).
       op_model: the kernel the run resumes on (`op_model_of`; None: the one torch runs
         where the state lives, e.g. foreach for CUDA state saved with foreach=None).
+      param_order: an asserted parameter order (`infer_param_names`).
+      lr: the next step's learning rate instead of the groups' (`next_update`): a number
+        or ``(lo, hi)`` for every group, or a list with one per param group.
+      notes: a dict that receives ``stored_exactly`` (a list of ``{"param", "why"}``)
+        for the container's meta, when some moments are.
+      param_map: how `params` was matched (a key of `PARAM_MAPS`; default from `opt_sd`).
+      uncertifiable: ``"refuse"`` (raise on state the guard cannot certify) or ``"exact"``
+        (store it exactly and say so in `notes`: `jaxguard.uncovered`; an optimizer that
+        is not Adam at all is stored whole).
 
     Returns:
       ``(optimizer skeleton, list of records)``.
 
     Raises:
       CheckpointError: parameters missing from `params` or of other shapes, bad steps,
-        not an optimizer state_dict (`check_optimizer_state`).
+        not an optimizer state_dict (`check_optimizer_state`), no provable map of
+        unnamed parameters, stale ``param_names``.
       UnsupportedOptimizerError: not float32, not Adam/AdamW, an unsupported flag.
+      ConfigError: a bad `lr`.
     """
     spec = _save_spec(spec)
-    check_optimizer_state(opt_sd, params)
-    names = param_index(opt_sd, params)
+    exact_ok = uncovered_policy(uncertifiable) == "exact"
+    if exact_ok and _not_adam_at_all(opt_sd):
+        return _stored_whole(opt_sd, prefix, notes, group_uncovered(0, opt_sd["param_groups"][0]).why)
+    if exact_ok and isinstance(opt_sd, dict) and isinstance(opt_sd.get("param_groups"), list):
+        try:
+            param_index(opt_sd, params, param_order)
+        except CheckpointError:    # which weights the moments belong to is not known: nothing to certify against
+            return _stored_whole(opt_sd, prefix, notes, UNNAMED_WHY)
+    found: dict | None = {} if exact_ok else None
+    check_optimizer_state(opt_sd, params, param_order, uncovered=found)
+    names = param_index(opt_sd, params, param_order)
+    param_map = param_map or param_map_of(opt_sd, param_order)
+    group_lr = _group_rates(lr, len(opt_sd["param_groups"]))
+    group_no = {id(g): gi for gi, g in enumerate(opt_sd["param_groups"])}
+    exact = []
     state_sk = []
     raws: list = []
     jobs = []
@@ -614,24 +883,38 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         if idx not in names:
             raise CheckpointError(f"optimizer state has parameter index {idx} that no param group lists")
         name, group = names[idx]
-        if name not in params:
-            raise CheckpointError(f"parameter {name!r} is in the optimizer but not in the model state_dict; "
-                                  "save model.state_dict() under 'model'")
-        p = params[name]
-        if tuple(p.shape) != tuple(st["exp_avg"].shape) or tuple(p.shape) != tuple(st["exp_avg_sq"].shape):
-            raise CheckpointError(f"parameter {name!r} has shape {tuple(p.shape)} but its moments have "
-                                  f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
-        if dtype_name(p) != "float32":
-            raise UnsupportedOptimizerError(f"parameter {name!r} is {p.dtype}; the guarantee covers float32 parameters")
+        ename = f"{prefix}/state/{idx}"
+        u = found.get(idx) if found else None
+        if u is None:
+            if name not in params:
+                raise CheckpointError(f"parameter {name!r} is in the optimizer but not in the model state_dict; "
+                                      "save model.state_dict() under 'model'")
+            p = params[name]
+            if tuple(p.shape) != tuple(st["exp_avg"].shape) or tuple(p.shape) != tuple(st["exp_avg_sq"].shape):
+                raise CheckpointError(f"parameter {name!r} has shape {tuple(p.shape)} but its moments have "
+                                      f"{tuple(st['exp_avg'].shape)}; the model and optimizer do not match")
+            u = param_uncovered(name, p)
+            if u is not None and not exact_ok:
+                raise u.error
+        if u is not None:    # uncertifiable="exact": the whole state raw, exactly
+            exact.append({"param": name, "why": u.why})
+            state_sk.append([idx, to_skeleton(st, ename, raws)])
+            continue
         step, device_type = step_count(st, idx), st["exp_avg"].device.type
         cfg = configs.get((id(group), step, device_type))
         if cfg is None:
-            cfg = configs[(id(group), step, device_type)] = guard_config(group, step, spec=spec,
-                                                                          device_type=device_type, op_model=op_model)
-        ename = f"{prefix}/state/{idx}"
+            update = next_update(group, step, device_type=device_type, op_model=op_model,
+                                 lr=group_lr[group_no[id(group)]])
+            cfg = configs[(id(group), step, device_type)] = (
+                None if update.stores_exactly else writer_config(spec, update))
+        if cfg is None:    # next lr 0: the whole state raw, exactly
+            exact.append({"param": name, "why": EXACT_REASON})
+            state_sk.append([idx, to_skeleton(st, ename, raws)])
+            continue
         m, v = st["exp_avg"], st["exp_avg_sq"]
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
-                                     {"param": name, "param_sha256": functools.partial(param_digest, p)},
+                                     {"param": name, "param_map": param_map,
+                                      "param_sha256": functools.partial(param_digest, p)},
                                      source=(m, v, p)))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
@@ -640,7 +923,57 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         state_sk.append([idx, sk])
     groups_sk = to_skeleton(opt_sd["param_groups"], f"{prefix}/param_groups", raws)
     opt_sk = {"__dict__": [["state", {"__dict__": state_sk}], ["param_groups", groups_sk]]}
+    if exact and notes is not None:
+        notes.setdefault("stored_exactly", []).extend(exact)
     return opt_sk, jobs + raws
+
+
+def _not_adam_at_all(opt_sd) -> bool:
+    """An optimizer state_dict none of whose groups is Adam/AdamW (SGD, Adafactor, ...)."""
+    groups = opt_sd.get("param_groups") if isinstance(opt_sd, dict) else None
+    return (isinstance(groups, list) and isinstance(opt_sd.get("state"), dict) and bool(groups)
+            and all(isinstance(g, dict) and ("betas" not in g or "eps" not in g) for g in groups))
+
+
+UNNAMED_WHY = ("moments whose parameters are not named (build the optimizer from model.named_parameters()), so no "
+               "weights to certify against")
+
+
+def _stored_whole(opt_sd, prefix, notes, why):
+    """An optimizer that is not Adam, or whose parameters are not known, stored exactly as it
+    is (``uncertifiable="exact"``)."""
+    raws: list = []
+    names = {idx: n for g in opt_sd["param_groups"] for idx, n in zip(g.get("params", ()), g.get("param_names") or ())}
+    if notes is not None:
+        notes.setdefault("stored_exactly", []).extend(
+            {"param": names.get(idx, f"{prefix} parameter {idx}"), "why": why} for idx in opt_sd["state"])
+    return to_skeleton(opt_sd, prefix, raws), raws
+
+
+def _group_rates(lr, n_groups) -> list:
+    """One given learning rate per param group (None: the group's), from a number, an
+    interval or a list of one per group."""
+    from jaxguard.core.config import is_interval
+    if lr is None or is_interval(lr) or not isinstance(lr, (list, tuple)):
+        return [lr] * n_groups
+    if len(lr) != n_groups:
+        raise ConfigError(f"lr has {len(lr)} values for {n_groups} param groups; give one value (every group) or one "
+                          "per param group")
+    return [tuple(x) if isinstance(x, list) else x for x in lr]
+
+
+def writer_config(spec, update):
+    """`GuardConfig.from_update` (jax: imported only where a save needs it).
+
+    Args:
+      spec: the save's `GuardSpec`.
+      update: the `NextUpdate`.
+
+    Returns:
+      The `GuardConfig`.
+    """
+    from jaxguard.core.config import GuardConfig
+    return GuardConfig.from_update(spec, update)
 
 
 def _save_spec(spec=None, **overrides):
@@ -730,7 +1063,7 @@ class HostTensor:
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
-def _checkpoint_records(ckpt, *, spec, op_model=None):
+def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None, uncertifiable="refuse"):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
     the first moments entry (`jaxguard.writer`)."""
     if not isinstance(ckpt, dict):
@@ -739,12 +1072,14 @@ def _checkpoint_records(ckpt, *, spec, op_model=None):
         if key not in ckpt:
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
-    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model)
+    notes: dict = {}
+    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model,
+                                    param_order=param_order, lr=lr, notes=notes, uncertifiable=uncertifiable)
     top = []
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
         top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records, tied)])
-    meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch_version()}
+    meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch_version(), **notes}
     extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound, "partition": spec.partition}
     return records, meta, extra
 
@@ -754,7 +1089,7 @@ def _variant_of(variant):
 
 
 def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False, variant=None,
-                        op_model=None, device_encode=None):
+                        op_model=None, device_encode=None, param_order=None, lr=None):
     """Compress a torch checkpoint dict in memory.
 
     Args:
@@ -771,6 +1106,9 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
         (`jaxguard.writer.device_encode_setting`: None reads ``JAXGUARD_DEVICE_ENCODE``,
         else on the device when that is not the CPU; True also for CPU tensors; False
         always on the host).
+      param_order: an asserted parameter order for an optimizer without (or with stale)
+        ``param_names`` (`infer_param_names`: ``"model"`` or a list of names).
+      lr: the next step's learning rate instead of the param groups' (`state_records`).
 
     Returns:
       ``(container bytes, summary dict)`` (the `compress --json` fields).
@@ -779,22 +1117,25 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model)
+    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr)
     extra["variant"] = variant = _variant_of(variant)
     data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress, device_encode=device_encode)
     return data, _with_variant(summary, variant)
 
 
 def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False,
-                           variant=None, release=None, op_model=None, device_encode=None):
+                           variant=None, release=None, op_model=None, device_encode=None, param_order=None, lr=None,
+                           uncertifiable="refuse"):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
     the checkpoint plus one slab of work, never the container.
 
     Args:
       path: the output file or URL.
-      ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model, device_encode: as
-        `compress_checkpoint`.
+      ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model, device_encode,
+        param_order, lr: as `compress_checkpoint`.
+      uncertifiable: ``"refuse"`` or ``"exact"`` (`state_records`; ``jaxguard compress
+        --uncertifiable``).
       release: called with source arrays the writer is done with (``jaxguard compress``
         passes `MappedSource.release` of its memory-mapped checkpoint: the peak memory
         then holds one slab of the source, not all of it).
@@ -806,12 +1147,14 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model)
+    records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr,
+                                               uncertifiable=uncertifiable)
     extra["variant"] = variant = _variant_of(variant)
     rel = None if release is None else (lambda sources: release([t for s in sources for t in
                                                                  (s if isinstance(s, tuple) else (s,))]))
     summary = writer.to_file(path, records, meta, extra_header=extra, progress=progress, release=rel,
                              device_encode=device_encode)
+    summary["stored_exactly"] = meta.get("stored_exactly") or []     # what --uncertifiable exact kept raw
     return _with_variant(summary, variant)
 
 
@@ -848,8 +1191,13 @@ def restore_tree(path):
 def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: GuardSpec | None = None,
          tau: float | None = None,
          clip: float | None = None, codec: str | None = None, bound: str | None = None, partition: str | None = None,
-         progress: bool = False, op_model: str | None = None, device_encode: bool | None = None) -> dict:
+         progress: bool = False, op_model: str | None = None, device_encode: bool | None = None,
+         lr: float | tuple | list | None = None, uncertifiable: str = "refuse") -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
+
+    Each param group is certified for its next step as the group holds it (call it after
+    ``scheduler.step()``: torch keeps the next step's lr in the group), or for `lr`; a
+    group whose next lr is 0 keeps its moments exactly.
 
     CUDA state is encoded on the GPU when JAX has a GPU backend (its tensors reach JAX
     through DLPack, `encoder_view`): only codes, block parameters and escapes cross to the
@@ -866,26 +1214,33 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
         op model that certified the state).
       device_encode: as `compress_checkpoint` (True encodes CPU tensors on the device
         route too: how it is tested without a GPU).
+      lr: the next step's learning rate instead of the groups' (`state_records`).
+      uncertifiable: ``"refuse"`` (default: state the guarantee does not cover raises) or
+        ``"exact"`` (stored exactly, any torch optimizer: `jaxguard.uncovered`; the trainer
+        integrations' policy).
 
     Returns:
-      The summary dict.
+      The summary dict; ``stored_exactly`` lists what was stored exactly and why.
 
     Raises:
-      UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover.
+      UnsupportedOptimizerError: not Adam/AdamW, or state the guarantee does not cover
+        (``uncertifiable="refuse"``).
       CheckpointError: as `state_records`.
     """
-    sd, params = snapshot(optimizer)
+    sd, params = snapshot(optimizer, any_optimizer=uncovered_policy(uncertifiable) == "exact")
     return save_snapshot(path, sd, params, spec=spec, tau=tau, clip=clip, codec=codec, bound=bound,
-                         partition=partition, progress=progress, op_model=op_model, device_encode=device_encode)
+                         partition=partition, progress=progress, op_model=op_model, device_encode=device_encode,
+                         lr=lr, uncertifiable=uncertifiable)
 
 
-def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
+def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False, any_optimizer: bool = False) -> tuple:
     """`optimizer`'s state_dict and its live parameters by name, as `save` certifies them.
 
     Args:
-      optimizer: a `torch.optim.Adam` or `AdamW`.
+      optimizer: a `torch.optim.Adam` or `AdamW` (any torch optimizer with `any_optimizer`).
       copy: clone every tensor (state and parameters), so that the training loop may go on
         while `save_snapshot` encodes them on another thread (a background save).
+      any_optimizer: take any optimizer (``uncertifiable="exact"`` stores what is not Adam).
 
     Returns:
       ``(state_dict, {param name: tensor})`` with ``param_names`` filled in (unnamed params
@@ -894,13 +1249,13 @@ def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
     Raises:
       UnsupportedOptimizerError: not Adam/AdamW.
     """
-    if not isinstance(optimizer, torch.optim.Adam):
+    if not any_optimizer and not isinstance(optimizer, torch.optim.Adam):
         raise UnsupportedOptimizerError(f"optimizer is {type(optimizer).__name__}; torch_compat.save supports "
                                         "torch.optim.Adam and AdamW")
     sd = optimizer.state_dict()
     if copy:
         sd = {"state": {k: {n: t.detach().clone() if torch.is_tensor(t) else t for n, t in st.items()}
-                        for k, st in sd["state"].items()},
+                        if isinstance(st, dict) else st for k, st in sd["state"].items()},
               "param_groups": [dict(g) for g in sd["param_groups"]]}
     params = {}
     for gi, (g, live) in enumerate(zip(sd["param_groups"], optimizer.param_groups)):
@@ -914,39 +1269,52 @@ def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False) -> tuple:
 def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: GuardSpec | None = None,
                   tau: float | None = None, clip: float | None = None, codec: str | None = None,
                   bound: str | None = None, partition: str | None = None, progress: bool = False,
-                  op_model: str | None = None, device_encode: bool | None = None) -> dict:
+                  op_model: str | None = None, device_encode: bool | None = None,
+                  lr: float | tuple | list | None = None, uncertifiable: str = "refuse") -> dict:
     """`save` of a `snapshot` (the same file `save` writes of that state).
 
     Args:
       path: the output file.
       sd, params: what `snapshot` returned.
-      spec, tau, clip, codec, bound, partition, progress, op_model, device_encode: as `save`.
+      spec, tau, clip, codec, bound, partition, progress, op_model, device_encode, lr,
+        uncertifiable: as `save`.
 
     Returns:
-      The summary dict.
+      The summary dict (``stored_exactly``: as `save`).
 
     Raises:
       UnsupportedOptimizerError, CheckpointError: as `save`.
     """
     spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model)
-    meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__}
+    notes: dict = {}
+    opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model, lr=lr, notes=notes, param_map="live",
+                                    uncertifiable=uncertifiable)
+    meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__,
+            **notes}
     data, summary = writer.to_bytes(records, meta, extra_header={"tau": spec.tau, "clip": spec.clip,
                                                                  "codec": spec.codec}, progress=progress,
                                     device_encode=device_encode)
     container.atomic_write(path, data)
+    summary["stored_exactly"] = notes.get("stored_exactly", [])
+    summary["parameters"] = sum(len(g["params"]) for g in sd["param_groups"])
     return summary
 
 
 def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *,
-         check_weights: str = "warn") -> torch.optim.Optimizer:
+         check_weights: str = "warn", strict: bool = False, match: str = "names") -> torch.optim.Optimizer:
     """Load a container written by `save` (or `jaxguard compress`) into `optimizer`.
 
     The target layout is checked before anything is written into `optimizer`: the same
     number of param groups and of parameters in each, the same ``param_names`` where both
-    sides have them, and for every saved state a live parameter of its moments' shape and
-    dtype (float32).  The restored tensors land on each parameter's device (torch's
-    ``load_state_dict`` moves them; ``step`` stays on the CPU unless capturable or fused).
+    sides have them (``match="names"``), and for every saved state a live parameter of its
+    moments' shape and dtype (float32).  The restored tensors land on each parameter's
+    device (torch's ``load_state_dict`` moves them; ``step`` stays on the CPU unless
+    capturable or fused).
+
+    What the optimizer will step with is compared with what each moment pair was
+    certified for (`check_next_update`): the loaded param groups now, and again at the
+    optimizer's first step if its groups changed meanwhile (a learning rate set after
+    loading, a scheduler).
 
     Args:
       path: the container.
@@ -954,33 +1322,143 @@ def load(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *,
       check_weights: what a parameter whose values differ from the weights its moments
         were certified against does (`check_certified_weights`): ``"warn"`` (default), ``"raise"``
         (the trainer integrations, which load the model first) or ``"off"``.
+      strict: a next step other than the certified one raises instead of warning.
+      match: ``"names"`` (default): saved and live ``param_names`` must agree;
+        ``"position"``: the user asserts that the i-th parameter of each group is the same
+        one under another name (a module renamed since the save); groups, counts, shapes
+        and dtypes are still checked, and the certified weights' digests where recorded.
 
     Returns:
       `optimizer`, its state loaded.
 
     Raises:
       CheckpointError: another parameter layout (one line naming the first difference),
-        or not a torch container, or (``check_weights="raise"``) other weights; `optimizer`
-        is then left as it was.
+        or not a torch container, or (``check_weights="raise"``) other weights, or
+        (``strict``) another next step than the certified one; `optimizer` is then left as
+        it was.
+      ConfigError: a bad `match`.
 
     Warns:
       JaxguardWarning: a param group resumes on another device or foreach/fused setting
-        than the op model that certified it (`warn_other_kernel`).
+        than the op model that certified it (`warn_other_kernel`), or (not ``strict``) will
+        step with other hyperparameters than certified (`check_next_update`).
     """
+    if match not in ("names", "position"):
+        raise ConfigError(f"match={match!r} is not 'names' or 'position'")
     tree, header = restore_tree(path)
     if not isinstance(tree, dict) or "optimizer" not in tree:
         raise CheckpointError(f"{path} holds no optimizer state (keys: {', '.join(map(str, tree))}); "
                               "write it with torch_compat.save or jaxguard compress")
     sd = tree["optimizer"]
-    check_layout(sd, optimizer, str(path))
+    check_layout(sd, optimizer, str(path), match=match)
     check_certified_weights(header, optimizer, str(path), on_mismatch=check_weights)
-    if not any(g.get("param_names") for g in optimizer.state_dict()["param_groups"]):
-        for g in sd["param_groups"]:
+    check_next_update(header, sd, sd["param_groups"], str(path), strict=strict)   # what load_state_dict installs
+    live_names = [g.get("param_names") for g in optimizer.state_dict()["param_groups"]]
+    for g, names in zip(sd["param_groups"], live_names):
+        if names:
+            g["param_names"] = names    # match="position": the live names win (they are the same parameters)
+        else:
             g.pop("param_names", None)
     certified = certified_by_group(header, sd)
     optimizer.load_state_dict(sd)    # torch moves each state tensor to its parameter's device
     warn_other_kernel(certified, optimizer, str(path))
+    watch_first_step(header, sd, optimizer, str(path), strict=strict)
     return optimizer
+
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _group_values(group) -> tuple:
+    """A param group's hyperparameters as comparable numbers."""
+    return (float(scalar_value(group["lr"], "lr")),   # (a group that is not Adam, stored exactly: no betas, eps)
+            tuple(float(scalar_value(b, "beta")) for b in group.get("betas", ())),
+            float(group.get("eps", 0.0)), float(group.get("weight_decay", 0.0) or 0.0))
+
+
+def next_update_differences(header, sd, groups, *, prefix="optimizer") -> list:
+    """Where param groups `groups` (parallel to `sd`'s) would step otherwise than the
+    moment pairs of `header` were certified for.
+
+    Args:
+      header: the container header.
+      sd: the optimizer state_dict restored from it (its groups list the state indices).
+      groups: the param groups about to step (dicts with lr, betas, eps, weight_decay).
+      prefix: the entry-name prefix of the optimizer's state.
+
+    Returns:
+      ``[(group index, name, certified value, value it will step with)]``, one per group
+      and hyperparameter that differs (an lr outside a certified interval differs).
+    """
+    from jaxguard.core.config import lr_bounds
+    configs = {e.get("name"): e.get("config") or {} for e in header.get("entries", []) if e.get("kind") == "moments"}
+    out = []
+    for gi, (g, live) in enumerate(zip(sd["param_groups"], groups)):
+        cfg = next((configs[f"{prefix}/state/{idx}"] for idx in g.get("params", ())
+                    if f"{prefix}/state/{idx}" in configs), None)
+        if not cfg or cfg.get("certify") is False:
+            continue
+        lr, betas, eps, wd = _group_values(live)
+        lo, hi = lr_bounds(tuple(cfg["lr"]) if isinstance(cfg["lr"], list) else cfg["lr"])
+        if not lo * (1 - 1e-6) <= lr <= hi * (1 + 1e-6):
+            out.append((gi, "lr", cfg["lr"], lr))
+        for name, want, got in (("betas", tuple(cfg["betas"]), betas), ("eps", cfg["eps"], eps),
+                                ("weight_decay", cfg.get("weight_decay", 0.0), wd)):
+            if want != got:
+                out.append((gi, name, want, got))
+    return out
+
+
+def check_next_update(header, sd, groups, where="the checkpoint", *, strict=False, prefix="optimizer") -> None:
+    """Warn (one `JaxguardWarning` line) or, with `strict`, raise when param groups
+    `groups` would step with other hyperparameters than the moments of `header` were
+    certified for (`next_update_differences`): the tau guarantee covers the certified
+    update only.
+
+    Args:
+      header, sd, groups, prefix: as `next_update_differences`.
+      where: how to name the checkpoint.
+      strict: raise instead of warning.
+
+    Raises:
+      CheckpointError: (``strict``) the first difference, naming both values.
+    """
+    diffs = next_update_differences(header, sd, groups, prefix=prefix)
+    if not diffs:
+        return
+    gi, name, want, got = diffs[0]
+    fix = "compress again with --lr" if name == "lr" else "save again with the optimizer as it will step"
+    msg = (f"{where}: param group {gi} will step with {name}={got!r} but its moments were certified for "
+           f"{name}={want!r}: the tau guarantee covers the certified update only; set it back, or {fix}")
+    if strict:
+        raise CheckpointError(msg)
+    import warnings
+    from jaxguard.errors import JaxguardWarning
+    warnings.warn(msg, JaxguardWarning, stacklevel=3)
+
+
+def watch_first_step(header, sd, optimizer, where="the checkpoint", *, strict=False) -> None:
+    """At `optimizer`'s first step after a load, compare its param groups with the
+    certified updates again (`check_next_update`) if they changed since the load (a
+    learning rate set by hand or by a scheduler); the hook is inert after that step.
+
+    Args:
+      header, sd: the container header and the state_dict loaded from it.
+      optimizer: the optimizer it was loaded into.
+      where: how to name the checkpoint.
+      strict: raise (the step does not happen) instead of warning.
+    """
+    loaded = [_group_values(g) for g in optimizer.param_groups]
+    done = []
+
+    def hook(opt, args, kwargs):
+        if done:
+            return
+        done.append(True)
+        if [_group_values(g) for g in opt.param_groups] != loaded:
+            check_next_update(header, sd, opt.param_groups, where, strict=strict)
+
+    optimizer.register_step_pre_hook(hook)
 
 
 def certified_by_group(header, sd, prefix="optimizer") -> list:
@@ -1092,13 +1570,14 @@ def check_certified_weights(header, optimizer, where="the checkpoint", *, on_mis
             return
 
 
-def check_layout(sd, optimizer, where="the state") -> None:
+def check_layout(sd, optimizer, where="the state", *, match="names") -> None:
     """Check that optimizer state_dict `sd` fits `optimizer`'s parameters (see `load`).
 
     Args:
       sd: a saved optimizer state_dict.
       optimizer: the live optimizer it is to be loaded into.
       where: what `sd` came from, for the error.
+      match: ``"names"`` or ``"position"`` (names not compared: `load`).
 
     Raises:
       CheckpointError: the first difference (groups, parameter counts, names, shapes,
@@ -1115,10 +1594,12 @@ def check_layout(sd, optimizer, where="the state") -> None:
             raise CheckpointError(f"{where}: param group {gi} has {len(g['params'])} parameters, this optimizer's "
                                   f"{len(live['params'])}; load it into an optimizer over the same parameters")
         a, b = g.get("param_names"), lsd.get("param_names")
-        if a and b and list(a) != list(b):
+        if a and b and list(a) != list(b) and match == "names":
             k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
             raise CheckpointError(f"{where}: param group {gi} parameter {k} is {a[k]!r}, this optimizer's is "
-                                  f"{b[k]!r}; load it into an optimizer over the same named parameters")
+                                  f"{b[k]!r}; load it into an optimizer over the same named parameters, or, if a "
+                                  "module was renamed since the save, load with match='position' (the order you "
+                                  "assert; shapes and certified weights are still checked)")
         for i, (idx, p) in enumerate(zip(g["params"], live["params"])):
             index[idx] = (gi, i, (a or b or [None] * len(g["params"]))[i], p)
     for idx, st in sd["state"].items():
@@ -1140,7 +1621,7 @@ def check_layout(sd, optimizer, where="the state") -> None:
 
 # ---------------------------------------------------------------- first-update audit
 
-def torch_step(p, m, v, g, step, group, decoupled):
+def torch_step(p, m, v, g, step, group, decoupled, lr=None):
     """One real torch Adam/AdamW step of one parameter, with the param group's flags.
 
     Args:
@@ -1150,13 +1631,15 @@ def torch_step(p, m, v, g, step, group, decoupled):
       step: the steps already taken (the state's ``step``).
       group: the param group (lr, betas, eps, weight_decay, foreach/fused flags).
       decoupled: AdamW's decoupled weight decay (``torch.optim.AdamW``).
+      lr: the step's learning rate (None: the group's).
 
     Returns:
       The parameter after the step (a detached tensor).
     """
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     p = torch.nn.Parameter(p.clone())
-    opt = cls([p], lr=float(scalar_value(group["lr"], "lr")), betas=tuple(group["betas"]), eps=group["eps"],
+    lr = float(scalar_value(group["lr"], "lr")) if lr is None else float(lr)
+    opt = cls([p], lr=lr, betas=tuple(group["betas"]), eps=group["eps"],
               weight_decay=group.get("weight_decay", 0.0) or 0.0, **TORCH_FLAGS[implementation_of(group)])
     opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     p.grad = g
@@ -1164,7 +1647,8 @@ def torch_step(p, m, v, g, step, group, decoupled):
     return p.detach()
 
 
-def audit(original, restored, *, tau=DEFAULT_TAU, clip=DEFAULT_CLIP, grads=None, grid=None, progress=False):
+def audit(original, restored, *, tau=DEFAULT_TAU, clip=DEFAULT_CLIP, grads=None, grid=None, progress=False,
+          param_order=None, lr=None):
     """Run the real torch Adam/AdamW (with the param group's foreach/fused flags) one step from the
     original and the restored state for every gradient of a grid across [-clip, clip]
     (the same g for every coordinate, plus one random per-coordinate draw) and for any
@@ -1177,32 +1661,50 @@ def audit(original, restored, *, tau=DEFAULT_TAU, clip=DEFAULT_CLIP, grads=None,
       grads: real gradients {param name: tensor}, optional.
       grid: gradient values (default `jaxguard.audit.gradient_grid(clip)`).
       progress: show a tqdm bar over the tensors.
+      param_order: an asserted order for an optimizer without provable names
+        (`infer_param_names`); without it such a checkpoint is refused, never audited
+        through a map that cannot be proven.
+      lr: the learning rates to step with instead of each group's: a number, or ``(lo,
+        hi)`` (an interval certificate: the audit steps at lo, sqrt(lo hi) and hi, each
+        gap measured in its own lr).
 
     Returns:
-      {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients"}
-      (`jaxguard.audit.AuditSummary`).
+      {"max_gap_lr", "violations" (coordinates over tau), "coordinates", "gradients",
+      "param_map"} (`jaxguard.audit.AuditSummary`; ``param_map`` says how the moments were
+      matched to the weights, `PARAM_MAPS`).
 
     Raises:
       UnsupportedOptimizerError, CheckpointError: an optimizer state_dict that is not a
-        single-tensor FP32 Adam/AdamW one (`check_optimizer_state`).
+        single-tensor FP32 Adam/AdamW one (`check_optimizer_state`), or unnamed parameters
+        with no provable map and no `param_order`.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many tiny steps: threads only add contention
     try:
-        return _audit(original, restored, tau=tau, clip=clip, grads=grads, grid=grid, progress=progress)
+        return _audit(original, restored, tau=tau, clip=clip, grads=grads, grid=grid, progress=progress,
+                      param_order=param_order, lr=lr)
     finally:
         torch.set_num_threads(threads)
 
 
-def _audit(original, restored, *, tau, clip, grads, grid, progress):
+def _audit_rates(lr, group):
+    """The learning rates an audit steps one group with (`audit`'s ``lr``)."""
+    from jaxguard.core.config import is_interval, lr_bounds
+    if lr is None:
+        return [float(scalar_value(group["lr"], "lr"))]
+    lo, hi = lr_bounds(lr)
+    return sorted({lo, math.sqrt(lo * hi), hi}) if is_interval(lr) else [lo]
+
+
+def _audit(original, restored, *, tau, clip, grads, grid, progress, param_order=None, lr=None):
     grid = jg_audit.gradient_grid(clip) if grid is None else grid
     for what, ck in (("the original checkpoint", original), ("the restored checkpoint", restored)):
         if not isinstance(ck, dict) or "optimizer" not in ck or (ck is original and "model" not in ck):
             raise CheckpointError(f"{what} has no {'model and ' if ck is original else ''}optimizer state "
                                   "to audit; pass {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     o_sd, r_sd = original["optimizer"], restored["optimizer"]
-    check_optimizer_state(o_sd, original["model"])
-    names = param_index(o_sd, original["model"])
+    check_optimizer_state(o_sd, original["model"], param_order)
+    names = param_index(o_sd, original["model"], param_order)
     r_state = r_sd.get("state", {}) if isinstance(r_sd, dict) else {}
     for idx, st in o_sd["state"].items():
         rst = r_state.get(idx)
@@ -1224,18 +1726,18 @@ def _audit(original, restored, *, tau, clip, grads, grid, progress):
         name, group = names[idx]
         rst = r_sd["state"][idx]
         p = original["model"][name].detach().float()
-        lr = float(scalar_value(group["lr"], "lr"))
         decoupled = bool(group.get("decoupled_weight_decay", False))
         step = step_count(st, idx)
         gs = [torch.full_like(p, float(g)) for g in grid]
         gs.append((torch.rand(p.shape, generator=gen) * 2 - 1) * clip)
         if grads is not None and name in grads:
             gs.append(grads[name].detach().float().clamp(-clip, clip))
-        for g in gs:
-            a = torch_step(p, st["exp_avg"], st["exp_avg_sq"], g, step, group, decoupled)
-            b = torch_step(p, rst["exp_avg"], rst["exp_avg_sq"], g, step, group, decoupled)
-            tally.add(idx, a.numpy(), b.numpy(), lr)
-    return tally.summary(len(grid) + 1).to_json()
+        for rate in _audit_rates(lr, group):
+            for g in gs:
+                a = torch_step(p, st["exp_avg"], st["exp_avg_sq"], g, step, group, decoupled, rate)
+                b = torch_step(p, rst["exp_avg"], rst["exp_avg_sq"], g, step, group, decoupled, rate)
+                tally.add(idx, a.numpy(), b.numpy(), rate)
+    return {**tally.summary(len(grid) + 1).to_json(), "param_map": param_map_of(o_sd, param_order)}
 
 
 def save_torch(path, obj) -> None:

@@ -23,6 +23,12 @@ etc. hand calibrate the replay it checks candidates with).
 
 from __future__ import annotations
 
+__all__ = ["SQRT_TABLE_SIZE", "ReplayVariantWarning", "AdamVariant", "SqrtTable", "require_torch",
+           "environment_fingerprint", "cache_dir", "float32_from_bits", "torch_sqrt", "binade_name",
+           "EDGE_BINADES", "measure_sqrt_table", "torch_sqrt_table", "ieee_sqrt_table", "sqrt_table_for",
+           "calibration_rng", "IMPLEMENTATIONS", "VECTOR_WIDTHS", "FusedAdamVariant", "check_implementation",
+           "ReplayFunctions"]
+
 import dataclasses
 import functools
 import hashlib
@@ -30,13 +36,13 @@ import json
 import os
 import platform
 import re
-import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxguard.errors import ConfigError, install_hint
+from jaxguard.errors import ConfigError, ContainerError, install_hint
+from jaxguard.format import storage
 from torch_compat.float32 import MANTISSA_BITS
 
 SQRT_TABLE_SIZE = 1 << (MANTISSA_BITS + 1)  # exponent parity x 2^23 mantissas
@@ -358,18 +364,17 @@ def _load_cached_table(path: Path) -> SqrtTable | None:
 
 
 def _store_table(path: Path, table: SqrtTable) -> None:
+    def write(fh):
+        np.savez_compressed(
+            fh, below=table.below, above=table.above, sha256=np.array(table.sha256),
+            binade_exponents=np.array(table.own_binades, np.int32),
+            binade_below=np.array([b.below for b in table.binades], np.uint32).reshape(-1, BINADE_WORDS),
+            binade_above=np.array([b.above for b in table.binades], np.uint32).reshape(-1, BINADE_WORDS))
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as tmp:
-            np.savez_compressed(
-                tmp, below=table.below, above=table.above, sha256=np.array(table.sha256),
-                binade_exponents=np.array(table.own_binades, np.int32),
-                binade_below=np.array([b.below for b in table.binades], np.uint32).reshape(-1, BINADE_WORDS),
-                binade_above=np.array([b.above for b in table.binades], np.uint32).reshape(-1, BINADE_WORDS))
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp.name, path)
-    except OSError:
+        storage.atomic_write_with(path, write)
+    except (OSError, ContainerError):
         pass  # a read-only cache only costs the 0.2 s rebuild next time
 
 

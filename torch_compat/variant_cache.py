@@ -25,6 +25,8 @@ kernels, so the second key never names another environment than the first.
 """
 from __future__ import annotations
 
+__all__ = ["cache_path", "cached_detect_variant", "fast_key", "fast_record", "variant_record"]
+
 import contextlib
 import dataclasses
 import hashlib
@@ -34,12 +36,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from jaxguard.errors import ContainerError
+from jaxguard.format import storage
 from torch_compat import variant as variant_types
 from torch_compat.replay import ReplayVariantWarning, detect_variant
 
@@ -101,16 +104,9 @@ def cached_detect_variant(*, refresh: bool = False, detect=None):
 
 
 def _store(path: Path, doc: dict, sort_keys: bool = True) -> None:
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ContainerError):   # a read-only cache: detected again next time
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(doc, fh, sort_keys=sort_keys)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        storage.atomic_write(path, json.dumps(doc, sort_keys=sort_keys).encode())
 
 
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")

@@ -19,6 +19,14 @@ state), and the first real update from both states is compared on a dense gradie
 over [-C, C] (129 linear points, 2 x 81 geometric ones down to 2**-40 C, +-C, one ulp
 inside, the smallest normal and subnormal) plus one uniform per-coordinate draw.
 
+Per-group rates and lr intervals (issue 55): a third of the untargeted cases split their
+coordinates into two parameters in two groups at rates 1e-3..1e3 apart (torch: two param
+groups; optax: `multi_transform` of two inject_hyperparams(adamw), saved with ``tx=`` so
+the rates are read from the transformation), another third certify an interval
+``lr=(lr/r, lr)`` with r in {10, 100, 1000} and replay it at the low end, the high end,
+their geometric mean and a rate drawn between; every gap is measured in the rate of its
+own step.
+
 A violation: a coordinate whose restored update differs from the original's by more than
 tau*lr for some gradient (a NaN on one side only, or inf against a number, counts).  A
 ConfigError raised for the hyperparameters is recorded (the contract allows a one-line
@@ -137,10 +145,30 @@ def draw_case(rng, framework):
     n = int(rng.choice([512, 1024]))
     blocks = [draw_block(rng, 256, B2, max(float(bc2), 1e-30)) for _ in range(n // 256)]
     m, v, p = (np.concatenate([b[i] for b in blocks]) for i in range(3))
-    return {"framework": framework, "lr": lr, "wd": wd, "betas": betas, "eps": float(rng.choice(EPS)), "step": step,
-            "tau": float(rng.choice([0.01, 0.1, 1e-3])), "clip": float(rng.choice([0.2, 1.0, 1e-3, 100.0])),
-            "codec": str(rng.choice(CODECS)), "decoupled": bool(rng.random() < 0.5),
-            "blocks": [b[3] for b in blocks], "m": m, "v": v, "p": p}
+    mode = str(rng.choice(["point", "groups", "interval"]))
+    c = {"framework": framework, "lr": lr, "wd": wd, "betas": betas, "eps": float(rng.choice(EPS)), "step": step,
+         "tau": float(rng.choice([0.01, 0.1, 1e-3])), "clip": float(rng.choice([0.2, 1.0, 1e-3, 100.0])),
+         "codec": str(rng.choice(CODECS)), "decoupled": bool(rng.random() < 0.5),
+         "blocks": [b[3] for b in blocks], "m": m, "v": v, "p": p, "mode": mode}
+    if mode == "groups":       # the second half of the coordinates: another group, another rate
+        c["lr_b"] = float(min(lr * 10 ** rng.uniform(-3, 3), 10.0))
+        if framework == "optax":   # rates read from tx= are certified for lr <= 1 and lr wd <= 1 (docs/bound.md 10)
+            c["lr"], c["lr_b"] = min(c["lr"], 0.5), min(c["lr_b"], 0.5)
+            c["wd"] = min(c["wd"], 0.5 / max(c["lr"], c["lr_b"]))
+    elif mode == "interval":   # certified for [lr/r, lr], replayed across it
+        hi = min(lr, 1.0)
+        lo = hi / float(rng.choice([10.0, 100.0, 1000.0]))
+        c.update(lr=hi, lr_lo=lo, wd=min(wd, 1.0 / hi),
+                 replay=sorted({lo, math.sqrt(lo * hi), hi, float(np.exp(rng.uniform(math.log(lo), math.log(hi))))}))
+    return c
+
+
+def case_rates(c):
+    """[(rates of the two halves of the coordinates)] the case replays: one pair for a
+    point or groups case, one per rate of an interval case (both halves alike)."""
+    if c.get("mode") == "interval":
+        return [(r, r) for r in c["replay"]]
+    return [(c["lr"], c.get("lr_b", c["lr"]))]
 
 
 def gaps(a, b, lr):
@@ -154,76 +182,145 @@ def torch_case(c, tmp):
     import torch
     import torch_compat
     cls = torch.optim.AdamW if c["decoupled"] else torch.optim.Adam
-    kw = dict(lr=c["lr"], betas=c["betas"], eps=c["eps"], weight_decay=c["wd"], foreach=False, fused=False)
+    kw = dict(betas=c["betas"], eps=c["eps"], weight_decay=c["wd"], foreach=False, fused=False)
+    half = c["p"].size // 2 if c.get("mode") == "groups" else c["p"].size
+    parts = [slice(0, half), slice(half, c["p"].size)] if half < c["p"].size else [slice(0, c["p"].size)]
 
-    def opt_with(p, m, v):
-        P = torch.nn.Parameter(torch.from_numpy(np.array(p)))
-        o = cls([P], **kw)
-        o.state[P] = {"step": torch.tensor(float(c["step"])), "exp_avg": torch.from_numpy(np.array(m)),
-                      "exp_avg_sq": torch.from_numpy(np.array(v))}
-        return P, o
+    def opt_with(p, m, v, rates):
+        Ps = [torch.nn.Parameter(torch.from_numpy(np.array(p[..., sl]))) for sl in parts]
+        o = cls([{"params": [P], "lr": r} for P, r in zip(Ps, rates)], **kw)
+        for P, sl in zip(Ps, parts):
+            o.state[P] = {"step": torch.tensor(float(c["step"])), "exp_avg": torch.from_numpy(np.array(m[..., sl])),
+                          "exp_avg_sq": torch.from_numpy(np.array(v[..., sl]))}
+        return Ps, o
 
-    _, o = opt_with(c["p"], c["m"], c["v"])
-    s = torch_compat.save(os.path.join(tmp, "t.jg"), o, tau=c["tau"], clip=c["clip"], codec=c["codec"])
-    P2 = torch.nn.Parameter(torch.from_numpy(np.array(c["p"])))
-    o2 = torch_compat.load(os.path.join(tmp, "t.jg"), cls([P2], **kw))
-    mt, vt = o2.state[P2]["exp_avg"].numpy(), o2.state[P2]["exp_avg_sq"].numpy()
+    rates0 = case_rates(c)[0] if c.get("mode") != "interval" else (c["lr"], c["lr"])
+    _, o = opt_with(c["p"], c["m"], c["v"], rates0[:len(parts)])
+    given = (c["lr_lo"], c["lr"]) if c.get("mode") == "interval" else None
+    s = torch_compat.save(os.path.join(tmp, "t.jg"), o, tau=c["tau"], clip=c["clip"], codec=c["codec"], lr=given)
+    Ps2, _ = opt_with(c["p"], c["m"], c["v"], rates0[:len(parts)])
+    o2 = torch_compat.load(os.path.join(tmp, "t.jg"), cls([{"params": [P], "lr": r} for P, r in
+                                                           zip(Ps2, rates0[:len(parts)])], **kw))
+    mt = np.concatenate([o2.state[P]["exp_avg"].numpy() for P in Ps2])
+    vt = np.concatenate([o2.state[P]["exp_avg_sq"].numpy() for P in Ps2])
     g = grid(c["clip"])
     rng = np.random.default_rng(0)
     G = np.concatenate([np.repeat(g[:, None], c["p"].size, 1),
                         rng.uniform(-c["clip"], c["clip"], (1, c["p"].size)).astype(np.float32)])
 
-    def run(m, v):
-        P, o = opt_with(np.tile(c["p"], (G.shape[0], 1)), np.tile(m, (G.shape[0], 1)), np.tile(v, (G.shape[0], 1)))
-        P.grad = torch.from_numpy(G)
+    def run(m, v, rates):
+        Ps, o = opt_with(np.tile(c["p"], (G.shape[0], 1)), np.tile(m, (G.shape[0], 1)), np.tile(v, (G.shape[0], 1)),
+                         rates[:len(parts)])
+        for P, sl in zip(Ps, parts):
+            P.grad = torch.from_numpy(np.ascontiguousarray(G[:, sl]))
         with np.errstate(all="ignore"):
             o.step()
-        return P.detach().numpy().astype(np.float64)
-    return s, gaps(run(c["m"], c["v"]), run(mt, vt), c["lr"]).max(0), mt, vt
+        return np.concatenate([P.detach().numpy().astype(np.float64) for P in Ps], 1)
+
+    worst = np.zeros(c["p"].size)
+    for rates in case_rates(c):
+        lr_of = np.concatenate([np.full(sl.stop - sl.start, r) for sl, r in zip(parts, rates)])
+        worst = np.maximum(worst, gaps(run(c["m"], c["v"], rates), run(mt, vt, rates), lr_of).max(0))
+    return s, worst, mt, vt
 
 
 # ---------------------------------------------------------------- optax
 _OPTAX = {}
 
 
-def optax_case(c, tmp):
+def _optax_tx(c, groups):
     import jax
-    import jax.numpy as jnp
     import optax
-    import jaxguard as jg
-    key = (c["betas"], c["eps"])
+    key = (c["betas"], c["eps"], groups)
     if key not in _OPTAX:
-        tx = optax.inject_hyperparams(optax.adamw, static_args=("b1", "b2", "eps", "mu_dtype", "nesterov"))(
+        inner = lambda: optax.inject_hyperparams(optax.adamw, static_args=("b1", "b2", "eps", "mu_dtype", "nesterov"))(  # noqa: E731
             learning_rate=1e-3, b1=c["betas"][0], b2=c["betas"][1], eps=c["eps"], weight_decay=0.0)
+        tx = optax.multi_transform({"a": inner(), "b": inner()}, {"a": "a", "b": "b"}) if groups else inner()
 
         @jax.jit
         def step(state, params, g):
             u, _ = tx.update(g, state, params)
             return optax.apply_updates(params, u)
         _OPTAX[key] = (tx, step)
-    tx, step = _OPTAX[key]
-    params = {"w": jnp.asarray(c["p"])}
+    return _OPTAX[key]
+
+
+def _optax_state(tx, c, params, rates, groups):
+    """`tx`'s state with the case's moments, count and per-group rates."""
+    import jax.numpy as jnp
     st0 = tx.init(params)
-    hp = dict(st0.hyperparams, learning_rate=jnp.float32(c["lr"]), weight_decay=jnp.float32(c["wd"]))
-    adam = st0.inner_state[0]._replace(count=jnp.int32(c["step"]), mu={"w": jnp.asarray(c["m"])},
-                                       nu={"w": jnp.asarray(c["v"])})
-    st = st0._replace(hyperparams=hp, inner_state=(adam,) + tuple(st0.inner_state[1:]))
+
+    def fill(st, name, lr, sl):
+        hp = dict(st.hyperparams, learning_rate=jnp.float32(lr), weight_decay=jnp.float32(c["wd"]))
+        adam = st.inner_state[0]
+        mu, nu = dict(adam.mu), dict(adam.nu)
+        mu[name], nu[name] = jnp.asarray(c["m"][..., sl]), jnp.asarray(c["v"][..., sl])
+        adam = adam._replace(count=jnp.int32(c["step"]), mu=mu, nu=nu)
+        return st._replace(hyperparams=hp, inner_state=(adam,) + tuple(st.inner_state[1:]))
+
+    n = c["p"].size
+    if not groups:
+        return fill(st0, "w", rates[0], slice(0, n))
+    inner = dict(st0.inner_states)
+    for (name, sl), lr in zip((("a", slice(0, n // 2)), ("b", slice(n // 2, n))), rates):
+        inner[name] = inner[name]._replace(inner_state=fill(inner[name].inner_state, name, lr, sl))
+    return st0._replace(inner_states=inner)
+
+
+def _optax_moments(st, groups):
+    import numpy as np
+    if not groups:
+        a = st.inner_state[0]
+        return np.asarray(a.mu["w"]), np.asarray(a.nu["w"])
+    ms, vs = [], []
+    for name in ("a", "b"):
+        a = st.inner_states[name].inner_state.inner_state[0]
+        ms.append(np.asarray(a.mu[name]))
+        vs.append(np.asarray(a.nu[name]))
+    return np.concatenate(ms), np.concatenate(vs)
+
+
+def optax_case(c, tmp):
+    import jax
+    import jax.numpy as jnp
+    import jaxguard as jg
+    groups = c.get("mode") == "groups"
+    tx, step = _optax_tx(c, groups)
+    n = c["p"].size
+    params = ({"a": jnp.asarray(c["p"][:n // 2]), "b": jnp.asarray(c["p"][n // 2:])} if groups
+              else {"w": jnp.asarray(c["p"])})
+    rates0 = case_rates(c)[0] if not c.get("mode") == "interval" else (c["lr"], c["lr"])
+    st = _optax_state(tx, c, params, rates0, groups)
     path = os.path.join(tmp, "o.jg")
-    s = jg.save(path, st, params, lr=c["lr"], betas=c["betas"], eps=c["eps"], tau=c["tau"], clip=c["clip"],
-                codec=c["codec"])
+    if groups:     # the rates are read from the transformation
+        s = jg.save(path, st, params, tx=tx, betas=c["betas"], eps=c["eps"], tau=c["tau"], clip=c["clip"],
+                    codec=c["codec"])
+    else:
+        lr = (c["lr_lo"], c["lr"]) if c.get("mode") == "interval" else c["lr"]
+        s = jg.save(path, st, params, lr=lr, betas=c["betas"], eps=c["eps"], weight_decay=c["wd"], tau=c["tau"],
+                    clip=c["clip"], codec=c["codec"])
     r = jg.load(path, like=st)
+    mt, vt = _optax_moments(r, groups)
     g = grid(c["clip"])
     rng = np.random.default_rng(0)
-    G = np.concatenate([np.repeat(g[:, None], c["p"].size, 1),
-                        rng.uniform(-c["clip"], c["clip"], (1, c["p"].size)).astype(np.float32)])
+    G = np.concatenate([np.repeat(g[:, None], n, 1), rng.uniform(-c["clip"], c["clip"], (1, n)).astype(np.float32)])
     rows = G.shape[0]
     bcast = lambda t: jax.tree_util.tree_map(  # noqa: E731
         lambda x: jnp.broadcast_to(x, (rows,) + x.shape) if x.ndim == 1 else x, t)
-    P = {"w": jnp.broadcast_to(params["w"], (rows, c["p"].size))}
-    a = np.asarray(step(bcast(st), P, {"w": jnp.asarray(G)})["w"], np.float64)
-    b = np.asarray(step(bcast(r), P, {"w": jnp.asarray(G)})["w"], np.float64)
-    mt, vt = np.asarray(r.inner_state[0].mu["w"]), np.asarray(r.inner_state[0].nu["w"])
-    return s, gaps(a, b, c["lr"]).max(0), mt, vt
+    split = (lambda x: {"a": x[:, :n // 2], "b": x[:, n // 2:]}) if groups else (lambda x: {"w": x})  # noqa: E731
+    join = (lambda d: np.concatenate([np.asarray(d["a"]), np.asarray(d["b"])], 1)) if groups else \
+        (lambda d: np.asarray(d["w"]))  # noqa: E731
+    P = split(jnp.broadcast_to(jnp.asarray(c["p"]), (rows, n)))
+    worst = np.zeros(n)
+    for rates in case_rates(c):
+        a_st, b_st = (_optax_state(tx, {**c, "m": m, "v": v}, params, rates, groups)
+                      for m, v in ((c["m"], c["v"]), (mt, vt)))
+        a = join(step(bcast(a_st), P, split(jnp.asarray(G)))).astype(np.float64)
+        b = join(step(bcast(b_st), P, split(jnp.asarray(G)))).astype(np.float64)
+        lr_of = np.concatenate([np.full(n // 2, rates[0]), np.full(n - n // 2, rates[1])]) if groups else \
+            np.full(n, rates[0])
+        worst = np.maximum(worst, gaps(a, b, np.float32(lr_of).astype(np.float64)).max(0))
+    return s, worst, mt, vt
 
 
 # ---------------------------------------------------------------- driver
@@ -250,7 +347,8 @@ def main():
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     stats = {fw: {"cases": 0, "coordinates": 0, "coded": 0, "escapes": 0, "config_errors": 0, "crashes": 0,
-                  "violations": 0, "cases_with_violation": 0, "worst_gap_over_tau": 0.0, "by_block": {}}
+                  "violations": 0, "cases_with_violation": 0, "worst_gap_over_tau": 0.0, "by_block": {},
+                  "by_mode": {}}
              for fw in ("torch", "optax")}
     errors, crashes, examples = [], [], []
     i = 0
@@ -276,6 +374,10 @@ def main():
             over = gap / c["tau"]
             bad = over > 1
             S["cases"] += 1
+            bm = S["by_mode"].setdefault(c.get("mode", "targeted"), {"cases": 0, "coded": 0, "violations": 0})
+            bm["cases"] += 1
+            bm["coded"] += int((~exact).sum())
+            bm["violations"] += int(bad.sum())
             S["coordinates"] += c["m"].size
             S["coded"] += int((~exact).sum())
             S["escapes"] += int(s["escapes"])
@@ -292,8 +394,8 @@ def main():
                 kb["violations"] += int(bad[sl].sum())
             if bad.any() and len(examples) < 20:
                 j = int(np.flatnonzero(bad)[np.argmax(over[bad])])
-                examples.append({k: c[k] for k in ("framework", "lr", "wd", "betas", "eps", "step", "tau", "clip",
-                                                   "codec", "decoupled")} |
+                examples.append({k: c.get(k) for k in ("framework", "lr", "wd", "betas", "eps", "step", "tau", "clip",
+                                                       "codec", "decoupled", "mode", "lr_b", "lr_lo")} |
                                 {"m": float(c["m"][j]), "v": float(c["v"][j]), "p": float(c["p"][j]),
                                  "mt": float(mt[j]), "vt": float(vt[j]), "gap_over_tau": float(over[j])})
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -321,6 +423,12 @@ def main():
         lines.append(f"| {fw} | {S['cases']} | {S['coordinates']:,} | {S['coded']:,} | {S['escapes']:,} | "
                      f"{S['config_errors']} | {S['crashes']} | {S['violations']} | {S['cases_with_violation']} | "
                      f"{S['worst_gap_over_tau']:.6g} |")
+    lines += ["", "Cases by mode (point: one rate; groups: two parameters in two groups at rates 1e-3..1e3 apart, "
+              "optax saved with tx=; interval: lr=(lr/r, lr), r in 10, 100, 1000, replayed at lo, hi and between):",
+              ""]
+    for fw, S in stats.items():
+        lines.append(f"- {fw}: " + ", ".join(f"{k} {v['cases']} cases / {v['coded']:,} coded / {v['violations']} "
+                                             "violations" for k, v in sorted(S["by_mode"].items())))
     lines += ["", "Blocks by kind (coded coordinates, violations):", ""]
     for fw, S in stats.items():
         lines.append(f"- {fw}: " + ", ".join(f"{k} {v['blocks']} blocks / {v['coded']:,} coded / {v['violations']} "

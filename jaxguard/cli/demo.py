@@ -3,6 +3,8 @@ source text with torch Adam, compress its Adam state every way the paper compare
 restore, audit with the real torch Adam, and print the table."""
 from __future__ import annotations
 
+__all__ = ["run_demo"]
+
 import json
 import os
 import tempfile

@@ -4,16 +4,18 @@ Every error a user can cause prints one line, ``jaxguard: error: ...``, and exit
 """
 from __future__ import annotations
 
+__all__ = ["build_parser", "main", "start_cpu_backend_one_thread_pool"]
+
 import argparse
 import gc
-import io
 import json
 import os
-import pickle
 import sys
 import time
 
-from jaxguard.errors import CheckpointError, JaxguardError, install_hint
+from jaxguard import _process_tuning as process_tuning
+from jaxguard._process_tuning import start_cpu_backend_one_thread_pool  # noqa: F401 - its documented path
+from jaxguard.errors import CheckpointError, JaxguardError, UnsupportedOptimizerError, install_hint
 
 EXIT_USAGE = 2
 # the verbs that read or write torch checkpoints or run torch; the rest (inspect, verify
@@ -52,47 +54,34 @@ def _torch_installed(verb: str) -> str | None:
     return None
 
 
-def load_torch_checkpoint(path):
-    """torch.load with weights_only=True: loading never runs pickled code.
+def load_torch_checkpoint(path, trust=False):
+    """`jaxguard.cli.torch_load.load_checkpoint`.
 
     Args:
-      path: a local path (memory-mapped when the file allows) or an fsspec URL.
+      path: a local path or an fsspec URL.
+      trust: ``--trust``: a plain ``torch.load`` (else weights-only plus numpy values, RNG
+        states and ``argparse.Namespace``).
 
     Returns:
-      The checkpoint object (a dict of tensors and plain values).
-
-    Raises:
-      CheckpointError: a missing file, a pickle that needs code to load, or an unreadable file.
+      The checkpoint object.
     """
-    import torch
-    from jaxguard.format import storage
-    if not storage.exists(path):
-        raise CheckpointError(f"{path}: no such file; pass a checkpoint written with torch.save")
-    src = io.BytesIO(storage.read_bytes(path)) if storage.is_url(path) else storage.local_path(path)
-    try:
-        if storage.is_url(path):
-            return torch.load(src, map_location="cpu", weights_only=True)
-        try:   # mmap: tensors are read from the page cache as they are used, not copied up front
-            return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:   # legacy (non-zip) files cannot be mapped
-            return torch.load(src, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
-        raise CheckpointError(f"{path} is not a plain tensor checkpoint and was refused without running it "
-                              f"(weights_only load: {first[:160]})") from None
-    except (RuntimeError, EOFError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} is not a readable torch checkpoint ({first[:160]})") from None
+    from jaxguard.cli.torch_load import load_checkpoint
+    return load_checkpoint(path, trust=trust)
 
 
 def _print_summary(s, as_json):
     if as_json:
         print(json.dumps(s, sort_keys=True))
         return
-    for k in ("coordinates", "escapes", "escape_rate", "payload_bytes", "raw_fp32_bytes", "payload_ratio",
+    for k in ("input", "coordinates", "escapes", "escape_rate", "payload_bytes", "raw_fp32_bytes", "payload_ratio",
               "container_bytes", "encode_seconds"):
+        if k == "input" and k not in s:
+            continue
         v = s.get(k)
         print(f"{k:>16}: {v:.6g}" if isinstance(v, float) else f"{k:>16}: {v}")
+    if s.get("stored_exactly"):           # --uncertifiable exact: one line naming what and why
+        from jaxguard import uncovered
+        print(f"{'stored_exactly':>16}: {uncovered.describe(s['stored_exactly'])}")
     if s.get("replay_matched") is False:  # informational: the guard's bound covers every variant
         print(f"{'replay':>16}: no bit-exact torch replay on this machine ({s.get('replay_detail', '')})")
 
@@ -110,7 +99,8 @@ def _cmd_compress(a):
         except torchzip.Unsupported:
             pass   # torch.load decides
     if ckpt is None:
-        ckpt = load_torch_checkpoint(a.ckpt)
+        ckpt = load_torch_checkpoint(a.ckpt, a.trust)
+    _refuse_optimizer_alone(a.ckpt, ckpt)
     # the imports' and the tree's objects live to the end: later collections skip them
     # (full collections walked them: 1% of a GPT-2 compress's CPU)
     gc.freeze()
@@ -119,12 +109,92 @@ def _cmd_compress(a):
     summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
                                                        bound=a.bound, partition=a.partition, progress=not a.json,
                                                        variant=variant_record, op_model=a.op_model,
-                                                       release=source.release if source else None)
+                                                       release=source.release if source else None,
+                                                       param_order=param_order(a.param_order), lr=a.lr,
+                                                       uncertifiable=a.uncertifiable)
     raw = storage.size(a.ckpt)
     summary["source_bytes"] = raw
     summary["container_ratio"] = summary["container_bytes"] / raw
-    _print_summary(summary, a.json)
+    _print_summary({**_seen(a), **summary}, a.json)
     return 0
+
+
+def _seen(a) -> dict:
+    """The input's kind for a verb's output (``input``, ``input_kind``: `jaxguard.cli.inputs`)."""
+    inp = getattr(a, "input", None)
+    return {} if inp is None else {"input": inp.description, "input_kind": inp.kind}
+
+
+def _refuse_optimizer_alone(path, ckpt):
+    """One line for an optimizer state_dict saved alone (a trainer's ``optimizer.pt``): its
+    moments are certified against weights it does not hold."""
+    if not (isinstance(ckpt, dict) and "state" in ckpt and "param_groups" in ckpt and "model" not in ckpt):
+        return
+    from jaxguard.cli import inputs
+    parent = os.path.dirname(os.path.abspath(str(path)))
+    try:
+        where = inputs.recognise(parent)
+    except JaxguardError:
+        where = None
+    hint = (f"pass the directory it is in ({parent}, {where.description}), whose weights jaxguard compress reads"
+            if where is not None and where.kind in ("hf-checkpoint", "accelerate-checkpoint") else
+            "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict()} and compress that")
+    raise CheckpointError(f"{path} holds an optimizer state_dict alone; its moments are certified against the model "
+                          f"weights it does not hold: {hint}")
+
+
+def next_lr(text: str):
+    """``--lr``: the next step's learning rate, ``X`` or ``LO:HI`` (an interval certified
+    for every rate in it), or one of those per param group, comma-separated.
+
+    Args:
+      text: the option's value.
+
+    Returns:
+      A float, a ``(lo, hi)`` tuple, or a list of those (one per param group).
+
+    Raises:
+      argparse.ArgumentTypeError: not numbers.
+    """
+    def one(item):
+        parts = item.split(":")
+        try:
+            vals = [float(x) for x in parts]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a learning rate; pass e.g. 1e-3, 1e-4:1e-3 or "
+                                             "1e-3,1e-4 (one per param group)") from None
+        if len(vals) > 2:
+            raise argparse.ArgumentTypeError(f"{item!r}: an interval is LO:HI")
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+    items = [one(x) for x in text.split(",")]
+    return items[0] if len(items) == 1 else items
+
+
+def param_order(value):
+    """``--param-order``: ``model``, or a file of parameter names (one a line, in the
+    optimizer's order; blank lines and ``#`` comments skipped); None when not given.
+
+    Args:
+      value: the option's value or None.
+
+    Returns:
+      None, ``"model"`` or a list of names.
+
+    Raises:
+      CheckpointError: the file cannot be read.
+    """
+    if value is None or value == "model":
+        return value
+    if value == "trainer":
+        raise CheckpointError("--param-order trainer applies to a Hugging Face Trainer checkpoint directory "
+                              "(checkpoint-N/, whose config.json names the model); pass 'model' or a file of names")
+    try:
+        with open(value) as fh:
+            return [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+    except OSError as exc:
+        raise CheckpointError(f"--param-order {value}: {exc.strerror or exc}; pass 'model' or a file of parameter "
+                              "names, one a line, in the optimizer's order") from None
 
 
 def _cmd_restore(a):
@@ -139,12 +209,15 @@ def _cmd_restore(a):
         from torch_compat.state import save_torch
         tree, _ = torch_compat.restore_tree(a.container)
         save_torch(a.output, tree)
-    print(f"restored {a.container} -> {a.output}")
+    inp = getattr(a, "input", None)
+    print(f"restored {a.container}{f' ({inp.description})' if inp else ''} -> {a.output}")
     return 0
 
 
 def _cmd_inspect(a):
-    """``jaxguard inspect OUT``: header, per-entry stats, decoded hash (``--json``: one object)."""
+    """``jaxguard inspect OUT``: header, per-entry stats, what the moments were certified for
+    (grouped by update), decoded hash (``--json``: one object)."""
+    from jaxguard import audit
     from jaxguard.format import container, spec, storage
     header, payload, tables = container.read(a.container)
     ents = [e for e in header["entries"] if e["kind"] == "moments"]
@@ -152,7 +225,7 @@ def _cmd_inspect(a):
     n = sum(e["stats"]["coordinates"] for e in ents)
     esc = sum(e["stats"]["escapes"] for e in ents)
     pay = sum(e["stats"]["payload_bytes"] for e in ents)
-    info = {"version": header.get("version")}
+    info = {**{k: v for k, v in _seen(a).items() if k == "input"}, "version": header.get("version")}
     info.update({k: _setting(header, ents, k) for k in ("op_model", "tau", "clip", "codec", "bound", "partition")})
     info["variant"] = header.get("variant")
     info.update({"framework": header["meta"].get("framework"), "entries": len(header["entries"]),
@@ -164,8 +237,26 @@ def _cmd_inspect(a):
     variant = header.get("variant")
     if isinstance(variant, dict):
         info.update(replay_matched=variant.get("matched"), replay_detail=variant.get("detail", ""))
+    info["certified_for"] = audit.certified_for((e.get("config"), e.get("stats")) for e in ents)
+    info["stored_exactly"] = _stored_exactly(header["meta"])
     _print_info(info, a.json)
     return 0
+
+
+def _stored_exactly(meta) -> list:
+    """The moments a file stores exactly instead of certifying (next lr 0): ``{"param",
+    "why"}`` each (torch: the meta's list; optax: the marked leaves, one per param)."""
+    out = list(meta.get("stored_exactly") or [])
+    seen = set()
+    for leaf in (meta.get("state") or {}).get("leaves") or []:
+        if leaf.get("why"):
+            parts = leaf["path"].split(".")
+            cut = next((i for i, x in enumerate(parts) if x in ("mu", "nu")), -1)
+            param = ".".join(parts[cut + 1:])
+            if param not in seen:
+                seen.add(param)
+                out.append({"param": param, "why": leaf["why"]})
+    return out
 
 
 def _setting(header, ents, key):
@@ -187,8 +278,18 @@ def _setting(header, ents, key):
 def _print_info(info, as_json):
     if as_json:
         print(json.dumps(info, sort_keys=True))
-    else:
-        for k, v in info.items():
+        return
+    from jaxguard import audit
+    for k, v in info.items():
+        if k == "certified_for":
+            print(f"{k:>16}: {len(v)} update{'s' if len(v) != 1 else ''}" + (":" if v else ""))
+            for i, g in enumerate(v, 1):
+                print(f"{'':>18}[{i}] {audit.describe_certified(g)}")
+        elif k == "stored_exactly":
+            if v:
+                whys = sorted({x["why"] for x in v})
+                print(f"{k:>16}: {len(v)} parameter{'s' if len(v) != 1 else ''} ({'; '.join(whys)})")
+        else:
             print(f"{k:>16}: {'not recorded' if v is None else v}")
 
 
@@ -199,30 +300,50 @@ def _cmd_verify(a):
         data = storage.read_bytes(a.container)
         res = reader.verify_bytes(data)
     except (reader.ReaderError, JaxguardError) as exc:
-        print(f"FAILED {a.container}: {exc}")
+        print(f"FAILED {_named(a)}: {exc}")
         return 1
     header, _ = reader.parse(data)
-    print(f"ok {a.container}: file and payload SHA-256 match, payload_sha256 {header['payload_sha256']}, "
+    print(f"ok {_named(a)}: file and payload SHA-256 match, payload_sha256 {header['payload_sha256']}, "
           f"decoded_sha256 {res['decoded_sha256']} reproduced by the numpy reader")
     return 0
+
+
+def _named(a) -> str:
+    """The verb's input with its kind in words: ``PATH (a jaxguard container file)``."""
+    inp = getattr(a, "input", None)
+    return f"{a.container} ({inp.description})" if inp is not None else str(a.container)
 
 
 def _cmd_audit(a):
     """``jaxguard audit CKPT OUT``: the first update with the real torch Adam over a gradient grid."""
     import torch_compat
-    ckpt = load_torch_checkpoint(a.ckpt)
+    ckpt = load_torch_checkpoint(a.ckpt, a.trust)
     restored, header = torch_compat.restore_tree(a.container)
     tau = header.get("tau") or spec.DEFAULT_TAU
     clip = header.get("clip") or spec.DEFAULT_CLIP
-    res = torch_compat.audit(ckpt, restored, tau=tau, clip=clip, progress=not a.json)
+    lr = a.lr if a.lr is not None else _given_lr(header)
+    res = torch_compat.audit(ckpt, restored, tau=tau, clip=clip, progress=not a.json,
+                             param_order=param_order(a.param_order), lr=lr)
     res.update({"tau": tau, "clip": clip, "passed": res["violations"] == 0})
     if a.json:
         print(json.dumps(res, sort_keys=True))
     else:
+        asserted = " (moments matched to weights by the order you asserted)" if a.param_order else ""
         print(f"audit: {res['coordinates']} coordinates x {res['gradients']} gradients, worst gap "
-              f"{res['max_gap_lr']:.6g} lr (tau {tau}), {res['violations']} coordinates over tau: "
+              f"{res['max_gap_lr']:.6g} lr (tau {tau}), {res['violations']} coordinates over tau{asserted}: "
               + ("PASS" if res["passed"] else "FAIL"))
     return 0 if res["passed"] else 1
+
+
+def _given_lr(header):
+    """The learning rate `compress --lr` certified every moment for (the param groups did not
+    hold it), so that the audit steps with it; None when the groups' own were certified."""
+    cfgs = [e.get("config") or {} for e in header.get("entries", []) if e.get("kind") == "moments"]
+    given = {json.dumps(c.get("lr")) for c in cfgs if c.get("source") == "param_groups+given"}
+    if len(given) == 1 and all(c.get("source") == "param_groups+given" for c in cfgs):
+        lr = json.loads(given.pop())
+        return tuple(lr) if isinstance(lr, list) else lr
+    return None
 
 
 def _cmd_migrate(a):
@@ -237,7 +358,7 @@ def _cmd_migrate(a):
             import torch_compat
             ckpt, _ = torch_compat.restore_tree(a.ckpt)
         else:
-            ckpt = load_torch_checkpoint(a.ckpt)
+            ckpt = load_torch_checkpoint(a.ckpt, a.trust)
         data, summary = migrate.torch_to_container(ckpt, tau=a.tau, clip=a.clip, codec=a.codec)
         atomic_write(a.output, data)
         _print_summary(summary, a.json)
@@ -259,30 +380,24 @@ def _cmd_demo(a):
     return run_demo(steps=a.steps, as_json=a.json)
 
 
-# torch.distributed.checkpoint directories: the same verbs, handled by jaxguard.cli.dcp_verbs
-def _dcp_dir_aware(verb, attr):
+# every kind of input (jaxguard.cli.inputs): the file verbs above, DCP (jaxguard.cli.dcp_verbs),
+# JAX and trainer directories (jaxguard.cli.by_kind)
+def _by_kind(verb, attr):
     def wrap(fn):
         def run(a):
-            if verb in ("inspect", "verify") and _jax_sharded_dir(getattr(a, attr)):
-                return _jax_sharded_command(verb, a)
-            if os.path.isdir(getattr(a, attr)):
-                missing = _torch_missing(f"{verb} of a torch.distributed.checkpoint directory")
-                if missing:
-                    return _die(missing)
-                from jaxguard.cli import dcp_verbs
-                return dcp_verbs.run(verb, a, print_summary=_print_summary, print_info=_print_info)
-            return fn(a)
+            from jaxguard.cli import by_kind, inputs
+            try:
+                a.input = inputs.recognise(getattr(a, attr))
+            except JaxguardError as exc:
+                if verb != "verify":
+                    raise
+                print(f"FAILED {exc}")   # (the message starts with the path)
+                return 1
+            return by_kind.run(verb, a, file_verb=fn, sharded_verb=_jax_sharded_command, torch_missing=_torch_missing,
+                               print_summary=_print_summary, print_info=_print_info)
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__
         return run
     return wrap
-
-
-def _jax_sharded_dir(path):
-    """A `jaxguard.sharded` checkpoint directory: its manifest, or process files without one (incomplete)."""
-    from jaxguard.format import storage
-    names = storage.listdir(path) if storage.is_dir(path) else []
-    return ".metadata" not in names and any(n == "manifest.json" or (n.startswith("process_") and n.endswith(
-        ".jaxguard")) for n in names)
 
 
 def _jax_sharded_command(verb, a):
@@ -292,29 +407,40 @@ def _jax_sharded_command(verb, a):
         try:
             r = sharded.verify(path)
         except JaxguardError as exc:
-            print(f"FAILED {path}: {exc}")
+            print(f"FAILED {_named(a)}: {exc}")
             return 1
-        print(f"ok {path}: {r['files']} process files and {r['shards']} shards match manifest.json (save "
+        print(f"ok {_named(a)}: {r['files']} process files and {r['shards']} shards match manifest.json (save "
               f"{r['save_id'] or 'of the older layout'}), each file's SHA-256 and decoded hash checked")
         return 0
     man = sharded.read_manifest(path)
     sharded.check_files(man, path)
     tot = man.get("summary") or {}
     n, esc = tot.get("coordinates", 0), tot.get("escapes", 0)
-    info = {k: man.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "process_count", "save_id")}
+    info = {**{k: v for k, v in _seen(a).items() if k == "input"},
+            **{k: man.get(k) for k in ("version", "op_model", "tau", "clip", "codec", "process_count", "save_id")}}
     info.update({"framework": "optax-sharded", "files": len(man["files"]),
                  "shards": sum(len(v) for v in man["shards"].values()), "leaves": len(man["state"]["leaves"]),
                  "coordinates": n, "escapes": esc, "escape_rate": esc / max(n, 1),
                  "payload_bytes": tot.get("payload_bytes"), "raw_fp32_bytes": 8 * n,
                  "checkpoint_bytes": sum(f["bytes"] for f in man["files"].values())})
+    from jaxguard import audit
+    shards = [sh["header"] for entry in man["shards"].values() for sh in entry
+              if (sh.get("header") or {}).get("kind") == "moments"]
+    info["certified_for"] = audit.certified_for((h.get("config"), h.get("stats")) for h in shards)
+    info["stored_exactly"] = _stored_exactly(man)
     _print_info(info, a.json)
     return 0
 
 
-_cmd_compress = _dcp_dir_aware("compress", "ckpt")(_cmd_compress)
-_cmd_restore = _dcp_dir_aware("restore", "container")(_cmd_restore)
-_cmd_inspect = _dcp_dir_aware("inspect", "container")(_cmd_inspect)
-_cmd_verify = _dcp_dir_aware("verify", "container")(_cmd_verify)
+_cmd_compress = _by_kind("compress", "ckpt")(_cmd_compress)
+_cmd_restore = _by_kind("restore", "container")(_cmd_restore)
+_cmd_inspect = _by_kind("inspect", "container")(_cmd_inspect)
+_cmd_verify = _by_kind("verify", "container")(_cmd_verify)
+
+
+TRUST_HELP = ("load the torch checkpoint with a plain torch.load (weights_only=False: it runs whatever the file names); "
+              "only for files you trust. Without it: tensors, numbers, strings, numpy scalars and arrays, RNG states "
+              "and argparse.Namespace")
 
 
 def build_parser():
@@ -340,6 +466,15 @@ def build_parser():
     c.add_argument("--op-model", default=None, choices=torch_models, metavar="NAME",
                    help="the kernel the run resumes on (default: the state's own, resolved as torch does); one of "
                         + ", ".join(torch_models))
+    c.add_argument("--trust", action="store_true", help=TRUST_HELP)
+    c.add_argument("--lr", type=next_lr, default=None, metavar="LR",
+                   help="the next step's learning rate, if the param groups do not hold it (saved before "
+                        "scheduler.step()): X, LO:HI (certified for every rate in it) or one per param group, "
+                        "comma-separated; 0 stores those moments exactly")
+    c.add_argument("--uncertifiable", default="refuse", choices=["refuse", "exact"],
+                   help="state the guard cannot certify (bfloat16/float16 state, amsgrad, an optimizer that is not "
+                        "Adam): refuse (default) or store it exactly beside the compressed rest (docs/coverage.md)")
+    _add_param_order(c)
     c.set_defaults(fn=_cmd_compress)
     r = sub.add_parser("restore", help="write a torch checkpoint with the moments restored")
     r.add_argument("container")
@@ -356,6 +491,10 @@ def build_parser():
     au.add_argument("ckpt")
     au.add_argument("container")
     au.add_argument("--json", action="store_true")
+    au.add_argument("--trust", action="store_true", help=TRUST_HELP)
+    au.add_argument("--lr", type=next_lr, default=None, metavar="LR",
+                    help="step with this learning rate instead of the param groups' (LO:HI: at LO, sqrt(LO HI), HI)")
+    _add_param_order(au)
     au.set_defaults(fn=_cmd_audit)
     d = sub.add_parser("demo", help="train a small model, compress, restore, audit")
     d.add_argument("--steps", type=int, default=150)
@@ -369,9 +508,18 @@ def build_parser():
     mg.add_argument("--clip", type=float, default=spec.DEFAULT_CLIP)
     mg.add_argument("--codec", default=spec.DEFAULT_CODEC, choices=spec.codec_ids())
     mg.add_argument("--json", action="store_true")
+    mg.add_argument("--trust", action="store_true", help=TRUST_HELP)
     mg.set_defaults(fn=_cmd_migrate)
     _add_audit_enclosure(sub)
     return p
+
+
+def _add_param_order(parser):
+    parser.add_argument("--param-order", default=None, metavar="model|trainer|FILE",
+                        help="an optimizer without param_names (or with stale ones) whose parameters cannot be matched "
+                             "to the model by their shapes: assert the order, 'model' (built from model.parameters()), "
+                             "'trainer' (a Hugging Face Trainer checkpoint directory: the Trainer's own optimizer, "
+                             "weights it decays then the rest) or a file of names in the optimizer's order, one a line")
 
 
 def _add_audit_enclosure(sub):
@@ -388,6 +536,8 @@ def _add_audit_enclosure(sub):
                         "the GPU models (-cuda*, optax-*-gpu) are checked against their CPU simulations")
     a.add_argument("--edge-fraction", type=float, default=0.25,
                    help="share of cases (and adamw groups) drawn at float32's edges")
+    a.add_argument("--lr-interval", action="store_true",
+                   help="certify every group for an lr interval (hi/lo up to 1000) and replay it at lo, hi or between")
     a.set_defaults(fn=_cmd_audit_enclosure)
     return a
 
@@ -454,21 +604,6 @@ def program_cache_bytes():
     return None if mb < 0 else mb << 20
 
 
-def _synchronous_cpu_dispatch():
-    """Compress's programs run on the calling thread, not handed to a dispatch thread: the
-    guard calls thousands of small kernels and reads each result at once, so the hand-off
-    (a cross-core wake-up per call) was pure cost.  GPT-2 compress (124M coordinates,
-    alternating runs, 2-core AMD EPYC): encode 17.77/15.43 s against 20.15/19.14 s.
-    Same programs, same results.  jax reads the option when its backend starts, so it
-    only takes effect in a process whose first program is the verb's (a library
-    caller's process is never touched)."""
-    try:
-        import jax
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-    except Exception:  # noqa: BLE001 - an older jax without the option: dispatch as it does
-        pass
-
-
 def _one_thread_xla_pool_if_threaded(a):
     """For a compress that will run more than one encode thread: start jax's CPU backend
     with an intra-op pool of one thread (`start_cpu_backend_one_thread_pool`).
@@ -492,84 +627,6 @@ def _one_thread_xla_pool_if_threaded(a):
     start_cpu_backend_one_thread_pool()
 
 
-def start_cpu_backend_one_thread_pool() -> bool:
-    """Start jax's CPU backend with an intra-op pool of one thread, so that each thread
-    that runs programs (compress's encode threads) runs them on its own core.
-
-    XLA sizes that pool by the CPUs the starting thread may run on and splits large
-    fusions over it.  With an encode thread per core the splits only contend: a
-    60M-coordinate in-process encode on 2 cores took 1.99-2.19 s and 3.2-3.7 s of CPU with
-    that pool, 1.71-1.80 s and 2.8-3.0 s of CPU with one thread in it (one core: 2.5 s;
-    bench/experiments/results/encode_cores.md).  The backend starts while this thread may
-    run on one CPU, then every thread gets back the CPUs the process had.  Same programs,
-    same results.  For a process that is about to run the guard on several threads, before
-    anything else starts jax's backend.
-
-    Returns:
-      True if the backend started so; False on one CPU, off Linux, or when something had
-      started it already (then nothing changed).
-    """
-    try:
-        import jax
-        from jax._src import xla_bridge
-        if xla_bridge.backends_are_initialized():
-            return False
-        cpus = os.sched_getaffinity(0)
-        if len(cpus) < 2:
-            return False
-        before = set(os.listdir("/proc/self/task"))
-    except (AttributeError, OSError, ImportError):
-        return False
-    try:
-        os.sched_setaffinity(0, {min(cpus)})
-        jax.devices()
-    except Exception:  # noqa: BLE001 - the backend's own errors surface at its first use
-        return False
-    finally:
-        os.sched_setaffinity(0, cpus)
-        for tid in set(os.listdir("/proc/self/task")) - before:   # the pool's threads
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except (OSError, ValueError):
-                pass
-    return True
-
-
-def _reuse_freed_memory():
-    """glibc, for compress and restore: keep freed buffers of up to 32 MiB (a slab's
-    guard temporaries, restore's decode chunks of `torchfile.CHUNK` coordinates) in the
-    heap for the next slab instead of returning them and page-faulting fresh ones, and
-    return the heap's free top only beyond 256 MiB (no effect elsewhere).  Compress used
-    to mmap every buffer from 1 MiB for a smaller heap: 13.0M page faults and 58 s of
-    system time at 124M coordinates (bench/results/codec_speed_s9.md)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)    # M_MMAP_THRESHOLD (its maximum on 64-bit)
-        libc.mallopt(-1, 256 << 20)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def _no_numpy_huge_pages():
-    """Compress and restore: numpy's large arrays are not marked for transparent huge pages.
-
-    numpy asks the kernel for huge pages on every array of 4 MiB or more (``madvise``), and
-    with the kernel's default ``defrag=madvise`` a first touch of such memory compacts
-    memory on the spot whenever no free 2 MiB page is at hand, as on a machine whose page
-    cache holds the checkpoints just written.  There a fresh 154 MB array took 196-325 ms
-    to fill against 70-75 ms without (12.5 ms when free huge pages happen to be ready),
-    and a GPT-2-sized restore 3.74-4.41 s against 2.49-2.86 s (system time 2.8-3.6 s
-    against 0.8-1.2 s; 2-core AMD EPYC, 4 interleaved pairs).  ``NUMPY_MADVISE_HUGEPAGE``
-    does the same, but only when set before numpy is imported."""
-    try:
-        import numpy as np
-        core = getattr(np, "_core", None) or np.core
-        core.multiarray._set_madvise_hugepage(False)
-    except (AttributeError, ImportError):   # a numpy without the switch: its own default
-        pass
-
-
 def main(argv=None) -> int:
     """The ``jaxguard`` console script.
 
@@ -587,15 +644,18 @@ def main(argv=None) -> int:
             return _die(missing)
     args = build_parser().parse_args(argv)
     if args.cmd in ("compress", "restore"):
-        _reuse_freed_memory()
-        _no_numpy_huge_pages()
+        process_tuning.reuse_freed_memory()
+        process_tuning.no_numpy_huge_pages()
     if args.cmd == "compress":        # (restore runs no JAX program: it must not import jax)
-        _synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
+        process_tuning.synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
         _one_thread_xla_pool_if_threaded(args)
     if args.cmd not in NUMPY_VERBS:
         _enable_compile_cache()
     try:
         return args.fn(args)
+    except UnsupportedOptimizerError as exc:
+        fix = "; jaxguard compress --uncertifiable exact stores it exactly" if args.cmd == "compress" else ""
+        return _die(f"{exc}{fix}")
     except JaxguardError as exc:
         return _die(str(exc))
     except (OSError, MemoryError) as exc:

@@ -9,7 +9,7 @@ the raw entries pass from the container (mapped read-only) into the file as they
 moments are decoded on a thread pool one window ahead of the writer, into buffers lent again
 once written, so decoding, hashing, CRC-32 and the writes share the cores and the process
 touches little memory for the first time (what a restore costs on a VM:
-bench/results/codec_speed_s8_profile.md).  Each zip record is laid down once, its CRC-32
+the restore profile at commit ef4a91c).  Each zip record is laid down once, its CRC-32
 computed beforehand (`_Records`).  What torch.load returns is the same object, tensor for tensor and
 bit for bit, as ``torch.save(restore_tree(path)[0])`` (tests/test_restore_fast.py).
 
@@ -25,6 +25,8 @@ The pickle is protocol 2 with only the globals torch's ``weights_only`` loader a
 (``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict``, ``torch.<Type>Storage``).
 """
 from __future__ import annotations
+
+__all__ = ["AHEAD_BYTES", "CHUNK", "SUB", "WINDOW", "RANS_WINDOW", "CRC_BESIDE_FROM", "restore"]
 
 import hashlib
 import os
@@ -187,6 +189,8 @@ class _Pickle:
                 return
             if "__float__" in sk:
                 return self.plain(float(sk["__float__"]))
+            if any(k in sk for k in ("__ndarray__", "__npscalar__", "__namespace__")):
+                raise Unsupported("numpy values or an argparse.Namespace")   # torch_compat.restore_tree + torch.save
         return self.plain(sk)
 
     def bytes(self):

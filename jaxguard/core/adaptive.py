@@ -21,6 +21,8 @@ bits, and block parameters that are exact in the stored form: ``lo = wlo*wlo``,
 """
 from __future__ import annotations
 
+__all__ = ["WIDTH_PAIRS", "WIDE_PAIRS", "choose_and_certify", "decode_blocks"]
+
 import functools
 
 import jax

@@ -35,6 +35,12 @@ never comes out of `cell_bounds`.  The derivation is in docs/bound.md; the enclo
 """
 from __future__ import annotations
 
+__all__ = ["U", "N_MIN", "GAMMA", "CONST_REL", "NATIVE_LIMIT", "RHO_MAX", "LEVELS", "unit_edges", "StepRow",
+           "pack_constants", "pack_interval", "as_step_row", "stack_rows", "shared_ideal", "cell_bounds",
+           "coordinate_bound", "batch_bound", "PROBE_POINTS", "DENSE_PROBE_POINTS", "batch_lower",
+           "batch_bound_pc", "ADAPTIVE_GAMMAS", "ADAPTIVE_GAMMAS_DOUBLING", "ADAPTIVE_PARTITIONS",
+           "adaptive_unit_edges", "batch_bound_adaptive_pc", "batch_lower_pc"]
+
 import functools
 from typing import Any
 
@@ -154,6 +160,43 @@ def pack_constants(c: StepConstants, tau: float) -> StepRow:
     vals = (c.keep, c.a, c.b2f, c.c2, c.S, c.B, c.eps, c.lr, c.weight_decay, thr,
             1.0 if c.decay_in_update else 0.0, c.const_rel)
     return StepRow(*(np.float32(x) for x in vals))
+
+
+def _f32_up(x: float) -> np.float32:
+    """The smallest float32 >= the double `x` (x finite, >= 0)."""
+    y = np.float32(x)
+    return y if float(y) >= x else np.nextafter(y, np.float32(np.inf))
+
+
+# `S(lr)/lr` of every lr in an interval is within this relative factor of the endpoints'
+# (each S is lr/(1 - b1**t) rounded once to float32, after at most one double rounding)
+LR_RATIO_SLACK = 2.0**-22
+
+
+def pack_interval(c_lo: StepConstants, c_hi: StepConstants, tau: float) -> StepRow:
+    """The `StepRow` that certifies every learning rate in ``[c_lo.lr, c_hi.lr]`` at once.
+
+    Numerical contract: with ``0 < lo <= hi <= 1`` and ``hi * wd <= 1`` (checked by
+    `jaxguard.core.config.NextUpdate`), every term of the bound (`cell_bounds`,
+    `jaxguard.core.fastbound`) is ``S P + lr wd Q + R`` with ``P, Q, R >= 0`` that do not
+    depend on the learning rate, so ``bound(lr) / lr <= bound(row) / lo`` for the row
+    ``S = lo max(S(lr)/lr)`` (the endpoints' ratio widened by `LR_RATIO_SLACK`, rounded
+    up), ``lr = lo``, threshold ``f32(tau lo)(1 - 4u)`` and ``const_rel`` the larger of
+    the endpoints' (docs/bound.md, section 10).  A coordinate whose bound at this row is
+    ``<=`` the threshold is therefore within ``tau * lr`` at every lr of the interval.
+
+    Args:
+      c_lo, c_hi: the step constants at ``lo`` and ``hi`` (`opmodel.step_constants`; the
+        same op model, step, betas, eps and weight decay).
+      tau: the tolerance.
+
+    Returns:
+      A `StepRow` of float32 scalars.
+    """
+    lo, hi = c_lo.lr, c_hi.lr
+    ratio = max(c_lo.S / lo, c_hi.S / hi) * (1 + LR_RATIO_SLACK)
+    row = pack_constants(c_lo, tau)
+    return row._replace(S=_f32_up(lo * ratio), const_rel=np.float32(max(c_lo.const_rel, c_hi.const_rel)))
 
 
 def as_step_row(k, axis: int = 0) -> StepRow:
@@ -489,7 +532,7 @@ BATCHED_MAX_CELLS = 32
 # Cell edges in units of the coordinate's gradient scale ``sqrt(max(b2f min(v, v~), (eps B)^2) / c2)``:
 # where ``c2 g^2`` meets ``b2f v`` (or the eps term), the difference peaks; linear sixteenths
 # below the scale, then a geometric tail.  Measured on the coordinates the closed form leaves
-# (bench/results/adaptive_cells.md): 28 cells a sign certify about what level 3's 408 do.
+# (bench/experiments/results/adaptive_cells.md): 28 cells a sign certify about what level 3's 408 do.
 ADAPTIVE_GAMMAS = tuple(j / 16 for j in range(16)) + (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 64.0, 256.0,
                                                       4096.0)
 # Eighths and the same tail: every cell a union of `ADAPTIVE_GAMMAS` cells, 20 a sign.  It

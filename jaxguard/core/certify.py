@@ -18,6 +18,11 @@ for every ``|g| <= clip``.  Callers pass only coordinates `classify` calls certi
 """
 from __future__ import annotations
 
+__all__ = ["classify", "block_stats_valid", "v_positive", "device_masks", "device_classify", "CHUNK",
+           "SMALL_CHUNK", "PIECE_SIZES", "piece_sizes", "certify", "FAST_TIER", "ADAPTIVE_TIER",
+           "FAST_CELLS_TIER", "SIGNED_CELLS_TIER", "SIGNED_MARGIN", "TIERED_FIRST_LEVEL", "FAST_CELLS_CHUNK",
+           "FAST_CHUNK", "fast_accept", "certify_pc"]
+
 import functools
 
 import jax.numpy as jnp

@@ -18,6 +18,8 @@ guard certifies exactly what a reader will produce (tests/golden/codes_v1.npz).
 """
 from __future__ import annotations
 
+__all__ = ["TABLE", "get", "propose"]
+
 import dataclasses
 import functools
 from typing import Callable, Optional

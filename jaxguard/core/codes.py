@@ -35,6 +35,11 @@ Families
 """
 from __future__ import annotations
 
+__all__ = ["TINY_NORMAL", "num_blocks", "linear8_decode_block", "nearest_neighbour_code",
+           "linear8_encode_block", "log_decode_block", "log_block_params", "log_encode_block", "bf16_encode",
+           "bf16_decode", "dynamic_map", "dynamic8_encode_block", "dynamic8_decode_block", "sqrt_scale_block",
+           "rel8_scale_floor", "rel8_encode_block", "rel8_decode_block"]
+
 import jax
 import jax.numpy as jnp
 import numpy as np

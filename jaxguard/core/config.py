@@ -1,7 +1,9 @@
 """What to certify: a static `GuardSpec` (compile-time) and the per-step constants.
 
 `GuardConfig` is the public constructor (and what container headers store, via
-`to_json`/`from_json`).  It splits into ``cfg.spec``, a hashable `GuardSpec` (codec,
+`to_json`/`from_json`).  `NextUpdate` is the typed value of what a save certifies for:
+the next update's learning rate (a number, or an interval ``(lo, hi)`` certified for every
+rate in it), step, betas, eps, weight decay, op model and where they came from.  It splits into ``cfg.spec``, a hashable `GuardSpec` (codec,
 bound, partition, op model, tau, clip, joint, certify: a jit static argument), and
 ``cfg.constants()``, the `opmodel.StepConstants` of the next update (lr, step, betas,
 eps, weight decay); ``cfg.step_row()`` packs those with tau as the certificate's
@@ -10,7 +12,11 @@ new step or learning rate does not recompile.
 """
 from __future__ import annotations
 
+__all__ = ["CODECS", "DEFAULT_CODEC", "BOUNDS", "PARTITIONS", "GuardSpec", "is_interval", "lr_bounds",
+           "check_lr_interval", "NextUpdate", "GuardConfig", "save_spec"]
+
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -59,10 +65,130 @@ class GuardSpec:
         return UNGUARDED_ALIASES.get(self.codec, STORAGE_ALIASES.get(self.codec, self.codec))
 
 
+# Where a save's hyperparameters came from (`NextUpdate.source`), as entries record it.
+SOURCES = {
+    "given": "the save's arguments (lr=, weight_decay=, betas=, eps=), not checked against the optimizer",
+    "tx": "read from the optax transformation by evaluating tx.update on probe states (jaxguard.optax_probe)",
+    "given+tx": "the save's arguments, checked against the optax transformation",
+    "param_groups": "the torch optimizer's param_groups (its next step's hyperparameters)",
+    "param_groups+given": "the torch optimizer's param_groups with the learning rate given to the save",
+}
+
+
+def is_interval(lr) -> bool:
+    """Whether `lr` is a learning-rate interval: a tuple or list of two real numbers.
+
+    Args:
+      lr: anything given as a learning rate.
+
+    Returns:
+      True for ``(lo, hi)`` / ``[lo, hi]`` of two numbers (bools excluded).
+    """
+    return (isinstance(lr, (tuple, list)) and len(lr) == 2
+            and all(isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool) for x in lr))
+
+
+def lr_bounds(lr) -> tuple:
+    """``(lo, hi)`` of a learning rate given as a number or an interval (`is_interval`).
+
+    Args:
+      lr: a number or ``(lo, hi)``.
+
+    Returns:
+      ``(float(lo), float(hi))``; ``(lr, lr)`` for a number.
+    """
+    if is_interval(lr):
+        return float(lr[0]), float(lr[1])
+    return float(lr), float(lr)
+
+
+def check_lr_interval(lr, weight_decay=0.0) -> None:
+    """Check an interval learning rate against what `bound.pack_interval` needs.
+
+    Args:
+      lr: ``(lo, hi)``.
+      weight_decay: the weight decay of the same update.
+
+    Raises:
+      ConfigError: (one line) ``lo`` not > 0 in float32, ``lo > hi``, ``hi > 1`` or
+        ``hi * weight_decay > 1`` (the bound's terms are then not of the form the
+        interval row covers: docs/bound.md, section 10).
+    """
+    lo, hi = lr_bounds(lr)
+    if not (np.isfinite(lo) and np.isfinite(hi)) or not f32(lo) > 0:
+        raise ConfigError(f"lr={tuple(lr)!r}: an interval needs 0 < lo <= hi in float32; for a next update at lr 0 "
+                          "pass lr=0.0 (the moments are then stored exactly)")
+    if lo > hi:
+        raise ConfigError(f"lr={tuple(lr)!r} has lo > hi; pass (lo, hi) with lo <= hi")
+    if hi > 1:
+        raise ConfigError(f"lr={tuple(lr)!r}: an interval is certified for hi <= 1 only (docs/bound.md, section 10); "
+                          "certify one learning rate above 1 at a time")
+    if hi * float(weight_decay) > 1:
+        raise ConfigError(f"lr={tuple(lr)!r} with weight_decay={weight_decay!r}: an interval is certified for "
+                          "hi * weight_decay <= 1 only (docs/bound.md, section 10); narrow the interval")
+
+
+@dataclasses.dataclass(frozen=True)
+class NextUpdate:
+    """What a save certifies for: the hyperparameters of the first update after restoring.
+
+    Frozen and hashable (a jit static value where needed); one per parameter group.
+
+    Attributes:
+      lr: the next update's learning rate: a number > 0, or an interval ``(lo, hi)``
+        (``0 < lo <= hi <= 1``, ``hi * weight_decay <= 1``) certified for every rate in it.
+      step: the optimizer's step count at the checkpoint (the update's bias corrections
+        are at ``step + 1``).
+      betas, eps, weight_decay: the update's.
+      op_model: the operation model (`jaxguard.core.opmodel.OP_MODELS`).
+      source: where the hyperparameters came from (a key of `SOURCES`).
+    """
+
+    lr: Any
+    step: int
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    op_model: str = "torch-adam"
+    source: str = "given"
+
+    def __post_init__(self):
+        if is_interval(self.lr):
+            lo, hi = lr_bounds(self.lr)
+            object.__setattr__(self, "lr", lo if lo == hi else (lo, hi))
+            if lo != hi:
+                check_lr_interval(self.lr, self.weight_decay)
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.source not in SOURCES:
+            raise ConfigError(f"source={self.source!r} is unknown; use one of {', '.join(SOURCES)}")
+
+    @property
+    def lr_interval(self) -> tuple:
+        """``(lo, hi)`` (``lo == hi`` for one learning rate)."""
+        return lr_bounds(self.lr)
+
+    @property
+    def stores_exactly(self) -> bool:
+        """The next update's learning rate is 0 in float32 (warmup from zero, a schedule
+        that ends at 0): a guarantee in units of lr says nothing there, so the moments
+        are stored exactly instead of certified (docs/format.md)."""
+        return not is_interval(self.lr) and f32(float(self.lr)) == 0
+
+    def to_json(self) -> dict:
+        """The fields as JSON (an interval lr as ``[lo, hi]``)."""
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        if is_interval(self.lr):
+            d["lr"] = list(self.lr)
+        return d
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
     """What to certify: the next update's hyperparameters and the contract (tau, clip).
 
+    ``lr`` is a number, or an interval ``(lo, hi)`` certified for every rate in it
+    (`NextUpdate`); ``source`` says where the hyperparameters came from (`SOURCES`).
     Frozen and hashable; `to_json` / `from_json` round-trip it (a header written before
     `certify` existed parses, with certification on).  ``codec="block8-unguarded"`` means
     block8 with ``certify=False``; ``GuardConfig(codec="block8", certify=False)`` encodes
@@ -87,9 +213,17 @@ class GuardConfig:
     partition: str = GuardSpec.partition
     joint: bool = GuardSpec.joint
     certify: bool = GuardSpec.certify
+    source: str = "given"
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if is_interval(self.lr):
+            lo, hi = lr_bounds(self.lr)
+            object.__setattr__(self, "lr", lo if lo == hi else (lo, hi))
+            if lo != hi:
+                check_lr_interval(self.lr, self.weight_decay)
+        if self.source not in SOURCES:
+            raise ConfigError(f"source={self.source!r} is unknown; use one of {', '.join(SOURCES)}")
         if self.codec not in CODECS:
             raise ConfigError(f"codec={self.codec!r} is unknown; use one of {', '.join(CODECS)}")
         if self.bound not in BOUNDS:
@@ -105,7 +239,38 @@ class GuardConfig:
             if (isinstance(val, bool) or not isinstance(val, (int, float)) or not np.isfinite(val) or val <= 0
                     or not 0 < f32(val) < np.inf):
                 raise ConfigError(f"{name}={val!r} must be a number > 0 that is finite and nonzero in float32")
-        self.constants()  # validates the hyperparameters
+        self.constants()  # validates the hyperparameters (both ends of an interval)
+        if is_interval(self.lr):
+            self.constants("hi")
+
+    @classmethod
+    def from_update(cls, spec: GuardSpec, update: NextUpdate) -> "GuardConfig":
+        """The config that certifies `update` with the save's settings `spec`.
+
+        Args:
+          spec: the save's `GuardSpec` (its op model is ignored: `update` names one).
+          update: the next update (`NextUpdate`).
+
+        Returns:
+          The `GuardConfig`.
+
+        Raises:
+          ConfigError: as the constructor.
+        """
+        return cls(lr=update.lr, step=update.step, tau=spec.tau, clip=spec.clip, betas=update.betas, eps=update.eps,
+                   weight_decay=update.weight_decay, op_model=update.op_model, codec=spec.codec, bound=spec.bound,
+                   partition=spec.partition, joint=spec.joint, certify=spec.certify, source=update.source)
+
+    @property
+    def update(self) -> NextUpdate:
+        """The next update this config certifies (`NextUpdate`)."""
+        return NextUpdate(lr=self.lr, step=self.step, betas=self.betas, eps=self.eps,
+                          weight_decay=self.weight_decay, op_model=self.op_model, source=self.source)
+
+    @property
+    def lr_interval(self) -> tuple:
+        """``(lo, hi)`` of the certified learning rates (``lo == hi`` for one)."""
+        return lr_bounds(self.lr)
 
     @classmethod
     def from_spec(cls, spec: GuardSpec, *, lr, step, op_model, betas=(0.9, 0.999), eps=1e-8,
@@ -137,27 +302,41 @@ class GuardConfig:
         return GuardSpec(codec=codec, bound=self.bound, partition=self.partition, op_model=self.op_model,
                          tau=float(self.tau), clip=float(self.clip), joint=bool(self.joint), certify=certify)
 
-    def constants(self) -> StepConstants:
-        """The next update's float32 constants (`opmodel.step_constants`).
+    def constants(self, at: str = "lo") -> StepConstants:
+        """The next update's float32 constants (`opmodel.step_constants`); for an interval,
+        those at its ``"lo"`` (default) or ``"hi"`` end (certify through `step_row`, which
+        covers the whole interval).
+
+        Args:
+          at: ``"lo"`` or ``"hi"``: which end of an interval lr.
 
         Returns:
           `opmodel.StepConstants` for lr, step, betas, eps, weight decay and the op model.
         Raises:
           ConfigError: invalid hyperparameters.
         """
-        return step_constants(self.op_model, lr=self.lr, step=self.step, betas=self.betas,
-                              eps=self.eps, weight_decay=self.weight_decay)
+        lo, hi = self.lr_interval
+        return step_constants(self.op_model, lr=hi if at == "hi" else lo if is_interval(self.lr) else self.lr,
+                              step=self.step, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
     def step_row(self) -> "_bound.StepRow":
-        """The certificate's constants with tau: a `bound.StepRow` of float32 scalars."""
+        """The certificate's constants with tau: a `bound.StepRow` of float32 scalars (for
+        an interval lr, `bound.pack_interval`'s row, which certifies every rate in it)."""
+        if is_interval(self.lr):
+            return _bound.pack_interval(self.constants("lo"), self.constants("hi"), self.tau)
         return _bound.pack_constants(self.constants(), self.tau)
 
     def to_json(self) -> dict:
-        """A JSON-able dict (``certify`` only when False, so default headers are unchanged)."""
+        """A JSON-able dict (``certify`` only when False and ``source`` only when not
+        ``"given"``, so default headers are unchanged; an interval lr as ``[lo, hi]``)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}   # flat fields: no deep copy
         d["betas"] = list(self.betas)
+        if is_interval(self.lr):
+            d["lr"] = list(self.lr)
         if self.certify:
             del d["certify"]
+        if self.source == "given":
+            del d["source"]
         return d
 
     @classmethod
@@ -173,7 +352,13 @@ class GuardConfig:
         Raises:
           ConfigError: as the constructor.
         """
+        d = {k: v for k, v in d.items() if k in _CONFIG_FIELDS}   # entries also hold the adapter's fields
+        if isinstance(d.get("lr"), list):
+            d["lr"] = tuple(d["lr"])
         return cls(**{**d, "betas": tuple(d["betas"])})
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(GuardConfig))
 
 
 def save_spec(spec: GuardSpec | None = None, *, tau=None, clip=None, codec=None, bound=None, partition=None) -> GuardSpec:

@@ -31,6 +31,8 @@ checks a sample of the certified values against the numpy reader either way.
 """
 from __future__ import annotations
 
+__all__ = ["device_of", "supports", "encode_many"]
+
 import functools
 import time
 

@@ -9,6 +9,8 @@ the codec id and shape static; `Encoded` also carries its stats *inside* the pyt
 """
 from __future__ import annotations
 
+__all__ = ["ArrayPytree", "Encoded", "payload_bytes"]
+
 import dataclasses
 
 import jax

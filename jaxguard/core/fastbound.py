@@ -38,6 +38,10 @@ an upper bound of the exact one.  Inputs are the guard's candidates: finite, ``v
 """
 from __future__ import annotations
 
+__all__ = ["fast_bound", "fast_cell_ideal", "fast_cells_bound", "signed_cells_bound", "FAST_CELLS_GAMMAS",
+           "FAST_CELLS_PARTITIONS", "batch_fast_cells_pc", "batch_signed_cells_pc", "adaptive_edge_list",
+           "batch_fast_accept"]
+
 import functools
 
 import jax

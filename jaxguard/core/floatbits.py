@@ -23,6 +23,9 @@ tiny) and ``not_tiny`` (zero, or magnitude >= ``2**-80``, or non-finite).
 """
 from __future__ import annotations
 
+__all__ = ["TINY_MOMENT", "zero_bits", "exponent_bits", "host", "device", "device_positive_finite",
+           "opaque_zero", "barrier"]
+
 import numpy as np
 
 EXPONENT_MASK = 0x7F800000

@@ -25,6 +25,9 @@ there is no such guarantee: only the exact and the non-certifiable coordinates a
 """
 from __future__ import annotations
 
+__all__ = ["decode_arrays", "encode", "encode_many", "MAX_PIECE", "join_pieces", "propose_blocks", "ALIGN",
+           "aligned_zeros", "encode_v_only", "decode", "GuardConfig", "Encoded", "CODECS", "DEFAULT_CODEC"]
+
 import functools
 import time
 
@@ -214,7 +217,7 @@ def _group_constants(items, gidx, ph):
     checkpoint's tensors mostly share one step, and the kernels then read one row, not a
     gather per coordinate."""
     consts = [cfg.constants() for *_, cfg in items]
-    rows = [_bound.pack_constants(c, cfg.tau) for c, (*_, cfg) in zip(consts, items)]
+    rows = [cfg.step_row() for *_, cfg in items]   # an interval lr's row certifies every rate in it
     first: dict = {}
     item_row = np.array([first.setdefault(tuple(np.float32(x).tobytes() for x in r), len(first)) for r in rows],
                         np.int32)
@@ -533,7 +536,7 @@ _device_classify = jax.jit(device_classify)
 # DLPack tensor: `torch_compat.state.encoder_view`) only when its data is aligned to this
 # many bytes (jax 0.10.2 copies one 4..32 bytes off, measured).  numpy's arrays are 16-byte
 # aligned, and with the copy-in `_propose_classified` took 23.8 ms per 1M coordinates on one
-# core, 15.4 ms without (bench/kernel_times.py, bench/results/compress_profile_s19.md).
+# core, 15.4 ms without (bench/kernel_times.py, the compress profile at commit 7563a11).
 ALIGN = 64
 
 

@@ -27,6 +27,9 @@ any escape the device missed.
 """
 from __future__ import annotations
 
+__all__ = ["JitEncoded", "encode_traced", "level_sizes", "sample_positions", "encode_jitted", "constants",
+           "encode_jit", "decode_jit", "to_encoded"]
+
 import dataclasses
 import functools
 

@@ -37,6 +37,11 @@ torch_compat.replay; the GPU kernels' simulations in torch_compat.gpu_sim.
 """
 from __future__ import annotations
 
+__all__ = ["TORCH_OP_MODELS", "CPU_OP_MODELS", "GPU_OP_MODELS", "OP_MODELS", "gpu_kernel", "is_decoupled",
+           "torch_op_model", "split_torch_op_model", "StepConstants", "f32", "validate_hparams",
+           "step_constants", "resolve_op_model", "GPU_PLATFORMS", "OPTAX_OP_MODELS", "resolve_optax_op_model",
+           "stage2_budget"]
+
 import dataclasses
 import functools
 import math

@@ -12,7 +12,7 @@ the XLA cache).  Beside each artifact the compiled executable is kept too (``exe
 flags (XLA compiles for the host's instruction set): a later process on the same kind of
 machine loads it directly, skipping the lowering of the exported module, the XLA cache
 lookup and the LAPACK initialisation the lowering triggers (about 1 s of every
-`jaxguard compress`, measured in session 17).  With no directory enabled, or without the
+`jaxguard compress`, measured at commit 729597b).  With no directory enabled, or without the
 ``flatbuffers`` package jax needs to serialize, it is exactly ``fn(*args, **static)``.
 
 Numerical contract

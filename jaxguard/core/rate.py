@@ -37,6 +37,8 @@ the certified distance (``|u~ - u| <= tau*lr`` for every ``|g| <= C``).
 """
 from __future__ import annotations
 
+__all__ = ["ROUNDS", "MOVE_MAX_LEVEL", "SEARCH_MAX_LEVEL", "optimize"]
+
 import numpy as np
 
 from jaxguard.format import packed, rans
@@ -65,7 +67,7 @@ UNSEEN_BITS = 3.0      # a symbol no coordinate uses yet costs this much more th
 # one that needs more is rejected (always safe: the coordinate keeps a pair it has).
 # -1: the closed form and the adaptive tier only (`certify.certify_pc`), no fixed level;
 # None: every level.  Measured on a 137,216-coordinate transformer (t701, 2-core AMD EPYC,
-# bench/results/logrel_ans_levels_s11.md): every level 11.20 s and 19.55% of FP32, -1 (with
+# bench/experiments/results/ans_levels.md): every level 11.20 s and 19.55% of FP32, -1 (with
 # SEARCH_MAX_LEVEL -1) 3.58 s and 19.68%: the fixed levels decide few moves at most of the cost.
 # The final certificate of the stored codes keeps every level and alone decides escapes.
 MOVE_MAX_LEVEL = -1

@@ -10,6 +10,10 @@ only the standard library, numpy, `jaxguard.errors` and `jaxguard.format`.
 """
 from __future__ import annotations
 
+__all__ = ["Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name", "build", "write_stream",
+           "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "BEHIND_FROM", "SAMPLE_EVERY", "atomic_write",
+           "atomic_write_with", "read", "entries_by_name"]
+
 import functools
 import hashlib
 import io

@@ -30,6 +30,10 @@ its low ``w-8`` bits to ``m_low`` / ``v_low``, packed as above at width ``max(w-
 """
 from __future__ import annotations
 
+__all__ = ["CODEC", "MAX_WIDTH", "RANS_WIDTH", "PackError", "split_widths", "join_widths", "check_widths",
+           "packed_len", "pack", "unpack", "join_high_low", "u16_to_scale", "lo_r", "varint_encode",
+           "varint_decode", "payload_bytes", "entry_sections", "entry_sections_many", "entry_payload_bytes"]
+
 import numpy as np
 
 from jaxguard.errors import JaxguardError

@@ -68,6 +68,13 @@ per model, checked before allocating; the loop has a fixed trip count (256 x str
 """
 from __future__ import annotations
 
+__all__ = ["KIND_COMPACT", "KIND_COMPACT_WIDE", "TAILS_FLAG", "MAX_WIDTH", "NARROW_WIDTH", "MAX_PROB_BITS",
+           "PROB_BITS", "BATCH_SLOTS", "RansError", "kind_max_width", "LEVEL_WEIGHTS", "model_freqs",
+           "quantize_levels", "fit_models", "encode_models", "COMPACT_RAW", "compact_model_bits",
+           "encode_compact_models", "compact_models_bound", "decode_compact_models", "fit_compact_model",
+           "encode", "encode_many", "encoded_size", "symbol_cost_bits", "decode_models", "decode",
+           "decode_many"]
+
 import numpy as np
 
 from jaxguard.errors import JaxguardError

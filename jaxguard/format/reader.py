@@ -18,6 +18,10 @@ from the registry, `jaxguard.format.spec`; this module holds the numpy decodes
 """
 from __future__ import annotations
 
+__all__ = ["MAGIC", "VERSION", "PREFIX", "TRAILER", "BLOCK", "DTYPES", "ReaderError", "DECODERS", "decoder",
+           "decode_codes", "parse", "parse_deferred", "read_tables", "read_raw", "read_moments", "read_codes",
+           "decode_rans_entries", "skeleton_ref", "decoded_digest", "verify_bytes", "verify_file", "main"]
+
 import hashlib
 import json
 import struct
@@ -36,7 +40,7 @@ MAX_HEADER = 1 << 30
 BLOCK = spec.BLOCK
 
 DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
-          "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "bool": "?"}
+          "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "bool": "?"}
 
 
 class ReaderError(ContainerError):
@@ -712,8 +716,9 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
 
 
 def skeleton_ref(node, held):
-    """The entry a node of a container's tree names (``{"__tensor__": name}`` or
-    ``{"__moment__": name, ...}``), checked against the entries the container holds.
+    """The entry a node of a container's tree names (``{"__tensor__": name}``,
+    ``{"__moment__": name, ...}``, or a numpy array or scalar's ``{"__ndarray__": name}`` /
+    ``{"__npscalar__": name}``), checked against the entries the container holds.
 
     Args:
       node: one node of the header's tree (any JSON value).
@@ -725,7 +730,7 @@ def skeleton_ref(node, held):
     """
     if not isinstance(node, dict):
         return None
-    ref = node.get("__tensor__", node.get("__moment__"))
+    ref = next((node[k] for k in ("__tensor__", "__moment__", "__ndarray__", "__npscalar__") if k in node), None)
     if ref is not None and (not isinstance(ref, str) or ref not in held):
         raise CheckpointError(f"the container's tree names a tensor {str(ref)[:80]!r} it does not hold; the file is "
                               "inconsistent (was it edited?)")

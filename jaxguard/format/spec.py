@@ -29,6 +29,11 @@ it in its payload and the reader decodes with the stored copy.
 """
 from __future__ import annotations
 
+__all__ = ["BLOCK", "TABLE_SIZE", "FIXED_SECTIONS", "PACKED_SECTIONS", "ESCAPE_FORMS", "LAYOUTS",
+           "UnknownCodecError", "CodecSpec", "CODECS", "register", "unregister", "DEFAULT_CODEC",
+           "DEFAULT_TAU", "DEFAULT_CLIP", "DEFAULT_BOUND", "DEFAULT_PARTITION", "get", "codec_ids",
+           "decode_ids", "entry_certified", "dynamic_map", "TABLES"]
+
 import dataclasses
 
 import numpy as np

@@ -2,9 +2,10 @@
 
 The one module that owns file I/O and atomicity for the whole library: `atomic_write`,
 `atomic_write_with`, `read_bytes`, `read_range`, `exists`, `is_dir`, `mkdir`, `listdir`,
-`size`, `remove` and `join` dispatch on the path.  A plain path, an ``os.PathLike`` or a
-``file://`` URL is local; any other ``scheme://`` goes to fsspec, imported only then
-(``pip install jaxguard[remote]`` for s3fs/gcsfs).
+`size`, `remove` and `join` dispatch on the path; `atomic_directory` publishes a new local
+directory whole.  A plain path, an ``os.PathLike`` or a ``file://`` URL is local; any
+other ``scheme://`` goes to fsspec, imported only then (``pip install jaxguard[remote]``
+for s3fs/gcsfs).
 
 Local writes: a temporary file ``.<name>.<random>.tmp`` in the target directory, created
 with mode 0666 less the umask (as ``open(path, "wb")`` or ``torch.save`` would), fsync,
@@ -32,10 +33,15 @@ every read (`container.read`), wherever the bytes came from.
 """
 from __future__ import annotations
 
+__all__ = ["is_url", "local_path", "join", "STALE_TMP_SECONDS", "tmp_name", "atomic_write_with",
+           "atomic_directory", "atomic_write", "read_bytes", "read_range", "is_dir", "mkdir", "listdir",
+           "exists", "size", "remove"]
+
 import contextlib
 import io
 import os
 import re
+import shutil
 import time
 import uuid
 
@@ -130,6 +136,14 @@ def _remove_stale_tmps(directory: str, name: str) -> None:
                         os.unlink(entry.path)
 
 
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_error(path, exc) -> ContainerError:
     why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
     return ContainerError(f"cannot write {path}: {why}; nothing was replaced (the previous file, if any, is intact)")
@@ -177,12 +191,60 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
             raise _write_error(path, exc) from None
         raise
     with contextlib.suppress(OSError):
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_dir(directory)
     _remove_stale_tmps(directory, os.path.basename(path))
+
+
+@contextlib.contextmanager
+def atomic_directory(path):
+    """Build a new local directory all-or-nothing: fill the yielded staging directory.
+
+    The staging directory is ``.<name>.<random>.tmp`` beside `path` (`tmp_name`).  When the
+    ``with`` block ends normally every file under it is fsynced, `path` (absent, or an
+    empty directory, which is removed first) is replaced by it in one rename, and the
+    parent directory is fsynced.  When the block raises (anything, KeyboardInterrupt
+    included) the staging directory is removed, `path` is as it was, and the exception
+    propagates.  Durability contract: a reader of `path` sees no directory (or the empty
+    one) or the complete new one, never a partial one; a process killed inside the block
+    leaves only the hidden staging directory, which nothing removes automatically (unlike
+    `atomic_write`'s temporary files).
+
+    Args:
+      path: a local directory that does not exist yet or is empty.
+
+    Yields:
+      The staging directory's path (str).
+
+    Raises:
+      ContainerError: the parent directory does not exist, or `path` is a file or a
+        non-empty directory (one line each; nothing was created).
+    """
+    path = os.path.abspath(local_path(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ContainerError(f"output directory {parent} does not exist; create it first")
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ContainerError(f"{path} exists and is not an empty directory; choose a new output directory")
+    stage = os.path.join(parent, tmp_name(os.path.basename(path)))
+    try:
+        os.mkdir(stage)
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+    try:
+        yield stage
+        for here, _dirs, files in os.walk(stage):
+            for name in files:
+                with open(os.path.join(here, name), "rb") as fh:
+                    os.fsync(fh.fileno())
+            _fsync_dir(here)
+        if os.path.isdir(path):
+            os.rmdir(path)
+        os.replace(stage, path)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    with contextlib.suppress(OSError):
+        _fsync_dir(parent)
 
 
 def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> None:

@@ -9,6 +9,8 @@ and refers to storages by persistent id ``("storage", torch.<Type>Storage, key, 
 """
 from __future__ import annotations
 
+__all__ = ["STORAGES", "Unsupported", "FileTensor", "load"]
+
 import collections
 import io
 import mmap

@@ -1,9 +1,9 @@
 """What the trainer integrations share: the file name, unwrapping framework optimizer
-wrappers, and the early check that the optimizer is one the guard models."""
+wrappers, and the one save of an optimizer, which stores exactly what the guard cannot
+certify (`jaxguard.uncovered`)."""
 from __future__ import annotations
 
-
-from jaxguard.errors import UnsupportedOptimizerError
+from jaxguard import uncovered
 
 OPTIMIZER_FILE = "optimizer.jg"
 
@@ -24,30 +24,64 @@ def unwrap(optimizer):
     return optimizer
 
 
-def check_supported(optimizer, where: str) -> None:
-    """Refuse, before training starts, an optimizer whose state the guard cannot certify.
+def model_names(optimizer, models) -> dict:
+    """The models' parameter names for an optimizer built from ``model.parameters()``.
+
+    Its state_dict names nothing (`torch_compat.state.snapshot` calls parameter i of group
+    g ``group<g>.param<i>``); the warning names them as the model does, by identity.
 
     Args:
       optimizer: the optimizer (or a wrapper of one).
-      where: what is checking, prefixed to the message (``"GuardedTrainer"``).
+      models: the modules its parameters belong to.
 
-    Raises:
-      UnsupportedOptimizerError: not torch Adam/AdamW, or a flag outside the op models
-        (the message is `torch_compat.state.check_optimizer_state`'s, prefixed by `where`).
+    Returns:
+      ``{"group<g>.param<i>": model name}`` for each parameter a model holds.
     """
-    import torch
+    by_id = {id(p): n for m in models for n, p in m.named_parameters()}
+    return {f"group{g}.param{i}": by_id[id(p)] for g, group in enumerate(unwrap(optimizer).param_groups)
+            for i, p in enumerate(group["params"]) if id(p) in by_id}
+
+
+def save_optimizer(path, optimizer, *, spec, where: str, snapshot=None, names=None) -> dict:
+    """The integrations' save of one optimizer: a save is never lost to the guard.
+
+    What the guard certifies is compressed; what it cannot (bfloat16/float16 parameters or
+    moments, amsgrad and the other flags outside the op models, an optimizer that is not
+    Adam) is stored exactly, and one warning line names it (`jaxguard.uncovered`).
+
+    Args:
+      path: the container to write.
+      optimizer: the optimizer (or a wrapper of one).
+      spec: the guard settings.
+      where: who saves, for the warning (``"GuardedTrainer: checkpoint-20"``).
+      snapshot: a `torch_compat.state.snapshot` taken earlier (a background save), or None.
+      names: `model_names`, for the warning (the file records the optimizer's own names).
+
+    Returns:
+      The save summary (``stored_exactly``: what was stored exactly and why).
+    """
+    import torch_compat
     from torch_compat import state as tstate
-    opt = unwrap(optimizer)
-    if not isinstance(opt, torch.optim.Adam):
-        raise UnsupportedOptimizerError(f"{where}: the optimizer is {type(opt).__name__}; jaxguard guards "
-                                        "torch.optim.Adam and AdamW state only")
-    sd = opt.state_dict()
-    for g in sd["param_groups"]:
-        g.setdefault("param_names", [str(i) for i in g["params"]])
-    try:
-        tstate.check_optimizer_state(sd)
-    except UnsupportedOptimizerError as exc:
-        raise UnsupportedOptimizerError(f"{where}: {exc}") from None
+    if snapshot is None:
+        summary = torch_compat.save(path, unwrap(optimizer), spec=spec, uncertifiable="exact")
+    else:
+        summary = tstate.save_snapshot(path, *snapshot, spec=spec, uncertifiable="exact")
+    named = [{**s, "param": (names or {}).get(s["param"], s["param"])} for s in summary["stored_exactly"]]
+    uncovered.warn(where, named, of=summary["parameters"])
+    return summary
+
+
+def copy_for_later(optimizer):
+    """A snapshot for `save_optimizer` on a background thread while training goes on.
+
+    Args:
+      optimizer: any torch optimizer (or a wrapper of one).
+
+    Returns:
+      `torch_compat.state.snapshot` with every tensor cloned.
+    """
+    from torch_compat import state as tstate
+    return tstate.snapshot(unwrap(optimizer), copy=True, any_optimizer=True)
 
 
 def zero_lr_groups(optimizer) -> list:

@@ -27,7 +27,10 @@ call.
 
 Guarantee: for every coordinate, the first update after loading differs from the update
 the uncompressed state would give by at most ``tau * lr`` for every gradient ``|g| <= clip``
-(``accelerator.clip_grad_norm_(params, clip)`` makes every coordinate obey it).
+(``accelerator.clip_grad_norm_(params, clip)`` makes every coordinate obey it). What the
+guard cannot certify (bfloat16/float16 parameters or moments, amsgrad, an optimizer that is
+not Adam) is stored exactly in the optimizer's ``.jg`` file, with one warning line
+(`jaxguard.uncovered`; docs/coverage.md).
 Supported: single process and DDP (the main process writes; every process reads); FSDP,
 DeepSpeed and Megatron-LM keep their own optimizer files and are refused.
 """
@@ -39,7 +42,7 @@ import os
 import shutil
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.integrations._common import check_supported, unwrap, zero_lr_groups
+from jaxguard.integrations._common import model_names, save_optimizer, unwrap, zero_lr_groups
 from jaxguard.integrations.checkpoint_dir import commit_directory, new_token, recover_directory, staging_path
 
 log = logging.getLogger(__name__)
@@ -90,18 +93,21 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
       The directory written: `output_dir`, or the one accelerate's automatic naming chose.
 
     Raises:
-      UnsupportedOptimizerError: an optimizer outside the op models, or FSDP/DeepSpeed/Megatron.
+      UnsupportedOptimizerError: FSDP/DeepSpeed/Megatron (they keep their own optimizer files).
+
+    Warns:
+      JaxguardWarning: one line naming what the guard could not certify and stored exactly
+        (bfloat16/float16 parameters or moments, amsgrad, an optimizer that is not Adam:
+        `jaxguard.uncovered`).
     """
     _check_backend(accelerator)
-    for opt in accelerator._optimizers:
-        check_supported(opt, "jaxguard accelerate integration")
     zero_lr = any(zero_lr_groups(opt) for opt in accelerator._optimizers)
     if output_dir is None or accelerator.project_configuration.automatic_checkpoint_naming:
         if zero_lr:   # lr 0: nothing to certify against (the guarantee is relative to lr); keep optimizer.bin
             return accelerator.save_state(output_dir, **kwargs)
         with _optimizers_held_out(accelerator) as opts:
             location = accelerator.save_state(output_dir, **kwargs)
-        _write_optimizers(accelerator, opts, location, spec=spec, tau=tau, clip=clip, codec=codec)
+        _write_optimizers(accelerator, opts, location, spec=spec, tau=tau, clip=clip, codec=codec, named=location)
         accelerator.wait_for_everyone()
         return location
     from accelerate.utils import broadcast_object_list
@@ -118,7 +124,7 @@ def save_state(accelerator, output_dir: str | None = None, *, tau: float | None 
         else:
             with _optimizers_held_out(accelerator) as opts:
                 accelerator.save_state(stage, **kwargs)
-            _write_optimizers(accelerator, opts, stage, spec=spec, tau=tau, clip=clip, codec=codec)
+            _write_optimizers(accelerator, opts, stage, spec=spec, tau=tau, clip=clip, codec=codec, named=final)
         accelerator.wait_for_everyone()   # every process wrote its RNG state into the stage
         if accelerator.is_main_process:
             commit_directory(stage, final, token)
@@ -135,11 +141,16 @@ def _log_recovered(final):
         log.warning("jaxguard accelerate integration: %s", what)
 
 
-def _write_optimizers(accelerator, opts, location, **guard):
-    import torch_compat
+def _write_optimizers(accelerator, opts, location, *, spec, tau, clip, codec, named):
+    """Write each optimizer's file into `location`; messages name it as in `named` (the
+    directory the user asked for, not the hidden stage it is published from)."""
+    from jaxguard.core.config import save_spec
     if accelerator.is_main_process:
+        spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         for i, opt in enumerate(opts):
-            torch_compat.save(os.path.join(location, optimizer_file(i)), unwrap(opt), **guard)
+            save_optimizer(os.path.join(location, optimizer_file(i)), opt, spec=spec,
+                           where=f"jaxguard accelerate integration: {os.path.basename(named)}/{optimizer_file(i)}",
+                           names=model_names(opt, [accelerator.unwrap_model(m) for m in accelerator._models]))
 
 
 def load_state(accelerator, input_dir: str, **kwargs) -> None:

@@ -36,9 +36,12 @@ background is raised there; the Trainer's end of training (best model, rotation)
 save at the last step wait too. Until it is published, ``checkpoint-N/`` does not exist, so
 a resume picks the previous checkpoint.
 
-Supported: single process or DDP (rank 0 writes, every rank reads) with ``optim`` one of
-``adamw_torch`` / a torch Adam/AdamW built by the caller, FP32 state. DeepSpeed, FSDP, XLA and
-SageMaker MP keep their own optimizer files: refused with a one-line error at the first save.
+Supported: single process or DDP (rank 0 writes, every rank reads). Adam/AdamW state of
+float32 parameters (``adamw_torch``, ``adamw_torch_fused``, a torch Adam/AdamW built by the
+caller) is compressed; whatever the guard cannot certify (bfloat16/float16 parameters or
+moments, amsgrad, another optimizer) is stored exactly in ``optimizer.jg``, with one
+warning line (`jaxguard.uncovered`; docs/coverage.md). DeepSpeed, FSDP, XLA and SageMaker MP
+keep their own optimizer files: refused with a one-line error at the first save.
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ import torch
 from transformers import Trainer
 
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.integrations._common import OPTIMIZER_FILE, check_supported, unwrap, zero_lr_groups
+from jaxguard.integrations._common import (OPTIMIZER_FILE, copy_for_later, model_names, save_optimizer, unwrap,
+                                          zero_lr_groups)
 from jaxguard.integrations.checkpoint_dir import (commit_directory, new_token, recover_directories, recover_directory,
                                                   staging_path)
 
@@ -71,11 +75,15 @@ class GuardedTrainer(Trainer):
       jaxguard_async: encode and publish each checkpoint on a background thread (a host
         copy of the optimizer state is taken at the save; see the module docstring).
 
+    What the guard cannot certify (bfloat16 or float16 parameters or moments, amsgrad, an
+    optimizer that is not Adam) is stored exactly in ``optimizer.jg``, with one warning line
+    naming it (`jaxguard.uncovered`): every checkpoint is written and resumes.
+    ``optim="adamw_torch_fused"`` (the default with torch >= 2.8) is certified against the
+    fused CPU op model.
+
     Raises:
-      UnsupportedOptimizerError: at optimizer creation, for an optimizer or option outside
-        the op models (e.g. amsgrad; ``optim="adamw_torch_fused"``, the default with
-        torch >= 2.8, is certified against the fused CPU op model); at the first save,
-        for DeepSpeed/FSDP/XLA/SageMaker MP.
+      UnsupportedOptimizerError: at the first save, for DeepSpeed/FSDP/XLA/SageMaker MP
+        (they write their own optimizer files).
     """
 
     def __init__(self, *args, jaxguard_tau: float | None = None, jaxguard_clip: float | None = None,
@@ -211,22 +219,6 @@ class GuardedTrainer(Trainer):
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
-    def create_optimizer(self, *args, **kwargs):
-        """``Trainer.create_optimizer``, then refuse an optimizer the guard cannot certify.
-
-        Args:
-          *args, **kwargs: as for ``transformers.Trainer.create_optimizer``.
-
-        Returns:
-          The optimizer ``Trainer`` created.
-
-        Raises:
-          UnsupportedOptimizerError: not torch Adam/AdamW, or an option outside the op models.
-        """
-        opt = super().create_optimizer(*args, **kwargs)
-        check_supported(self.optimizer, "GuardedTrainer")
-        return opt
-
     def _refuse_other_backends(self):
         for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP"),
                            ("is_fsdp_xla_v1_enabled", "FSDP on XLA")):
@@ -247,18 +239,20 @@ class GuardedTrainer(Trainer):
             self.jaxguard_last_summary = None
             return super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            import torch_compat
             path = os.path.join(output_dir, OPTIMIZER_FILE)
+            where = f"GuardedTrainer: checkpoint-{self.state.global_step}"
+            names = model_names(self.optimizer, [self.model])
             if (self.jaxguard_async and not self.args.push_to_hub and self._jaxguard_stage_root is not None
                     and self.state.global_step < self.state.max_steps):   # the last save: training ends, no gain
-                from torch_compat import state as _state
-                sd, params = _state.snapshot(unwrap(self.optimizer), copy=True)   # the loop goes on meanwhile
+                taken = copy_for_later(self.optimizer)   # the loop goes on meanwhile
 
                 def job():
-                    self.jaxguard_last_summary = _state.save_snapshot(path, sd, params, spec=self.jaxguard_spec)
+                    self.jaxguard_last_summary = save_optimizer(path, None, spec=self.jaxguard_spec, where=where,
+                                                                snapshot=taken, names=names)
                 self._jaxguard_job = job     # run by _save_checkpoint's background publish
             else:
-                self.jaxguard_last_summary = torch_compat.save(path, unwrap(self.optimizer), spec=self.jaxguard_spec)
+                self.jaxguard_last_summary = save_optimizer(path, self.optimizer, spec=self.jaxguard_spec, where=where,
+                                                            names=names)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -12,11 +12,15 @@ the uncompressed state would give by at most ``tau * lr`` for every gradient
 ``|g| <= clip`` (``gradient_clip_val=clip`` with the "norm" algorithm makes every
 coordinate obey it).
 
-Requirements: the optimizer is built from named parameters, e.g.
+The optimizer is compressed when it is built from named parameters, e.g.
 ``torch.optim.AdamW(self.named_parameters(), lr=...)`` in ``configure_optimizers``, so
-that its state_dict carries ``param_names`` matching ``state_dict`` keys. Checkpoint
-values must be tensors, numbers, strings, lists or dicts (``save_hyperparameters`` of
-plain values is fine). ``LightningModule.load_from_checkpoint`` reads torch pickles only:
+that its state_dict carries ``param_names`` matching ``state_dict`` keys (or when each
+moment's shape names one weight). What the guard cannot certify (an optimizer without
+provable names, bfloat16/float16 parameters or moments, amsgrad, an optimizer that is not
+Adam beside one that is) is stored exactly, with one warning line (`jaxguard.uncovered`;
+docs/coverage.md): every checkpoint is written. Checkpoint values must be tensors,
+numbers, strings, lists, dicts, numpy values or ``argparse.Namespace`` (``save_hyperparameters``
+of plain values is fine). ``LightningModule.load_from_checkpoint`` reads torch pickles only:
 load weights with ``GuardedCheckpointIO().load_checkpoint(path)["state_dict"]``.
 Paths may be fsspec URLs (``s3://...``); ``storage_options`` go to fsspec. A checkpoint
 where a param group's lr is 0 (the end of a schedule that decays to 0) is written in
@@ -30,7 +34,10 @@ Lightning loads the returned state into the live optimizer itself, after this pl
 returned it, so `load_checkpoint` leaves a one-shot check behind: at the first step of the
 optimizer whose param groups carry the loaded ``param_names`` (after Lightning moved it
 to its device), a param group that runs another kernel than the certified one warns one
-line, as `torch_compat.load` does (`torch_compat.state.warn_other_kernel`).
+line, as `torch_compat.load` does (`torch_compat.state.warn_other_kernel`), and so does one
+that will step with other hyperparameters than its moments were certified for (a learning
+rate set after the restore; `torch_compat.state.check_next_update`; ``strict=True``
+raises from that step instead, before it updates anything).
 """
 from __future__ import annotations
 
@@ -41,12 +48,9 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from jaxguard import writer
+from jaxguard import uncovered, writer
 from jaxguard.format import storage
 from jaxguard.errors import CheckpointError
-
-NO_NAMES = ("optimizer_states[{i}] has no 'param_names'; build the optimizer from named parameters in "
-            "configure_optimizers, e.g. torch.optim.AdamW(self.named_parameters(), lr=1e-3)")
 
 
 class GuardedCheckpointIO(CheckpointIO):
@@ -61,14 +65,16 @@ class GuardedCheckpointIO(CheckpointIO):
         one torch runs where the state lives).
       device_encode: where moments are encoded (`jaxguard.writer.device_encode_setting`;
         None: on the GPU for CUDA state when JAX has a GPU backend).
+      strict: at the first step after a resume, a param group stepping with other
+        hyperparameters than certified raises instead of warning.
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, codec: str | None = None, *, spec=None,
-                 op_model: str | None = None, device_encode: bool | None = None):
+                 op_model: str | None = None, device_encode: bool | None = None, strict: bool = False):
         from jaxguard.core.config import save_spec
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         self.tau, self.clip, self.codec = self.spec.tau, self.spec.clip, self.spec.codec
-        self.op_model, self.device_encode = op_model, device_encode
+        self.op_model, self.device_encode, self.strict = op_model, device_encode, strict
         self.last_summary: dict | None = None
         self._resume_check = None
 
@@ -84,9 +90,14 @@ class GuardedCheckpointIO(CheckpointIO):
           payload, ...) plus ``container_bytes``.
 
         Raises:
-          CheckpointError: no ``state_dict``, an optimizer without ``param_names``, or a
-            value that cannot be stored without pickling.
-          UnsupportedOptimizerError: an optimizer or option outside the op models.
+          CheckpointError: no ``state_dict``, or a value that cannot be stored without
+            pickling.
+
+        Warns:
+          JaxguardWarning: one line naming what the guard could not certify and stored
+            exactly (bfloat16/float16 parameters or moments, amsgrad, an optimizer that is
+            not Adam, an optimizer without ``param_names`` whose map to the weights is not
+            provable: `jaxguard.uncovered`).
         """
         from torch_compat import state as tstate
         if "state_dict" not in checkpoint:
@@ -96,23 +107,27 @@ class GuardedCheckpointIO(CheckpointIO):
         raws: list = []
         records: list = []
         top = []
+        notes: dict = {}
+        total = 0
         for key, value in checkpoint.items():
             if key != "optimizer_states":
                 top.append([key, tstate.to_skeleton(value, str(key), raws)])
                 continue
             opts = []
             for i, sd in enumerate(value):
-                if any("param_names" not in g for g in sd.get("param_groups", [])):
-                    raise CheckpointError(NO_NAMES.format(i=i))
-                opt_sk, recs = tstate.state_records(sd, params, spec=self.spec,
-                                                    prefix=f"optimizer_states/{i}", op_model=self.op_model)
+                opt_sk, recs = tstate.state_records(sd, params, spec=self.spec, prefix=f"optimizer_states/{i}",
+                                                    op_model=self.op_model, notes=notes, uncertifiable="exact")
                 records += recs
                 opts.append(opt_sk)
+                total += len(sd.get("state", ()))
             top.append([key, {"__list__": opts}])
         meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch.__version__,
-                "source": "lightning"}
+                "source": "lightning", **notes}
         extra = {"tau": self.tau, "clip": self.clip, "codec": self.codec}
-        return writer.to_bytes(records + raws, meta, extra_header=extra, device_encode=self.device_encode)
+        data, summary = writer.to_bytes(records + raws, meta, extra_header=extra, device_encode=self.device_encode)
+        summary["stored_exactly"] = notes.get("stored_exactly", [])
+        uncovered.warn("GuardedCheckpointIO", summary["stored_exactly"], of=total)
+        return data, summary
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         """Write `checkpoint` atomically as a guarded container (Lightning's CheckpointIO API).
@@ -127,7 +142,7 @@ class GuardedCheckpointIO(CheckpointIO):
           storage_options: fsspec options for a URL.
 
         Raises:
-          CheckpointError, UnsupportedOptimizerError: as `to_bytes`.
+          CheckpointError: as `to_bytes`.
         """
         if any(not float(g["lr"]) > 0 for sd in checkpoint.get("optimizer_states", [])
                for g in sd.get("param_groups", [])):
@@ -180,7 +195,7 @@ class GuardedCheckpointIO(CheckpointIO):
         for i, sd in enumerate(tree.get("optimizer_states", []) if isinstance(tree, dict) else []):
             certified = tstate.certified_by_group(header, sd, prefix=f"optimizer_states/{i}")
             if any(certified):
-                pending.append(([list(g.get("param_names") or ()) for g in sd["param_groups"]], certified))
+                pending.append(([list(g.get("param_names") or ()) for g in sd["param_groups"]], certified, sd, i))
         if not pending:
             return
 
@@ -190,6 +205,8 @@ class GuardedCheckpointIO(CheckpointIO):
             for item in [it for it in pending if it[0] == names]:
                 pending.remove(item)
                 tstate.warn_other_kernel(item[1], optimizer, str(path))
+                tstate.check_next_update(header, item[2], optimizer.param_groups, str(path), strict=self.strict,
+                                         prefix=f"optimizer_states/{item[3]}")
 
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         self._resume_check = register_optimizer_step_pre_hook(first_step)
