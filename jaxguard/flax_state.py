@@ -23,6 +23,8 @@ Flax object.
 """
 from __future__ import annotations
 
+__all__ = ["Plain", "plain_params", "plain_state", "save_inputs"]
+
 import sys
 from typing import Any, Callable, NamedTuple
 

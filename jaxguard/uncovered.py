@@ -16,6 +16,8 @@ are not Adam, a next learning rate of 0) is *uncovered*.  Two policies:
 """
 from __future__ import annotations
 
+__all__ = ["REFUSE", "EXACT", "POLICIES", "policy", "describe", "warn"]
+
 import warnings
 
 from jaxguard.errors import ConfigError, JaxguardWarning

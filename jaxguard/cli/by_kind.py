@@ -8,6 +8,8 @@ what reads it.  Every output names the kind it saw.
 """
 from __future__ import annotations
 
+__all__ = ["run"]
+
 import argparse
 import json
 

@@ -24,6 +24,8 @@ Kinds:
 """
 from __future__ import annotations
 
+__all__ = ["DESCRIPTIONS", "WEIGHT_FILES", "Input", "describe", "recognise"]
+
 import re
 from typing import NamedTuple
 

@@ -11,6 +11,8 @@ in one line naming what the file asks for and ``--trust``, which loads with a pl
 """
 from __future__ import annotations
 
+__all__ = ["SAFE_NAMES", "load_checkpoint"]
+
 import io
 import pickle
 import re

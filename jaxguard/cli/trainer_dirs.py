@@ -21,6 +21,8 @@ run leaves no half-written directory.
 """
 from __future__ import annotations
 
+__all__ = ["run", "load_weights", "trainer_param_order"]
+
 import argparse
 import contextlib
 import io

@@ -33,7 +33,7 @@ every read (`container.read`), wherever the bytes came from.
 """
 from __future__ import annotations
 
-__all__ = ["is_url", "local_path", "join", "STALE_TMP_SECONDS", "tmp_name", "atomic_write_with",
+__all__ = ["is_url", "local_path", "join", "STALE_TMP_SECONDS", "tmp_name", "fsync_dir", "fsync_tree", "atomic_write_with",
            "atomic_directory", "atomic_write", "read_bytes", "read_range", "is_dir", "mkdir", "listdir",
            "exists", "size", "remove"]
 
@@ -136,12 +136,22 @@ def _remove_stale_tmps(directory: str, name: str) -> None:
                         os.unlink(entry.path)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make `directory`'s entries (a rename, a new file) durable (POSIX fsync of the directory)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file under `root`, then each directory, deepest entries included."""
+    for here, _dirs, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(here, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(here)
 
 
 def _write_error(path, exc) -> ContainerError:
@@ -191,7 +201,7 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
             raise _write_error(path, exc) from None
         raise
     with contextlib.suppress(OSError):
-        _fsync_dir(directory)
+        fsync_dir(directory)
     _remove_stale_tmps(directory, os.path.basename(path))
 
 
@@ -232,11 +242,7 @@ def atomic_directory(path):
         raise _write_error(path, exc) from None
     try:
         yield stage
-        for here, _dirs, files in os.walk(stage):
-            for name in files:
-                with open(os.path.join(here, name), "rb") as fh:
-                    os.fsync(fh.fileno())
-            _fsync_dir(here)
+        fsync_tree(stage)
         if os.path.isdir(path):
             os.rmdir(path)
         os.replace(stage, path)
@@ -244,7 +250,7 @@ def atomic_directory(path):
         shutil.rmtree(stage, ignore_errors=True)
         raise
     with contextlib.suppress(OSError):
-        _fsync_dir(parent)
+        fsync_dir(parent)
 
 
 def atomic_write(path, data: bytes, *, storage_options: dict | None = None) -> None:

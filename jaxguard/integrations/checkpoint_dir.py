@@ -17,6 +17,8 @@ import shutil
 import time
 import uuid
 
+from jaxguard.format.storage import fsync_dir, fsync_tree
+
 
 # A checkpoint directory is committed as a whole: the framework writes it into a hidden
 # staging directory beside it, and two renames publish it (the previous directory, if any,
@@ -51,22 +53,6 @@ def staging_path(final: str, token: str) -> str:
       The staging path (no checkpoint-naming pattern matches it: it starts with a dot).
     """
     return _aux(final, token, STAGING_SUFFIX)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: str) -> None:
-    for here, _dirs, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(here, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(here)
 
 
 def _age(path: str) -> float:
@@ -107,7 +93,7 @@ def recover_directory(final: str) -> list:
     if olds and not os.path.exists(final):   # a commit stopped between its renames
         back = olds.pop()
         os.rename(back, final)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         done.append(f"restored {final} from {back} (a save stopped while publishing it)")
     for old in olds:
         shutil.rmtree(old, ignore_errors=True)
@@ -154,11 +140,11 @@ def commit_directory(stage: str, final: str, token: str) -> None:
         stands, whole; the previous one is removed by the next `recover_directory`).
     """
     final = os.path.normpath(os.fspath(final))
-    _fsync_tree(stage)
+    fsync_tree(stage)
     old = _aux(final, token, OLD_SUFFIX)
     if os.path.exists(final):
         os.rename(final, old)
     os.rename(stage, final)
-    _fsync_dir(os.path.dirname(final) or ".")
+    fsync_dir(os.path.dirname(final) or ".")
     if os.path.exists(old):
         shutil.rmtree(old)
