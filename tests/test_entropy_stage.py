@@ -3,6 +3,8 @@
 The stage is lossless over certified codes, so an entry decodes to exactly what log8-rel's
 does (where no block was widened) and to what the guard certified (the writer's sample
 check); its streams are untrusted input: every malformation is one ReaderError line."""
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -152,18 +154,22 @@ def _entry_arrays(n, seed=0):
 
 
 def _read(sections, n, name="w"):
-    """reader.read_codes of one zstd entry built from `sections` (a dict of arrays)."""
-    pay, rng = [], {}
-    pos = 0
+    """reader.read_codes of one zstd entry built from `sections` (a dict of arrays), sealed
+    into a container and read back through `reader.parse` (its layout check included)."""
+    parts, rng, pos = [], {}, 0
     for k, a in sections.items():
-        b = container._le_bytes(np.asarray(a))
-        rng[k] = [pos, pos + b.size]
-        pos += b.size
-        pay.append(b)
-    payload = memoryview(np.concatenate(pay).tobytes() if pay else b"")
+        a = np.asarray(a)
+        b = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
+        rng[k] = [pos, pos + len(b)]
+        pos += len(b)
+        parts.append(b)
+    payload = b"".join(parts)
     entry = {"name": name, "kind": "moments", "codec": CODEC, "shape": [n], "sections": rng}
-    reader._check_layout({"entries": [entry]}, len(payload))
-    return reader.read_codes(entry, payload, {})
+    head = json.dumps({"entries": [entry], "payload_bytes": len(payload),
+                       "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(head)) + head + payload
+    header, view = reader.parse(body + hashlib.sha256(body).digest())
+    return reader.read_codes(header["entries"][0], view, {})
 
 
 def test_parameters_derive_wlo_rr_or_store_them():
