@@ -44,6 +44,11 @@ from jaxguard.errors import JaxguardError
 from jaxguard.format import packed
 from jaxguard.format.spec import BLOCK
 
+__all__ = ["CODEC", "FRAME", "LEVEL", "NARROW", "NARROW_WIDTHS", "MAX_STREAM", "BASE_SECTIONS", "WIDE_SECTIONS",
+           "StreamError", "frame_lengths", "compress_frames", "join_frames", "encode_stream", "stream_frames",
+           "decode_frame", "decode_stream", "to_planes", "from_planes", "block_widths", "entry_sections", "is_wide",
+           "join_sections", "read_entry", "FramedCodes", "assemble"]
+
 CODEC = "log8-rel-zstd"
 FRAME = 1 << 20          # decoded bytes per frame (a whole number of blocks of 1-byte codes)
 LEVEL = 1                # zstd level: 1 and 3 store the same +-0.03% here, level 1 at 1.5x the speed
