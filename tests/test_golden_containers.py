@@ -118,3 +118,47 @@ def test_golden_logrel_ans_kind4_whole_wide_fields_decode_to_the_same_bits():
                      torch_codes.read_moments(e, payload, {})):
             np.testing.assert_array_equal(np.asarray(m, np.float32).reshape(-1).view(np.uint32), expected[f"{e['name']}/m_bits"])
             np.testing.assert_array_equal(np.asarray(v, np.float32).reshape(-1).view(np.uint32), expected[f"{e['name']}/v_bits"])
+
+
+def test_golden_log8_rel_zstd_decodes_to_the_same_bits():
+    """log8-rel-zstd.jaxguard (tests/golden/make_zstd_golden.py, issue 57): 8-bit blocks,
+    widened blocks (``widths`` / ``v_high``), code streams of two frames, streams stored as is,
+    the 20-byte parameter form; the numpy reader (whole and frame by frame) and the torch
+    decoder decode every entry to the stored bits, whatever zstd wrote them."""
+    name = "log8-rel-zstd"
+    expected = np.load(os.path.join(HERE, f"{name}.expected.npz"))
+    info = reader.verify_file(os.path.join(HERE, f"{name}.jaxguard"))
+    assert info["ok"] and info["decoded_sha256"] == str(expected["decoded_sha256"])
+    with open(os.path.join(HERE, f"{name}.jaxguard"), "rb") as f:
+        header, payload = reader.parse(f.read())
+    moments = [e for e in header["entries"] if e["kind"] == "moments"]
+    assert {e["name"] for e in moments} == {"layer/w", "layer/wide", "layer/big", "layer/tiny", "layer/explicit"}
+    assert {"widths", "v_high"} <= set(next(e for e in moments if e["name"] == "layer/wide")["sections"])
+    pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+    torch_codes = pytest.importorskip("torch_compat.codes_torch")
+    for e in moments:
+        want_m, want_v = expected[f"{e['name']}/m_bits"], expected[f"{e['name']}/v_bits"]
+        for m, v in (reader.read_moments(e, payload, {}), torch_codes.read_moments(e, payload, {})):
+            np.testing.assert_array_equal(np.asarray(m, np.float32).reshape(-1).view(np.uint32), want_m)
+            np.testing.assert_array_equal(np.asarray(v, np.float32).reshape(-1).view(np.uint32), want_v)
+        # the lazy, frame-by-frame read the writer's sample check uses gives the same codes
+        whole = reader.read_codes(e, payload, {})
+        lazy = reader.read_codes(e, payload, {}, lazy=True)
+        n = int(np.prod(e["shape"])) if e["shape"] else 1
+        at = np.unique(np.r_[0, n - 1, np.random.default_rng(0).integers(0, n, 64)])
+        for key in ("m_codes", "v_codes"):
+            np.testing.assert_array_equal(np.asarray(lazy[key][at]), np.asarray(whole[key])[at])
+
+
+def test_golden_zstd_stream_vectors_decode_to_the_same_bytes():
+    """tests/golden/zstd_v1.npz: each kind of stream (empty, stored as is, one frame, two
+    frames, float planes) as written by the zstandard of issue 57 decodes to its bytes."""
+    from jaxguard.format import entropy
+    vectors = np.load(os.path.join(os.path.dirname(HERE), "zstd_v1.npz"))
+    kinds = sorted({k.split("/")[0] for k in vectors.files})
+    assert kinds == ["as_is", "empty", "one_frame", "planes", "two_frames"]
+    for k in kinds:
+        want = vectors[f"{k}/decoded"]
+        got = entropy.decode_stream(vectors[f"{k}/stream"], k, want.size)
+        np.testing.assert_array_equal(got, want)
+    assert len(entropy.stream_frames(vectors["two_frames/stream"], "two_frames")[1]) == 2

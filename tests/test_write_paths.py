@@ -90,14 +90,53 @@ REFUSALS = {
 }
 
 
+@pytest.mark.parametrize("codec", ["log8-rel", "log8-rel-zstd"])
 @pytest.mark.parametrize("path", sorted(REFUSALS) + ["lightning"])
-def test_every_path_refuses_values_the_reader_does_not_restore(tmp_path, tampered, path):
+def test_every_path_refuses_values_the_reader_does_not_restore(tmp_path, tampered, path, codec):
     if path == "lightning":       # to_bytes: nothing reaches a file
-        _refused(W.write_lightning, "log8-rel")
+        _refused(W.write_lightning, codec)
         return
     write, marker = REFUSALS[path]
-    _refused(write, str(tmp_path), "log8-rel")
+    _refused(write, str(tmp_path), codec)
+    marker = marker.replace("log8-rel", codec)
     assert not (tmp_path / marker).exists(), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+def test_every_path_writes_log8_rel_zstd_that_decodes_like_log8_rel(tmp_path):
+    """log8-rel-zstd on every write path (the jit hook's entropy stage runs on the host at
+    write time): each container verifies, holds log8-rel-zstd entries in fewer bytes and
+    decodes (numpy reader, torch decoder) to exactly the values log8-rel's decode to."""
+    from jaxguard.format import reader
+    from torch_compat import codes_torch
+    zstd = "log8-rel-zstd"
+    (tmp_path / "base").mkdir()
+    (tmp_path / "zstd").mkdir()
+    base = W.all_hashes(str(tmp_path / "base"), codecs=("log8-rel",))
+    got = W.all_hashes(str(tmp_path / "zstd"), codecs=(zstd,))
+    got["jit-hook/log8-rel"] = sorted(W._file(f) for f in W.glob.glob(W.write_jit_hook(str(tmp_path / "zstd"), zstd)
+                                                                        + "/*.jaxguard"))
+    assert sorted(k.replace(zstd, "log8-rel") for k in got) == sorted(base)
+    for key, hashes in got.items():
+        want = base[key.replace(zstd, "log8-rel")]
+        flat = lambda h: sorted(x[1] for x in h) if isinstance(h[0], list) else [h[1]]   # noqa: E731
+        assert flat(hashes) == flat(want), key        # the same decoded values, path by path
+    blobs = [p.read_bytes() for p in (tmp_path / "zstd").rglob("*")     # all_hashes' own jit hook writes log8-rel
+             if p.is_file() and "jit-log8-rel" not in p.parts]
+    (tmp_path / "dcp").mkdir()
+    blobs += W.dcp_containers(W.write_dcp(str(tmp_path / "dcp"), zstd)[1]) + [W.write_lightning(zstd)]
+    blobs = [b for b in blobs if bytes(b[:8]) == b"JAXGUARD"]
+    assert len(blobs) >= 11        # optax, sharded, orbax, jit hook, torch x2, DCP (one per tensor), lightning
+    for f, data in enumerate(blobs):
+        assert reader.verify_bytes(data)["ok"], f
+        header, payload = reader.parse(data)
+        moments = [e for e in header["entries"] if e["kind"] == "moments"]
+        assert moments and all(e["codec"] == zstd for e in moments), f
+        tables = reader.read_tables(header, payload)
+        for e in moments:
+            m, v = reader.read_moments(e, payload, tables)
+            tm, tv = codes_torch.read_moments(e, payload, tables)
+            assert np.array_equal(np.asarray(m, np.float32).view(np.uint32), tm.numpy().view(np.uint32))
+            assert np.array_equal(np.asarray(v, np.float32).view(np.uint32), tv.numpy().view(np.uint32))
 
 
 def test_bfloat16_mu_path_refuses_too(tmp_path, tampered):

@@ -1,6 +1,7 @@
-"""Section-targeted mutation fuzzer for the logrel-aw and logrel-ans sections of the numpy reader.
+"""Section-targeted mutation fuzzer for the logrel-aw, logrel-ans and log8-rel-zstd sections of
+the numpy reader.
 
-    nice python bench/fuzz/fuzz_reader_aw.py SECONDS [OUT_DIR] [--codec logrel-aw|logrel-ans|both]
+    nice python bench/fuzz/fuzz_reader_aw.py SECONDS [OUT_DIR] [--codec logrel-aw|logrel-ans|log8-rel-zstd|all]
 
 Seeds, per codec: the odd-values checkpoint (sparse escape index, several entries) and a
 tensor with a third of its coordinates escaped (bitmask); for logrel-ans also a container
@@ -9,12 +10,14 @@ container-level `rans.decode_many` pre-pass runs, and its per-entry fallback on 
 and a single-entry one (the one-buffer `rans.decode` path); for both codecs a container of
 two-population tensors whose blocks are 9..12 bits wide (packed fields of up to 12 bits; for
 logrel-ans an ``mv_rans`` of rANS kind 4, and the golden file of the older layout with
-``m_low`` / ``v_low`` sections).  Each case overwrites 1-8 bytes
+``m_low`` / ``v_low`` sections); for log8-rel-zstd the same two-population tensors, whose
+blocks the writer widens (``widths``, ``v_high``), and its golden container (streams of two
+frames, the 20-byte parameter form, streams stored as is).  Each case overwrites 1-8 bytes
 inside one section of one moments entry (random byte, 0xff, 0x00, 0x80 or a bit flip) and
 reseals the payload and file hashes, so that the layout and decode checks are reached.
 Anything other than ReaderError is a finding (crash-*); one input per distinct rejection
 message is written to OUT_DIR (default /tmp/awfuzz2) for tests/fuzz_corpus
-(``reject-aw-*`` / ``reject-ans-*``).
+(``reject-aw-*`` / ``reject-ans-*`` / ``reject-zstd-*``).
 """
 import collections
 import hashlib
@@ -70,6 +73,12 @@ def seeds_for(codec):
     wide = [container.Moments(f"w{k}", G.encode(*_two_populations(rng0, n), cfg), {})
             for k, n in enumerate((256 * 6 + 77, 256 * 2))]
     out.append(container.build(wide, {}))
+    if codec == "log8-rel-zstd":
+        hdr, _ = split(out[-1])
+        assert any("widths" in e["sections"] for e in hdr["entries"] if e.get("kind") == "moments"), \
+            "no widened log8-rel-zstd seed"
+        with open(os.path.join(ROOT, "tests", "golden", "containers", "log8-rel-zstd.jaxguard"), "rb") as f:
+            out.append(f.read())
     if codec == "logrel-ans":
         hdr, pay = split(out[-1])
         assert any(pay[e["sections"]["mv_rans"][0]] & 0x0F == 4 for e in hdr["entries"]
@@ -91,7 +100,8 @@ def main(argv):
         args.remove(which)
     seconds = float(args[0])
     out = args[1] if len(args) > 1 else "/tmp/awfuzz2"
-    codecs = ("logrel-aw", "logrel-ans") if which == "both" else (which,)
+    codecs = {"both": ("logrel-aw", "logrel-ans"), "all": ("logrel-aw", "logrel-ans", "log8-rel-zstd")}.get(
+        which, (which,))
     seeds = [(c, d) for c in codecs for d in seeds_for(c)]
     rng = random.Random(17)
     t0 = time.time()
@@ -132,7 +142,8 @@ def main(argv):
     for k, d in keep.items():
         if ' OK(' in k:
             continue
-        tag = 'crash' if ' FINDING ' in k else ('reject-ans' if k.startswith('logrel-ans') else 'reject-aw')
+        tag = 'crash' if ' FINDING ' in k else {'logrel-ans': 'reject-ans', 'log8-rel-zstd': 'reject-zstd'}.get(
+            k.split(' ')[0], 'reject-aw')
         open(f'{out}/{tag}-{hashlib.sha256(d).hexdigest()[:12]}.bin', 'wb').write(d)
 
 

@@ -209,11 +209,13 @@ CRC_BESIDE_FROM = 1 << 20   # bytes of a decoded moment from which its CRC-32 ru
 def _decode_part(cs_id, a, b, codes, tables, m, v):
     """Decode coordinates [a, b) of an entry's fixed-form codes into `m`, `v`, `SUB` at a
     time (the decodes are per block and per coordinate: a block range decodes as it does
-    in the whole)."""
+    in the whole).  Codes read lazily (a log8-rel-zstd entry's frames) are decoded here,
+    in this task."""
+    mq, vq = codes["m_codes"][a:b], codes["v_codes"][a:b]
     for s in range(a, b, SUB):
         e = min(s + SUB, b)
         ba, bb = s // reader.BLOCK, -(-e // reader.BLOCK)
-        mm, vv = reader.decode_codes(cs_id, e - s, codes["m_codes"][s:e], codes["v_codes"][s:e],
+        mm, vv = reader.decode_codes(cs_id, e - s, mq[s - a:e - a], vq[s - a:e - a],
                                      codes["m_params"][ba:bb], codes["v_params"][ba:bb], tables)
         m[s:e] = mm
         v[s:e] = vv
@@ -283,7 +285,7 @@ class _Decoder(threading.Thread):
         if n <= CHUNK:
             fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.pop(k, None))
             return e, [fut], lambda: fut.result()
-        codes = reader.read_codes(e, self.payload, self.tables, pre.pop(k, None))
+        codes = reader.read_codes(e, self.payload, self.tables, pre.pop(k, None), lazy=True)
         cs_id = e["codec"]
         m, v = self.buffers.take(e["name"], n)
         futs = [pool.submit(_decode_part, cs_id, a, min(a + CHUNK, n), codes, self.tables, m, v)

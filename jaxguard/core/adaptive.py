@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard.core import codes
+from jaxguard.core import programs as _programs
 from jaxguard.core.floatbits import device as _fb
 from jaxguard.format import packed
 
@@ -246,3 +247,97 @@ def decode_blocks(mq, vq, mp, vp):
     mt = jax.vmap(codes.rel8_decode_block)(mq, mp[:, 0], w)
     vt = jax.vmap(functools.partial(codes.log_decode_block, bits=bits))(vq, vp[:, 0], vp[:, 1])
     return mt, vt
+
+
+# ---------------------------------------------------------------- widening log8-rel's escaping blocks (log8-rel-zstd)
+# (bm, bv) pairs tried on a log8-rel block that escapes at least `WIDEN_FROM` coordinates.
+# Measured on the optax MLP LM of bench/lm_runs.py at step 2,000 (its output kernel's blocks
+# mix bytes whose v differ by ~19 binades: 8-bit log steps of v, 2.6%, are too coarse when
+# g ~ 30 sqrt(v); logrel-aw's search chose bv = 9..10, bm = 7..8 there): log8-rel escapes
+# 21.8% of the state, (8, 10) alone leaves 30 escapes and 21.34% of FP32; (8, 9) and (8, 10)
+# 271 and 21.33% at twice the retry's cost; (8, 9) alone 4,615 and 22.32%.
+WIDEN_PAIRS = ((8, 10),)
+# A block is retried from this many escapes on: its 2 more bits a coordinate (64 bytes a
+# block) cost about what `ESCAPE_COST` bytes of 7 escapes do.  GPT-2 after 3 steps has 645
+# such blocks of 486,093; the MLP LM above nearly every block of its output kernel (the
+# same payload as from 4 escapes on, to 0.001 points).
+WIDEN_FROM = 8
+WIDEN_ROWS = 64    # blocks proposed per call (padded): one compiled program for every retry
+NARROW_WIDTHS = int(packed.join_widths(8, 8))
+
+
+def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, certify_at,
+                          pairs=WIDEN_PAIRS, min_escapes=WIDEN_FROM):
+    """Blocks of a log8-rel proposal that escape at least `min_escapes` coordinates, proposed
+    again at the wider `pairs` (`propose_wide`) and kept where that costs fewer bytes.
+
+    A block's cost is `ESCAPE_COST` bytes per escape plus, for a wider pair, its extra code
+    bits (``bm + bv - 16`` a coordinate).  The wider proposals are decoded exactly as the
+    reader decodes them and certified by the guard's own certificate (`certify_at`); a
+    coordinate of a kept block is exact, certified, or escapes, as everywhere.
+
+    Args:
+      mh, vh, ph: flat float32 moments and parameter of the padded group (whole blocks).
+      in_tensor: flat bool, True on the coordinates of a tensor.
+      mq, vq: flat int8 / uint8 codes of the log8-rel proposal; mp [nb, 1], vp [nb, 4]: its
+        block parameters; mt, vt: flat decoded values; exact, ok: flat bool, the guard's
+        classification of them; escape: flat bool; level_of: flat int8 certifying level of
+        each coordinate (-1: none).
+      certify_at: ``certify_at(idx, mt_idx, vt_idx) -> int8 levels`` over positions `idx`
+        with decoded values given at them (the guard's certificate bound to the group).
+      pairs, min_escapes: the pairs tried, and the escapes from which a block is tried.
+
+    Returns:
+      ``(mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths)``: where a block was widened the
+      codes come back as int16 / uint16 (flat), the others unchanged; ``widths`` [nb]
+      uint8, ``(bm << 4) | bv`` (``0x88`` for the log8-rel blocks).
+    """
+    from jaxguard.core.certify import block_stats_valid, classify, v_positive
+    nb = mh.size // codes.BLOCK
+    widths = np.full(nb, NARROW_WIDTHS, np.uint8)
+    esc_per_block = np.bincount(np.flatnonzero(escape & in_tensor) // codes.BLOCK, minlength=nb)
+    rows = np.flatnonzero(esc_per_block >= min_escapes)
+    if rows.size == 0:
+        return mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths
+    k = rows.size
+    idx = (rows[:, None] * codes.BLOCK + np.arange(codes.BLOCK)).reshape(-1)
+    inb = in_tensor[idx]
+    valid = (inb & block_stats_valid(mh[idx], vh[idx], ph[idx])).reshape(k, codes.BLOCK)
+    vpos = v_positive(vh[idx]).reshape(k, codes.BLOCK)
+    kp = -(-k // WIDEN_ROWS) * WIDEN_ROWS     # one compiled shape: rows in chunks of WIDEN_ROWS
+    pad = np.concatenate([np.arange(k), np.zeros(kp - k, np.int64)])
+    blocks = [x.reshape(k, codes.BLOCK)[pad] for x in (mh[idx], vh[idx], valid, vpos)]
+    count = inb.reshape(k, codes.BLOCK).sum(1)
+    best_cost = ESCAPE_COST * esc_per_block[rows].astype(np.float64)
+    best = [None] * k
+    for bm, bv in pairs:
+        outs = [_programs.call(propose_wide, *(x[c:c + WIDEN_ROWS] for x in blocks), np.int32(bm), np.int32(bv))
+                for c in range(0, kp, WIDEN_ROWS)]
+        qm, qv, smp, svp, smt, svt = (np.concatenate([np.asarray(o[i]) for o in outs])[:k] for i in range(6))
+        a, b = smt.reshape(-1), svt.reshape(-1)
+        ex, okk = classify(mh[idx], vh[idx], ph[idx], a, b)
+        cand = np.flatnonzero(inb & ~ex & okk)
+        lv = np.full(idx.size, -1, np.int8)
+        lv[cand] = certify_at(idx[cand], a[cand], b[cand])
+        esc = inb & ~ex & (lv < 0)
+        cost = ESCAPE_COST * esc.reshape(k, codes.BLOCK).sum(1) + (bm + bv - 16) * count / 8
+        for j in np.flatnonzero(cost < best_cost):
+            best_cost[j] = cost[j]
+            s = slice(j * codes.BLOCK, (j + 1) * codes.BLOCK)
+            best[j] = (bm, bv, qm[j], qv[j], smp[j], svp[j], a[s], b[s], ex[s], okk[s], esc[s], lv[s])
+    taken = [j for j in range(k) if best[j] is not None]
+    if not taken:
+        return mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths
+    mq, vq = np.asarray(mq).astype(np.int16), np.asarray(vq).astype(np.uint16)
+    mp, vp = np.array(mp, np.float32), np.array(vp, np.float32)
+    mt, vt = np.array(mt, np.float32), np.array(vt, np.float32)
+    exact, ok, escape, level_of = np.array(exact), np.array(ok), np.array(escape), np.array(level_of)
+    for j in taken:
+        bm, bv, qm, qv, smp, svp, a, b, ex, okk, esc, lv = best[j]
+        r = int(rows[j])
+        s = slice(r * codes.BLOCK, (r + 1) * codes.BLOCK)
+        mq[s], vq[s], mp[r], vp[r], mt[s], vt[s], exact[s], ok[s] = qm, qv, smp, svp, a, b, ex, okk
+        level_of[s] = np.where(in_tensor[s], lv, level_of[s])
+        escape[s] = esc
+        widths[r] = packed.join_widths(bm, bv)
+    return mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths

@@ -33,6 +33,8 @@ from jaxguard.core import codes
 from jaxguard.core import rate as _rate
 from jaxguard.core import floatbits as _fb
 from jaxguard.errors import ConfigError
+from jaxguard.format import container as _container
+from jaxguard.format import entropy as _entropy
 from jaxguard.format import packed as _packed
 from jaxguard.format import spec as _spec
 
@@ -141,7 +143,7 @@ def _ans_payload(arrays, n):
     return _packed.entry_payload_bytes(arrays, n, entropy=True)
 
 
-SECTIONS_ATTR = "_sections"   # an Encoded's stored sections: (the arrays they were built from, sections)
+SECTIONS_ATTR = _container.KEPT_SECTIONS   # an Encoded's stored sections: (the arrays they came from, sections)
 
 
 def _ans_payload_many(encs):
@@ -152,6 +154,33 @@ def _ans_payload_many(encs):
     for e, sec in zip(encs, secs):
         setattr(e, SECTIONS_ATTR, (dict(e.arrays), sec))
     return [int(sum(a.nbytes for a in sec.values())) for sec in secs]
+
+
+def _keep(enc, sections) -> int:
+    """Keep `sections` on `enc` for the container writer; returns their size in bytes."""
+    setattr(enc, SECTIONS_ATTR, (dict(enc.arrays), sections))
+    return int(sum(a.nbytes for a in sections.values()))
+
+
+def _zstd_payload(arrays, n):
+    """log8-rel-zstd: the exact sections the writer stores (`jaxguard.format.entropy`)."""
+    return int(sum(a.nbytes for a in _entropy.entry_sections(arrays, n).values()))
+
+
+def _zstd_payload_many(encs):
+    """log8-rel-zstd: each encoding's zstd sections, built where the guard runs (the encode
+    threads) and kept for the writer; returns each one's payload in bytes."""
+    return [_keep(e, _entropy.entry_sections(e.arrays, e.n)) for e in encs]
+
+
+def _zstd_join(pieces, enc):
+    """log8-rel-zstd: a tensor certified in pieces (`guard.join_pieces`) takes its pieces'
+    code frames as they are (`entropy.join_sections`); None where they cannot be joined."""
+    parts = [(e.n, _container.kept_sections(e)) for _, e in pieces]
+    if any(sec is None for _, sec in parts):
+        return None
+    sections = _entropy.join_sections(parts, enc.arrays, enc.n)
+    return None if sections is None else _keep(enc, sections)
 
 
 # ---------------------------------------------------------------- host-side width choice (logrel-aw)
@@ -219,7 +248,12 @@ class CoreCodec:
         None where the joint search does not apply.
       payload_bytes: ``(arrays, n)`` -> moment payload in bytes.
       payload_many: optional ``[Encoded] -> [bytes]``, the payloads of many encodings at
-        once (logrel-ans: builds their sections once and keeps them for the writer).
+        once (logrel-ans, log8-rel-zstd: builds their sections once and keeps them for the
+        writer).
+      join_payload: optional ``(pieces, joined Encoded) -> bytes or None``: the payload of a
+        tensor encoded in pieces from its pieces' kept sections (None: built again).
+      widen: optional, after certification: blocks that escape much proposed again with
+        wider codes (`jaxguard.core.adaptive.widen_escaping_blocks`, log8-rel-zstd).
     """
 
     id: str
@@ -230,6 +264,8 @@ class CoreCodec:
     decode_points: Optional[Callable] = None
     payload_bytes: Callable = _fixed_payload
     payload_many: Optional[Callable] = None
+    join_payload: Optional[Callable] = None
+    widen: Optional[Callable] = None
 
     @property
     def spec(self) -> _spec.CodecSpec:
@@ -247,10 +283,35 @@ def _entries():
     aw = CoreCodec(_packed.CODEC, _decode_log8_rel, choose=_choose_logrel_aw, payload_bytes=_packed_payload)
     ans = dataclasses.replace(aw, id="logrel-ans", choose=_choose_logrel_ans, payload_bytes=_ans_payload,
                               payload_many=_ans_payload_many)
-    return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw, ans)}
+    # log8-rel's codes (proposed as log8-rel: `GuardSpec.decode_codec`), stored through zstd
+    zstd = dataclasses.replace(log8_rel, id=_entropy.CODEC, payload_bytes=_zstd_payload,
+                               payload_many=_zstd_payload_many, join_payload=_zstd_join,
+                               widen=_adaptive.widen_escaping_blocks)
+    return {c.id: c for c in (log8, log8_rel, bf16, block8, unguarded, aw, ans, zstd)}
 
 
 TABLE: dict = _entries()
+
+
+def joined_payload(pieces, enc) -> int:
+    """The payload in bytes of `enc`, the join of `pieces` (``[(start, Encoded)]``).
+
+    Args:
+      pieces: the encodings of a tensor's consecutive pieces (`guard.join_pieces`).
+      enc: their join.
+
+    Returns:
+      Bytes, from the pieces' kept sections where the codec can join them, else counted
+      (and, for codecs with `payload_many`, kept) from `enc`'s arrays.
+    """
+    entry = get(enc.codec)
+    if entry.join_payload is not None:
+        got = entry.join_payload(pieces, enc)
+        if got is not None:
+            return got
+    if entry.payload_many is not None:
+        return entry.payload_many([enc])[0]
+    return entry.payload_bytes(enc.arrays, enc.n)
 
 
 def get(codec_id: str) -> CoreCodec:

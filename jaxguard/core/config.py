@@ -32,6 +32,8 @@ PARTITIONS = ("mixed", "linear")
 # A policy id kept for the CLI, the demo, the bench and old files: block8 codes with the
 # guard off.  The container entry keeps this id, so readers know nothing was certified.
 UNGUARDED_ALIASES = {"block8-unguarded": "block8"}
+# Ids whose codes are another codec's, stored differently: they propose and certify as it.
+STORAGE_ALIASES = {"log8-rel-zstd": "log8-rel"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +60,9 @@ class GuardSpec:
 
     @property
     def decode_codec(self) -> str:
-        """The codec whose codes and decode this spec uses (block8 for block8-unguarded)."""
-        return UNGUARDED_ALIASES.get(self.codec, self.codec)
+        """The codec whose codes and decode this spec uses (block8 for block8-unguarded,
+        log8-rel for log8-rel-zstd)."""
+        return UNGUARDED_ALIASES.get(self.codec, STORAGE_ALIASES.get(self.codec, self.codec))
 
 
 # Where a save's hyperparameters came from (`NextUpdate.source`), as entries record it.

@@ -86,7 +86,11 @@ def payload_bytes(enc: ArrayPytree) -> int:
     Args:
       enc: an `Encoded` (compact escapes).
     Returns:
-      The payload in bytes (logrel-aw: its packed codes, `jaxguard.format.packed`).
+      The payload in bytes (logrel-aw: its packed codes, `jaxguard.format.packed`;
+      logrel-ans, log8-rel-zstd: their stored sections, kept on `enc` for the writer).
     """
     from jaxguard.core import codecs   # the codec table imports the codes (JAX)
-    return codecs.get(enc.codec).payload_bytes(enc.arrays, enc.n)
+    entry = codecs.get(enc.codec)
+    if entry.payload_many is not None and isinstance(enc, Encoded):   # built once, kept for the writer
+        return entry.payload_many([enc])[0]
+    return entry.payload_bytes(enc.arrays, enc.n)

@@ -206,8 +206,7 @@ def join_pieces(pieces, shape):
                 stats[k] = val
             else:
                 stats[k] = stats.get(k, 0) + val
-    many = _codecs.get(enc.codec).payload_many
-    stats["payload_bytes"] = payload_bytes(enc) if many is None else many([enc])[0]
+    stats["payload_bytes"] = _codecs.joined_payload(pieces, enc)
     enc.stats = stats
     return enc
 
@@ -321,6 +320,13 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         escape = in_tensor & ~exact & (level_of < 0)
     prepared.wait()
     mq, vq = mq.reshape(-1), vq.reshape(-1)
+    widen = _codecs.get(codec).widen
+    if widen is not None and certified and not any(cfg.joint for *_, cfg in items):
+        # log8-rel-zstd: blocks that escape much, proposed again with wider codes
+        mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths = widen(
+            mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of,
+            lambda idx, a, b: certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx],
+                                         np.arange(idx.size), bound, partition))
     rescued = np.zeros(npad, bool)
     if certified and any(cfg.joint for *_, cfg in items):
         joint_on = np.zeros(npad, bool)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxguard.format import packed, rans, reader, spec, storage
+from jaxguard.format import entropy, packed, rans, reader, spec, storage
 from jaxguard.errors import ContainerError
 
 SCHEMA = "jaxguard-container"
@@ -347,7 +347,9 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
         _add_tables(pay, tables, table_arrays, cs.tables)
         local = _Sections(reused)     # this entry's sections, decoded by the reader before they are written
         if cs.layout in ("packed", "ans"):
-            sections = _aw_sections(local, enc, entropy=cs.layout == "ans")
+            sections = _aw_sections(local, enc, rans_coded=cs.layout == "ans")
+        elif cs.layout == "zstd":
+            sections = _zstd_sections(local, enc)
         else:
             mask = np.zeros(n, bool)
             mask[a["escape_index"]] = True
@@ -600,8 +602,8 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
     try:
         if certified is None or isinstance(certified, dict):
             m, v = reader.read_moments(entry, body, tables)
-        else:
-            codes = reader.read_codes(entry, body, tables)
+        else:   # a zstd entry's codes decoded frame by frame, only at the sampled positions
+            codes = reader.read_codes(entry, body, tables, lazy=True)
     except reader.ReaderError as exc:
         raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
     if certified is None:
@@ -614,7 +616,10 @@ def _decoded_moments(entry, body, tables, certified, n, sample):
         raise ContainerError(f"entry {name!r}: its certified values are {m.dtype}[{m.size}] and {v.dtype}[{v.size}], "
                              f"expected float32[{n}]; encode it again with jaxguard.core.guard.encode")
     if n:
-        sample.add(name, entry["codec"], codes, m, v, n)
+        try:
+            sample.add(name, entry["codec"], codes, m, v, n)
+        except entropy.StreamError as exc:   # a lazily read zstd frame the reader refuses
+            raise ContainerError(f"the reader refused entry {name!r} as written: {exc}") from None
     return m, v
 
 
@@ -710,19 +715,37 @@ def _add_tables(pay, tables, table_arrays, names):
             tables[t] = pay.add(table_arrays[t])
 
 
-def _aw_sections(pay, enc, entropy=False) -> dict:
+KEPT_SECTIONS = "_sections"   # an encoding's sections as its codec built them: (the arrays they came from, sections)
+
+
+def kept_sections(enc):
+    """The sections the guard already built from exactly this encoding's arrays (its payload
+    stat; `jaxguard.core.codecs`), or None: the writer then does not build them again."""
+    kept = getattr(enc, KEPT_SECTIONS, None)
+    if (kept is not None and kept[0].keys() == enc.arrays.keys()
+            and all(enc.arrays[k] is a for k, a in kept[0].items())):
+        return kept[1]
+    return None
+
+
+def _zstd_sections(pay, enc) -> dict:
+    """Sections of a log8-rel-zstd entry (`entropy.entry_sections`, or those kept on the encoding)."""
+    arrays = kept_sections(enc)
+    try:
+        arrays = arrays if arrays is not None else entropy.entry_sections(enc.arrays, enc.n)
+    except packed.PackError as exc:
+        raise ContainerError(f"cannot store {enc.codec} moments: {exc}") from None
+    return {k: pay.add(a) for k, a in arrays.items()}
+
+
+def _aw_sections(pay, enc, rans_coded=False) -> dict:
     """Sections of a logrel-aw / logrel-ans entry (`packed.entry_sections`), appended to `pay`
     in the order the first release wrote them (the escape positions first).  An encoding
     whose sections the guard already built from these very arrays (logrel-ans: the payload
     stat) is not encoded again."""
-    kept = getattr(enc, "_sections", None)
-    if (kept is not None and kept[0].keys() == enc.arrays.keys()
-            and all(enc.arrays[k] is a for k, a in kept[0].items())):
-        arrays = kept[1]
-    else:
-        arrays = None
+    arrays = kept_sections(enc)
     try:
-        arrays = arrays if arrays is not None else packed.entry_sections(enc.arrays, enc.n, entropy=entropy)
+        arrays = arrays if arrays is not None else packed.entry_sections(enc.arrays, enc.n, entropy=rans_coded)
     except (packed.PackError, rans.RansError) as exc:
         raise ContainerError(f"cannot store {enc.codec} moments: {exc}") from None
     esc = next(k for k in arrays if k in spec.ESCAPE_FORMS)

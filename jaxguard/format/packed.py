@@ -45,6 +45,7 @@ MIN_WIDTH, MAX_WIDTH = 4, 12
 RANS_WIDTH = rans.NARROW_WIDTH  # logrel-ans files of rANS kind 3 code the top 8 bits of a wider field there,
 #                                 the rest in m_low / v_low (read, no longer written: kind 4 codes whole fields)
 MAX_VARINT_BYTES = 7       # 49 bits: more than any tensor the reader accepts (2**40)
+SMALL_VARINTS = 32         # up to this many gaps `varint_encode` writes them one by one
 
 
 class PackError(JaxguardError):
@@ -298,6 +299,14 @@ def varint_encode(idx):
     if idx.size == 0:
         return np.zeros(0, np.uint8)
     gaps = np.diff(idx, prepend=-1) - 1
+    if gaps.size <= SMALL_VARINTS:       # a few escapes: bytes in Python beat a dozen numpy passes
+        out = bytearray()
+        for g in gaps.tolist():
+            while g >= 0x80:
+                out.append((g & 0x7F) | 0x80)
+                g >>= 7
+            out.append(g)
+        return np.frombuffer(bytes(out), np.uint8)
     nbytes = np.ones(gaps.size, np.int64)
     for k in range(1, MAX_VARINT_BYTES):
         nbytes += gaps >= (1 << (7 * k))

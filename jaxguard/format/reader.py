@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.format import packed, rans, spec
+from jaxguard.format import entropy, packed, rans, spec
 
 MAGIC = b"JAXGUARD"
 VERSION = 1
@@ -182,12 +182,27 @@ def _decode_log8_rel(n, mq, vq, mp, vp, tables):
         m *= mp[:, 0].astype(np.float32)[:, None]
         m *= w
         return m.reshape(-1)[:n], v.reshape(-1)[:n]
-    # uint16 v codes: logrel-aw / logrel-ans blocks up to 12 bits (the same formula, more powers)
-    bits = packed.MAX_WIDTH
-    w = log_decode(np.where(vq == 0, 1, vq).astype(vq.dtype), vp[:, 2], vp[:, 3], n, bits)
-    m = (_blocks(mq, n).astype(np.float32).reshape(-1)[:n]
-         * np.repeat(mp[:, 0].astype(np.float32), BLOCK)[:n]).astype(np.float32)
-    return (m * w).astype(np.float32), log_decode(vq, vp[:, 0], vp[:, 1], n, bits)
+    # uint16 v codes: logrel-aw / logrel-ans / log8-rel-zstd blocks up to 12 bits (the same
+    # formula, more powers).  Blocks whose codes fit 8 bits are tabulated as above, the others
+    # powered bit by bit (`log_decode`'s split: the same bits at any width); m~ as above
+    qb = _blocks(vq, n)
+    idx = _table_index(np.minimum(qb, 256))
+    tw = _log_table(vp[:, 2], vp[:, 3])
+    tw[:, 0] = tw[:, 1]
+    w = tw.reshape(-1)[idx].reshape(qb.shape)
+    del tw
+    v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx].reshape(qb.shape)
+    del idx
+    wide = np.flatnonzero(qb.max(axis=1) > 256)
+    if wide.size:
+        bits = packed.MAX_WIDTH
+        k = wide.size * BLOCK
+        w[wide] = _log_decode_bitwise(np.maximum(qb[wide], 1), vp[wide, 2], vp[wide, 3], k, bits).reshape(-1, BLOCK)
+        v[wide] = _log_decode_bitwise(qb[wide], vp[wide, 0], vp[wide, 1], k, bits).reshape(-1, BLOCK)
+    m = _blocks(mq, n).astype(np.float32)
+    m *= mp[:, 0].astype(np.float32)[:, None]
+    m *= w
+    return m.reshape(-1)[:n], v.reshape(-1)[:n]
 
 
 def _decode_bf16(n, mq, vq, mp, vp, tables):
@@ -525,18 +540,22 @@ def read_moments(entry, payload, tables, rans_symbols=None):
     return m.reshape(shape), v.reshape(shape)
 
 
-def read_codes(entry, payload, tables, rans_symbols=None):
+def read_codes(entry, payload, tables, rans_symbols=None, lazy=False):
     """The codes of one moments entry in the fixed form every decode takes.
 
-    A packed entry (``logrel-aw``, or ``logrel-ans`` in either of its forms) is unpacked
-    to the fixed form of its decode (``log8-rel``): codes per coordinate, parameters
-    ``[nb, k]`` float32.
+    A packed entry (``logrel-aw``, or ``logrel-ans`` in either of its forms) is unpacked,
+    and a ``log8-rel-zstd`` entry's streams decoded (`jaxguard.format.entropy`), to the
+    fixed form of its decode (``log8-rel``): codes per coordinate, parameters ``[nb, k]``
+    float32.
 
     Args:
       entry: a moments entry of a header checked by `parse`.
       payload: the payload (`parse`).
       tables: the stored tables (`read_tables`); checked against the codec's needs.
       rans_symbols: as for `read_moments`.
+      lazy: a ``log8-rel-zstd`` entry's codes as `entropy.FramedCodes`, decoded frame by
+        frame when sliced (``codes["m_codes"][a:b]``: the restore decodes each chunk's
+        frames in its own task); other entries as usual.
 
     Returns:
       dict with ``m_codes``, ``v_codes`` (n each), ``m_params``, ``v_params`` ([nb, k]),
@@ -552,6 +571,11 @@ def read_codes(entry, payload, tables, rans_symbols=None):
         raise ReaderError(f"{cs.id} entries need the {'/'.join(cs.tables)} tables")
     nb = max(1, -(-n // BLOCK))
     name = entry["name"]
+    if cs.layout == "zstd":
+        try:
+            return entropy.read_entry(name, entry["sections"], payload, n, lazy=lazy)
+        except (entropy.StreamError, packed.PackError) as exc:
+            raise ReaderError(str(exc)) from None
     if cs.layout in ("packed", "ans"):
         try:
             return _read_packed(name, entry["sections"], payload, n, nb, rans_symbols)

@@ -52,6 +52,9 @@ ANS_SECTIONS = ("widths", "mv_rans", "v_params", "escape_pairs")
 ESCAPE_FORMS = ("escape_mask", "escape_index")
 LOW_SECTIONS = ((), ("m_low",), ("v_low",), ("m_low", "v_low"))
 """The optional low-bit sections of an ``mv_rans`` entry (blocks wider than 8 bits)."""
+ZSTD_SECTIONS = ("m_codes", "v_codes", "params", "escape_index", "escape_pairs")
+ZSTD_WIDE = ((), ("widths", "m_high"), ("widths", "v_high"), ("widths", "m_high", "v_high"))
+"""The optional sections of a ``log8-rel-zstd`` entry whose blocks are not all 8 bits wide."""
 LAYOUTS = {
     "fixed": (FIXED_SECTIONS,),
     # jaxguard.format.packed: per-block widths, and exactly one of the two escape forms
@@ -61,6 +64,8 @@ LAYOUTS = {
     # ``m_low`` / ``v_low`` hold the bits below the top 8 of the fields of wider blocks
     "ans": tuple(PACKED_SECTIONS + (e,) for e in ESCAPE_FORMS)
     + tuple(ANS_SECTIONS + low + (e,) for low in LOW_SECTIONS for e in ESCAPE_FORMS),
+    # jaxguard.format.entropy: the codes, parameters and widths as zstd streams
+    "zstd": tuple(ZSTD_SECTIONS + wide for wide in ZSTD_WIDE),
 }
 """The section-name sets a moments entry of each layout may have (docs/format.md)."""
 
@@ -82,9 +87,10 @@ class CodecSpec:
         m and v code after any unpacking.
       m_params, v_params: float32 block parameters per block in the fixed layout.
       layout: ``"fixed"`` (sections m_codes, v_codes, m_params, v_params, escape_mask,
-        escape_pairs), ``"packed"`` (jaxguard.format.packed: per-block widths) or ``"ans"``
+        escape_pairs), ``"packed"`` (jaxguard.format.packed: per-block widths), ``"ans"``
         (per tensor the packed sections, or an ``mv_rans`` section instead of m_codes,
-        v_codes and m_params: jaxguard.format.rans).
+        v_codes and m_params: jaxguard.format.rans) or ``"zstd"`` (log8-rel's codes and
+        parameters as zstd streams: jaxguard.format.entropy).
       decode: the id of the fixed decode this codec's codes go through (its own id
         unless it shares another codec's arithmetic).
       tables: names of the stored tables its decode needs.
@@ -152,10 +158,11 @@ def unregister(codec_id: str) -> None:
     del CODECS[codec_id]
 
 
-# The one default codec of every writer, verb and adapter (imported from here).  log8-rel
-# codes m relative to sqrt(v~): the bytes of log8 (+8 B per block) and, on trained
-# transformers, ~100x fewer escapes at early checkpoints (bench/results/).
-DEFAULT_CODEC = "log8-rel"
+# The one default codec of every writer, verb and adapter (imported from here).
+# log8-rel-zstd: log8-rel's certified codes (m relative to sqrt(v~)) through a lossless zstd
+# stage (jaxguard/format/entropy.py); the same decoded values in fewer bytes.  Files of every
+# earlier default still read.
+DEFAULT_CODEC = "log8-rel-zstd"
 # The other guard settings' defaults, defined here once (numpy-only, so the CLI and the
 # reader know them without JAX); `jaxguard.GuardSpec` takes its defaults from these.
 DEFAULT_TAU = 0.01        # |u1 - u2| <= tau * lr
@@ -337,3 +344,5 @@ register(CodecSpec("logrel-aw", "log8-rel decode, 4..12-bit widths per block, co
                    1, 4, layout="packed", decode="log8-rel"))
 register(CodecSpec("logrel-ans", "logrel-aw with rANS-coded m and v code streams (per tensor, when smaller)",
                    "i1", "u1", 1, 4, layout="ans", decode="log8-rel"))
+register(CodecSpec("log8-rel-zstd", "log8-rel's codes through a zstd entropy stage (the default)", "i1", "u1", 1, 4,
+                   layout="zstd", decode="log8-rel"))

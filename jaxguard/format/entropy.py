@@ -1,0 +1,650 @@
+"""The entropy stage of codec ``log8-rel-zstd``: log8-rel's codes, stored as zstd frames.
+
+A ``log8-rel-zstd`` entry holds exactly the codes, block parameters and escapes the guard
+certified for ``log8-rel``; this module only stores them in fewer bytes, losslessly, with
+zstd (RFC 8878, the ``zstandard`` package: Huffman-coded literals over 8-bit codes).  Numpy
+only, like the whole format layer; ``zstandard`` is imported when a frame is written or
+read, so that the reader of every other codec needs numpy alone.
+
+Sections of one entry of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` blocks
+(docs/format.md has the byte layout):
+
+* ``m_codes``, ``v_codes``: streams of n bytes, the low 8 bits of each coordinate's m field
+  ``q + L_b`` (``L_b = 2**(bm_b - 1) - 1``: 127 for an 8-bit block) and of its v code.
+* ``params``: a stream of float32 block parameters in byte planes: ``scale, lo, r`` per
+  block (12 nb bytes); when some block's ``wlo, rr`` are not ``sqrt(lo), sqrt(r)``
+  (float32, correctly rounded), ``wlo, rr`` follow (20 nb bytes).
+* ``escape_index``: a stream of the escapes' LEB128 gap varints (`jaxguard.format.packed`),
+  and ``escape_pairs`` (float32 m, v per escape), as logrel-aw's.
+* only when some block is wider than 8 bits: ``widths`` (a stream of nb bytes
+  ``(bm << 4) | bv``, each 8..12), and ``m_high`` / ``v_high`` (streams of one byte per
+  coordinate of the blocks whose m / v width is above 8: ``field >> 8``).
+
+A stream is ``varint D`` (decoded bytes), ``varint S_i`` for each of ``ceil(D / FRAME)``
+frames, then the frames: frame i decodes to ``d_i = min(FRAME, D - i*FRAME)`` bytes and is
+stored as is when ``S_i == d_i``, else as one zstd frame without the magic number, its
+content size written (and equal to ``d_i``), no dictionary, ``S_i < d_i`` bytes exactly.
+Frames decode independently: the restore decodes an entry's frames on all cores.
+
+Numerical contract
+------------------
+Nothing here rounds.  The stage is lossless over the bytes it is given (zstd decodes
+bit-exactly), the derived parameters are float32 square roots, correctly rounded in numpy,
+JAX and torch alike, and the writer stores ``wlo, rr`` explicitly whenever any block's
+differ from them; the container's sample check decodes the entry as written and compares
+it bit for bit with what the guard certified.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from jaxguard.errors import JaxguardError
+from jaxguard.format import packed
+from jaxguard.format.spec import BLOCK
+
+__all__ = ["CODEC", "FRAME", "LEVEL", "NARROW", "NARROW_WIDTHS", "MAX_STREAM", "BASE_SECTIONS", "WIDE_SECTIONS",
+           "StreamError", "frame_lengths", "compress_frames", "join_frames", "encode_stream", "stream_frames",
+           "decode_frame", "decode_stream", "to_planes", "from_planes", "block_widths", "entry_sections", "is_wide",
+           "join_sections", "read_entry", "FramedCodes", "assemble"]
+
+CODEC = "log8-rel-zstd"
+FRAME = 1 << 20          # decoded bytes per frame (a whole number of blocks of 1-byte codes)
+LEVEL = 1                # zstd level: 1 and 3 store the same +-0.03% here, level 1 at 1.5x the speed
+NARROW, WIDEST = 8, packed.MAX_WIDTH
+NARROW_WIDTHS = (NARROW << 4) | NARROW
+MAX_STREAM = 1 << 44     # decoded bytes a stream may declare (the reader's 2**40 elements x 20 bytes)
+BASE_SECTIONS = ("m_codes", "v_codes", "params", "escape_index", "escape_pairs")
+WIDE_SECTIONS = (("widths", "m_high"), ("widths", "v_high"), ("widths", "m_high", "v_high"))
+
+
+class StreamError(JaxguardError):
+    """A zstd stream of an entry is malformed (the message names the section and the fault)."""
+
+
+# ---------------------------------------------------------------- varints
+def _varint(x: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = x & 0x7F
+        x >>= 7
+        out.append(b | (0x80 if x else 0))
+        if not x:
+            return bytes(out)
+
+
+def _read_varint(buf, pos: int, what: str):
+    val, shift = 0, 0
+    for k in range(packed.MAX_VARINT_BYTES):
+        if pos + k >= len(buf):
+            raise StreamError(f"{what}: the stream ends inside its header")
+        b = int(buf[pos + k])
+        val |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return val, pos + k + 1
+    raise StreamError(f"{what}: a header varint is longer than {packed.MAX_VARINT_BYTES} bytes")
+
+
+# ---------------------------------------------------------------- zstd, imported when used
+_LOCAL = threading.local()
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError:   # pragma: no cover - a dependency; kept for a broken environment
+        raise StreamError("this entry's streams are zstd frames and the zstandard package is not installed; "
+                          "pip install zstandard") from None
+    return zstandard
+
+
+def _compressor(level: int):
+    """A zstd compressor of this thread (they are not shareable between threads)."""
+    key = f"c{level}"
+    c = getattr(_LOCAL, key, None)
+    if c is None:
+        zs = _zstd()
+        params = zs.ZstdCompressionParameters.from_level(level, format=zs.FORMAT_ZSTD1_MAGICLESS,
+                                                         write_content_size=True, write_checksum=False,
+                                                         write_dict_id=False)
+        c = zs.ZstdCompressor(compression_params=params)
+        setattr(_LOCAL, key, c)
+    return c
+
+
+def _decompressor():
+    d = getattr(_LOCAL, "d", None)
+    if d is None:
+        zs = _zstd()
+        d = zs.ZstdDecompressor(format=zs.FORMAT_ZSTD1_MAGICLESS)
+        _LOCAL.d = d
+    return d
+
+
+# ---------------------------------------------------------------- streams
+def frame_lengths(decoded: int) -> list:
+    """Decoded bytes of each frame of a stream of `decoded` bytes (``[]`` for none)."""
+    return [min(FRAME, decoded - s) for s in range(0, decoded, FRAME)]
+
+
+def compress_frames(data, level: int = LEVEL) -> list:
+    """The stored frames of `data` (bytes-like): each `FRAME` bytes as a zstd frame, or as
+    is where zstd does not make it smaller.
+
+    Args:
+      data: the bytes to store (a uint8 array or anything with the buffer protocol).
+      level: the zstd level.
+
+    Returns:
+      A list of ``bytes``-like frames, one per `frame_lengths`.
+    """
+    view = memoryview(_as_bytes(data))
+    out = []
+    c = _compressor(level) if len(view) > 64 else None   # below that a frame's header outweighs it
+    for s in range(0, len(view), FRAME):
+        part = view[s:s + FRAME]
+        z = c.compress(part) if c is not None else None
+        out.append(z if z is not None and len(z) < len(part) else bytes(part))
+    return out
+
+
+def join_frames(decoded: int, frames) -> np.ndarray:
+    """A stream's bytes from its frames (`compress_frames`) and decoded length."""
+    head = _varint(decoded) + b"".join(_varint(len(f)) for f in frames)
+    if len(frames) == 1:
+        return np.frombuffer(head + bytes(frames[0]), np.uint8)
+    out = np.empty(len(head) + sum(len(f) for f in frames), np.uint8)
+    out[:len(head)] = np.frombuffer(head, np.uint8)
+    pos = len(head)
+    for f in frames:
+        out[pos:pos + len(f)] = np.frombuffer(f, np.uint8)
+        pos += len(f)
+    return out
+
+
+def encode_stream(data, level: int = LEVEL) -> np.ndarray:
+    """One stream (module docstring) holding `data`.
+
+    Args:
+      data: bytes-like or a numpy array (its bytes, C order).
+      level: the zstd level.
+
+    Returns:
+      The stream as a uint8 array.
+    """
+    arr = _as_bytes(data)
+    return join_frames(arr.size, compress_frames(arr, level))
+
+
+def _as_bytes(data) -> np.ndarray:
+    """`data`'s bytes as a flat contiguous uint8 array (a numpy array's in C order)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, np.uint8)
+
+
+def _bytes_view(buf) -> memoryview:
+    """`buf` (bytes, a memoryview of the payload, a uint8 array) as a flat byte memoryview."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
+    """Parse a stream's header.
+
+    Args:
+      buf: the stream's bytes (bytes-like or a uint8 array).
+      what: how errors name the section (``"entry.section"``).
+      expected: the decoded lengths the stream may declare (an int or a tuple of ints);
+        None: any up to `limit`.
+      limit: the most decoded bytes the stream may declare.
+
+    Returns:
+      ``(decoded bytes, [(start, stored, decoded) per frame])``, offsets into `buf`.
+
+    Raises:
+      StreamError: a malformed header, a length other than `expected`, frame sizes that do
+        not tile the stream, or a frame stored larger than it decodes.
+    """
+    mv = _bytes_view(buf)
+    decoded, pos = _read_varint(mv, 0, what)
+    if expected is not None and decoded != expected and (isinstance(expected, int) or decoded not in expected):
+        want = " or ".join(str(a) for a in ((expected,) if isinstance(expected, int) else expected))
+        raise StreamError(f"{what}: the stream declares {decoded} decoded bytes where {want} are needed")
+    if decoded > min(limit, MAX_STREAM):
+        raise StreamError(f"{what}: the stream declares {decoded} decoded bytes, more than its entry can hold "
+                          f"({min(limit, MAX_STREAM)})")
+    sizes = []
+    for d in frame_lengths(decoded):
+        s, pos = _read_varint(mv, pos, what)
+        if s > d or s == 0:
+            raise StreamError(f"{what}: frame {len(sizes)} is stored in {s} bytes for {d} decoded; a frame is "
+                              "stored as is or smaller")
+        sizes.append((s, d))
+    frames, start = [], pos
+    for s, d in sizes:
+        frames.append((start, s, d))
+        start += s
+    if start != len(mv):
+        raise StreamError(f"{what}: the frames take {start - pos} bytes but the stream has {len(mv) - pos} "
+                          "after its header")
+    return decoded, frames
+
+
+def _zstd_frame_end(frame, what):
+    """The length of the (magic-less) zstd frame at the start of `frame` and its content
+    size, from its header and block headers (RFC 8878 3.1.1)."""
+    n = len(frame)
+    if n < 1:
+        raise StreamError(f"{what}: an empty zstd frame")
+    fhd = frame[0]
+    fcs_flag, single, reserved, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 3) & 1, (fhd >> 2) & 1, fhd & 3
+    if reserved or dict_flag:
+        raise StreamError(f"{what}: a zstd frame header with {'a reserved bit' if reserved else 'a dictionary'} set")
+    pos = 1 + (0 if single else 1)
+    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if fcs_size == 0:
+        raise StreamError(f"{what}: a zstd frame without its content size")
+    if pos + fcs_size > n:
+        raise StreamError(f"{what}: a zstd frame header runs past the frame")
+    content = int.from_bytes(frame[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+    pos += fcs_size
+    while True:
+        if pos + 3 > n:
+            raise StreamError(f"{what}: a zstd block header runs past the frame")
+        bh = frame[pos] | (frame[pos + 1] << 8) | (frame[pos + 2] << 16)
+        last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
+        if btype == 3:
+            raise StreamError(f"{what}: a zstd block of the reserved type")
+        pos += 3 + (1 if btype == 1 else bsize)
+        if pos > n:
+            raise StreamError(f"{what}: a zstd block runs past the frame")
+        if last:
+            break
+    return pos + (4 if checksum else 0), content
+
+
+def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
+    """One frame's decoded bytes (a bytes-like object of `decoded` bytes).
+
+    Args:
+      buf: the stream (bytes-like); start, stored, decoded: the frame (`stream_frames`).
+      what: how errors name the section.
+
+    Raises:
+      StreamError: a zstd frame that does not take exactly `stored` bytes, declares
+        another content size, or that zstd refuses.
+    """
+    frame = _bytes_view(buf)[start:start + stored]
+    if stored == decoded:
+        return frame
+    end, content = _zstd_frame_end(frame, what)
+    if end != stored or content != decoded:
+        raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {stored} bytes "
+                          f"for {decoded}")
+    try:
+        out = _decompressor().decompress(frame, max_output_size=decoded)
+    except _zstd().ZstdError as exc:
+        raise StreamError(f"{what}: zstd refuses a frame ({str(exc)[:80]})") from None
+    if len(out) != decoded:
+        raise StreamError(f"{what}: a zstd frame decodes to {len(out)} bytes, not {decoded}")
+    return out
+
+
+def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STREAM) -> np.ndarray:
+    """A whole stream's decoded bytes.
+
+    Args:
+      buf: the stream (bytes-like or a uint8 array).
+      what: how errors name the section.
+      expected, limit: as for `stream_frames`.
+      out: optional uint8 array of the decoded length to decode into.
+
+    Returns:
+      uint8 array of the decoded bytes (a view of `buf` for a stream stored as is).
+
+    Raises:
+      StreamError: as `stream_frames` and `decode_frame`.
+    """
+    mv = _bytes_view(buf)
+    decoded, frames = stream_frames(mv, what, expected, limit)
+    if len(frames) == 1 and out is None:
+        return np.frombuffer(decode_frame(mv, *frames[0], what), np.uint8)
+    out = np.empty(decoded, np.uint8) if out is None else out
+    pos = 0
+    for start, stored, d in frames:
+        out[pos:pos + d] = np.frombuffer(decode_frame(mv, start, stored, d, what), np.uint8)
+        pos += d
+    return out
+
+
+# ---------------------------------------------------------------- byte planes (float32 parameters)
+def to_planes(values) -> np.ndarray:
+    """float32 values -> their little-endian bytes regrouped by plane (every value's byte 0,
+    then byte 1, 2, 3): the exponent bytes of similar values sit together."""
+    b = np.ascontiguousarray(np.asarray(values, "<f4")).reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(b.reshape(-1, 4).T).reshape(-1)
+
+
+def from_planes(planes) -> np.ndarray:
+    """Inverse of `to_planes`: float32 values."""
+    p = np.asarray(planes, np.uint8)
+    return np.ascontiguousarray(p.reshape(4, -1).T).reshape(-1).view("<f4")
+
+
+# ---------------------------------------------------------------- one entry
+def _sqrt_derived(vp) -> bool:
+    with np.errstate(invalid="ignore"):
+        return bool((np.sqrt(vp[:, 0]).view(np.uint32) == vp[:, 2].view(np.uint32)).all()
+                    and (np.sqrt(vp[:, 1]).view(np.uint32) == vp[:, 3].view(np.uint32)).all())
+
+
+def block_widths(arrays, nb):
+    """(bm, bv) int64 per block: the ``widths`` array of a widened encoding, else all 8."""
+    w = arrays.get("widths")
+    if w is None:
+        full = np.full(nb, NARROW, np.int64)
+        return full, full
+    return packed.split_widths(np.asarray(w, np.uint8))
+
+
+def _row_coords(rows, n):
+    """Flat coordinates of blocks `rows` (the last block's padding left out)."""
+    c = (np.asarray(rows, np.int64)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
+    return c[c < n]
+
+
+def _low_bytes(q, widths, signed, n, low=True):
+    """(low bytes uint8 [n] or None, the high bytes ``field >> 8`` of the coordinates of the
+    blocks wider than 8 in order, or None): the stored m fields ``q + L_b`` / v codes, every
+    code checked against its block's width.  `low`: False for the high bytes only."""
+    q = np.asarray(q).reshape(-1)
+    what = "m" if signed else "v"
+    if widths is None:                       # every block 8 bits: the low byte is the field itself
+        if not low:
+            return None, None
+        lo, hi = (-127, 127) if signed else (0, 255)
+        if q.dtype != (np.int8 if signed else np.uint8):
+            if q.size and (q.min() < lo or q.max() > hi):
+                raise packed.PackError(f"an 8-bit block's {what} code is outside {lo}..{hi}")
+            q = q.astype(np.int8 if signed else np.uint8)
+        elif signed and (q == -128).any():
+            raise packed.PackError("an 8-bit block's m code is -128, outside -127..127")
+        low = q.view(np.uint8) + np.uint8(127) if signed else q.view(np.uint8)
+        return np.ascontiguousarray(low), None
+    # blocks of mixed widths: 8-bit blocks take the fast path (int16 arithmetic wraps mod 2**16,
+    # so the low byte of q + 127 is right); the few wider blocks are recomputed alone
+    nb = widths.size
+    full = np.zeros(nb * BLOCK, q.dtype)
+    full[:n] = q
+    qb = full.reshape(nb, BLOCK)
+    lim = (1 << (widths - 1)) - 1 if signed else (1 << widths) - 1
+    lo = -lim if signed else np.zeros(nb, np.int64)
+    if (qb.max(axis=1) > lim).any() or (qb.min(axis=1) < lo).any():
+        raise packed.PackError(f"a {what} code does not fit its block's width")
+    rows = np.flatnonzero(widths > NARROW)
+    coords = _row_coords(rows, n)
+    f = q[coords].astype(np.int64) + (np.repeat(lim[rows], BLOCK)[:coords.size] if signed else 0)
+    if not low:
+        return None, (f >> 8).astype(np.uint8)
+    lows = ((q.astype(np.int16) + np.int16(127)) if signed else q).astype(np.uint8)
+    lows[coords] = (f & 0xFF).astype(np.uint8)
+    return lows, (f >> 8).astype(np.uint8)
+
+
+def entry_sections(arrays, n: int, level: int = LEVEL, code_streams=None) -> dict:
+    """The sections of one ``log8-rel-zstd`` moments entry (module docstring).
+
+    Args:
+      arrays: the encoded arrays of log8-rel's codes: ``m_codes`` [n] (int8, or int16 with
+        ``widths``), ``v_codes`` [n] (uint8 / uint16), ``m_params`` [nb, 1], ``v_params``
+        [nb, 4] float32 (lo, r, wlo, rr), ``escape_index``, ``escape_m``, ``escape_v``, and
+        optionally ``widths`` [nb] (``(bm << 4) | bv``, 8..12; all ``0x88``: none wider).
+      n: coordinates.
+      level: the zstd level.
+      code_streams: the ``m_codes`` and ``v_codes`` streams (the codes' low bytes) already
+        built (`join_sections`).
+
+    Returns:
+      dict section name -> uint8 / float32 array, in the header's order.
+
+    Raises:
+      packed.PackError: a code outside its block's width, or widths outside 8..12.
+    """
+    nb = max(1, -(-n // BLOCK))
+    mp = np.asarray(arrays["m_params"], np.float32).reshape(nb, -1)
+    vp = np.asarray(arrays["v_params"], np.float32).reshape(nb, 4)
+    wide = is_wide(arrays)
+    bm, bv = _check_widths(np.asarray(arrays["widths"], np.uint8), "widths") if wide else (None, None)
+    low_m, high_m = _low_bytes(arrays["m_codes"], bm, True, n, low=code_streams is None)
+    low_v, high_v = _low_bytes(arrays["v_codes"], bv, False, n, low=code_streams is None)
+    if code_streams is not None:
+        out = dict(code_streams)
+    else:
+        out = {"m_codes": encode_stream(low_m, level), "v_codes": encode_stream(low_v, level)}
+    cols = [mp[:, 0], vp[:, 0], vp[:, 1]] + ([] if _sqrt_derived(vp) else [vp[:, 2], vp[:, 3]])
+    out["params"] = encode_stream(to_planes(np.concatenate(cols)), level)
+    if wide:
+        out["widths"] = encode_stream(np.asarray(arrays["widths"], np.uint8), level)
+        for key, high in (("m_high", high_m), ("v_high", high_v)):
+            if high.size:
+                out[key] = encode_stream(high, level)
+    out["escape_index"] = encode_stream(packed.varint_encode(np.asarray(arrays["escape_index"], np.int64)), level)
+    out["escape_pairs"] = np.stack([np.asarray(arrays["escape_m"], np.float32),
+                                    np.asarray(arrays["escape_v"], np.float32)], axis=1).reshape(-1)
+    return out
+
+
+def is_wide(arrays) -> bool:
+    """Whether an encoding has a block wider than 8 bits (a ``widths`` array not all 0x88)."""
+    w = arrays.get("widths")
+    return w is not None and bool((np.asarray(w, np.uint8) != NARROW_WIDTHS).any())
+
+
+def join_sections(parts, arrays, n: int, level: int = LEVEL):
+    """The sections of a tensor encoded in consecutive pieces, from the pieces' sections.
+
+    The code streams of pieces whose lengths are whole frames are their frames joined (no
+    second compression: they hold one byte a coordinate, whatever the widths); the other
+    sections are built from the joined `arrays`.
+
+    Args:
+      parts: ``[(n_i, sections_i)]`` of the pieces in order (`entry_sections`).
+      arrays, n: the joined encoding's arrays and coordinates.
+      level: the zstd level.
+
+    Returns:
+      The joined sections, or None when the pieces cannot be joined so (a piece other
+      than the last not a whole number of frames).
+    """
+    if any(k % FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
+        return None
+    streams = {}
+    for key in ("m_codes", "v_codes"):
+        frames = []
+        for _, sec in parts:
+            buf = np.asarray(sec[key], np.uint8)
+            _, fr = stream_frames(buf, key)
+            frames += [buf[a:a + s] for a, s, _ in fr]
+        streams[key] = join_frames(n, frames)
+    return entry_sections(arrays, n, level, code_streams=streams)
+
+
+def _check_widths(w, what):
+    bm, bv = packed.split_widths(w)
+    bad = (bm < NARROW) | (bm > WIDEST) | (bv < NARROW) | (bv > WIDEST)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise packed.PackError(f"{what}: block {i} has widths byte {int(w[i]):#04x}; m and v widths must be "
+                               f"{NARROW}..{WIDEST}")
+    return bm, bv
+
+
+def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -> dict:
+    """One ``log8-rel-zstd`` entry's codes in log8-rel's fixed form.
+
+    Args:
+      name: the entry's name (for messages).
+      sections: ``{section: [begin, end)}`` of the entry (names checked by the reader).
+      payload: the container payload (bytes-like).
+      n: coordinates.
+      lazy: for an entry of 8-bit blocks, ``m_codes`` and ``v_codes`` as `FramedCodes`,
+        decoded when sliced (every other section is read and checked here).
+
+    Returns:
+      dict ``m_codes`` (int8, or int16 when a block is wider than 8 bits), ``v_codes``
+      (uint8 / uint16), ``m_params`` [nb, 1], ``v_params`` [nb, 4] (lo, r, wlo, rr),
+      ``escape_index``, ``escape_pairs`` [e, 2] float32.
+
+    Raises:
+      StreamError, packed.PackError: a malformed section (one line naming it).
+    """
+    pay = _bytes_view(payload)
+    (bm, em), (bv, ev) = sections["m_codes"], sections["v_codes"]
+    if lazy and "widths" not in sections:
+        low_m = FramedCodes(pay[bm:em], n, True, f"{name}.m_codes")
+        low_v = FramedCodes(pay[bv:ev], n, False, f"{name}.v_codes")
+    else:
+        low_m = decode_stream(pay[bm:em], f"{name}.m_codes", n)
+        low_v = decode_stream(pay[bv:ev], f"{name}.v_codes", n)
+    return assemble(name, sections, pay, n, low_m, low_v)
+
+
+class FramedCodes:
+    """One code stream of an entry (every block 8 bits wide), decoded frame by frame when
+    sliced: the restore's pool decodes each chunk's own frames (`read_entry` with
+    ``lazy=True``).  ``codes[a:b]`` is int8 m codes (``signed``) or uint8 v codes.
+
+    Args:
+      stream: the section's bytes; n: coordinates; signed: m (fields ``q + 127``) or v;
+      what: how errors name the section.
+    """
+
+    def __init__(self, stream, n: int, signed: bool, what: str):
+        self.stream, self.n, self.signed, self.what = _bytes_view(stream), n, signed, what
+        _, self.frames = stream_frames(self.stream, what, n)
+        self.dtype = np.dtype(np.int8 if signed else np.uint8)
+        self.size = n
+
+    def __len__(self):
+        return self.n
+
+    def _frame(self, j):
+        start, stored, d = self.frames[j]
+        return np.frombuffer(decode_frame(self.stream, start, stored, d, self.what), np.uint8)
+
+    def __getitem__(self, sl):
+        if not isinstance(sl, slice):          # positions: only their frames are decoded
+            idx = np.asarray(sl, np.int64)
+            low = np.empty(idx.shape, np.uint8)
+            flat, dst = idx.reshape(-1), low.reshape(-1)
+            if flat.size and (flat.min() < 0 or flat.max() >= self.n):
+                raise IndexError(f"{self.what}: positions outside 0..{self.n - 1}")
+            which = flat // FRAME
+            for j in np.unique(which):
+                at = np.flatnonzero(which == j)
+                dst[at] = self._frame(int(j))[flat[at] - int(j) * FRAME]
+            return _m_codes(low, self.what) if self.signed else low
+        a, b, step = sl.indices(self.n)
+        if step != 1:
+            return self[np.arange(a, b, step)]
+        f0, f1 = a // FRAME, -(-b // FRAME)
+        if f1 - f0 == 1:
+            low = self._frame(f0)[a - f0 * FRAME:b - f0 * FRAME]
+        else:
+            low = np.empty(max(0, (f1 - f0) * FRAME), np.uint8)
+            pos = 0
+            for j in range(f0, f1):
+                part = self._frame(j)
+                low[pos:pos + part.size] = part
+                pos += part.size
+            low = low[a - f0 * FRAME:b - f0 * FRAME]
+        return _m_codes(low, self.what) if self.signed else low
+
+
+def _m_codes(low_m, what):
+    """int8 m codes from the low bytes of 8-bit blocks' fields (``q + 127``; 255 refused)."""
+    mq = (low_m - np.uint8(127)).view(np.int8)
+    if (mq == -128).any():
+        i = int(np.argmax(mq == -128))
+        raise StreamError(f"{what}: coordinate {i} of the range has m field 255, outside 0..254")
+    return mq
+
+
+def assemble(name, sections, payload, n, low_m, low_v) -> dict:
+    """The fixed form of an entry from the decoded low bytes of its codes (`read_entry`;
+    the restore decodes large entries' code frames on its pool) and its other sections."""
+    pay = _bytes_view(payload)
+    nb = max(1, -(-n // BLOCK))
+
+    def sec(key):
+        b, e = sections[key]
+        return pay[b:e]
+
+    vals = from_planes(decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))).reshape(-1, nb)
+    vp = np.empty((nb, 4), np.float32)
+    vp[:, 0], vp[:, 1] = vals[1], vals[2]
+    if vals.shape[0] == 5:
+        vp[:, 2], vp[:, 3] = vals[3], vals[4]
+    else:
+        with np.errstate(invalid="ignore"):
+            np.sqrt(vals[1:3].T, out=vp[:, 2:4])
+    codes = {"m_params": vals[0].reshape(nb, 1).copy(), "v_params": vp}
+    if "widths" in sections:
+        w = decode_stream(sec("widths"), f"{name}.widths", nb)
+        bm, bv = _check_widths(w, f"{name}.widths")
+        if not ((bm > NARROW).any() or (bv > NARROW).any()):
+            raise StreamError(f"{name}.widths: every block is {NARROW} bits wide; an entry without wider blocks "
+                              "has no widths section")
+        codes["m_codes"] = _wide_field(name, sections, sec, "m_high", low_m, bm, n, signed=True)
+        codes["v_codes"] = _wide_field(name, sections, sec, "v_high", low_v, bv, n, signed=False)
+    elif isinstance(low_m, FramedCodes):
+        codes["m_codes"], codes["v_codes"] = low_m, low_v
+    else:
+        codes["m_codes"], codes["v_codes"] = _m_codes(low_m, f"{name}.m_codes"), low_v
+    gaps = decode_stream(sec("escape_index"), f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
+    idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
+    pairs = sec("escape_pairs")
+    if len(pairs) != 8 * idx.size:
+        raise StreamError(f"{name}.escape_pairs: {len(pairs)} bytes where {idx.size} x 8 are needed")
+    codes["escape_index"] = idx
+    codes["escape_pairs"] = np.frombuffer(pairs, "<f4").reshape(-1, 2)
+    return codes
+
+
+def _wide_field(name, sections, sec, key, low, widths, n, signed):
+    """One stream's codes (int16 m / uint16 v) of an entry with widths: the 8-bit blocks from
+    their low bytes alone, the wider blocks' fields joined with their ``m_high`` / ``v_high``."""
+    rows = np.flatnonzero(widths > NARROW)
+    coords = _row_coords(rows, n)
+    if coords.size == 0:
+        if key in sections:
+            raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")
+        high = np.zeros(0, np.uint8)
+    else:
+        if key not in sections:
+            raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
+        high = decode_stream(sec(key), f"{name}.{key}", coords.size)
+    w_on = np.repeat(widths[rows], BLOCK)[:coords.size]
+    if (high >= (1 << (w_on - NARROW))).any():
+        raise StreamError(f"{name}.{key}: a high part is outside its block's width")
+    f = low[coords].astype(np.int64) | (high.astype(np.int64) << 8)
+    if not signed:
+        q = low.astype(np.uint16)
+        q[coords] = f
+        return q
+    bad = np.flatnonzero(low == 255)                 # an 8-bit block's field 255 (q = 128)
+    bad = bad[widths[bad // BLOCK] == NARROW]
+    lm = np.repeat((1 << (widths[rows] - 1)) - 1, BLOCK)[:coords.size]
+    over = np.flatnonzero(f > 2 * lm)
+    if bad.size or over.size:
+        i = int(bad[0]) if bad.size else int(coords[over[0]])
+        val = 255 if bad.size else int(f[over[0]])
+        raise StreamError(f"{name}.m_codes: coordinate {i} has m field {val}, outside its "
+                          f"{int(widths[i // BLOCK])}-bit block's range")
+    q = low.astype(np.int16)
+    q -= np.int16(127)
+    q[coords] = f - lm
+    return q
