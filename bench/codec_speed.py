@@ -4,6 +4,7 @@ and certification throughput from 1M to 100M coordinates.
     python bench/codec_speed.py [--replicas 19] [--repeats 3] [--sweep 1,4,16,64,100] [--codec log8-rel]
                                 [--out bench/results/codec_speed_16m] [--work DIR] [--one-core]
     python bench/codec_speed.py --gpt2 [--steps 3] --sweep ""      # bench/results/codec_speed_gpt2.*
+    python bench/codec_speed.py --gpt2-large --sweep "" --repeats 2   # bench/results/codec_speed_gpt2_large.*
 
 With ``--gpt2`` the checkpoint is GPT-2 small instead (transformers' ``GPT2LMHeadModel(GPT2Config())``,
 built here, no download: 124,439,808 parameters, the real ``torch.optim.AdamW`` over
@@ -30,7 +31,8 @@ one CPU (``taskset``), interleaved with the others.
    the records; the least-squares slopes seconds/coordinate are reported.
 
 Writes JSON, Markdown and a PNG next to --out (default: bench/results/codec_speed_16m, or
-codec_speed_gpt2 with --gpt2, each followed by _CODEC when --codec is not log8-rel).
+codec_speed_gpt2 with --gpt2, codec_speed_gpt2_large with --gpt2-large, each followed by _CODEC when
+--codec is not log8-rel).
 """
 from __future__ import annotations
 
@@ -65,12 +67,16 @@ def train_checkpoint(steps):
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-def train_gpt2(steps, batch=2, ctx=128):
-    """GPT-2 small (124M parameters) trained `steps` AdamW steps on standard-library bytes."""
+GPT2_LARGE = dict(n_embd=1280, n_layer=36, n_head=20)   # 774M parameters (~9.3 GB with its AdamW state)
+
+
+def train_gpt2(steps, batch=2, ctx=128, large=False):
+    """GPT-2 small (124M parameters; `large`: GPT-2 large, 774M) trained `steps` AdamW steps
+    on standard-library bytes."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from torch_compat import models
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config())
+    model = GPT2LMHeadModel(GPT2Config(**(GPT2_LARGE if large else {})))
     sample = models.text_batches(0, batch=batch, ctx=ctx)
     opt = torch.optim.AdamW(model.named_parameters(), lr=3e-4, weight_decay=0.01)
     for _ in range(steps):
@@ -382,6 +388,8 @@ def main(argv=None):
     ap.add_argument("--note", default="", help="what else ran on the machine (written into the results)")
     ap.add_argument("--gpt2", action="store_true", help="GPT-2 small (124M) trained --steps AdamW steps, not the "
                                                         "replicated ByteTransformer")
+    ap.add_argument("--gpt2-large", action="store_true", help="GPT-2 large (774M, ~9.3 GB with its AdamW state; run "
+                                                               "it alone on the machine) instead of GPT-2 small")
     ap.add_argument("--src", default=None, help="a checkpoint built before by this bench (skips training)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold compress and the compile probe (keeps the "
                                                            "caller's XDG cache: the caches are warm)")
@@ -397,8 +405,10 @@ def main(argv=None):
     ap.add_argument("--durable-plain", action="store_true", help="also run the plain save with an fsync before it "
                                                                  "returns (interleaved), as jaxguard's writes are")
     a = ap.parse_args(argv)
+    a.gpt2 = a.gpt2 or a.gpt2_large
     if a.out is None:
-        a.out = os.path.join(ROOT, "bench", "results", "codec_speed_" + ("gpt2" if a.gpt2 else "16m")
+        model = "gpt2_large" if a.gpt2_large else "gpt2" if a.gpt2 else "16m"
+        a.out = os.path.join(ROOT, "bench", "results", "codec_speed_" + model
                              + ("" if a.codec == "log8-rel" else "_" + a.codec))
 
     import jax
@@ -416,7 +426,7 @@ def main(argv=None):
     if a.src:
         src, base = os.path.abspath(a.src), None
     else:
-        base = train_gpt2(a.steps) if a.gpt2 else train_checkpoint(a.steps)
+        base = train_gpt2(a.steps, large=a.gpt2_large) if a.gpt2 else train_checkpoint(a.steps)
         src = os.path.join(work, "src.pt")
         torch.save(base if a.gpt2 else replicate(base, a.replicas), src)
         if a.gpt2:
@@ -453,7 +463,8 @@ def main(argv=None):
                                   "interleaved"},
               "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "jax": jax.__version__},
               "commit": commit, "codec": a.codec, "steps": a.steps, "replicas": a.replicas, "repeats": a.repeats,
-              "model": "gpt2" if a.gpt2 else "byte-transformer", "src": os.path.basename(a.src) if a.src else None,
+              "model": "gpt2-large" if a.gpt2_large else "gpt2" if a.gpt2 else "byte-transformer",
+              "src": os.path.basename(a.src) if a.src else None,
               "load_at_start": load0,
               "whole_process": whole, "sweep": sw}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -1,13 +1,14 @@
-"""The tiers after the closed form run their few coordinates in pieces of 64, 256 or 1,024
-rows (`certify.piece_sizes`), not padded to 256 or 1,024.  That only moves work: every
-bound kernel (each fixed level, each adaptive partition) gives a row the same bits whatever
-the size of the call it is in, on adversarial moments; the probe rejects are not
-bit-stable across call sizes (XLA's max over probes drops a NaN in one vector layout and
-keeps it in another: 0 in one, 6e33 in the other, seen at 256 against 4,096 rows, also
-before this change), but at every size a rejected row is one that no level and no partition
-certifies, so a reject only skips work.  End to end the guard escapes the same coordinates
-with the same codes and per-level counts as with one piece size, while the fixed levels are
-handed fewer padded rows."""
+"""The tiers after the closed form run their rows in calls of a fixed size per stage
+(`certify.Stage.rows`), whatever their count, so a training loop's later saves reuse the
+programs of its first.  That only moves work: every bound kernel (each fixed level, each
+adaptive partition, the cells tiers) gives a row the same bits whatever the size of the call
+it is in, on adversarial moments; the probe rejects are not bit-stable across call sizes
+(XLA's max over probes drops a NaN in one vector layout and keeps it in another: 0 in one,
+6e33 in the other, seen at 256 against 4,096 rows), but at every size a rejected row is one
+that no level and no partition certifies, so a reject only skips work.  End to end the guard
+escapes the same coordinates with the same codes and per-level counts whatever the sizes."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,17 +16,25 @@ from jaxguard.core import bound, certify, guard, programs
 from jaxguard.core.config import GuardConfig
 from test_dense_reject import CONFIGS, adversarial
 
+# every size a stage runs at, and the sizes of the ladder the stages replaced
+CALL_SIZES = tuple(sorted({64, 256, 1024} | {st.rows for s in (False, True) for ml in (None, -1)
+                                            for st in certify.stages("shared", "mixed", max_level=ml, reject_first=s)
+                                            if st.rows <= 4096}))
 
-@pytest.mark.parametrize("chunk", [64, 256, 1024, 2048, 4096, 65536])
-def test_piece_sizes_hold_every_coordinate_in_known_shapes(chunk):
-    shapes = {s for s in certify.PIECE_SIZES if s < chunk} | {chunk}
-    for count in list(range(0, 300)) + [chunk - 1, chunk, chunk + 1, 3 * chunk + 777]:
-        sizes = certify.piece_sizes(count, chunk)
-        assert sum(sizes) >= count and set(sizes) <= shapes, (count, sizes)
-        assert sizes[:count // chunk] == [chunk] * (count // chunk)
-        assert sum(sizes) - count < min(shapes) + max(s for s in shapes if s <= max(count % chunk, min(shapes))), \
-            (count, sizes)
-    assert certify.piece_sizes(12, chunk) == [min(64, chunk)]
+
+def test_every_setting_has_one_size_a_stage():
+    """The programs of a setting are fixed: one (kernel, static, size) per stage, and the
+    prepared calls are exactly those."""
+    for bnd, part in (("shared", "mixed"), ("shared", "linear"), ("separate", "mixed")):
+        for ml in (None, -1, 2):
+            st = certify.stages(bnd, part, max_level=ml)
+            assert len({(s.kernel, s.static, s.level) for s in st}) == len(st)
+            n = 300
+            K = bound.stack_rows([bound.pack_constants(GuardConfig(lr=1e-3, step=3).constants(), 0.01)])
+            x = np.full(n, 1e-3, np.float32)
+            made = certify.stage_calls(K, np.zeros(n, np.int32), x, x, x, x, x, x, bnd, part, max_level=ml)
+            assert [(f, np.shape(a[1])[0], tuple(sorted(kw.items()))) for f, a, kw in made] == \
+                [(s.kernel, s.rows, s.static) for s in st]
 
 
 def _rows(seed, n):
@@ -63,7 +72,7 @@ def test_bound_kernels_give_the_same_bits_at_every_piece_size(seed):
     rows = _rows(seed, 4096)
     for name, kernel, static, extra in _bound_kernels():
         whole = _call(rows, kernel, np.arange(4096), *extra, **static).view(np.uint32)
-        for size in certify.PIECE_SIZES:
+        for size in CALL_SIZES:
             for start in _starts(size):
                 sel = np.arange(start, start + size)
                 np.testing.assert_array_equal(_call(rows, kernel, sel, *extra, **static).view(np.uint32), whole[sel],
@@ -80,7 +89,7 @@ def test_probe_rejects_are_sound_at_every_piece_size(seed):
         certified |= (out >= 0) & (out <= thr)
     rejected_somewhere = 0
     for pts in (bound.PROBE_POINTS, bound.DENSE_PROBE_POINTS):
-        for size in certify.PIECE_SIZES + (4096,):
+        for size in CALL_SIZES + (4096,):
             for start in _starts(size):
                 sel = np.arange(start, start + size)
                 rejected = _call(rows, bound.batch_lower_pc, sel, points=pts) > thr[sel]
@@ -89,45 +98,52 @@ def test_probe_rejects_are_sound_at_every_piece_size(seed):
     assert certified.any() and rejected_somewhere > 0     # both sides of the check are exercised
 
 
-def _encode(m, v, p, cfg, monkeypatch, sizes=certify.PIECE_SIZES, first=None):
-    """The guard's encoding with these piece sizes (and `certify.TIERED_FIRST_LEVEL` = `first`
-    when given), and the rows the fixed levels were handed."""
-    rows = []
+def _encode(m, v, p, cfg, monkeypatch, rows=None, first=None):
+    """The guard's encoding with every stage's calls of `rows` rows (default: the stages'
+    own), and `certify.TIERED_FIRST_LEVEL` = `first` when given; and the rows the fixed
+    levels were handed."""
+    handed = []
     fixed = bound.batch_bound_pc
 
     def counting(k, m_, *a, **s):
-        rows.append(np.shape(m_)[0])
+        handed.append(np.shape(m_)[0])
         return fixed(k, m_, *a, **s)
-    monkeypatch.setattr(programs, "enabled", lambda: False)   # the kernels looked up, not loaded from an export
+    own = certify.stages
+    monkeypatch.setattr(programs, "enabled", lambda: False)   # the kernels looked up, not loaded from the cache
     monkeypatch.setattr(bound, "batch_bound_pc", counting)
-    monkeypatch.setattr(certify, "PIECE_SIZES", sizes)
+    if rows is not None:
+        monkeypatch.setattr(certify, "stages", lambda *a, **kw: tuple(dataclasses.replace(st, rows=rows)
+                                                                      for st in own(*a, **kw)))
     if first is not None:
         monkeypatch.setattr(certify, "TIERED_FIRST_LEVEL", first)
     enc = guard.encode_many([(m, v, p, GuardConfig(**cfg))])[0]
     monkeypatch.undo()
-    return enc, sum(rows)
+    return enc, sum(handed)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: ",".join(f"{k}={w}" for k, w in c.items()))
-def test_pieces_change_no_escape_code_or_level(cfg, monkeypatch):
+def test_call_sizes_change_no_escape_code_or_level(cfg, monkeypatch):
     m, v, p = adversarial(len(str(cfg)) + 7)
-    ladder, _ = _encode(m, v, p, cfg, monkeypatch, certify.PIECE_SIZES)
-    one, _ = _encode(m, v, p, cfg, monkeypatch, (certify.SMALL_CHUNK,))
-    for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index"):
-        np.testing.assert_array_equal(ladder.arrays[k], one.arrays[k], err_msg=k)
-    assert ladder.stats["certified_by_level"] == one.stats["certified_by_level"]
-    assert ladder.stats["certified_adaptive"] == one.stats["certified_adaptive"]
-    assert ladder.stats["escapes"] > 0
+    own, _ = _encode(m, v, p, cfg, monkeypatch)
+    for rows in (64, 4096):
+        other, _ = _encode(m, v, p, cfg, monkeypatch, rows=rows)
+        for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index"):
+            np.testing.assert_array_equal(own.arrays[k], other.arrays[k], err_msg=f"{k}, {rows} rows")
+        assert own.stats["certified_by_level"] == other.stats["certified_by_level"]
+        assert own.stats["certified_adaptive"] == other.stats["certified_adaptive"]
+        assert own.stats["certified_fast_cells"] == other.stats["certified_fast_cells"]
+    assert own.stats["escapes"] > 0
 
 
-def test_pieces_hand_the_fixed_levels_fewer_rows(monkeypatch):
-    """The positive control: with one piece size the same coordinates cost more padded rows."""
-    rows_ladder = rows_one = 0
+def test_the_fixed_levels_are_handed_small_calls(monkeypatch):
+    """The positive control of the sizes: the fixed levels (tens of microseconds a row) are
+    handed fewer padded rows at their own size than at 1,024 rows a call."""
+    rows_own = rows_big = 0
     for cfg in CONFIGS[:3]:
         m, v, p = adversarial(len(str(cfg)) + 7)
-        rows_ladder += _encode(m, v, p, cfg, monkeypatch, certify.PIECE_SIZES)[1]
-        rows_one += _encode(m, v, p, cfg, monkeypatch, (certify.SMALL_CHUNK,))[1]
-    assert rows_ladder < rows_one, (rows_ladder, rows_one)
+        rows_own += _encode(m, v, p, cfg, monkeypatch)[1]
+        rows_big += _encode(m, v, p, cfg, monkeypatch, rows=1024)[1]
+    assert 0 < rows_own < rows_big, (rows_own, rows_big)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: ",".join(f"{k}={w}" for k, w in c.items()))

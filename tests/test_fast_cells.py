@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-from jaxguard.core import bound, certify, fastbound, guard  # noqa: E402
+from jaxguard.core import bound, fastbound, guard  # noqa: E402
 from jaxguard.core.opmodel import step_constants  # noqa: E402
 from torch_compat.enclosure import draw_edge_cases, audit_enclosure, draw_cases  # noqa: E402
 from test_fastbound import EDGE, _k, _whole_range_points  # noqa: E402
@@ -121,11 +121,11 @@ def test_cells_refuse_edges(name, m, v, mt, vt, p, over, kernel):
 
 @CELL_KERNELS
 def test_cells_give_a_row_the_same_bits_at_every_call_size(kernel):
-    from test_certify_pieces import _call, _rows, _starts
+    from test_certify_pieces import CALL_SIZES, _call, _rows, _starts
     for seed in range(3):
         rows = _rows(seed, 4096)
         whole = _call(rows, kernel, np.arange(4096)).view(np.uint32)
-        for size in certify.PIECE_SIZES + (certify.FAST_CELLS_CHUNK // 8,):
+        for size in CALL_SIZES + (2048,):
             for start in _starts(size):
                 sel = np.arange(start, start + size)
                 np.testing.assert_array_equal(_call(rows, kernel, sel).view(np.uint32),

@@ -1,13 +1,18 @@
-"""jaxguard.core.programs: the exported kernels compute bit for bit what the jitted ones do,
-are read back from disk by a later process, and are keyed by shape and static argument."""
+"""jaxguard.core.programs: the stored executables compute bit for bit what the jitted kernels
+do, are read back by a later process, keyed by shape and static argument; a damaged or
+foreign entry is ignored and replaced; two processes fill one cache at once; the cache is
+on by default and one variable turns it off; and a process's later saves compile nothing,
+whatever their rows reach (the programs of every tier are prepared by the first)."""
+import hashlib
 import importlib
+import json
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-pytest.importorskip("flatbuffers")
 
 from jaxguard.core import bound as B
 from jaxguard.core import codecs, fastbound, programs
@@ -15,9 +20,9 @@ from jaxguard.core.config import GuardConfig
 
 
 @pytest.fixture
-def export_dir(tmp_path):
-    programs.enable(tmp_path / "export")
-    yield tmp_path / "export"
+def cache_dir(tmp_path):
+    programs.enable(tmp_path / "programs")
+    yield tmp_path / "programs"
     programs.enable(None)
 
 
@@ -41,26 +46,24 @@ def _rows(n):
     return K, np.arange(n, dtype=np.int32) % 3
 
 
-def _artifacts(d):
-    return sorted(f for f in os.listdir(d) if f.endswith(".jaxexport"))
-
-
-def _executables(d):
-    return sorted(os.listdir(os.path.join(d, "exe"))) if os.path.isdir(os.path.join(d, "exe")) else []
+def _stored(d):
+    return sorted(f for f in os.listdir(d) if f.endswith(programs.SUFFIX)) if os.path.isdir(d) else []
 
 
 def _bits(x):
     return np.asarray(x).view(np.uint32) if np.asarray(x).dtype == np.float32 else np.asarray(x)
 
 
-def test_exported_kernels_match_direct_calls_bitwise(export_dir):
+def test_stored_kernels_match_direct_calls_bitwise(cache_dir):
     n = 512
     m, v, mt, vt, pabs, clip = _inputs(n)
     K, gidx = _rows(n)
     kc = K.take(gidx)
     Kj = B.as_step_row(K, -1).as_float32(jnp)
     cases = [(B.batch_lower_pc, (kc, m, v, mt, vt, clip), {}),
-             (fastbound.batch_fast_accept, (Kj, gidx, m, v, mt, vt, pabs, clip), {})]
+             (fastbound.batch_fast_accept, (Kj, gidx, m, v, mt, vt, pabs, clip), {}),
+             (fastbound.batch_fast_cells_pc, (kc, m, v, mt, vt, pabs, clip), {}),
+             (B.batch_bound_adaptive_pc, (kc, m, v, mt, vt, pabs, clip), {"gammas": B.ADAPTIVE_GAMMAS_DOUBLING})]
     cases += [(B.batch_bound_pc, (kc, m, v, mt, vt, pabs, clip, jnp.asarray(B.unit_edges(L, "mixed"))),
                {"bound": "shared"}) for L in range(len(B.LEVELS))]
     blocks = [x.reshape(-1, 256) for x in (m, v)]
@@ -73,48 +76,88 @@ def test_exported_kernels_match_direct_calls_bitwise(export_dir):
         assert len(want) == len(got)
         for w, g in zip(want, got):
             assert np.array_equal(_bits(w), _bits(g)), fn.__name__
-    # one artifact and one compiled executable per kernel, shape and static argument
-    assert len(_artifacts(export_dir)) == len(cases) and len(_executables(export_dir)) == len(cases)
+    assert len(_stored(cache_dir)) == len(cases)   # one executable per kernel, shape and static argument
+    programs.enable(cache_dir)                     # what a fresh process sees: the files only
+    for fn, args, static in cases:
+        want, got = fn(*args, **static), programs.call(fn, *args, **static)
+        want, got = (r if isinstance(r, tuple) else (r,) for r in (want, got))
+        assert all(np.array_equal(_bits(w), _bits(g)) for w, g in zip(want, got)), fn.__name__
+    assert len(_stored(cache_dir)) == len(cases)
 
 
-def test_artifacts_are_read_back_and_keyed_by_shape(export_dir):
-    m, v, mt, vt, _, clip = _inputs(256, seed=1)
-    K, gidx = _rows(256)
-    want = np.asarray(B.batch_lower_pc(K.take(gidx), m, v, mt, vt, clip))
-    programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)
-    (art,), (exe,) = _artifacts(export_dir), _executables(export_dir)
-    programs.enable(export_dir)          # what a fresh process sees: the files only
-    got = programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)
-    assert np.array_equal(_bits(want), _bits(got))
-    assert _artifacts(export_dir) == [art] and _executables(export_dir) == [exe]
-    for f in (export_dir / art, export_dir / "exe" / exe):   # damaged files are rebuilt, not trusted
-        with open(f, "wb") as fh:
-            fh.write(b"not an export")
-    programs.enable(export_dir)
-    assert np.array_equal(_bits(want), _bits(programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)))
-    assert (export_dir / "exe" / exe).read_bytes() != b"not an export"
-    half = [x[:128] for x in (m, v, mt, vt, clip)]
-    programs.call(B.batch_lower_pc, K.take(gidx[:128]), *half)
-    assert len(_artifacts(export_dir)) == 2 and len(_executables(export_dir)) == 2   # another shape, another program
+def _lower_args(n=256, seed=1):
+    m, v, mt, vt, _, clip = _inputs(n, seed=seed)
+    K, gidx = _rows(n)
+    return (K.take(gidx), m, v, mt, vt, clip)
 
 
-_FRESH = ("import logging, sys\n"
+def _damage(path, how):
+    raw = path.read_bytes()
+    if how == "garbage":
+        path.write_bytes(b"not a program")
+    elif how == "truncated":
+        path.write_bytes(raw[:len(raw) // 2])
+    elif how == "one bit":
+        flipped = bytearray(raw)
+        flipped[len(raw) - 100] ^= 0x10   # inside the executable: only the SHA-256 sees it
+        path.write_bytes(bytes(flipped))
+    elif how == "foreign":   # a whole, valid program of another kernel under this one's name
+        other = [p for p in path.parent.iterdir() if p.suffix == programs.SUFFIX and p != path][0]
+        path.write_bytes(other.read_bytes())
+    os.chmod(path, 0o600)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "one bit", "foreign"])
+def test_a_damaged_or_foreign_entry_is_ignored_and_replaced(cache_dir, how):
+    args = _lower_args()
+    want = np.asarray(B.batch_lower_pc(*args))
+    programs.call(B.batch_lower_pc, *args)
+    (name,) = _stored(cache_dir)
+    programs.call(B.batch_lower_pc, *_lower_args(n=128))   # another shape: a second program
+    path = cache_dir / name
+    good = path.read_bytes()
+    _damage(path, how)
+    programs.enable(cache_dir)   # a fresh process
+    assert path.read_bytes() != good
+    assert np.array_equal(_bits(programs.call(B.batch_lower_pc, *args)), _bits(want))
+    assert programs.unwrap_entry(path.read_bytes(), name[:-len(programs.SUFFIX)]) is not None   # replaced by a whole one
+    assert len(_stored(cache_dir)) == 2
+
+
+def test_the_integrity_check_refuses_what_it_must():
+    """The control of the test above: `unwrap_entry` takes a whole entry stored under its own
+    name, and refuses a flipped bit anywhere, a cut and another name."""
+    body = bytes(range(256)) * 4
+    raw = programs.wrap_entry("abc-123", body)
+    assert programs.unwrap_entry(raw, "abc-123") == body
+    assert programs.unwrap_entry(raw, "abc-124") is None
+    assert programs.unwrap_entry(raw[:-1], "abc-123") is None
+    for i in (0, len(programs.MAGIC) + 2, len(raw) // 2, len(raw) - 1):
+        flipped = bytearray(raw)
+        flipped[i] ^= 1
+        assert programs.unwrap_entry(bytes(flipped), "abc-123") is None, i
+
+
+_FRESH = ("import sys\n"
           "import jax, numpy as np\n"
-          "jax.config.update('jax_log_compiles', True)\n"
           "from jaxguard.core import programs, bound as B\n"
           "from jaxguard.core.config import GuardConfig\n"
+          "count = []\n"
+          "jax.monitoring.register_event_duration_secs_listener(\n"
+          "    lambda e, d, **kw: count.append(e) if e == '/jax/core/compile/backend_compile_duration' else None)\n"
           "programs.enable(sys.argv[1])\n"
           "K = B.stack_rows([B.pack_constants(GuardConfig(lr=1e-3, step=1).constants(), 0.01)])\n"
           "x = np.full(256, 1e-3, np.float32)\n"
           "args = (K.take(np.zeros(256, np.int64)), x, x, x, x, x)\n"
-          "assert np.array_equal(np.asarray(programs.call(B.batch_lower_pc, *args)), np.asarray(B.batch_lower_pc(*args)))\n")
+          "r = np.asarray(programs.call(B.batch_lower_pc, *args))\n"
+          "n = len(count)\n"
+          "assert np.array_equal(r, np.asarray(B.batch_lower_pc(*args)))\n"
+          "print(n)\n")
 
 
 def _fresh_compiles(directory, xla_flags=None):
-    """Compilations logged by a fresh process making one exported call (the direct call
-    it is checked against compiles one more, the kernel itself)."""
-    import subprocess
-    import sys
+    """XLA compilations of a fresh process's one call through the cache (before the direct
+    call it is checked against)."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     if xla_flags is not None:
@@ -122,59 +165,55 @@ def _fresh_compiles(directory, xla_flags=None):
     out = subprocess.run([sys.executable, "-c", _FRESH, str(directory)], capture_output=True, text=True, timeout=600,
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    return sum("Compiling" in line for line in out.stderr.splitlines())
+    return int(out.stdout.split()[-1])
 
 
 def test_a_fresh_process_loads_the_executable_without_compiling(tmp_path):
-    d = tmp_path / "export"
-    first = _fresh_compiles(d)
-    (exe,) = _executables(d)
-    loaded = _fresh_compiles(d)
-    assert loaded < first, (first, loaded)
-    os.chmod(d / "exe" / exe, 0o666)   # writable by others: not read (it is a pickle), compiled again
-    assert _fresh_compiles(d) > loaded
-
-
-def test_disabled_is_the_direct_call():
-    programs.enable(None)
-    assert not programs.enabled()
-    m, v, mt, vt, _, clip = _inputs(256, seed=2)
-    K, gidx = _rows(256)
-    assert np.array_equal(_bits(programs.call(B.batch_lower_pc, K.take(gidx), m, v, mt, vt, clip)),
-                          _bits(B.batch_lower_pc(K.take(gidx), m, v, mt, vt, clip)))
-
-
-def test_without_flatbuffers_it_traces_as_before(tmp_path):
-    """jax cannot serialize without flatbuffers: `call` falls back to the direct call."""
-    import subprocess
-    import sys
-    code = ("import sys; sys.modules['flatbuffers'] = None\n"
-            "import numpy as np\n"
-            "from jaxguard.core import programs, bound as B\n"
-            "from jaxguard.core.config import GuardConfig\n"
-            f"programs.enable({str(tmp_path / 'export')!r})\n"
-            "K = B.stack_rows([B.pack_constants(GuardConfig(lr=1e-3, step=1).constants(), 0.01)])\n"
-            "x = np.full(256, 1e-3, np.float32)\n"
-            "args = (K.take(np.zeros(256, np.int64)), x, x, x, x, x)\n"
-            "r = programs.call(B.batch_lower_pc, *args)\n"
-            "assert np.array_equal(np.asarray(r), np.asarray(B.batch_lower_pc(*args)))\n"
-            "print(programs.enabled())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False" and not (tmp_path / "export").exists()
+    d = tmp_path / "programs"
+    assert _fresh_compiles(d) >= 1
+    (name,) = _stored(d)
+    assert _fresh_compiles(d) == 0
+    os.chmod(d / name, 0o666)   # writable by others: not read (it is a pickle), compiled again
+    assert _fresh_compiles(d) >= 1
 
 
 def test_an_executable_is_not_reused_under_other_xla_flags(tmp_path):
     """A stored executable is what XLA made of the program under the process's XLA_FLAGS
     (an instruction set, fast math): a process with other flags compiles and stores its
     own; one with the same flags loads it (the control)."""
-    d = tmp_path / "export"
+    d = tmp_path / "programs"
     _fresh_compiles(d)
-    assert len(_executables(d)) == 1
-    _fresh_compiles(d)
-    assert len(_executables(d)) == 1          # the same flags: the stored one
-    _fresh_compiles(d, "--xla_cpu_max_isa=AVX2")
-    assert len(_executables(d)) == 2          # other flags: its own
+    assert len(_stored(d)) == 1
+    assert _fresh_compiles(d) == 0 and len(_stored(d)) == 1          # the same flags: the stored one
+    assert _fresh_compiles(d, "--xla_cpu_max_isa=AVX2") >= 1
+    assert len(_stored(d)) == 2                                     # other flags: its own
+
+
+def test_disabled_is_the_direct_call(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(programs.CACHE_ENV, "0")
+    programs.enable()                 # the default, read from the environment: off
+    try:
+        assert not programs.enabled()
+        args = _lower_args(seed=2)
+        assert np.array_equal(_bits(programs.call(B.batch_lower_pc, *args)), _bits(B.batch_lower_pc(*args)))
+        assert not (tmp_path / "jaxguard").exists()
+    finally:
+        programs.enable(None)
+
+
+def test_on_by_default_in_the_users_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(programs.CACHE_ENV, raising=False)
+    programs.enable()
+    try:
+        assert programs.enabled()
+        programs.call(B.batch_lower_pc, *_lower_args(seed=4))
+        (version,) = os.listdir(tmp_path / "jaxguard" / "programs")
+        (name,) = _stored(tmp_path / "jaxguard" / "programs" / version)
+        assert os.stat(tmp_path / "jaxguard" / "programs" / version / name).st_mode & 0o777 == 0o600   # this user's
+    finally:
+        programs.enable(None)
 
 
 def _file(path, size, age_s):
@@ -186,11 +225,11 @@ def _file(path, size, age_s):
     return path
 
 
-def test_prune_removes_the_least_recently_used_artifacts_only(tmp_path):
+def test_prune_removes_the_least_recently_used_programs_only(tmp_path):
     """`prune` keeps the cache at 3/4 of its bound once over it, oldest modification time
-    first, and never touches a file that is not one of its artifacts."""
+    first, and never touches a file that is not one of its programs."""
     old = [_file(tmp_path / "v1" / f"{i}.jaxexport", 100, 1000 - i) for i in range(4)]   # 0 the oldest
-    new = [_file(tmp_path / "v2" / "exe" / f"{i}.xla", 100, i) for i in range(4)]
+    new = [_file(tmp_path / "v2" / f"{i}.xla", 100, i) for i in range(4)]
     mine = _file(tmp_path / "v1" / "notes.txt", 10_000, 5000)            # the user's: kept
     stale, fresh = _file(tmp_path / "v1" / "a.tmp", 7, 2 * 86400), _file(tmp_path / "v1" / "b.tmp", 7, 60)
     assert programs.prune(tmp_path, 800) == 7 and not stale.exists()     # under the bound: only the stale tmp
@@ -202,21 +241,19 @@ def test_prune_removes_the_least_recently_used_artifacts_only(tmp_path):
 
 
 def test_a_bounded_cache_keeps_what_it_uses_and_drops_another_versions(tmp_path):
-    """The CLI's bound (`enable(max_bytes=..., prune_root=...)`): another version's
-    artifacts, older, are removed by the first store of this one; what a process loads has
-    its time renewed, so this version's programs outlive those it no longer uses."""
-    root = tmp_path / "export"
-    other = [_file(root / "jax-old" / "exe" / f"{i}.xla", 200_000, 3600) for i in range(5)]
-    m, v, mt, vt, _, clip = _inputs(256, seed=3)
-    K, gidx = _rows(256)
-    args = (K.take(gidx), m, v, mt, vt, clip)
+    """The bound (`enable(max_bytes=..., prune_root=...)`): another version's programs,
+    older, are removed by the first store of this one; what a process loads has its time
+    renewed, so this version's programs outlive those it no longer uses."""
+    root = tmp_path / "programs"
+    other = [_file(root / "jax-old" / f"{i}.xla", 200_000, 3600) for i in range(5)]
+    args = _lower_args(seed=3)
     programs.enable(root / "jax-new", max_bytes=1_000_000, prune_root=root)
     try:
         want = np.asarray(programs.call(B.batch_lower_pc, *args))
         assert not any(p.exists() for p in other[:2])            # 1.0 MB over the bound: down to 0.75 MB
         assert any(p.exists() for p in other)
-        (exe,) = _executables(root / "jax-new")
-        exe = root / "jax-new" / "exe" / exe
+        (name,) = _stored(root / "jax-new")
+        exe = root / "jax-new" / name
         t = exe.stat().st_mtime - 7200
         os.utime(exe, (t, t))
         programs.enable(root / "jax-new", max_bytes=1_000_000, prune_root=root)   # a later process
@@ -227,14 +264,110 @@ def test_a_bounded_cache_keeps_what_it_uses_and_drops_another_versions(tmp_path)
 
 
 @pytest.mark.parametrize("value, want", [("", 512 << 20), ("64", 64 << 20), ("0", 0), ("-1", None)])
-def test_cli_program_cache_bound_from_the_environment(monkeypatch, value, want):
-    cli = importlib.import_module("jaxguard.cli.main")
-    monkeypatch.setenv("JAXGUARD_PROGRAM_CACHE_MB", value)
-    assert cli.program_cache_bytes() == want
+def test_cache_bound_from_the_environment(monkeypatch, value, want):
+    monkeypatch.setenv(programs.CACHE_ENV, value)
+    assert programs.cache_bytes() == want
 
 
-def test_cli_program_cache_bound_refuses_a_non_integer(monkeypatch):
-    cli = importlib.import_module("jaxguard.cli.main")
-    monkeypatch.setenv("JAXGUARD_PROGRAM_CACHE_MB", "1G")
-    with pytest.raises(SystemExit, match=r"JAXGUARD_PROGRAM_CACHE_MB='1G' is not an integer; set megabytes"):
-        cli.program_cache_bytes()
+def test_cache_bound_refuses_a_non_integer_in_one_line(monkeypatch, tmp_path):
+    from jaxguard.errors import ConfigError
+    monkeypatch.setenv(programs.CACHE_ENV, "1G")
+    with pytest.raises(ConfigError, match=r"JAXGUARD_PROGRAM_CACHE_MB='1G' is not an integer; set megabytes"):
+        programs.cache_bytes()
+    # the CLI: one line, before any work
+    env = dict(os.environ, JAXGUARD_PROGRAM_CACHE_MB="1G", XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "jaxguard", "compress", str(tmp_path / "missing.pt"), "-o",
+                          str(tmp_path / "x.jg")], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "jaxguard: error: JAXGUARD_PROGRAM_CACHE_MB='1G' is not an integer; set megabytes (default 512, 0 for no "
+        "program cache, -1 for no bound)"], out.stderr
+
+
+# --------------------------------------------------------------------- whole saves, fresh processes
+
+_SAVES = r"""
+import hashlib, json, os, sys
+import jax
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: compiles.append(e) if e == '/jax/core/compile/backend_compile_duration' else None)
+import numpy as np
+import jaxguard as jg
+from jaxguard.core import programs
+from jaxguard.format import reader
+sys.path.insert(0, sys.argv[2])
+from test_dense_reject import adversarial
+
+def strip(x):
+    if isinstance(x, dict):
+        return {k: strip(v) for k, v in x.items() if k != "encode_seconds"}
+    return [strip(v) for v in x] if isinstance(x, list) else x
+
+def state(m, v, p):
+    import optax
+    import jax.numpy as jnp
+    params = {"w": jnp.asarray(p)}
+    st = optax.adam(1e-3).init(params)
+    adam = st[0]._replace(mu={"w": jnp.asarray(m)}, nu={"w": jnp.asarray(v)}, count=jnp.asarray(7, jnp.int32))
+    return (adam,) + tuple(st[1:]), params
+
+out, per_save = [], []
+n = 24_000
+rng = np.random.default_rng(0)
+quiet = (np.float32(1e-3) * rng.standard_normal(n).astype(np.float32),)
+quiet += (quiet[0] * quiet[0] * np.float32(1.5), rng.standard_normal(n).astype(np.float32))
+# first a state whose rows stop at the first tiers, then adversarial ones that reach them all
+for i, (m, v, p) in enumerate([quiet] + [adversarial(s, n=n) for s in (7, 8)]):
+    st, params = state(m, v, p)
+    path = os.path.join(sys.argv[1], f"s{i}.jg")
+    before = len(compiles)
+    jg.save(path, st, params, lr=1e-3)
+    per_save.append(len(compiles) - before)
+    with open(path, "rb") as fh:   # the container less its entries' encode timings (wall time)
+        header, payload = reader.parse(fh.read())
+    out.append(hashlib.sha256(json.dumps(strip(header["entries"]), sort_keys=True).encode()
+                              + header["decoded_sha256"].encode() + bytes(payload)).hexdigest())
+print(json.dumps({"hashes": out, "compiles": per_save, "enabled": programs.enabled()}))
+"""
+
+
+def _saves(out_dir, cache_home, *, off=False):
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache_home))
+    env.pop(programs.CACHE_ENV, None)
+    if off:
+        env[programs.CACHE_ENV] = "0"
+    os.makedirs(out_dir, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", _SAVES, str(out_dir), os.path.dirname(__file__)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_processes_fill_one_cache_and_later_saves_compile_nothing(tmp_path):
+    """Two fresh processes fill one empty cache at once (as ranks starting together do);
+    each then saves states whose rows reach other tiers without compiling; a third process
+    loads every program and compiles nothing; the containers are bit for bit those of a
+    process with the cache off (the direct calls), which compiles nothing after its first
+    save either; the cache holds only whole programs."""
+    home = tmp_path / "home"
+    first, second = _saves(tmp_path / "a", home), _saves(tmp_path / "b", home)
+    a, b = _result(first), _result(second)
+    direct = _result(_saves(tmp_path / "off", tmp_path / "home_off", off=True))
+    warm = _result(_saves(tmp_path / "c", home))
+    assert a["enabled"] and not direct["enabled"]
+    assert a["hashes"] == b["hashes"] == direct["hashes"] == warm["hashes"]
+    for r in (a, b, direct):
+        assert r["compiles"][0] > 0 and r["compiles"][1:] == [0, 0], r["compiles"]
+    assert warm["compiles"] == [0, 0, 0]
+    assert not (tmp_path / "home_off" / "jaxguard" / "programs").exists()   # the off switch wrote nothing
+    (version,) = os.listdir(home / "jaxguard" / "programs")
+    files = os.listdir(home / "jaxguard" / "programs" / version)
+    assert files and all(f.endswith(programs.SUFFIX) for f in files)        # no temporary file left
+    for f in files:
+        raw = (home / "jaxguard" / "programs" / version / f).read_bytes()
+        assert programs.unwrap_entry(raw, f[:-len(programs.SUFFIX)]) is not None

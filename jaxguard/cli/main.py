@@ -560,7 +560,14 @@ def _enable_compile_cache():
 
     The directory is named by the jax/jaxlib versions and the machine (jax's own cache
     key adds the backend, XLA flags and compile options), so another install never reads
-    a stale entry; every program is cached (min compile time 0)."""
+    a stale entry; every program is cached (min compile time 0).  The guard's own kernels
+    come from `jaxguard.core.programs`'s cache, which the library keeps on by default.
+
+    Raises:
+      ConfigError: ``JAXGUARD_PROGRAM_CACHE_MB`` is not an integer.
+    """
+    from jaxguard.core import programs
+    programs.enabled()   # reads JAXGUARD_PROGRAM_CACHE_MB: a bad value is one line, before any work
     try:
         import platform
         import jax
@@ -569,39 +576,10 @@ def _enable_compile_cache():
         tag = f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{platform.machine()}"
         jax.config.update("jax_compilation_cache_dir", os.path.join(base, "jaxguard", "xla", tag))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        from jaxguard.core import programs   # and the traced kernels (jax.export), same key rules
-        limit = program_cache_bytes()
-        if limit != 0:
-            root = os.path.join(base, "jaxguard", "export")
-            programs.enable(os.path.join(root, tag), max_bytes=limit, prune_root=root)
     except Exception:  # noqa: BLE001 - a cache is an optimisation only
         pass
 
 
-PROGRAM_CACHE_MB = 512   # ~50 MB of executables a jaxguard/jax version (GPT-2's compress loads 40 of them)
-
-
-def program_cache_bytes():
-    """The bound on the CLI's cache of compiled guard programs (`core.programs.prune`):
-    ``JAXGUARD_PROGRAM_CACHE_MB`` megabytes (default `PROGRAM_CACHE_MB`; 0 keeps no
-    programs, a negative value sets no bound).  Each new jaxguard, jax or machine adds its
-    own programs; the least recently used go first.
-
-    Returns:
-      Bytes, 0 (no cache) or None (unbounded).
-
-    Raises:
-      SystemExit: the variable is not an integer (one line naming it and the fix).
-    """
-    raw = os.environ.get("JAXGUARD_PROGRAM_CACHE_MB", "").strip()
-    if not raw:
-        return PROGRAM_CACHE_MB << 20
-    try:
-        mb = int(raw)
-    except ValueError:
-        raise SystemExit(f"jaxguard: JAXGUARD_PROGRAM_CACHE_MB={raw!r} is not an integer; set megabytes "
-                         f"(default {PROGRAM_CACHE_MB}, 0 for no program cache, -1 for no bound)") from None
-    return None if mb < 0 else mb << 20
 
 
 def _one_thread_xla_pool_if_threaded(a):
@@ -649,9 +627,9 @@ def main(argv=None) -> int:
     if args.cmd == "compress":        # (restore runs no JAX program: it must not import jax)
         process_tuning.synchronous_cpu_dispatch()   # read when the backend starts: before any program runs
         _one_thread_xla_pool_if_threaded(args)
-    if args.cmd not in NUMPY_VERBS:
-        _enable_compile_cache()
     try:
+        if args.cmd not in NUMPY_VERBS:
+            _enable_compile_cache()
         return args.fn(args)
     except UnsupportedOptimizerError as exc:
         fix = "; jaxguard compress --uncertifiable exact stores it exactly" if args.cmd == "compress" else ""

@@ -18,12 +18,14 @@ for every ``|g| <= clip``.  Callers pass only coordinates `classify` calls certi
 """
 from __future__ import annotations
 
-__all__ = ["classify", "block_stats_valid", "v_positive", "device_masks", "device_classify", "CHUNK",
-           "SMALL_CHUNK", "PIECE_SIZES", "piece_sizes", "certify", "FAST_TIER", "ADAPTIVE_TIER",
-           "FAST_CELLS_TIER", "SIGNED_CELLS_TIER", "SIGNED_MARGIN", "TIERED_FIRST_LEVEL", "FAST_CELLS_CHUNK",
-           "FAST_CHUNK", "fast_accept", "certify_pc"]
+__all__ = ["classify", "block_stats_valid", "v_positive", "device_masks", "device_classify", "certify",
+           "FAST_TIER", "ADAPTIVE_TIER", "FAST_CELLS_TIER", "SIGNED_CELLS_TIER", "SIGNED_MARGIN",
+           "TIERED_FIRST_LEVEL", "FAST_CHUNK", "FAST_MIN_CHUNK", "fast_accept", "Stage", "stages", "stage_calls",
+           "prepare_stages", "certify_pc"]
 
+import dataclasses
 import functools
+from typing import Callable, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -118,49 +120,6 @@ def device_classify(m, v, p, mt, vt):
     return _classify(_fbits.device, (z,), m, v, p, mt, vt)
 
 
-CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
-SMALL_CHUNK = 1 << 10
-# The tiers after the closed form see few coordinates: a 1M-coordinate slab sends 12-60 to
-# the fixed levels (1,335 cells each at level 4) and a few hundred to the 20-cell adaptive
-# partition.  They run in pieces of these sizes (and the kernel's full chunk), so a
-# handful of coordinates is not padded to 256 or 1,024 rows.  Every cell bound gives a row
-# the same bits at each size; the probes' rejects do not (XLA's max over them treats a NaN
-# by vector layout), but a row rejected at any size is one no bound certifies, so only the
-# work moves (tests/test_certify_pieces.py).
-PIECE_SIZES = (1 << 6, 1 << 8, SMALL_CHUNK)
-
-
-def piece_sizes(count: int, chunk: int) -> list:
-    """The padded sizes of the pieces `count` coordinates run in: full `chunk`s, then what is
-    left in the sizes of `PIECE_SIZES` (and `chunk`) of fewest rows, a call counted as
-    `PIECE_SIZES`[0] rows more (a deep level's call costs about that many rows' work).
-
-    Args:
-      count: the coordinates to certify.
-      chunk: the kernel's largest call (`CHUNK`, `ADAPTIVE_CHUNK`).
-
-    Returns:
-      A list of piece sizes, each one of `PIECE_SIZES` or `chunk`, summing to at least
-      `count` (the last piece padded).
-    """
-    ladder = tuple(sorted({s for s in PIECE_SIZES if s < chunk} | {chunk}))
-    full = count // chunk
-    return [chunk] * full + list(_remainder_pieces(-(-(count - chunk * full) // ladder[0]), ladder))
-
-
-@functools.lru_cache(maxsize=4096)
-def _remainder_pieces(units: int, ladder: tuple) -> tuple:
-    steps = [s // ladder[0] for s in ladder]
-    cost, last = [0] * (units + 1), [0] * (units + 1)
-    for u in range(1, units + 1):    # cost[u]: fewest rows + calls for u units, last[u]: its last piece
-        cost[u], last[u] = min((k + 1 + cost[max(0, u - k)], k) for k in steps)
-    out = []
-    while units > 0:
-        out.append(last[units] * ladder[0])
-        units = max(0, units - last[units])
-    return tuple(out)
-
-
 def certify(k, m, v, mt, vt, pabs, clip, idx, cfg, decay_in_update=None, level_counts=None):
     """Indices `idx` (host int array) -> boolean array, True where certified, for one
     constants row `k` (a `bound.StepRow` from `bound.pack_constants`, which carries the
@@ -203,16 +162,14 @@ SIGNED_MARGIN = 1.01
 # SHA-256 are unchanged (levels 3-4 certify those 11 too), and so are 120 of 120
 # reproduction encodings (bench/experiments/results/fixed_levels_escapes.md).
 TIERED_FIRST_LEVEL = 3
-FAST_CELLS_CHUNK = 1 << 14  # coordinates per call of that tier (16K: 58 ns a row, 4K: 72 ns)
-ADAPTIVE_CHUNK = 1 << 12  # coordinates per call of the adaptive tier (28 cells a sign each)
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
 FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the rate pass's last moves)
 
 
 def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
-    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in fixed-size
-    chunks (four compiled shapes for any checkpoint: `FAST_CHUNK` and 1/4, 1/16, 1/64 of it
-    for the last, smaller part).
+    """The closed-form tier (`jaxguard.core.fastbound`) over whole flat arrays, in chunks of
+    one size (`FAST_MIN_CHUNK` below `FAST_CHUNK` coordinates, else `FAST_CHUNK`; the last
+    one padded): the shape changes with the candidates' count only across `FAST_CHUNK`.
 
     Args:
       K: the group's constants, a `bound.StepRow` of [G] arrays (`bound.stack_rows`).
@@ -230,14 +187,12 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     K = _bound.as_step_row(K, -1).as_float32(jnp)
     arrays = [np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip)]
     gidx = np.asarray(gidx, np.int32)
-    for s in range(0, n, FAST_CHUNK):
-        e = min(n, s + FAST_CHUNK)
+    size = FAST_CHUNK if n >= FAST_CHUNK else FAST_MIN_CHUNK
+    for s in range(0, n, size):
+        e = min(n, s + size)
         if valid is not None and not valid[s:e].any():
             continue   # padding only
         part = [x[s:e] for x in arrays] + [gidx[s:e]]
-        size = FAST_CHUNK
-        while size > FAST_MIN_CHUNK and size // 4 >= e - s:   # few candidates: a smaller shape (4 in all)
-            size //= 4
         if e - s < size:   # pad with zeros (certifiable, never read back)
             part = [np.concatenate([x, np.zeros(size - (e - s), x.dtype)]) for x in part]
         mm, vv, mmt, vvt, pp, cc, gg = part
@@ -251,6 +206,130 @@ def _level_edges(level, partition):
     e = _bound.unit_edges(level, partition)
     e.setflags(write=False)
     return e
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of `certify_pc` after the closed form: a kernel over the pending rows, run
+    in calls of `rows` rows whatever their count (the last call padded), so a state's
+    later saves reuse the programs of its first whatever they leave to each tier.
+
+    Attributes:
+      kernel: a jitted bound or probe kernel of `bound` / `fastbound` (per-coordinate rows).
+      rows: rows per call.
+      static: its static arguments, as sorted ``(name, value)`` pairs.
+      tier: the ``level_of`` value of the rows it certifies; None: a reject (rows whose
+        lower bound exceeds the threshold leave, the rest go on).
+      level: a fixed refinement level (`bound.LEVELS`): its edges are the last argument.
+      signed: the signed cells tier: rows far over the threshold leave (`SIGNED_MARGIN`).
+    """
+
+    kernel: Callable
+    rows: int
+    static: tuple = ()
+    tier: Optional[int] = None
+    level: Optional[int] = None
+    signed: bool = False
+
+    @property
+    def probes(self) -> bool:
+        """A probe kernel (`bound.batch_lower_pc`) takes no ``|p|``."""
+        return self.kernel is _bound.batch_lower_pc
+
+
+# Rows per call of each stage.  A stage's calls hold every pending row whatever their count,
+# so the programs a state needs are fixed by its settings alone (none by how many rows reach
+# a tier); each size holds a call's padding to about 0.1-0.3 ms of a core (the measured cost
+# of a row: the 8-cell ladder 33 ns, the 28 cells 71 ns, the adaptive partitions 167-420 ns,
+# the fixed levels tens of microseconds) while a 1M-coordinate slab's rows of each tier fit a
+# call or a few (GPT-2: ~5K rows a slab reach the cells tier, hundreds the adaptive one,
+# tens the fixed levels).  Every bound gives a row the same bits at each size, and a probe's
+# reject at any size is a row no bound certifies (tests/test_certify_pieces.py): the sizes
+# move work, never a certificate.
+PROBE_ROWS = 1 << 12                      # the rate pass's reject (`reject_first`)
+CELLS_ROWS = (1 << 13, 1 << 10)           # the 8-cell ladder, then the 28 cells (`FAST_CELLS_PARTITIONS`)
+SIGNED_ROWS = 1 << 10
+ADAPTIVE_ROWS = 1 << 8
+DENSE_REJECT_ROWS = 1 << 8
+LEVEL_ROWS = 1 << 6                       # the fixed levels after the adaptive tier
+# The ablations (no adaptive tier: the separate bound, the linear partition) walk the probes
+# and every fixed level with most of their rows: calls as large as a level's work allows.
+ABLATION_ROWS = {"probes": 1 << 16, 0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
+
+
+def stages(bound, partition, adaptive=True, max_level=None, reject_first=False) -> tuple:
+    """The stages `certify_pc` runs after the closed form, in order (its docstring).
+
+    Args:
+      bound, partition, adaptive, max_level, reject_first: as `certify_pc`.
+
+    Returns:
+      A tuple of `Stage`.
+    """
+    tiered = adaptive and bound == "shared" and partition == "mixed"
+    out = []
+    if not tiered or reject_first:
+        out.append(Stage(_bound.batch_lower_pc, PROBE_ROWS if tiered else ABLATION_ROWS["probes"],
+                         (("points", _bound.PROBE_POINTS),)))
+    if tiered:
+        out += [Stage(_fastbound.batch_fast_cells_pc, rows, (("gammas", g),), FAST_CELLS_TIER)
+                for g, rows in zip(_fastbound.FAST_CELLS_PARTITIONS, CELLS_ROWS)]
+        if max_level == -1:
+            out.append(Stage(_fastbound.batch_signed_cells_pc, SIGNED_ROWS, (), SIGNED_CELLS_TIER, signed=True))
+        out += [Stage(_bound.batch_bound_adaptive_pc, ADAPTIVE_ROWS, (("gammas", g),), ADAPTIVE_TIER)
+                for g in _bound.ADAPTIVE_PARTITIONS]
+        if max_level != -1:   # a denser reject: only the few left walk the fixed levels
+            out.append(Stage(_bound.batch_lower_pc, DENSE_REJECT_ROWS, (("points", _bound.DENSE_PROBE_POINTS),)))
+    last = len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))
+    out += [Stage(_bound.batch_bound_pc, LEVEL_ROWS if tiered else ABLATION_ROWS[level], (("bound", bound),), level,
+                  level) for level in range(TIERED_FIRST_LEVEL if tiered else 0, last)]
+    return tuple(out)
+
+
+def _stage_args(stage, partition, kc, m, v, mt, vt, pabs, clip):
+    head = (kc, m, v, mt, vt) + (() if stage.probes else (pabs,)) + (clip,)
+    return head + (() if stage.level is None else (_level_edges(stage.level, partition),))
+
+
+def stage_calls(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings) -> list:
+    """One call of each of `stages`'s kernels at its size (row 0 repeated), for
+    `programs.prepare`: the programs `certify_pc` may run on this group, whichever tiers
+    its rows reach.
+
+    Args:
+      K, gidx, m, v, mt, vt, pabs, clip, bound, partition: as `certify_pc` (at least one row).
+      **settings: `stages`'s other arguments (adaptive, max_level, reject_first).
+
+    Returns:
+      A list of ``(kernel, args, static)``.
+    """
+    K = _bound.as_step_row(K, -1).as_float32(np)
+    out = []
+    for st in stages(bound, partition, **settings):
+        take = np.zeros(st.rows, np.int64)
+        kc = K.take(np.asarray(gidx)[take])
+        arrays = (np.asarray(x, np.float32)[take] for x in (m, v, mt, vt, pabs, clip))
+        out.append((st.kernel, _stage_args(st, partition, kc, *arrays), dict(st.static)))
+    return out
+
+
+def prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, *, wait=True, **settings):
+    """Make `stages`'s programs ready (`programs.prepare` of `stage_calls`), once a process
+    for each setting: a later save never compiles because its rows reached another tier.
+
+    Args:
+      K, gidx, m, v, mt, vt, pabs, clip, bound, partition: as `certify_pc` (values unused
+        but for the stored programs' round-trip check; no rows: nothing to do).
+      wait: False: compile on other threads while the caller goes on (`programs.prepare`).
+      **settings: `stages`'s other arguments (adaptive, max_level, reject_first).
+
+    Returns:
+      A `programs.Prepared` (wait on it before the work that asked for it ends).
+    """
+    if not np.shape(m)[0]:
+        return _programs.Prepared()
+    return _programs.prepare(lambda: stage_calls(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings),
+                             key=("certify", partition, stages(bound, partition, **settings)), wait=wait)
 
 
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
@@ -272,7 +351,9 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
     ablations, without the tier, reject at `bound.PROBE_POINTS` first).  Then the fixed
     refinement levels run on what is left, each level on what the previous one could not
     certify: all five for the ablations (every coordinate the levels alone would certify
-    is still certified), from `TIERED_FIRST_LEVEL` on after the adaptive tier.
+    is still certified), from `TIERED_FIRST_LEVEL` on after the adaptive tier.  The steps
+    after the closed form are `stages`; their programs are prepared (`programs.prepare`)
+    on the first call, whether or not rows reach them.
 
     Args:
       K, gidx, m, v, mt, vt, pabs, clip: as for `fast_accept` (whole flat arrays).
@@ -298,6 +379,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
+    settings = dict(adaptive=adaptive, max_level=max_level, reject_first=reject_first)
+    prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings)
     if idx.size == 0:
         return level_of
     K = _bound.as_step_row(K, -1).as_float32(np)
@@ -307,10 +390,10 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)
         level_of[rest] = certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx[rest], bound, partition, progress,
-                                    fast=False, max_level=max_level, adaptive=adaptive, reject_first=reject_first)
+                                    fast=False, **settings)
         return level_of
     thr = K.threshold[gidx[idx]]
-    uniform = {}   # (group, chunk) -> that group's row repeated: most chunks hold one group
+    uniform = {}   # (group, rows) -> that group's row repeated: most calls hold one group
 
     def rows(take):
         g = gidx[take]
@@ -321,79 +404,37 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
             uniform[key] = K.take(np.full(take.size, g[0], g.dtype))
         return uniform[key]
 
-    def padded(sel, chunk):
-        # gathers on the host: eager jnp indexing costs more than the bound itself.  Few
-        # candidates (the closed form took the bulk) run in small pieces (`piece_sizes`):
-        # four compiled shapes per kernel, and no 4-16x padding of a handful of coordinates.
-        s = 0
-        for size in piece_sizes(sel.shape[0], chunk):
-            part = sel[s:s + size]
-            take = np.concatenate([part, np.full(size - part.size, part[0])]) if part.size < size else part
-            yield s, part.size, take, rows(take)
-            s += part.size
-
-    def over(sel, chunk, kernel, *extra, probes=False, **static):
-        # kernel(k, m, v, mt, vt, pabs, clip, *extra) over coordinates sel, in padded chunks
-        # (the probes, batch_lower_pc, take no pabs)
+    def over(sel, stage):
+        # the stage's kernel over coordinates sel, in calls of stage.rows (gathers on the
+        # host: eager jnp indexing costs more than the bound itself)
         out = np.empty(sel.shape[0], np.float32)
-        for s, cnt, take, kc in padded(sel, chunk):
-            args = (m[take], v[take], mt[take], vt[take]) + (() if probes else (pabs[take],))
-            out[s:s + cnt] = np.asarray(_programs.call(kernel, kc, *args, clip[take], *extra, **static))[:cnt]
+        for s in range(0, sel.shape[0], stage.rows):
+            part = sel[s:s + stage.rows]
+            take = np.concatenate([part, np.full(stage.rows - part.size, part[0])]) if part.size < stage.rows else part
+            args = _stage_args(stage, partition, rows(take), m[take], v[take], mt[take], vt[take], pabs[take],
+                               clip[take])
+            out[s:s + part.size] = np.asarray(_programs.call(stage.kernel, *args, **dict(stage.static)))[:part.size]
         return out
 
     from tqdm import tqdm
     bar = tqdm(total=idx.size, desc="certify", unit="coord", unit_scale=True, leave=False,
                disable=not progress)
-    tiered = adaptive and bound == "shared" and partition == "mixed"
-    if tiered and not reject_first:   # the dense reject below runs PROBE_POINTS too: here they cost 68 ns a row to
-        # spare the adaptive tier 0.19% of its rows (GPT-2: 26,169 of 13.8M)
-        pending = np.arange(idx.size)
-    else:
-        pending = np.flatnonzero(~(over(idx, CHUNK[0], _bound.batch_lower_pc, probes=True) > thr))
-        bar.update(idx.size - pending.size)
-    for gammas in _fastbound.FAST_CELLS_PARTITIONS if tiered else ():   # the closed form on the coordinate's
-        # own cells, 8 then 28 a sign: on GPT-2's leftovers 90.9% then 98.7% in all, ~40 ns a row (the 8-cell
-        # adaptive partition: 94-97.5% at ~120 ns)
+    pending = np.arange(idx.size)
+    for stage in stages(bound, partition, **settings):
         if pending.size == 0:
             break
-        out = over(idx[pending], FAST_CELLS_CHUNK, _fastbound.batch_fast_cells_pc, gammas=gammas)
-        ok = (out >= 0) & (out <= thr[pending])   # +inf (not usable) and NaN never certify
-        level_of[pending[ok]] = FAST_CELLS_TIER
-        bar.update(int(ok.sum()))
-        pending = pending[~ok]
-    if tiered and pending.size and max_level == -1:   # candidates (the width search's, the rate pass's moves):
-        # the same cells, signs kept (no triangle inequality): ~145 ns a row, and it certifies 97.7% of what
-        # the three adaptive partitions do (~920 ns a refused row).  Not on the final certificate, where it
-        # certified what the partitions certify (120 of 120 encodings identical) and cost a compile.
-        out = over(idx[pending], FAST_CELLS_CHUNK, _fastbound.batch_signed_cells_pc)
-        ok = (out >= 0) & (out <= thr[pending])
-        level_of[pending[ok]] = SIGNED_CELLS_TIER
-        bar.update(int(ok.sum()))
-        far = np.isfinite(out) & (out > thr[pending] * SIGNED_MARGIN)   # not usable (+inf): on to the partitions
-        bar.update(int(far.sum()))
-        pending = pending[~(ok | far)]
-    for gammas in _bound.ADAPTIVE_PARTITIONS if tiered else ():   # 8, 20, then 28 cells a sign
-        if pending.size == 0:
-            break
-        out = over(idx[pending], ADAPTIVE_CHUNK, _bound.batch_bound_adaptive_pc, gammas=gammas)
-        ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
-        level_of[pending[ok]] = ADAPTIVE_TIER
-        bar.update(int(ok.sum()))
-        pending = pending[~ok]
-    if tiered and pending.size and max_level != -1:   # a denser reject: only the few left walk the fixed levels
-        hopeless = over(idx[pending], ADAPTIVE_CHUNK, _bound.batch_lower_pc, probes=True,
-                        points=_bound.DENSE_PROBE_POINTS) > thr[pending]
-        bar.update(int(hopeless.sum()))
-        pending = pending[~hopeless]
-    for level in range(TIERED_FIRST_LEVEL if tiered else 0,
-                       len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))):
-        if pending.size == 0:
-            break
-        bar.set_postfix(level=level)
-        out = over(idx[pending], CHUNK[level], _bound.batch_bound_pc, _level_edges(level, partition), bound=bound)
-        ok = (out >= 0) & (out <= thr[pending])   # NaN and -inf never certify
-        level_of[pending[ok]] = level
-        bar.update(int(ok.sum()) if level < len(_bound.LEVELS) - 1 else pending.size)
-        pending = pending[~ok]
+        if stage.level is not None:
+            bar.set_postfix(level=stage.level)
+        out = over(idx[pending], stage)
+        if stage.tier is None:   # a reject
+            leave = out > thr[pending]
+        else:
+            ok = (out >= 0) & (out <= thr[pending])   # NaN, -inf and +inf (not usable) never certify
+            level_of[pending[ok]] = stage.tier
+            leave = ok | (np.isfinite(out) & (out > thr[pending] * SIGNED_MARGIN)) if stage.signed else ok
+            # signed: far over the threshold (not usable, +inf: on to the partitions)
+        bar.update(int(leave.sum()))
+        pending = pending[~leave]
+    bar.update(pending.size)
     bar.close()
     return level_of

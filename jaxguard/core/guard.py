@@ -41,8 +41,8 @@ from jaxguard.core import codes
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import floatbits as _fbits
 from jaxguard.core import programs as _programs
-from jaxguard.core.certify import (ADAPTIVE_TIER, CHUNK, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, SMALL_CHUNK, block_stats_valid, certify,  # noqa: F401
-                                   certify_pc, classify, device_classify, device_masks, fast_accept, v_positive)
+from jaxguard.core.certify import (ADAPTIVE_TIER, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, block_stats_valid, certify,  # noqa: F401
+                                   certify_pc, classify, device_classify, device_masks, fast_accept, prepare_stages, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
@@ -264,6 +264,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     mf, vf = mh, vh
     widths = fast = K = None
+    prepared = _programs.Prepared()
     entry = _codecs.get(propose_codec)
     if entry.choose is not None:
         valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
@@ -293,9 +294,12 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         exact, ok = classified(mt, vt)
     else:   # the masks, the proposal, the classification (and the closed-form tier) in one program per chunk
         tier = None
-        if certified and bound == "shared" and partition == "mixed":
+        if certified:
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
-            tier = (K, kidx, clip)
+            # the tiers' programs compile on other threads while this one runs the proposal
+            prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False)
+            if bound == "shared" and partition == "mixed":
+                tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
             *(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)), propose_codec, tier)
     level_of = np.full(npad, -1, np.int8)
@@ -314,6 +318,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         level_of[cand] = certify_pc(K, kidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
                                     fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
+    prepared.wait()
     mq, vq = mq.reshape(-1), vq.reshape(-1)
     widen = _codecs.get(codec).widen
     if widen is not None and certified and not any(cfg.joint for *_, cfg in items):

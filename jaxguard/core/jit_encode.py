@@ -47,6 +47,11 @@ from jaxguard.core.config import GuardConfig, GuardSpec
 from jaxguard.core.encoded import ArrayPytree
 from jaxguard.errors import ConfigError
 
+# rows of each fixed level's `lax.map` step inside the jitted encode, fewer as a level's
+# cells grow (8 at level 0, 1,335 at level 4); the host path's own call sizes are
+# `certify.stages`'
+LEVEL_CHUNK = {0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
@@ -126,7 +131,7 @@ def encode_traced(m, v, p, k, spec: GuardSpec, capacity, escape_capacity, sample
         for level in range(len(_bound.LEVELS)):
             edges = jnp.asarray(_bound.unit_edges(level, spec.partition))
             size = sizes[level]
-            chunk = min(size, _guard.CHUNK[level])
+            chunk = min(size, LEVEL_CHUNK[level])
             pending_counts.append(jnp.sum(pending, dtype=jnp.int32))
             idx = jnp.nonzero(pending, size=size, fill_value=npad)[0]
             take = jnp.minimum(idx, npad - 1).reshape(-1, chunk)
@@ -172,10 +177,10 @@ def level_sizes(capacity) -> tuple:
 
     Args:
       capacity: an int (every level gathers that many, rounded up to the level's chunk,
-        `guard.CHUNK`) or one int per level of `bound.LEVELS`.
+        `LEVEL_CHUNK`) or one int per level of `bound.LEVELS`.
 
     Returns:
-      One int per level, each a multiple of ``min(its capacity, guard.CHUNK[level])``.
+      One int per level, each a multiple of ``min(its capacity, LEVEL_CHUNK[level])``.
 
     Raises:
       ConfigError: a capacity below 1 or a tuple of the wrong length.
@@ -186,7 +191,7 @@ def level_sizes(capacity) -> tuple:
         raise ConfigError(f"capacity={capacity!r}: pass an int >= 1 or {nl} of them (one per level)")
     out = []
     for level, cap in enumerate(caps):
-        chunk = min(cap, _guard.CHUNK[level])
+        chunk = min(cap, LEVEL_CHUNK[level])
         out.append(-(-cap // chunk) * chunk)
     return tuple(out)
 

@@ -1,77 +1,137 @@
-"""The guard's fixed-shape kernels, kept across processes as `jax.export` artifacts.
+"""The guard's fixed-shape kernels, compiled once per machine and kept across processes.
 
-XLA's persistent compilation cache spares a fresh process the *compilation* of the
-guard's programs, not their *tracing*: the cell bound (five refinement levels), the
-early reject, the closed-form tier and the proposal are traced again by every process,
-seconds of Python per `jaxguard compress`.  `call(fn, *args, **static)` runs a jitted
-kernel through a serialized `jax.export.Exported` of it when a cache directory is
-enabled (the CLI enables one next to its XLA cache): the first process exports and
-stores it, later ones deserialize it (no tracing; the executable itself still comes from
-the XLA cache).  Beside each artifact the compiled executable is kept too (``exe/``,
-`jax.experimental.serialize_executable`), keyed also by this CPU's model and feature
-flags (XLA compiles for the host's instruction set): a later process on the same kind of
-machine loads it directly, skipping the lowering of the exported module, the XLA cache
-lookup and the LAPACK initialisation the lowering triggers (about 1 s of every
-`jaxguard compress`, measured at commit 729597b).  With no directory enabled, or without the
-``flatbuffers`` package jax needs to serialize, it is exactly ``fn(*args, **static)``.
+A fresh process pays for every guard kernel it runs: tracing, lowering and XLA's
+compilation, about 0.1-3 s each (a dozen kernels for the smallest state).  `call(fn,
+*args, **static)` runs a jitted kernel of the core through its compiled executable,
+stored on disk by the first process that needed it (`jax.experimental.serialize_executable`)
+and loaded by every later one: no tracing, no lowering, no compilation.  `prepare`
+obtains many kernels at once, their compilations on a thread each (XLA compiles outside
+the interpreter lock), before the encode runs them.
+
+The cache is on by default for the library and the CLI alike, in
+``$XDG_CACHE_HOME/jaxguard/programs`` (``~/.cache/jaxguard/programs``), bounded by
+``JAXGUARD_PROGRAM_CACHE_MB`` megabytes (`DEFAULT_MB`; the least recently used go first,
+`prune`); ``JAXGUARD_PROGRAM_CACHE_MB=0`` turns it off (every process compiles, as `fn`
+does), a negative value lifts the bound.  `enable` points it elsewhere or turns it off
+for this process.
 
 Numerical contract
 ------------------
-The exported module is the StableHLO of ``jax.jit(fn)`` lowered for these argument
-shapes and dtypes on this backend, so it computes what ``fn`` computes; the key of an
-artifact names the kernel, the argument tree, shapes, dtypes and static arguments, the
-backend, the jax/jaxlib versions, the machine and a hash of every source file of
-`jaxguard.core`, so a changed bound, another install or another device never reuses a
-stale program.  A stored executable is the compilation of that same module, so it
-computes the same bits; one that fails to load or to run on these arguments is not
-used (the exported module runs instead).  tests/test_programs.py checks bitwise equality with the direct call.
+A stored executable is XLA's compilation of ``jax.jit(fn)`` lowered for these argument
+shapes and dtypes on this backend, so it computes what ``fn`` computes, bit for bit
+(tests/test_programs.py).  Its key names the kernel, the argument tree, shapes, dtypes and
+static arguments, the backend, the jax/jaxlib versions, a hash of every source file of
+`jaxguard.core` (a changed bound never reuses a stale program), and this CPU's model,
+feature flags and ``XLA_FLAGS`` (XLA compiles for the host's instruction set and options).
+A file is used only if it is this user's, writable by no one else (it holds a pickle), its
+SHA-256 matches its contents and the key written inside it is the one looked up; anything
+else (a damaged, truncated, foreign or renamed entry) is ignored and replaced, as is one
+that loads but fails on its first call.  With the cache off, or on any failure of it, the
+call is exactly ``fn(*args, **static)``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import os
 import platform
-import tempfile
 import threading
 
-_state = {"dir": None, "programs": {}, "broken": False, "max_bytes": None, "prune_root": None, "pruned": False}
-# one lock per program: the encode threads start on the same kernels at once, and each
-# loaded its own copy of the executable (6 of 45 loads of a GPT-2 compress, 0.5 s CPU)
+from jaxguard.errors import ConfigError
+
+CACHE_ENV = "JAXGUARD_PROGRAM_CACHE_MB"
+DEFAULT_MB = 512   # ~30 MB of executables a jaxguard/jax version and machine (GPT-2's compress loads ~25)
+SUFFIX = ".xla"
+MAGIC = b"jaxguard-program-1\n"
+STALE_TMP_SECONDS = 24 * 3600   # a ``.tmp`` older than this was left by a killed process
+
+_DEFAULT = object()   # `enable` not called: the environment decides at first use
+_state = {"dir": _DEFAULT, "programs": {}, "plans": set(), "max_bytes": None, "prune_root": None, "pruned": False}
+# one lock per program: the encode threads and `prepare` start on the same kernels at once,
+# and each loaded its own copy of the executable (6 of 45 loads of a GPT-2 compress, 0.5 s CPU)
 _loading: dict = {}
 _loading_lock = threading.Lock()
 
 
-def enable(directory, *, max_bytes=None, prune_root=None) -> None:
-    """Keep exported kernels under `directory` (created on first write); None disables.
+def cache_bytes() -> int | None:
+    """The cache's bound from ``JAXGUARD_PROGRAM_CACHE_MB``.
+
+    Returns:
+      Bytes (default `DEFAULT_MB` MB), 0 (no cache) or None (unbounded: a negative value).
+
+    Raises:
+      ConfigError: the variable is not an integer (one line naming it and the fix).
+    """
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MB << 20
+    try:
+        mb = int(raw)
+    except ValueError:
+        raise ConfigError(f"{CACHE_ENV}={raw!r} is not an integer; set megabytes (default {DEFAULT_MB}, "
+                          "0 for no program cache, -1 for no bound)") from None
+    return None if mb < 0 else mb << 20
+
+
+def cache_root() -> str:
+    """Returns: the directory every version's programs live under (``$XDG_CACHE_HOME``
+    or ``~/.cache``, then ``jaxguard/programs``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxguard", "programs")
+
+
+def enable(directory=_DEFAULT, *, max_bytes=None, prune_root=None) -> None:
+    """Keep compiled kernels under `directory` (created on first write); None disables;
+    no argument: the default (`cache_root`, bounded by ``JAXGUARD_PROGRAM_CACHE_MB``).
 
     Args:
-      directory: a local directory, or None.
+      directory: a local directory, None, or nothing (the default cache).
       max_bytes: bound the cache's files to this many bytes (None: unbounded).  Every
-        artifact a process uses has its modification time renewed; the first process that
+        program a process uses has its modification time renewed; the first process that
         stores a new one (a new jaxguard, jax or machine: a compile) then removes the
         least recently used ones until the cache holds 3/4 of `max_bytes` (`prune`).
       prune_root: the directory that bound applies to (default `directory`), e.g. the
         parent of several versions' directories.
+
+    Raises:
+      ConfigError: no directory given and ``JAXGUARD_PROGRAM_CACHE_MB`` is not an integer.
     """
+    if directory is _DEFAULT:
+        limit = cache_bytes()
+        root = cache_root()
+        directory = None if limit == 0 else os.path.join(root, _version_tag())
+        max_bytes, prune_root = limit, root
     _state["dir"] = None if directory is None else os.fspath(directory)
     _state["max_bytes"] = max_bytes
     _state["prune_root"] = None if prune_root is None else os.fspath(prune_root)
     _state["pruned"] = False
     _state["programs"].clear()
+    _state["plans"].clear()
 
 
-ARTIFACT_SUFFIXES = (".jaxexport", ".xla")
-STALE_TMP_SECONDS = 24 * 3600   # a ``.tmp`` older than this was left by a killed process
+def _version_tag() -> str:
+    import jax
+    import jaxlib
+    return f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{platform.machine()}"
+
+
+def enabled() -> bool:
+    """Whether `call` goes through stored executables (the default, read from the
+    environment at first use, unless `enable` said otherwise)."""
+    if _state["dir"] is _DEFAULT:
+        enable()
+    return _state["dir"] is not None
 
 
 def prune(root, max_bytes: int, *, keep_fraction: float = 0.75) -> int:
-    """Remove the least recently used cache artifacts under `root` until they take at most
+    """Remove the least recently used programs under `root` until they take at most
     ``keep_fraction * max_bytes`` (nothing when they take no more than `max_bytes`).
 
-    Only this module's files are touched (``*.jaxexport``, ``*.xla``, and ``*.tmp`` left
-    for a day); the order is by modification time, which `call` renews on every use.  A
-    concurrent process that loses a file it was about to read exports it again.
+    Only this module's files are touched (``*.xla``, the ``*.jaxexport`` earlier versions
+    kept, and ``*.tmp`` left for a day); the order is by modification time, which
+    `call` renews on every use.  A concurrent process that loses a file it was about to
+    read compiles it again.
 
     Args:
       root: a directory (missing: nothing to do).
@@ -93,7 +153,7 @@ def prune(root, max_bytes: int, *, keep_fraction: float = 0.75) -> int:
                 continue
             if name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
                 removed += _remove(path, st.st_size)
-            elif name.endswith(ARTIFACT_SUFFIXES):
+            elif name.endswith((SUFFIX, ".jaxexport")):
                 files.append((st.st_mtime, st.st_size, path))
                 total += st.st_size
     if total <= max_bytes:
@@ -115,16 +175,8 @@ def _remove(path, size) -> int:
         return 0
 
 
-def _used(path) -> None:
-    """Renew `path`'s modification time: `prune` removes the least recently used first."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
 def _stored() -> None:
-    """After a new artifact was written: once a process, bound the cache (`enable`)."""
+    """After a new program was written: once a process, bound the cache (`enable`)."""
     if _state["max_bytes"] is None or _state["pruned"]:
         return
     _state["pruned"] = True
@@ -132,11 +184,6 @@ def _stored() -> None:
         prune(_state["prune_root"] or _state["dir"], _state["max_bytes"])
     except OSError:
         pass
-
-
-def enabled() -> bool:
-    """Whether `call` goes through exported programs."""
-    return _state["dir"] is not None and not _state["broken"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -168,9 +215,18 @@ def _host_tag() -> str:
     return hashlib.sha256(f"{platform.processor()}|{info}|{os.environ.get('XLA_FLAGS', '')}".encode()).hexdigest()[:16]
 
 
+def _fast_key(fn, args, static):
+    """(this process's key: hashable, no strings built, leaves, tree)."""
+    import jax
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    key = (fn, tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves),
+           tuple(sorted(static.items())))
+    return key, leaves, tree
+
+
 def call(fn, *args, **static):
-    """``fn(*args, **static)`` for a `jax.jit` kernel of the core, through its exported
-    program when `enable` set a directory.
+    """``fn(*args, **static)`` for a `jax.jit` kernel of the core, through its stored
+    executable while the cache is on (`enabled`), or the one `prepare` made ready.
 
     Args:
       fn: a jitted function of arrays (pytrees of arrays) with keyword-only static arguments.
@@ -180,77 +236,170 @@ def call(fn, *args, **static):
     Returns:
       What ``fn`` returns.
     """
-    if not enabled():
+    on = enabled()
+    if not on and not _loading:
         return fn(*args, **static)
-    import jax
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    # this process: hashable, no strings built (dtype objects, not their names)
-    fast_key = (fn, tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves),
-                tuple(sorted(static.items())))
-    prog = _state["programs"].get(fast_key)
+    key, leaves, tree = _fast_key(fn, args, static)
+    prog = _state["programs"].get(key)
     if prog is None:
-        with _loading_lock:
-            lock = _loading.setdefault(fast_key, threading.Lock())
-        with lock:
-            prog = _state["programs"].get(fast_key)
-            if prog is None:
-                avals = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
-                              for x in leaves)
-                key = (f"{fn.__module__}.{getattr(fn, '__qualname__', fn.__name__)}", str(tree), avals,
-                       tuple(sorted((k, repr(v)) for k, v in static.items())))
-                try:
-                    prog = _load_or_export(fn, key, leaves, tree, static)
-                except ImportError:   # no flatbuffers: jax cannot serialize; trace as before
-                    _state["broken"] = True
-                    return fn(*args, **static)
-                _state["programs"][fast_key] = prog
+        if not on and key not in _loading:   # not being prepared: jax's own dispatch
+            return fn(*args, **static)
+        prog = _program(fn, key, leaves, tree, static)
     return prog(*leaves)
 
 
-def _load_or_export(fn, key, leaves, tree, static):
-    """A jitted callable of the flat argument leaves (so the artifact's argument tree is
-    a plain tuple: the core's NamedTuples need no serialization registry)."""
-    name = hashlib.sha256((_code_tag() + repr(key)).encode()).hexdigest()[:40]
-    path = os.path.join(_state["dir"], name + ".jaxexport")
-    exe_path = os.path.join(_state["dir"], "exe", f"{name}-{_host_tag()}.xla")
-    loaded = _load_executable(exe_path)
+class Prepared:
+    """The kernels `prepare` is making ready on other threads: `wait` before returning
+    from the work that asked for them (no compilation outlives it)."""
+
+    def __init__(self, pool=None, futures=()):
+        self._pool, self._futures = pool, list(futures)
+
+    def wait(self) -> None:
+        """Block until every kernel is ready; re-raise nothing (a kernel that failed to
+        compile is compiled again, or fails, where it is called)."""
+        for fut in self._futures:
+            fut.exception()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def prepare(calls, *, key=None, wait=True) -> Prepared:
+    """Make every ``(fn, args, static)`` of `calls` ready to run: loaded from the cache, or
+    compiled (and stored) on a thread each, as many at once as this process has cores,
+    the caller's thread counted when it goes on (XLA compiles outside the interpreter lock).  A later `call` with the same kernel, shapes and
+    static arguments then neither traces nor compiles (one still being made ready waits
+    for it).  Only the arguments' shapes and dtypes matter while the cache is on; with it
+    off each kernel runs once on them instead (jax keeps the compilation).
+
+    Args:
+      calls: an iterable of ``(fn, args, static)`` (a jitted kernel, a tuple of array
+        arguments, a dict of static arguments), or a function returning one.
+      key: a hashable name of this set of calls: once prepared in this process (until
+        `enable` is called again), later calls with the same key return at once, without
+        building `calls`.
+      wait: False: return while the threads work (call `Prepared.wait` before the work
+        that asked for them ends); the calling thread goes on (e.g. with the kernels it
+        needs first, which it compiles itself).
+
+    Returns:
+      A `Prepared`.
+    """
+    if key is not None:
+        if key in _state["plans"]:
+            return Prepared()
+        _state["plans"].add(key)
+    on = enabled()
+    todo, seen = [], set()
+    for fn, args, static in (calls() if callable(calls) else calls):
+        fkey, leaves, tree = _fast_key(fn, args, static)
+        if fkey in seen or fkey in _state["programs"]:
+            continue
+        seen.add(fkey)
+        with _loading_lock:
+            _loading.setdefault(fkey, threading.Lock())
+        todo.append((fn, fkey, leaves, tree, static))
+
+    def ready(item):
+        fn, fkey, leaves, tree, static = item
+        _program(fn, fkey, leaves, tree, static, run=not on)
+
+    if not todo:
+        return Prepared()
+    # one thread a core, the caller's (which goes on compiling what it needs first) counted
+    workers = min(len(todo), max(1, _cores() - (0 if wait else 1)))
+    if wait and workers == 1:
+        for item in todo:
+            ready(item)
+        return Prepared()
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-compile")
+    handle = Prepared(pool, [pool.submit(ready, item) for item in todo])
+    if wait:
+        handle.wait()
+    return handle
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _program(fn, key, leaves, tree, static, run=False):
+    """The callable of the flat leaves for `key`, kept for this process: loaded, or
+    compiled and stored, while the cache is on; else (or where the cache cannot serve this
+    kernel) `fn` itself, run once on the leaves when `run` (jax compiles it then)."""
+    with _loading_lock:
+        lock = _loading.setdefault(key, threading.Lock())
+    with lock:
+        prog = _state["programs"].get(key)
+        if prog is None:
+            prog = None
+            if enabled():
+                try:
+                    prog = _load_or_compile(fn, key, leaves, tree, static)
+                except Exception:  # noqa: BLE001 - a cache is an optimisation only: the direct call runs
+                    prog = None
+            if prog is None:
+                prog = _direct(fn, tree, static)
+                if run:
+                    prog(*leaves)
+            _state["programs"][key] = prog
+    return prog
+
+
+def _direct(fn, tree, static):
+    import jax
+
+    def run(*leaves):
+        return fn(*jax.tree_util.tree_unflatten(tree, leaves), **static)
+    return run
+
+
+def _load_or_compile(fn, key, leaves, tree, static):
+    """A jitted callable of the flat argument leaves (so the stored program's argument
+    tree is a plain tuple: the core's NamedTuples need no serialization registry)."""
+    import jax
+    avals = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+    named = (f"{fn.__module__}.{getattr(fn, '__qualname__', fn.__name__)}", str(tree), avals,
+             tuple(sorted((k, repr(v)) for k, v in static.items())))
+    ident = f"{hashlib.sha256((_code_tag() + repr(named)).encode()).hexdigest()[:40]}-{_host_tag()}"
+    path = os.path.join(_state["dir"], ident + SUFFIX)
+
+    def flat(*xs):
+        return fn(*jax.tree_util.tree_unflatten(tree, xs), **static)
+    direct = jax.jit(flat)
+    loaded = _load_executable(path, ident)
     if loaded is not None:
-        _used(path)   # its fallback: kept as long as the executable is
-        return _with_fallback(loaded, lambda: _load_or_export_module(fn, path, leaves, tree, static))
-    jitted = _load_or_export_module(fn, path, leaves, tree, static)
-    compiled = _fresh_executable(jitted, leaves, exe_path)
-    if compiled is None:
-        return jitted
-    return _with_fallback(compiled, lambda: jitted)
+        return _with_fallback(loaded, direct, path)
+    return _with_fallback(_fresh_executable(flat, leaves, path, ident), direct)
 
 
-def _fresh_executable(jitted, leaves, exe_path):
-    """``jitted`` compiled anew for these leaves, stored when it survives a round trip.
+def _fresh_executable(flat, leaves, path, ident):
+    """``flat`` compiled for these leaves, and stored (unless this backend cannot
+    serialize it).
 
     An executable that jax's persistent XLA cache handed back serializes without its
     machine code (a later process fails with "Function ... not found"), so it is compiled
-    under a module name no cache holds; and it is only stored when its deserialized copy,
-    run on these very arguments, returns the same bits."""
+    under a module name no cache holds.  A stored program is not run here against its
+    deserialized copy: that costs a load (0.85 s for a small state's twelve programs), and
+    a copy that does not load or run is compiled again where it is used (`_with_fallback`)."""
     import time
 
     import jax
-    import numpy as np
     from jax.experimental import serialize_executable
 
     def fresh(*xs):
-        return jitted(*xs)
+        return flat(*xs)
     fresh.__name__ = fresh.__qualname__ = f"jaxguard_exe_{os.getpid()}_{time.time_ns()}"
+    compiled = jax.jit(fresh).lower(*_shapes(leaves)).compile()
     try:
-        compiled = jax.jit(fresh).lower(*_shapes(leaves)).compile()
         data = serialize_executable.serialize(compiled)
-        copy = serialize_executable.deserialize_and_load(*data)
-        want, got = (jax.tree_util.tree_leaves(f(*leaves)) for f in (compiled, copy))
-        if len(want) != len(got) or not all(np.array_equal(np.asarray(w).view(np.uint8), np.asarray(g).view(np.uint8))
-                                            for w, g in zip(want, got)):
-            return compiled
-    except Exception:  # noqa: BLE001 - the executable is an optimisation only
-        return None
-    _store_executable(exe_path, data)
+    except Exception:  # noqa: BLE001 - not every backend serializes executables: run it unstored
+        return compiled
+    _store_executable(path, ident, data)
     return compiled
 
 
@@ -259,83 +408,105 @@ def _shapes(leaves):
     return [jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)) for x in leaves]
 
 
-def _with_fallback(compiled, slow):
+def _with_fallback(compiled, slow, stored=None):
     """``compiled(*leaves)``; arguments it was not compiled for (a weakly typed scalar, a
-    leaf on another device) go through the jitted exported module instead."""
-    state = {}
+    leaf on another device) go through the jitted kernel instead.  A program loaded from
+    `stored` that fails on its first call is not used again, and its file is removed (the
+    next process compiles it anew)."""
+    state = {"first": stored is not None}
 
     def run(*leaves):
         if "slow" not in state:
             try:
-                return compiled(*leaves)
+                out = compiled(*leaves)
+                state["first"] = False
+                return out
             except (TypeError, ValueError):
-                state["slow"] = slow()
+                state["slow"] = slow
+            except Exception:  # noqa: BLE001 - a stored program that loaded but does not run
+                if not state["first"]:
+                    raise
+                state["slow"] = slow
+                _remove(stored, 0)
         return state["slow"](*leaves)
     return run
 
 
-def _load_executable(exe_path):
-    """The stored executable, or None.  It is a pickle (`serialize_executable`'s format), so
-    only a file of this user's that no one else may write is read."""
+def _load_executable(path, ident):
+    """The stored executable, or None (missing, not this user's alone, damaged, foreign)."""
     try:
-        st = os.stat(exe_path)
+        st = os.stat(path)
     except OSError:
         return None
     if (hasattr(os, "getuid") and st.st_uid != os.getuid()) or st.st_mode & 0o022:
         return None
     try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        body = unwrap_entry(raw, ident)
+        if body is None:
+            return None
         import pickle
 
         from jax.experimental import serialize_executable
-        with open(exe_path, "rb") as fh:
-            payload, in_tree, out_tree = pickle.load(fh)
+        payload, in_tree, out_tree = pickle.loads(body)
         loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
     except Exception:  # noqa: BLE001 - a damaged or foreign executable is rebuilt, never trusted
         return None
-    _used(exe_path)
+    _used(path)
     return loaded
 
 
-def _store_executable(exe_path, serialized):
+def wrap_entry(ident: str, body: bytes) -> bytes:
+    """A stored program's bytes: `MAGIC`, the key it is stored under, SHA-256 of both and `body`.
+
+    Args:
+      ident: the program's key (its file name less `SUFFIX`).
+      body: the serialized executable.
+
+    Returns:
+      The file's content.
+    """
+    head = MAGIC + ident.encode() + b"\n"
+    return head + hashlib.sha256(head + body).digest() + body
+
+
+def unwrap_entry(raw: bytes, ident: str):
+    """The body of a `wrap_entry` file, checked.
+
+    Args:
+      raw: a file's content.
+      ident: the key it was looked up under.
+
+    Returns:
+      The body if `raw` is a whole program stored under `ident` (its key and SHA-256
+      match), else None.
+    """
+    head = MAGIC + ident.encode() + b"\n"
+    if not raw.startswith(head) or len(raw) < len(head) + 32:
+        return None
+    digest, body = raw[len(head):len(head) + 32], raw[len(head) + 32:]
+    return body if hashlib.sha256(head + body).digest() == digest else None
+
+
+def _used(path) -> None:
+    """Renew `path`'s modification time: `prune` removes the least recently used first."""
     try:
-        import pickle
-        data = pickle.dumps(serialized)
-        os.makedirs(os.path.dirname(exe_path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(exe_path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, exe_path)
-    except Exception:  # noqa: BLE001 - not every backend serializes executables; a cache only
-        return
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _store_executable(path, ident, serialized) -> None:
+    import pickle
+
+    from jaxguard.errors import JaxguardError
+    from jaxguard.format import storage
+    try:
+        data = wrap_entry(ident, pickle.dumps(serialized))
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        # atomic (a concurrent process reads a whole file or none), not durable: a cache
+        storage.atomic_write_with(path, lambda fh: fh.write(data), durable=False, mode=0o600)
+    except (OSError, JaxguardError):
+        return   # a full disk, a read-only home: the program runs unstored
     _stored()
-
-
-def _load_or_export_module(fn, path, leaves, tree, static):
-    """``jax.jit`` of the exported module at `path`, exported and stored first if absent."""
-    import jax
-    from jax import export
-    exported = None
-    if os.path.exists(path):
-        try:
-            with open(path, "rb") as fh:
-                exported = export.deserialize(bytearray(fh.read()))
-            _used(path)
-        except ImportError:
-            raise
-        except Exception:  # noqa: BLE001 - a damaged artifact is rebuilt, never trusted
-            exported = None
-    if exported is None:
-        def flat(*xs):
-            return fn(*jax.tree_util.tree_unflatten(tree, xs), **static)
-        exported = export.export(jax.jit(flat))(*_shapes(leaves))
-        data = exported.serialize()
-        try:
-            os.makedirs(_state["dir"], exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=_state["dir"], suffix=".tmp")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)   # atomic: a concurrent process reads a whole file or none
-            _stored()
-        except OSError:
-            pass   # a cache is an optimisation only
-    return jax.jit(exported.call)

@@ -9,7 +9,8 @@ for s3fs/gcsfs).
 
 Local writes: a temporary file ``.<name>.<random>.tmp`` in the target directory, created
 with mode 0666 less the umask (as ``open(path, "wb")`` or ``torch.save`` would), fsync,
-``os.replace`` over the target, fsync of the directory.  A failure (a full disk, ...)
+``os.replace`` over the target, fsync of the directory (a cache's file, `durable` False:
+the rename without the fsyncs).  A failure (a full disk, ...)
 removes the temporary file and raises one `ContainerError` line; the target is untouched.
 A writer killed mid-write (SIGKILL, power loss) cannot remove its temporary file: the next
 successful write of the same target removes that target's temporary files left untouched
@@ -137,7 +138,11 @@ def _remove_stale_tmps(directory: str, name: str) -> None:
 
 
 def fsync_dir(directory: str) -> None:
-    """Make `directory`'s entries (a rename, a new file) durable (POSIX fsync of the directory)."""
+    """Make `directory`'s entries (a rename, a new file) durable (POSIX fsync of the directory).
+
+    Args:
+      directory: a local directory.
+    """
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -146,7 +151,11 @@ def fsync_dir(directory: str) -> None:
 
 
 def fsync_tree(root: str) -> None:
-    """fsync every file under `root`, then each directory, deepest entries included."""
+    """fsync every file under `root`, then each directory, deepest entries included.
+
+    Args:
+      root: a local directory.
+    """
     for here, _dirs, files in os.walk(root):
         for name in files:
             with open(os.path.join(here, name), "rb") as fh:
@@ -159,7 +168,8 @@ def _write_error(path, exc) -> ContainerError:
     return ContainerError(f"cannot write {path}: {why}; nothing was replaced (the previous file, if any, is intact)")
 
 
-def atomic_write_with(path, write, *, storage_options: dict | None = None) -> None:
+def atomic_write_with(path, write, *, storage_options: dict | None = None, durable: bool = True,
+                      mode: int = 0o666) -> None:
     """Write a file through ``write(fh)``, all-or-nothing (module docstring).
 
     Local: ``write(fh)`` fills a temporary file in the target directory (e.g.
@@ -170,6 +180,9 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
       path: a local path, ``file://`` URL or any fsspec URL.
       write: ``write(fh)`` writes the file's content to the binary file object `fh`.
       storage_options: keyword arguments for the fsspec filesystem (URLs only).
+      durable: fsync the file and its directory (local); False for a cache, which needs
+        the rename's all-or-nothing but not to survive a power loss.
+      mode: the new file's permissions, less the umask (local; 0o600: this user's only).
 
     Raises:
       ContainerError: the directory does not exist, or the write failed (one line with
@@ -186,13 +199,14 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
         raise ContainerError(f"output directory {directory} does not exist; create it first")
     tmp = os.path.join(directory, tmp_name(os.path.basename(path)))
     try:
-        # mode 0666 less the umask, as a plain open() would give (mkstemp's 0600 would not)
+        # mode 0666 less the umask by default, as a plain open() would give (mkstemp's 0600 would not)
         # read-write: a container writer reads its payload back for the trailer's SHA-256
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), mode)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -200,8 +214,9 @@ def atomic_write_with(path, write, *, storage_options: dict | None = None) -> No
         if isinstance(exc, OSError):
             raise _write_error(path, exc) from None
         raise
-    with contextlib.suppress(OSError):
-        fsync_dir(directory)
+    if durable:
+        with contextlib.suppress(OSError):
+            fsync_dir(directory)
     _remove_stale_tmps(directory, os.path.basename(path))
 
 
