@@ -720,7 +720,11 @@ KEPT_SECTIONS = "_sections"   # an encoding's sections as its codec built them: 
 
 def kept_sections(enc):
     """The sections the guard already built from exactly this encoding's arrays (its payload
-    stat; `jaxguard.core.codecs`), or None: the writer then does not build them again."""
+    stat; `jaxguard.core.codecs`), or None: the writer then does not build them again.
+
+    Args:
+      enc: an `Encoded` (its sections are kept only while its arrays are the very same objects).
+    """
     kept = getattr(enc, KEPT_SECTIONS, None)
     if (kept is not None and kept[0].keys() == enc.arrays.keys()
             and all(enc.arrays[k] is a for k, a in kept[0].items())):

@@ -125,7 +125,11 @@ def _decompressor():
 
 # ---------------------------------------------------------------- streams
 def frame_lengths(decoded: int) -> list:
-    """Decoded bytes of each frame of a stream of `decoded` bytes (``[]`` for none)."""
+    """Decoded bytes of each frame of a stream of `decoded` bytes (``[]`` for none).
+
+    Args:
+      decoded: the stream's decoded length in bytes.
+    """
     return [min(FRAME, decoded - s) for s in range(0, decoded, FRAME)]
 
 
@@ -151,7 +155,12 @@ def compress_frames(data, level: int = LEVEL) -> list:
 
 
 def join_frames(decoded: int, frames) -> np.ndarray:
-    """A stream's bytes from its frames (`compress_frames`) and decoded length."""
+    """A stream's bytes from its frames (`compress_frames`) and decoded length.
+
+    Args:
+      decoded: the stream's decoded length in bytes.
+      frames: the stored frames, in order (`compress_frames`).
+    """
     head = _varint(decoded) + b"".join(_varint(len(f)) for f in frames)
     if len(frames) == 1:
         return np.frombuffer(head + bytes(frames[0]), np.uint8)
@@ -323,13 +332,21 @@ def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STRE
 # ---------------------------------------------------------------- byte planes (float32 parameters)
 def to_planes(values) -> np.ndarray:
     """float32 values -> their little-endian bytes regrouped by plane (every value's byte 0,
-    then byte 1, 2, 3): the exponent bytes of similar values sit together."""
+    then byte 1, 2, 3): the exponent bytes of similar values sit together.
+
+    Args:
+      values: float32 values (any shape; taken in C order).
+    """
     b = np.ascontiguousarray(np.asarray(values, "<f4")).reshape(-1).view(np.uint8)
     return np.ascontiguousarray(b.reshape(-1, 4).T).reshape(-1)
 
 
 def from_planes(planes) -> np.ndarray:
-    """Inverse of `to_planes`: float32 values."""
+    """Inverse of `to_planes`: float32 values.
+
+    Args:
+      planes: the uint8 bytes `to_planes` returned.
+    """
     p = np.asarray(planes, np.uint8)
     return np.ascontiguousarray(p.reshape(4, -1).T).reshape(-1).view("<f4")
 
@@ -342,7 +359,12 @@ def _sqrt_derived(vp) -> bool:
 
 
 def block_widths(arrays, nb):
-    """(bm, bv) int64 per block: the ``widths`` array of a widened encoding, else all 8."""
+    """(bm, bv) int64 per block: the ``widths`` array of a widened encoding, else all 8.
+
+    Args:
+      arrays: the encoding's arrays (``widths`` present only when a block is widened).
+      nb: the number of blocks.
+    """
     w = arrays.get("widths")
     if w is None:
         full = np.full(nb, NARROW, np.int64)
@@ -438,7 +460,11 @@ def entry_sections(arrays, n: int, level: int = LEVEL, code_streams=None) -> dic
 
 
 def is_wide(arrays) -> bool:
-    """Whether an encoding has a block wider than 8 bits (a ``widths`` array not all 0x88)."""
+    """Whether an encoding has a block wider than 8 bits (a ``widths`` array not all 0x88).
+
+    Args:
+      arrays: the encoding's arrays.
+    """
     w = arrays.get("widths")
     return w is not None and bool((np.asarray(w, np.uint8) != NARROW_WIDTHS).any())
 
@@ -575,7 +601,13 @@ def _m_codes(low_m, what):
 
 def assemble(name, sections, payload, n, low_m, low_v) -> dict:
     """The fixed form of an entry from the decoded low bytes of its codes (`read_entry`;
-    the restore decodes large entries' code frames on its pool) and its other sections."""
+    the restore decodes large entries' code frames on its pool) and its other sections.
+
+    Args:
+      name, sections, payload, n: as for `read_entry`.
+      low_m, low_v: the low bytes of the m and v codes: decoded (uint8, n each) or still
+        framed (`FramedCodes`, decoded later by the caller's pool).
+    """
     pay = _bytes_view(payload)
     nb = max(1, -(-n // BLOCK))
 
