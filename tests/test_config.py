@@ -85,7 +85,7 @@ def test_codec_table_keys_are_the_registry_ids():
 
 def test_encoded_stats_survive_tree_map():
     m, v, p = _moments()
-    enc = G.encode(m, v, p, GuardConfig(lr=1e-3, step=10))
+    enc = G.encode(m, v, p, GuardConfig(lr=1e-3, step=10, codec="log8-rel"))   # fixed widths: no widths array
     leaves = jax.tree_util.tree_leaves(enc)
     assert any(x is enc.stats["escapes"] or (np.ndim(x) == 0 and x == enc.stats["escapes"]) for x in leaves)
     same = jax.tree_util.tree_map(lambda x: x, enc)

@@ -321,7 +321,7 @@ def test_device_route_keeps_escapes_exact_at_the_edges():
             p[30:33] = torch.tensor([float("nan"), float("inf"), 1e-42])
         originals[name] = (m, v)
         jobs.append((name, m, v, p))
-    cfg = GuardConfig(lr=1e-3, step=3)
+    cfg = GuardConfig(lr=1e-3, step=3, codec="log8-rel")   # the device route does not widen blocks (log8-rel-zstd)
     outs = {}
     for route in (True, False):
         recs = [writer.MomentJob(nm, encoder_view(m), encoder_view(v), encoder_view(p), cfg, {"param": nm})
@@ -360,7 +360,7 @@ def test_device_route_runs_again_when_a_level_or_the_escape_buffers_run_short(mo
     for p in (p for g in opt.param_groups for p in g["params"]):
         st = opt.state[p]
         items.append((encoder_view(st["exp_avg"]), encoder_view(st["exp_avg_sq"]), encoder_view(p.detach()),
-                      GuardConfig(lr=1e-3, step=1)))
+                      GuardConfig(lr=1e-3, step=1, codec="log8-rel")))   # as the device route proposes
     host = guard.encode_many([(np.asarray(m), np.asarray(v), np.asarray(p), c) for m, v, p, c in items])
     for k, val in (("MIN_CAPACITY", 1), ("LEVEL0_FRACTION", 1 << 30), ("LATER_CAPACITIES", (1, 1, 1, 1)),
                    ("ESCAPE_FRACTION", 1 << 30)):

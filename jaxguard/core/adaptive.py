@@ -266,6 +266,29 @@ WIDEN_ROWS = 64    # blocks proposed per call (padded): one compiled program for
 NARROW_WIDTHS = int(packed.join_widths(8, 8))
 
 
+def widen_calls(K):
+    """The ``(fn, args, static)`` of every program `widen_escaping_blocks` may run for a group
+    with constants `K` (`programs.prepare`): made ready at a state's first save, so a later
+    save whose blocks first escape enough to be widened compiles nothing.
+
+    Args:
+      K: the group's constants, a `bound.StepRow` of [G] arrays (as `certify.fast_accept`).
+
+    Returns:
+      A list of ``(fn, args, static)``: `propose_wide` on `WIDEN_ROWS` blocks and the
+      closed-form tier at both of its call sizes.
+    """
+    from jaxguard.core import bound, certify, fastbound
+    x = np.zeros((WIDEN_ROWS, codes.BLOCK), np.float32)
+    flags = np.zeros((WIDEN_ROWS, codes.BLOCK), bool)
+    calls = [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})]
+    Kf = bound.as_step_row(K, -1).as_float32(jnp)
+    for size in (certify.FAST_MIN_CHUNK, certify.FAST_CHUNK):
+        z, g = np.zeros(size, np.float32), np.zeros(size, np.int32)
+        calls.append((fastbound.batch_fast_accept, (Kf, g, z, z, z, z, z, z), {}))
+    return calls
+
+
 def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, certify_at,
                           pairs=WIDEN_PAIRS, min_escapes=WIDEN_FROM):
     """Blocks of a log8-rel proposal that escape at least `min_escapes` coordinates, proposed

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxguard.core import adaptive as _adaptive
 from jaxguard.core import bound as _bound
 from jaxguard.core import codecs as _codecs
 from jaxguard.core import codes
@@ -264,7 +265,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     mf, vf = mh, vh
     widths = fast = K = None
-    prepared = _programs.Prepared()
+    prepared = widening = _programs.Prepared()
     entry = _codecs.get(propose_codec)
     if entry.choose is not None:
         valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
@@ -298,6 +299,10 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
             # the tiers' programs compile on other threads while this one runs the proposal
             prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False)
+            if _codecs.get(codec).widen is not None:
+                # log8-rel-zstd's wider proposals: a later save whose blocks escape more compiles nothing
+                widening = _programs.prepare(lambda: _adaptive.widen_calls(K), key=("widen", K.keep.shape[0]),
+                                             wait=False)
             if bound == "shared" and partition == "mixed":
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
@@ -319,6 +324,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                                     fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
     prepared.wait()
+    widening.wait()
     mq, vq = mq.reshape(-1), vq.reshape(-1)
     widen = _codecs.get(codec).widen
     if widen is not None and certified and not any(cfg.joint for *_, cfg in items):
