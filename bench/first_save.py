@@ -82,10 +82,8 @@ else:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1000, 500), torch.nn.ReLU(), torch.nn.Linear(500, 1000))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(32, 1000)).pow(2).mean().backward()
-        opt.step()
+    for batch in torch.randn(3, 32, 1000):   # three steps
+        opt.zero_grad(), model(batch).pow(2).mean().backward(), opt.step()
     save = lambda path: torch_compat.save(path, opt)
 loads = [0, 0.0]
 try:   # count the stored programs a process loads (a tree without the cache has none)
