@@ -278,15 +278,10 @@ def widen_calls(K):
       A list of ``(fn, args, static)``: `propose_wide` on `WIDEN_ROWS` blocks and the
       closed-form tier at both of its call sizes.
     """
-    from jaxguard.core import bound, certify, fastbound
+    from jaxguard.core.certify import fast_accept_calls
     x = np.zeros((WIDEN_ROWS, codes.BLOCK), np.float32)
     flags = np.zeros((WIDEN_ROWS, codes.BLOCK), bool)
-    calls = [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})]
-    Kf = bound.as_step_row(K, -1).as_float32(jnp)
-    for size in (certify.FAST_MIN_CHUNK, certify.FAST_CHUNK):
-        z, g = np.zeros(size, np.float32), np.zeros(size, np.int32)
-        calls.append((fastbound.batch_fast_accept, (Kf, g, z, z, z, z, z, z), {}))
-    return calls
+    return [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})] + fast_accept_calls(K)
 
 
 def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, certify_at,

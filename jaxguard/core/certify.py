@@ -20,7 +20,7 @@ from __future__ import annotations
 
 __all__ = ["classify", "block_stats_valid", "v_positive", "device_masks", "device_classify", "certify",
            "FAST_TIER", "ADAPTIVE_TIER", "FAST_CELLS_TIER", "SIGNED_CELLS_TIER", "SIGNED_MARGIN",
-           "TIERED_FIRST_LEVEL", "FAST_CHUNK", "FAST_MIN_CHUNK", "fast_accept", "Stage", "stages", "stage_calls",
+           "TIERED_FIRST_LEVEL", "FAST_CHUNK", "FAST_MIN_CHUNK", "fast_accept", "fast_accept_calls", "Stage", "stages", "stage_calls",
            "prepare_stages", "certify_pc"]
 
 import dataclasses
@@ -198,6 +198,21 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
         mm, vv, mmt, vvt, pp, cc, gg = part
         out[s:e] = np.asarray(_programs.call(_fastbound.batch_fast_accept, K, gg, mm, vv, mmt, vvt, pp, cc))[:e - s]
     return out
+
+
+def fast_accept_calls(K):
+    """The ``(fn, args, static)`` of `fast_accept`'s program at both of its call sizes
+    (`programs.prepare`).
+
+    Args:
+      K: the group's constants, a `bound.StepRow` of [G] arrays.
+    """
+    K = _bound.as_step_row(K, -1).as_float32(jnp)
+    calls = []
+    for size in (FAST_MIN_CHUNK, FAST_CHUNK):
+        z, g = np.zeros(size, np.float32), np.zeros(size, np.int32)
+        calls.append((_fastbound.batch_fast_accept, (K, g, z, z, z, z, z, z), {}))
+    return calls
 
 
 @functools.lru_cache(maxsize=None)

@@ -266,6 +266,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     mf, vf = mh, vh
     widths = fast = K = None
     prepared = widening = _programs.Prepared()
+    # log8-rel-zstd: blocks that escape much are proposed again with wider codes
+    widen = _codecs.get(codec).widen if certified and not any(cfg.joint for *_, cfg in items) else None
     entry = _codecs.get(propose_codec)
     if entry.choose is not None:
         valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
@@ -299,8 +301,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
             # the tiers' programs compile on other threads while this one runs the proposal
             prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False)
-            if _codecs.get(codec).widen is not None:
-                # log8-rel-zstd's wider proposals: a later save whose blocks escape more compiles nothing
+            if widen is not None:   # a later save whose blocks escape more compiles nothing
                 widening = _programs.prepare(lambda: _adaptive.widen_calls(K), key=("widen", K.keep.shape[0]),
                                              wait=False)
             if bound == "shared" and partition == "mixed":
@@ -326,9 +327,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     prepared.wait()
     widening.wait()
     mq, vq = mq.reshape(-1), vq.reshape(-1)
-    widen = _codecs.get(codec).widen
-    if widen is not None and certified and not any(cfg.joint for *_, cfg in items):
-        # log8-rel-zstd: blocks that escape much, proposed again with wider codes
+    if widen is not None:
         mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths = widen(
             mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of,
             lambda idx, a, b: certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx],
