@@ -125,7 +125,8 @@ def die():
 
 
 def inject(fault):
-    real_with, real_files, real_remove = storage.atomic_write_with, sharded.write_process_files, sharded.remove_unnamed
+    from jaxguard.sharded import commit   # the module whose calls the faults replace
+    real_with, real_files, real_remove = storage.atomic_write_with, commit.write_process_files, commit.remove_unnamed
 
     def half_then_die(write):
         def w(fh):
@@ -158,11 +159,11 @@ def inject(fault):
         from jaxguard.core import guard
         guard.encode_many = lambda *a, **k: die()
     elif fault == "kill_before_write":
-        sharded.write_process_files = lambda *a, **k: die()
+        commit.write_process_files = lambda *a, **k: die()
     elif fault == "kill_after_files":
-        sharded.write_process_files = lambda *a, **k: (real_files(*a, **k), die())
+        commit.write_process_files = lambda *a, **k: (real_files(*a, **k), die())
     elif fault == "kill_after_manifest":
-        sharded.remove_unnamed = lambda *a, **k: die()
+        commit.remove_unnamed = lambda *a, **k: die()
     del real_remove
 
 

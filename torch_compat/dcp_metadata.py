@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from jaxguard.errors import CheckpointError
+from jaxguard.format.manifest import check_tiling, is_count, is_counts
 
 MAX_METADATA_BYTES = 1 << 31
 _MD_CLASSES = {"Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
@@ -55,14 +56,6 @@ def _show(x) -> str:
         return str(x)[:60]
     except Exception:  # noqa: BLE001
         return f"a malformed {type(x).__name__}"
-
-
-def _nat(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
-
-
-def _nats(xs, n=None) -> bool:
-    return isinstance(xs, (list, tuple)) and (n is None or len(xs) == n) and all(_nat(x) for x in xs)
 
 
 def _paths_ok(paths) -> bool:
@@ -154,27 +147,24 @@ def _check_metadata(md, f) -> None:
         if not isinstance(getattr(props, "dtype", None), torch.dtype):
             bad(f"{k!r} has no torch dtype")
         size, chunks = getattr(v, "size", None), getattr(v, "chunks", None)
-        if not _nats(size) or not isinstance(chunks, list):
+        if not is_counts(size) or not isinstance(chunks, list):
             bad(f"{k!r} has size {_show(size)} / chunks {type(chunks).__name__}")
-        for c in chunks:
-            off, sz = getattr(c, "offsets", None), getattr(c, "sizes", None)
-            if not isinstance(c, _md.ChunkStorageMetadata) or not _nats(off, len(size)) or not _nats(sz, len(size)) \
-                    or any(o + s > d for o, s, d in zip(off, sz, size)):
-                bad(f"{k!r} has a chunk {_show(c)} outside its size {list(size)}")
-        if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
-            bad(f"the chunks of {k!r} do not cover its size {list(size)} once")
+        if not all(isinstance(c, _md.ChunkStorageMetadata) for c in chunks):
+            bad(f"{k!r} has a chunk record of another type")
+        check_tiling(f, k, list(size), [(f"{k}@{_show(getattr(c, 'offsets', None))}", getattr(c, "offsets", None),
+                                         getattr(c, "sizes", None)) for c in chunks])
     sd = getattr(md, "storage_data", None)
     if not isinstance(sd, dict):
         bad("storage_data is not a dict")
     for idx, info in sd.items():
         if not isinstance(idx, _md.MetadataIndex) or not isinstance(getattr(idx, "fqn", None), str) \
-                or idx.fqn not in sdm or not hasattr(idx, "offset") or not (idx.offset is None or _nats(idx.offset)):
+                or idx.fqn not in sdm or not hasattr(idx, "offset") or not (idx.offset is None or is_counts(idx.offset)):
             bad(f"storage_data names {_show(idx)}, which state_dict_metadata does not hold")
         rel = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or not rel or rel in (".", "..") \
                 or os.path.basename(rel) != rel or "\\" in rel or "\0" in rel:
             bad(f"storage for {idx.fqn!r} is in {str(rel)[:60]!r}, not a file of this directory")
-        if not _nat(getattr(info, "offset", None)) or not _nat(getattr(info, "length", None)):
+        if not is_count(getattr(info, "offset", None)) or not is_count(getattr(info, "length", None)):
             bad(f"storage for {idx.fqn!r} has offset {str(getattr(info, 'offset', None))[:20]} / length "
                 f"{str(getattr(info, 'length', None))[:20]}")
         if getattr(info, "transform_descriptors", None) not in (None, [], ()):
@@ -240,7 +230,7 @@ def check_manifest(man, metadata) -> None:
                                                            for x in p):
                 bad(f"entry {str(prefix)[:60]!r} has no {k}")
         shape, shards = e.get("shape"), e.get("shards")
-        if not _nats(shape) or not isinstance(shards, list):
+        if not is_counts(shape) or not isinstance(shards, list):
             bad(f"entry {str(prefix)[:60]!r} has shape {str(shape)[:40]} / shards {type(shards).__name__}")
         p = sdm.get(e["param_key"]) if isinstance(e.get("param_key"), str) else None
         if not isinstance(p, _md.TensorStorageMetadata) or list(p.size) != shape:
@@ -248,14 +238,11 @@ def check_manifest(man, metadata) -> None:
         maps += [e["m_path"], e["v_path"]]
         for s in shards:
             if not isinstance(s, dict) or not isinstance(s.get("key"), str) or s["key"] not in sdm \
-                    or not _nats(s.get("offsets"), len(shape)) or not _nats(s.get("sizes"), len(shape)) \
-                    or any(o + n > d for o, n, d in zip(s["offsets"], s["sizes"], shape)) or not _nat(s.get("bytes")) \
+                    or not is_count(s.get("bytes")) \
                     or not all(isinstance(s.get(k), str) for k in ("sha256", "decoded_sha256")) \
                     or not isinstance(s.get("stats"), dict) \
-                    or not all(_nat(s["stats"].get(k)) for k in ("coordinates", "escapes", "payload_bytes")):
-                bad(f"entry {str(prefix)[:60]!r} has a shard record {str(s)[:60]!r} that is incomplete or "
-                    "outside the moment")
-        if sum(math.prod(s["sizes"]) for s in shards) != math.prod(shape):
-            bad(f"entry {str(prefix)[:60]!r}: its shards do not cover the shape {shape[:8]} once")
+                    or not all(is_count(s["stats"].get(k)) for k in ("coordinates", "escapes", "payload_bytes")):
+                bad(f"entry {str(prefix)[:60]!r} has a shard record {str(s)[:60]!r} that is incomplete")
+        check_tiling("the jaxguard manifest in .metadata", str(prefix), shape, [(s["key"], s.get("offsets"), s.get("sizes")) for s in shards])
     if not _paths_ok(maps):
         bad("holds moment paths that do not form one state_dict with the other items")

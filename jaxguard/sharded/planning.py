@@ -1,0 +1,247 @@
+"""Planning a sharded save: what every leaf of an optax state becomes (a moment pair certified
+per shard, or a raw leaf), each process's shard records, and the container bytes and index of
+its file.  `plan_local` is the entry the sharded save, the orbax handler and the jitted hook share."""
+from __future__ import annotations
+
+__all__ = ["plan_state", "encode_local", "build_local", "param_leaves", "first_op_model", "common_meta"]
+
+import dataclasses
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxguard import audit, optax_state, writer
+from jaxguard.core.config import GuardConfig, save_spec
+from jaxguard.format import container, reader
+from jaxguard.format.manifest import file_name
+from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted
+from jaxguard.errors import CheckpointError
+from jaxguard.sharded.processes import aligned, host_scalars, local_shards
+
+
+# ---------------------------------------------------------------- plan (what every leaf becomes)
+def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
+               op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
+    """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
+    names as `optax_adapter.state_records`, without touching any array's data.
+
+    A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
+    name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16"), site (its
+    Adam site's index).  A pair whose next learning rate is 0 is no pair: its mu and nu
+    are raw leaves, stored exactly (their leaf records say why).
+
+    Args:
+      opt_state, params, lr, weight_decay, betas, eps, op_model, tx, uncertifiable: as
+        `jaxguard.save`.
+      spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
+      prefix: the entry-name prefix of the state's leaves.
+      fixed: the next updates resolved already (`optax_state.plan_updates`).
+
+    Returns:
+      ``(sites meta, moment pairs, leaves meta, treedef string)``; the leaf record of a
+      moment stored exactly says why (``"why"``).
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError, ConfigError: as
+        `optax_adapter.state_records` (no Adam state, mismatched params, dtypes, lr).
+    """
+    spec = save_spec(spec)
+    hstate = host_scalars(opt_state)
+    sites = find_adam_states(hstate)
+    if not sites:
+        raise CheckpointError(NO_ADAM)
+    plans = optax_state.plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                                     op_model=op_model, tx=tx, sites=sites, fixed=fixed, uncertifiable=uncertifiable)
+    oflat = flat_by_dotted(opt_state, "opt_state")
+    exact = optax_state.exact_reasons(plans)
+    roles, pairs, sites_meta = {}, [], []
+    for si, plan in enumerate(plans):
+        sites_meta.append({**plan.meta(spec), "count_path": plan.site.leaf_path("count")})
+        for pair, update in plan.pairs:
+            mfull, nfull = pair.mu_path, pair.nu_path
+            if update.stores_exactly:
+                roles[mfull] = roles[nfull] = ("raw", None)
+                continue
+            ename = f"{prefix}/moments/{mfull}"
+            mode = "coded" if pair.mu_dtype == "float32" else "raw-bfloat16"
+            pairs.append({"entry": ename, "mu": oflat[mfull], "nu": oflat[nfull], "p": pair.p, "mu_path": mfull,
+                          "nu_path": nfull, "param": pair.param, "config": GuardConfig.from_update(spec, update),
+                          "mu_mode": mode, "site": si})
+            roles[nfull] = ("nu", ename)
+            roles[mfull] = ("mu", ename) if mode == "coded" else ("raw", f"{prefix}/{mfull}")
+    leaves = []
+    for d, leaf in oflat.items():
+        kind, ename = roles.get(d, ("raw", f"{prefix}/{d}"))
+        rec = {"path": d, "kind": kind, "entry": ename or f"{prefix}/{d}", "dtype": dtype_name(leaf),
+               "shape": list(np.shape(leaf))}
+        if d in exact:
+            rec["why"] = exact[d]
+        leaves.append(rec)
+    treedef = jax.tree_util.tree_structure(opt_state)
+    return sites_meta, pairs, leaves, str(treedef)
+
+
+# ---------------------------------------------------------------- writing one process's file
+def _shard_name(entry, start):
+    return f"{entry}@{','.join(str(s) for s in start)}"
+
+
+def _entry_range(e):
+    rngs = [e["offsets"]] if e["kind"] == "raw" else list(e["sections"].values())
+    return min(r[0] for r in rngs), max(r[1] for r in rngs)
+
+
+def _rebased(e, b):
+    e = json.loads(json.dumps(e))
+    if e["kind"] == "raw":
+        e["offsets"] = [e["offsets"][0] - b, e["offsets"][1] - b]
+    else:
+        e["sections"] = {k: [r[0] - b, r[1] - b] for k, r in e["sections"].items()}
+    return e
+
+
+def _renamed(record, name):
+    return dataclasses.replace(record, name=name) if isinstance(record, writer.MomentJob) else record._replace(name=name)
+
+
+def build_local(items, totals, *, process, extra_header):
+    """Encode one process's shards (the one writer, `jaxguard.writer`) and build its
+    container bytes and index (per shard: global placement, byte range, SHA-256).
+
+    Args:
+      items: [(entry, start, record)]: a writer record (`MomentJob`, `Raw`, or an
+        encoded `Moments`) per shard, renamed here to the shard's entry name.
+      totals: this process's totals (`jaxguard.writer.new_totals()`), added to in place
+        and stored in the index.
+      process: this process's index (names the file).
+      extra_header: top-level header fields (op_model, tau, clip, codec).
+
+    Returns:
+      ``(container bytes, index dict)``.
+    """
+    records, placement = [], {}
+    for entry, start, record in items:
+        name = _shard_name(entry, start)
+        records.append(_renamed(record, name))
+        placement[name] = (entry, list(start))
+    meta = {"framework": "optax-shards", "process": process,
+            "shards": [{"name": n, "entry": e, "start": s} for n, (e, s) in placement.items()]}
+    data, summ = writer.to_bytes(records, meta, extra_header=extra_header)
+    audit.add_stats(totals, summ)
+    _, _, _, hlen = reader.PREFIX.unpack_from(data, 0)
+    header = json.loads(bytes(data[reader.PREFIX.size:reader.PREFIX.size + hlen]))
+    base = reader.PREFIX.size + hlen
+    view = memoryview(data)
+    shards = []
+    for e in header["entries"]:
+        b, end = _entry_range(e)
+        entry, start = placement[e["name"]]
+        shards.append({"entry": entry, "start": start, "shape": e["shape"], "name": e["name"],
+                       "range": [base + b, base + end], "sha256": hashlib.sha256(view[base + b:base + end]).hexdigest(),
+                       "header": _rebased(e, b)})
+    tables = {k: {"range": [base + r[0], base + r[1]],
+                  "sha256": hashlib.sha256(view[base + r[0]:base + r[1]]).hexdigest()}
+              for k, r in header.get("tables", {}).items()}
+    index = {"file": file_name(process), "bytes": len(data), "sha256": data[-reader.TRAILER:].hex(),
+             "shards": shards, "tables": tables, "totals": totals}
+    return data, index
+
+
+def encode_local(pairs, leaves, opt_state, params, *, include_params=False, primary=0):
+    """This process's shard records: every replica-0 shard it holds (moment pairs as
+    `MomentJob`s against the same shard of their parameter, other leaves `Raw`); the
+    encoding itself happens in `build_local`.
+
+    Args:
+      pairs, leaves: from `plan_state`.
+      opt_state, params: the trees `plan_state` was given.
+      include_params: also store the params' shards.
+      primary: the process that writes host leaves.
+
+    Returns:
+      ``(items for build_local, zeroed totals, param names)``.
+    """
+    oflat = flat_by_dotted(opt_state, "opt_state")
+    items, coded = [], []     # float32 pairs after the bfloat16-mu ones (the order files have always had)
+    done = set()
+    for pr in pairs:
+        mu = pr["mu"]
+        nu_s, p_s = aligned(pr["nu"], mu), aligned(pr["p"], mu)
+        for dev, start, mdata in local_shards(mu, primary):
+            if dev is None:
+                nd, pd = nu_s, p_s
+            else:
+                nd, pd = nu_s[dev], p_s[dev]
+            m, v, p = np.asarray(mdata), np.asarray(nd), np.asarray(pd)
+            if pr["mu_mode"] == "coded":
+                coded.append((pr["entry"], start, writer.MomentJob(pr["entry"], m, v, p, pr["config"],
+                                                                   {"param": pr["param"]})))
+            else:
+                items.append((f"state/{pr['mu_path']}", start, writer.Raw("", m, "bfloat16")))
+                m32 = np.asarray(jnp.asarray(m).astype(jnp.float32))
+                items.append((pr["entry"], start, writer.MomentJob(pr["entry"], m32, v, p, pr["config"],
+                                                                   {"param": pr["param"]}, mu="exact")))
+        done.update({pr["mu_path"], pr["nu_path"]})
+    items += coded
+    for leaf in leaves:
+        if leaf["path"] in done:
+            continue
+        for _, start, data in local_shards(oflat[leaf["path"]], primary):
+            arr = np.asarray(data)
+            items.append((leaf["entry"], start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
+    param_names = []
+    if include_params:
+        for name, x in flat_by_dotted(params, "params").items():
+            param_names.append(name)
+            for _, start, data in local_shards(x, primary):
+                arr = np.asarray(data)
+                items.append((f"params/{name}", start, writer.Raw("", arr, container.numpy_dtype_name(arr))))
+    return items, audit.new_totals(), param_names
+
+
+def param_leaves(params) -> list:
+    """The manifest records of `params`' leaves (metadata only, no data is read).
+
+    Args:
+      params: the params pytree saved beside the optimizer state.
+
+    Returns:
+      One dict per leaf in flattening order: ``path`` (dotted), ``entry``
+      (``"params/<path>"``, the container entry), ``dtype`` (name) and ``shape`` (list).
+    """
+    return [{"path": n, "entry": f"params/{n}", "dtype": dtype_name(x), "shape": list(np.shape(x))}
+            for n, x in flat_by_dotted(params, "params").items()]
+
+
+def first_op_model(sites_meta):
+    """The op model the header names: the first site's with a certified pair.
+
+    Args:
+      sites_meta: from `plan_state`.
+
+    Returns:
+      The op model, or None when every moment is stored exactly.
+    """
+    return next((sm["config"]["op_model"] for sm in sites_meta if sm.get("config")), None)
+
+
+def common_meta(sites_meta, leaves, treedef, *, tau, clip, codec, params_meta=None):
+    """The meta every process's file and the manifest share.
+
+    Args:
+      sites_meta, leaves, treedef: from `plan_state`.
+      tau, clip, codec: the save's contract and codec.
+      params_meta: the params' leaf records, when they are stored.
+
+    Returns:
+      {"framework": "optax", "state", "op_model", "tau", "clip", "codec", "jax_version"[, "params"]}.
+    """
+    c = {"framework": "optax", "state": {"leaves": leaves, "sites": sites_meta, "treedef": treedef},
+         "op_model": first_op_model(sites_meta), "tau": tau, "clip": clip, "codec": codec,
+         "jax_version": jax.__version__}
+    if params_meta:
+        c["params"] = params_meta
+    return c
