@@ -267,19 +267,15 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def _async_save_sharded(self, directory, args):
         spec = args.guard_spec()
-        sites_meta, pairs, leaves, treedef = _sharded.plan_state(args.opt_state, args.params, spec=spec,
-                                                                 fixed=args.next_updates)
+        plan = _sharded.plan_state(args.opt_state, args.params, spec=spec, fixed=args.next_updates)
         primary = self._primary_host or 0
-        items, totals, _ = _sharded.encode_local(pairs, leaves, args.opt_state, args.params,
-                                                 include_params=args.include_params, primary=primary)
-        items = [(entry, start, _host_record(rec)) for entry, start, rec in items]
-        extra = {"op_model": _sharded.first_op_model(sites_meta), "tau": spec.tau, "clip": spec.clip,
-                 "codec": spec.codec}
+        local = _sharded.plan_local(plan, args.opt_state, args.params, spec=spec, include_params=args.include_params,
+                                    primary=primary)
+        items = [(entry, start, _host_record(rec)) for entry, start, rec in local.items]
+        totals, extra = local.totals, local.header
         pid = jax.process_index()
         save_id = _sharded.new_save_id(primary)   # a collective, here on the calling thread of every process
-        self._common[str(directory)] = (_sharded.common_meta(
-            sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
-            params_meta=_sharded.param_leaves(args.params) if args.include_params else None), save_id)
+        self._common[str(directory)] = (local.common, save_id)
 
         async def write():
             err = None

@@ -113,13 +113,14 @@ def element_count(shape, what: str) -> int:
 
 
 def check_tiling(source: str, name: str, shape, tiles) -> None:
-    """The one tiling rule of a stored leaf: every tile lies inside it and the tiles cover
-    it exactly once (their sizes add up to its size, and a leaf has at least one tile).
+    """The one tiling rule of a stored leaf: every tile lies inside it, no two tiles overlap,
+    and together they cover it (their sizes add up to its size; a leaf has at least one tile).
 
     Numerical contract
     ------------------
-    Exact integer arithmetic (Python ints): tiles that overlap and leave a gap of the same
-    size are not told apart here; every reader fills and counts the elements it assembles.
+    Exact integer arithmetic (Python ints) on the tiles' boxes: inside, pairwise disjoint and
+    of the leaf's total size is exactly "every element is stored once", so a reader that
+    assembles the leaf from its tiles fills every element and none twice.
 
     Args:
       source: what to name in the error (a file or directory).
@@ -128,8 +129,8 @@ def check_tiling(source: str, name: str, shape, tiles) -> None:
       tiles: ``[(tile name, start offsets, sizes)]``.
 
     Raises:
-      CheckpointError: a tile is malformed or outside the leaf, or the tiles do not cover it
-        once (one line naming the tile or the leaf).
+      CheckpointError: a tile is malformed or outside the leaf, two tiles overlap, or the
+        tiles do not cover it (one line naming the tiles or the leaf).
     """
     got = 0
     for tile, start, sizes in tiles:
@@ -142,6 +143,23 @@ def check_tiling(source: str, name: str, shape, tiles) -> None:
     if got != total or not tiles:
         raise CheckpointError(f"{source}: the shards of {name[:80]!r} hold {got} of its {total} elements; the "
                               "checkpoint is incomplete or its metadata corrupt (two processes wrote one shard?)")
+    _check_disjoint(source, name, tiles)
+
+
+def _check_disjoint(source, name, tiles):
+    """No two non-empty tiles share an element: a sweep along the first dimension compares a
+    tile only with the tiles whose rows it meets (one, for the usual row sharding)."""
+    boxes = sorted(((list(start), list(sizes), tile) for tile, start, sizes in tiles if math.prod(sizes)),
+                   key=lambda b: (b[0], b[1]))
+    open_boxes: list = []
+    for start, sizes, tile in boxes:
+        if start:
+            open_boxes = [b for b in open_boxes if b[0][0] + b[1][0] > start[0]]
+        for s2, z2, t2 in open_boxes:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(start, sizes, s2, z2)):
+                raise CheckpointError(f"{source}: shards {str(t2)[:80]!r} and {str(tile)[:80]!r} of {name[:80]!r} "
+                                      "overlap; the checkpoint's metadata is corrupt")
+        open_boxes.append((start, sizes, tile))
 
 
 def check_coverage(man: dict, source: str) -> None:

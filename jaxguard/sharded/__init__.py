@@ -46,7 +46,7 @@ from __future__ import annotations
 from __future__ import annotations
 
 __all__ = ["MANIFEST", "INDEX_SUFFIX", "file_name", "new_save_id", "is_sharded", "host_scalar",
-           "host_scalars", "shard_start", "local_shards", "plan_state", "build_local", "encode_local",
+           "host_scalars", "shard_start", "local_shards", "StatePlan", "LocalSave", "plan_state", "plan_local", "build_local", "encode_local",
            "param_leaves", "commit_manifest", "remove_unnamed", "check_files", "first_op_model",
            "common_meta", "write_process_files", "remove_process_files", "save", "prepare_directory",
            "write_and_commit", "read_manifest", "certified_configs", "load", "verify"]
@@ -54,6 +54,7 @@ __all__ = ["MANIFEST", "INDEX_SUFFIX", "file_name", "new_save_id", "is_sharded",
 from jaxguard.format.manifest import INDEX_SUFFIX, MANIFEST, check_files, file_name, read_manifest
 from jaxguard.sharded.commit import (commit_manifest, prepare_directory, remove_process_files, remove_unnamed, save,
                                      write_and_commit, write_process_files)
-from jaxguard.sharded.planning import build_local, common_meta, encode_local, first_op_model, param_leaves, plan_state
+from jaxguard.sharded.planning import (LocalSave, StatePlan, build_local, common_meta, encode_local, first_op_model,
+                                       param_leaves, plan_local, plan_state)
 from jaxguard.sharded.processes import host_scalar, host_scalars, local_shards, new_save_id, shard_start
 from jaxguard.sharded.reading import certified_configs, is_sharded, load, verify

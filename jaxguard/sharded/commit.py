@@ -20,7 +20,7 @@ from jaxguard.errors import CheckpointError
 from jaxguard.format import storage
 from jaxguard.format.manifest import (MANIFEST, SCHEMA, VERSION, check_coverage, check_files, file_name, index_name,
                                       is_manifest_tmp, owned_save_id, path_text, read_manifest)
-from jaxguard.sharded.planning import common_meta, build_local, encode_local, param_leaves, plan_state
+from jaxguard.sharded.planning import build_local, plan_local, plan_state
 from jaxguard.sharded.processes import barrier, failed_processes, new_save_id
 
 
@@ -207,20 +207,16 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     t0 = time.perf_counter()
     d = path_text(path)
     spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    sites_meta, pairs, leaves, treedef = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas,
-                                                    eps=eps, spec=spec, op_model=op_model, tx=tx,
-                                                    uncertifiable=uncertifiable)
+    plan = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
+                      op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     prepare_directory(d, primary)
     try:
-        items, totals, _ = encode_local(pairs, leaves, opt_state, params, include_params=include_params,
-                                        primary=primary)
+        local = plan_local(plan, opt_state, params, spec=spec, include_params=include_params, primary=primary)
     except jax.errors.JaxRuntimeError as exc:   # a collective of the certification failed: a process died
         raise CheckpointError(f"{d}: a collective failed while certifying the shards ({_first_line(exc)}); another "
                               "process of this job probably stopped; nothing was written, the previous "
                               "checkpoint there is kept") from None
-    common = common_meta(sites_meta, leaves, treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
-                         params_meta=param_leaves(params) if include_params else None)
-    return write_and_commit(d, items, totals, common, primary=primary, t0=t0)
+    return write_and_commit(d, local.items, local.totals, local.common, primary=primary, t0=t0)
 
 
 def prepare_directory(d, primary: int = 0) -> None:

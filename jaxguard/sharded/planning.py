@@ -3,11 +3,13 @@ per shard, or a raw leaf), each process's shard records, and the container bytes
 its file.  `plan_local` is the entry the sharded save, the orbax handler and the jitted hook share."""
 from __future__ import annotations
 
-__all__ = ["plan_state", "encode_local", "build_local", "param_leaves", "first_op_model", "common_meta"]
+__all__ = ["StatePlan", "LocalSave", "plan_state", "plan_local", "encode_local", "build_local", "param_leaves",
+           "first_op_model", "common_meta"]
 
 import dataclasses
 import hashlib
 import json
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,27 @@ from jaxguard.sharded.processes import aligned, host_scalars, local_shards
 
 
 # ---------------------------------------------------------------- plan (what every leaf becomes)
+class StatePlan(NamedTuple):
+    """What every leaf of an optax state becomes (`plan_state`); no array's data is read."""
+    sites: list       # one meta dict per Adam site (its next update, its guard config, its count's path)
+    pairs: list       # the moment pairs certified per shard (dicts: entry, mu, nu, p, config, mu_mode, ...)
+    leaves: list      # one record per state leaf: path, kind (mu / nu / raw), entry, dtype, shape[, why]
+    treedef: str      # the state's tree structure
+
+
+@dataclasses.dataclass
+class LocalSave:
+    """One process's share of a sharded save, ready to write (`plan_local`)."""
+    items: list       # [(entry, global start, writer record)] for `build_local`
+    totals: dict      # this process's totals, zeroed (`build_local` adds to them)
+    common: dict      # the meta every process's file and the manifest share (`common_meta`)
+
+    @property
+    def header(self) -> dict:
+        """The top-level header fields of this process's container (op_model, tau, clip, codec)."""
+        return {k: self.common[k] for k in ("op_model", "tau", "clip", "codec")}
+
+
 def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
                op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
     """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
@@ -41,8 +64,8 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
       fixed: the next updates resolved already (`optax_state.plan_updates`).
 
     Returns:
-      ``(sites meta, moment pairs, leaves meta, treedef string)``; the leaf record of a
-      moment stored exactly says why (``"why"``).
+      A `StatePlan` (sites meta, moment pairs, leaves meta, treedef string); the leaf
+      record of a moment stored exactly says why (``"why"``).
 
     Raises:
       CheckpointError, UnsupportedOptimizerError, ConfigError: as
@@ -81,7 +104,31 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
             rec["why"] = exact[d]
         leaves.append(rec)
     treedef = jax.tree_util.tree_structure(opt_state)
-    return sites_meta, pairs, leaves, str(treedef)
+    return StatePlan(sites_meta, pairs, leaves, str(treedef))
+
+
+def plan_local(plan: StatePlan, opt_state, params, *, spec, include_params=False, primary=0) -> LocalSave:
+    """This process's shard records and the save's shared meta: the planner's entry for every
+    writer of a sharded directory (`jaxguard.sharded.save`, the orbax handler).
+
+    Args:
+      plan: from `plan_state` of the same trees.
+      opt_state, params: the trees `plan` was made from.
+      spec: the save's `GuardSpec` (its tau, clip and codec go into the meta).
+      include_params: also store the params' shards (and their leaf records).
+      primary: the process that writes host leaves.
+
+    Returns:
+      A `LocalSave`.
+
+    Raises:
+      jax.errors.JaxRuntimeError: a collective of the certification failed (a process died).
+    """
+    items, totals, _ = encode_local(plan.pairs, plan.leaves, opt_state, params, include_params=include_params,
+                                    primary=primary)
+    common = common_meta(plan.sites, plan.leaves, plan.treedef, tau=spec.tau, clip=spec.clip, codec=spec.codec,
+                         params_meta=param_leaves(params) if include_params else None)
+    return LocalSave(items, totals, common)
 
 
 # ---------------------------------------------------------------- writing one process's file
