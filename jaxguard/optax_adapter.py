@@ -55,11 +55,11 @@ from jaxguard import audit as _audit
 from jaxguard import flax_state
 from jaxguard import sharded as _sharded
 from jaxguard import writer
-from jaxguard.core.config import GuardConfig
 from jaxguard.optax_probe import LR_HALF_WIDTH
 from jaxguard.optax_state import (AGREE, EXACT_REASON, INJECT_STATES, NO_ADAM, AdamSite, MomentPair, dotted,  # noqa: F401
-                                  dtype_name, exact_reasons, find_adam_states, flat_by_dotted, key_str, moment_pairs,
-                                  plan_updates, site_config, stored_exactly, stored_like_leaf, warn_other_platform)
+                                  dtype_name, exact_reasons, find_adam_states, flat_by_dotted, key_str, lay_out,
+                                  moment_pairs, plan_updates, site_config, stored_exactly, stored_like_leaf,
+                                  warn_other_platform)
 
 
 # ---------------------------------------------------------------- records for the writer
@@ -91,44 +91,21 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
       ConfigError: see `optax_state.plan_updates`.
     """
     spec = save_spec(spec)
-    plans = plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                         op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
-    roles: dict[str, tuple] = {}    # full dotted path -> (kind, entry name)
-    records = []
-    exact = exact_reasons(plans)     # stored as raw leaves, each with why
-    for plan in plans:
-        for pair, update in plan.pairs:
-            if update.stores_exactly:
-                continue
-            cfg = GuardConfig.from_update(spec, update)
-            ename = f"{prefix}/moments/{pair.mu_path}"
-            if pair.mu_dtype == "float32":
-                records.append(writer.MomentJob(ename, pair.mu, pair.nu, pair.p, cfg, {"param": pair.param}))
-                roles[pair.mu_path] = ("mu", ename)
-            else:
-                raw_name = f"{prefix}/{pair.mu_path}"
-                records.append(_raw(raw_name, pair.mu))
-                records.append(writer.MomentJob(ename, np.asarray(jnp.asarray(pair.mu).astype(jnp.float32)), pair.nu,
-                                                pair.p, cfg, {"param": pair.param}, mu="exact"))
-                roles[pair.mu_path] = ("raw", raw_name)
-            roles[pair.nu_path] = ("nu", ename)
-    leaves_meta = []
-    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-    seen = set()
-    for path, leaf in flat:
-        d = dotted(path)
-        if d in seen:
-            raise CheckpointError(f"opt_state has two leaves with the dotted path {d!r}")
-        seen.add(d)
-        kind, ename = roles.get(d, (None, None))
-        if kind is None:
-            ename = f"{prefix}/{d}"
-            records.append(_raw(ename, leaf))
-            kind = "raw"
-        leaves_meta.append({"path": d, "kind": kind, "entry": ename, "dtype": dtype_name(leaf),
-                            "shape": list(np.shape(leaf)), **({"why": exact[d]} if d in exact else {})})
-    return records, {"leaves": leaves_meta, "sites": [plan.meta(spec) for plan in plans], "treedef": str(treedef),
-                     "stored_exactly": stored_exactly(plans)}
+    lay = lay_out(opt_state, params, spec=spec, prefix=prefix, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                  op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
+    records, in_pairs = [], set()
+    for c in lay.coded:
+        pair = c.pair
+        if c.mu_mode == "coded":
+            records.append(writer.MomentJob(c.entry, pair.mu, pair.nu, pair.p, c.config, {"param": pair.param}))
+        else:
+            records.append(_raw(c.raw_entry, pair.mu))
+            records.append(writer.MomentJob(c.entry, np.asarray(jnp.asarray(pair.mu).astype(jnp.float32)), pair.nu,
+                                            pair.p, c.config, {"param": pair.param}, mu="exact"))
+        in_pairs.update((pair.mu_path, pair.nu_path))
+    records += [_raw(leaf["entry"], lay.flat[leaf["path"]]) for leaf in lay.leaves if leaf["path"] not in in_pairs]
+    return records, {"leaves": lay.leaves, "sites": [plan.meta(spec) for plan in lay.plans], "treedef": lay.treedef,
+                     "stored_exactly": stored_exactly(lay.plans)}
 
 
 def _raw(name, leaf):

@@ -620,6 +620,69 @@ def stored_exactly(plans) -> list:
     return out + [{"param": pair.param, "why": why} for plan in plans for pair, why in plan.uncovered]
 
 
+class CodedPair(NamedTuple):
+    """A moment pair certified on save (`lay_out`), with its entry and guard config."""
+
+    site: int            # the index of its Adam site in `StateLayout.plans`
+    pair: MomentPair
+    config: GuardConfig
+    entry: str           # the moments entry's name
+    mu_mode: str         # "coded", or "raw-bfloat16" (mu stored raw under `raw_entry`, nu coded)
+    raw_entry: str       # the raw mu's entry name (used when mu_mode is "raw-bfloat16")
+
+
+class StateLayout(NamedTuple):
+    """What every leaf of an optax state becomes in a checkpoint (`lay_out`)."""
+
+    plans: list          # `SitePlan` per Adam site
+    coded: list          # `CodedPair`s, site by site in flattening order
+    leaves: list         # per state leaf: {"path", "kind" (mu / nu / raw), "entry", "dtype", "shape"[, "why"]}
+    flat: dict           # {dotted path: leaf} of the state
+    treedef: str         # the state's tree structure
+
+
+def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=None, **next_update) -> StateLayout:
+    """The one walk of an optax state that every writer shares (the single-file save, the
+    sharded save, the orbax handler, the jitted hook): the next update of each moment pair
+    (`plan_updates`), which pairs are certified under which entry, and every leaf's record.
+    No array's data is read.
+
+    Args:
+      opt_state, params: the optax state and its params.
+      spec: the save's `GuardSpec`.
+      prefix: the entry-name prefix of the state's leaves.
+      sites: the Adam sites (`find_adam_states`), when the caller found them on host views.
+      **next_update: `plan_updates`' keywords (lr, weight_decay, betas, eps, op_model, tx,
+        fixed, uncertifiable).
+
+    Returns:
+      A `StateLayout`.
+
+    Raises:
+      CheckpointError, UnsupportedOptimizerError, ConfigError: as `plan_updates`; two leaves
+        with one dotted path.
+    """
+    plans = plan_updates(opt_state, params, sites=sites, **next_update)
+    flat = flat_by_dotted(opt_state, "opt_state")
+    exact = exact_reasons(plans)
+    roles, coded = {}, []     # full dotted path -> (kind, entry name)
+    for si, plan in enumerate(plans):
+        for pair, update in plan.pairs:
+            if update.stores_exactly:
+                continue
+            entry, raw_entry = f"{prefix}/moments/{pair.mu_path}", f"{prefix}/{pair.mu_path}"
+            mode = "coded" if pair.mu_dtype == "float32" else "raw-bfloat16"
+            coded.append(CodedPair(si, pair, GuardConfig.from_update(spec, update), entry, mode, raw_entry))
+            roles[pair.mu_path] = ("mu", entry) if mode == "coded" else ("raw", raw_entry)
+            roles[pair.nu_path] = ("nu", entry)
+    leaves = []
+    for d, leaf in flat.items():
+        kind, entry = roles.get(d, ("raw", f"{prefix}/{d}"))
+        leaves.append({"path": d, "kind": kind, "entry": entry, "dtype": dtype_name(leaf), "shape": list(np.shape(leaf)),
+                       **({"why": exact[d]} if d in exact else {})})
+    return StateLayout(plans, coded, leaves, flat, str(jax.tree_util.tree_structure(opt_state)))
+
+
 def _pair_op_model(op_model, wd: float, platforms, masked: bool) -> str:
     """The op model of one pair: the named one (its Adam twin where a mask leaves the pair
     without decay), else where the moments live."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard import audit, optax_state, writer
-from jaxguard.core.config import GuardConfig, save_spec
+from jaxguard.core.config import save_spec
 from jaxguard.format import container, reader
 from jaxguard.format.manifest import file_name
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted
@@ -48,8 +48,8 @@ class LocalSave:
 
 def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
                op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
-    """(sites meta, moment pairs, leaves meta) of `opt_state`: the same roles and entry
-    names as `optax_adapter.state_records`, without touching any array's data.
+    """(sites meta, moment pairs, leaves meta) of `opt_state`, from the walk every writer
+    shares (`optax_state.lay_out`), without touching any array's data.
 
     A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
     name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16"), site (its
@@ -72,39 +72,17 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
         `optax_adapter.state_records` (no Adam state, mismatched params, dtypes, lr).
     """
     spec = save_spec(spec)
-    hstate = host_scalars(opt_state)
-    sites = find_adam_states(hstate)
+    sites = find_adam_states(host_scalars(opt_state))
     if not sites:
         raise CheckpointError(NO_ADAM)
-    plans = optax_state.plan_updates(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                                     op_model=op_model, tx=tx, sites=sites, fixed=fixed, uncertifiable=uncertifiable)
-    oflat = flat_by_dotted(opt_state, "opt_state")
-    exact = optax_state.exact_reasons(plans)
-    roles, pairs, sites_meta = {}, [], []
-    for si, plan in enumerate(plans):
-        sites_meta.append({**plan.meta(spec), "count_path": plan.site.leaf_path("count")})
-        for pair, update in plan.pairs:
-            mfull, nfull = pair.mu_path, pair.nu_path
-            if update.stores_exactly:
-                roles[mfull] = roles[nfull] = ("raw", None)
-                continue
-            ename = f"{prefix}/moments/{mfull}"
-            mode = "coded" if pair.mu_dtype == "float32" else "raw-bfloat16"
-            pairs.append({"entry": ename, "mu": oflat[mfull], "nu": oflat[nfull], "p": pair.p, "mu_path": mfull,
-                          "nu_path": nfull, "param": pair.param, "config": GuardConfig.from_update(spec, update),
-                          "mu_mode": mode, "site": si})
-            roles[nfull] = ("nu", ename)
-            roles[mfull] = ("mu", ename) if mode == "coded" else ("raw", f"{prefix}/{mfull}")
-    leaves = []
-    for d, leaf in oflat.items():
-        kind, ename = roles.get(d, ("raw", f"{prefix}/{d}"))
-        rec = {"path": d, "kind": kind, "entry": ename or f"{prefix}/{d}", "dtype": dtype_name(leaf),
-               "shape": list(np.shape(leaf))}
-        if d in exact:
-            rec["why"] = exact[d]
-        leaves.append(rec)
-    treedef = jax.tree_util.tree_structure(opt_state)
-    return StatePlan(sites_meta, pairs, leaves, str(treedef))
+    lay = optax_state.lay_out(opt_state, params, spec=spec, prefix=prefix, sites=sites, lr=lr,
+                              weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx, fixed=fixed,
+                              uncertifiable=uncertifiable)
+    sites_meta = [{**plan.meta(spec), "count_path": plan.site.leaf_path("count")} for plan in lay.plans]
+    pairs = [{"entry": c.entry, "mu": lay.flat[c.pair.mu_path], "nu": lay.flat[c.pair.nu_path], "p": c.pair.p,
+              "mu_path": c.pair.mu_path, "nu_path": c.pair.nu_path, "param": c.pair.param, "config": c.config,
+              "mu_mode": c.mu_mode, "site": c.site} for c in lay.coded]
+    return StatePlan(sites_meta, pairs, lay.leaves, lay.treedef)
 
 
 def plan_local(plan: StatePlan, opt_state, params, *, spec, include_params=False, primary=0) -> LocalSave:
