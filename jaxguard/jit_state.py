@@ -136,30 +136,32 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
       bfloat16 ``mu`` is not supported here (use `jaxguard.save`).
     """
     guard = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
-    sites_meta, pairs, leaves, treedef = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay,
-                                                            betas=betas, eps=eps, spec=guard, op_model=op_model, tx=tx)
+    state_plan = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=guard,
+                                    op_model=op_model, tx=tx)
+    sites_meta, leaves, treedef = state_plan.sites, state_plan.leaves, state_plan.treedef
     if step is not None:
         for sm in sites_meta:
             if sm.get("config"):
                 sm["config"] = {**sm["config"], "step": int(step)}
     ks, configs, row_of, pair_site = [], [], {}, {}
     plans = []
-    for pr in pairs:
-        if pr["mu_mode"] != "coded":
-            raise UnsupportedOptimizerError(f"mu of {pr['param']!r} is bfloat16; encode_state_jit codes float32 mu "
+    for c in state_plan.pairs:
+        if c.mu_mode != "coded":
+            raise UnsupportedOptimizerError(f"mu of {c.pair.param!r} is bfloat16; encode_state_jit codes float32 mu "
                                             "only: save this state with jaxguard.save")
-        cfg = pr["config"] if step is None else dataclasses.replace(pr["config"], step=int(step))
-        key = (pr["site"], cfg)      # per site: rows of two sites never merge when their rates meet
+        cfg = c.config if step is None else dataclasses.replace(c.config, step=int(step))
+        key = (c.site, cfg)      # per site: rows of two sites never merge when their rates meet
         if key not in row_of:
             row_of[key] = len(configs)
             configs.append(cfg)
             ks.append(cfg.step_row())
         row = row_of[key]
-        pair_site[pr["entry"]] = pr["site"]
-        mesh, spec = _layout(pr["mu"], pr["mu_path"])
+        pair_site[c.entry] = c.site
+        mu = state_plan.flat[c.pair.mu_path]
+        mesh, spec = _layout(mu, c.pair.mu_path)
         static = cfg.spec   # the jit key: lr, step, ... are traced in `ks`
-        plans.append(MomentPlan(pr["entry"], pr["mu_path"], pr["nu_path"], pr["param"], row, static,
-                                tuple(np.shape(pr["mu"])), mesh, spec))
+        plans.append(MomentPlan(c.entry, c.pair.mu_path, c.pair.nu_path, c.pair.param, row, static,
+                                tuple(np.shape(mu)), mesh, spec))
     host = {"configs": configs, "sites": sites_meta, "pair_sites": pair_site, "leaves": leaves, "treedef": treedef,
             "tau": guard.tau, "clip": guard.clip, "codec": guard.codec}
     return StateConstants(ks, tuple(plans), host)

@@ -28,9 +28,10 @@ from jaxguard.sharded.processes import aligned, host_scalars, local_shards
 class StatePlan(NamedTuple):
     """What every leaf of an optax state becomes (`plan_state`); no array's data is read."""
     sites: list       # one meta dict per Adam site (its next update, its guard config, its count's path)
-    pairs: list       # the moment pairs certified per shard (dicts: entry, mu, nu, p, config, mu_mode, ...)
+    pairs: list       # the moment pairs certified per shard (`optax_state.CodedPair`)
     leaves: list      # one record per state leaf: path, kind (mu / nu / raw), entry, dtype, shape[, why]
     treedef: str      # the state's tree structure
+    flat: dict        # {dotted path: leaf} of the state
 
 
 @dataclasses.dataclass
@@ -51,9 +52,8 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     """(sites meta, moment pairs, leaves meta) of `opt_state`, from the walk every writer
     shares (`optax_state.lay_out`), without touching any array's data.
 
-    A moment pair is a dict: entry, mu/nu (leaves), mu_path, nu_path, param (dotted
-    name), p (leaf), config (GuardConfig), mu_mode ("coded" | "raw-bfloat16"), site (its
-    Adam site's index).  A pair whose next learning rate is 0 is no pair: its mu and nu
+    A moment pair is an `optax_state.CodedPair` (its `MomentPair`, GuardConfig, entry,
+    mu_mode, Adam site).  A pair whose next learning rate is 0 is no pair: its mu and nu
     are raw leaves, stored exactly (their leaf records say why).
 
     Args:
@@ -64,8 +64,8 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
       fixed: the next updates resolved already (`optax_state.plan_updates`).
 
     Returns:
-      A `StatePlan` (sites meta, moment pairs, leaves meta, treedef string); the leaf
-      record of a moment stored exactly says why (``"why"``).
+      A `StatePlan` (sites meta, moment pairs, leaves meta, treedef string, leaves by
+      dotted path); the leaf record of a moment stored exactly says why (``"why"``).
 
     Raises:
       CheckpointError, UnsupportedOptimizerError, ConfigError: as
@@ -79,10 +79,7 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
                               weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx, fixed=fixed,
                               uncertifiable=uncertifiable)
     sites_meta = [{**plan.meta(spec), "count_path": plan.site.leaf_path("count")} for plan in lay.plans]
-    pairs = [{"entry": c.entry, "mu": lay.flat[c.pair.mu_path], "nu": lay.flat[c.pair.nu_path], "p": c.pair.p,
-              "mu_path": c.pair.mu_path, "nu_path": c.pair.nu_path, "param": c.pair.param, "config": c.config,
-              "mu_mode": c.mu_mode, "site": c.site} for c in lay.coded]
-    return StatePlan(sites_meta, pairs, lay.leaves, lay.treedef)
+    return StatePlan(sites_meta, lay.coded, lay.leaves, lay.treedef, lay.flat)
 
 
 def plan_local(plan: StatePlan, opt_state, params, *, spec, include_params=False, primary=0) -> LocalSave:
@@ -192,24 +189,24 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
     oflat = flat_by_dotted(opt_state, "opt_state")
     items, coded = [], []     # float32 pairs after the bfloat16-mu ones (the order files have always had)
     done = set()
-    for pr in pairs:
-        mu = pr["mu"]
-        nu_s, p_s = aligned(pr["nu"], mu), aligned(pr["p"], mu)
+    for c in pairs:
+        pair = c.pair
+        mu = oflat[pair.mu_path]
+        nu_s, p_s = aligned(oflat[pair.nu_path], mu), aligned(pair.p, mu)
         for dev, start, mdata in local_shards(mu, primary):
             if dev is None:
                 nd, pd = nu_s, p_s
             else:
                 nd, pd = nu_s[dev], p_s[dev]
             m, v, p = np.asarray(mdata), np.asarray(nd), np.asarray(pd)
-            if pr["mu_mode"] == "coded":
-                coded.append((pr["entry"], start, writer.MomentJob(pr["entry"], m, v, p, pr["config"],
-                                                                   {"param": pr["param"]})))
+            if c.mu_mode == "coded":
+                coded.append((c.entry, start, writer.MomentJob(c.entry, m, v, p, c.config, {"param": pair.param})))
             else:
-                items.append((f"state/{pr['mu_path']}", start, writer.Raw("", m, "bfloat16")))
+                items.append((c.raw_entry, start, writer.Raw("", m, "bfloat16")))
                 m32 = np.asarray(jnp.asarray(m).astype(jnp.float32))
-                items.append((pr["entry"], start, writer.MomentJob(pr["entry"], m32, v, p, pr["config"],
-                                                                   {"param": pr["param"]}, mu="exact")))
-        done.update({pr["mu_path"], pr["nu_path"]})
+                items.append((c.entry, start, writer.MomentJob(c.entry, m32, v, p, c.config, {"param": pair.param},
+                                                               mu="exact")))
+        done.update({pair.mu_path, pair.nu_path})
     items += coded
     for leaf in leaves:
         if leaf["path"] in done:
