@@ -422,8 +422,6 @@ class GuardedSave(ocp.args.CheckpointArgs):
     tau: Optional[float] = None
     clip: Optional[float] = None
     codec: Optional[str] = None
-    bound: Optional[str] = None
-    partition: Optional[str] = None
     weight_decay: Optional[float] = None
     betas: Optional[tuple] = None
     eps: Optional[float] = None
@@ -450,8 +448,7 @@ class GuardedSave(ocp.args.CheckpointArgs):
 
     def guard_spec(self) -> GuardSpec:
         """The save's `GuardSpec`: `spec` with the given fields (`jaxguard.core.config.save_spec`)."""
-        return save_spec(self.spec, tau=self.tau, clip=self.clip, codec=self.codec, bound=self.bound,
-                         partition=self.partition)
+        return save_spec(self.spec, tau=self.tau, clip=self.clip, codec=self.codec)
 
 
 @ocp.args.register_with_handler(GuardedCheckpointHandler, for_restore=True)

@@ -116,14 +116,14 @@ def _layout(x, name):
 
 
 def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None, betas=None, eps=None, spec=None,
-                    tau=None, clip=None, codec=None, bound=None, partition=None, op_model=None,
+                    tau=None, clip=None, codec=None, op_model=None,
                     tx=None) -> StateConstants:
     """Host: the constants and static plan for `encode_state_jit` at one step.
 
     Args:
       opt_state, params: the state and params (arrays with their shardings; abstract
         shapes are not enough: the Adam sites' hyperparameters are read from the state).
-      lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition, op_model, tx:
+      lr, weight_decay, betas, eps, spec, tau, clip, codec, op_model, tx:
         as `jaxguard.save` (the default op model follows the platform the moments live on;
         pairs whose next learning rate is 0 pass through as raw leaves, stored exactly).
       step: the optax ``count`` of the state that will be encoded (default: the count
@@ -135,7 +135,7 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
       CheckpointError / UnsupportedOptimizerError / ConfigError as `jaxguard.save`;
       bfloat16 ``mu`` is not supported here (use `jaxguard.save`).
     """
-    guard = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    guard = save_spec(spec, tau=tau, clip=clip, codec=codec)
     state_plan = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=guard,
                                     op_model=op_model, tx=tx)
     sites_meta, leaves, treedef = state_plan.sites, state_plan.leaves, state_plan.treedef

@@ -140,14 +140,14 @@ def state_nbytes(tree) -> int:
     return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
-def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-             include_params=False, extra_meta=None, op_model=None, tx=None, fixed=None,
+def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
+             codec=None, include_params=False, extra_meta=None, op_model=None, tx=None, fixed=None,
              uncertifiable="refuse") -> tuple[bytes, dict]:
     """Container bytes and a summary dict (see `save`).
 
     Args:
-      opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params, op_model, tx, uncertifiable: as `save`.
+      opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, include_params,
+        op_model, tx, uncertifiable: as `save`.
       fixed: the next updates resolved already (`optax_state.plan_updates`).
       extra_meta: more keys for the container's meta (e.g. ``{"source": ...}``).
 
@@ -157,7 +157,7 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
     Raises:
       ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
     """
-    spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
     records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
                                    op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
     stored = smeta.pop("stored_exactly")
@@ -172,8 +172,8 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
     return data, summary
 
 
-def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-         include_params: bool = False, sharded: bool | None = None, op_model: str | None = None, tx=None,
+def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None,
+         clip=None, codec=None, include_params: bool = False, sharded: bool | None = None, op_model: str | None = None, tx=None,
          uncertifiable: str = "refuse") -> dict:
     """Write `opt_state` to `path` with every Adam ``mu``/``nu`` pair guarded.
 
@@ -198,9 +198,10 @@ def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None
         those moments exactly.
       weight_decay: a number, a schedule or a pytree prefix of the params of those.
       betas, eps: the next update's, see the module docstring.
-      spec: the guard settings, a `jaxguard.GuardSpec` (tau, clip, codec, bound, partition;
-        default ``GuardSpec()``: tau 0.01, clip 0.2, log8-rel, shared bound, mixed partition).
-      tau, clip, codec, bound, partition: override the spec's field when given.
+      spec: the guard settings, a `jaxguard.GuardSpec` (tau, clip, codec, and the ablation
+        switches bound and partition; default ``GuardSpec()``: tau 0.01, clip 0.2, the
+        default codec, shared bound, mixed partition).
+      tau, clip, codec: override the spec's field when given.
       sharded: write a checkpoint *directory* instead of one file (default:
         ``jax.process_count() > 1``): every process certifies and writes only its own
         shards and calls `save` with the same `path` (jaxguard.sharded).
@@ -228,13 +229,13 @@ def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None
         transformation.
     """
     opt_state, params, tx = flax_state.save_inputs(opt_state, params, tx)
+    spec = save_spec(spec, tau=tau, clip=clip, codec=codec)   # the guard settings, built once here
     if sharded or (sharded is None and jax.process_count() > 1):
         return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                             spec=spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition,
-                             include_params=include_params, op_model=op_model, tx=tx, uncertifiable=uncertifiable)
-    data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec, tau=tau,
-                       clip=clip, codec=codec, bound=bound, partition=partition, include_params=include_params,
-                       op_model=op_model, tx=tx, uncertifiable=uncertifiable)
+                             spec=spec, include_params=include_params, op_model=op_model, tx=tx,
+                             uncertifiable=uncertifiable)
+    data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
+                       include_params=include_params, op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     container.atomic_write(path, data)
     return s
 

@@ -125,7 +125,7 @@ def _one_coordinate(shape, value):
 
 
 def _by_dotted(tree) -> dict:
-    from jaxguard.optax_state import dotted
+    from jaxguard.optax_state.paths import dotted
     return {dotted(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

@@ -45,12 +45,16 @@ def test_optax_save_takes_the_spec(tmp_path):
     _, st = tx.update({"w": jnp.sin(params["w"]) * 0.1}, st, params)
     spec = GuardSpec(tau=0.004, clip=0.3, codec="log8", bound="shared", partition="linear")
     jg.save(tmp_path / "a.jg", st, params, lr=1e-3, spec=spec)
-    jg.save(tmp_path / "b.jg", st, params, lr=1e-3, tau=0.004, clip=0.3, codec="log8", partition="linear")
+    jg.save(tmp_path / "b.jg", st, params, lr=1e-3, spec=GuardSpec(partition="linear"), tau=0.004, clip=0.3,
+            codec="log8")
     (ha, ca), (hb, cb) = _header(tmp_path / "a.jg"), _header(tmp_path / "b.jg")
     assert ca == cb and ca[0]["partition"] == "linear" and ca[0]["tau"] == 0.004 and ha["codec"] == "log8"
     assert ha["payload_sha256"] == hb["payload_sha256"]
     jg.save(tmp_path / "c.jg", st, params, lr=1e-3, spec=spec, tau=0.01)   # the keyword wins
     assert _header(tmp_path / "c.jg")[1][0]["tau"] == 0.01
+    for ablation in ({"bound": "separate"}, {"partition": "linear"}):   # the ablation switches: GuardSpec fields only
+        with pytest.raises(TypeError, match=next(iter(ablation))):
+            jg.save(tmp_path / "d.jg", st, params, lr=1e-3, **ablation)
 
 
 def test_torch_save_takes_the_spec(tmp_path):

@@ -112,3 +112,19 @@ def test_one_error_for_a_shard_outside_its_leaf(tmp_path, which):
     assert [type(e) for e in errors] == [jg.CheckpointError] * 2, [repr(e) for e in errors]
     for e in errors:
         assert " lies outside " in str(e) and str(e).endswith("; the checkpoint's metadata is corrupt"), str(e)
+
+
+@pytest.mark.parametrize("sites", [1.5, [{"path": ["0"], "config": {"op_model": "optax-adam"}}],
+                                   [{"path": "0", "config": {"op_model": ["optax-adam"]}}], ["0"]])
+def test_malformed_sites_are_one_line(tmp_path, sites):
+    """bench/fuzz/fuzz_manifest.py found these: the load's platform check read the sites'
+    records unchecked (TypeError: 'float' object is not iterable, unhashable type: 'list')."""
+    d = str(tmp_path / "sharded")
+    shutil.copytree(os.path.join(CORPUS, "sharded_manifest", "seed"), d)
+    mpath = os.path.join(d, "manifest.json")
+    man = json.load(open(mpath))
+    man["state"]["sites"] = sites
+    json.dump(man, open(mpath, "w"))
+    with pytest.raises(jg.ContainerError, match="'state' has 'sites' that are not records") as e:
+        jg.load(d, _seed_like())
+    assert "\n" not in str(e.value)

@@ -189,6 +189,22 @@ def _check_metadata(md, f) -> None:
         bad("planner_data holds paths that do not form one state_dict")
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _update_fields_ok(cfg) -> bool:
+    """A shard's config is an object whose next-update fields (what the load compares with
+    the optimizer's param groups) have their types: lr a number or ``[lo, hi]``, betas two
+    numbers, eps and weight_decay numbers."""
+    if not isinstance(cfg, dict):
+        return False
+    lr, betas = cfg.get("lr", 0.0), cfg.get("betas", [0.0, 0.0])
+    return (_number(lr) or (isinstance(lr, list) and len(lr) == 2 and all(map(_number, lr)))) and \
+        isinstance(betas, list) and len(betas) == 2 and all(map(_number, betas)) and \
+        _number(cfg.get("eps", 0.0)) and _number(cfg.get("weight_decay", 0.0))
+
+
 def check_manifest(man, metadata) -> None:
     """Check the structure of a jaxguard DCP manifest against its `metadata` (one line).
 
@@ -240,7 +256,7 @@ def check_manifest(man, metadata) -> None:
             if not isinstance(s, dict) or not isinstance(s.get("key"), str) or s["key"] not in sdm \
                     or not is_count(s.get("bytes")) \
                     or not all(isinstance(s.get(k), str) for k in ("sha256", "decoded_sha256")) \
-                    or not isinstance(s.get("stats"), dict) \
+                    or not isinstance(s.get("stats"), dict) or not _update_fields_ok(s.get("config", {})) \
                     or not all(is_count(s["stats"].get(k)) for k in ("coordinates", "escapes", "payload_bytes")):
                 bad(f"entry {str(prefix)[:60]!r} has a shard record {str(s)[:60]!r} that is incomplete")
         check_tiling("the jaxguard manifest in .metadata", str(prefix), shape, [(s["key"], s.get("offsets"), s.get("sizes")) for s in shards])

@@ -280,8 +280,8 @@ def _check_range(rng, size, what, source):
 
 def validate_manifest(man: dict, source: str = MANIFEST) -> None:
     """Check a parsed manifest before anything is allocated or opened from it: file names
-    (no paths), sizes, byte ranges inside their files, leaf shapes and dtypes, shard
-    placements inside their leaves, and that the shards tile every leaf.
+    (no paths), sizes, byte ranges inside their files, leaf shapes and dtypes, the Adam
+    sites' records, shard placements inside their leaves, and that the shards tile every leaf.
 
     Args:
       man: the parsed JSON object.
@@ -311,6 +311,11 @@ def validate_manifest(man: dict, source: str = MANIFEST) -> None:
     state = man.get("state")
     if not isinstance(state, dict) or not isinstance(state.get("leaves"), list):
         raise _bad(source, "'state' has no 'leaves' list")
+    sites = state.get("sites", [])
+    if not isinstance(sites, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("path", ""), str) and isinstance(s.get("config") or {}, dict)
+            and isinstance((s.get("config") or {}).get("op_model") or "", str) for s in sites):
+        raise _bad(source, "'state' has 'sites' that are not records of a string path and a config object")
     params = man.get("params") or []
     if not isinstance(params, list):
         raise _bad(source, "'params' is not a list")

@@ -1,14 +1,6 @@
-"""Finding Adam states in any optax state pytree, naming its leaves, pairing its moments.
-
-Shared by every optax adapter (`jaxguard.optax_adapter` for one file,
-`jaxguard.sharded` for a directory written by many processes, `jaxguard.jit_state` for
-the jitted hook).  Nothing here reads an array's data: it walks trees and checks shapes
-and dtypes.
-
-A leaf is named by its *dotted path*: the key path with dict keys, attribute names and
-sequence indices joined by ``"."`` (``"0.mu.dense.kernel"``).  A flat params dict
-``{"dense.kernel": x}`` and a nested one ``{"dense": {"kernel": x}}`` give the same dotted
-paths, which is how torch names map to JAX params (torch_compat.migrate).
+"""Finding Adam states in any optax state pytree, naming its leaves by dotted path (the
+package docstring), pairing each Adam site's moments with their parameters.  Nothing here
+reads an array's data: it walks trees and checks shapes and dtypes.
 """
 from __future__ import annotations
 

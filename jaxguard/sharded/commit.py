@@ -15,7 +15,6 @@ import time
 import jax
 
 from jaxguard import audit
-from jaxguard.core.config import save_spec
 from jaxguard.errors import CheckpointError
 from jaxguard.format import storage
 from jaxguard.format.manifest import (MANIFEST, SCHEMA, VERSION, check_coverage, check_files, file_name, index_name,
@@ -185,15 +184,15 @@ def remove_process_files(directory, process: int, save_id: str) -> None:
             pass
 
 
-def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
-         codec=None, bound=None, partition=None, include_params=False, primary=0, op_model=None, tx=None,
-         uncertifiable="refuse") -> dict:
+def save(path, opt_state, params, *, spec, lr=None, weight_decay=None, betas=None, eps=None, include_params=False,
+         primary=0, op_model=None, tx=None, uncertifiable="refuse") -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
     Args:
       path: the checkpoint directory (the same on every process).
-      opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, bound, partition,
-        include_params, op_model, tx, uncertifiable: as `jaxguard.save`.
+      opt_state, params, lr, weight_decay, betas, eps, include_params, op_model, tx,
+        uncertifiable: as `jaxguard.save`.
+      spec: the save's `GuardSpec` (`jaxguard.save` builds it from its keywords).
       primary: the process that writes host leaves and commits the manifest.
 
     Returns:
@@ -206,7 +205,6 @@ def save(path, opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     """
     t0 = time.perf_counter()
     d = path_text(path)
-    spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
     plan = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
                       op_model=op_model, tx=tx, uncertifiable=uncertifiable)
     prepare_directory(d, primary)
@@ -246,6 +244,15 @@ def prepare_directory(d, primary: int = 0) -> None:
 def _first_line(exc) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _give_up(d, pid, sid, err, others_failed: str):
+    """A step of the save failed somewhere: remove this process's files of it and raise its
+    own error, or the line saying which other process failed."""
+    remove_process_files(d, pid, sid)
+    if err is not None:
+        raise err
+    raise CheckpointError(others_failed)
 
 
 def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=None) -> dict:
@@ -294,11 +301,8 @@ def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=No
                               f"({_first_line(exc)}); nothing was committed, the previous checkpoint there is "
                               "kept") from None
     if failed:
-        remove_process_files(d, pid, sid)
-        if err is not None:
-            raise err
-        raise CheckpointError(f"{d}: process{'es' if len(failed) > 1 else ''} {', '.join(map(str, failed))} could "
-                              "not write its shards; nothing was committed, the previous checkpoint there is kept")
+        _give_up(d, pid, sid, err, f"{d}: process{'es' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+                 "could not write its shards; nothing was committed, the previous checkpoint there is kept")
     man = None
     if pid == primary:
         try:
@@ -313,11 +317,8 @@ def write_and_commit(d, items, totals, common, *, primary=0, t0=None, save_id=No
                                   f"({_first_line(exc)}); `jaxguard.load` gives the last committed checkpoint") from None
         failed = []
     if failed:
-        remove_process_files(d, pid, sid)
-        if err is not None:
-            raise err
-        raise CheckpointError(f"{d}: the primary process {primary} could not commit {MANIFEST}; nothing was "
-                              "committed, the previous checkpoint there is kept")
+        _give_up(d, pid, sid, err, f"{d}: the primary process {primary} could not commit {MANIFEST}; nothing was "
+                 "committed, the previous checkpoint there is kept")
     if man is None:
         man = read_manifest(d)
         if man.get("save_id") != sid:
