@@ -195,10 +195,12 @@ def _number(x) -> bool:
 
 def _update_fields_ok(cfg) -> bool:
     """A shard's config is an object whose next-update fields (what the load compares with
-    the optimizer's param groups) have their types: lr a number or ``[lo, hi]``, betas two
-    numbers, eps and weight_decay numbers."""
+    the optimizer's param groups) are there and have their types: lr a number or
+    ``[lo, hi]``, betas two numbers, eps and weight_decay numbers."""
     if not isinstance(cfg, dict):
         return False
+    if cfg and cfg.get("certify") is not False and not all(k in cfg for k in ("lr", "betas", "eps")):
+        return False    # a certified shard names its next update (the load compares it)
     lr, betas = cfg.get("lr", 0.0), cfg.get("betas", [0.0, 0.0])
     return (_number(lr) or (isinstance(lr, list) and len(lr) == 2 and all(map(_number, lr)))) and \
         isinstance(betas, list) and len(betas) == 2 and all(map(_number, betas)) and \
