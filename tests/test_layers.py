@@ -248,8 +248,9 @@ def test_imports_point_one_way():
 
 
 def test_torch_compat_imports_point_one_way():
-    """Inside torch_compat: float32 <- variant <- calibrate <- replay (no cycle)."""
-    order = ["torch_compat.float32", "torch_compat.variant", "torch_compat.calibrate", "torch_compat.replay"]
+    """Inside torch_compat: float32 <- variant <- calibrate <- replay_kernel <- replay (no cycle)."""
+    order = ["torch_compat.float32", "torch_compat.variant", "torch_compat.calibrate", "torch_compat.replay_kernel",
+             "torch_compat.replay"]
     for i, module in enumerate(order):
         imported = {imp for imp in imports_of(ROOT.joinpath(*module.split(".")).with_suffix(".py"))
                     if imp.startswith("torch_compat.")}
