@@ -16,7 +16,7 @@ checkpoint directory (`jaxguard.cli.inputs`: ``hf-checkpoint``, ``accelerate-che
   verified as a container file.
 
 Both writes go to a hidden staging directory beside the output and are published by
-rename when complete (`jaxguard.integrations.checkpoint_dir`): a failed or interrupted
+rename when complete (`jaxguard.format.storage.commit_directory`): a failed or interrupted
 run leaves no half-written directory.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _weights_file(path: str) -> dict:
 def _staged(output: str):
     """A staging directory beside `output`, published as `output` when the block ends
     without error (replacing a previous directory there), removed otherwise."""
-    from jaxguard.integrations.checkpoint_dir import commit_directory, new_token, staging_path
+    from jaxguard.format.storage import commit_directory, new_token, staging_path
     final = os.path.normpath(os.fspath(output))
     if os.path.exists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{output} is a file; pass a directory to write the checkpoint directory to")
