@@ -6,12 +6,13 @@ Each submodule imports its framework only when it is imported itself, and
 - `jaxguard.integrations.hf`: `GuardedTrainer`, a ``transformers.Trainer`` whose
   ``checkpoint-N/`` holds ``optimizer.jg`` instead of ``optimizer.pt``
   (``pip install 'jaxguard[hf]'``);
-- `jaxguard.integrations.accelerate`: `register(accelerator)`, save/load-state hooks for
+- `jaxguard.integrations.accelerate`: `save_state`/`load_state`, in place of
   ``Accelerator.save_state``/``load_state`` (``pip install 'jaxguard[hf]'``);
 - `jaxguard.integrations.lightning`: `GuardedCheckpointIO`, a Lightning ``CheckpointIO``
   plugin (``pip install 'jaxguard[lightning]'``).
 
-All three write through `jaxguard.format.storage`, so directories may be fsspec URLs where the
+They live with the torch layer, in `torch_compat.integrations`; these modules hand on
+the same objects at the import paths users have.  All three write through `jaxguard.format.storage`, so directories may be fsspec URLs where the
 framework allows it, and certify the moments against the live parameters of the
 optimizer (`torch_compat.save`). See docs/integrations.md.
 """

@@ -14,8 +14,8 @@ published by rename once everything (accelerate's files and the optimizer files)
 written: a save interrupted anywhere leaves the previous ``output_dir``, if any, as it was
 (accelerate itself writes into ``output_dir`` in place, so a kill half way mixes the new
 weights with the previous optimizer state). The next `save_state` or `load_state` of that
-directory undoes what an interrupted one left (`jaxguard.integrations.checkpoint_dir.recover_directory`). With ``automatic_checkpoint_naming``
-accelerate picks a fresh ``checkpoint_<i>`` directory itself (and refuses an existing one),
+directory undoes what an interrupted one left (`jaxguard.format.storage.recover_directory`).
+With ``automatic_checkpoint_naming`` accelerate picks a fresh ``checkpoint_<i>`` directory itself (and refuses an existing one),
 and those saves are written there as accelerate writes them.
 
 Why wrappers rather than a pre-hook alone: accelerate calls the save/load pre-hooks with
@@ -36,16 +36,18 @@ DeepSpeed and Megatron-LM keep their own optimizer files and are refused.
 """
 from __future__ import annotations
 
+__all__ = ["save_state", "load_state", "optimizer_file"]
+
 import contextlib
 import logging
 import os
 import shutil
 
 from jaxguard.errors import ConfigError, UnsupportedOptimizerError
-from jaxguard.integrations._common import model_names, save_optimizer, unwrap, zero_lr_groups
-from jaxguard.integrations.checkpoint_dir import commit_directory, new_token, recover_directory, staging_path
+from jaxguard.format.storage import commit_directory, new_token, recover_directory, staging_path
+from torch_compat.integrations._common import model_names, save_optimizer, unwrap, zero_lr_groups
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxguard.integrations.accelerate")   # the name users configure (the import path they use)
 
 
 def optimizer_file(i: int) -> str:

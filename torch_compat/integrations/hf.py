@@ -11,9 +11,9 @@ that is published by rename when the whole checkpoint is written (the Trainer it
 writes into ``checkpoint-N/`` in place: a save killed half way leaves a directory that
 ``resume_from_checkpoint=True`` picks, and whose missing optimizer file the Trainer skips
 without a word). A save interrupted anywhere leaves the previous ``checkpoint-N/``, if
-any, as it was (`jaxguard.integrations.checkpoint_dir`); the next save or
-``train()`` undoes what it left (`checkpoint_dir.recover_directory`). With ``push_to_hub`` the Trainer uploads from the
-checkpoint directory while it trains on, so those saves are written in place as the
+any, as it was (`jaxguard.format.storage.commit_directory`); the next save or
+``train()`` undoes what it left (`jaxguard.format.storage.recover_directory`). With
+``push_to_hub`` the Trainer uploads from the checkpoint directory while it trains on, so those saves are written in place as the
 Trainer writes them. ``trainer.train(resume_from_checkpoint=...)`` loads
 ``optimizer.jg`` when present and falls back to the Trainer's own loader for a plain
 checkpoint (one that holds ``optimizer.pt``). A checkpoint taken where a param group's lr
@@ -45,6 +45,8 @@ keep their own optimizer files: refused with a one-line error at the first save.
 """
 from __future__ import annotations
 
+__all__ = ["GuardedTrainer", "SCHEDULER_NAME"]
+
 import logging
 import os
 import shutil
@@ -53,13 +55,12 @@ import torch
 from transformers import Trainer
 
 from jaxguard.errors import CheckpointError, UnsupportedOptimizerError
-from jaxguard.integrations._common import (OPTIMIZER_FILE, copy_for_later, model_names, save_optimizer, unwrap,
-                                          zero_lr_groups)
-from jaxguard.integrations.checkpoint_dir import (commit_directory, new_token, recover_directories, recover_directory,
-                                                  staging_path)
+from jaxguard.format.storage import commit_directory, new_token, recover_directories, recover_directory, staging_path
+from torch_compat.integrations._common import (OPTIMIZER_FILE, copy_for_later, model_names, save_optimizer, unwrap,
+                                               zero_lr_groups)
 
 SCHEDULER_NAME = "scheduler.pt"
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxguard.integrations.hf")   # the name users configure (the import path they use)
 
 
 class GuardedTrainer(Trainer):
@@ -116,7 +117,7 @@ class GuardedTrainer(Trainer):
         A save stopped between the two renames that publish it leaves the previous
         ``checkpoint-N/`` aside under a hidden name: it is moved back here, before the Trainer
         looks for the checkpoint to resume from. Unfinished staging directories are named in
-        a warning, and removed once an hour old (`checkpoint_dir.recover_directory`).
+        a warning, and removed once an hour old (`jaxguard.format.storage.recover_directory`).
 
         Args:
           *args, **kwargs: as for ``transformers.Trainer.train``.

@@ -41,6 +41,8 @@ raises from that step instead, before it updates anything).
 """
 from __future__ import annotations
 
+__all__ = ["GuardedCheckpointIO"]
+
 import io
 import os
 from typing import Any
