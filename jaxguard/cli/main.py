@@ -200,11 +200,11 @@ def param_order(value):
 def _cmd_restore(a):
     """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded.
 
-    Written in torch.save's format without importing torch (`jaxguard.cli.torchfile`: the
+    Written in torch.save's format without importing torch (`jaxguard.format.torchzip_writer`: the
     same tensors, every check of the reader); a tree it does not cover goes through
     `torch_compat.restore_tree` and torch.save."""
-    from jaxguard.cli import torchfile
-    if not torchfile.restore(a.container, a.output):
+    from jaxguard.format import torchzip_writer
+    if not torchzip_writer.restore(a.container, a.output):
         import torch_compat
         from torch_compat.state import save_torch
         tree, _ = torch_compat.restore_tree(a.container)
