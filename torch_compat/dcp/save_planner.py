@@ -143,7 +143,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
                 pairs.setdefault((tuple(path[:-3]), path[-2]), {})[path[-1]] = key
-        jobs, entries, exact = [], {}, {}
+        # one MomentJob per local shard; a shard's sizes (the manifest's, not an entry field) ride beside it
+        jobs, shard_sizes, entries, exact = [], [], {}, {}
         for (root, fqn), keys in pairs.items():
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
@@ -180,14 +181,14 @@ class GuardedSavePlanner(DefaultSavePlanner):
             for (off, size, mi), (_, _, vi), (_, _, pi) in zip(*chunks):
                 if math.prod(size) == 0:
                     continue
-                loc = [_state.encoder_view(find_state_dict_object(self.state_dict, i)) for i in (mi, vi, pi)]
-                jobs.append((prefix, entry, off, size, cfg, loc))
-        records = [writer.MomentJob(prefix, m, v, p, cfg,
-                                    {"param": entry["param"], "offsets": list(off), "global_shape": entry["shape"]})
-                   for prefix, entry, off, size, cfg, (m, v, p) in jobs]
+                m, v, p = (_state.encoder_view(find_state_dict_object(self.state_dict, i)) for i in (mi, vi, pi))
+                jobs.append(writer.MomentJob(prefix, m, v, p, cfg, {"param": entry["param"], "offsets": list(off),
+                                                                    "global_shape": entry["shape"]}))
+                shard_sizes.append(size)
         moments = {prefix: {**entry, "shards": []} for prefix, entry in entries.items()}
         totals = {**writer.new_totals(), "container_bytes": 0}
-        for (prefix, entry, off, size, cfg, _), e in zip(jobs, writer.encode(records, totals)):
+        for job, size, e in zip(jobs, shard_sizes, writer.encode(jobs, totals)):
+            prefix, cfg, off = job.name, job.config, tuple(job.info["offsets"])
             key = _offsets_key(SHARD_PREFIX + prefix, off)
             data = container.build([e], {"framework": "torch-dcp", "moment": prefix, "offsets": list(off)},
                                    extra_header={"op_model": cfg.op_model, "tau": cfg.tau, "clip": cfg.clip,
