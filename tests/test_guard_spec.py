@@ -65,6 +65,6 @@ def test_torch_save_takes_the_spec(tmp_path):
     torch_compat.save(tmp_path / "t.jg", opt, spec=spec)
     h, cfgs = _header(tmp_path / "t.jg")
     assert {c["tau"] for c in cfgs} == {0.003} and {c["partition"] for c in cfgs} == {"linear"} and h["tau"] == 0.003
-    torch_compat.save(tmp_path / "u.jg", opt, spec=dataclasses.replace(spec, tau=0.01), tau=0.003, partition="linear")
+    torch_compat.save(tmp_path / "u.jg", opt, spec=dataclasses.replace(spec, tau=0.01), tau=0.003)
     assert _header(tmp_path / "u.jg")[0]["payload_sha256"] == h["payload_sha256"]
     assert np.isfinite(h["clip"])

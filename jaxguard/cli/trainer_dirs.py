@@ -177,14 +177,14 @@ def _copy_others(src: str, stage: str, skip) -> list:
 def _compress(a, print_summary) -> int:
     import torch_compat.state as tstate
     from jaxguard import audit, writer
+    from jaxguard.cli.inputs import guard_spec
     from jaxguard.cli.torch_load import load_checkpoint
-    from jaxguard.core.config import save_spec
     inp = a.input
     plain = _plain_files(inp)
     if not plain:
         raise CheckpointError(f"{inp.path} is {inp.description} whose optimizer is compressed already "
                               f"({', '.join(_jg_files(inp))}); jaxguard restore writes the uncompressed one back")
-    spec = save_spec(None, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
+    spec = guard_spec(a)
     weights = load_weights(inp.path)
     totals, written, notes, stored = audit.new_totals(), 0, {}, []
     with _staged(a.output) as stage:

@@ -150,14 +150,14 @@ def restore_dir(path, output) -> dict:
     return {"output": os.fspath(output), "keys": sorted(map(str, ckpt)), "seconds": time.perf_counter() - t0}
 
 
-def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None,
-                 op_model=None, uncertifiable="refuse") -> dict:
+def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, op_model=None,
+                 uncertifiable="refuse") -> dict:
     """``jaxguard compress DIR -o DIR2``: a plain DCP directory -> a guarded one (one rank file).
 
     Args:
       src: the plain DCP directory.
       dst: a new (or empty) output directory.
-      spec, tau, clip, codec, bound, partition, op_model: as `GuardedSavePlanner`.
+      spec, tau, clip, codec, op_model: as `GuardedSavePlanner`.
       uncertifiable: as `GuardedSavePlanner`, but ``"refuse"`` by default (the CLI is the
         explicit API: ``jaxguard compress --uncertifiable exact`` asks to store exactly).
 
@@ -179,8 +179,8 @@ def compress_dir(src, dst, *, spec=None, tau=None, clip=None, codec=None, bound=
         raise CheckpointError(f"output directory {parent} does not exist; create it first")
     t0 = time.perf_counter()
     state = load_full(src)
-    planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, bound=bound, partition=partition,
-                                 op_model=op_model, uncertifiable=uncertifiable)
+    planner = GuardedSavePlanner(tau=tau, clip=clip, spec=spec, codec=codec, op_model=op_model,
+                                 uncertifiable=uncertifiable)
     with storage.atomic_directory(dst) as tmp, _unwrapped(), warnings.catch_warnings():
         # the CLI prints what was stored exactly in its summary, not as a Python warning
         warnings.filterwarnings("ignore", message="GuardedSavePlanner: ", category=JaxguardWarning)

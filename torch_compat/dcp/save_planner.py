@@ -33,7 +33,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
       tau: the update-difference bound, as a fraction of lr (default: the spec's, 0.01).
       clip: the gradient range ``|g| <= clip`` the certificate covers (default: the spec's, 0.2).
       spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``); `tau`,
-        `clip`, `codec`, `bound`, `partition` override its fields when given.
+        `clip`, `codec` override its fields when given (the ablation switches ``bound`` and
+        ``partition`` are set on the spec only).
       op_model: the kernel the run resumes on (`torch_compat.state.op_model_of`; None: the
         one torch runs where the state lives).
       lr: the next step's learning rate, if the param groups do not hold it (saved before
@@ -67,14 +68,18 @@ class GuardedSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, tau: float | None = None, clip: float | None = None, *, spec=None, codec: str | None = None,
-                 bound: str | None = None, partition: str | None = None, op_model: str | None = None,
-                 overwrite: bool = False, lr=None, uncertifiable: str = "exact", **kwargs):
+                 op_model: str | None = None, overwrite: bool = False, lr=None, uncertifiable: str = "exact",
+                 **kwargs):
+        for switch in ("bound", "partition"):   # not DefaultSavePlanner's: say where they went
+            if switch in kwargs:
+                raise ConfigError(f"GuardedSavePlanner takes {switch} on the spec: "
+                                  f"spec=jaxguard.GuardSpec({switch}={kwargs[switch]!r})")
         if kwargs.get("flatten_state_dict", True) is not True:
             raise ConfigError("GuardedSavePlanner needs flatten_state_dict=True (it finds the moments by their paths)")
         if kwargs.get("enable_plan_caching"):
             raise ConfigError("GuardedSavePlanner does not support enable_plan_caching=True: every save records new hashes")
         super().__init__(**kwargs)
-        self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+        self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
         self.op_model = op_model
         self.lr = lr
         self.uncertifiable = uncovered.policy(uncertifiable)

@@ -46,15 +46,16 @@ def _variant_of(variant):
     return variant() if callable(variant) else variant
 
 
-def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False, variant=None,
-                        op_model=None, device_encode=None, param_order=None, lr=None):
+def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, progress=False, variant=None, op_model=None,
+                        device_encode=None, param_order=None, lr=None):
     """Compress a torch checkpoint dict in memory.
 
     Args:
       ckpt: ``{"model": state_dict, "optimizer": state_dict, ...}`` (other keys stored exactly).
       spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``: tau 0.01,
-        clip 0.2, log8-rel, shared bound, mixed partition).
-      tau, clip, codec, bound, partition: override the spec's field when given.
+        clip 0.2, log8-rel, shared bound, mixed partition; the ablation switches ``bound``
+        and ``partition`` are set only there).
+      tau, clip, codec: override the spec's field when given.
       progress: show a tqdm bar.
       variant: the replay variant report stored in the header (``jaxguard compress``;
         informational: the guard covers every variant); a callable is called only after
@@ -74,15 +75,15 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, bou
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec)
     records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr)
     extra["variant"] = variant = _variant_of(variant)
     data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress, device_encode=device_encode)
     return data, _with_variant(summary, variant)
 
 
-def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, bound=None, partition=None, progress=False,
-                           variant=None, release=None, op_model=None, device_encode=None, param_order=None, lr=None,
+def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=None, progress=False, variant=None,
+                           release=None, op_model=None, device_encode=None, param_order=None, lr=None,
                            uncertifiable="refuse"):
     """`compress_checkpoint` written straight to `path` (atomically), streaming: moments
     are encoded in slabs and each entry is written as soon as it is ready, so memory holds
@@ -90,8 +91,8 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
 
     Args:
       path: the output file or URL.
-      ckpt, spec, tau, clip, codec, bound, partition, progress, variant, op_model, device_encode,
-        param_order, lr: as `compress_checkpoint`.
+      ckpt, spec, tau, clip, codec, progress, variant, op_model, device_encode, param_order, lr:
+        as `compress_checkpoint`.
       uncertifiable: ``"refuse"`` or ``"exact"`` (`state_records`; ``jaxguard compress
         --uncertifiable``).
       release: called with source arrays the writer is done with (``jaxguard compress``
@@ -104,7 +105,7 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec)
     records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr,
                                                uncertifiable=uncertifiable)
     extra["variant"] = variant = _variant_of(variant)
@@ -147,9 +148,8 @@ def restore_tree(path):
 
 # ---------------------------------------------------------------- optimizer-level API
 def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: GuardSpec | None = None,
-         tau: float | None = None,
-         clip: float | None = None, codec: str | None = None, bound: str | None = None, partition: str | None = None,
-         progress: bool = False, op_model: str | None = None, device_encode: bool | None = None,
+         tau: float | None = None, clip: float | None = None, codec: str | None = None, progress: bool = False,
+         op_model: str | None = None, device_encode: bool | None = None,
          lr: float | tuple | list | None = None, uncertifiable: str = "refuse") -> dict:
     """Write `optimizer`'s Adam/AdamW state to `path` (certified against its live params).
 
@@ -165,8 +165,9 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
       path: the output file.
       optimizer: a `torch.optim.Adam` or `AdamW` (unnamed params get ``group{g}.param{i}`` names).
       spec: the guard settings, a `jaxguard.GuardSpec` (default ``GuardSpec()``: tau 0.01,
-        clip 0.2, log8-rel, shared bound, mixed partition).
-      tau, clip, codec, bound, partition: override the spec's field when given.
+        clip 0.2, log8-rel, shared bound, mixed partition; the ablation switches ``bound``
+        and ``partition`` are set only there).
+      tau, clip, codec: override the spec's field when given.
       progress: show a tqdm bar.
       op_model: the kernel the run resumes on (`state_records`; the header records the
         op model that certified the state).
@@ -186,9 +187,8 @@ def save(path: str | os.PathLike, optimizer: torch.optim.Optimizer, *, spec: Gua
       CheckpointError: as `state_records`.
     """
     sd, params = snapshot(optimizer, any_optimizer=uncovered_policy(uncertifiable) == "exact")
-    return save_snapshot(path, sd, params, spec=spec, tau=tau, clip=clip, codec=codec, bound=bound,
-                         partition=partition, progress=progress, op_model=op_model, device_encode=device_encode,
-                         lr=lr, uncertifiable=uncertifiable)
+    return save_snapshot(path, sd, params, spec=spec, tau=tau, clip=clip, codec=codec, progress=progress,
+                         op_model=op_model, device_encode=device_encode, lr=lr, uncertifiable=uncertifiable)
 
 
 def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False, any_optimizer: bool = False) -> tuple:
@@ -226,16 +226,14 @@ def snapshot(optimizer: torch.optim.Optimizer, *, copy: bool = False, any_optimi
 
 def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: GuardSpec | None = None,
                   tau: float | None = None, clip: float | None = None, codec: str | None = None,
-                  bound: str | None = None, partition: str | None = None, progress: bool = False,
-                  op_model: str | None = None, device_encode: bool | None = None,
+                  progress: bool = False, op_model: str | None = None, device_encode: bool | None = None,
                   lr: float | tuple | list | None = None, uncertifiable: str = "refuse") -> dict:
     """`save` of a `snapshot` (the same file `save` writes of that state).
 
     Args:
       path: the output file.
       sd, params: what `snapshot` returned.
-      spec, tau, clip, codec, bound, partition, progress, op_model, device_encode, lr,
-        uncertifiable: as `save`.
+      spec, tau, clip, codec, progress, op_model, device_encode, lr, uncertifiable: as `save`.
 
     Returns:
       The summary dict (``stored_exactly``: as `save`).
@@ -243,7 +241,7 @@ def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: Guar
     Raises:
       UnsupportedOptimizerError, CheckpointError: as `save`.
     """
-    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec, bound=bound, partition=partition)
+    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec)
     notes: dict = {}
     opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model, lr=lr, notes=notes, param_map="live",
                                     uncertifiable=uncertifiable)
