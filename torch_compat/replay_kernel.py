@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 __all__ = ['LOW_EXPONENT', 'HIGH_EXPONENT', 'VELTKAMP_SPLITTER', 'AdamScalars', 'adam_scalars', 'fma_float32_jax',
-           'replay_flat', 'bucket_length']
+           'replay_flat']
 
 import functools
 import math
@@ -279,7 +279,7 @@ def replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decou
 
     Args:
       p, g, m, v: 1-D float32 arrays of one length (`adam_step` pads it with
-        `bucket_length`).
+        `_bucket_length`).
       scalars: the step's `AdamScalars` (`adam_scalars`).
       variant: the op variant of the kernel body (for fused: ``variant.body``).
       decoupled: AdamW's decoupled weight decay.
@@ -299,7 +299,7 @@ def replay_flat(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decou
     return kernel(p, g, m, v, jnp.asarray(np.array(scalars, np.float32)), jnp.int32(0), below, above)
 
 
-def bucket_length(n: int) -> int:
+def _bucket_length(n: int) -> int:
     """Lengths are padded to one of four sizes per octave (at most 25% padding), so a model
     with many tensor sizes compiles a few kernels, not one per size.
 
@@ -318,4 +318,4 @@ def bucket_length(n: int) -> int:
 
 def _pad_to_bucket(x: np.ndarray) -> np.ndarray:
     # zero padding is inert: p = g = m = v = 0 stays 0 and never needs the numpy model
-    return np.pad(x, (0, bucket_length(x.size) - x.size)) if x.size != bucket_length(x.size) else x
+    return np.pad(x, (0, _bucket_length(x.size) - x.size)) if x.size != _bucket_length(x.size) else x

@@ -45,7 +45,7 @@ __all__ = ['FORMAT', 'SHARD_PREFIX', 'manifest_of', 'GuardedSavePlanner', 'Guard
 from torch_compat.dcp.layout import (FORMAT, MANIFEST_KEY, SHARD_PREFIX, MOMENTS, NOT_GUARDED, manifest_of)  # noqa: F401
 from torch_compat.dcp.save_planner import GuardedSavePlanner  # noqa: F401
 from torch_compat.dcp.verified_read import read_verified  # noqa: F401
-from torch_compat.dcp.load_planner import (GuardedFileSystemReader, where_dcp_reads, GuardedLoadPlanner,
+from torch_compat.dcp.load_planner import (GuardedFileSystemReader, GuardedLoadPlanner,
                                            check_next_update)  # noqa: F401
-from torch_compat.dcp.directory import (is_dcp_dir, read_metadata, load_full, to_torch_checkpoint, restore_dir,
+from torch_compat.dcp.directory import (read_metadata, load_full, restore_dir,
                                         compress_dir, inspect_dir, verify_dir, first_update_audit)  # noqa: F401

@@ -2,7 +2,7 @@
 restore to a torch checkpoint, compress a plain DCP directory, inspect, verify, audit."""
 from __future__ import annotations
 
-__all__ = ['is_dcp_dir', 'read_metadata', 'load_full', 'to_torch_checkpoint', 'restore_dir', 'compress_dir',
+__all__ = [ 'read_metadata', 'load_full', 'restore_dir', 'compress_dir',
            'inspect_dir', 'verify_dir', 'first_update_audit']
 
 import contextlib
@@ -34,7 +34,7 @@ from torch_compat.dcp.load_planner import GuardedFileSystemReader, GuardedLoadPl
 
 
 # ---------------------------------------------------------------- offline: whole directories in one process
-def is_dcp_dir(path) -> bool:
+def _is_dcp_dir(path) -> bool:
     """Args: path: a path.  Returns: True when it is a directory with a DCP ``.metadata`` file."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
@@ -101,7 +101,7 @@ def _unwrapped():
         raise CheckpointError(f"torch.distributed.checkpoint failed: {_one_line(first)}") from None
 
 
-def to_torch_checkpoint(state: dict) -> dict:
+def _to_torch_checkpoint(state: dict) -> dict:
     """Nested DCP state (get_state_dict layout) -> the CKPT layout of `jaxguard compress`:
     the optimizer state_dict with integer indices and ``param_names`` under "optimizer".
 
@@ -145,7 +145,7 @@ def restore_dir(path, output) -> dict:
     """
     from torch_compat.state import save_torch
     t0 = time.perf_counter()
-    ckpt = to_torch_checkpoint(load_full(path))
+    ckpt = _to_torch_checkpoint(load_full(path))
     save_torch(output, ckpt)
     return {"output": os.fspath(output), "keys": sorted(map(str, ckpt)), "seconds": time.perf_counter() - t0}
 

@@ -2,7 +2,7 @@
 written only in ``finish_plan`` (`GuardedLoadPlanner`), and the next-update check."""
 from __future__ import annotations
 
-__all__ = ['GuardedFileSystemReader', 'where_dcp_reads', 'GuardedLoadPlanner', 'check_next_update']
+__all__ = ['GuardedFileSystemReader', 'GuardedLoadPlanner', 'check_next_update']
 
 import math
 import os
@@ -103,7 +103,7 @@ class GuardedFileSystemReader(FileSystemReader):
         return md
 
 
-def where_dcp_reads(metadata) -> str:
+def _where_dcp_reads(metadata) -> str:
     """The checkpoint directory DCP's metadata names (``storage_meta.checkpoint_id``, which
     torch's `FileSystemWriter` records), for a `GuardedLoadPlanner` given no place.
 
@@ -194,7 +194,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
         if checkpoint_id is not None and "://" not in os.fspath(checkpoint_id):
             load_metadata(checkpoint_id)   # before dcp.load unpickles it: one line, no code run
         self._checkpoint_id = checkpoint_id
-        self._told = checkpoint_id is not None    # False: the path is the metadata's (where_dcp_reads)
+        self._told = checkpoint_id is not None    # False: the path is the metadata's (_where_dcp_reads)
         self._given_reader = storage_reader
         self._apply: list = []
         self.strict = strict
@@ -219,7 +219,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
                           "storage_reader=torch_compat.dcp.GuardedFileSystemReader(path)", JaxguardWarning,
                           stacklevel=2)
         if self._given_reader is None and self._checkpoint_id is None:
-            self._checkpoint_id, self._told = where_dcp_reads(metadata), False
+            self._checkpoint_id, self._told = _where_dcp_reads(metadata), False
         self._reader = self._given_reader or self._own_reader(metadata, is_coordinator)
         sm = getattr(metadata, "storage_meta", None)
         ours, theirs = getattr(self._given_reader, "load_id", None), getattr(sm, "load_id", None)

@@ -29,14 +29,14 @@ from torch_compat.state.tensors import (writer, torch, is_tensor, dtype_name, to
                                         numpy_to_tensor, scalar_value, jax_platform_of, HostTensor)  # noqa: F401
 from torch_compat.state.skeleton import to_skeleton, from_skeleton  # noqa: F401
 from torch_compat.state.param_names import (NO_NAMES, BY_ORDER_FIX, PARAM_MAPS, infer_param_names,
-                                            stale_names_error, with_param_names, param_map_of, param_index,
+                                            with_param_names, param_map_of, param_index,
                                             param_digest)  # noqa: F401
 from torch_compat.state.coverage import (UNSUPPORTED_FLAGS, EXACT_REASON, Uncovered, implementation_of,
-                                         op_model_of, group_uncovered, check_param_group, state_uncovered,
+                                         op_model_of, group_uncovered, check_param_group,
                                          param_uncovered, check_optimizer_state)  # noqa: F401
 from torch_compat.state.records import (next_update, guard_config, step_count, MappedSource, state_records,
                                         UNNAMED_WHY, writer_config, encoder_view)  # noqa: F401
-from torch_compat.state.first_update import (HYPERPARAMETERS, next_update_differences, check_next_update,
+from torch_compat.state.first_update import (HYPERPARAMETERS, check_next_update,
                                              watch_first_step, certified_by_group, warn_other_kernel,
                                              check_certified_weights, check_layout)  # noqa: F401
 from torch_compat.state.checkpoint import (compress_checkpoint, compress_checkpoint_to, restore_tree, save,

@@ -3,7 +3,7 @@ float32 state; the rest is stored exactly with the reason (`Uncovered`)."""
 from __future__ import annotations
 
 __all__ = ['UNSUPPORTED_FLAGS', 'EXACT_REASON', 'Uncovered', 'implementation_of', 'op_model_of', 'group_uncovered',
-           'check_param_group', 'state_uncovered', 'param_uncovered', 'check_optimizer_state']
+           'check_param_group', 'param_uncovered', 'check_optimizer_state']
 
 from typing import NamedTuple
 
@@ -71,7 +71,7 @@ def check_param_group(gi, g, *, who="jaxguard") -> None:
         raise u.error
 
 
-def state_uncovered(idx, st, gi, g) -> Uncovered | None:
+def _state_uncovered(idx, st, gi, g) -> Uncovered | None:
     """Why one parameter's optimizer state cannot be certified, or None.
 
     Args:
@@ -158,7 +158,7 @@ def check_optimizer_state(opt_sd, model_sd=None, param_order=None, *, uncovered:
     groups = {idx: (gi, g) for gi, g in enumerate(opt_sd["param_groups"]) for idx in g.get("params", ())}
     for idx, st in opt_sd["state"].items():
         gi, g = groups.get(idx, (None, None))
-        u = bad_groups.get(gi) or state_uncovered(idx, st, gi, g)
+        u = bad_groups.get(gi) or _state_uncovered(idx, st, gi, g)
         if u is not None:
             if uncovered is None:
                 raise u.error

@@ -2,7 +2,7 @@
 against what each entry was certified for, the weights, the layout and the kernel."""
 from __future__ import annotations
 
-__all__ = ['HYPERPARAMETERS', 'next_update_differences', 'check_next_update', 'watch_first_step',
+__all__ = ['HYPERPARAMETERS', 'check_next_update', 'watch_first_step',
            'certified_by_group', 'warn_other_kernel', 'check_certified_weights', 'check_layout']
 
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
@@ -21,7 +21,7 @@ def _group_values(group) -> tuple:
             float(group.get("eps", 0.0)), float(group.get("weight_decay", 0.0) or 0.0))
 
 
-def next_update_differences(header, sd, groups, *, prefix="optimizer") -> list:
+def _next_update_differences(header, sd, groups, *, prefix="optimizer") -> list:
     """Where param groups `groups` (parallel to `sd`'s) would step otherwise than the
     moment pairs of `header` were certified for.
 
@@ -57,18 +57,18 @@ def next_update_differences(header, sd, groups, *, prefix="optimizer") -> list:
 def check_next_update(header, sd, groups, where="the checkpoint", *, strict=False, prefix="optimizer") -> None:
     """Warn (one `JaxguardWarning` line) or, with `strict`, raise when param groups
     `groups` would step with other hyperparameters than the moments of `header` were
-    certified for (`next_update_differences`): the tau guarantee covers the certified
+    certified for (`_next_update_differences`): the tau guarantee covers the certified
     update only.
 
     Args:
-      header, sd, groups, prefix: as `next_update_differences`.
+      header, sd, groups, prefix: as `_next_update_differences`.
       where: how to name the checkpoint.
       strict: raise instead of warning.
 
     Raises:
       CheckpointError: (``strict``) the first difference, naming both values.
     """
-    diffs = next_update_differences(header, sd, groups, prefix=prefix)
+    diffs = _next_update_differences(header, sd, groups, prefix=prefix)
     if not diffs:
         return
     gi, name, want, got = diffs[0]

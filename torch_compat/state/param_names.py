@@ -2,7 +2,7 @@
 ``param_names``, a provable map by shapes, or an order the user asserts."""
 from __future__ import annotations
 
-__all__ = ['NO_NAMES', 'BY_ORDER_FIX', 'PARAM_MAPS', 'infer_param_names', 'stale_names_error', 'with_param_names',
+__all__ = ['NO_NAMES', 'BY_ORDER_FIX', 'PARAM_MAPS', 'infer_param_names', 'with_param_names',
            'param_map_of', 'param_index', 'param_digest']
 
 import hashlib
@@ -137,7 +137,7 @@ def _by_shape(indices, shape_of, floats, model_sd) -> dict:
     return names
 
 
-def stale_names_error(opt_sd, model_sd):
+def _stale_names_error(opt_sd, model_sd):
     """A one-line `CheckpointError` when the groups' ``param_names`` name tensors the
     model state_dict lacks, else None: torch's ``load_state_dict`` keeps the names of the
     run that saved the state, so after a module rename they are stale.
@@ -213,7 +213,7 @@ def param_index(opt_sd, model_sd=None, param_order=None):
     """
     groups = opt_sd["param_groups"]
     if param_order is None and all("param_names" in g for g in groups):
-        stale = stale_names_error(opt_sd, model_sd) if model_sd is not None else None
+        stale = _stale_names_error(opt_sd, model_sd) if model_sd is not None else None
         if stale is not None:
             raise stale
         names = [g["param_names"] for g in groups]
