@@ -237,12 +237,13 @@ def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed,
 # ---------------------------------------------------------------- ablation
 def run_ablation(ckpts, tmpdir):
     import torch_compat
+    from jaxguard import GuardSpec
     out = []
     for label, bound, partition in ABLATION:
         tot = {"coordinates": 0, "escapes": 0, "payload_bytes": 0, "raw_fp32_bytes": 0, "encode_seconds": 0.0}
         for ck in ckpts:
-            _, s = torch_compat.compress_checkpoint(ck, tau=TAU, clip=CLIP, codec="log8", bound=bound,
-                                                    partition=partition)
+            _, s = torch_compat.compress_checkpoint(ck, spec=GuardSpec(tau=TAU, clip=CLIP, codec="log8", bound=bound,
+                                                                       partition=partition))
             for k in tot:
                 tot[k] += s[k]
         paper_esc, paper_ratio = PAPER_ABLATION[label]

@@ -34,7 +34,7 @@ __all__ = ["reuse_freed_memory", "no_numpy_huge_pages", "synchronous_cpu_dispatc
 
 def reuse_freed_memory() -> None:
     """glibc, for compress and restore: keep freed buffers of up to 32 MiB (a slab's
-    guard temporaries, restore's decode chunks of `jaxguard.cli.torchfile.CHUNK`
+    guard temporaries, restore's decode chunks of `jaxguard.format.torchzip_writer.CHUNK`
     coordinates) in the heap for the next slab instead of returning them and page-faulting
     fresh ones, and return the heap's free top only beyond 256 MiB (no effect elsewhere).  Compress used
     to mmap every buffer from 1 MiB for a smaller heap: 13.0M page faults and 58 s of

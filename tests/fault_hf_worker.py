@@ -46,14 +46,13 @@ def kill_after_weights():
 
 
 def kill_between_renames():
-    from jaxguard.integrations import checkpoint_dir as cdir
     real = os.rename
 
     def rename(src, dst):
         real(src, dst)
-        if str(dst).endswith(cdir.OLD_SUFFIX):
+        if str(dst).endswith(storage.OLD_SUFFIX):
             os.kill(os.getpid(), signal.SIGKILL)
-    cdir.os.rename = rename
+    storage.os.rename = rename
 
 
 def dump_truth(opt, model, truth):

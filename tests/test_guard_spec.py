@@ -1,5 +1,6 @@
 """One settings object: every save entry point takes ``spec=`` (a `GuardSpec`) and the
-tau/clip/codec/bound/partition keywords override its fields; every default is defined
+tau/clip/codec/bound/partition keywords override its fields (on the torch side tau/clip/codec
+only: the ablation switches bound/partition are set on the spec); every default is defined
 once (jaxguard.format.spec) and GuardSpec, GuardConfig and the CLI take it from there."""
 import dataclasses
 
@@ -69,6 +70,34 @@ def test_torch_save_takes_the_spec(tmp_path):
     torch_compat.save(tmp_path / "t.jg", opt, spec=spec)
     h, cfgs = _header(tmp_path / "t.jg")
     assert {c["tau"] for c in cfgs} == {0.003} and {c["partition"] for c in cfgs} == {"linear"} and h["tau"] == 0.003
-    torch_compat.save(tmp_path / "u.jg", opt, spec=dataclasses.replace(spec, tau=0.01), tau=0.003, partition="linear")
+    torch_compat.save(tmp_path / "u.jg", opt, spec=dataclasses.replace(spec, tau=0.01), tau=0.003)
     assert _header(tmp_path / "u.jg")[0]["payload_sha256"] == h["payload_sha256"]
     assert np.isfinite(h["clip"])
+
+
+def test_torch_ablation_switches_are_set_on_the_spec_only(tmp_path):
+    """The torch side's save entry points take ``bound``/``partition`` through the spec
+    alone: the keywords are refused (the planner, whose extra keywords go to DCP's own
+    planner, says where they went), the spec's fields reach every entry."""
+    torch = pytest.importorskip("torch")
+    import inspect
+
+    import torch_compat
+    from torch_compat import dcp
+    from torch_compat.state import save_snapshot
+    for fn in (torch_compat.save, save_snapshot, torch_compat.compress_checkpoint, dcp.compress_dir,
+               dcp.GuardedSavePlanner.__init__):
+        params = inspect.signature(fn).parameters
+        assert "spec" in params and not {"bound", "partition"} & set(params), fn
+    with pytest.raises(jg.ConfigError, match=r"GuardedSavePlanner takes partition on the spec: "
+                                              r"spec=jaxguard.GuardSpec\(partition='linear'\)"):
+        dcp.GuardedSavePlanner(partition="linear")
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.Adam(model.named_parameters(), lr=1e-3, foreach=False)
+    model(torch.randn(3, 6)).pow(2).mean().backward()
+    opt.step()
+    with pytest.raises(TypeError, match="bound"):
+        torch_compat.save(tmp_path / "x.jg", opt, bound="separate")
+    torch_compat.save(tmp_path / "s.jg", opt, spec=GuardSpec(bound="separate", partition="linear"))
+    _, cfgs = _header(tmp_path / "s.jg")
+    assert {(c["bound"], c["partition"]) for c in cfgs} == {("separate", "linear")}

@@ -24,7 +24,7 @@ accelerate = pytest.importorskip("accelerate")
 
 import torch_compat  # noqa: E402
 from jaxguard.errors import CheckpointError  # noqa: E402
-from jaxguard.integrations import checkpoint_dir as cdir  # noqa: E402
+from jaxguard.format import storage  # noqa: E402
 from jaxguard.integrations import accelerate as jg_acc  # noqa: E402
 from jaxguard.integrations.hf import GuardedTrainer  # noqa: E402
 
@@ -77,9 +77,9 @@ def _stop_between_renames(monkeypatch):
 
     def rename(src, dst):
         real(src, dst)
-        if str(dst).endswith(cdir.OLD_SUFFIX):
+        if str(dst).endswith(storage.OLD_SUFFIX):
             raise KeyboardInterrupt("stopped between the renames")
-    monkeypatch.setattr(cdir.os, "rename", rename)
+    monkeypatch.setattr(storage.os, "rename", rename)
 
 
 def test_hf_failed_resave_keeps_the_previous_checkpoint_bit_for_bit(tmp_path, monkeypatch):
@@ -113,7 +113,7 @@ def test_hf_stop_while_publishing_is_undone_by_the_next_train(tmp_path, monkeypa
     assert tr.state.global_step == STEPS + 1
     hidden = [n for n in os.listdir(tmp_path) if n.startswith(".")]
     # the stopped save's stage is named, not removed: it could be another job's save in progress
-    assert len(hidden) == 1 and hidden[0].endswith(cdir.STAGING_SUFFIX), hidden
+    assert len(hidden) == 1 and hidden[0].endswith(storage.STAGING_SUFFIX), hidden
     assert f"left {tmp_path / hidden[0]}" in caplog.text
 
 
@@ -133,14 +133,14 @@ def test_hf_resave_replaces_the_whole_directory(tmp_path):
 def test_a_stage_older_than_an_hour_is_removed_a_younger_one_named(tmp_path):
     final = tmp_path / "ck"
     final.mkdir()
-    young, stale = (cdir.staging_path(str(final), cdir.new_token()) for _ in range(2))
+    young, stale = (storage.staging_path(str(final), storage.new_token()) for _ in range(2))
     for p in (young, stale):
         os.makedirs(p)
         open(os.path.join(p, "f"), "wb").close()
     t = os.stat(stale).st_mtime - 2 * 3600
     os.utime(os.path.join(stale, "f"), (t, t))
     os.utime(stale, (t, t))
-    said = cdir.recover_directories(str(tmp_path))
+    said = storage.recover_directories(str(tmp_path))
     assert os.path.isdir(young) and not os.path.exists(stale), said
     assert any(s.startswith(f"left {young}") for s in said) and any(s.startswith(f"removed {stale}") for s in said)
 
@@ -153,26 +153,26 @@ def test_two_jobs_publishing_one_directory_leave_one_whole_checkpoint(tmp_path, 
     open(os.path.join(final, "prev"), "w").write("previous")
     stages = {}
     for job in "AB":
-        tok = cdir.new_token()
-        stages[job] = (cdir.staging_path(final, tok), tok)
+        tok = storage.new_token()
+        stages[job] = (storage.staging_path(final, tok), tok)
         os.makedirs(stages[job][0])
         open(os.path.join(stages[job][0], "who"), "w").write(job)
     real = os.rename
 
     def rename(src, dst):
         real(src, dst)
-        if str(dst).endswith(cdir.OLD_SUFFIX) and not rename.done:   # A between its renames: B commits
+        if str(dst).endswith(storage.OLD_SUFFIX) and not rename.done:   # A between its renames: B commits
             rename.done = True
-            cdir.commit_directory(*stages["B"][:1], final, stages["B"][1])
+            storage.commit_directory(*stages["B"][:1], final, stages["B"][1])
     rename.done = False
-    monkeypatch.setattr(cdir.os, "rename", rename)
+    monkeypatch.setattr(storage.os, "rename", rename)
     with pytest.raises(OSError):
-        cdir.commit_directory(stages["A"][0], final, stages["A"][1])
+        storage.commit_directory(stages["A"][0], final, stages["A"][1])
     monkeypatch.undo()
     assert open(os.path.join(final, "who")).read() == "B" and sorted(os.listdir(final)) == ["who"]
-    said = cdir.recover_directory(final)
-    assert any("removed" in s and cdir.OLD_SUFFIX in s for s in said), said
-    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(cdir.STAGING_SUFFIX)) == ["ck"]
+    said = storage.recover_directory(final)
+    assert any("removed" in s and storage.OLD_SUFFIX in s for s in said), said
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(storage.STAGING_SUFFIX)) == ["ck"]
 
 
 def test_hf_resume_from_a_directory_without_optimizer_state_is_refused(tmp_path):

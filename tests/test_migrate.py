@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 
 import torch_compat  # noqa: E402
 from jaxguard import cli, optax_adapter  # noqa: E402
+from jaxguard.errors import CheckpointError  # noqa: E402
 from torch_compat import migrate  # noqa: E402
 
 LR, TAU, CLIP = 1e-3, 0.01, 0.2
@@ -108,5 +109,5 @@ def test_migrate_errors(tmp_path, capsys):
     st = optax.adam(LR).init(params)
     jg_path = tmp_path / "np.jg"
     optax_adapter.save(jg_path, st, params, lr=LR)
-    with pytest.raises(torch_compat.state.CheckpointError, match="include_params=True"):
+    with pytest.raises(CheckpointError, match="include_params=True"):
         migrate.container_to_torch(jg_path)

@@ -1,4 +1,4 @@
-"""`jaxguard restore` without torch or JAX in the process (jaxguard/cli/torchfile.py): the file
+"""`jaxguard restore` without torch or JAX in the process (jaxguard/format/torchzip_writer.py): the file
 it writes loads (weights_only, and mmap) to the same object, tensor for tensor and bit for
 bit, as ``torch.save(torch_compat.restore_tree(path)[0])``, for every codec's golden
 container and for a checkpoint with every pass-through kind; a damaged file leaves nothing.
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 
 import torch_compat
 from jaxguard import cli
-from jaxguard.cli import torchfile
+from jaxguard.format import torchzip_writer
 from jaxguard.format import reader
 from jaxguard.format.reader import PREFIX, TRAILER
 
@@ -60,7 +60,7 @@ def reference(container, tmp_path):
 
 def check_fast(container, tmp_path):
     out = tmp_path / "fast.pt"
-    assert torchfile.restore(str(container), str(out)) is True
+    assert torchzip_writer.restore(str(container), str(out)) is True
     ref = reference(container, tmp_path)
     same(ref, torch.load(out, weights_only=True))
     same(ref, torch.load(out, weights_only=True, mmap=True))
@@ -91,16 +91,16 @@ def test_golden_codecs_restore_identically(name, chunk, ahead, reverse, tmp_path
     """Every codec's golden container (rANS included), its entries given a torch tree; with
     chunk=512 every entry over two blocks is decoded in block ranges on the thread pool, and
     the rANS sections a window of about one entry at a time.  With ahead=1 the decoder hands
-    one entry at a time (`torchfile.AHEAD_BYTES`) to a writer that asks for the last first
+    one entry at a time (`torchzip_writer.AHEAD_BYTES`) to a writer that asks for the last first
     (the others wait in its stash), every entry's CRC-32 taken beside its hash: no deadlock,
     the same file."""
     if chunk:
-        monkeypatch.setattr(torchfile, "CHUNK", chunk)
-        monkeypatch.setattr(torchfile, "WINDOW", 3 * chunk)
-        monkeypatch.setattr(torchfile, "RANS_WINDOW", chunk)
+        monkeypatch.setattr(torchzip_writer, "CHUNK", chunk)
+        monkeypatch.setattr(torchzip_writer, "WINDOW", 3 * chunk)
+        monkeypatch.setattr(torchzip_writer, "RANS_WINDOW", chunk)
     if ahead:
-        monkeypatch.setattr(torchfile, "AHEAD_BYTES", ahead)
-        monkeypatch.setattr(torchfile, "CRC_BESIDE_FROM", 0)
+        monkeypatch.setattr(torchzip_writer, "AHEAD_BYTES", ahead)
+        monkeypatch.setattr(torchzip_writer, "CRC_BESIDE_FROM", 0)
     header, payload = _split((GOLDEN / f"{name}.jaxguard").read_bytes())
     state = []
     for i, e in enumerate(x for x in header["entries"] if x["kind"] == "moments"):
@@ -168,7 +168,7 @@ def test_uncovered_dtype_falls_back_to_torch_save(tmp_path):
                                                 "u16": torch.tensor([1, 65535], dtype=torch.uint16)})
     p = tmp_path / "u16.jg"
     p.write_bytes(data)
-    assert torchfile.restore(str(p), str(tmp_path / "x.pt")) is False and not (tmp_path / "x.pt").exists()
+    assert torchzip_writer.restore(str(p), str(tmp_path / "x.pt")) is False and not (tmp_path / "x.pt").exists()
     assert cli.main(["restore", str(p), "-o", str(tmp_path / "y.pt")]) == 0
     same(reference(p, tmp_path), torch.load(tmp_path / "y.pt", weights_only=True))
 

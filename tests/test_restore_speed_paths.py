@@ -1,4 +1,4 @@
-"""The restore's speed paths write what the plain paths write (jaxguard/cli/torchfile.py,
+"""The restore's speed paths write what the plain paths write (jaxguard/format/torchzip_writer.py,
 jaxguard/format/reader.py): decode buffers lent again across entries (in any order the tree
 names them, one named twice), decodes in `SUB`-coordinate pieces, the mapped read, and the
 escape mask unpacked only where it has bits; every restored tensor is compared by SHA-256
@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat
-from jaxguard.cli import torchfile
+from jaxguard.format import torchzip_writer
 from jaxguard.format import reader
 from jaxguard.format.reader import PREFIX, TRAILER
 
@@ -78,12 +78,12 @@ def _reference(container, tmp_path):
 def test_lent_buffers_and_pieces_restore_the_same_tensors(ckpt_file, order, tmp_path, monkeypatch):
     """Small decode chunks, pieces and window: eight entries go through the lent buffers and
     the piecewise decode, in the saved order or reversed with one entry named twice."""
-    monkeypatch.setattr(torchfile, "CHUNK", 512)
-    monkeypatch.setattr(torchfile, "SUB", 256)
-    monkeypatch.setattr(torchfile, "WINDOW", 1024)
+    monkeypatch.setattr(torchzip_writer, "CHUNK", 512)
+    monkeypatch.setattr(torchzip_writer, "SUB", 256)
+    monkeypatch.setattr(torchzip_writer, "WINDOW", 1024)
     src = ckpt_file if order == "as-saved" else _reordered(ckpt_file, tmp_path / "r.jg")
     out = tmp_path / "fast.pt"
-    assert torchfile.restore(str(src), str(out)) is True
+    assert torchzip_writer.restore(str(src), str(out)) is True
     assert digests(torch.load(out, weights_only=True)) == _reference(src, tmp_path)
 
 
@@ -107,7 +107,7 @@ def test_escapes_anywhere_restore_exactly(n, tmp_path):
     src = tmp_path / "e.jg"
     src.write_bytes(data)
     out = tmp_path / "e.pt"
-    assert torchfile.restore(str(src), str(out)) is True
+    assert torchzip_writer.restore(str(src), str(out)) is True
     back = torch.load(out, weights_only=True)
     assert torch.isnan(back["optimizer"]["state"][0]["exp_avg"][bad]).all()
     assert digests(back) == _reference(src, tmp_path)
@@ -121,7 +121,7 @@ def test_restored_zip_reads_back_with_zip64_records(ckpt_file, tmp_path, monkeyp
     if zip64_limit:
         monkeypatch.setattr(zipfile, "ZIP64_LIMIT", zip64_limit)
     out = tmp_path / "z.pt"
-    assert torchfile.restore(str(ckpt_file), str(out)) is True
+    assert torchzip_writer.restore(str(ckpt_file), str(out)) is True
     monkeypatch.undo()
     with zipfile.ZipFile(out) as zf:
         assert zf.testzip() is None

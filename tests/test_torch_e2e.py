@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 
 import torch_compat  # noqa: E402
 from torch_compat import models  # noqa: E402
+from jaxguard import GuardSpec  # noqa: E402
 from jaxguard.audit import gradient_grid  # noqa: E402
 from jaxguard.format import reader  # noqa: E402
 
@@ -47,7 +48,7 @@ def test_separate_ranges_ablation_escapes_most():
     (paper: 98.9% on OPT; on this small digits CNN, whose v is large next to C^2, 46%;
     on the byte transformer >= 90%: see bench/results)."""
     ckpts, _, _ = models.train("cnn", seed=2, steps=40, fractions=(1.0,))
-    _, sep = torch_compat.compress_checkpoint(ckpts[1.0], codec="log8", bound="separate")
+    _, sep = torch_compat.compress_checkpoint(ckpts[1.0], spec=GuardSpec(codec="log8", bound="separate"))
     _, shared = torch_compat.compress_checkpoint(ckpts[1.0], codec="log8")
     assert sep["escape_rate"] >= 0.4, sep
     assert sep["escape_rate"] >= 5 * shared["escape_rate"], (sep, shared)

@@ -47,7 +47,7 @@ def fma_float32_numpy(a, b, c) -> np.ndarray:
         return bits.view(np.float64).astype(np.float32)
 
 
-def table_bit(table_words: np.ndarray, index: np.ndarray) -> np.ndarray:
+def _table_bit(table_words: np.ndarray, index: np.ndarray) -> np.ndarray:
     """Bit ``index`` of a little-endian uint32 bitset.
 
     Args:
@@ -60,7 +60,7 @@ def table_bit(table_words: np.ndarray, index: np.ndarray) -> np.ndarray:
     return (table_words[index >> 5] >> (index & 31)) & 1
 
 
-def parity_table_index(bits: np.ndarray) -> np.ndarray:
+def _parity_table_index(bits: np.ndarray) -> np.ndarray:
     """Index of normal positive float32 bit patterns in the shared table:
     ``(1 - exponent parity) << 23 | mantissa``.
 
@@ -96,14 +96,14 @@ def sqrt_float32_numpy(x, table) -> np.ndarray:
     exponent = (bits >> MANTISSA_BITS).astype(np.int64)  # sign bit set -> > 255: never corrected
     positive_finite = (bits > 0) & (bits < EXPONENT_MASK)
     shared = positive_finite & (exponent > 0)
-    index = np.where(shared, parity_table_index(bits), 0)
-    delta = table_bit(table.above, index).astype(np.int32) - table_bit(table.below, index).astype(np.int32)
+    index = np.where(shared, _parity_table_index(bits), 0)
+    delta = _table_bit(table.above, index).astype(np.int32) - _table_bit(table.below, index).astype(np.int32)
     delta = np.where(shared, delta, 0)
     for binade in table.binades:
         here = positive_finite & (exponent == binade.exponent)
         if not here.any():
             continue
         mantissa = np.where(here, bits & MANTISSA_MASK, 0)
-        own = table_bit(binade.above, mantissa).astype(np.int32) - table_bit(binade.below, mantissa).astype(np.int32)
+        own = _table_bit(binade.above, mantissa).astype(np.int32) - _table_bit(binade.below, mantissa).astype(np.int32)
         delta = np.where(here, own, delta)
     return (root.view(np.int32) + delta).view(np.float32)

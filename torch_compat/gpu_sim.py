@@ -3,7 +3,7 @@
 Nothing here ran on a GPU: the op sequences are read from torch's CUDA sources and
 XLA:GPU's lowering (docs/gpu.md says what is measured and what is not).  Each kernel's
 sequence is written once, as a function of an arithmetic object (the pattern of
-`torch_compat.replay._adam_ops`), and `simulate_step` evaluates it in numpy float32
+`torch_compat.replay_kernel._adam_ops`), and `simulate_step` evaluates it in numpy float32
 (IEEE, no flush to zero) with two kinds of freedom the real kernels leave open:
 
 * ``fma``: nvcc contracts ``a*b + c`` into an FMA by default (``--fmad=true``) and XLA
@@ -232,7 +232,7 @@ class GpuArithmetic:
         return self.approx(np.power(np.asarray(x, np.float64), np.asarray(y, np.float64)), ulps)
 
 
-class GpuScalars(NamedTuple):
+class _GpuScalars(NamedTuple):
     """The hyperparameters as the kernel sees them (float32, or float64 for fused-f64)."""
 
     lr: object
@@ -248,13 +248,13 @@ class GpuScalars(NamedTuple):
     t: int
 
 
-def _gpu_scalars(*, step, lr, betas, eps, weight_decay) -> GpuScalars:
+def _gpu_scalars(*, step, lr, betas, eps, weight_decay) -> _GpuScalars:
     """The host-side scalars, as torch's Python code forms them (the step is ``step + 1``)."""
     b1, b2 = float(betas[0]), float(betas[1])
     t = int(step) + 1
     bc1, bc2 = 1.0 - b1**float(t), 1.0 - b2**float(t)
     F = np.float32
-    return GpuScalars(lr=float(lr), beta1=b1, beta2=b2, lerp_weight=F(1 - b1), one_minus_beta2=F(1 - b2),
+    return _GpuScalars(lr=float(lr), beta1=b1, beta2=b2, lerp_weight=F(1 - b1), one_minus_beta2=F(1 - b2),
                       eps=float(eps), weight_decay=float(weight_decay), decay_factor=F(1 - lr * weight_decay),
                       neg_step_size=F(-(lr / bc1)), bias_correction2_sqrt=F(bc2**0.5), t=t)
 
@@ -268,7 +268,7 @@ def _lerp(ar, m, g, w):
     return ar.madd(ar.neg(diff), ar.sub(np.float32(1), w), g)
 
 
-def _torch_prologue(ar, p, g, s: GpuScalars, decoupled):
+def _torch_prologue(ar, p, g, s: _GpuScalars, decoupled):
     if s.weight_decay != 0 and decoupled:
         p = ar.mul(p, s.decay_factor)                      # param.mul_(1 - lr*wd)
     if s.weight_decay != 0 and not decoupled:
@@ -276,13 +276,13 @@ def _torch_prologue(ar, p, g, s: GpuScalars, decoupled):
     return p, g
 
 
-def _torch_moments(ar, g, m, v, s: GpuScalars):
+def _torch_moments(ar, g, m, v, s: _GpuScalars):
     m_new = _lerp(ar, m, g, s.lerp_weight)                           # lerp_(grad, 1 - beta1)
     v_new = ar.madd(s.one_minus_beta2, ar.mul(g, g), ar.mul(v, np.float32(s.beta2)))   # mul_, addcmul_
     return m_new, v_new
 
 
-def _ops_torch_single(ar, p, g, m, v, s: GpuScalars, decoupled):
+def _ops_torch_single(ar, p, g, m, v, s: _GpuScalars, decoupled):
     """`_single_tensor_adam` on CUDA (capturable=False): the division by the host scalar
     ``bias_correction2_sqrt`` is a multiply by its float32 reciprocal (BinaryDivTrueKernel)."""
     p, g = _torch_prologue(ar, p, g, s, decoupled)
@@ -293,7 +293,7 @@ def _ops_torch_single(ar, p, g, m, v, s: GpuScalars, decoupled):
     return p_new, m_new, v_new
 
 
-def _ops_torch_foreach(ar, p, g, m, v, s: GpuScalars, decoupled):
+def _ops_torch_foreach(ar, p, g, m, v, s: _GpuScalars, decoupled):
     """`_multi_tensor_adam` on CUDA, capturable=False: host-double bias corrections, true
     division by ``bc2**0.5`` (or, ``recip``, a multiply by its reciprocal), addcdiv
     ``p + step_size*(m/denom)``."""
@@ -309,7 +309,7 @@ def _device_bias(ar, beta, t, pow_ulps):
     return ar.sub(np.float32(1), ar.pow_approx(np.float32(beta), np.float32(t), pow_ulps))
 
 
-def _ops_torch_foreach_capturable(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
+def _ops_torch_foreach_capturable(ar, p, g, m, v, s: _GpuScalars, decoupled, pow_ulps):
     """`_multi_tensor_adam` on CUDA, capturable=True: ``_foreach_pow(beta, steps)``, sub 1,
     neg (bc2), div by lr, reciprocal (``-step_size``), sqrt (bc2), then
     ``p + m / ((sqrt(v)/bc2_sqrt + eps) / -step_size)``."""
@@ -327,7 +327,7 @@ def _ops_torch_foreach_capturable(ar, p, g, m, v, s: GpuScalars, decoupled, pow_
     return p_new, m_new, v_new
 
 
-def _ops_torch_fused_f64(ar, p, g, m, v, s: GpuScalars, decoupled):
+def _ops_torch_fused_f64(ar, p, g, m, v, s: _GpuScalars, decoupled):
     """fused_adam_utils.cuh up to about torch 2.10: double hyperparameters, so the moment
     updates, ``step_size = lr/bc1`` and ``sqrt(v')/bc2_sqrt + eps`` are double
     expressions rounded once to float; ``param -= step_size*exp_avg/denom`` is float."""
@@ -348,7 +348,7 @@ def _ops_torch_fused_f64(ar, p, g, m, v, s: GpuScalars, decoupled):
     return p_new, m_new, v_new
 
 
-def _ops_torch_fused_f32(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
+def _ops_torch_fused_f32(ar, p, g, m, v, s: _GpuScalars, decoupled, pow_ulps):
     """fused_adam_utils.cuh after pytorch PRs 172505/173224: float throughout,
     ``exp_avg = fma(b1, m, fma(-b1, g, g))``, ``exp_avg_sq = fma(b2, v, fma(-b2, g*g, g*g))``,
     bias corrections by powf from the float step."""
@@ -369,7 +369,7 @@ def _ops_torch_fused_f32(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps):
     return p_new, m_new, v_new
 
 
-def _ops_optax_gpu(ar, p, g, m, v, s: GpuScalars, decoupled, pow_ulps, div_ulps, sqrt_ulps):
+def _ops_optax_gpu(ar, p, g, m, v, s: _GpuScalars, decoupled, pow_ulps, div_ulps, sqrt_ulps):
     """optax ``scale_by_adam`` + ``add_decayed_weights`` + ``scale_by_learning_rate`` +
     ``apply_updates`` as XLA:GPU runs it: float32 ``decay**count`` by powf, divisions
     ``div.full.f32`` (2 ulp), sqrt through libdevice."""
@@ -435,4 +435,4 @@ def simulate_step(op_model, p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-
     return tuple(np.asarray(x, np.float32) for x in out)
 
 
-__all__ = ["APPROX_MODES", "GpuArithmetic", "GpuScalars", "simulate_step"]
+__all__ = ["APPROX_MODES", "GpuArithmetic", "simulate_step"]

@@ -61,7 +61,7 @@ def _to_numpy(x):
     return np.asarray(x)
 
 
-def tx_spec(opt_sd) -> dict:
+def _tx_spec(opt_sd) -> dict:
     """The optax transformation equivalent to the torch optimizer state_dict `opt_sd`.
 
     Args:
@@ -92,10 +92,10 @@ def tx_spec(opt_sd) -> dict:
 
 
 def make_tx(spec: dict) -> optax.GradientTransformation:
-    """The optax transformation a `tx_spec` describes.
+    """The optax transformation a `_tx_spec` describes.
 
     Args:
-      spec: a dict from `tx_spec` (or a container's ``meta["tx"]``).
+      spec: a dict from `_tx_spec` (or a container's ``meta["tx"]``).
 
     Returns:
       ``optax.adamw`` for "adamw", ``chain(add_decayed_weights, adam)`` for "adam+l2"
@@ -129,14 +129,14 @@ def to_optax(state_dict, params):
 
     Returns:
       ``(opt_state, tx)``: the optax state (float32 moments copied exactly) and the
-      transformation (`make_tx` of `tx_spec`).
+      transformation (`make_tx` of `_tx_spec`).
 
     Raises:
       CheckpointError: a param missing from ``param_names`` or without state, a shape
         mismatch, or params at different steps.
-      UnsupportedOptimizerError: as `tx_spec`.
+      UnsupportedOptimizerError: as `_tx_spec`.
     """
-    spec = tx_spec(state_dict)
+    spec = _tx_spec(state_dict)
     tx = make_tx(spec)
     names = {name: idx for idx, (name, _) in param_index(state_dict).items()}
     jparams = jax.tree_util.tree_map(lambda x: jnp.asarray(_to_numpy(x)), params)
@@ -281,7 +281,7 @@ def torch_to_container(ckpt, *, spec=None, tau=None, clip=None, codec=None):
     Raises:
       CheckpointError: not a dict with 'model' and 'optimizer', or a param missing from
         the model state_dict.
-      UnsupportedOptimizerError: as `tx_spec`.
+      UnsupportedOptimizerError: as `_tx_spec`.
     """
     if not isinstance(ckpt, dict) or "model" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError("the checkpoint must be a dict with 'model' (state_dict) and 'optimizer' "
@@ -289,7 +289,7 @@ def torch_to_container(ckpt, *, spec=None, tau=None, clip=None, codec=None):
     guard = save_spec(spec, tau=tau, clip=clip, codec=codec)
     clip = guard.clip
     osd = with_param_names(ckpt["optimizer"], ckpt["model"])   # a model.parameters() optimizer: by order
-    spec = tx_spec(osd)
+    spec = _tx_spec(osd)
     names = [n for n, _ in param_index(osd).values()]
     missing = [n for n in names if n not in ckpt["model"]]
     if missing:

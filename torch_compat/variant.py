@@ -95,7 +95,7 @@ class AdamVariant:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class BinadeTable:
+class _BinadeTable:
     """Where torch.sqrt is one ulp below/above IEEE on the binade of biased ``exponent``
     (0: the subnormals), as bitsets over its 2^23 mantissas."""
 
@@ -289,9 +289,9 @@ def _binade_offsets(exponent: int, mantissas: np.ndarray) -> np.ndarray:
     return offset
 
 
-def _binade_table(exponent: int, offset: np.ndarray) -> BinadeTable:
+def _binade_table(exponent: int, offset: np.ndarray) -> _BinadeTable:
     _one_ulp_or_fail(offset, binade_name(exponent))
-    return BinadeTable(exponent=exponent, below=_pack(offset == -1), above=_pack(offset == 1))
+    return _BinadeTable(exponent=exponent, below=_pack(offset == -1), above=_pack(offset == 1))
 
 
 # Binades measured in full on every machine: the subnormals (MKL's slow path: IEEE on the
@@ -356,7 +356,7 @@ def _load_cached_table(path: Path) -> SqrtTable | None:
         return None
     if binade_below.shape != (exponents.size, BINADE_WORDS) or binade_above.shape != binade_below.shape:
         return None
-    binades = tuple(BinadeTable(int(e), b.astype(np.uint32), a.astype(np.uint32))
+    binades = tuple(_BinadeTable(int(e), b.astype(np.uint32), a.astype(np.uint32))
                     for e, b, a in zip(exponents, binade_below, binade_above))
     if _table_digest(below, above, binades) != stored:
         return None

@@ -62,7 +62,7 @@ def _key_of(doc: dict) -> str:
     return h.hexdigest()[:24]
 
 
-def cache_key() -> str:
+def _cache_key() -> str:
     """Hex key of this environment and detection code (see the module docstring)."""
     return _key_of({"fingerprint": variant_types.environment_fingerprint()})
 
@@ -71,12 +71,12 @@ def cache_path(key: str | None = None) -> Path:
     """The cache file of one environment's detected variant.
 
     Args:
-      key: the environment key (default: `cache_key()`, the current environment's).
+      key: the environment key (default: `_cache_key()`, the current environment's).
 
     Returns:
       ``<cache_dir>/adam-variant-<key>.json`` (it may not exist yet).
     """
-    return variant_types.cache_dir() / f"adam-variant-{key or cache_key()}.json"
+    return variant_types.cache_dir() / f"adam-variant-{key or _cache_key()}.json"
 
 
 def cached_detect_variant(*, refresh: bool = False, detect=None):

@@ -115,12 +115,13 @@ def main():
         os.makedirs(args.cache, exist_ok=True)
     import jaxguard
     import torch_compat
+    from jaxguard import GuardSpec
     from jaxguard import optax_adapter
     rows = []
     for name, ckpt in _torch_ckpts(args.cache).items():
         for codec, bound, partition in ROWS:
             t0 = time.perf_counter()
-            _, s = torch_compat.compress_checkpoint(ckpt, codec=codec, bound=bound, partition=partition)
+            _, s = torch_compat.compress_checkpoint(ckpt, spec=GuardSpec(codec=codec, bound=bound, partition=partition))
             rows.append({"checkpoint": name, "codec": codec, "bound": bound, "partition": partition,
                          "coordinates": s["coordinates"], "escapes": s["escapes"],
                          "escape_rate_pct": 100 * s["escape_rate"], "payload_ratio_pct": 100 * s["payload_ratio"],

@@ -20,13 +20,13 @@ def run(verb, a, *, print_summary, print_info) -> int:
     Returns:
       The exit status (0, or 1 when verify fails).
     """
+    from jaxguard.cli.inputs import guard_spec
     from torch_compat import dcp
     if verb == "compress" and (getattr(a, "lr", None) is not None or getattr(a, "param_order", None) is not None):
         raise JaxguardError("--lr and --param-order apply to a torch.save checkpoint; a DCP directory's moments are "
                             "matched by their fully qualified names and certified at its param groups' lr")
     if verb == "compress":
-        s = dcp.compress_dir(a.ckpt, a.output, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition,
-                             uncertifiable=a.uncertifiable)
+        s = dcp.compress_dir(a.ckpt, a.output, spec=guard_spec(a), uncertifiable=a.uncertifiable)
         src = dcp.inspect_dir(a.ckpt)["bytes_on_disk"]
         s.update(container_bytes=dcp.inspect_dir(a.output)["bytes_on_disk"], source_bytes=src)
         s["container_ratio"] = s["container_bytes"] / max(src, 1)

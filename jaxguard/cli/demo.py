@@ -37,6 +37,7 @@ def run_demo(steps=150, as_json=False, seed=0):
     from tqdm import tqdm
 
     import torch_compat
+    from jaxguard import GuardSpec
     from torch_compat import models
     from jaxguard.audit import gradient_grid
     from jaxguard.format import reader
@@ -58,7 +59,8 @@ def run_demo(steps=150, as_json=False, seed=0):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "demo.jg")
         for label, codec, bound, partition in tqdm(ROWS, desc="compress+audit", disable=as_json):
-            data, s = torch_compat.compress_checkpoint(ckpt, codec=codec, bound=bound, partition=partition)
+            data, s = torch_compat.compress_checkpoint(ckpt, spec=GuardSpec(codec=codec, bound=bound,
+                                                                            partition=partition))
             atomic_write(path, data)
             ok = reader.verify_file(path)["ok"]
             restored, _ = torch_compat.restore_tree(path)

@@ -24,7 +24,7 @@ Kinds:
 """
 from __future__ import annotations
 
-__all__ = ["DESCRIPTIONS", "WEIGHT_FILES", "Input", "describe", "recognise"]
+__all__ = ["DESCRIPTIONS", "WEIGHT_FILES", "Input", "describe", "recognise", "guard_spec"]
 
 import re
 from typing import NamedTuple
@@ -168,3 +168,17 @@ def _parent(path: str):
         return parent if "://" in parent and parent != path.rstrip("/") else None
     parent = os.path.dirname(os.path.abspath(path))
     return parent if parent != os.path.abspath(path) else None
+
+
+def guard_spec(a):
+    """The `jaxguard.GuardSpec` the compress flags ask for (``--tau``, ``--clip``, ``--codec``,
+    ``--bound``, ``--partition``; an absent flag keeps the default).
+
+    Args:
+      a: the parsed CLI arguments.
+
+    Returns:
+      The checked `GuardSpec` (`jaxguard.core.config.save_spec`).
+    """
+    from jaxguard.core.config import save_spec   # jax: only the verbs that compress pay for it
+    return save_spec(None, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)

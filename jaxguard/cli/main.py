@@ -89,6 +89,7 @@ def _print_summary(s, as_json):
 def _cmd_compress(a):
     """``jaxguard compress CKPT -o OUT``: certify and write a container (or a DCP directory)."""
     import torch_compat.state
+    from jaxguard.cli.inputs import guard_spec
     from jaxguard.format import storage
     from torch_compat.variant_cache import fast_record, variant_record
     ckpt = None
@@ -106,8 +107,7 @@ def _cmd_compress(a):
     gc.freeze()
     # the checkpoint is ours and read-only: drop its mapped pages as the stream is done with them
     source = None if storage.is_url(a.ckpt) else torch_compat.state.MappedSource(storage.local_path(a.ckpt))
-    summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, tau=a.tau, clip=a.clip, codec=a.codec,
-                                                       bound=a.bound, partition=a.partition, progress=not a.json,
+    summary = torch_compat.state.compress_checkpoint_to(a.output, ckpt, spec=guard_spec(a), progress=not a.json,
                                                        variant=variant_record, op_model=a.op_model,
                                                        release=source.release if source else None,
                                                        param_order=param_order(a.param_order), lr=a.lr,
@@ -200,11 +200,11 @@ def param_order(value):
 def _cmd_restore(a):
     """``jaxguard restore OUT -o CKPT2``: a torch checkpoint with the moments decoded.
 
-    Written in torch.save's format without importing torch (`jaxguard.cli.torchfile`: the
+    Written in torch.save's format without importing torch (`jaxguard.format.torchzip_writer`: the
     same tensors, every check of the reader); a tree it does not cover goes through
     `torch_compat.restore_tree` and torch.save."""
-    from jaxguard.cli import torchfile
-    if not torchfile.restore(a.container, a.output):
+    from jaxguard.format import torchzip_writer
+    if not torchzip_writer.restore(a.container, a.output):
         import torch_compat
         from torch_compat.state import save_torch
         tree, _ = torch_compat.restore_tree(a.container)

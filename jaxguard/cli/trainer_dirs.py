@@ -16,7 +16,7 @@ checkpoint directory (`jaxguard.cli.inputs`: ``hf-checkpoint``, ``accelerate-che
   verified as a container file.
 
 Both writes go to a hidden staging directory beside the output and are published by
-rename when complete (`jaxguard.integrations.checkpoint_dir`): a failed or interrupted
+rename when complete (`jaxguard.format.storage.commit_directory`): a failed or interrupted
 run leaves no half-written directory.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _weights_file(path: str) -> dict:
 def _staged(output: str):
     """A staging directory beside `output`, published as `output` when the block ends
     without error (replacing a previous directory there), removed otherwise."""
-    from jaxguard.integrations.checkpoint_dir import commit_directory, new_token, staging_path
+    from jaxguard.format.storage import commit_directory, new_token, staging_path
     final = os.path.normpath(os.fspath(output))
     if os.path.exists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{output} is a file; pass a directory to write the checkpoint directory to")
@@ -177,14 +177,14 @@ def _copy_others(src: str, stage: str, skip) -> list:
 def _compress(a, print_summary) -> int:
     import torch_compat.state as tstate
     from jaxguard import audit, writer
+    from jaxguard.cli.inputs import guard_spec
     from jaxguard.cli.torch_load import load_checkpoint
-    from jaxguard.core.config import save_spec
     inp = a.input
     plain = _plain_files(inp)
     if not plain:
         raise CheckpointError(f"{inp.path} is {inp.description} whose optimizer is compressed already "
                               f"({', '.join(_jg_files(inp))}); jaxguard restore writes the uncompressed one back")
-    spec = save_spec(None, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
+    spec = guard_spec(a)
     weights = load_weights(inp.path)
     totals, written, notes, stored = audit.new_totals(), 0, {}, []
     with _staged(a.output) as stage:

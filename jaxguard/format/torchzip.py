@@ -2,7 +2,7 @@
 
 ``jaxguard compress`` reads its checkpoint with `load`, so that the process never imports torch
 (1.2-2 s and 180 MB of a 2-core machine); ``jaxguard restore`` writes the same format
-(`jaxguard.cli.torchfile`).  The file: a zip of stored (uncompressed) records
+(`jaxguard.format.torchzip_writer`).  The file: a zip of stored (uncompressed) records
 ``<archive>/data.pkl`` (the pickle of the object), ``<archive>/data/<key>`` (one storage's
 bytes), ``<archive>/byteorder``; the pickle names ``torch._utils._rebuild_tensor_v2`` per tensor
 and refers to storages by persistent id ``("storage", torch.<Type>Storage, key, location, numel)``.
@@ -29,7 +29,7 @@ STORAGES = {"float32": "FloatStorage", "float64": "DoubleStorage", "float16": "H
 
 
 class Unsupported(JaxguardError):
-    """A file (`load`) or a tree (`jaxguard.cli.torchfile.restore`) this torch-free code does not
+    """A file (`load`) or a tree (`jaxguard.format.torchzip_writer.restore`) this torch-free code does not
     cover: the caller goes through torch (``torch.load`` / ``torch.save``) instead."""
 
 

@@ -1,17 +1,7 @@
-"""Trainer integrations: guarded optimizer state where users already save it.
-
-Each submodule imports its framework only when it is imported itself, and
-``import jaxguard`` imports none of them:
-
-- `jaxguard.integrations.hf`: `GuardedTrainer`, a ``transformers.Trainer`` whose
-  ``checkpoint-N/`` holds ``optimizer.jg`` instead of ``optimizer.pt``
-  (``pip install 'jaxguard[hf]'``);
-- `jaxguard.integrations.accelerate`: `register(accelerator)`, save/load-state hooks for
-  ``Accelerator.save_state``/``load_state`` (``pip install 'jaxguard[hf]'``);
-- `jaxguard.integrations.lightning`: `GuardedCheckpointIO`, a Lightning ``CheckpointIO``
-  plugin (``pip install 'jaxguard[lightning]'``).
-
-All three write through `jaxguard.format.storage`, so directories may be fsspec URLs where the
-framework allows it, and certify the moments against the live parameters of the
-optimizer (`torch_compat.save`). See docs/integrations.md.
+"""Trainer integrations at the import paths users have: ``jaxguard.integrations.hf``
+(`GuardedTrainer`), ``.accelerate`` (`save_state`/`load_state`) and ``.lightning``
+(`GuardedCheckpointIO`) hand on the same objects as `torch_compat.integrations`, where
+they live with the torch layer (they save torch state).  ``import jaxguard`` imports none
+of them; each imports its framework only when it is imported itself.  See
+docs/integrations.md.
 """

@@ -3,6 +3,8 @@ wrappers, and the one save of an optimizer, which stores exactly what the guard 
 certify (`jaxguard.uncovered`)."""
 from __future__ import annotations
 
+__all__ = ["OPTIMIZER_FILE", "unwrap", "model_names", "save_optimizer", "copy_for_later", "zero_lr_groups"]
+
 from jaxguard import uncovered
 
 OPTIMIZER_FILE = "optimizer.jg"
