@@ -317,6 +317,7 @@ def _named(a) -> str:
 def _cmd_audit(a):
     """``jaxguard audit CKPT OUT``: the first update with the real torch Adam over a gradient grid."""
     import torch_compat
+    from jaxguard.format import spec
     ckpt = load_torch_checkpoint(a.ckpt, a.trust)
     restored, header = torch_compat.restore_tree(a.container)
     tau = header.get("tau") or spec.DEFAULT_TAU
