@@ -108,6 +108,13 @@ def _print_table(rows, steps, n_grads, total, t_train, made, full):
         print("\n'over tau': coordinates whose first update after restoring moved more than tau * lr from the "
               "uncompressed one.\nThe guard stores those exactly; block8 without it does not. "
               "Every codec the paper compares: jaxguard demo --full")
-    where = (f"{made['compiled']} guard programs compiled and stored: a first run on this machine; later runs load them"
-             if made["compiled"] else f"{made['loaded']} guard programs loaded from the program cache")
-    print(f"{total:.1f} s ({t_train:.1f} s training); {where}")
+    print(f"{total:.1f} s ({t_train:.1f} s training); {programs_line(made)}")
+
+
+def programs_line(made) -> str:
+    """Where this run's guard programs came from, from `programs.counts`'s ``made``."""
+    if made["compiled"]:
+        return f"{made['compiled']} guard programs compiled and stored: a first run on this machine; later runs load them"
+    if made["loaded"]:
+        return f"{made['loaded']} guard programs loaded from the program cache"
+    return "the program cache is off: the guard's programs were compiled in this process"
