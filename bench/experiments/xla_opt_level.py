@@ -17,6 +17,8 @@ the guard's audit again (and would run the 124M-scale calls unoptimised): not ta
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -27,24 +29,14 @@ from jaxguard.core import bound as B
 from jaxguard.core import codecs, fastbound
 from jaxguard.core.config import GuardConfig
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from test_programs import _inputs as awkward_inputs  # noqa: E402
+
 SETTINGS = (("default", None), ("level 0", {"xla_backend_optimization_level": 0}))
 
 
-def awkward_inputs(n, seed):
-    """Moments, decoded moments, |p| and clip with float32's awkward values mixed in."""
-    rng = np.random.default_rng(seed)
-    m = (rng.standard_normal(n) * 10.0 ** rng.uniform(-12, -1, n)).astype(np.float32)
-    v = (m.astype(np.float64) ** 2 * rng.uniform(0.5, 4, n)).astype(np.float32)
-    edge = np.array([0.0, -0.0, 2.0**-126, 2.0**-149, 2.0**-80, 3.0e38, 1e-30], np.float32)
-    m[:edge.size], v[:edge.size] = edge, np.abs(edge)
-    mt = (m * (1 + rng.uniform(-2**-7, 2**-7, n))).astype(np.float32)
-    vt = (v * (1 + rng.uniform(-2**-6, 2**-6, n))).astype(np.float32)
-    p = rng.standard_normal(n).astype(np.float32)
-    return m, v, mt, vt, np.abs(p), np.full(n, 0.2, np.float32)
-
-
 def kernel_calls(n, seed):
-    m, v, mt, vt, pabs, clip = awkward_inputs(n, seed)
+    m, v, mt, vt, pabs, clip = awkward_inputs(n, seed)   # the programs tests' inputs
     rows = [B.pack_constants(GuardConfig(lr=1e-3, step=s, weight_decay=wd, op_model=om).constants(), 0.01)
             for s, wd, om in ((0, 0.0, "torch-adam"), (99, 0.1, "torch-adamw"), (7, 0.01, "optax-adamw"))]
     K, gidx = B.stack_rows(rows), np.arange(n, dtype=np.int32) % 3
@@ -62,6 +54,10 @@ def kernel_calls(n, seed):
     return out
 
 
+def _sizes(static):
+    return " ".join(f"{k}={len(v) if isinstance(v, tuple) else v}" for k, v in static.items())
+
+
 def _bits(x):
     x = np.asarray(x)
     return x.view(np.uint32) if x.dtype == np.float32 else x
@@ -76,19 +72,21 @@ def main(argv=None):
     for seed in (0, 1):
         for fn, args, static in kernel_calls(a.n, seed):
             leaves, tree = jax.tree_util.tree_flatten(args)
-            outs = {}
+            outs, took = {}, {}
             for name, options in SETTINGS:
                 def fresh(*xs, fn=fn, tree=tree, static=static):
                     return fn(*jax.tree_util.tree_unflatten(tree, xs), **static)
                 fresh.__name__ = f"kernel_{time.time_ns()}"   # no cached executable answers
                 c = time.process_time()
                 exe = jax.jit(fresh).lower(*leaves).compile(compiler_options=options)
-                cpu[name] += time.process_time() - c
+                took[name] = time.process_time() - c
+                cpu[name] += took[name]
                 r = exe(*leaves)
                 outs[name] = r if isinstance(r, tuple) else (r,)
             same = all(np.array_equal(_bits(x), _bits(y)) for x, y in zip(*outs.values()))
             differ, runs = differ + (not same), runs + 1
-            print(f"seed {seed} {fn.__name__:26s} {'same bits' if same else 'OTHER BITS'}", flush=True)
+            print(f"seed {seed} {fn.__name__:26s} {_sizes(static):14s} {'same bits' if same else 'OTHER BITS':10s} compile "
+                  + ", ".join(f"{k} {v:.2f} s" for k, v in took.items()), flush=True)
     print(f"compile CPU: " + ", ".join(f"{k} {v:.1f} s" for k, v in cpu.items())
           + f"; kernel runs with other bits: {differ} of {runs}")
 
