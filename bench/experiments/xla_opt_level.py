@@ -10,7 +10,8 @@ AdamW, optax AdamW).
 Measured at commit ac3cdc2 (issue 58; 2-core shared box, other work beside it):
 the bound kernels (probes, 8-cell and 28-cell ladders, adaptive partitions, fixed levels)
 give OTHER bits at level 0 (22 of 28 kernel runs differ; the closed form and the
-proposals agree), for 0.68x the compile CPU (33.6 s -> 22.8 s over both seeds).  A
+proposals agree), for 0.66-0.68x the compile CPU (33.6-39.7 s -> 22.8-26.1 s over both
+seeds, two runs; bench/experiments/results/xla_opt_level.md).  A
 certificate is a statement about the arithmetic its kernel ran, so that option would need
 the guard's audit again (and would run the 124M-scale calls unoptimised): not taken.
 """
