@@ -6,7 +6,7 @@
 
 Checkpoints: the `bench/reproduce.py --tiny` conditions for both models (seed 701, 20
 steps, checkpoints at 10/50/100%: the cached trained checkpoints of reproduce.py), the
-demo checkpoint (`jaxguard demo`: ByteTransformer, seed 0, 150 steps) and the optax MLP of
+demo checkpoint (`jaxguard demo --full`: ByteTransformer, seed 0, 150 steps) and the optax MLP of
 reproduce.py (seed 701, 20 steps).  Per checkpoint and codec: compress through
 ``torch_compat.compress_checkpoint`` (tau = 0.01, C = 0.2), restore through the numpy
 reader, audit with the real ``torch.optim.Adam`` (next-batch gradient + gradient grid) or

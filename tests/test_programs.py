@@ -152,12 +152,13 @@ _FRESH = ("import sys\n"
           "r = np.asarray(programs.call(B.batch_lower_pc, *args))\n"
           "n = len(count)\n"
           "assert np.array_equal(r, np.asarray(B.batch_lower_pc(*args)))\n"
-          "print(n)\n")
+          "made = programs.counts()\n"
+          "print(n, made['compiled'], made['loaded'])\n")
 
 
 def _fresh_compiles(directory, xla_flags=None):
     """XLA compilations of a fresh process's one call through the cache (before the direct
-    call it is checked against)."""
+    call it is checked against); `programs.counts` agrees."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     if xla_flags is not None:
@@ -165,7 +166,9 @@ def _fresh_compiles(directory, xla_flags=None):
     out = subprocess.run([sys.executable, "-c", _FRESH, str(directory)], capture_output=True, text=True, timeout=600,
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    return int(out.stdout.split()[-1])
+    n, compiled, loaded = map(int, out.stdout.split()[-3:])
+    assert (compiled, loaded) == ((1, 0) if n else (0, 1))   # programs.counts says which it was
+    return n
 
 
 def test_a_fresh_process_loads_the_executable_without_compiling(tmp_path):

@@ -6,9 +6,9 @@ Usage:
     python bench/experiments/edge_cost.py --compare BEFORE.json AFTER.json --md bench/experiments/results/edge_cost.md
 
 Checkpoints (deterministic, cached with --cache): the demo's ByteTransformer after 150
-torch Adam steps (`jaxguard demo`), the same model with AdamW (wd 0.01) after 60 steps,
+torch Adam steps (`jaxguard demo --full`), the same model with AdamW (wd 0.01) after 60 steps,
 the CNN after 100 steps (`bench/reproduce.py --tiny`), and an optax.adam / adamw MLP state
-after 40 steps.  Every row of `jaxguard demo` is compressed (no audit: that is the
+after 40 steps.  Every row of `jaxguard demo --full` is compressed (no audit: that is the
 demo's job); the figures are escapes and payload ratio.
 """
 from __future__ import annotations

@@ -376,9 +376,9 @@ def _cmd_migrate(a):
 
 
 def _cmd_demo(a):
-    """``jaxguard demo``: train the byte transformer, compress every way, audit, print the table."""
+    """``jaxguard demo``: train the byte transformer, compress (every way with --full), audit, print the table."""
     from jaxguard.cli.demo import run_demo
-    return run_demo(steps=a.steps, as_json=a.json)
+    return run_demo(steps=a.steps, as_json=a.json, full=a.full)
 
 
 # every kind of input (jaxguard.cli.inputs): the file verbs above, DCP (jaxguard.cli.dcp_verbs),
@@ -498,7 +498,8 @@ def build_parser():
     _add_param_order(au)
     au.set_defaults(fn=_cmd_audit)
     d = sub.add_parser("demo", help="train a small model, compress, restore, audit")
-    d.add_argument("--steps", type=int, default=150)
+    d.add_argument("--steps", type=int, default=None, help="training steps (default 40; 150 with --full)")
+    d.add_argument("--full", action="store_true", help="every codec the paper compares, a finer audit grid")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=_cmd_demo)
     mg = sub.add_parser("migrate", help="convert Adam/AdamW state between torch and optax")

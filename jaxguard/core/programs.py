@@ -48,6 +48,7 @@ STALE_TMP_SECONDS = 24 * 3600   # a ``.tmp`` older than this was left by a kille
 
 _DEFAULT = object()   # `enable` not called: the environment decides at first use
 _state = {"dir": _DEFAULT, "programs": {}, "plans": set(), "max_bytes": None, "prune_root": None, "pruned": False}
+_counts = {"loaded": 0, "compiled": 0}   # this process's programs, by where they came from (`counts`)
 # one lock per program: the encode threads and `prepare` start on the same kernels at once,
 # and each loaded its own copy of the executable (6 of 45 loads of a GPT-2 compress, 0.5 s CPU)
 _loading: dict = {}
@@ -122,6 +123,12 @@ def enabled() -> bool:
     if _state["dir"] is _DEFAULT:
         enable()
     return _state["dir"] is not None
+
+
+def counts() -> dict:
+    """Returns: ``{"loaded": n, "compiled": n}``, the programs this process loaded from the
+    cache and those it compiled (and stored) while the cache was on, since it started."""
+    return dict(_counts)
 
 
 def prune(root, max_bytes: int, *, keep_fraction: float = 0.75) -> int:
@@ -373,8 +380,16 @@ def _load_or_compile(fn, key, leaves, tree, static):
     direct = jax.jit(flat)
     loaded = _load_executable(path, ident)
     if loaded is not None:
+        _count("loaded")
         return _with_fallback(loaded, direct, path)
-    return _with_fallback(_fresh_executable(flat, leaves, path, ident), direct)
+    compiled = _fresh_executable(flat, leaves, path, ident)
+    _count("compiled")
+    return _with_fallback(compiled, direct)
+
+
+def _count(origin) -> None:
+    with _loading_lock:   # the compile threads count too
+        _counts[origin] += 1
 
 
 def _fresh_executable(flat, leaves, path, ident):
