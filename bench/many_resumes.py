@@ -3,6 +3,7 @@ that never stopped?
 
     python bench/many_resumes.py [--every 20] [--steps 2000] [--codec log8-rel-zstd]
                                  [--cache bench/.cache/long_run] [--out bench/results/many_resumes]
+                                 [--kinds torch,optax] [--modes "guarded resume,plain resume"]
 
 The two models of bench/lm_runs.py (torch AdamW and optax adamw, warmup + cosine, 2,000
 steps), each trained five ways from the same initial state on the same batches:
@@ -169,6 +170,9 @@ def main(argv=None):
                          "first steps of the 2,000-step schedule)")
     ap.add_argument("--codec", default=None, help="the guarded resumes' codec (default: jaxguard's default)")
     ap.add_argument("--kinds", default="torch,optax")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="train only these runs (comma-separated; the cache keeps them): two processes with "
+                         "disjoint --modes share the work, a last call without --modes writes the result")
     lm_runs.bench_options(ap, "many_resumes")
     a = ap.parse_args(argv)
     from jaxguard.format.spec import DEFAULT_CODEC
@@ -184,11 +188,17 @@ def main(argv=None):
             for line in fh:
                 r = json.loads(line)
                 done[(r["kind"], r["mode"], r["every"], r["steps"], r["codec"])] = r
+    modes = a.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"--modes: unknown run(s) {unknown}; choose from {list(MODES)}")
     comparisons, reference, curves = {}, {}, {}
     for kind in kinds:
         runs = {}
         for mode in MODES:
             key = (kind, mode, a.every, steps[kind], codec if mode == "guarded resume" else "")
+            if key not in done and mode not in modes:
+                continue
             if key not in done:
                 r = train(kind, mode, steps[kind], a.every, codec)
                 rec = {"kind": kind, "mode": mode, "every": a.every, "steps": steps[kind], "codec": key[-1],
@@ -203,6 +213,9 @@ def main(argv=None):
             runs[mode] = {**rec, "eval_loss": {int(k): v for k, v in rec["eval_loss"].items()},
                           "params": np.load(rec["params_npy"])}
             curves.setdefault(kind, {})[mode] = {str(k): v for k, v in rec["eval_loss"].items()}
+        if len(runs) < len(MODES):
+            print(f"{kind}: {sorted(runs)} cached; the result is written once every run is")
+            return
         ref = runs["no resume"]
         reference[kind] = {k: v for k, v in compare(ref, ref).items() if k in ("final_eval_loss", "max_train_loss_after_warmup")}
         for mode in MODES[1:]:
