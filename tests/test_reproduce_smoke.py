@@ -31,6 +31,11 @@ def test_tiny_run_outputs_and_resume(tmp_path):
             "first_update_max_gap_lr", "audit_violations", "encode_seconds", "restore_seconds",
             "continuation_loss_delta"}
     assert all(keys <= set(r) for r in rows)
+    for r in rows:  # the continuation's parameter difference, against the exact state's own move
+        assert r["continuation_param_moved"] > 0 and r["continuation_param_distance"] >= 0
+        if r["guarded"]:
+            assert r["continuation_param_distance"] < r["continuation_param_moved"]
+        assert r["continuation_param_distance_rel"] == r["continuation_param_distance"] / r["continuation_param_moved"]
     for r in rows:
         if r["guarded"]:
             assert r["audit_violations"] == 0 and r["first_update_max_gap_lr"] <= 0.01
@@ -41,7 +46,7 @@ def test_tiny_run_outputs_and_resume(tmp_path):
     if res["optax_rows"] is not None:
         assert all(r["audit_violations"] == 0 for r in res["optax_rows"] if r["guarded"])
     md = (out / "guarded_reproduction.md").read_text()
-    assert "| cnn | 10% (2) | log8 |" in md and "Acceptance" in md
+    assert "| cnn | 10% (2) | log8 |" in md and "Acceptance" in md and "exact continuation's move |" in md
     for png in ("guarded_reproduction_payload.png", "guarded_reproduction_escapes.png", "guarded_reproduction_gaps.png"):
         assert (out / png).stat().st_size > 1000
     assert list(cache.glob("cnn-seed701-steps20.pt"))
