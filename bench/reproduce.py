@@ -9,7 +9,7 @@ Usage:
     python bench/reproduce.py --fresh         # ignore cached per-condition results (checkpoints are kept)
 
 Options: --steps-transformer 400 --steps-cnn 300 --continue-steps 100 --codecs log8,bf16,...
---no-ablation --ablation-fractions 1.0 --out bench/results --cache bench/.cache.
+--seeds 4 --no-ablation --ablation-fractions 1.0 --out bench/results --cache bench/.cache.
 
 What it does, per condition (model, seed, fraction) and per codec in jaxguard.core.guard.CODECS
 (read at run time):
@@ -276,9 +276,9 @@ def run_ablation(ckpts, tmpdir):
 
 
 # ---------------------------------------------------------------- JAX/optax counterpart (one model)
-def run_optax(seeds, steps, codecs, cont_steps, tmpdir):
-    """An MLP (64-128-10) on sklearn digits trained with optax.adam; jaxguard.save/load and the
-    audit with the real jitted optax update (jaxguard.optax_adapter.audit)."""
+def run_optax(seeds, steps, codecs, cont_steps, tmpdir, tau=TAU):
+    """An MLP (64-128-10) on sklearn digits trained with optax.adam; jaxguard.save/load at `tau`
+    and the audit at `tau` with the real jitted optax update (jaxguard.optax_adapter.audit)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -337,11 +337,11 @@ def run_optax(seeds, steps, codecs, cont_steps, tmpdir):
             fp32, fp32_params = cont(p, st)
             for codec in codecs:
                 path = os.path.join(tmpdir, f"optax-{codec}.jg")
-                s = jg.save(path, st, p, lr=LR, tau=TAU, clip=CLIP, codec=codec)
+                s = jg.save(path, st, p, lr=LR, tau=tau, clip=CLIP, codec=codec)
                 restored = jg.load(path, like=tx.init(p))
-                a = oa.audit(tx, st, restored, p, lr=LR, tau=TAU, clip=CLIP)
+                a = oa.audit(tx, st, restored, p, lr=LR, tau=tau, clip=CLIP)
                 cont_loss, cont_params = cont(p, restored)
-                rows.append({"model": "mlp-optax", "seed": seed, "fraction": f, "step": t, "codec": codec,
+                rows.append({"model": "mlp-optax", "seed": seed, "fraction": f, "step": t, "codec": codec, "tau": tau,
                              "guarded": codec != "block8-unguarded", "coordinates": s["coordinates"],
                              "escapes": s["escapes"], "escape_rate": s["escape_rate"],
                              "payload_ratio": s["payload_ratio"], "container_ratio_vs_raw_state": s["container_ratio"],
@@ -724,6 +724,8 @@ def main(argv=None):
     ap.add_argument("--ablation-fractions", default="1.0")
     ap.add_argument("--fresh", action="store_true", help="ignore the per-condition JSON-lines cache")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--seeds", type=int, default=len(SEEDS["cnn"]),
+                    help="the first N seeds of each model and of the optax counterpart (default all 4)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -746,7 +748,9 @@ def main(argv=None):
     for c in codecs:
         if c not in CODECS:
             ap.error(f"codec {c!r} is not in jaxguard.core.guard.CODECS ({', '.join(CODECS)})")
-    seeds = {m: SEEDS[m] for m in models}
+    if not 1 <= args.seeds <= len(SEEDS["cnn"]):
+        ap.error(f"--seeds {args.seeds}: choose 1 to {len(SEEDS['cnn'])}")
+    seeds = {m: SEEDS[m][:args.seeds] for m in models}
     steps = {"transformer": args.steps_transformer, "cnn": args.steps_cnn}
     cont = args.continue_steps
     if args.tiny:
@@ -822,7 +826,7 @@ def main(argv=None):
         elif not (hasattr(jaxguard, "save") and hasattr(jaxguard, "load")):
             optax_note = "Not done: `jaxguard.save` / `jaxguard.load` (jaxguard/optax_adapter.py) do not exist yet."
         else:
-            oseeds = SEEDS["cnn"][:1] if args.tiny else SEEDS["cnn"]
+            oseeds = SEEDS["cnn"][:1 if args.tiny else args.seeds]
             okey = f"optax/steps{args.optax_steps}/cont{cont}/seeds{','.join(map(str, oseeds))}/codecs{','.join(codecs)}"
             bar.set_postfix_str(okey)
             if okey in done and not args.fresh:
