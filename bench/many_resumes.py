@@ -159,7 +159,32 @@ def write_md(res, path):
         if ref:
             lines.append(f"| {kind} | no resume (reference) | 0 | 0 | eval {ref['final_eval_loss']:.4f} | "
                          f"{ref['max_train_loss_after_warmup']:.3f} | 0 | 0 | 0 |")
+    carried = res.get("carried") or {}
+    if carried:
+        lines += ["", "Not rerun by this call (`--kinds " + ",".join(k for k in res["steps"] if k not in carried)
+                  + "`), kept from the previous result of this benchmark: " + "; ".join(
+                      f"{k} ({res['steps'][k]:,} steps, commit {c})" for k, c in carried.items()) + "."]
     lm_runs.write_markdown(path, lines, res.get("notes"))
+
+
+def carry_over(res, previous_json):
+    """Keep the models this call did not run (--kinds) from the previous result at the same
+    --out, if it resumed as often with the same codec; res["carried"] names the commit that
+    ran each."""
+    if not os.path.exists(previous_json):
+        return
+    with open(previous_json) as fh:
+        prev = json.load(fh)
+    if (prev.get("every"), prev.get("codec")) != (res["every"], res["codec"]):
+        return
+    for kind, n in prev["steps"].items():
+        if kind in res["steps"]:
+            continue
+        res["steps"][kind] = n
+        res["carried"][kind] = prev.get("carried", {}).get(kind, prev["commit"])
+        res["reference"][kind] = prev["reference"][kind]
+        res["curves"][kind] = prev["curves"][kind]
+        res["comparisons"].update({k: v for k, v in prev["comparisons"].items() if k.startswith(kind + "/")})
 
 
 def main(argv=None):
@@ -222,7 +247,8 @@ def main(argv=None):
             comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
     res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": {k: steps[k] for k in kinds}, "codec": codec,
            "comparisons": comparisons, "reference": reference,
-           "curves": curves, "notes": a.notes}
+           "curves": curves, "notes": a.notes, "carried": {}}
+    carry_over(res, a.out + ".json")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
         json.dump(res, fh, indent=1)
