@@ -1,12 +1,13 @@
 """Payload and escapes against tau on the reproduction checkpoints, each restore audited.
 
     python bench/payload_tau.py [--codecs log8-rel,log8-rel-zstd,logrel-ans]
-                                [--taus 0.001,0.003,0.01,0.03,0.1] [--seeds 4] [--no-optax]
+                                [--taus 0.001,0.003,0.01,0.03,0.1] [--seeds 4] [--fractions 0.1,0.5,1.0]
+                                [--no-optax]
                                 [--cache bench/.cache] [--out bench/results/payload_tau]
 
 The checkpoints of bench/reproduce.py (trained once, cached under --cache): ByteTransformer
-(400 steps) and ResidualCNN (300 steps), the first --seeds seeds of each, at 10/50/100% of
-training; and its optax MLP (300 steps, the same seeds as the CNN).  Per checkpoint, tau
+(400 steps) and ResidualCNN (300 steps), the first --seeds seeds of each, at --fractions of
+training (10/50/100%); and its optax MLP (300 steps, the same seeds as the CNN).  Per checkpoint, tau
 and codec: compress at that tau (C = 0.2) through ``torch_compat.compress_checkpoint`` or
 ``jaxguard.save``, restore through the numpy reader / ``jaxguard.load``, and audit the first
 update at that tau with the real ``torch.optim.Adam`` (next-batch gradient + gradient grid)
@@ -38,11 +39,11 @@ MODELS = ("transformer", "cnn", "mlp-optax")
 STEPS = {"transformer": 400, "cnn": 300, "mlp-optax": 300}
 
 
-def torch_rows(kind, seeds, taus, codecs, cache, tmp, log):
+def torch_rows(kind, seeds, fractions, taus, codecs, cache, tmp, log):
     rows = []
     for seed in seeds:
         by_frac, _ = reproduce.checkpoints(kind, seed, STEPS[kind], cache)
-        for fraction in reproduce.FRACTIONS:
+        for fraction in fractions:
             ck = by_frac[fraction]
             grads = reproduce.real_gradient(kind, ck)
             for tau in taus:
@@ -55,10 +56,12 @@ def torch_rows(kind, seeds, taus, codecs, cache, tmp, log):
     return rows
 
 
-def optax_rows(seeds, taus, codecs, tmp, log):
+def optax_rows(seeds, fractions, taus, codecs, tmp, log):
     rows = []
     for tau in taus:
         for r in reproduce.run_optax(seeds, STEPS["mlp-optax"], list(codecs), 0, tmp, tau=tau):
+            if r["fraction"] not in fractions:
+                continue
             rows.append({"model": "mlp-optax", "seed": r["seed"], "fraction": r["fraction"], "step": r["step"],
                          "codec": r["codec"], "tau": tau, "coordinates": r["coordinates"], "escapes": r["escapes"],
                          "payload_ratio": r["payload_ratio"], "max_gap_lr": r["first_update_max_gap_lr"],
@@ -93,7 +96,7 @@ def write_md(path, res):
          "Checkpoints: bench/reproduce.py's (ByteTransformer 400 steps, ResidualCNN with BatchNorm 300 steps, "
          "optax MLP 300 steps), seeds "
          + "; ".join(f"{m} {', '.join(map(str, s))} ({coords[m]:,} Adam coordinates)" for m, s in res["seeds"].items())
-         + ", at 10/50/100% of training. Each compressed at the row's tau (C = 0.2) and its first update audited "
+         + f", at {'/'.join(f'{100 * f:g}' for f in res['fractions'])}% of training. Each compressed at the row's tau (C = 0.2) and its first update audited "
          "at that tau with the real framework (torch.optim.Adam: next-batch gradient + gradient grid; jitted "
          "optax.adam: gradient grid + one random draw).", "",
          "Cells: payload % of FP32, mean over the checkpoints (min-max); escapes % of coordinates, mean (max).", ""]
@@ -151,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--taus", default=",".join(map(str, logrel_aw.TAUS)))
     ap.add_argument("--seeds", type=int, default=4, help="the first N seeds of each model (1-4)")
+    ap.add_argument("--fractions", default=",".join(map(str, reproduce.FRACTIONS)),
+                    help="which of the checkpoints at 10/50/100%% of training")
     ap.add_argument("--no-optax", action="store_true", help="the torch checkpoints only")
     ap.add_argument("--cache", default=str(ROOT / "bench" / ".cache"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "payload_tau"))
@@ -158,6 +163,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     codecs = a.codecs.split(",")
     taus = sorted(float(t) for t in a.taus.split(","))
+    fractions = sorted(float(f) for f in a.fractions.split(","))
+    if not set(fractions) <= set(reproduce.FRACTIONS):
+        ap.error(f"--fractions {a.fractions}: choose among {','.join(map(str, reproduce.FRACTIONS))}")
     import jax
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~/.cache"), "jaxguard", "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -171,14 +179,17 @@ def main(argv=None):
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         for m in models:
-            rows += (optax_rows(seeds[m], taus, codecs, tmp, log) if m == "mlp-optax"
-                     else torch_rows(m, seeds[m], taus, codecs, Path(a.cache), tmp, log))
+            rows += (optax_rows(seeds[m], fractions, taus, codecs, tmp, log) if m == "mlp-optax"
+                     else torch_rows(m, seeds[m], fractions, taus, codecs, Path(a.cache), tmp, log))
     command = "python bench/payload_tau.py" + "".join(
         f" {flag}" for flag, default in ((f"--codecs {a.codecs}", a.codecs == ",".join(CODECS)),
                                          (f"--taus {a.taus}", a.taus == ",".join(map(str, logrel_aw.TAUS))),
-                                         (f"--seeds {a.seeds}", a.seeds == 4), ("--no-optax", not a.no_optax))
+                                         (f"--seeds {a.seeds}", a.seeds == 4),
+                                         (f"--fractions {a.fractions}", fractions == list(reproduce.FRACTIONS)),
+                                         ("--no-optax", not a.no_optax))
         if not default)
     res = {**lm_runs.run_context(a.machine), "command": command, "codecs": codecs, "taus": taus, "models": models,
+           "fractions": fractions,
            "seeds": seeds, "seconds": time.perf_counter() - t0,
            "summary": {json.dumps(list(k)): v for k, v in summarize(rows).items()}, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
