@@ -47,6 +47,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -428,7 +429,8 @@ def write_markdown(path, result, codecs):
     fracs = sorted({r["fraction"] for r in rows})
     ctx = result["settings"]
     L = ["# Guarded compression: reproduction of the paper's full-checkpoint figures", "",
-         f"`python bench/reproduce.py` ({'tiny smoke settings' if ctx['tiny'] else 'full run'}); commit "
+         f"`{result.get('command', 'python bench/reproduce.py')}` "
+         f"({'tiny smoke settings' if ctx['tiny'] else 'full run' if result.get('command') in (None, 'python bench/reproduce.py') else 'resumable'}); commit "
          f"`{result['versions'].get('commit')}`; torch {result['versions']['torch']}, jax {result['versions']['jax']}; "
          f"{result['machine']['cpu_count']} CPU cores shared with other jobs (contention: absolute seconds are "
          "inflated and noisy, ratios are measured in the same process). tau = 0.01 lr, C = 0.2, "
@@ -843,6 +845,7 @@ def main(argv=None):
                           f"draw; no real next-batch gradient), continuation {cont} steps on identical batches.")
         bar.close()
     result = {
+        "command": shlex.join(["python", "bench/reproduce.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine_info(), "versions": vers,
         "rows_library_source_sha256": sorted({rec.get("library_source_sha256", "unrecorded") for rec in records}),
         "rows_commit_at_start": sorted({str(rec.get("commit_at_start", "unrecorded")) for rec in records}),
