@@ -102,7 +102,7 @@ def write_md(path, res):
          "Cells: payload % of FP32, mean over the checkpoints (min-max); escapes % of coordinates, mean (max).", ""]
     for m in res["models"]:
         n = next(v["checkpoints"] for k, v in summ.items() if k[0] == m)
-        L += [f"## {m} ({n} checkpoints)", "",
+        L += [f"## {m} ({n} checkpoint{'s' if n > 1 else ''})", "",
               "| tau (x lr) | " + " | ".join(f"{c} payload % | escapes %" for c in codecs)
               + " | worst gap / tau | over tau |", "|---:|" + "---:|---:|" * len(codecs) + "---:|---:|"]
         for tau in taus:
