@@ -159,6 +159,8 @@ def write_md(res, path):
         if ref:
             lines.append(f"| {kind} | no resume (reference) | 0 | 0 | eval {ref['final_eval_loss']:.4f} | "
                          f"{ref['max_train_loss_after_warmup']:.3f} | 0 | 0 | 0 |")
+    if res.get("not_run"):
+        lines += ["", "Not run (not in `--modes` and not in the cache): " + ", ".join(res["not_run"]) + "."]
     carried = res.get("carried") or {}
     if carried:
         lines += ["", "Not rerun by this call (`--kinds " + ",".join(k for k in res["steps"] if k not in carried)
@@ -197,7 +199,8 @@ def main(argv=None):
     ap.add_argument("--kinds", default="torch,optax")
     ap.add_argument("--modes", default=",".join(MODES),
                     help="train only these runs (comma-separated; the cache keeps them): two processes with "
-                         "disjoint --modes share the work, a last call without --modes writes the result")
+                         "disjoint --modes share the work, a last call without --modes writes the result (one "
+                         "with --modes writes what the cache holds, once it holds the run that never stops)")
     lm_runs.bench_options(ap, "many_resumes")
     a = ap.parse_args(argv)
     from jaxguard.format.spec import DEFAULT_CODEC
@@ -217,7 +220,7 @@ def main(argv=None):
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"--modes: unknown run(s) {unknown}; choose from {list(MODES)}")
-    comparisons, reference, curves = {}, {}, {}
+    comparisons, reference, curves, missing = {}, {}, {}, []
     for kind in kinds:
         runs = {}
         for mode in MODES:
@@ -238,16 +241,18 @@ def main(argv=None):
             runs[mode] = {**rec, "eval_loss": {int(k): v for k, v in rec["eval_loss"].items()},
                           "params": np.load(rec["params_npy"])}
             curves.setdefault(kind, {})[mode] = {str(k): v for k, v in rec["eval_loss"].items()}
-        if len(runs) < len(MODES):
-            print(f"{kind}: {sorted(runs)} cached; the result is written once every run is")
+        if "no resume" not in runs:
+            print(f"{kind}: {sorted(runs)} cached; the result is written once the run that never stops is")
             return
+        missing += [f"{kind} {mode}" for mode in MODES if mode not in runs]
         ref = runs["no resume"]
         reference[kind] = {k: v for k, v in compare(ref, ref).items() if k in ("final_eval_loss", "max_train_loss_after_warmup")}
         for mode in MODES[1:]:
-            comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
+            if mode in runs:
+                comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
     res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": {k: steps[k] for k in kinds}, "codec": codec,
            "comparisons": comparisons, "reference": reference,
-           "curves": curves, "notes": a.notes, "carried": {}}
+           "curves": curves, "notes": a.notes, "carried": {}, "not_run": missing}
     carry_over(res, a.out + ".json")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
