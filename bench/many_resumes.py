@@ -3,6 +3,7 @@ that never stopped?
 
     python bench/many_resumes.py [--every 20] [--steps 2000] [--codec log8-rel-zstd]
                                  [--cache bench/.cache/long_run] [--out bench/results/many_resumes]
+                                 [--kinds torch,optax] [--modes "guarded resume,plain resume"]
 
 The two models of bench/lm_runs.py (torch AdamW and optax adamw, warmup + cosine, 2,000
 steps), each trained five ways from the same initial state on the same batches:
@@ -158,7 +159,34 @@ def write_md(res, path):
         if ref:
             lines.append(f"| {kind} | no resume (reference) | 0 | 0 | eval {ref['final_eval_loss']:.4f} | "
                          f"{ref['max_train_loss_after_warmup']:.3f} | 0 | 0 | 0 |")
+    if res.get("not_run"):
+        lines += ["", "Not run (not in `--modes` and not in the cache): " + ", ".join(res["not_run"]) + "."]
+    carried = res.get("carried") or {}
+    if carried:
+        lines += ["", "Not rerun by this call (`--kinds " + ",".join(k for k in res["steps"] if k not in carried)
+                  + "`), kept from the previous result of this benchmark: " + "; ".join(
+                      f"{k} ({res['steps'][k]:,} steps, commit {c})" for k, c in carried.items()) + "."]
     lm_runs.write_markdown(path, lines, res.get("notes"))
+
+
+def carry_over(res, previous_json):
+    """Keep the models this call did not run (--kinds) from the previous result at the same
+    --out, if it resumed as often with the same codec; res["carried"] names the commit that
+    ran each."""
+    if not os.path.exists(previous_json):
+        return
+    with open(previous_json) as fh:
+        prev = json.load(fh)
+    if (prev.get("every"), prev.get("codec")) != (res["every"], res["codec"]):
+        return
+    for kind, n in prev["steps"].items():
+        if kind in res["steps"]:
+            continue
+        res["steps"][kind] = n
+        res["carried"][kind] = prev.get("carried", {}).get(kind, prev["commit"])
+        res["reference"][kind] = prev["reference"][kind]
+        res["curves"][kind] = prev["curves"][kind]
+        res["comparisons"].update({k: v for k, v in prev["comparisons"].items() if k.startswith(kind + "/")})
 
 
 def main(argv=None):
@@ -169,6 +197,10 @@ def main(argv=None):
                          "first steps of the 2,000-step schedule)")
     ap.add_argument("--codec", default=None, help="the guarded resumes' codec (default: jaxguard's default)")
     ap.add_argument("--kinds", default="torch,optax")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="train only these runs (comma-separated; the cache keeps them): two processes with "
+                         "disjoint --modes share the work, a last call without --modes writes the result (one "
+                         "with --modes writes what the cache holds, once it holds the run that never stops)")
     lm_runs.bench_options(ap, "many_resumes")
     a = ap.parse_args(argv)
     from jaxguard.format.spec import DEFAULT_CODEC
@@ -184,11 +216,17 @@ def main(argv=None):
             for line in fh:
                 r = json.loads(line)
                 done[(r["kind"], r["mode"], r["every"], r["steps"], r["codec"])] = r
-    comparisons, reference, curves = {}, {}, {}
+    modes = a.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"--modes: unknown run(s) {unknown}; choose from {list(MODES)}")
+    comparisons, reference, curves, missing = {}, {}, {}, []
     for kind in kinds:
         runs = {}
         for mode in MODES:
             key = (kind, mode, a.every, steps[kind], codec if mode == "guarded resume" else "")
+            if key not in done and mode not in modes:
+                continue
             if key not in done:
                 r = train(kind, mode, steps[kind], a.every, codec)
                 rec = {"kind": kind, "mode": mode, "every": a.every, "steps": steps[kind], "codec": key[-1],
@@ -203,13 +241,19 @@ def main(argv=None):
             runs[mode] = {**rec, "eval_loss": {int(k): v for k, v in rec["eval_loss"].items()},
                           "params": np.load(rec["params_npy"])}
             curves.setdefault(kind, {})[mode] = {str(k): v for k, v in rec["eval_loss"].items()}
+        if "no resume" not in runs:
+            print(f"{kind}: {sorted(runs)} cached; the result is written once the run that never stops is")
+            return
+        missing += [f"{kind} {mode}" for mode in MODES if mode not in runs]
         ref = runs["no resume"]
         reference[kind] = {k: v for k, v in compare(ref, ref).items() if k in ("final_eval_loss", "max_train_loss_after_warmup")}
         for mode in MODES[1:]:
-            comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
+            if mode in runs:
+                comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
     res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": {k: steps[k] for k in kinds}, "codec": codec,
            "comparisons": comparisons, "reference": reference,
-           "curves": curves, "notes": a.notes}
+           "curves": curves, "notes": a.notes, "carried": {}, "not_run": missing}
+    carry_over(res, a.out + ".json")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
         json.dump(res, fh, indent=1)

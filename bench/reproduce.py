@@ -9,7 +9,7 @@ Usage:
     python bench/reproduce.py --fresh         # ignore cached per-condition results (checkpoints are kept)
 
 Options: --steps-transformer 400 --steps-cnn 300 --continue-steps 100 --codecs log8,bf16,...
---no-ablation --ablation-fractions 1.0 --out bench/results --cache bench/.cache.
+--seeds 4 --no-ablation --ablation-fractions 1.0 --out bench/results --cache bench/.cache.
 
 What it does, per condition (model, seed, fraction) and per codec in jaxguard.core.guard.CODECS
 (read at run time):
@@ -47,6 +47,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,9 @@ ABLATION = (("separate ranges", "separate", "mixed"), ("shared, linear partition
 PAPER_ABLATION = {"separate ranges": (988_820, 1.2663), "shared, linear partition": (439_362, 0.7168),
                   "shared, mixed partition": (5_324, 0.2828)}
 PAPER_COORDS = 1_000_000
+# the continuation's parameter difference, as a fraction of how far the exact state's own
+# continuation moved the parameters (continuation_distances)
+MOVE_HEADER = " param distance / the exact continuation's move |"
 MODEL_NAMES = {"transformer": "ByteTransformer (stdlib source bytes)",
                "cnn": "ResidualCNN (BatchNorm, sklearn digits)"}
 # the paper's full-checkpoint table (docs/papers.md A): (10%, 50%, 100%)
@@ -160,8 +164,15 @@ def model_and_opt(kind, ckpt):
     return model, opt
 
 
+def flat_params(named_tensors) -> np.ndarray:
+    """Every floating-point tensor of a model state, flattened into one float64 vector."""
+    return np.concatenate([t.detach().double().reshape(-1).numpy() for t in named_tensors.values()
+                           if t.is_floating_point()])
+
+
 def continue_training(kind, ckpt, steps, evals):
-    """`steps` further Adam steps on the CONT_SEED batches; mean eval loss on `evals`."""
+    """`steps` further Adam steps on the CONT_SEED batches; (mean eval loss on `evals`, the
+    model state reached as flat_params)."""
     from torch_compat import models
     model, opt = model_and_opt(kind, ckpt)
     sample = sampler(kind, CONT_SEED)
@@ -172,7 +183,16 @@ def continue_training(kind, ckpt, steps, evals):
         opt.step()
     model.eval()
     with torch.no_grad():
-        return float(np.mean([float(models.loss_fn(model, b)) for b in evals]))
+        return float(np.mean([float(models.loss_fn(model, b)) for b in evals])), flat_params(model.state_dict())
+
+
+def continuation_distances(params, fp32_params, start_params) -> dict:
+    """How far the parameters continued from a restored state end from those continued from the
+    exact state: L2, and relative to the L2 length of the exact continuation's own move."""
+    dist = float(np.linalg.norm(params - fp32_params))
+    moved = float(np.linalg.norm(fp32_params - start_params))
+    return {"continuation_param_distance": dist, "continuation_param_moved": moved,
+            "continuation_param_distance_rel": dist / moved if moved else float("nan")}
 
 
 def real_gradient(kind, ckpt):
@@ -199,7 +219,8 @@ def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed,
     grads = real_gradient(kind, ckpt)
     grid = gradient_grid(CLIP)
     t0 = time.perf_counter()
-    fp32_loss = continue_training(kind, ckpt, cont_steps, evals) if cont_steps else float("nan")
+    fp32_loss, fp32_params = continue_training(kind, ckpt, cont_steps, evals) if cont_steps else (float("nan"), None)
+    start_params = flat_params(ckpt["model"])
     cont_s = time.perf_counter() - t0
     rows = []
     for codec in codecs:
@@ -212,7 +233,7 @@ def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed,
         restore_s, (restored, _) = median_seconds(lambda: torch_compat.restore_tree(path))
         a = torch_compat.audit(ckpt, restored, tau=TAU, clip=CLIP, grads=grads, grid=grid)
         same_params = all(torch.equal(restored["model"][k], v) for k, v in ckpt["model"].items())
-        loss = continue_training(kind, restored, cont_steps, evals) if cont_steps else float("nan")
+        loss, params = continue_training(kind, restored, cont_steps, evals) if cont_steps else (float("nan"), None)
         rows.append({
             "model": kind, "seed": seed, "fraction": fraction, "step": int(ckpt["step"]), "codec": codec,
             "guarded": codec != "block8-unguarded",
@@ -227,6 +248,7 @@ def run_condition(kind, seed, fraction, ckpt, codecs, cont_steps, evals, warmed,
             "model_params_exact": same_params,
             "continuation_steps": cont_steps, "continuation_loss_fp32": fp32_loss,
             "continuation_loss": loss, "continuation_loss_delta": loss - fp32_loss,
+            **(continuation_distances(params, fp32_params, start_params) if cont_steps else {}),
         })
     if fingerprint(ckpt) != fp_before:
         raise RuntimeError(f"{kind} seed {seed} {fraction}: the checkpoint changed during its condition")
@@ -256,9 +278,9 @@ def run_ablation(ckpts, tmpdir):
 
 
 # ---------------------------------------------------------------- JAX/optax counterpart (one model)
-def run_optax(seeds, steps, codecs, cont_steps, tmpdir):
-    """An MLP (64-128-10) on sklearn digits trained with optax.adam; jaxguard.save/load and the
-    audit with the real jitted optax update (jaxguard.optax_adapter.audit)."""
+def run_optax(seeds, steps, codecs, cont_steps, tmpdir, tau=TAU):
+    """An MLP (64-128-10) on sklearn digits trained with optax.adam; jaxguard.save/load at `tau`
+    and the audit at `tau` with the real jitted optax update (jaxguard.optax_adapter.audit)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -295,10 +317,13 @@ def run_optax(seeds, steps, codecs, cont_steps, tmpdir):
             i = rng.integers(0, split, 64)
             yield jnp.asarray(x[i]), jnp.asarray(y[i])
 
+    def flat(p):
+        return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree_util.tree_leaves(p)])
+
     def cont(p, st):
         for xb, yb in batches(CONT_SEED, cont_steps):
             p, st = step(p, st, xb, yb)
-        return float(loss(p, xe, ye))
+        return float(loss(p, xe, ye)), flat(p)
 
     rows = []
     marks = {max(1, int(round(f * steps))): f for f in FRACTIONS}
@@ -311,19 +336,21 @@ def run_optax(seeds, steps, codecs, cont_steps, tmpdir):
             if i in marks:
                 ck[marks[i]] = (i, p, st)
         for f, (t, p, st) in sorted(ck.items()):
-            fp32 = cont(p, st)
+            fp32, fp32_params = cont(p, st)
             for codec in codecs:
                 path = os.path.join(tmpdir, f"optax-{codec}.jg")
-                s = jg.save(path, st, p, lr=LR, tau=TAU, clip=CLIP, codec=codec)
+                s = jg.save(path, st, p, lr=LR, tau=tau, clip=CLIP, codec=codec)
                 restored = jg.load(path, like=tx.init(p))
-                a = oa.audit(tx, st, restored, p, lr=LR, tau=TAU, clip=CLIP)
-                rows.append({"model": "mlp-optax", "seed": seed, "fraction": f, "step": t, "codec": codec,
+                a = oa.audit(tx, st, restored, p, lr=LR, tau=tau, clip=CLIP)
+                cont_loss, cont_params = cont(p, restored)
+                rows.append({"model": "mlp-optax", "seed": seed, "fraction": f, "step": t, "codec": codec, "tau": tau,
                              "guarded": codec != "block8-unguarded", "coordinates": s["coordinates"],
                              "escapes": s["escapes"], "escape_rate": s["escape_rate"],
                              "payload_ratio": s["payload_ratio"], "container_ratio_vs_raw_state": s["container_ratio"],
                              "first_update_max_gap_lr": a["max_gap_lr"], "audit_violations": a["violations"],
                              "encode_seconds": s["encode_seconds"],
-                             "continuation_loss_delta": cont(p, restored) - fp32})
+                             "continuation_loss_delta": cont_loss - fp32,
+                             **(continuation_distances(cont_params, fp32_params, flat(p)) if cont_steps else {})})
     return rows
 
 
@@ -387,6 +414,7 @@ def summarize(rows, codecs):
                     "encode_x_save": mm(lambda r: r["encode_seconds"] / r["torch_save_seconds"]),
                     "restore_x_load": mm(lambda r: r["restore_seconds"] / r["torch_load_seconds"]),
                     "loss_delta": mm(lambda r: r["continuation_loss_delta"]),
+                    "param_distance_rel": mm(lambda r: r.get("continuation_param_distance_rel", float("nan"))),
                     "step": rs[0]["step"], "coordinates": rs[0]["coordinates"]}
     return out
 
@@ -402,7 +430,8 @@ def write_markdown(path, result, codecs):
     fracs = sorted({r["fraction"] for r in rows})
     ctx = result["settings"]
     L = ["# Guarded compression: reproduction of the paper's full-checkpoint figures", "",
-         f"`python bench/reproduce.py` ({'tiny smoke settings' if ctx['tiny'] else 'full run'}); commit "
+         f"`{result.get('command', 'python bench/reproduce.py')}` "
+         f"({'tiny smoke settings' if ctx['tiny'] else 'full run' if result.get('command') in (None, 'python bench/reproduce.py') else 'resumable'}); commit "
          f"`{result['versions'].get('commit')}`; torch {result['versions']['torch']}, jax {result['versions']['jax']}; "
          f"{result['machine']['cpu_count']} CPU cores shared with other jobs (contention: absolute seconds are "
          "inflated and noisy, ratios are measured in the same process). tau = 0.01 lr, C = 0.2, "
@@ -414,8 +443,8 @@ def write_markdown(path, result, codecs):
          "", "## Per model, fraction and codec (mean over seeds, min-max in parentheses)", "",
          "| model | ckpt (step) | codec | escapes % | payload / FP32 % | container / torch.save % | worst gap (lr) "
          "| over tau | encode / torch.save | restore / torch.load | loss delta after "
-         f"{ctx['continue_steps']} steps |",
-         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         f"{ctx['continue_steps']} steps |" + (MOVE_HEADER if ctx["continue_steps"] else ""),
+         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if ctx["continue_steps"] else "")]
     for m in models:
         for f in fracs:
             for c in codecs:
@@ -426,7 +455,8 @@ def write_markdown(path, result, codecs):
                          f"| {pct(s['escape_rate'])} | {pct(s['payload_ratio'])} | {pct(s['container_ratio'])} "
                          f"| {s['max_gap']:.6f} | {s['violations']:,} | {s['encode_x_save']['mean']:.1f}x "
                          f"| {s['restore_x_load']['mean']:.2f}x | {s['loss_delta']['mean']:+.2e} "
-                         f"({s['loss_delta']['min']:+.1e}..{s['loss_delta']['max']:+.1e}) |")
+                         f"({s['loss_delta']['min']:+.1e}..{s['loss_delta']['max']:+.1e}) |"
+                         + (f" {pct(s['param_distance_rel'], fmt='{:.2e}', scale=1.0)} |" if ctx["continue_steps"] else ""))
     # paper comparison (its figures are log8's)
     if "log8" in codecs:
         L += ["", "## Beside the paper (docs/papers.md A; ours: mean over seeds)", "",
@@ -509,20 +539,23 @@ def write_markdown(path, result, codecs):
     orows = result.get("optax_rows") or []
     if orows:
         L += ["| ckpt (step) | codec | escapes % | payload / FP32 % | container / raw optax state % | worst gap (lr) "
-              "| over tau | loss delta |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| over tau | loss delta |" + (MOVE_HEADER if ctx["continue_steps"] else ""),
+              "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if ctx["continue_steps"] else "")]
         for f in sorted({r["fraction"] for r in orows}):
             for c in codecs:
                 rs = [r for r in orows if r["fraction"] == f and r["codec"] == c]
                 if not rs:
                     continue
 
-                def mm(k, scale=100.0):
+                def mm(k, scale=100.0, fmt="{:.2f}"):
                     v = [scale * r[k] for r in rs]
-                    return f"{np.mean(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+                    return f"{fmt.format(np.mean(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})"
                 L.append(f"| {int(100 * f)}% ({rs[0]['step']}) | {c} | {mm('escape_rate')} | {mm('payload_ratio')} | "
                          f"{mm('container_ratio_vs_raw_state')} | {max(r['first_update_max_gap_lr'] for r in rs):.6g} | "
                          f"{sum(r['audit_violations'] for r in rs):,} | "
-                         f"{np.mean([r['continuation_loss_delta'] for r in rs]):+.2e} |")
+                         f"{np.mean([r['continuation_loss_delta'] for r in rs]):+.2e} |"
+                         + (f" {mm('continuation_param_distance_rel', 1.0, '{:.2e}')} |"
+                            if ctx["continue_steps"] else ""))
         L.append("")
     L += ["", "## Where our figures differ from the paper's, and why", "", result.get("discussion", ""), ""]
     Path(path).write_text("\n".join(L))
@@ -694,6 +727,8 @@ def main(argv=None):
     ap.add_argument("--ablation-fractions", default="1.0")
     ap.add_argument("--fresh", action="store_true", help="ignore the per-condition JSON-lines cache")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--seeds", type=int, default=len(SEEDS["cnn"]),
+                    help="the first N seeds of each model and of the optax counterpart (default all 4)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -716,7 +751,9 @@ def main(argv=None):
     for c in codecs:
         if c not in CODECS:
             ap.error(f"codec {c!r} is not in jaxguard.core.guard.CODECS ({', '.join(CODECS)})")
-    seeds = {m: SEEDS[m] for m in models}
+    if not 1 <= args.seeds <= len(SEEDS["cnn"]):
+        ap.error(f"--seeds {args.seeds}: choose 1 to {len(SEEDS['cnn'])}")
+    seeds = {m: SEEDS[m][:args.seeds] for m in models}
     steps = {"transformer": args.steps_transformer, "cnn": args.steps_cnn}
     cont = args.continue_steps
     if args.tiny:
@@ -792,7 +829,7 @@ def main(argv=None):
         elif not (hasattr(jaxguard, "save") and hasattr(jaxguard, "load")):
             optax_note = "Not done: `jaxguard.save` / `jaxguard.load` (jaxguard/optax_adapter.py) do not exist yet."
         else:
-            oseeds = SEEDS["cnn"][:1] if args.tiny else SEEDS["cnn"]
+            oseeds = SEEDS["cnn"][:1 if args.tiny else args.seeds]
             okey = f"optax/steps{args.optax_steps}/cont{cont}/seeds{','.join(map(str, oseeds))}/codecs{','.join(codecs)}"
             bar.set_postfix_str(okey)
             if okey in done and not args.fresh:
@@ -809,6 +846,7 @@ def main(argv=None):
                           f"draw; no real next-batch gradient), continuation {cont} steps on identical batches.")
         bar.close()
     result = {
+        "command": shlex.join(["python", "bench/reproduce.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine_info(), "versions": vers,
         "rows_library_source_sha256": sorted({rec.get("library_source_sha256", "unrecorded") for rec in records}),
         "rows_commit_at_start": sorted({str(rec.get("commit_at_start", "unrecorded")) for rec in records}),
