@@ -114,7 +114,11 @@ def _print_table(rows, steps, n_grads, total, t_train, made, full):
 
 
 def programs_line(made) -> str:
-    """Where this run's guard programs came from, from `programs.counts`'s ``made``."""
+    """Where this run's guard programs came from, in one line.
+
+    Args:
+      made: `programs.counts()`'s difference over the run: ``{"compiled": n, "loaded": n}``.
+    """
     if made["compiled"]:
         return f"{made['compiled']} guard programs compiled and stored: a first run on this machine; later runs load them"
     if made["loaded"]:
