@@ -75,6 +75,12 @@ def _varint(x: int) -> bytes:
 
 
 def _read_varint(buf, pos: int, what: str):
+    try:
+        first = buf[pos]
+    except IndexError:
+        raise StreamError(f"{what}: the stream ends inside its header") from None
+    if first < 0x80:                      # one byte: most lengths of a small entry's streams
+        return first, pos + 1
     val, shift = 0, 0
     for k in range(packed.MAX_VARINT_BYTES):
         if pos + k >= len(buf):
@@ -217,7 +223,11 @@ def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
       StreamError: a malformed header, a length other than `expected`, frame sizes that do
         not tile the stream, or a frame stored larger than it decodes.
     """
-    mv = _bytes_view(buf)
+    return _stream_frames(_bytes_view(buf), what, expected, limit)
+
+
+def _stream_frames(mv, what, expected=None, limit=MAX_STREAM):
+    """`stream_frames` of a flat byte memoryview (the readers' form: no second view)."""
     decoded, pos = _read_varint(mv, 0, what)
     if expected is not None and decoded != expected and (isinstance(expected, int) or decoded not in expected):
         want = " or ".join(str(a) for a in ((expected,) if isinstance(expected, int) else expected))
@@ -226,7 +236,7 @@ def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
         raise StreamError(f"{what}: the stream declares {decoded} decoded bytes, more than its entry can hold "
                           f"({min(limit, MAX_STREAM)})")
     sizes = []
-    for d in frame_lengths(decoded):
+    for d in (frame_lengths(decoded) if decoded > FRAME else (decoded,) if decoded else ()):
         s, pos = _read_varint(mv, pos, what)
         if s > d or s == 0:
             raise StreamError(f"{what}: frame {len(sizes)} is stored in {s} bytes for {d} decoded; a frame is "
@@ -318,9 +328,12 @@ def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STRE
       StreamError: as `stream_frames` and `decode_frame`.
     """
     mv = _bytes_view(buf)
-    decoded, frames = stream_frames(mv, what, expected, limit)
+    decoded, frames = _stream_frames(mv, what, expected, limit)
     if len(frames) == 1 and out is None:
-        return np.frombuffer(decode_frame(mv, *frames[0], what), np.uint8)
+        start, stored, d = frames[0]
+        if stored == d:                      # stored as is: a view of the payload
+            return np.frombuffer(mv, np.uint8, d, start)
+        return np.frombuffer(decode_frame(mv, start, stored, d, what), np.uint8)
     out = np.empty(decoded, np.uint8) if out is None else out
     pos = 0
     for start, stored, d in frames:
@@ -516,8 +529,8 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
       sections: ``{section: [begin, end)}`` of the entry (names checked by the reader).
       payload: the container payload (bytes-like).
       n: coordinates.
-      lazy: for an entry of 8-bit blocks, ``m_codes`` and ``v_codes`` as `FramedCodes`,
-        decoded when sliced (every other section is read and checked here).
+      lazy: ``m_codes`` and ``v_codes`` as `FramedCodes`, decoded when sliced (every other
+        section, the high bytes of wider blocks included, is read and checked here).
 
     Returns:
       dict ``m_codes`` (int8, or int16 when a block is wider than 8 bits), ``v_codes``
@@ -529,7 +542,7 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
     """
     pay = _bytes_view(payload)
     (bm, em), (bv, ev) = sections["m_codes"], sections["v_codes"]
-    if lazy and "widths" not in sections:
+    if lazy:
         low_m = FramedCodes(pay[bm:em], n, True, f"{name}.m_codes")
         low_v = FramedCodes(pay[bv:ev], n, False, f"{name}.v_codes")
     else:
@@ -539,9 +552,11 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
 
 
 class FramedCodes:
-    """One code stream of an entry (every block 8 bits wide), decoded frame by frame when
-    sliced: the restore's pool decodes each chunk's own frames (`read_entry` with
-    ``lazy=True``).  ``codes[a:b]`` is int8 m codes (``signed``) or uint8 v codes.
+    """One code stream of an entry, decoded frame by frame when sliced: the restore's pool
+    decodes each chunk's own frames (`read_entry` with ``lazy=True``).  ``codes[a:b]`` is
+    int8 m codes (``signed``) or uint8 v codes; once `widened` (an entry with blocks wider
+    than 8 bits), int16 / uint16 codes, the wider blocks' fields joined with their high bytes
+    (a range of 8-bit blocks only still comes back as 8-bit codes: the same values).
 
     Args:
       stream: the section's bytes; n: coordinates; signed: m (fields ``q + 127``) or v;
@@ -550,9 +565,21 @@ class FramedCodes:
 
     def __init__(self, stream, n: int, signed: bool, what: str):
         self.stream, self.n, self.signed, self.what = _bytes_view(stream), n, signed, what
-        _, self.frames = stream_frames(self.stream, what, n)
+        _, self.frames = _stream_frames(self.stream, what, n)
         self.dtype = np.dtype(np.int8 if signed else np.uint8)
         self.size = n
+        self.wide = None
+
+    def widened(self, widths, high):
+        """This stream's codes joined with the high bytes of its wider blocks.
+
+        Args:
+          widths: the stream's width per block (int, 8..12); high: the checked high bytes
+            (`_high_bytes`) of the coordinates of the blocks wider than 8, in order.
+        """
+        self.wide = _WideBlocks(widths, high, self.n)
+        self.dtype = np.dtype(np.int16 if self.signed else np.uint16)
+        return self
 
     def __len__(self):
         return self.n
@@ -572,7 +599,7 @@ class FramedCodes:
             for j in np.unique(which):
                 at = np.flatnonzero(which == j)
                 dst[at] = self._frame(int(j))[flat[at] - int(j) * FRAME]
-            return _m_codes(low, self.what) if self.signed else low
+            return self._codes(low, flat)
         a, b, step = sl.indices(self.n)
         if step != 1:
             return self[np.arange(a, b, step)]
@@ -587,7 +614,12 @@ class FramedCodes:
                 low[pos:pos + part.size] = part
                 pos += part.size
             low = low[a - f0 * FRAME:b - f0 * FRAME]
-        return _m_codes(low, self.what) if self.signed else low
+        return self._codes(low, (a, max(a, b)))
+
+    def _codes(self, low, where):
+        if self.wide is not None and not (isinstance(where, tuple) and self.wide.none_in(*where)):
+            return self.wide.join(low, where, self.signed, self.what)
+        return _m_codes(low, self.what) if self.signed else low   # a range of 8-bit blocks: 8-bit codes
 
 
 def _m_codes(low_m, what):
@@ -597,6 +629,63 @@ def _m_codes(low_m, what):
         i = int(np.argmax(mq == -128))
         raise StreamError(f"{what}: coordinate {i} of the range has m field 255, outside 0..254")
     return mq
+
+
+class _WideBlocks:
+    """The blocks of one stream wider than 8 bits and their high bytes (``field >> 8`` of
+    each of their coordinates, in order), joined with any range's or positions' low bytes."""
+
+    def __init__(self, widths, high, n):
+        self.widths, self.high = widths, high
+        held = np.where(widths > NARROW, BLOCK, 0)
+        if held.size and held[-1]:
+            held[-1] = n - (held.size - 1) * BLOCK      # the last block's padding holds none
+        self.high_at = np.cumsum(held) - held           # where each block's high bytes start
+        self.wide_before = np.concatenate([[0], np.cumsum(widths > NARROW)])
+
+    def none_in(self, a, b):
+        """Whether coordinates [a, b) lie in 8-bit blocks only."""
+        return self.wide_before[-(-b // BLOCK)] == self.wide_before[a // BLOCK]
+
+    def join(self, low, where, signed, what):
+        """Codes (int16 m / uint16 v) from the low bytes `low` of coordinates `where`: a
+        range ``(a, b)`` or an int array of positions."""
+        if isinstance(where, tuple):
+            a, b = where
+            r0 = a // BLOCK
+            rows = r0 + np.flatnonzero(self.widths[r0:-(-b // BLOCK)] > NARROW)
+            coords = (rows[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
+            coords = coords[(coords >= a) & (coords < b)]
+            at = coords - a
+
+            def position(j):
+                return a + j
+        else:
+            at = np.flatnonzero(self.widths[where // BLOCK] > NARROW)
+            coords = where[at]
+
+            def position(j):
+                return where[j]
+        rows = coords // BLOCK
+        high = self.high[self.high_at[rows] + coords - rows * BLOCK]
+        f = low[at].astype(np.int64) | (high.astype(np.int64) << 8)
+        if not signed:
+            q = low.astype(np.uint16)
+            q[at] = f
+            return q
+        bad = np.flatnonzero(low == 255)                 # an 8-bit block's field 255 (q = 128)
+        bad = bad[self.widths[position(bad) // BLOCK] == NARROW]
+        lm = (1 << (self.widths[rows] - 1)) - 1
+        over = np.flatnonzero(f > 2 * lm)
+        if bad.size or over.size:
+            i = int(position(bad[0])) if bad.size else int(coords[over[0]])
+            val = 255 if bad.size else int(f[over[0]])
+            raise StreamError(f"{what}: coordinate {i} has m field {val}, outside its "
+                              f"{int(self.widths[i // BLOCK])}-bit block's range")
+        q = low.astype(np.int16)
+        q -= np.int16(127)
+        q[at] = f - lm
+        return q
 
 
 def assemble(name, sections, payload, n, low_m, low_v) -> dict:
@@ -630,8 +719,12 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         if not ((bm > NARROW).any() or (bv > NARROW).any()):
             raise StreamError(f"{name}.widths: every block is {NARROW} bits wide; an entry without wider blocks "
                               "has no widths section")
-        codes["m_codes"] = _wide_field(name, sections, sec, "m_high", low_m, bm, n, signed=True)
-        codes["v_codes"] = _wide_field(name, sections, sec, "v_high", low_v, bv, n, signed=False)
+        for key, low, widths, signed in (("m", low_m, bm, True), ("v", low_v, bv, False)):
+            high = _high_bytes(name, sections, sec, f"{key}_high", widths, n)
+            if isinstance(low, FramedCodes):
+                codes[f"{key}_codes"] = low.widened(widths, high)
+            else:
+                codes[f"{key}_codes"] = _WideBlocks(widths, high, n).join(low, (0, n), signed, f"{name}.m_codes")
     elif isinstance(low_m, FramedCodes):
         codes["m_codes"], codes["v_codes"] = low_m, low_v
     else:
@@ -646,37 +739,19 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
     return codes
 
 
-def _wide_field(name, sections, sec, key, low, widths, n, signed):
-    """One stream's codes (int16 m / uint16 v) of an entry with widths: the 8-bit blocks from
-    their low bytes alone, the wider blocks' fields joined with their ``m_high`` / ``v_high``."""
+def _high_bytes(name, sections, sec, key, widths, n):
+    """The checked ``m_high`` / ``v_high`` bytes of an entry with widths (one per coordinate
+    of the blocks wider than 8 bits, in order; none when no block of the stream is)."""
     rows = np.flatnonzero(widths > NARROW)
-    coords = _row_coords(rows, n)
-    if coords.size == 0:
+    count = _row_coords(rows, n).size
+    if count == 0:
         if key in sections:
             raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")
-        high = np.zeros(0, np.uint8)
-    else:
-        if key not in sections:
-            raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
-        high = decode_stream(sec(key), f"{name}.{key}", coords.size)
-    w_on = np.repeat(widths[rows], BLOCK)[:coords.size]
+        return np.zeros(0, np.uint8)
+    if key not in sections:
+        raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
+    high = decode_stream(sec(key), f"{name}.{key}", count)
+    w_on = np.repeat(widths[rows], BLOCK)[:count]
     if (high >= (1 << (w_on - NARROW))).any():
         raise StreamError(f"{name}.{key}: a high part is outside its block's width")
-    f = low[coords].astype(np.int64) | (high.astype(np.int64) << 8)
-    if not signed:
-        q = low.astype(np.uint16)
-        q[coords] = f
-        return q
-    bad = np.flatnonzero(low == 255)                 # an 8-bit block's field 255 (q = 128)
-    bad = bad[widths[bad // BLOCK] == NARROW]
-    lm = np.repeat((1 << (widths[rows] - 1)) - 1, BLOCK)[:coords.size]
-    over = np.flatnonzero(f > 2 * lm)
-    if bad.size or over.size:
-        i = int(bad[0]) if bad.size else int(coords[over[0]])
-        val = 255 if bad.size else int(f[over[0]])
-        raise StreamError(f"{name}.m_codes: coordinate {i} has m field {val}, outside its "
-                          f"{int(widths[i // BLOCK])}-bit block's range")
-    q = low.astype(np.int16)
-    q -= np.int16(127)
-    q[coords] = f - lm
-    return q
+    return high
