@@ -13,8 +13,9 @@ Numerical contract: decoding uses only float32 multiplies (linear8: ``q*scale``;
 hash to the ``decoded_sha256`` the writer recorded.
 
 What each codec id means (code dtypes, block parameters, layout, decode, tables) comes
-from the registry, `jaxguard.format.spec`; this module holds the numpy decodes
-(`DECODERS`, keyed by the registry's ``decode`` field) and the layout readers.
+from the registry, `jaxguard.format.spec`; this module holds the layout readers and picks
+the numpy decode (`jaxguard.format.decoders`' `DECODERS`, keyed by the registry's
+``decode`` field).
 """
 from __future__ import annotations
 
