@@ -13,7 +13,7 @@ import pytest
 from jaxguard import writer
 from jaxguard.core import adaptive, guard
 from jaxguard.core.config import GuardConfig
-from jaxguard.format import container, entropy, packed, reader
+from jaxguard.format import container, entropy, packed, reader, zstd_streams
 
 CODEC = entropy.CODEC
 
@@ -229,7 +229,7 @@ def test_wide_blocks_read_lazily_give_the_whole_reads_codes(monkeypatch):
     """The restore's lazy read of an entry with wider blocks (frames decoded per slice, the
     high bytes joined per range) gives the codes of the whole read: ranges on and off block
     and frame edges, positions, and the same refusal of an m field past its block's range."""
-    monkeypatch.setattr(entropy, "FRAME", 384)          # several frames, edges inside blocks
+    monkeypatch.setattr(zstd_streams, "FRAME", 384)          # several frames, edges inside blocks
     arrays, n = _wide_arrays()
     sec = entropy.entry_sections(arrays, n)
     whole, lazy = _read(sec, n), _read(sec, n, lazy=True)
@@ -297,7 +297,7 @@ def test_section_set_is_checked_before_decoding():
 def test_pieces_join_their_frames_into_the_whole_tensors_bytes(monkeypatch):
     """A tensor certified in pieces (writer.encode above PIECES_OVER slabs) takes its
     pieces' code frames as they are: the payload is byte for byte the one-piece one."""
-    monkeypatch.setattr(entropy, "FRAME", 4096)
+    monkeypatch.setattr(zstd_streams, "FRAME", 4096)
     m, v, p = _moments(4096 * 5 + 77, seed=9)
     cfg = GuardConfig(lr=1e-3, step=100, codec=CODEC)
     calls = []

@@ -20,11 +20,8 @@ Sections of one entry of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` block
   ``(bm << 4) | bv``, each 8..12), and ``m_high`` / ``v_high`` (streams of one byte per
   coordinate of the blocks whose m / v width is above 8: ``field >> 8``).
 
-A stream is ``varint D`` (decoded bytes), ``varint S_i`` for each of ``ceil(D / FRAME)``
-frames, then the frames: frame i decodes to ``d_i = min(FRAME, D - i*FRAME)`` bytes and is
-stored as is when ``S_i == d_i``, else as one zstd frame without the magic number, its
-content size written (and equal to ``d_i``), no dictionary, ``S_i < d_i`` bytes exactly.
-Frames decode independently: the restore decodes an entry's frames on all cores.
+Every section but ``escape_pairs`` is a framed stream (`jaxguard.format.zstd_streams`):
+frames decode independently, and the restore decodes an entry's frames on all cores.
 
 Numerical contract
 ------------------
@@ -38,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxguard.format import packed
+from jaxguard.format import packed, zstd_streams
 from jaxguard.format.spec import BLOCK
 from jaxguard.format.zstd_streams import (FRAME, LEVEL, MAX_STREAM, StreamError, _bytes_view, _stream_frames,
                                           compress_frames, decode_frame, decode_stream, encode_stream, frame_lengths,
@@ -190,7 +187,7 @@ def join_sections(parts, arrays, n: int, level: int = LEVEL):
       The joined sections, or None when the pieces cannot be joined so (a piece other
       than the last not a whole number of frames).
     """
-    if any(k % FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
+    if any(k % zstd_streams.FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
         return None
     streams = {}
     for key in ("m_codes", "v_codes"):
@@ -281,31 +278,32 @@ class FramedCodes:
         return np.frombuffer(decode_frame(self.stream, start, stored, d, self.what), np.uint8)
 
     def __getitem__(self, sl):
+        size = zstd_streams.FRAME              # decoded bytes per frame
         if not isinstance(sl, slice):          # positions: only their frames are decoded
             idx = np.asarray(sl, np.int64)
             low = np.empty(idx.shape, np.uint8)
             flat, dst = idx.reshape(-1), low.reshape(-1)
             if flat.size and (flat.min() < 0 or flat.max() >= self.n):
                 raise IndexError(f"{self.what}: positions outside 0..{self.n - 1}")
-            which = flat // FRAME
+            which = flat // size
             for j in np.unique(which):
                 at = np.flatnonzero(which == j)
-                dst[at] = self._frame(int(j))[flat[at] - int(j) * FRAME]
+                dst[at] = self._frame(int(j))[flat[at] - int(j) * size]
             return self._codes(low, flat)
         a, b, step = sl.indices(self.n)
         if step != 1:
             return self[np.arange(a, b, step)]
-        f0, f1 = a // FRAME, -(-b // FRAME)
+        f0, f1 = a // size, -(-b // size)
         if f1 - f0 == 1:
-            low = self._frame(f0)[a - f0 * FRAME:b - f0 * FRAME]
+            low = self._frame(f0)[a - f0 * size:b - f0 * size]
         else:
-            low = np.empty(max(0, (f1 - f0) * FRAME), np.uint8)
+            low = np.empty(max(0, (f1 - f0) * size), np.uint8)
             pos = 0
             for j in range(f0, f1):
                 part = self._frame(j)
                 low[pos:pos + part.size] = part
                 pos += part.size
-            low = low[a - f0 * FRAME:b - f0 * FRAME]
+            low = low[a - f0 * size:b - f0 * size]
         return self._codes(low, (a, max(a, b)))
 
     def _codes(self, low, where):

@@ -3,6 +3,11 @@
 float32 values in byte planes.  Numpy only; ``zstandard`` is imported when a frame is
 written or read.
 
+A stream is ``varint D`` (decoded bytes), ``varint S_i`` for each of ``ceil(D / FRAME)``
+frames, then the frames: frame i decodes to ``d_i = min(FRAME, D - i*FRAME)`` bytes and is
+stored as is when ``S_i == d_i``, else as one zstd frame without the magic number, its
+content size written (and equal to ``d_i``), no dictionary, ``S_i < d_i`` bytes exactly.
+
 Numerical contract
 ------------------
 Lossless: a stream decodes to exactly the bytes it was given (zstd decodes bit-exactly;
