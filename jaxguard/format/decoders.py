@@ -159,14 +159,14 @@ def _decode_log8_rel(n, mq, vq, mp, vp, tables):
     # formula, more powers).  Blocks whose codes fit 8 bits are tabulated as above, the others
     # powered bit by bit (`log_decode`'s split: the same bits at any width); m~ as above
     qb = _blocks(vq, n)
-    idx = _table_index(np.minimum(qb, 256))
+    wide = np.flatnonzero(qb.max(axis=1) > 256)
+    idx = _table_index(np.minimum(qb, 256) if wide.size else qb)   # codes <= 256 index the table as they are
     tw = _log_table(vp[:, 2], vp[:, 3])
     tw[:, 0] = tw[:, 1]
     w = tw.reshape(-1)[idx].reshape(qb.shape)
     del tw
     v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx].reshape(qb.shape)
     del idx
-    wide = np.flatnonzero(qb.max(axis=1) > 256)
     if wide.size:
         bits = packed.MAX_WIDTH
         k = wide.size * BLOCK
