@@ -5,6 +5,8 @@ and certification throughput from 1M to 100M coordinates.
                                 [--out bench/results/codec_speed_16m] [--work DIR] [--one-core]
     python bench/codec_speed.py --gpt2 [--steps 3] --sweep ""      # bench/results/codec_speed_gpt2.*
     python bench/codec_speed.py --gpt2-large --sweep "" --repeats 2   # bench/results/codec_speed_gpt2_large.*
+    python bench/codec_speed.py --src CKPT --codec log8-rel-zstd --also-codec log8-rel --restore-only --no-cold \
+        --sweep "" [--before DIR] --out bench/results/codec_speed_zstd        # the default's restore beside log8-rel's
 
 With ``--gpt2`` the checkpoint is GPT-2 small instead (transformers' ``GPT2LMHeadModel(GPT2Config())``,
 built here, no download: 124,439,808 parameters, the real ``torch.optim.AdamW`` over
@@ -158,7 +160,7 @@ def same_tree(x, y) -> bool:
 
 
 def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=None, one_core=False, also=None,
-                  durable=False, sync_between=False):
+                  durable=False, sync_between=False, restore_only=False):
     py = sys.executable
     plain = [py, "-c", "import sys, torch; torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])",
              src, os.path.join(work, "plain.pt")]
@@ -190,18 +192,25 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                              "variant_detection_warning": "ReplayVariantWarning" in text, "seconds": w,
                              "torch_imported": "torch imported: True" in text}
     runs = [("plain", plain, env, ROOT), ("compress", compress, env, ROOT), ("restore", restore, env, ROOT)]
+    if restore_only:   # each codec compressed once, untimed: the restores are what is timed
+        summary = _json_summary(run_child(compress, env)[2])
+        runs = [r for r in runs if r[0] != "compress"]
     if before:   # the compress and restore of another checkout (e.g. `git archive` of the commit before)
         res["compress_before"], res["restore_before"] = [], []   # run from that directory: `python -m` puts the cwd first
         env0 = {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}
         out0 = os.path.join(work, "c0.jg")
-        runs.append(("compress_before", [py, "-m", "jaxguard", "compress", src, "-o", out0, "--json", "--codec", codec],
-                     env0, before))
+        if not restore_only:
+            runs.append(("compress_before", [py, "-m", "jaxguard", "compress", src, "-o", out0, "--json", "--codec",
+                                             codec], env0, before))
         runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
                      env0, before))
     if also:   # another codec's compress and restore of the same checkpoint, interleaved (e.g. log8-rel)
         out_a = os.path.join(work, "c_also.jg")
-        runs.append(("compress_also", [py, "-m", "jaxguard", "compress", src, "-o", out_a, "--json", "--codec", also],
-                     env, ROOT))
+        compress_also = [py, "-m", "jaxguard", "compress", src, "-o", out_a, "--json", "--codec", also]
+        if restore_only:
+            res["also_summary"] = _json_summary(run_child(compress_also, env)[2])
+        else:
+            runs.append(("compress_also", compress_also, env, ROOT))
         runs.append(("restore_also", [py, "-m", "jaxguard", "restore", out_a, "-o", os.path.join(work, "back_a.pt")],
                      env, ROOT))
     if durable:
@@ -220,16 +229,15 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
             if key == "compress_also" and "also_summary" not in res:
                 res["also_summary"] = _json_summary(text)
             print(f"  {key:>14}: {w:7.2f} s  {r / 2**20:7.1f} MiB", flush=True)
-    if before:
+    if before and not restore_only:
         res["container_hashes_identical_to_before"] = _hashes(out) == _hashes(out0)
+    if before:
         res["restored_identical_to_before"] = same_tree(torch.load(os.path.join(work, "back0.pt"), weights_only=True),
                                                         torch.load(os.path.join(work, "back.pt"), weights_only=True))
     med = {k: {"seconds": statistics.median(x["seconds"] for x in res[k]),
                "peak_rss": statistics.median(x["peak_rss"] for x in res[k])} for k in keys}
-    ratios = {"compress_time": med["compress"]["seconds"] / med["plain"]["seconds"],
-              "restore_time": med["restore"]["seconds"] / med["plain"]["seconds"],
-              "compress_rss": med["compress"]["peak_rss"] / med["plain"]["peak_rss"],
-              "restore_rss": med["restore"]["peak_rss"] / med["plain"]["peak_rss"]}
+    ratios = {f"{k}_{q}": med[k][f] / med["plain"][f] for k in ("compress", "restore") if k in med
+              for q, f in (("time", "seconds"), ("rss", "peak_rss"))}
     if durable:
         ratios.update(plain_fsync_time=med["plain_fsync"]["seconds"] / med["plain"]["seconds"],
                       compress_vs_durable_plain=med["compress"]["seconds"] / med["plain_fsync"]["seconds"],
@@ -239,15 +247,21 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
                       compress_1core_rss=med["compress_1core"]["peak_rss"] / med["plain"]["peak_rss"],
                       cores_speedup=med["compress_1core"]["seconds"] / med["compress"]["seconds"])
     if before:
-        ratios.update(restore_before_time=med["restore_before"]["seconds"] / med["plain"]["seconds"],
-                      restore_before_rss=med["restore_before"]["peak_rss"] / med["plain"]["peak_rss"],
-                      compress_before_time=med["compress_before"]["seconds"] / med["plain"]["seconds"],
-                      compress_before_rss=med["compress_before"]["peak_rss"] / med["plain"]["peak_rss"])
+        ratios.update({f"{k}_before_{q}": med[f"{k}_before"][f] / med["plain"][f] for k in ("compress", "restore")
+                       if f"{k}_before" in med for q, f in (("time", "seconds"), ("rss", "peak_rss"))})
+        if also:
+            ratios["restore_before_vs_also"] = med["restore_before"]["seconds"] / med["restore_also"]["seconds"]
+            ratios["restore_before_vs_also_pairwise"] = statistics.median(
+                a["seconds"] / b["seconds"] for a, b in zip(res["restore_before"], res["restore_also"]))
     if also:
         ratios.update({f"{k}_also_{q}": med[f"{k}_also"][f] / med["plain"][f] for k in ("compress", "restore")
-                       for q, f in (("time", "seconds"), ("rss", "peak_rss"))})
-        ratios.update(compress_vs_also=med["compress"]["seconds"] / med["compress_also"]["seconds"],
-                      restore_vs_also=med["restore"]["seconds"] / med["restore_also"]["seconds"])
+                       if f"{k}_also" in med for q, f in (("time", "seconds"), ("rss", "peak_rss"))})
+        ratios["restore_vs_also"] = med["restore"]["seconds"] / med["restore_also"]["seconds"]
+        # the ratio of medians, and the median of the pairwise ratios (each repeat's two restores ran back to back)
+        ratios["restore_vs_also_pairwise"] = statistics.median(
+            a["seconds"] / b["seconds"] for a, b in zip(res["restore"], res["restore_also"]))
+        if "compress_also" in med:
+            ratios["compress_vs_also"] = med["compress"]["seconds"] / med["compress_also"]["seconds"]
     per_run = [{k: res[k][i]["seconds"] / res["plain"][i]["seconds"] for k in keys if k != "plain"}
                for i in range(repeats)]
     extra = {"also_codec": also, "also_container_bytes": os.path.getsize(out_a)} if also else {}
@@ -344,14 +358,17 @@ def plot(result, path):
     fig, ax = plt.subplots(1, 2 if s else 1, figsize=(11 if s else 6, 4), squeeze=False)
     ax = ax[0]
     w = result["whole_process"]
-    keys = ("plain", "compress", "restore")
+    names = {"plain": "torch load+save", "compress": "jaxguard compress", "restore": f"restore {result['codec']}",
+             "restore_also": f"restore {w.get('also_codec')}", "restore_before": "restore, --before"}
+    keys = [k for k in names if k in w["median"] and (k in ("plain", "compress") or "compress" not in w["median"]
+                                                      or k == "restore")]
     t = [w["median"][k]["seconds"] for k in keys]
     r = [w["median"][k]["peak_rss"] / 2**20 for k in keys]
-    xs = np.arange(3)
+    xs = np.arange(len(keys))
     ax[0].bar(xs - 0.2, t, 0.4, label="wall s")
     ax0b = ax[0].twinx()
     ax0b.bar(xs + 0.2, r, 0.4, color="tab:orange", label="peak RSS MiB")
-    ax[0].set_xticks(xs, ["torch load+save", "jaxguard compress", "jaxguard restore"])
+    ax[0].set_xticks(xs, [names[k] for k in keys], fontsize=8)
     ax[0].set_ylabel("wall seconds (blue)")
     ax0b.set_ylabel("peak RSS MiB (orange)")
     ax[0].set_title(f"{w['summary']['coordinates']:,} coordinates, whole processes (medians)")
@@ -402,6 +419,8 @@ def main(argv=None):
     ap.add_argument("--sync-between", action="store_true", help="os.sync() before every timed process (untimed): the "
                     "plain save leaves its output dirty in the page cache, and its writeback otherwise lands on "
                     "whichever process runs next")
+    ap.add_argument("--restore-only", action="store_true", help="compress each codec once, untimed, and time only the "
+                                                                "restores (and the plain save) interleaved")
     ap.add_argument("--durable-plain", action="store_true", help="also run the plain save with an fsync before it "
                                                                  "returns (interleaved), as jaxguard's writes are")
     a = ap.parse_args(argv)
@@ -435,7 +454,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     whole = whole_process(src, work, a.repeats, env, a.codec, cold=not a.no_cold,
                           before=os.path.abspath(a.before) if a.before else None, one_core=a.one_core,
-                          also=a.also_codec, durable=a.durable_plain, sync_between=a.sync_between)
+                          also=a.also_codec, durable=a.durable_plain, sync_between=a.sync_between,
+                          restore_only=a.restore_only)
     whole["sync_between"] = a.sync_between
     with open(a.out + ".partial.json", "w") as fh:   # in case the sweep is cut short
         json.dump(whole, fh, indent=1)
@@ -501,8 +521,8 @@ def write_md(res, path):
         *([f"| the same, durable (`torch.save` to a file, then fsync) | {med['plain_fsync']['seconds']:.2f} | "
            f"{rat['plain_fsync_time']:.2f} | {mib(med['plain_fsync']['peak_rss']):.0f} | "
            f"{med['plain_fsync']['peak_rss'] / med['plain']['peak_rss']:.2f} |"] if "plain_fsync" in med else []),
-        f"| `jaxguard compress src -o out` | {med['compress']['seconds']:.2f} | {rat['compress_time']:.2f} | "
-        f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |",
+        *([f"| `jaxguard compress src -o out` | {med['compress']['seconds']:.2f} | {rat['compress_time']:.2f} | "
+           f"{mib(med['compress']['peak_rss']):.0f} | {rat['compress_rss']:.2f} |"] if "compress" in med else []),
         f"| `jaxguard restore out -o back.pt` | {med['restore']['seconds']:.2f} | {rat['restore_time']:.2f} | "
         f"{mib(med['restore']['peak_rss']):.0f} | {rat['restore_rss']:.2f} |",
         *([f"| `jaxguard compress` before (`--before` checkout) | {med['compress_before']['seconds']:.2f} | "
@@ -516,14 +536,19 @@ def write_md(res, path):
            f"{rat['restore_before_rss']:.2f} |"] if "restore_before" in med else []),
         *([f"| `jaxguard compress --codec {w['also_codec']}` | {med['compress_also']['seconds']:.2f} | "
            f"{rat['compress_also_time']:.2f} | {mib(med['compress_also']['peak_rss']):.0f} | "
-           f"{rat['compress_also_rss']:.2f} |",
-           f"| `jaxguard restore` of that | {med['restore_also']['seconds']:.2f} | {rat['restore_also_time']:.2f} | "
-           f"{mib(med['restore_also']['peak_rss']):.0f} | {rat['restore_also_rss']:.2f} |"] if "compress_also" in med
-          else []),
+           f"{rat['compress_also_rss']:.2f} |"] if "compress_also" in med else []),
+        *([f"| `jaxguard restore` of a `--codec {w['also_codec']}` file | {med['restore_also']['seconds']:.2f} | "
+           f"{rat['restore_also_time']:.2f} | {mib(med['restore_also']['peak_rss']):.0f} | "
+           f"{rat['restore_also_rss']:.2f} |"] if "restore_also" in med else []),
         "",
-        *([f"{res.get('codec')} against {w['also_codec']}, same run: compress {rat['compress_vs_also']:.2f}x, restore "
-           f"{rat['restore_vs_also']:.2f}x its time; payload {100 * sm['payload_ratio']:.3f}% against "
-           f"{100 * w['also_summary']['payload_ratio']:.3f}% of FP32.", ""] if "compress_also" in med else []),
+        *([f"{res.get('codec')} against {w['also_codec']}, same run: "
+           + (f"compress {rat['compress_vs_also']:.3f}x, " if "compress_vs_also" in rat else "")
+           + f"restore {rat['restore_vs_also']:.3f}x its time (median of the per-repeat ratios "
+           f"{rat['restore_vs_also_pairwise']:.3f}x); payload {100 * sm['payload_ratio']:.3f}% against "
+           f"{100 * w['also_summary']['payload_ratio']:.3f}% of FP32.", ""] if "restore_also" in med else []),
+        *([f"The `--before` checkout's restore of the same {res.get('codec')} file against the {w['also_codec']} "
+           f"restore: {rat['restore_before_vs_also']:.3f}x (per-repeat median "
+           f"{rat['restore_before_vs_also_pairwise']:.3f}x).", ""] if "restore_before_vs_also" in rat else []),
         *([f"Against the durable plain save: compress {rat['compress_vs_durable_plain']:.2f}x, restore "
            f"{rat['restore_vs_durable_plain']:.2f}x (jaxguard fsyncs both before it renames).", ""]
           if "compress_vs_durable_plain" in rat else []),

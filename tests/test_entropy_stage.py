@@ -13,7 +13,7 @@ import pytest
 from jaxguard import writer
 from jaxguard.core import adaptive, guard
 from jaxguard.core.config import GuardConfig
-from jaxguard.format import container, entropy, packed, reader
+from jaxguard.format import container, entropy, packed, reader, zstd_streams
 
 CODEC = entropy.CODEC
 
@@ -153,7 +153,7 @@ def _entry_arrays(n, seed=0):
     return enc
 
 
-def _read(sections, n, name="w"):
+def _read(sections, n, name="w", lazy=False):
     """reader.read_codes of one zstd entry built from `sections` (a dict of arrays), sealed
     into a container and read back through `reader.parse` (its layout check included)."""
     parts, rng, pos = [], {}, 0
@@ -169,7 +169,7 @@ def _read(sections, n, name="w"):
                        "payload_sha256": hashlib.sha256(payload).hexdigest()}).encode()
     body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(head)) + head + payload
     header, view = reader.parse(body + hashlib.sha256(body).digest())
-    return reader.read_codes(header["entries"][0], view, {})
+    return reader.read_codes(header["entries"][0], view, {}, lazy=lazy)
 
 
 def test_parameters_derive_wlo_rr_or_store_them():
@@ -225,6 +225,32 @@ def test_wide_blocks_round_trip_through_high_streams():
     assert np.array_equal(_bits(m1), _bits(m2)) and np.array_equal(_bits(v1), _bits(v2))
 
 
+def test_wide_blocks_read_lazily_give_the_whole_reads_codes(monkeypatch):
+    """The restore's lazy read of an entry with wider blocks (frames decoded per slice, the
+    high bytes joined per range) gives the codes of the whole read: ranges on and off block
+    and frame edges, positions, and the same refusal of an m field past its block's range."""
+    monkeypatch.setattr(zstd_streams, "FRAME", 384)          # several frames, edges inside blocks
+    arrays, n = _wide_arrays()
+    sec = entropy.entry_sections(arrays, n)
+    whole, lazy = _read(sec, n), _read(sec, n, lazy=True)
+    assert isinstance(lazy["m_codes"], entropy.FramedCodes) and lazy["m_codes"].dtype == np.int16
+    for key in ("m_codes", "v_codes"):
+        for a, b in ((0, n), (0, 256), (256, 512), (100, 900), (700, 1000), (383, 385), (999, 1000), (5, 5),
+                     (512, 768)):                        # (512, 768): block 2, 8 bits: 8-bit codes
+            np.testing.assert_array_equal(lazy[key][a:b], whole[key][a:b])
+        at = np.array([0, 255, 256, 511, 600, 767, 768, 999])
+        np.testing.assert_array_equal(lazy[key][at], whole[key][at])
+    low = entropy.decode_stream(sec["m_codes"], "m", n).copy()
+    high = entropy.decode_stream(sec["m_high"], "h").copy()
+    low[300], high[300 - 256] = 0xFF, 1                  # block 1 is 9 bits: field 511, past 2 * 255
+    sec = dict(sec, m_codes=entropy.encode_stream(low), m_high=entropy.encode_stream(high))
+    with pytest.raises(reader.ReaderError, match="coordinate 300 has m field"):
+        _read(sec, n)
+    lazy = _read(sec, n, lazy=True)
+    with pytest.raises(entropy.StreamError, match="coordinate 300 has m field"):
+        lazy["m_codes"][256:512]
+
+
 def _sections_with(**change):
     arrays, n = _wide_arrays()
     sec = dict(entropy.entry_sections(arrays, n))
@@ -271,7 +297,7 @@ def test_section_set_is_checked_before_decoding():
 def test_pieces_join_their_frames_into_the_whole_tensors_bytes(monkeypatch):
     """A tensor certified in pieces (writer.encode above PIECES_OVER slabs) takes its
     pieces' code frames as they are: the payload is byte for byte the one-piece one."""
-    monkeypatch.setattr(entropy, "FRAME", 4096)
+    monkeypatch.setattr(zstd_streams, "FRAME", 4096)
     m, v, p = _moments(4096 * 5 + 77, seed=9)
     cfg = GuardConfig(lr=1e-3, step=100, codec=CODEC)
     calls = []

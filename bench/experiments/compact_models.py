@@ -101,13 +101,13 @@ def recode(streams):
 
 def _stream_bits(hists):
     """Compact model + coded bits of one stream given {key: (width, histogram)}."""
-    from jaxguard.format import rans
+    from jaxguard.format import rans, rans_models
     total = 0.0
     for w, h in hists.values():
         if not h.any():
             continue
         p, lv = rans.fit_compact_model(h, w, [p for p in rans.PROB_BITS if p >= w])
-        total += rans._cost_bits(h, rans.model_freqs(lv, p), p) + rans.compact_model_bits(lv, w)
+        total += rans_models._cost_bits(h, rans.model_freqs(lv, p), p) + rans.compact_model_bits(lv, w)
     return total
 
 

@@ -20,11 +20,8 @@ Sections of one entry of ``n`` coordinates in ``nb = max(1, ceil(n/256))`` block
   ``(bm << 4) | bv``, each 8..12), and ``m_high`` / ``v_high`` (streams of one byte per
   coordinate of the blocks whose m / v width is above 8: ``field >> 8``).
 
-A stream is ``varint D`` (decoded bytes), ``varint S_i`` for each of ``ceil(D / FRAME)``
-frames, then the frames: frame i decodes to ``d_i = min(FRAME, D - i*FRAME)`` bytes and is
-stored as is when ``S_i == d_i``, else as one zstd frame without the magic number, its
-content size written (and equal to ``d_i``), no dictionary, ``S_i < d_i`` bytes exactly.
-Frames decode independently: the restore decodes an entry's frames on all cores.
+Every section but ``escape_pairs`` is a framed stream (`jaxguard.format.zstd_streams`):
+frames decode independently, and the restore decodes an entry's frames on all cores.
 
 Numerical contract
 ------------------
@@ -36,13 +33,13 @@ it bit for bit with what the guard certified.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from jaxguard.errors import JaxguardError
-from jaxguard.format import packed
+from jaxguard.format import packed, zstd_streams
 from jaxguard.format.spec import BLOCK
+from jaxguard.format.zstd_streams import (FRAME, LEVEL, MAX_STREAM, StreamError, _bytes_view, _stream_frames,
+                                          compress_frames, decode_frame, decode_stream, encode_stream, frame_lengths,
+                                          from_planes, join_frames, stream_frames, to_planes)
 
 __all__ = ["CODEC", "FRAME", "LEVEL", "NARROW", "NARROW_WIDTHS", "MAX_STREAM", "BASE_SECTIONS", "WIDE_SECTIONS",
            "StreamError", "frame_lengths", "compress_frames", "join_frames", "encode_stream", "stream_frames",
@@ -50,305 +47,10 @@ __all__ = ["CODEC", "FRAME", "LEVEL", "NARROW", "NARROW_WIDTHS", "MAX_STREAM", "
            "join_sections", "read_entry", "FramedCodes", "assemble"]
 
 CODEC = "log8-rel-zstd"
-FRAME = 1 << 20          # decoded bytes per frame (a whole number of blocks of 1-byte codes)
-LEVEL = 1                # zstd level: 1 and 3 store the same +-0.03% here, level 1 at 1.5x the speed
 NARROW, WIDEST = 8, packed.MAX_WIDTH
 NARROW_WIDTHS = (NARROW << 4) | NARROW
-MAX_STREAM = 1 << 44     # decoded bytes a stream may declare (the reader's 2**40 elements x 20 bytes)
 BASE_SECTIONS = ("m_codes", "v_codes", "params", "escape_index", "escape_pairs")
 WIDE_SECTIONS = (("widths", "m_high"), ("widths", "v_high"), ("widths", "m_high", "v_high"))
-
-
-class StreamError(JaxguardError):
-    """A zstd stream of an entry is malformed (the message names the section and the fault)."""
-
-
-# ---------------------------------------------------------------- varints
-def _varint(x: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = x & 0x7F
-        x >>= 7
-        out.append(b | (0x80 if x else 0))
-        if not x:
-            return bytes(out)
-
-
-def _read_varint(buf, pos: int, what: str):
-    val, shift = 0, 0
-    for k in range(packed.MAX_VARINT_BYTES):
-        if pos + k >= len(buf):
-            raise StreamError(f"{what}: the stream ends inside its header")
-        b = int(buf[pos + k])
-        val |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return val, pos + k + 1
-    raise StreamError(f"{what}: a header varint is longer than {packed.MAX_VARINT_BYTES} bytes")
-
-
-# ---------------------------------------------------------------- zstd, imported when used
-_LOCAL = threading.local()
-
-
-def _zstd():
-    try:
-        import zstandard
-    except ImportError:   # pragma: no cover - a dependency; kept for a broken environment
-        raise StreamError("this entry's streams are zstd frames and the zstandard package is not installed; "
-                          "pip install zstandard") from None
-    return zstandard
-
-
-def _compressor(level: int):
-    """A zstd compressor of this thread (they are not shareable between threads)."""
-    key = f"c{level}"
-    c = getattr(_LOCAL, key, None)
-    if c is None:
-        zs = _zstd()
-        params = zs.ZstdCompressionParameters.from_level(level, format=zs.FORMAT_ZSTD1_MAGICLESS,
-                                                         write_content_size=True, write_checksum=False,
-                                                         write_dict_id=False)
-        c = zs.ZstdCompressor(compression_params=params)
-        setattr(_LOCAL, key, c)
-    return c
-
-
-def _decompressor():
-    d = getattr(_LOCAL, "d", None)
-    if d is None:
-        zs = _zstd()
-        d = zs.ZstdDecompressor(format=zs.FORMAT_ZSTD1_MAGICLESS)
-        _LOCAL.d = d
-    return d
-
-
-# ---------------------------------------------------------------- streams
-def frame_lengths(decoded: int) -> list:
-    """Decoded bytes of each frame of a stream of `decoded` bytes (``[]`` for none).
-
-    Args:
-      decoded: the stream's decoded length in bytes.
-    """
-    return [min(FRAME, decoded - s) for s in range(0, decoded, FRAME)]
-
-
-def compress_frames(data, level: int = LEVEL) -> list:
-    """The stored frames of `data` (bytes-like): each `FRAME` bytes as a zstd frame, or as
-    is where zstd does not make it smaller.
-
-    Args:
-      data: the bytes to store (a uint8 array or anything with the buffer protocol).
-      level: the zstd level.
-
-    Returns:
-      A list of ``bytes``-like frames, one per `frame_lengths`.
-    """
-    view = memoryview(_as_bytes(data))
-    out = []
-    c = _compressor(level) if len(view) > 64 else None   # below that a frame's header outweighs it
-    for s in range(0, len(view), FRAME):
-        part = view[s:s + FRAME]
-        z = c.compress(part) if c is not None else None
-        out.append(z if z is not None and len(z) < len(part) else bytes(part))
-    return out
-
-
-def join_frames(decoded: int, frames) -> np.ndarray:
-    """A stream's bytes from its frames (`compress_frames`) and decoded length.
-
-    Args:
-      decoded: the stream's decoded length in bytes.
-      frames: the stored frames, in order (`compress_frames`).
-    """
-    head = _varint(decoded) + b"".join(_varint(len(f)) for f in frames)
-    if len(frames) == 1:
-        return np.frombuffer(head + bytes(frames[0]), np.uint8)
-    out = np.empty(len(head) + sum(len(f) for f in frames), np.uint8)
-    out[:len(head)] = np.frombuffer(head, np.uint8)
-    pos = len(head)
-    for f in frames:
-        out[pos:pos + len(f)] = np.frombuffer(f, np.uint8)
-        pos += len(f)
-    return out
-
-
-def encode_stream(data, level: int = LEVEL) -> np.ndarray:
-    """One stream (module docstring) holding `data`.
-
-    Args:
-      data: bytes-like or a numpy array (its bytes, C order).
-      level: the zstd level.
-
-    Returns:
-      The stream as a uint8 array.
-    """
-    arr = _as_bytes(data)
-    return join_frames(arr.size, compress_frames(arr, level))
-
-
-def _as_bytes(data) -> np.ndarray:
-    """`data`'s bytes as a flat contiguous uint8 array (a numpy array's in C order)."""
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return np.frombuffer(data, np.uint8)
-
-
-def _bytes_view(buf) -> memoryview:
-    """`buf` (bytes, a memoryview of the payload, a uint8 array) as a flat byte memoryview."""
-    mv = memoryview(buf)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
-    """Parse a stream's header.
-
-    Args:
-      buf: the stream's bytes (bytes-like or a uint8 array).
-      what: how errors name the section (``"entry.section"``).
-      expected: the decoded lengths the stream may declare (an int or a tuple of ints);
-        None: any up to `limit`.
-      limit: the most decoded bytes the stream may declare.
-
-    Returns:
-      ``(decoded bytes, [(start, stored, decoded) per frame])``, offsets into `buf`.
-
-    Raises:
-      StreamError: a malformed header, a length other than `expected`, frame sizes that do
-        not tile the stream, or a frame stored larger than it decodes.
-    """
-    mv = _bytes_view(buf)
-    decoded, pos = _read_varint(mv, 0, what)
-    if expected is not None and decoded != expected and (isinstance(expected, int) or decoded not in expected):
-        want = " or ".join(str(a) for a in ((expected,) if isinstance(expected, int) else expected))
-        raise StreamError(f"{what}: the stream declares {decoded} decoded bytes where {want} are needed")
-    if decoded > min(limit, MAX_STREAM):
-        raise StreamError(f"{what}: the stream declares {decoded} decoded bytes, more than its entry can hold "
-                          f"({min(limit, MAX_STREAM)})")
-    sizes = []
-    for d in frame_lengths(decoded):
-        s, pos = _read_varint(mv, pos, what)
-        if s > d or s == 0:
-            raise StreamError(f"{what}: frame {len(sizes)} is stored in {s} bytes for {d} decoded; a frame is "
-                              "stored as is or smaller")
-        sizes.append((s, d))
-    frames, start = [], pos
-    for s, d in sizes:
-        frames.append((start, s, d))
-        start += s
-    if start != len(mv):
-        raise StreamError(f"{what}: the frames take {start - pos} bytes but the stream has {len(mv) - pos} "
-                          "after its header")
-    return decoded, frames
-
-
-def _zstd_frame_end(frame, what):
-    """The length of the (magic-less) zstd frame at the start of `frame` and its content
-    size, from its header and block headers (RFC 8878 3.1.1)."""
-    n = len(frame)
-    if n < 1:
-        raise StreamError(f"{what}: an empty zstd frame")
-    fhd = frame[0]
-    fcs_flag, single, reserved, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 3) & 1, (fhd >> 2) & 1, fhd & 3
-    if reserved or dict_flag:
-        raise StreamError(f"{what}: a zstd frame header with {'a reserved bit' if reserved else 'a dictionary'} set")
-    pos = 1 + (0 if single else 1)
-    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    if fcs_size == 0:
-        raise StreamError(f"{what}: a zstd frame without its content size")
-    if pos + fcs_size > n:
-        raise StreamError(f"{what}: a zstd frame header runs past the frame")
-    content = int.from_bytes(frame[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
-    pos += fcs_size
-    while True:
-        if pos + 3 > n:
-            raise StreamError(f"{what}: a zstd block header runs past the frame")
-        bh = frame[pos] | (frame[pos + 1] << 8) | (frame[pos + 2] << 16)
-        last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
-        if btype == 3:
-            raise StreamError(f"{what}: a zstd block of the reserved type")
-        pos += 3 + (1 if btype == 1 else bsize)
-        if pos > n:
-            raise StreamError(f"{what}: a zstd block runs past the frame")
-        if last:
-            break
-    return pos + (4 if checksum else 0), content
-
-
-def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
-    """One frame's decoded bytes (a bytes-like object of `decoded` bytes).
-
-    Args:
-      buf: the stream (bytes-like); start, stored, decoded: the frame (`stream_frames`).
-      what: how errors name the section.
-
-    Raises:
-      StreamError: a zstd frame that does not take exactly `stored` bytes, declares
-        another content size, or that zstd refuses.
-    """
-    frame = _bytes_view(buf)[start:start + stored]
-    if stored == decoded:
-        return frame
-    end, content = _zstd_frame_end(frame, what)
-    if end != stored or content != decoded:
-        raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {stored} bytes "
-                          f"for {decoded}")
-    try:
-        out = _decompressor().decompress(frame, max_output_size=decoded)
-    except _zstd().ZstdError as exc:
-        raise StreamError(f"{what}: zstd refuses a frame ({str(exc)[:80]})") from None
-    if len(out) != decoded:
-        raise StreamError(f"{what}: a zstd frame decodes to {len(out)} bytes, not {decoded}")
-    return out
-
-
-def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STREAM) -> np.ndarray:
-    """A whole stream's decoded bytes.
-
-    Args:
-      buf: the stream (bytes-like or a uint8 array).
-      what: how errors name the section.
-      expected, limit: as for `stream_frames`.
-      out: optional uint8 array of the decoded length to decode into.
-
-    Returns:
-      uint8 array of the decoded bytes (a view of `buf` for a stream stored as is).
-
-    Raises:
-      StreamError: as `stream_frames` and `decode_frame`.
-    """
-    mv = _bytes_view(buf)
-    decoded, frames = stream_frames(mv, what, expected, limit)
-    if len(frames) == 1 and out is None:
-        return np.frombuffer(decode_frame(mv, *frames[0], what), np.uint8)
-    out = np.empty(decoded, np.uint8) if out is None else out
-    pos = 0
-    for start, stored, d in frames:
-        out[pos:pos + d] = np.frombuffer(decode_frame(mv, start, stored, d, what), np.uint8)
-        pos += d
-    return out
-
-
-# ---------------------------------------------------------------- byte planes (float32 parameters)
-def to_planes(values) -> np.ndarray:
-    """float32 values -> their little-endian bytes regrouped by plane (every value's byte 0,
-    then byte 1, 2, 3): the exponent bytes of similar values sit together.
-
-    Args:
-      values: float32 values (any shape; taken in C order).
-    """
-    b = np.ascontiguousarray(np.asarray(values, "<f4")).reshape(-1).view(np.uint8)
-    return np.ascontiguousarray(b.reshape(-1, 4).T).reshape(-1)
-
-
-def from_planes(planes) -> np.ndarray:
-    """Inverse of `to_planes`: float32 values.
-
-    Args:
-      planes: the uint8 bytes `to_planes` returned.
-    """
-    p = np.asarray(planes, np.uint8)
-    return np.ascontiguousarray(p.reshape(4, -1).T).reshape(-1).view("<f4")
 
 
 # ---------------------------------------------------------------- one entry
@@ -485,7 +187,7 @@ def join_sections(parts, arrays, n: int, level: int = LEVEL):
       The joined sections, or None when the pieces cannot be joined so (a piece other
       than the last not a whole number of frames).
     """
-    if any(k % FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
+    if any(k % zstd_streams.FRAME for k, _ in parts[:-1]) or sum(k for k, _ in parts) != n:
         return None
     streams = {}
     for key in ("m_codes", "v_codes"):
@@ -516,8 +218,8 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
       sections: ``{section: [begin, end)}`` of the entry (names checked by the reader).
       payload: the container payload (bytes-like).
       n: coordinates.
-      lazy: for an entry of 8-bit blocks, ``m_codes`` and ``v_codes`` as `FramedCodes`,
-        decoded when sliced (every other section is read and checked here).
+      lazy: ``m_codes`` and ``v_codes`` as `FramedCodes`, decoded when sliced (every other
+        section, the high bytes of wider blocks included, is read and checked here).
 
     Returns:
       dict ``m_codes`` (int8, or int16 when a block is wider than 8 bits), ``v_codes``
@@ -529,7 +231,7 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
     """
     pay = _bytes_view(payload)
     (bm, em), (bv, ev) = sections["m_codes"], sections["v_codes"]
-    if lazy and "widths" not in sections:
+    if lazy:
         low_m = FramedCodes(pay[bm:em], n, True, f"{name}.m_codes")
         low_v = FramedCodes(pay[bv:ev], n, False, f"{name}.v_codes")
     else:
@@ -539,9 +241,11 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
 
 
 class FramedCodes:
-    """One code stream of an entry (every block 8 bits wide), decoded frame by frame when
-    sliced: the restore's pool decodes each chunk's own frames (`read_entry` with
-    ``lazy=True``).  ``codes[a:b]`` is int8 m codes (``signed``) or uint8 v codes.
+    """One code stream of an entry, decoded frame by frame when sliced: the restore's pool
+    decodes each chunk's own frames (`read_entry` with ``lazy=True``).  ``codes[a:b]`` is
+    int8 m codes (``signed``) or uint8 v codes; once `widened` (an entry with blocks wider
+    than 8 bits), int16 / uint16 codes, the wider blocks' fields joined with their high bytes
+    (a range of 8-bit blocks only still comes back as 8-bit codes: the same values).
 
     Args:
       stream: the section's bytes; n: coordinates; signed: m (fields ``q + 127``) or v;
@@ -550,9 +254,21 @@ class FramedCodes:
 
     def __init__(self, stream, n: int, signed: bool, what: str):
         self.stream, self.n, self.signed, self.what = _bytes_view(stream), n, signed, what
-        _, self.frames = stream_frames(self.stream, what, n)
+        _, self.frames = _stream_frames(self.stream, what, n)
         self.dtype = np.dtype(np.int8 if signed else np.uint8)
         self.size = n
+        self.wide = None
+
+    def widened(self, widths, high):
+        """This stream's codes joined with the high bytes of its wider blocks.
+
+        Args:
+          widths: the stream's width per block (int, 8..12); high: the checked high bytes
+            (`_high_bytes`) of the coordinates of the blocks wider than 8, in order.
+        """
+        self.wide = _WideBlocks(widths, high, self.n)
+        self.dtype = np.dtype(np.int16 if self.signed else np.uint16)
+        return self
 
     def __len__(self):
         return self.n
@@ -562,32 +278,38 @@ class FramedCodes:
         return np.frombuffer(decode_frame(self.stream, start, stored, d, self.what), np.uint8)
 
     def __getitem__(self, sl):
+        size = zstd_streams.FRAME              # decoded bytes per frame
         if not isinstance(sl, slice):          # positions: only their frames are decoded
             idx = np.asarray(sl, np.int64)
             low = np.empty(idx.shape, np.uint8)
             flat, dst = idx.reshape(-1), low.reshape(-1)
             if flat.size and (flat.min() < 0 or flat.max() >= self.n):
                 raise IndexError(f"{self.what}: positions outside 0..{self.n - 1}")
-            which = flat // FRAME
+            which = flat // size
             for j in np.unique(which):
                 at = np.flatnonzero(which == j)
-                dst[at] = self._frame(int(j))[flat[at] - int(j) * FRAME]
-            return _m_codes(low, self.what) if self.signed else low
+                dst[at] = self._frame(int(j))[flat[at] - int(j) * size]
+            return self._codes(low, flat)
         a, b, step = sl.indices(self.n)
         if step != 1:
             return self[np.arange(a, b, step)]
-        f0, f1 = a // FRAME, -(-b // FRAME)
+        f0, f1 = a // size, -(-b // size)
         if f1 - f0 == 1:
-            low = self._frame(f0)[a - f0 * FRAME:b - f0 * FRAME]
+            low = self._frame(f0)[a - f0 * size:b - f0 * size]
         else:
-            low = np.empty(max(0, (f1 - f0) * FRAME), np.uint8)
+            low = np.empty(max(0, (f1 - f0) * size), np.uint8)
             pos = 0
             for j in range(f0, f1):
                 part = self._frame(j)
                 low[pos:pos + part.size] = part
                 pos += part.size
-            low = low[a - f0 * FRAME:b - f0 * FRAME]
-        return _m_codes(low, self.what) if self.signed else low
+            low = low[a - f0 * size:b - f0 * size]
+        return self._codes(low, (a, max(a, b)))
+
+    def _codes(self, low, where):
+        if self.wide is not None and not (isinstance(where, tuple) and self.wide.none_in(*where)):
+            return self.wide.join(low, where, self.signed, self.what)
+        return _m_codes(low, self.what) if self.signed else low   # a range of 8-bit blocks: 8-bit codes
 
 
 def _m_codes(low_m, what):
@@ -597,6 +319,63 @@ def _m_codes(low_m, what):
         i = int(np.argmax(mq == -128))
         raise StreamError(f"{what}: coordinate {i} of the range has m field 255, outside 0..254")
     return mq
+
+
+class _WideBlocks:
+    """The blocks of one stream wider than 8 bits and their high bytes (``field >> 8`` of
+    each of their coordinates, in order), joined with any range's or positions' low bytes."""
+
+    def __init__(self, widths, high, n):
+        self.widths, self.high = widths, high
+        held = np.where(widths > NARROW, BLOCK, 0)
+        if held.size and held[-1]:
+            held[-1] = n - (held.size - 1) * BLOCK      # the last block's padding holds none
+        self.high_at = np.cumsum(held) - held           # where each block's high bytes start
+        self.wide_before = np.concatenate([[0], np.cumsum(widths > NARROW)])
+
+    def none_in(self, a, b):
+        """Whether coordinates [a, b) lie in 8-bit blocks only."""
+        return self.wide_before[-(-b // BLOCK)] == self.wide_before[a // BLOCK]
+
+    def join(self, low, where, signed, what):
+        """Codes (int16 m / uint16 v) from the low bytes `low` of coordinates `where`: a
+        range ``(a, b)`` or an int array of positions."""
+        if isinstance(where, tuple):
+            a, b = where
+            r0 = a // BLOCK
+            rows = r0 + np.flatnonzero(self.widths[r0:-(-b // BLOCK)] > NARROW)
+            coords = (rows[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)
+            coords = coords[(coords >= a) & (coords < b)]
+            at = coords - a
+
+            def position(j):
+                return a + j
+        else:
+            at = np.flatnonzero(self.widths[where // BLOCK] > NARROW)
+            coords = where[at]
+
+            def position(j):
+                return where[j]
+        rows = coords // BLOCK
+        high = self.high[self.high_at[rows] + coords - rows * BLOCK]
+        f = low[at].astype(np.int64) | (high.astype(np.int64) << 8)
+        if not signed:
+            q = low.astype(np.uint16)
+            q[at] = f
+            return q
+        bad = np.flatnonzero(low == 255)                 # an 8-bit block's field 255 (q = 128)
+        bad = bad[self.widths[position(bad) // BLOCK] == NARROW]
+        lm = (1 << (self.widths[rows] - 1)) - 1
+        over = np.flatnonzero(f > 2 * lm)
+        if bad.size or over.size:
+            i = int(position(bad[0])) if bad.size else int(coords[over[0]])
+            val = 255 if bad.size else int(f[over[0]])
+            raise StreamError(f"{what}: coordinate {i} has m field {val}, outside its "
+                              f"{int(self.widths[i // BLOCK])}-bit block's range")
+        q = low.astype(np.int16)
+        q -= np.int16(127)
+        q[at] = f - lm
+        return q
 
 
 def assemble(name, sections, payload, n, low_m, low_v) -> dict:
@@ -630,8 +409,12 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         if not ((bm > NARROW).any() or (bv > NARROW).any()):
             raise StreamError(f"{name}.widths: every block is {NARROW} bits wide; an entry without wider blocks "
                               "has no widths section")
-        codes["m_codes"] = _wide_field(name, sections, sec, "m_high", low_m, bm, n, signed=True)
-        codes["v_codes"] = _wide_field(name, sections, sec, "v_high", low_v, bv, n, signed=False)
+        for key, low, widths, signed in (("m", low_m, bm, True), ("v", low_v, bv, False)):
+            high = _high_bytes(name, sections, sec, f"{key}_high", widths, n)
+            if isinstance(low, FramedCodes):
+                codes[f"{key}_codes"] = low.widened(widths, high)
+            else:
+                codes[f"{key}_codes"] = _WideBlocks(widths, high, n).join(low, (0, n), signed, f"{name}.m_codes")
     elif isinstance(low_m, FramedCodes):
         codes["m_codes"], codes["v_codes"] = low_m, low_v
     else:
@@ -646,37 +429,19 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
     return codes
 
 
-def _wide_field(name, sections, sec, key, low, widths, n, signed):
-    """One stream's codes (int16 m / uint16 v) of an entry with widths: the 8-bit blocks from
-    their low bytes alone, the wider blocks' fields joined with their ``m_high`` / ``v_high``."""
+def _high_bytes(name, sections, sec, key, widths, n):
+    """The checked ``m_high`` / ``v_high`` bytes of an entry with widths (one per coordinate
+    of the blocks wider than 8 bits, in order; none when no block of the stream is)."""
     rows = np.flatnonzero(widths > NARROW)
-    coords = _row_coords(rows, n)
-    if coords.size == 0:
+    count = _row_coords(rows, n).size
+    if count == 0:
         if key in sections:
             raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")
-        high = np.zeros(0, np.uint8)
-    else:
-        if key not in sections:
-            raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
-        high = decode_stream(sec(key), f"{name}.{key}", coords.size)
-    w_on = np.repeat(widths[rows], BLOCK)[:coords.size]
+        return np.zeros(0, np.uint8)
+    if key not in sections:
+        raise StreamError(f"{name}: a block's {key[0]} width is above {NARROW} but the entry has no {key}")
+    high = decode_stream(sec(key), f"{name}.{key}", count)
+    w_on = np.repeat(widths[rows], BLOCK)[:count]
     if (high >= (1 << (w_on - NARROW))).any():
         raise StreamError(f"{name}.{key}: a high part is outside its block's width")
-    f = low[coords].astype(np.int64) | (high.astype(np.int64) << 8)
-    if not signed:
-        q = low.astype(np.uint16)
-        q[coords] = f
-        return q
-    bad = np.flatnonzero(low == 255)                 # an 8-bit block's field 255 (q = 128)
-    bad = bad[widths[bad // BLOCK] == NARROW]
-    lm = np.repeat((1 << (widths[rows] - 1)) - 1, BLOCK)[:coords.size]
-    over = np.flatnonzero(f > 2 * lm)
-    if bad.size or over.size:
-        i = int(bad[0]) if bad.size else int(coords[over[0]])
-        val = 255 if bad.size else int(f[over[0]])
-        raise StreamError(f"{name}.m_codes: coordinate {i} has m field {val}, outside its "
-                          f"{int(widths[i // BLOCK])}-bit block's range")
-    q = low.astype(np.int16)
-    q -= np.int16(127)
-    q[coords] = f - lm
-    return q
+    return high

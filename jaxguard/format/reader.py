@@ -13,8 +13,9 @@ Numerical contract: decoding uses only float32 multiplies (linear8: ``q*scale``;
 hash to the ``decoded_sha256`` the writer recorded.
 
 What each codec id means (code dtypes, block parameters, layout, decode, tables) comes
-from the registry, `jaxguard.format.spec`; this module holds the numpy decodes
-(`DECODERS`, keyed by the registry's ``decode`` field) and the layout readers.
+from the registry, `jaxguard.format.spec`; this module holds the layout readers and picks
+the numpy decode (`jaxguard.format.decoders`' `DECODERS`, keyed by the registry's
+``decode`` field).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from jaxguard.errors import CheckpointError, ContainerError
 from jaxguard.format import entropy, packed, rans, spec
+from jaxguard.format.decoders import DECODERS
 
 MAGIC = b"JAXGUARD"
 VERSION = 1
@@ -45,176 +47,6 @@ DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2
 
 class ReaderError(ContainerError):
     """The file is not a valid jaxguard container (message says what failed)."""
-
-
-# ---------------------------------------------------------------- decoding (numpy)
-def _blocks(q, n):
-    nb = max(1, -(-n // BLOCK))
-    if n == nb * BLOCK and q.size == n:     # whole blocks: a view, no copy
-        return q.reshape(nb, BLOCK)
-    out = np.zeros(nb * BLOCK, q.dtype)
-    out[:n] = q
-    return out.reshape(nb, BLOCK)
-
-
-def linear8_decode(q, scale, n):
-    """``f32(q) * scale`` per block (codec log8's m), float32.
-
-    Args:
-      q: [n] int8 codes. scale: [nb] float32 block scales. n: coordinates.
-
-    Returns:
-      [n] float32.
-    """
-    qb = _blocks(q, n).astype(np.float32)
-    return (qb * scale.astype(np.float32)[:, None]).reshape(-1)[:n]
-
-
-def log_decode(q, lo, r, n, bits=8):
-    """``lo * r**(q-1)`` per block (0 for q == 0) by binary powering: bits of ``q-1`` from
-    the lowest, ``val *= r**(2**j)`` where bit j is set, squares formed by repeated
-    float32 squaring.  For 8-bit codes the 256 values of each block are tabulated with
-    exactly that sequence of roundings (``T[k + 2**j] = T[k] * r**(2**j)`` for
-    ``k < 2**j``) and gathered: bit-identical, a few passes instead of 8x4; with wider
-    codes, blocks whose codes all fit 8 bits are tabulated too.
-
-    Args:
-      q: [n] unsigned codes (0: exact zero). lo, r: [nb] float32 block range parameters.
-      n: coordinates. bits: code width (8 for AL8, up to 12 for logrel-aw, 16 for AL16).
-
-    Returns:
-      [n] float32.
-    """
-    qb = _blocks(q, n)
-    if bits > 8:
-        wide = qb.max(axis=1) > 256
-        out = np.empty(qb.shape, np.float32)
-        if wide.any():
-            out[wide] = _log_decode_bitwise(qb[wide], lo[wide], r[wide], int(wide.sum()) * BLOCK, bits).reshape(-1, BLOCK)
-        if not wide.all():       # blocks whose codes fit 8 bits: the table (the same roundings)
-            narrow = ~wide
-            out[narrow] = log_decode(qb[narrow].reshape(-1), lo[narrow], r[narrow],
-                                     int(narrow.sum()) * BLOCK).reshape(-1, BLOCK)
-        return out.reshape(-1)[:n]
-    table = _log_table(lo, r)
-    return table.reshape(-1)[_table_index(qb)].reshape(-1)[:n]
-
-
-def _log_table(lo, r):
-    """[nb, 257] float32: column q holds ``lo * r**(q-1)`` formed as `log_decode` forms it."""
-    nb = lo.shape[0]
-    table = np.empty((nb, 257), np.float32)       # column q holds the value of code q
-    table[:, 0] = 0.0
-    table[:, 1] = lo.astype(np.float32)
-    p = r.astype(np.float32)[:, None]
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        for j in range(8):
-            w = 1 << j
-            np.multiply(table[:, 1:1 + w], p, out=table[:, 1 + w:1 + 2 * w])
-            p = (p * p).astype(np.float32)
-    return table
-
-
-def _table_index(qb):
-    """Flat indices of [nb, 256] 8-bit codes into an [nb, 257] table (int32 while they fit:
-    half the traffic of int64)."""
-    nb = qb.shape[0]
-    itype = np.int32 if nb * 257 < 2**31 else np.int64
-    return np.add(qb, (np.arange(nb, dtype=itype) * 257)[:, None], dtype=itype)
-
-
-def _log_decode_bitwise(qb, lo, r, n, bits):
-    k = qb.astype(np.int64) - 1
-    p = r.astype(np.float32)[:, None]
-    val = np.broadcast_to(lo.astype(np.float32)[:, None], qb.shape).copy()
-    with np.errstate(over="ignore", invalid="ignore"):
-        for j in range(bits):
-            bit = ((k >> j) & 1) == 1
-            val = np.where(bit, val * p, val).astype(np.float32)
-            p = (p * p).astype(np.float32)
-    val[qb == 0] = 0.0
-    return val.reshape(-1)[:n]
-
-
-def bf16_decode(q):
-    """bfloat16 bit patterns -> float32 (a 16-bit shift: exact).
-
-    Args:
-      q: uint16 bfloat16 bits.
-
-    Returns:
-      float32 of the same shape.
-    """
-    return (q.astype(np.uint32) << 16).view(np.float32)
-
-
-def table_decode(q, absmax, table, n):
-    """``table[q] * absmax`` per block (the dynamic8 map of codec block8), float32.
-
-    Args:
-      q: [n] uint8 codes. absmax: [nb] float32 block scales. table: the stored 256-entry map.
-      n: coordinates.
-
-    Returns:
-      [n] float32.
-    """
-    qb = _blocks(q, n).astype(np.int64)
-    return (table[qb] * absmax.astype(np.float32)[:, None]).astype(np.float32).reshape(-1)[:n]
-
-
-def _decode_log8(n, mq, vq, mp, vp, tables):
-    return linear8_decode(mq, mp[:, 0], n), log_decode(vq, vp[:, 0], vp[:, 1], n)
-
-
-def _decode_log8_rel(n, mq, vq, mp, vp, tables):
-    if np.dtype(vq.dtype).itemsize == 1:
-        # 8-bit v codes: w and v are two tables gathered at the same indices (w's column 0,
-        # for q == 0, is code 1's value); m~ = (q*scale)*w: the same float32 roundings
-        qb = _blocks(vq, n)
-        idx = _table_index(qb)
-        tw = _log_table(vp[:, 2], vp[:, 3])
-        tw[:, 0] = tw[:, 1]
-        w = tw.reshape(-1)[idx]
-        del tw
-        v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx]
-        del idx
-        m = _blocks(mq, n).astype(np.float32)
-        m *= mp[:, 0].astype(np.float32)[:, None]
-        m *= w
-        return m.reshape(-1)[:n], v.reshape(-1)[:n]
-    # uint16 v codes: logrel-aw / logrel-ans / log8-rel-zstd blocks up to 12 bits (the same
-    # formula, more powers).  Blocks whose codes fit 8 bits are tabulated as above, the others
-    # powered bit by bit (`log_decode`'s split: the same bits at any width); m~ as above
-    qb = _blocks(vq, n)
-    idx = _table_index(np.minimum(qb, 256))
-    tw = _log_table(vp[:, 2], vp[:, 3])
-    tw[:, 0] = tw[:, 1]
-    w = tw.reshape(-1)[idx].reshape(qb.shape)
-    del tw
-    v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx].reshape(qb.shape)
-    del idx
-    wide = np.flatnonzero(qb.max(axis=1) > 256)
-    if wide.size:
-        bits = packed.MAX_WIDTH
-        k = wide.size * BLOCK
-        w[wide] = _log_decode_bitwise(np.maximum(qb[wide], 1), vp[wide, 2], vp[wide, 3], k, bits).reshape(-1, BLOCK)
-        v[wide] = _log_decode_bitwise(qb[wide], vp[wide, 0], vp[wide, 1], k, bits).reshape(-1, BLOCK)
-    m = _blocks(mq, n).astype(np.float32)
-    m *= mp[:, 0].astype(np.float32)[:, None]
-    m *= w
-    return m.reshape(-1)[:n], v.reshape(-1)[:n]
-
-
-def _decode_bf16(n, mq, vq, mp, vp, tables):
-    return bf16_decode(mq), bf16_decode(vq)
-
-
-def _decode_block8(n, mq, vq, mp, vp, tables):
-    return table_decode(mq, mp[:, 0], tables["dynamic8s"], n), table_decode(vq, vp[:, 0], tables["dynamic8u"], n)
-
-
-DECODERS = {"log8": _decode_log8, "log8-rel": _decode_log8_rel, "bf16": _decode_bf16, "block8": _decode_block8}
-"""The numpy decode of each base decode id (a registry entry's ``decode`` field)."""
 
 
 def decoder(codec):
