@@ -12,6 +12,7 @@ import torch_compat  # noqa: E402
 from torch_compat import models  # noqa: E402
 from jaxguard.audit import gradient_grid  # noqa: E402
 from jaxguard.format import reader  # noqa: E402
+from cli_batch import run_cli_batch  # noqa: E402
 
 TAU = 0.01
 GRID = gradient_grid(0.2, n_linear=4, n_log=8)
@@ -161,10 +162,11 @@ def _bad(d, name, obj):
     return p
 
 
-@pytest.mark.parametrize("case", ["no_param_names", "sgd", "amsgrad", "maximize", "capturable", "differentiable",
-                                  "fp16_moments", "no_optimizer", "missing_file"])
-def test_cli_bad_input_is_one_line(ckpt_file, case):
-    d, path, model, opt = ckpt_file
+BAD_INPUTS = ["no_param_names", "sgd", "amsgrad", "maximize", "capturable", "differentiable", "fp16_moments",
+              "no_optimizer", "missing_file"]
+
+
+def _bad_input(d, path, model, opt, case):
     sd = torch.load(path, weights_only=True)
     if case == "no_param_names":   # model.parameters() optimizer beside a float buffer of a bias's shape: unprovable
         osd = opt.state_dict()
@@ -184,9 +186,23 @@ def test_cli_bad_input_is_one_line(ckpt_file, case):
         st["exp_avg"] = st["exp_avg"].half()
     elif case == "no_optimizer":
         del sd["optimizer"]
-    bad = d / "nonexistent.pt" if case == "missing_file" else _bad(d, f"{case}.pt", sd)
+    return d / "nonexistent.pt" if case == "missing_file" else _bad(d, f"{case}.pt", sd)
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(ckpt_file):
+    """`jaxguard compress` of every bad input, in one process (tests/cli_batch.py)."""
+    d, path, model, opt = ckpt_file
+    bad = {case: _bad_input(d, path, model, opt, case) for case in BAD_INPUTS}
+    runs = run_cli_batch([["compress", bad[case], "-o", d / f"{case}.jg"] for case in BAD_INPUTS])
+    return dict(zip(BAD_INPUTS, runs))
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_cli_bad_input_is_one_line(ckpt_file, bad_input_runs, case):
+    d = ckpt_file[0]
     out = d / f"{case}.jg"
-    r = _cli("compress", bad, "-o", out)
+    r = bad_input_runs[case]
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip() and "it/s" not in l and "%|" not in l]
