@@ -8,8 +8,6 @@ import functools
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ import torch_compat  # noqa: E402
 from jaxguard.format import container, packed, rans, reader, spec  # noqa: E402
 from torch_compat import models  # noqa: E402
 from helpers import one_torch_thread  # noqa: E402,F401  (autouse)
+from cli_batch import run_cli_batch  # noqa: E402
 
 ANS, AW = "logrel-ans", packed.CODEC
 TAU = 0.01
@@ -179,24 +178,20 @@ def test_torch_compat_save_load_into_a_real_adam(tmp_path):
     assert a["violations"] == 0, a
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxguard", *map(str, args)], capture_output=True, text=True)
-
-
 def test_cli_compress_verify_restore_audit(tmp_path):
     ck, _ = _trained()
     src = tmp_path / "ckpt.pt"
     torch.save(ck, src)
     out = tmp_path / "ckpt.jg"
-    r = _cli("compress", src, "-o", out, "--codec", ANS, "--json")
+    r, verify, a, restore = run_cli_batch([["compress", src, "-o", out, "--codec", ANS, "--json"], ["verify", out],
+                                           ["audit", src, out, "--json"], ["restore", out, "-o", tmp_path / "back.pt"]])
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["payload_bytes"] == _both()[ANS][1]["payload_bytes"]
-    assert _cli("verify", out).returncode == 0
-    a = _cli("audit", src, out, "--json")
+    assert verify.returncode == 0
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["violations"] == 0
-    assert _cli("restore", out, "-o", tmp_path / "back.pt").returncode == 0
+    assert restore.returncode == 0
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     assert set(back) == set(ck)
 

@@ -2,8 +2,6 @@
 the first update with the real torch.optim.Adam; the CLI, and its errors."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
@@ -114,10 +112,6 @@ def test_load_checks_the_weights_the_state_was_certified_against(tmp_path):
 
 
 # ---------------------------------------------------------------- CLI
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "jaxguard", *map(str, args)], capture_output=True, text=True, cwd=cwd)
-
-
 @pytest.fixture(scope="module")
 def ckpt_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
@@ -135,23 +129,23 @@ def ckpt_file(tmp_path_factory):
 def test_cli_compress_inspect_verify_restore_audit(ckpt_file):
     d, path, _, _ = ckpt_file
     out = d / "ckpt.jg"
-    r = _cli("compress", path, "-o", out, "--json")
+    r, inspect, verify, restore, a = run_cli_batch([["compress", path, "-o", out, "--json"], ["inspect", out, "--json"],
+                                                    ["verify", out], ["restore", out, "-o", d / "back.pt"],
+                                                    ["audit", path, out, "--json"]])
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("Warning") == 0, r.stderr  # a replay mismatch is a field, not a warning
     s = json.loads(r.stdout)
     for key in ("coordinates", "escapes", "escape_rate", "payload_bytes", "raw_fp32_bytes", "payload_ratio",
                 "container_bytes", "encode_seconds", "replay_matched", "replay_detail"):
         assert key in s
-    i = json.loads(_cli("inspect", out, "--json").stdout)
+    i = json.loads(inspect.stdout)
     assert (i["replay_matched"], i["replay_detail"]) == (s["replay_matched"], s["replay_detail"])
     assert i["decoded_sha256"] == reader.verify_file(out)["decoded_sha256"]
-    assert _cli("verify", out).returncode == 0
-    r = _cli("restore", out, "-o", d / "back.pt")
-    assert r.returncode == 0, r.stderr
+    assert verify.returncode == 0
+    assert restore.returncode == 0, restore.stderr
     back = torch.load(d / "back.pt", weights_only=True)
     orig = torch.load(path, weights_only=True)
     assert set(back) == set(orig) and back["epoch"] == 3
-    a = _cli("audit", path, out, "--json")
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["violations"] == 0
 

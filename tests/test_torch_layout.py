@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 import torch_compat  # noqa: E402
 from jaxguard.errors import CheckpointError  # noqa: E402
 from torch_compat.state import infer_param_names  # noqa: E402
+from cli_batch import run_cli_batch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,9 +27,12 @@ def _trained(model, steps=3, named=False, seed=0):
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}, opt
 
 
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+
+
 def _cli(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "jaxguard", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "jaxguard", *args], capture_output=True, text=True, env=_env(),
                           timeout=600)
 
 
@@ -41,12 +45,12 @@ def test_cli_takes_an_optimizer_built_from_model_parameters(tmp_path):
     ckpt, _ = _trained(_mlp())
     assert "param_names" not in ckpt["optimizer"]["param_groups"][0]
     torch.save(ckpt, tmp_path / "c.pt")
-    r = _cli("compress", str(tmp_path / "c.pt"), "-o", str(tmp_path / "c.jg"), "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = _cli("audit", str(tmp_path / "c.pt"), str(tmp_path / "c.jg"), "--json")
-    assert r.returncode == 0 and '"violations": 0' in r.stdout, r.stderr[-2000:]
-    r = _cli("restore", str(tmp_path / "c.jg"), "-o", str(tmp_path / "r.pt"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    compress, audit, restore = run_cli_batch([["compress", tmp_path / "c.pt", "-o", tmp_path / "c.jg", "--json"],
+                                              ["audit", tmp_path / "c.pt", tmp_path / "c.jg", "--json"],
+                                              ["restore", tmp_path / "c.jg", "-o", tmp_path / "r.pt"]], env=_env())
+    assert compress.returncode == 0, compress.stderr[-2000:]
+    assert audit.returncode == 0 and '"violations": 0' in audit.stdout, audit.stderr[-2000:]
+    assert restore.returncode == 0, restore.stderr[-2000:]
     back = torch.load(tmp_path / "r.pt", weights_only=True)
     # the names were used to certify, not written into the state: it loads where it came from
     assert back["optimizer"]["param_groups"] == ckpt["optimizer"]["param_groups"]
@@ -120,8 +124,9 @@ def test_audit_of_an_unrelated_pair_is_one_line(tmp_path):
     b, _ = _trained(torch.nn.Sequential(torch.nn.Linear(12, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)), named=True)
     torch.save(a, tmp_path / "a.pt")
     torch.save(b, tmp_path / "b.pt")
-    assert _cli("compress", str(tmp_path / "b.pt"), "-o", str(tmp_path / "b.jg")).returncode == 0
-    r = _cli("audit", str(tmp_path / "a.pt"), str(tmp_path / "b.jg"))
+    compress, r = run_cli_batch([["compress", tmp_path / "b.pt", "-o", tmp_path / "b.jg"],
+                                 ["audit", tmp_path / "a.pt", tmp_path / "b.jg"]], env=_env())
+    assert compress.returncode == 0
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "does not hold this checkpoint's optimizer state" in r.stderr and "Traceback" not in r.stderr
 
