@@ -81,7 +81,7 @@ class RunsCode:
 
 
 def _cli(*args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                                                         os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "jaxguard", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=600)

@@ -23,7 +23,7 @@ from jaxguard.cli import torchfile
 from jaxguard.format import reader
 from jaxguard.format.reader import PREFIX, TRAILER
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]   # tests/
 ROOT = HERE.parent
 GOLDEN = HERE / "golden" / "containers"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}

@@ -1,6 +1,6 @@
 """jaxguard.audit: the pieces every first-update audit shares (numpy only).
 
-The adapters' audits run real frameworks (tests/test_optax.py, test_torch_e2e.py,
+The adapters' audits run real frameworks (tests/optax/test_optax.py, test_torch_e2e.py,
 test_dcp.py); here the shared gap, tally and totals are checked against values worked out
 by hand, including the NaN and equal-float edges where a wrong `same` mask would either
 hide a real gap or report one that is not there.

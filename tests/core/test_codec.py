@@ -13,7 +13,7 @@ import jaxguard.core.guard as G  # noqa: E402
 from jaxguard.format import container, reader, spec  # noqa: E402
 from torch_compat import codes_torch  # noqa: E402
 
-GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_v1.npz"))
+GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "..", "golden", "codes_v1.npz"))
 CODECS = ("log8", "log8-rel", "bf16", "block8")
 
 
@@ -140,7 +140,7 @@ def test_reader_runs_with_numpy_only(tmp_path):
         "sys.meta_path.insert(0, Block())\n"
         f"sys.argv = ['reader', {str(path)!r}, '--json']\n"
         "runpy.run_module('jaxguard.reader', run_name='__main__')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=root,
                          env={**os.environ, "PYTHONPATH": root})
     import json

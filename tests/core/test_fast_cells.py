@@ -104,7 +104,7 @@ def test_first_and_last_cell_checks_accept_nothing_every_cell_check_refuses(seed
         assert jnp.asarray(edges[0]).shape == (n,)
 
 
-# both tiers on the coordinate's own cells (the signed one: tests/test_signed_cells.py)
+# both tiers on the coordinate's own cells (the signed one: tests/core/test_signed_cells.py)
 CELL_KERNELS = pytest.mark.parametrize("kernel", [fastbound.batch_fast_cells_pc, fastbound.batch_signed_cells_pc],
                                        ids=["cells", "signed"])
 

@@ -447,7 +447,7 @@ def _drop_section(data, name, section):
 def test_wide_low_sections_checked_in_one_line():
     """The m_low / v_low sections of files written before rANS kind 4 (the golden file
     keeps that layout) are checked; a kind-4 entry carrying one is refused."""
-    with open(os.path.join(os.path.dirname(__file__), "golden", "containers", "logrel-ans-wide.jaxguard"), "rb") as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "golden", "containers", "logrel-ans-wide.jaxguard"), "rb") as f:
         old = f.read()
     for bad, msg in ((_drop_section(old, "layer/w", "m_low"), "has no m_low section"),
                      (_replace_section(old, "layer/w", "v_low", b"\x00" * 3), "v_low"),

@@ -15,7 +15,7 @@ from jaxguard.format import container, packed, reader  # noqa: E402
 from jaxguard.errors import ConfigError, ContainerError  # noqa: E402
 from torch_compat import codes_torch  # noqa: E402
 
-GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "golden", "codes_aw_v1.npz"))
+GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "..", "golden", "codes_aw_v1.npz"))
 AW = packed.CODEC
 
 

@@ -3,7 +3,7 @@ tier and before the adaptive partitions): it encloses the bit-exact torch replay
 whole gradient range, a partition's bound is the largest of its cells' bounds (so its range
 checks at the first and last edge accept nothing that checking every edge would refuse), the
 enclosure audit checks it (and catches it without its rounding budget and stage 2), and the margin
-that ends the rate pass's candidates only refuses.  tests/test_fast_cells.py checks that it
+that ends the rate pass's candidates only refuses.  tests/core/test_fast_cells.py checks that it
 refuses float32's edges and gives a row the same bits at every call size."""
 import numpy as np
 import pytest

@@ -17,7 +17,7 @@ import write_paths as W  # noqa: E402
 from jaxguard.core import guard, jit_encode  # noqa: E402
 from jaxguard.errors import JaxguardError  # noqa: E402
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "write_paths.json")
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "write_paths.json")
 
 
 def test_every_path_writes_the_files_it_wrote_before(tmp_path):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCUMENTS = ["README.md", "CHANGELOG.md", "bench/README.md",
              *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 

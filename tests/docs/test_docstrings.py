@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxguard", "torch_compat")
 SKIPPED = {"tree_flatten", "tree_unflatten"}
 PENDING: set = set()   # files whose public functions are still being documented: none

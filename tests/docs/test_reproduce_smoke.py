@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the reproduction trains torch models (pip install -e '.[torch]')")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(out, cache):

@@ -8,7 +8,7 @@ import pytest
 
 from jaxguard.format import reader
 
-HERE = os.path.join(os.path.dirname(__file__), "golden", "containers")
+HERE = os.path.join(os.path.dirname(__file__), "..", "golden", "containers")
 EXPECTED = np.load(os.path.join(HERE, "expected.npz"))
 CODECS = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw", "logrel-ans")
 # written later, by tests/golden/make_ans_golden.py (issue 17): layer/w rANS-coded, layer/small packed

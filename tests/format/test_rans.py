@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from jaxguard.format import rans
 
-GOLDEN = Path(__file__).parent / "golden" / "rans_v1.npz"
+GOLDEN = Path(__file__).parent.parent / "golden" / "rans_v1.npz"
 
 
 def _coded(n, nb):
@@ -300,7 +300,7 @@ def test_decode_many_in_batches_is_one_loop(monkeypatch, batch_slots):
 
 
 # ---------------------------------------------------------------- compact models (kind 3)
-GOLDEN_V2 = Path(__file__).parent / "golden" / "rans_v2.npz"
+GOLDEN_V2 = Path(__file__).parent.parent / "golden" / "rans_v2.npz"
 
 
 @pytest.mark.parametrize("width", range(0, 9))

@@ -28,7 +28,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from jaxguard.format import reader  # noqa: E402
 from jaxguard.format.reader import PREFIX, TRAILER, ReaderError  # noqa: E402
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]   # tests/
 ROOT = HERE.parent
 CORPUS = HERE / "fuzz_corpus"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -14,7 +14,7 @@ from jaxguard.errors import ConfigError
 from jaxguard.format import reader, spec
 from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "containers")
 EXPECTED = np.load(os.path.join(GOLDEN, "expected.npz"))
 FORMAT_MODULES = ("spec", "reader", "container", "packed", "storage")

@@ -335,7 +335,7 @@ def test_directory_operations_local_and_url(base, tmp_path):
 def test_storage_does_not_import_the_container_writer():
     code = "import sys, jaxguard.format.storage; print('jaxguard.format.container' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))})
     assert out.stdout.strip() == "False", out.stderr[-500:]
 
 

@@ -1,7 +1,7 @@
 """A save is never lost to the guard (issue 56, items 2 and 5; `jaxguard.uncovered`).
 
 In the integrations (Hugging Face Trainer, accelerate, Lightning, the orbax handler; the
-DCP planner: tests/test_dcp.py) what the guard cannot certify (bfloat16 parameters and
+DCP planner: tests/torch_compat/test_dcp.py) what the guard cannot certify (bfloat16 parameters and
 moments, amsgrad, a non-Adam optimizer beside Adam) is stored exactly, in its own dtype,
 with one warning line; the checkpoint is written and resumes.  The explicit API
 (`torch_compat.save`, `jaxguard.save`) still refuses unless asked (``uncertifiable="exact"``).

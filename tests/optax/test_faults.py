@@ -22,7 +22,7 @@ import jaxguard as jg
 from jaxguard import sharded
 from jaxguard.format import storage
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fault_harness as H  # noqa: E402
 
 ONE_LINE = re.compile(r"^[^\n]+$")
@@ -355,7 +355,7 @@ def test_dcp_guarded_reader_loads_a_two_rank_save_to_the_same_bits(dcp_base):
     assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-DCP_CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "dcp_manifest")
+DCP_CORPUS = os.path.join(os.path.dirname(__file__), "..", "fuzz_corpus", "dcp_manifest")
 
 
 def test_dcp_manifest_fuzz_corpus_replays(tmp_path):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-WORKER = os.path.join(os.path.dirname(__file__), "mp_jax_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "..", "mp_jax_worker.py")
 TIMEOUT = 1200
 
 
@@ -26,7 +26,7 @@ def _free_port():
 
 def _env():
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"

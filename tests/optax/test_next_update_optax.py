@@ -28,7 +28,7 @@ from jaxguard.format import container
 from jaxguard.optax_state import flat_by_dotted
 
 TAU, CLIP = 0.01, 0.2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def init(key):

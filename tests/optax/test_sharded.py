@@ -87,7 +87,7 @@ def test_cli_verify_and_inspect_a_sharded_directory(tmp_path, trained, capsys):
     assert "is missing" in err and len(err.strip().splitlines()) == 1
 
 
-CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "sharded_manifest")
+CORPUS = os.path.join(os.path.dirname(__file__), "..", "fuzz_corpus", "sharded_manifest")
 
 
 def test_manifest_fuzz_corpus_replays(tmp_path):
@@ -124,6 +124,6 @@ def test_sharded_save_and_load_need_no_etils(tmp_path):
             "_, st = tx.update({'w': jnp.full((4, 8), 0.1)}, st, p)\n"
             f"jg.save({str(tmp_path / 'ck')!r}, st, p, lr=1e-3, sharded=True)\n"
             f"jg.load({str(tmp_path / 'ck')!r}, tx.init(p)); print('loaded')\n")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.stdout.strip() == "loaded", r.stderr[-1500:]

@@ -9,7 +9,7 @@ import pytest
 import jaxguard
 from jaxguard.format import spec
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _sources():

@@ -14,7 +14,7 @@ import pytest
 
 from jaxguard.errors import ContainerError, JaxguardError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxguard", "torch_compat")
 _BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items()
                        if isinstance(v, type) and issubclass(v, BaseException)}

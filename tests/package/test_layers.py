@@ -24,7 +24,7 @@ import pytest
 
 from jaxguard.errors import install_hint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_LINE = f"needs torch; install it with {install_hint('torch')}"
 
 # ------------------------------------------------------------------ (a) without torch
@@ -37,7 +37,7 @@ BLOCK_TORCH = textwrap.dedent('''
 
         def find_spec(self, name, path=None, target=None):
             if name == "torch" or name.startswith("torch."):
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked by tests/test_layers.py)", name=name)
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by tests/package/test_layers.py)", name=name)
             return None
 
     sys.meta_path.insert(0, _NoTorch())
@@ -127,7 +127,7 @@ def test_jax_side_works_with_torch_import_blocked(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     env = _torch_blocked_env(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
-    assert probe.returncode != 0 and "blocked by tests/test_layers.py" in probe.stderr   # the block holds
+    assert probe.returncode != 0 and "blocked by tests/package/test_layers.py" in probe.stderr   # the block holds
     proc = subprocess.run([sys.executable, "-c", JAX_SIDE, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=1200, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

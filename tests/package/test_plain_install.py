@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 
 import blocking
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def declared_dependencies() -> list:

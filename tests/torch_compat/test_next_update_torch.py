@@ -25,7 +25,7 @@ from jaxguard.errors import CheckpointError, JaxguardWarning  # noqa: E402
 from helpers import one_torch_thread  # noqa: E402,F401 - autouse fixture
 
 TAU, CLIP, LR, D = 0.01, 0.2, 1e-3, 24
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Attention(torch.nn.Module):

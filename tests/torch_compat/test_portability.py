@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "portability.py"
 
 

@@ -32,7 +32,7 @@ from torch_compat.replay import (  # noqa: E402
     torch_adam_step_many,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VECTOR_WIDTH = 16  # AVX-512 float32 lanes; tails of AVX2 (8) are a subset of these
 BIG_TENSOR = 1_000_003
 SHORT_TENSORS = 1_500  # lengths 1..300

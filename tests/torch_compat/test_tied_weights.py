@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 import torch_compat  # noqa: E402
 from jaxguard.format import container  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class TiedLM(torch.nn.Module):

@@ -13,7 +13,7 @@ from jaxguard.errors import CheckpointError  # noqa: E402
 from torch_compat.state import infer_param_names  # noqa: E402
 from cli_batch import run_cli_batch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _trained(model, steps=3, named=False, seed=0):
