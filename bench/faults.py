@@ -707,7 +707,7 @@ def write_md(out, md):
               "process's commit future raised before orbax's `async_write_complete` barrier, where the other waited, "
               "and orbax's save-progress barrier then held the failing one. The handler's commit futures now tell "
               "each other, through the JAX distributed client's key-value store, whether they wrote, and every "
-              "process raises one line from `wait_until_finished` (tests/test_faults.py). The survivors of a kill "
+              "process raises one line from `wait_until_finished` (tests/optax/test_faults.py). The survivors of a kill "
               "wait in orbax's barrier or in that agreement and are torn down after 3 s; left alone (measured once, "
               "process 1 killed mid-file, the survivor given 240 s), JAX's coordination service declares the dead "
               "process unhealthy after its heartbeat timeout (`jax.distributed.initialize(heartbeat_timeout_seconds"
@@ -753,7 +753,7 @@ def write_md(out, md):
               "leave one job's whole save every round. A GuardedTrainer "
               "resume from a `checkpoint-N/` without any optimizer file (what the Trainer's in-place save leaves "
               "when killed after the weights; the Trainer resumes from it with Adam restarted from zero, without "
-              "a word) is refused in one line (tests/test_integration_atomic_dirs.py). Not measured here: a plain "
+              "a word) is refused in one line (tests/integrations/test_integration_atomic_dirs.py). Not measured here: a plain "
               "Trainer/accelerate save under the same kills. DDP rows (tests/fault_hf_ddp_worker.py, torchrun, 2 gloo "
               "ranks on CPU): rank 1 killed once it wrote its RNG file into the stage, rank 0 killed between the "
               "renames; then a 2-rank resume. With `push_to_hub` (the Trainer uploads from the "
@@ -768,9 +768,9 @@ def write_md(out, md):
               "(`scheduler.pt`, `rng_state.pth`, `trainer_state.json`) survive the full disk. The temporary file "
               "a killed single-file save leaves (the Lightning and HF/accelerate rows' `.<name>.<id>.tmp`) is "
               "removed by the next successful save of the same target once it is an hour old "
-              "(`storage.STALE_TMP_SECONDS`; a younger one may be a live writer's): tests/test_storage.py checks "
+              "(`storage.STALE_TMP_SECONDS`; a younger one may be a live writer's): tests/format/test_storage.py checks "
               "it on a file aged by `os.utime`, not in this bench's kill rows. The Lightning rows compare the "
-              "decoded bits only (no audit). The suite runs a subset (tests/test_faults.py: SIGKILL mid-file, a "
+              "decoded bits only (no audit). The suite runs a subset (tests/optax/test_faults.py: SIGKILL mid-file, a "
               "raise in one process, two jobs on one path, full tmpfs and full fsspec filesystem for both save "
               "paths; orbax with 2 processes, a raise in one; DCP: SIGKILL mid-file per-step, the in-place refusal "
               "and a torn overwrite, a 2-rank save through `GuardedFileSystemReader`, the DCP fuzz corpus)."]
@@ -794,7 +794,7 @@ def write_md(out, md):
                   + ".", "",
                   f"After: {b['executions']} executions in {b['seconds']} s (seed {b['seed']}), "
                   f"{len(b['findings'])} findings, {b['distinct_outcomes']} distinct refusals. The findings and 40 "
-                  "refusals are kept in tests/fuzz_corpus/sharded_manifest/ and replayed by tests/test_sharded.py."]
+                  "refusals are kept in tests/fuzz_corpus/sharded_manifest/ and replayed by tests/optax/test_sharded.py."]
     fz, fz0 = (os.path.join(os.path.dirname(md), n) for n in ("fuzz_dcp_manifest.json",
                                                                "fuzz_dcp_manifest_before_fix.json"))
     if os.path.exists(fz) and os.path.exists(fz0):
@@ -825,7 +825,7 @@ def write_md(out, md):
                   f"{len(b['findings'])} findings, {b['distinct_outcomes']} distinct refusals; pickles naming "
                   "`os.system`, `exec`, `eval`, `pickle.loads`, `torch.load` are refused without running. The "
                   "findings and refusals are kept in tests/fuzz_corpus/dcp_manifest/ and replayed by "
-                  "tests/test_faults.py."]
+                  "tests/optax/test_faults.py."]
     open(md, "w").write("\n".join(lines) + "\n")
 
 

@@ -1,4 +1,4 @@
-"""The rank side of tests/test_dcp.py: FSDP2 on gloo (CPU), spawned by torch.multiprocessing.
+"""The rank side of tests/torch_compat/test_dcp.py: FSDP2 on gloo (CPU), spawned by torch.multiprocessing.
 
 Each rank writes ``rank{r}.json`` with what it measured; the test asserts on those.
 """

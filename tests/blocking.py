@@ -1,6 +1,6 @@
 """Make installed packages unimportable, in this process and in the Python processes it
 starts: how the suite checks what runs without torch (tests/conftest.py,
-``JAXGUARD_BLOCK_IMPORTS``) and what the plain install needs (tests/test_plain_install.py).
+``JAXGUARD_BLOCK_IMPORTS``) and what the plain install needs (tests/package/test_plain_install.py).
 """
 import os
 import tempfile

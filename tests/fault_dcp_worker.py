@@ -1,4 +1,4 @@
-"""Worker for tests/test_faults.py and bench/faults.py: one rank of a faulted guarded DCP save.
+"""Worker for tests/optax/test_faults.py and bench/faults.py: one rank of a faulted guarded DCP save.
 
     python tests/fault_dcp_worker.py RANK WORLD PORT DIR STEPS FAULT VICTIM API REPORT
 

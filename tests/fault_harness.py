@@ -1,5 +1,5 @@
 """Runs tests/fault_jax_worker.py jobs (real processes, gloo on localhost) and checks what
-a fault left behind; shared by tests/test_faults.py (a subset) and bench/faults.py (the matrix)."""
+a fault left behind; shared by tests/optax/test_faults.py (a subset) and bench/faults.py (the matrix)."""
 import glob
 import hashlib
 import json

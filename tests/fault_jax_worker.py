@@ -1,4 +1,4 @@
-"""Worker for tests/test_faults.py and bench/faults.py: one JAX process of a faulted save.
+"""Worker for tests/optax/test_faults.py and bench/faults.py: one JAX process of a faulted save.
 
     python tests/fault_jax_worker.py save PID NPROC PORT DIR STEPS FAULT VICTIM REPORT [TRUTH]
     python tests/fault_jax_worker.py loop DIR STEPS ROUNDS REPORT        # one process, 2 devices

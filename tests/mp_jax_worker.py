@@ -1,4 +1,4 @@
-"""Worker for tests/test_jax_multiprocess.py (run as a script, one per JAX process).
+"""Worker for tests/optax/test_jax_multiprocess.py (run as a script, one per JAX process).
 
     python tests/mp_jax_worker.py write PROCESS_ID NUM_PROCESSES PORT OUTDIR   # 2 x 2 CPU devices
     python tests/mp_jax_worker.py read OUTDIR                                  # 1 x 4 CPU devices

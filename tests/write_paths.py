@@ -3,7 +3,7 @@ moments are drawn with numpy), and the payload / decoded SHA-256 of what each wr
 
 `python tests/write_paths.py OUT.json` records them (tests/golden/write_paths.json was
 recorded with the main before the one write path, commit 4f96cda);
-tests/test_write_paths.py checks that today's writers produce the same files and that
+tests/core/test_write_paths.py checks that today's writers produce the same files and that
 each refuses certified values the reader does not decode to.
 """
 from __future__ import annotations

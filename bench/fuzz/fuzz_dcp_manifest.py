@@ -18,7 +18,7 @@ A finding is any exception other than a `jaxguard.errors.JaxguardError`, a multi
 message, a refusal that only says torch failed (``torch.distributed.checkpoint failed``:
 unchecked input reached torch), or a pickled callable that ran.  Findings and a few
 inputs per distinct refusal go to tests/fuzz_corpus/dcp_manifest/ (``seed/`` holds the
-directory); tests/test_faults.py replays every case.
+directory); tests/optax/test_faults.py replays every case.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ shapes shifted, and raw byte edits of the JSON text (flips, truncation, insertio
 
 Any exception other than a `jaxguard.errors.JaxguardError` is a finding; so is a
 multi-line message.  Findings and a few inputs per distinct refusal are written to the
-corpus (``seed/`` holds the process file and its real manifest); tests/test_sharded.py
+corpus (``seed/`` holds the process file and its real manifest); tests/optax/test_sharded.py
 replays every case (each must load or raise a one-line JaxguardError).
 """
 from __future__ import annotations

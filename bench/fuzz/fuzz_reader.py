@@ -14,7 +14,7 @@ moments, codecs log8, block8, bf16 and logrel-aw) and applies, at random:
   prefix field edits (version, flags, header length).
 
 Any exception other than `ReaderError` is a finding.  Findings and a few inputs per
-distinct rejection message are written to the corpus directory; tests/test_reliability.py
+distinct rejection message are written to the corpus directory; tests/format/test_reliability.py
 replays the corpus (each file must raise ReaderError or verify cleanly).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ with compact models; ``layer/big`` (make_ans_golden.py's 40-block tensor) rANS-c
 compact models; ``layer/small`` (the first block) rANS-coded too (with 4-bit-level models
 it was packed: tests/golden/containers/logrel-ans.jaxguard); ``layer/tiny`` (16
 coordinates, a CNN bias) in the packed form.  Every later version
-of jaxguard must read this file and decode it to the same bits (tests/test_golden_containers.py).
+of jaxguard must read this file and decode it to the same bits (tests/format/test_golden_containers.py).
 
     PYTHONPATH=$PWD python tests/golden/make_ans_compact_golden.py      # refuses to overwrite
 """

@@ -6,7 +6,7 @@ two-population tensor, 24 blocks and a partial one whose fields are 9..12 bits w
 inputs of make_container_golden.py, NaN/Inf/subnormal/negative values included: kind
 0x13, every block <= 8 bits) and ``layer/tiny`` (16 coordinates, packed).  The codes are
 the rate pass's (jaxguard.core.rate), not the nearest ones.  Every later version of
-jaxguard must read this file and decode it to the same bits (tests/test_golden_containers.py).
+jaxguard must read this file and decode it to the same bits (tests/format/test_golden_containers.py).
 
     PYTHONPATH=$PWD python tests/golden/make_ans_kind4_golden.py      # refuses to overwrite
 """

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python tests/golden/make_rans_v1.py      # refuses to overwrite
 
-Every later version must decode these buffers to these symbols (tests/test_rans.py); do
+Every later version must decode these buffers to these symbols (tests/format/test_rans.py); do
 not regenerate: add rans_v2.npz for a new layout.
 """
 import sys

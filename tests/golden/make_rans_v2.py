@@ -4,7 +4,7 @@ layout kind 3, issue 17; rans_v1.npz keeps the kind 1 and 2 buffers).
     PYTHONPATH=$PWD python tests/golden/make_rans_v2.py      # refuses to overwrite
 
 Every later version must decode these buffers to these symbols and, given the stored
-models, write the same bytes (tests/test_rans.py); do not regenerate.
+models, write the same bytes (tests/format/test_rans.py); do not regenerate.
 """
 import sys
 from pathlib import Path

@@ -12,7 +12,7 @@ the commit that added codec log8-rel-zstd, issue 57; zstandard 0.25).  Moments e
   (written without the guard, ``"certify": false``): the 20-byte parameter form.
 
 The zstd frames' bytes are this zstandard's; every later reader must decode this file to the
-same bits (tests/test_golden_containers.py), whatever zstd a later writer uses.
+same bits (tests/format/test_golden_containers.py), whatever zstd a later writer uses.
 
     PYTHONPATH=$PWD python tests/golden/make_zstd_golden.py      # refuses to overwrite
 """
