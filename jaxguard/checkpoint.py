@@ -86,7 +86,7 @@ class _HostBuffers:
 
     A CPU JAX array is taken as a numpy view, no copy (orbax's `StandardSave` does the
     same): the runtime does not donate a buffer that a host view holds, so a donating next
-    step writes its result elsewhere (checked for this JAX by tests/test_async_save.py), and
+    step writes its result elsewhere (checked for this JAX by tests/optax/test_async_save.py), and
     `donated` tells afterwards whether any viewed array was donated all the same (the save
     then refuses).  An array on another device is taken as the host copy its transfer makes
     (started for every leaf before the first is read).  numpy leaves, which the caller may

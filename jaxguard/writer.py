@@ -287,7 +287,7 @@ def _encode_piece(job: MomentJob, start: int, step: int, progress: bool = False,
     """One whole-block piece ``[start, start + step)`` of a large `MomentJob`, certified on
     its own (blocks and coordinates are certified independently, so `guard.join_pieces`
     of a job's pieces gives the codes, escapes and certified values of one piece;
-    tests/test_writer_release.py checks the join).  The piece's inputs go to `release`
+    tests/core/test_writer_release.py checks the join).  The piece's inputs go to `release`
     once certified (a memory-mapped checkpoint's pages).  With `on_device` the piece is a
     slice of the device arrays, encoded there."""
     if on_device:

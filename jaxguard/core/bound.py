@@ -403,7 +403,7 @@ def coordinate_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", deca
     (shared) or [ncells + 1, n] (each coordinate's own); cells then lie on the leading
     axes and coordinates on the last, so XLA vectorises over coordinates.  Every float32
     operation is the one the single-coordinate call performs (the results are bit-identical
-    to vmapping it: tests/test_bound_layout.py), 1.5x faster than the vmapped form whose
+    to vmapping it: tests/core/test_bound_layout.py), 1.5x faster than the vmapped form whose
     inner axis held the 7-28 cells.
 
     Args:
@@ -430,7 +430,7 @@ def batch_bound(k, m, v, mt, vt, pabs, clip, edges, *, bound="shared", decay_in_
       float32 [n] bounds.
     """
     # vmapped: with one constants row for all, the batched layout evaluates a few bounds to
-    # a neighbouring float32 value (tests/test_bound_layout.py); the per-coordinate forms
+    # a neighbouring float32 value (tests/core/test_bound_layout.py); the per-coordinate forms
     # below are bit-identical batched, and they are the guard's
     f = functools.partial(coordinate_bound, bound=bound, decay_in_update=decay_in_update)
     return jax.vmap(f, in_axes=(None, 0, 0, 0, 0, 0, 0, None))(k, m, v, mt, vt, pabs, clip, edges)

@@ -259,7 +259,7 @@ class Stage:
 # the fixed levels tens of microseconds) while a 1M-coordinate slab's rows of each tier fit a
 # call or a few (GPT-2: ~5K rows a slab reach the cells tier, hundreds the adaptive one,
 # tens the fixed levels).  Every bound gives a row the same bits at each size, and a probe's
-# reject at any size is a row no bound certifies (tests/test_certify_pieces.py): the sizes
+# reject at any size is a row no bound certifies (tests/core/test_certify_pieces.py): the sizes
 # move work, never a certificate.
 PROBE_ROWS = 1 << 12                      # the rate pass's reject (`reject_first`)
 CELLS_ROWS = (1 << 13, 1 << 10)           # the 8-cell ladder, then the 28 cells (`FAST_CELLS_PARTITIONS`)

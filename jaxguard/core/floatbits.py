@@ -14,7 +14,7 @@ backend only says how it gets the bits:
 Numerical contract
 ------------------
 For every float32 bit pattern both backends return the same booleans
-(tests/test_floatbits.py: every exponent with edge mantissas, and 1M random patterns):
+(tests/core/test_floatbits.py: every exponent with edge mantissas, and 1M random patterns):
 ``finite`` (not Inf/NaN), ``zero`` (+0.0 and -0.0), ``negative`` (sign bit set and not
 zero: negative subnormals and -Inf included, NaNs with the sign bit included),
 ``subnormal`` (exponent field 0, mantissa nonzero, either sign), ``tiny`` (nonzero with

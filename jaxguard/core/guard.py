@@ -481,7 +481,7 @@ def propose_blocks(mb, vb, pb, in_tensor, codec):
     first stage with the masks, its second, the classification).
 
     Numerical contract: the same bits as the three in one program (only XLA's fusion
-    differs; tests/test_propose_stages.py checks every output on adversarial blocks).
+    differs; tests/core/test_propose_stages.py checks every output on adversarial blocks).
 
     Args:
       mb, vb, pb: [nb, 256] float32 blocks of m, v and the parameter.

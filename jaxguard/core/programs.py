@@ -19,7 +19,7 @@ Numerical contract
 ------------------
 A stored executable is XLA's compilation of ``jax.jit(fn)`` lowered for these argument
 shapes and dtypes on this backend, so it computes what ``fn`` computes, bit for bit
-(tests/test_programs.py).  Its key names the kernel, the argument tree, shapes, dtypes and
+(tests/core/test_programs.py).  Its key names the kernel, the argument tree, shapes, dtypes and
 static arguments, the backend, the jax/jaxlib versions, a hash of every source file of
 `jaxguard.core` (a changed bound never reuses a stale program), and this CPU's model,
 feature flags and ``XLA_FLAGS`` (XLA compiles for the host's instruction set and options).

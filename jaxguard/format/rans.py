@@ -60,7 +60,7 @@ end; every word consumed; and every lane ending in the encoder's initial state `
 check on the whole lane: a flipped bit in the words or states nearly always breaks it,
 but it is a 32-bit checksum per lane, not a hash: about 0.2% (kind 1) to 1.5% (kind 3,
 whose smooth models give unseen symbols slots) of single-bit flips in the words decode to
-another valid message (tests/test_rans.py), which the container's hashes refuse;
+another valid message (tests/format/test_rans.py), which the container's hashes refuse;
 with tails, only ``[L, 2L)`` is checked and the caller must check the tails, e.g. by the
 container's decoded-moments hash).
 Memory is bounded by the sizes the caller passes (``n``, the widths) and ``2**15`` slots

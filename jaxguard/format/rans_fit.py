@@ -79,7 +79,7 @@ def fit_compact_model(hist, width, cands):
 
 # `fit_compact_model` scores many candidate levels by model + coded bits, and the scores decide
 # the bytes (a tie or a `<` between two floats picks the model), so each score is computed
-# as the plain formulas of tests/test_rans.py's `_fit_compact_reference` compute it: the
+# as the plain formulas of tests/format/test_rans.py's `_fit_compact_reference` compute it: the
 # same float64 terms added in the same order (exact levels: one row at a time, pairwise, as
 # `_cost_bits`; knot candidates: term after term in symbol order, as numpy sums the
 # Fortran-order rows ``f[:, mask]`` gives).  What candidates share (segments, per-level

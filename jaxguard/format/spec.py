@@ -315,7 +315,7 @@ def dynamic_map(signed: bool) -> np.ndarray:
     """The 256-entry bitsandbytes dynamic map, ``dynamic8`` (the one implementation).
 
     Bit-equal to ``bitsandbytes.functional.create_dynamic_map(signed=signed)``
-    (tests/test_codec.py checks it when bitsandbytes is installed).
+    (tests/core/test_codec.py checks it when bitsandbytes is installed).
 
     Args:
       signed: the signed map (for m, table ``dynamic8s``) or the unsigned one (for v,

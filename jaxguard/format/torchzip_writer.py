@@ -11,7 +11,7 @@ once written, so decoding, hashing, CRC-32 and the writes share the cores and th
 touches little memory for the first time (what a restore costs on a VM:
 the restore profile at commit ef4a91c).  Each zip record is laid down once, its CRC-32
 computed beforehand (`_Records`).  What torch.load returns is the same object, tensor for tensor and
-bit for bit, as ``torch.save(restore_tree(path)[0])`` (tests/test_restore_fast.py).
+bit for bit, as ``torch.save(restore_tree(path)[0])`` (tests/cli/test_restore_fast.py).
 
 Every check of `restore_tree` runs: the trailer's and the payload's SHA-256 (in threads,
 `reader.parse_deferred`), the layout, every raw entry's dtype and range, every moments

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jaxguard as jg
-CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus")
+CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fuzz_corpus")
 
 
 @pytest.mark.parametrize("tiles, match", [
