@@ -24,7 +24,7 @@ Kinds:
 """
 from __future__ import annotations
 
-__all__ = ["DESCRIPTIONS", "WEIGHT_FILES", "Input", "describe", "recognise", "guard_spec"]
+__all__ = ["DESCRIPTIONS", "WEIGHT_FILES", "Input", "describe", "recognise", "guard_spec", "param_order"]
 
 import re
 from typing import NamedTuple
@@ -182,3 +182,29 @@ def guard_spec(a):
     """
     from jaxguard.core.config import save_spec   # jax: only the verbs that compress pay for it
     return save_spec(None, tau=a.tau, clip=a.clip, codec=a.codec, bound=a.bound, partition=a.partition)
+
+
+def param_order(value):
+    """``--param-order``: ``model``, or a file of parameter names (one a line, in the
+    optimizer's order; blank lines and ``#`` comments skipped); None when not given.
+
+    Args:
+      value: the option's value or None.
+
+    Returns:
+      None, ``"model"`` or a list of names.
+
+    Raises:
+      CheckpointError: the file cannot be read.
+    """
+    if value is None or value == "model":
+        return value
+    if value == "trainer":
+        raise CheckpointError("--param-order trainer applies to a Hugging Face Trainer checkpoint directory "
+                              "(checkpoint-N/, whose config.json names the model); pass 'model' or a file of names")
+    try:
+        with open(value) as fh:
+            return [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+    except OSError as exc:
+        raise CheckpointError(f"--param-order {value}: {exc.strerror or exc}; pass 'model' or a file of parameter "
+                              "names, one a line, in the optimizer's order") from None

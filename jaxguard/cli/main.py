@@ -15,6 +15,7 @@ import time
 
 from jaxguard import _process_tuning as process_tuning
 from jaxguard._process_tuning import start_cpu_backend_one_thread_pool  # noqa: F401 - its documented path
+from jaxguard.cli.inputs import param_order
 from jaxguard.errors import CheckpointError, JaxguardError, UnsupportedOptimizerError, install_hint
 
 EXIT_USAGE = 2
@@ -169,32 +170,6 @@ def next_lr(text: str):
 
     items = [one(x) for x in text.split(",")]
     return items[0] if len(items) == 1 else items
-
-
-def param_order(value):
-    """``--param-order``: ``model``, or a file of parameter names (one a line, in the
-    optimizer's order; blank lines and ``#`` comments skipped); None when not given.
-
-    Args:
-      value: the option's value or None.
-
-    Returns:
-      None, ``"model"`` or a list of names.
-
-    Raises:
-      CheckpointError: the file cannot be read.
-    """
-    if value is None or value == "model":
-        return value
-    if value == "trainer":
-        raise CheckpointError("--param-order trainer applies to a Hugging Face Trainer checkpoint directory "
-                              "(checkpoint-N/, whose config.json names the model); pass 'model' or a file of names")
-    try:
-        with open(value) as fh:
-            return [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
-    except OSError as exc:
-        raise CheckpointError(f"--param-order {value}: {exc.strerror or exc}; pass 'model' or a file of parameter "
-                              "names, one a line, in the optimizer's order") from None
 
 
 def _cmd_restore(a):

@@ -223,7 +223,7 @@ def _param_order(value, inp, opt_sd, weights):
     ``model`` (the model's ``named_parameters()`` order, from config.json, or the order of
     ``pytorch_model.bin``; ``model.safetensors`` keeps its tensors sorted by name, not in
     the model's order), a file of names, or None."""
-    from jaxguard.cli.main import param_order
+    from jaxguard.cli.inputs import param_order
     if value is None:
         return None
     if value == "trainer":
