@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
-from jaxguard.core import bound, certify, fastbound, guard  # noqa: E402
+from jaxguard.core import bound, certify, fastbound, guard, programs  # noqa: E402
 from torch_compat.enclosure import audit_enclosure, draw_cases  # noqa: E402
 from test_fast_cells import _adversarial, _row_per_case, adversarial_partitions, check_encloses_replay  # noqa: E402
 from test_fastbound import _k  # noqa: E402
@@ -126,6 +126,7 @@ def test_the_guard_runs_the_tier_on_candidates_and_the_margin_only_refuses(monke
     assert not ((cand >= 0) & (full < 0)).any()
     walked = []
     real = bound.batch_bound_adaptive_pc
+    monkeypatch.setattr(programs, "enabled", lambda: False)   # the kernels looked up, not loaded from the cache
     monkeypatch.setattr(bound, "batch_bound_adaptive_pc", lambda k, m, *a, **kw: walked.append(np.size(m))
                         or real(k, m, *a, **kw))
     levels(-1)
