@@ -94,15 +94,13 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
     lay = lay_out(opt_state, params, spec=spec, prefix=prefix, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                   op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
     records, in_pairs = [], set()
-    for c in lay.coded:
-        pair = c.pair
-        if c.mu_mode == "coded":
-            records.append(writer.MomentJob(c.entry, pair.mu, pair.nu, pair.p, c.config, {"param": pair.param}))
+    for job in lay.coded:
+        if job.mu == "coded":
+            records.append(job)
         else:
-            records.append(_raw(c.raw_entry, pair.mu))
-            records.append(writer.MomentJob(c.entry, np.asarray(jnp.asarray(pair.mu).astype(jnp.float32)), pair.nu,
-                                            pair.p, c.config, {"param": pair.param}, mu="exact"))
-        in_pairs.update((pair.mu_path, pair.nu_path))
+            records.append(_raw(job.raw_entry, job.m))
+            records.append(job.with_arrays(np.asarray(jnp.asarray(job.m).astype(jnp.float32)), job.v, job.p))
+        in_pairs.update((job.mu_path, job.nu_path))
     records += [_raw(leaf["entry"], lay.flat[leaf["path"]]) for leaf in lay.leaves if leaf["path"] not in in_pairs]
     return records, {"leaves": lay.leaves, "sites": [plan.meta(spec) for plan in lay.plans], "treedef": lay.treedef,
                      "stored_exactly": stored_exactly(lay.plans)}

@@ -3,8 +3,9 @@
 Every adapter (optax file, sharded directory, orbax item, jit save hook, torch file,
 DCP item, Lightning) turns its state into records and hands them here:
 
-* `MomentJob` -- a float32 moment pair to certify and encode, with its parameter and
-  `GuardConfig` (``mu="exact"``: only ``v`` is coded, ``m`` is stored exactly elsewhere);
+* `MomentJob` (`jaxguard.moments`, the one moment-pair type) -- a float32 moment pair to
+  certify and encode, with its parameter and `GuardConfig` (``mu="exact"``: only ``v`` is
+  coded, ``m`` is stored exactly elsewhere);
 * `container.Raw` -- a leaf stored exactly;
 * `container.Moments` -- a pair encoded elsewhere (the jitted save hook) that carries
   the values its program certified (`Encoded.decoded`, whole or sampled).
@@ -46,6 +47,7 @@ from jaxguard.errors import ConfigError
 from jaxguard.format import container
 from jaxguard.format.container import Moments, Raw
 from jaxguard.format.spec import BLOCK
+from jaxguard.moments import MomentJob
 
 __all__ = ["MomentJob", "Raw", "Moments", "encode", "to_bytes", "to_file", "prefetched",
            "new_totals", "BF16_TAU_FACTOR", "SLAB", "device_encode_setting"]
@@ -66,40 +68,6 @@ MAX_ENCODE_THREADS = 8
 # 4 slabs and 8.59-9.02 s with 40.
 AHEAD = 16 * SLAB
 new_totals = audit.new_totals
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MomentJob:
-    """One moment pair to certify and store as the container entry `name`.
-
-    Attributes:
-      name: the container entry name.
-      m, v, p: float32 arrays of one shape (numpy, or anything `np.asarray` takes
-        without copying: a CPU tensor's ``.numpy()``, a host JAX array).
-      config: the next update's `GuardConfig`.
-      info: the adapter's entry fields stored beside the config (``param``: the
-        parameter's name; ``mu_mode``; DCP offsets, ...).  A value may be a callable of
-        no arguments, called when the entry is produced: a parameter's digest is then
-        computed in the encode thread while slabs certify, not before the first slab.
-      mu: ``"coded"`` (both moments coded) or ``"exact"`` (only v coded; m stored
-        exactly in another entry).
-      source: handed to the writer's ``release`` once the entry is written (e.g. the
-        torch tensors of a memory-mapped checkpoint).
-    """
-
-    name: str
-    m: Any
-    v: Any
-    p: Any
-    config: GuardConfig
-    info: dict = dataclasses.field(default_factory=dict)
-    mu: str = "coded"
-    source: Any = None
-
-    @property
-    def size(self) -> int:
-        """Returns: the pair's coordinate count."""
-        return int(np.size(self.m))
 
 
 # Below this many coordinates to certify `encode` uses one thread: XLA already spreads the
@@ -205,7 +173,7 @@ def _device_route(job: MomentJob, setting) -> bool:
 
 
 def _entry_info(job: MomentJob) -> dict:
-    return {**job.config.to_json(), "mu_mode": "coded" if job.mu == "coded" else "raw-bfloat16",
+    return {**job.config.to_json(), "mu_mode": job.mu_mode,
             **{k: v() if callable(v) else v for k, v in job.info.items()}}
 
 

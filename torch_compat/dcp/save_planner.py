@@ -148,8 +148,8 @@ class GuardedSavePlanner(DefaultSavePlanner):
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
                 pairs.setdefault((tuple(path[:-3]), path[-2]), {})[path[-1]] = key
-        # one MomentJob per local shard; a shard's sizes (the manifest's, not an entry field) ride beside it
-        jobs, shard_sizes, entries, exact = [], [], {}, {}
+        # one MomentJob per local shard, placed by its offsets and sizes (the entry stores the offsets only)
+        jobs, entries, exact = [], {}, {}
         for (root, fqn), keys in pairs.items():
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
@@ -187,13 +187,14 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 if math.prod(size) == 0:
                     continue
                 m, v, p = (_state.encoder_view(find_state_dict_object(self.state_dict, i)) for i in (mi, vi, pi))
-                jobs.append(writer.MomentJob(prefix, m, v, p, cfg, {"param": entry["param"], "offsets": list(off),
-                                                                    "global_shape": entry["shape"]}))
-                shard_sizes.append(size)
+                jobs.append(writer.MomentJob(prefix, m, v, p, cfg, {"param": fqn, "offsets": list(off),
+                                                                    "global_shape": entry["shape"]},
+                                             param=fqn, shape=tuple(entry["shape"]), offsets=tuple(off),
+                                             sizes=tuple(size)))
         moments = {prefix: {**entry, "shards": []} for prefix, entry in entries.items()}
         totals = {**writer.new_totals(), "container_bytes": 0}
-        for job, size, e in zip(jobs, shard_sizes, writer.encode(jobs, totals)):
-            prefix, cfg, off = job.name, job.config, tuple(job.info["offsets"])
+        for job, e in zip(jobs, writer.encode(jobs, totals)):
+            prefix, cfg, off, size = job.name, job.config, job.offsets, job.sizes
             key = _offsets_key(SHARD_PREFIX + prefix, off)
             data = container.build([e], {"framework": "torch-dcp", "moment": prefix, "offsets": list(off)},
                                    extra_header={"op_model": cfg.op_model, "tau": cfg.tau, "clip": cfg.clip,

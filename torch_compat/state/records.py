@@ -242,7 +242,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
                                      {"param": name, "param_map": param_map,
                                       "param_sha256": functools.partial(param_digest, p)},
-                                     source=(m, v, p)))
+                                     source=(m, v, p), param=name))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
