@@ -21,8 +21,8 @@ from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
 from torch_compat import state as _state
-from torch_compat.dcp.layout import (FORMAT, MANIFEST_KEY, MOMENTS, SHARD_PREFIX, _chunk_items, _group_of,
-                                     _offsets_key, _optimizer_roots, _tensor_sha256)
+from torch_compat.dcp.layout import (FORMAT, MANIFEST_KEY, MOMENTS, SHARD_PREFIX, chunk_items, group_of,
+                                     offsets_key, optimizer_roots, tensor_sha256)
 
 
 # ---------------------------------------------------------------- save
@@ -121,7 +121,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 blobs[item.index.fqn] = hashlib.sha256(self._blob(item.index.fqn)).hexdigest()
             else:
                 obj = find_state_dict_object(self.state_dict, item.index)
-                tensors[_offsets_key(item.index.fqn, item.index.offset)] = _tensor_sha256(obj)
+                tensors[offsets_key(item.index.fqn, item.index.offset)] = tensor_sha256(obj)
         local.update(tensors=tensors, bytes=blobs, seconds=time.perf_counter() - t0)
         self.plan = dataclasses.replace(plan, planner_data={"mappings": plan.planner_data, "jaxguard": local})
         return self.plan
@@ -135,7 +135,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
 
     def _encode_local_shards(self) -> dict:
         self._blobs: dict = {}
-        roots = _optimizer_roots(self._nested)
+        roots = optimizer_roots(self._nested)
         refuse = self.uncertifiable == uncovered.REFUSE
         bad_groups = {}
         for root, osd in roots.items():
@@ -154,7 +154,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
             osd = roots[root]
-            gi, group = _group_of(osd, fqn, root)
+            gi, group = group_of(osd, fqn, root)
             u = bad_groups.get((root, gi)) or self._pair_uncovered(fqn, keys, root)
             if u is not None:     # uncertifiable="exact": the pair stays plain DCP tensors, stored exactly
                 if refuse:
@@ -174,7 +174,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
             if not (m.shape == v.shape == p.shape):
                 raise CheckpointError(f"parameter {fqn!r} has shape {tuple(p.shape)} but its moments "
                                       f"{tuple(m.shape)}; the model and optimizer do not match")
-            chunks = [_chunk_items(k, t) for k, t in ((m_key, m), (v_key, v), (p_key, p))]
+            chunks = [chunk_items(k, t) for k, t in ((m_key, m), (v_key, v), (p_key, p))]
             if not (len({tuple((o, s) for o, s, _ in c) for c in chunks}) == 1):
                 raise CheckpointError(f"the local shards of {fqn!r} and of its moments differ; shard the parameter "
                                       "and the optimizer state alike (FSDP2 does)")
@@ -193,9 +193,9 @@ class GuardedSavePlanner(DefaultSavePlanner):
                                              sizes=tuple(size)))
         moments = {prefix: {**entry, "shards": []} for prefix, entry in entries.items()}
         totals = {**writer.new_totals(), "container_bytes": 0}
-        for job, e in zip(jobs, writer.encode(jobs, totals)):
+        for job, e in zip(jobs, writer.container_entries(jobs, totals)):
             prefix, cfg, off, size = job.name, job.config, job.offsets, job.sizes
-            key = _offsets_key(SHARD_PREFIX + prefix, off)
+            key = offsets_key(SHARD_PREFIX + prefix, off)
             data = container.build([e], {"framework": "torch-dcp", "moment": prefix, "offsets": list(off)},
                                    extra_header={"op_model": cfg.op_model, "tau": cfg.tau, "clip": cfg.clip,
                                                  "codec": cfg.codec, "bound": cfg.bound, "partition": cfg.partition})
@@ -272,7 +272,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 if item.type == WriteItemType.BYTE_IO:
                     blobs[item.index.fqn] = loc["bytes"][item.index.fqn]
                 else:
-                    k = _offsets_key(item.index.fqn, item.index.offset)
+                    k = offsets_key(item.index.fqn, item.index.offset)
                     tensors[k] = loc["tensors"][k]
         for loc in locals_:
             for prefix, entry in loc["moments"].items():
