@@ -49,7 +49,7 @@ from jaxguard.format import container
 from jaxguard.moments import MomentStatic
 from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.config import save_spec
+from jaxguard.core.config import UpdateRequest, save_spec
 
 
 @jax.tree_util.register_pytree_node_class
@@ -122,8 +122,8 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
       bfloat16 ``mu`` is not supported here (use `jaxguard.save`).
     """
     guard = save_spec(spec, tau=tau, clip=clip, codec=codec)
-    state_plan = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=guard,
-                                    op_model=op_model, tx=tx)
+    update = UpdateRequest(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx)
+    state_plan = sharded.plan_state(opt_state, params, update=update, spec=guard)
     sites_meta, leaves, treedef = state_plan.sites, state_plan.leaves, state_plan.treedef
     if step is not None:
         for sm in sites_meta:

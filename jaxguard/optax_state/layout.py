@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxguard.core.config import GuardConfig, GuardSpec
+from jaxguard.core.config import GuardConfig, GuardSpec, UpdateRequest
 from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled
 from jaxguard.errors import CheckpointError, JaxguardWarning
 from jaxguard.moments import MomentJob
@@ -28,7 +28,8 @@ class StateLayout(NamedTuple):
     treedef: str         # the state's tree structure
 
 
-def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=None, **next_update) -> StateLayout:
+def lay_out(opt_state, params, *, spec: GuardSpec, update: UpdateRequest | None = None, prefix: str = "state",
+            sites=None, fixed=None) -> StateLayout:
     """The one walk of an optax state that every writer shares (the single-file save, the
     sharded save, the orbax handler, the jitted hook): the next update of each moment pair
     (`plan_updates`), which pairs are certified under which entry (a `MomentJob` each, on
@@ -38,10 +39,10 @@ def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=
     Args:
       opt_state, params: the optax state and its params.
       spec: the save's `GuardSpec`.
+      update: the save's `UpdateRequest` (`plan_updates`).
       prefix: the entry-name prefix of the state's leaves.
       sites: the Adam sites (`find_adam_states`), when the caller found them on host views.
-      **next_update: `plan_updates`' keywords (lr, weight_decay, betas, eps, op_model, tx,
-        fixed, uncertifiable).
+      fixed: the next updates resolved already (`plan_updates`).
 
     Returns:
       A `StateLayout`.
@@ -50,7 +51,7 @@ def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=
       CheckpointError, UnsupportedOptimizerError, ConfigError: as `plan_updates`; two leaves
         with one dotted path.
     """
-    plans = plan_updates(opt_state, params, sites=sites, **next_update)
+    plans = plan_updates(opt_state, params, update=update, sites=sites, fixed=fixed)
     flat = flat_by_dotted(opt_state, "opt_state")
     exact = exact_reasons(plans)
     roles, coded = {}, []     # full dotted path -> (kind, entry name)

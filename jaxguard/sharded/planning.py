@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard import audit, optax_state, writer
-from jaxguard.core.config import save_spec
+from jaxguard.core.config import UpdateRequest, save_spec
 from jaxguard.format import container, reader
 from jaxguard.format.manifest import file_name
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted
@@ -47,8 +47,7 @@ class LocalSave:
         return {k: self.common[k] for k in ("op_model", "tau", "clip", "codec")}
 
 
-def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-               op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
+def plan_state(opt_state, params, *, update: UpdateRequest | None = None, spec=None, prefix="state", fixed=None):
     """(sites meta, moment pairs, leaves meta) of `opt_state`, from the walk every writer
     shares (`optax_state.lay_out`), without touching any array's data.
 
@@ -57,8 +56,9 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     are raw leaves, stored exactly (their leaf records say why).
 
     Args:
-      opt_state, params, lr, weight_decay, betas, eps, op_model, tx, uncertifiable: as
-        `jaxguard.save`.
+      opt_state, params: as `jaxguard.save`.
+      update: the save's `UpdateRequest` (lr, weight_decay, betas, eps, op_model, tx,
+        uncertifiable as `jaxguard.save`).
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves.
       fixed: the next updates resolved already (`optax_state.plan_updates`).
@@ -75,9 +75,7 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     sites = find_adam_states(host_scalars(opt_state))
     if not sites:
         raise CheckpointError(NO_ADAM)
-    lay = optax_state.lay_out(opt_state, params, spec=spec, prefix=prefix, sites=sites, lr=lr,
-                              weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx, fixed=fixed,
-                              uncertifiable=uncertifiable)
+    lay = optax_state.lay_out(opt_state, params, spec=spec, update=update, prefix=prefix, sites=sites, fixed=fixed)
     sites_meta = [{**plan.meta(spec), "count_path": plan.site.leaf_path("count")} for plan in lay.plans]
     return StatePlan(sites_meta, lay.coded, lay.leaves, lay.treedef, lay.flat)
 
