@@ -5,7 +5,7 @@
 The state is trained, not drawn: the ByteTransformer of bench/codec_speed.py (867,328 Adam
 coordinates, 60 steps of the real ``torch.optim.Adam``), tiled to each size by referencing the
 same tensors again (no copies, so the process's memory does not grow with the size), encoded by
-`jaxguard.writer.encode` (slabs of `writer.SLAB` coordinates, as `jaxguard compress` does) with
+`jaxguard.writer.container_entries` (slabs of `writer.SLAB` coordinates, as `jaxguard compress` does) with
 default tau/C, then SHA-256 of each entry's certified values (what the container hashes).
 
 Each measurement is a child process pinned with ``taskset`` to 1 or 2 cores, after one warm-up
@@ -89,7 +89,7 @@ def child(sizes_m):
         digest = hashlib.sha256()
         t_sha = t_check = 0.0
         t0 = time.perf_counter()
-        for e in writer.encode(records, totals):
+        for e in writer.container_entries(records, totals):
             if isinstance(e, writer.Moments):
                 t = time.perf_counter()
                 for x in e.encoded.decoded:
@@ -102,7 +102,7 @@ def child(sizes_m):
         sec = time.perf_counter() - t0 - t_check
         stages = {k: v for k, v in timers.items() if k != "encode_many"}
         stages["host rest (encode_many - stages)"] = timers.get("encode_many", 0.0) - sum(stages.values())
-        stages["writer.encode outside encode_many"] = sec - t_sha - timers.get("encode_many", 0.0)
+        stages["writer.container_entries outside encode_many"] = sec - t_sha - timers.get("encode_many", 0.0)
         stages["sha256 of certified values"] = t_sha
         return sec, totals, stages, digest.hexdigest()
 

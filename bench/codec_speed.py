@@ -27,7 +27,7 @@ one CPU (``taskset``), interleaved with the others.
    (``XDG_CACHE_HOME``): it pays the variant detection and the XLA compilations and fills
    the caches; then one compress with ``jax_log_compiles`` counts the programs compiled
    vs read from the persistent cache, and whether the variant came from its cache.
-3. In-process encode throughput (`jaxguard.writer.encode` of `torch_compat.state.state_records`, slabs as in
+3. In-process encode throughput (`jaxguard.writer.container_entries` of `torch_compat.state.state_records`, slabs as in
    the CLI) on the trained state tiled to each --sweep size (millions of coordinates),
    each size encoded twice and the second pass timed (`sweep`), with and without building
    the records; the least-squares slopes seconds/coordinate are reported.
@@ -305,7 +305,7 @@ def sweep(base, sizes_m, codec="log8-rel"):
     shapes (the last slab's bucket) that no earlier size had, and compiles them (1.1-1.3 s
     at 15.6M coordinates after a 1.7M warm-up, seen with ``jax_log_compiles``); a fresh
     `jaxguard compress` reads them from its on-disk cache instead.  ``seconds`` covers
-    `torch_compat.state.state_records` and `writer.encode`; ``encode_seconds`` the encode
+    `torch_compat.state.state_records` and `writer.container_entries`; ``encode_seconds`` the encode
     alone (the tiled state has 54 tensors a tile, and building a record costs about 0.2 ms
     a tensor, mostly jax's DLPack import of the three views)."""
     import torch_compat.state as S
@@ -322,7 +322,7 @@ def sweep(base, sizes_m, codec="log8-rel"):
         _, records = S.state_records(ck["optimizer"], ck["model"], spec=GuardSpec(codec=codec))
         t_enc = time.perf_counter()
         fast = 0
-        for e in writer.encode(records, totals):
+        for e in writer.container_entries(records, totals):
             if isinstance(e, writer.Moments):
                 fast += e.encoded.stats["certified_fast"]
         end = time.perf_counter()
@@ -593,8 +593,8 @@ def write_md(res, path):
                      f"{100 * r['certified_fast'] / max(1, r['coordinates'] - r['exact']):.2f}% | {r['escapes']:,} | "
                      f"{100 * r['payload_ratio']:.3f}% |")
     lines += ["", "Each size is encoded twice in one process and the second pass is timed (the first compiles "
-              "the slab shapes no earlier size had); seconds = `state_records` + `writer.encode`, encode alone = "
-              "`writer.encode`.", "",
+              "the slab shapes no earlier size had); seconds = `state_records` + `writer.container_entries`, encode alone = "
+              "`writer.container_entries`.", "",
               f"Least-squares slope {s['slope_s_per_coord'] * 1e9:.1f} ns per coordinate "
               f"({1 / s['slope_s_per_coord'] / 1e6:.2f} M coords/s), intercept {s['intercept_s']:.2f} s, largest "
               f"relative residual {100 * s['max_rel_residual']:.1f}%."

@@ -43,10 +43,11 @@ def _records(kind, path, codec):
         _, records = S.state_records(ck["optimizer"], ck["model"], spec=spec)
         return records, ck["optimizer"]["param_groups"][0]["lr"]
     from jaxguard import optax_adapter as oa
+    from jaxguard.core.config import UpdateRequest
     run = lm_runs.OptaxRun(0)
     run.load_fp32(path)
-    records, _ = oa.state_records(run.state, run.params, lr=run.schedule, weight_decay=lm_runs.WEIGHT_DECAY,
-                                  spec=spec)
+    records, _ = oa.state_records(run.state, run.params, spec=spec,
+                                  update=UpdateRequest(lr=run.schedule, weight_decay=lm_runs.WEIGHT_DECAY))
     return records, float(run.schedule(run.step))
 
 
@@ -70,7 +71,7 @@ def measure(kind, path, codec):
     totals = writer.new_totals()
     t0 = time.perf_counter()
     tensors = []
-    for e in writer.encode(records, totals):
+    for e in writer.container_entries(records, totals):
         enc = getattr(e, "encoded", None)
         if enc is None:
             continue

@@ -50,13 +50,14 @@ def main():
     if args.mode == "probe":
         import statistics
         import time
+        from jaxguard.core.config import UpdateRequest
         from jaxguard.optax_state import plan_updates
 
         def timed(**kw):
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                plan_updates(state, params, **kw)
+                plan_updates(state, params, update=UpdateRequest(**kw))
             return time.perf_counter() - t0
 
         first = timed(tx=tx)

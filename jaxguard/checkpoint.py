@@ -50,7 +50,7 @@ from orbax.checkpoint import future
 
 from jaxguard.format import container
 from jaxguard import flax_state, optax_adapter, optax_state, uncovered
-from jaxguard.core.config import GuardSpec, save_spec
+from jaxguard.core.config import GuardSpec, UpdateRequest, save_spec
 from jaxguard import sharded as _sharded
 from jaxguard.errors import CheckpointError
 
@@ -247,8 +247,9 @@ class GuardedCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         async def write():
             try:
-                data, summary = optax_adapter.to_bytes(opt_state, params, spec=args.guard_spec(),
-                                                       include_params=args.include_params, fixed=args.next_updates)
+                data, summary = optax_adapter.encode_state(opt_state, params, update=None, spec=args.guard_spec(),
+                                                           include_params=args.include_params,
+                                                           fixed=args.next_updates)
                 if self._buffers.donated(viewed):
                     raise CheckpointError(f"{path}: an array of the state was donated to a later step while this "
                                           "async save read it (this JAX donated a buffer a host view held); nothing "
@@ -437,10 +438,8 @@ class GuardedSave(ocp.args.CheckpointArgs):
         self.opt_state, self.params, self.tx = flax_state.save_inputs(self.opt_state, self.params, self.tx,
                                                                       what="GuardedSave's opt_state")
         self.guard_spec()   # bad settings fail here, in one line
-        plans = optax_state.plan_updates(
-            self.opt_state, self.params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
-            op_model=self.op_model, tx=self.tx, sites=optax_state.find_adam_states(_sharded.host_scalars(
-                self.opt_state)), uncertifiable=self.uncertifiable)
+        plans = optax_state.plan_updates(self.opt_state, self.params, update=self.update_request(),
+                                         sites=optax_state.find_adam_states(_sharded.host_scalars(self.opt_state)))
         self.next_updates = optax_state.updates_by_pair(plans)
         uncovered.warn("GuardedSave", [s for s in optax_state.stored_exactly(plans)
                                        if s["why"] != optax_state.EXACT_REASON],
@@ -449,6 +448,11 @@ class GuardedSave(ocp.args.CheckpointArgs):
     def guard_spec(self) -> GuardSpec:
         """The save's `GuardSpec`: `spec` with the given fields (`jaxguard.core.config.save_spec`)."""
         return save_spec(self.spec, tau=self.tau, clip=self.clip, codec=self.codec)
+
+    def update_request(self) -> UpdateRequest:
+        """The save's `UpdateRequest`: the next update's hyperparameters as given."""
+        return UpdateRequest(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
+                             op_model=self.op_model, tx=self.tx, uncertifiable=self.uncertifiable)
 
 
 @ocp.args.register_with_handler(GuardedCheckpointHandler, for_restore=True)

@@ -46,24 +46,10 @@ from jaxguard.core import codes, jit_encode
 from jaxguard import sharded
 from jaxguard import audit, writer
 from jaxguard.format import container
+from jaxguard.moments import MomentStatic
 from jaxguard.optax_state import flat_by_dotted
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
-from jaxguard.core.config import save_spec
-
-
-@dataclasses.dataclass(frozen=True)
-class MomentPlan:
-    """Static layout of one moment pair (hashable: part of the jit cache key)."""
-
-    entry: str
-    mu_path: str
-    nu_path: str
-    param: str
-    site: int               # the row of its constants in `StateConstants.k` (pairs certified alike share one)
-    config: object          # GuardSpec: the static part of the pair's GuardConfig
-    shape: tuple
-    mesh: object            # jax.sharding.Mesh, or None for a single-device / host leaf
-    spec: object            # PartitionSpec, or None
+from jaxguard.core.config import UpdateRequest, save_spec
 
 
 @jax.tree_util.register_pytree_node_class
@@ -136,8 +122,8 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
       bfloat16 ``mu`` is not supported here (use `jaxguard.save`).
     """
     guard = save_spec(spec, tau=tau, clip=clip, codec=codec)
-    state_plan = sharded.plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=guard,
-                                    op_model=op_model, tx=tx)
+    update = UpdateRequest(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx)
+    state_plan = sharded.plan_state(opt_state, params, update=update, spec=guard)
     sites_meta, leaves, treedef = state_plan.sites, state_plan.leaves, state_plan.treedef
     if step is not None:
         for sm in sites_meta:
@@ -145,31 +131,28 @@ def state_constants(opt_state, params, *, lr=None, step=None, weight_decay=None,
                 sm["config"] = {**sm["config"], "step": int(step)}
     ks, configs, row_of, pair_site = [], [], {}, {}
     plans = []
-    for c in state_plan.pairs:
-        if c.mu_mode != "coded":
-            raise UnsupportedOptimizerError(f"mu of {c.pair.param!r} is bfloat16; encode_state_jit codes float32 mu "
+    for job in state_plan.pairs:
+        if job.mu != "coded":
+            raise UnsupportedOptimizerError(f"mu of {job.param!r} is bfloat16; encode_state_jit codes float32 mu "
                                             "only: save this state with jaxguard.save")
-        cfg = c.config if step is None else dataclasses.replace(c.config, step=int(step))
-        key = (c.site, cfg)      # per site: rows of two sites never merge when their rates meet
+        cfg = job.config if step is None else dataclasses.replace(job.config, step=int(step))
+        key = (job.site, cfg)      # per site: rows of two sites never merge when their rates meet
         if key not in row_of:
             row_of[key] = len(configs)
             configs.append(cfg)
             ks.append(cfg.step_row())
-        row = row_of[key]
-        pair_site[c.entry] = c.site
-        mu = state_plan.flat[c.pair.mu_path]
-        mesh, spec = _layout(mu, c.pair.mu_path)
-        static = cfg.spec   # the jit key: lr, step, ... are traced in `ks`
-        plans.append(MomentPlan(c.entry, c.pair.mu_path, c.pair.nu_path, c.pair.param, row, static,
-                                tuple(np.shape(mu)), mesh, spec))
+        pair_site[job.name] = job.site
+        mesh, spec = _layout(state_plan.flat[job.mu_path], job.mu_path)
+        # the jit key: the layout and `cfg.spec`; lr, step, ... are traced in `ks`
+        plans.append(dataclasses.replace(job, mesh=mesh, partition_spec=spec).static(row_of[key], cfg))
     host = {"configs": configs, "sites": sites_meta, "pair_sites": pair_site, "leaves": leaves, "treedef": treedef,
             "tau": guard.tau, "clip": guard.clip, "codec": guard.codec}
     return StateConstants(ks, tuple(plans), host)
 
 
-def _local_size(plan: MomentPlan):
+def _local_size(plan: MomentStatic):
     shape = list(plan.shape)
-    for i, ax in enumerate(plan.spec):
+    for i, ax in enumerate(plan.partition_spec):
         if ax is None:
             continue
         axes = ax if isinstance(ax, tuple) else (ax,)
@@ -185,15 +168,15 @@ def _groups(plans):
     """Moment plans grouped by (mesh, site): one guard call per group and device."""
     out = {}
     for pl in plans:
-        out.setdefault((pl.mesh, pl.site), []).append(pl)
+        out.setdefault((pl.mesh, pl.row), []).append(pl)
     return list(out.items())
 
 
-def _local_shape(plan: MomentPlan):
+def _local_shape(plan: MomentStatic):
     if plan.mesh is None:
         return tuple(plan.shape)
     _local_size(plan)
-    return tuple(int(s) for s in NamedSharding(plan.mesh, plan.spec).shard_shape(plan.shape))
+    return tuple(int(s) for s in NamedSharding(plan.mesh, plan.partition_spec).shard_shape(plan.shape))
 
 
 def _group_offsets(plans):
@@ -238,7 +221,7 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
     for gi, ((mesh, site), plans) in enumerate(_groups(constants.plan)):
         offs, total = _group_offsets(plans)
         E = max(1, total if escape_capacity is None else int(escape_capacity))
-        cfg = plans[0].config
+        cfg = plans[0].spec
         args = []
         for pl in plans:
             args += [oflat[pl.mu_path], oflat[pl.nu_path], pflat[pl.param]]
@@ -261,7 +244,7 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
         if mesh is None:
             je = body(k, *args)
         else:
-            specs = tuple(s for pl in plans for s in (pl.spec,) * 3)
+            specs = tuple(s for pl in plans for s in (pl.partition_spec,) * 3)
             je = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(),) + specs,
                                out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(k, *args)
         moments[f"group{gi}"] = je
@@ -269,11 +252,11 @@ def encode_state_jit(opt_state, params, constants: StateConstants, *, capacity: 
     return EncodedState(moments, raw, constants.plan)
 
 
-def _writer_rows(plan: MomentPlan):
+def _writer_rows(plan: MomentStatic):
     """{device: (row, global start)} of the devices that write a distinct shard index
     (the first device in mesh order holding it)."""
     devs = list(plan.mesh.devices.flat)
-    idx = NamedSharding(plan.mesh, plan.spec).devices_indices_map(plan.shape)
+    idx = NamedSharding(plan.mesh, plan.partition_spec).devices_indices_map(plan.shape)
     seen, out = set(), {}
     for r, d in enumerate(devs):
         key = tuple((s.start, s.stop) for s in idx[d])
@@ -308,7 +291,7 @@ def write(path, encoded: EncodedState, constants: StateConstants, *, primary: in
                               "pass the state_constants used for this encode_state_jit call")
     host = constants.host
     for pl in constants.plan:
-        sm, cfg = host["sites"][host["pair_sites"][pl.entry]], host["configs"][pl.site]
+        sm, cfg = host["sites"][host["pair_sites"][pl.entry]], host["configs"][pl.row]
         cnt = encoded.raw.get(sm["count_path"])
         if cnt is not None and int(np.asarray(sharded.host_scalar(cnt))) != cfg.step:
             raise CheckpointError(f"the state's {sm['count_path']} is {int(np.asarray(sharded.host_scalar(cnt)))} "

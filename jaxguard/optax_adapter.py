@@ -39,9 +39,9 @@ stored raw, 2 bytes a coordinate) and only ``nu`` is coded; its certificate uses
 """
 from __future__ import annotations
 
-__all__ = ["summary", "to_bytes", "save", "read", "load", "load_params", "audit"]
+__all__ = ["summary", "to_bytes", "encode_state", "save", "read", "load", "load_params", "audit"]
 
-from jaxguard.core.config import save_spec
+from jaxguard.core.config import GuardSpec, UpdateRequest, save_spec
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +63,7 @@ from jaxguard.optax_state import (AGREE, EXACT_REASON, INJECT_STATES, NO_ADAM, A
 
 
 # ---------------------------------------------------------------- records for the writer
-def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-                  op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
+def state_records(opt_state, params, *, update: UpdateRequest | None = None, spec=None, prefix="state", fixed=None):
     """The write records of `opt_state` (`jaxguard.writer`): a `MomentJob` per Adam
     ``mu``/``nu`` pair (``mu="exact"`` with a raw entry beside it for a bfloat16 mu), a
     `Raw` record per other leaf; a pair whose next learning rate is 0 is stored raw.
@@ -72,11 +71,11 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
     Args:
       opt_state: the optax state (any tree holding `optax.ScaleByAdamState`s).
       params: the parameter pytree the state belongs to.
-      lr, weight_decay, betas, eps, tx, fixed, uncertifiable: see `save` and
-        `optax_state.plan_updates`.
+      update: the save's `UpdateRequest` (lr, weight_decay, betas, eps, op_model, tx,
+        uncertifiable: see `save` and `optax_state.plan_updates`).
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves in the container.
-      op_model: the kernel the run resumes on (`site_config`; None: where the state lives).
+      fixed: the next updates resolved already (`optax_state.plan_updates`).
 
     Returns:
       ``(records, state meta)``: the records and the meta that `restore_state` reads
@@ -91,18 +90,15 @@ def state_records(opt_state, params, *, lr=None, weight_decay=None, betas=None, 
       ConfigError: see `optax_state.plan_updates`.
     """
     spec = save_spec(spec)
-    lay = lay_out(opt_state, params, spec=spec, prefix=prefix, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                  op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
+    lay = lay_out(opt_state, params, spec=spec, update=update, prefix=prefix, fixed=fixed)
     records, in_pairs = [], set()
-    for c in lay.coded:
-        pair = c.pair
-        if c.mu_mode == "coded":
-            records.append(writer.MomentJob(c.entry, pair.mu, pair.nu, pair.p, c.config, {"param": pair.param}))
+    for job in lay.coded:
+        if job.mu == "coded":
+            records.append(job)
         else:
-            records.append(_raw(c.raw_entry, pair.mu))
-            records.append(writer.MomentJob(c.entry, np.asarray(jnp.asarray(pair.mu).astype(jnp.float32)), pair.nu,
-                                            pair.p, c.config, {"param": pair.param}, mu="exact"))
-        in_pairs.update((pair.mu_path, pair.nu_path))
+            records.append(_raw(job.raw_entry, job.m))
+            records.append(job.with_arrays(np.asarray(jnp.asarray(job.m).astype(jnp.float32)), job.v, job.p))
+        in_pairs.update((job.mu_path, job.nu_path))
     records += [_raw(leaf["entry"], lay.flat[leaf["path"]]) for leaf in lay.leaves if leaf["path"] not in in_pairs]
     return records, {"leaves": lay.leaves, "sites": [plan.meta(spec) for plan in lay.plans], "treedef": lay.treedef,
                      "stored_exactly": stored_exactly(lay.plans)}
@@ -143,7 +139,7 @@ def state_nbytes(tree) -> int:
 def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, tau=None, clip=None,
              codec=None, include_params=False, extra_meta=None, op_model=None, tx=None, fixed=None,
              uncertifiable="refuse") -> tuple[bytes, dict]:
-    """Container bytes and a summary dict (see `save`).
+    """Container bytes and a summary dict (see `save`; the keywords users pass, for `encode_state`).
 
     Args:
       opt_state, params, lr, weight_decay, betas, eps, spec, tau, clip, codec, include_params,
@@ -157,9 +153,29 @@ def to_bytes(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=N
     Raises:
       ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
     """
-    spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
-    records, smeta = state_records(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
-                                   op_model=op_model, tx=tx, fixed=fixed, uncertifiable=uncertifiable)
+    update = UpdateRequest(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx,
+                           uncertifiable=uncertifiable)
+    return encode_state(opt_state, params, update=update, spec=save_spec(spec, tau=tau, clip=clip, codec=codec),
+                        include_params=include_params, extra_meta=extra_meta, fixed=fixed)
+
+
+def encode_state(opt_state, params, *, update: UpdateRequest | None, spec: GuardSpec, include_params=False,
+                 extra_meta=None, fixed=None) -> tuple[bytes, dict]:
+    """Container bytes and a summary dict of `opt_state`: `to_bytes` below the public edge.
+
+    Args:
+      opt_state, params, include_params: as `save`.
+      update: the save's `UpdateRequest` (the next update's hyperparameters, as given).
+      spec: the save's `GuardSpec`.
+      extra_meta, fixed: as `to_bytes`.
+
+    Returns:
+      As `to_bytes`.
+
+    Raises:
+      ConfigError, CheckpointError, UnsupportedOptimizerError: as `save`.
+    """
+    records, smeta = state_records(opt_state, params, update=update, spec=spec, fixed=fixed)
     stored = smeta.pop("stored_exactly")
     meta = {"framework": "optax", "state": smeta, "jax_version": jax.__version__,
             "optax_version": optax.__version__, **(extra_meta or {})}
@@ -229,13 +245,13 @@ def save(path, opt_state, params=None, *, lr=None, weight_decay=None, betas=None
         transformation.
     """
     opt_state, params, tx = flax_state.save_inputs(opt_state, params, tx)
-    spec = save_spec(spec, tau=tau, clip=clip, codec=codec)   # the guard settings, built once here
+    # built once here: the guard settings and the next update as given
+    spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
+    update = UpdateRequest(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx,
+                           uncertifiable=uncertifiable)
     if sharded or (sharded is None and jax.process_count() > 1):
-        return _sharded.save(path, opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                             spec=spec, include_params=include_params, op_model=op_model, tx=tx,
-                             uncertifiable=uncertifiable)
-    data, s = to_bytes(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
-                       include_params=include_params, op_model=op_model, tx=tx, uncertifiable=uncertifiable)
+        return _sharded.save(path, opt_state, params, update=update, spec=spec, include_params=include_params)
+    data, s = encode_state(opt_state, params, update=update, spec=spec, include_params=include_params)
     container.atomic_write(path, data)
     return s
 
@@ -399,7 +415,7 @@ def check_next_update(configs: dict, state, params, tx, *, source="the checkpoin
       ConfigError: the first difference, in one line naming both values.
     """
     from jaxguard.core.config import lr_bounds
-    for plan in plan_updates(state, params, tx=tx):
+    for plan in plan_updates(state, params, update=UpdateRequest(tx=tx)):
         for pair, now in plan.pairs:
             cfg = configs.get(pair.param)
             if cfg is None:

@@ -3,13 +3,14 @@
 Every adapter (optax file, sharded directory, orbax item, jit save hook, torch file,
 DCP item, Lightning) turns its state into records and hands them here:
 
-* `MomentJob` -- a float32 moment pair to certify and encode, with its parameter and
-  `GuardConfig` (``mu="exact"``: only ``v`` is coded, ``m`` is stored exactly elsewhere);
+* `MomentJob` (`jaxguard.moments`, the one moment-pair type) -- a float32 moment pair to
+  certify and encode, with its parameter and `GuardConfig` (``mu="exact"``: only ``v`` is
+  coded, ``m`` is stored exactly elsewhere);
 * `container.Raw` -- a leaf stored exactly;
 * `container.Moments` -- a pair encoded elsewhere (the jitted save hook) that carries
   the values its program certified (`Encoded.decoded`, whole or sampled).
 
-`encode` turns records into container entries in their order (moment jobs batched in
+`container_entries` turns records into container entries in their order (moment jobs batched in
 slabs through `guard.encode_many`, always keeping the certified values, so the
 container's decoded hash records what was certified and its sample check compares
 them with the numpy reader), summing one set of totals (`jaxguard.audit.TOTAL_KEYS`).
@@ -19,7 +20,7 @@ the encoder one slab ahead of the writer in a thread).
 Numerical contract
 ------------------
 What a `MomentJob` certifies is `jaxguard.core.guard.encode`'s contract for its
-`GuardConfig`; with ``mu="exact"`` it is `jaxguard.core.guard.encode_v_only`'s with
+`GuardConfig`; with ``mu="exact"`` it is that of its v-only mode (`encode_v_only`) with
 ``tau / BF16_TAU_FACTOR`` (an optax ``mu_dtype=bfloat16`` state: optax computes
 ``b1 * mu`` in bfloat16, ``b1`` rounds to 0.8984375, a relative change < 0.6% of the
 ``m'`` the bound assumes, which the 2% margin covers).  The writer never changes a code: a file holds exactly the
@@ -46,8 +47,9 @@ from jaxguard.errors import ConfigError
 from jaxguard.format import container
 from jaxguard.format.container import Moments, Raw
 from jaxguard.format.spec import BLOCK
+from jaxguard.moments import MomentJob
 
-__all__ = ["MomentJob", "Raw", "Moments", "encode", "to_bytes", "to_file", "prefetched",
+__all__ = ["MomentJob", "Raw", "Moments", "container_entries", "to_bytes", "to_file", "prefetched",
            "new_totals", "BF16_TAU_FACTOR", "SLAB", "device_encode_setting"]
 
 BF16_TAU_FACTOR = 1.02
@@ -68,41 +70,7 @@ AHEAD = 16 * SLAB
 new_totals = audit.new_totals
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class MomentJob:
-    """One moment pair to certify and store as the container entry `name`.
-
-    Attributes:
-      name: the container entry name.
-      m, v, p: float32 arrays of one shape (numpy, or anything `np.asarray` takes
-        without copying: a CPU tensor's ``.numpy()``, a host JAX array).
-      config: the next update's `GuardConfig`.
-      info: the adapter's entry fields stored beside the config (``param``: the
-        parameter's name; ``mu_mode``; DCP offsets, ...).  A value may be a callable of
-        no arguments, called when the entry is produced: a parameter's digest is then
-        computed in the encode thread while slabs certify, not before the first slab.
-      mu: ``"coded"`` (both moments coded) or ``"exact"`` (only v coded; m stored
-        exactly in another entry).
-      source: handed to the writer's ``release`` once the entry is written (e.g. the
-        torch tensors of a memory-mapped checkpoint).
-    """
-
-    name: str
-    m: Any
-    v: Any
-    p: Any
-    config: GuardConfig
-    info: dict = dataclasses.field(default_factory=dict)
-    mu: str = "coded"
-    source: Any = None
-
-    @property
-    def size(self) -> int:
-        """Returns: the pair's coordinate count."""
-        return int(np.size(self.m))
-
-
-# Below this many coordinates to certify `encode` uses one thread: XLA already spreads the
+# Below this many coordinates to certify `container_entries` uses one thread: XLA already spreads the
 # proposal over the cores, and a second thread gained 5% at 16.5M coordinates for 1.14x
 # the peak memory (2-core AMD EPYC, 5 alternating runs each: 3.03 s / 602 MB with two,
 # 3.19 s / 526 MB with one; 2.89 s / 429 MB for the plain torch load+save).  At 124M
@@ -118,7 +86,7 @@ HOST_CHOSEN_WEIGHT = 32
 
 
 def encode_threads(coordinates: int | None = None) -> int:
-    """Returns: slabs `encode` certifies at once: ``JAXGUARD_ENCODE_THREADS`` if set, else
+    """Returns: slabs `container_entries` certifies at once: ``JAXGUARD_ENCODE_THREADS`` if set, else
     1 for fewer than `SECOND_THREAD_FROM` `coordinates`, else the cores this process may
     run on (``os.sched_getaffinity``), 1 to `MAX_ENCODE_THREADS`
     (measured at commit aa7b5ff: once a large tensor's pieces were tasks of
@@ -169,7 +137,7 @@ def work_weight(codec: str) -> int:
 
 
 def device_encode_setting(device_encode=None):
-    """Where coded moment pairs that are `jax.Array`s are encoded (`encode`'s ``device_encode``).
+    """Where coded moment pairs that are `jax.Array`s are encoded (`container_entries`'s ``device_encode``).
 
     Args:
       device_encode: None: ``JAXGUARD_DEVICE_ENCODE`` if set (``1``/``true``, ``0``/``false``,
@@ -205,13 +173,13 @@ def _device_route(job: MomentJob, setting) -> bool:
 
 
 def _entry_info(job: MomentJob) -> dict:
-    return {**job.config.to_json(), "mu_mode": "coded" if job.mu == "coded" else "raw-bfloat16",
+    return {**job.config.to_json(), "mu_mode": job.mu_mode,
             **{k: v() if callable(v) else v for k, v in job.info.items()}}
 
 
 def _encode_bf16_m_job(m, v, p, config: GuardConfig) -> _guard.Encoded:
     """The encoder of a `MomentJob(mu="exact")` (an optax ``mu_dtype=bfloat16`` pair): only
-    `v` is coded, by `jaxguard.core.guard.encode_v_only` at ``tau / BF16_TAU_FACTOR``, beside
+    `v` is coded, by `jaxguard.core.guard.encode` (``mu="exact"``) at ``tau / BF16_TAU_FACTOR``, beside
     the exact `m` (module docstring).
 
     Args:
@@ -227,13 +195,13 @@ def _encode_bf16_m_job(m, v, p, config: GuardConfig) -> _guard.Encoded:
     cfg = dataclasses.replace(config, tau=config.tau / BF16_TAU_FACTOR)
     if _codecs.get(cfg.codec).propose is None:
         cfg = dataclasses.replace(cfg, codec="log8-rel")
-    enc = _guard.encode_v_only(m, v, p, cfg, keep_decoded=True)
+    enc = _guard.encode(m, v, p, cfg, keep_decoded=True, mu="exact")
     enc.stats["payload_bytes"] += 2 * enc.n
     return enc
 
 
 def _progress_bar(records):
-    """One tqdm bar over the coordinates `encode` certifies (stderr; its total when
+    """One tqdm bar over the coordinates `container_entries` certifies (stderr; its total when
     `records` is a list or tuple)."""
     from tqdm import tqdm
     total = sum(r.size for r in records if isinstance(r, MomentJob)) if isinstance(records, (list, tuple)) else None
@@ -301,7 +269,7 @@ def _encode_piece(job: MomentJob, start: int, step: int, progress: bool = False,
     return enc
 
 
-def encode(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
+def container_entries(records: Iterable, totals: dict | None = None, *, slab: int | None = None, progress: bool = False,
            release: Callable | None = None, release_raws: bool = True, device_encode=None) -> Iterator:
     """Container entries (`Raw`, `Moments`) of `records`, in their order.
 
@@ -468,13 +436,13 @@ def to_bytes(records: Iterable, meta: dict, *, extra_header: dict | None = None,
     """Encode `records` and build the container in memory.
 
     Args:
-      records: `MomentJob`, `Raw` and `Moments` records (see `encode`).
+      records: `MomentJob`, `Raw` and `Moments` records (see `container_entries`).
       meta: the header's ``meta`` (the adapter's tree and framework).
       extra_header: more top-level header fields; the guard fields default to the first
         moments entry's config (`header_fields`).
       progress: show the guard's progress bars.
       raw_state_bytes: the uncompressed state's size, for the summary's ``container_ratio``.
-      device_encode: where jax-array moment pairs are encoded (`encode`).
+      device_encode: where jax-array moment pairs are encoded (`container_entries`).
 
     Returns:
       ``(container bytes, summary)``: `jaxguard.audit.compression_summary` of the totals,
@@ -487,7 +455,7 @@ def to_bytes(records: Iterable, meta: dict, *, extra_header: dict | None = None,
     t0 = time.perf_counter()
     totals = new_totals()
     header = _Header(extra_header or {})
-    entries = list(header.watch(encode(records, totals, progress=progress, device_encode=device_encode)))
+    entries = list(header.watch(container_entries(records, totals, progress=progress, device_encode=device_encode)))
     data = container.build(entries, meta, extra_header=header)
     return data, _timed_summary(totals, len(data), t0, raw_state_bytes)
 
@@ -502,8 +470,8 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
     Args:
       path: a local path (its directory must exist) or an fsspec URL.
       records, meta, extra_header, progress, raw_state_bytes, device_encode: as `to_bytes`.
-      release: as `encode`.
-      slab: as `encode`.
+      release: as `container_entries`.
+      slab: as `container_entries`.
 
     Returns:
       The summary (as `to_bytes`); ``container_bytes`` is the file's size.
@@ -522,7 +490,7 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
         # its slab is encoded or its raw entry written
         sources = [r.source for r in records if isinstance(r, MomentJob) and r.source is not None]
         release(sources + [r.array for r in records if isinstance(r, Raw)])
-    entries = prefetched(encode(records, totals, progress=progress, release=release, slab=slab,
+    entries = prefetched(container_entries(records, totals, progress=progress, release=release, slab=slab,
                                 release_raws=release is None, device_encode=device_encode))
     if release is not None:
         entries = _release_written_raws(entries, release, sources)

@@ -4,7 +4,7 @@ with XLA's intra-op pool as jax starts it and with a pool of one thread (issue 2
     python bench/experiments/encode_cores.py [--size 60] [--repeats 3] [--out bench/experiments/results/encode_cores.md]
 
 The bench's trained state (the ByteTransformer of bench/codec_speed.py, tiled to ``--size``
-million coordinates, log8-rel) is encoded with `writer.encode` in a fresh process per mode,
+million coordinates, log8-rel) is encoded with `writer.container_entries` in a fresh process per mode,
 with jax's synchronous CPU dispatch as `jaxguard compress` runs it: a first pass compiles,
 then ``--repeats`` passes are timed (wall and the process's CPU).  Modes:
 
@@ -68,7 +68,7 @@ def _run(src, size, repeats, one_pool):
         h = hashlib.sha256()
         t, c0 = time.perf_counter(), os.times()
         totals = new_totals()
-        for e in writer.encode(records, totals):
+        for e in writer.container_entries(records, totals):
             if isinstance(e, writer.Moments):
                 for k in sorted(e.encoded.arrays):
                     h.update(memoryview(e.encoded.arrays[k]).cast("B") if e.encoded.arrays[k].size else b"")
@@ -119,7 +119,7 @@ def main():
     lines = ["# In-process encode: one core against all of them, and XLA's intra-op pool", "",
              f"Machine: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs. "
              f"`python bench/experiments/encode_cores.py --size {a.size:g} --repeats {a.repeats}`: the bench's "
-             f"ByteTransformer state tiled to {n:,} coordinates, log8-rel, `writer.encode` in a fresh process per "
+             f"ByteTransformer state tiled to {n:,} coordinates, log8-rel, `writer.container_entries` in a fresh process per "
              "mode with jax's synchronous CPU dispatch (as `jaxguard compress`); first pass not timed.", "",
              "| mode | encode threads | one-thread pool | wall s (median) | each pass | CPU s each pass | M coords/s "
              "| x one core |", "|---|---:|---|---:|---|---|---:|---:|"]

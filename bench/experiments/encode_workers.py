@@ -18,7 +18,7 @@ Measured at commit 1029719 (2026-12-04) (2-core AMD EPYC, 15,611,904 coordinates
 * this runner, ``--repeats 3``: threads 26.27 / 26.39 / 28.89, workers 28.67 / 28.90 / 27.65M
   coordinates/s (medians 26.4 and 28.7); ``--repeats 5``: threads 21.3-23.6 (median 22.3),
   workers 22.5-31.1 (median 25.2).  Same bytes both ways.
-* the same pool wired into `writer.encode` (not kept; one run each way): 15.9-16.8M/s
+* the same pool wired into `writer.container_entries` (not kept; one run each way): 15.9-16.8M/s
   against 17.3-19.1M/s for its threads, and one whole GPT-2 `jaxguard compress` 16.1 s
   against 14.5 s (the workers' start, a JAX import each, and the copies through the mapping
   are in that figure).

@@ -76,7 +76,7 @@ def _encoded_codes():
     from jaxguard.core.config import GuardSpec
     ck = cert_speed._tiled(cert_speed._base(), 1)
     _, records = torch_compat.state.state_records(ck["optimizer"], ck["model"], spec=GuardSpec(codec="log8-rel"))
-    for e in writer.encode(records, {}):
+    for e in writer.container_entries(records, {}):
         enc = getattr(e, "encoded", None)
         if enc is not None and "m_codes" in enc.arrays:
             yield enc.arrays, enc.stats["payload_bytes"]

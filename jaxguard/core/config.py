@@ -3,7 +3,8 @@
 `GuardConfig` is the public constructor (and what container headers store, via
 `to_json`/`from_json`).  `NextUpdate` is the typed value of what a save certifies for:
 the next update's learning rate (a number, or an interval ``(lo, hi)`` certified for every
-rate in it), step, betas, eps, weight decay, op model and where they came from.  It splits into ``cfg.spec``, a hashable `GuardSpec` (codec,
+rate in it), step, betas, eps, weight decay, op model and where they came from;
+`UpdateRequest` is what a save was told about it before it is resolved per group.  It splits into ``cfg.spec``, a hashable `GuardSpec` (codec,
 bound, partition, op model, tau, clip, joint, certify: a jit static argument), and
 ``cfg.constants()``, the `opmodel.StepConstants` of the next update (lr, step, betas,
 eps, weight decay); ``cfg.step_row()`` packs those with tau as the certificate's
@@ -13,7 +14,7 @@ new step or learning rate does not recompile.
 from __future__ import annotations
 
 __all__ = ["CODECS", "DEFAULT_CODEC", "BOUNDS", "PARTITIONS", "GuardSpec", "is_interval", "lr_bounds",
-           "check_lr_interval", "NextUpdate", "GuardConfig", "save_spec"]
+           "check_lr_interval", "NextUpdate", "UpdateRequest", "GuardConfig", "save_spec"]
 
 import dataclasses
 from typing import Any
@@ -181,6 +182,44 @@ class NextUpdate:
         if is_interval(self.lr):
             d["lr"] = list(self.lr)
         return d
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UpdateRequest:
+    """What a save is told about the next update, before it is resolved per parameter
+    group into a `NextUpdate` (the value each entry records): the one value the
+    hyperparameters travel in below the public edge (`jaxguard.save`, `torch_compat.save`,
+    the orbax args, the jit hook and the integrations keep the keywords users pass and
+    build one); the guard settings travel apart, as the `GuardSpec`.
+
+    Frozen; compared by identity (a schedule or a pytree of rates is no hashable value).
+
+    Attributes:
+      lr: the next update's learning rate: None (read from the optimizer where it can
+        be), a number, an optax schedule (evaluated at each state's count), an interval
+        ``(lo, hi)``, or a pytree prefix of the params of those (optax); a number or
+        interval for every group (torch).
+      weight_decay, betas, eps: optax: overrides of what the state records (None: the
+        state's, ``inject_hyperparams``' or optax's defaults; `weight_decay` may be a
+        pytree prefix too).  torch reads them from ``param_groups``.
+      op_model: the kernel the run resumes on (None: the one that runs where the state lives).
+      tx: optax: the transformation the state belongs to, whose next update is read
+        (`jaxguard.optax_probe`) and checked against the values given; None: unchecked.
+      uncertifiable: ``"refuse"`` or ``"exact"`` (`jaxguard.uncovered`): what becomes of
+        state the guarantee does not cover.
+    """
+
+    lr: Any = None
+    weight_decay: Any = None
+    betas: Any = None
+    eps: Any = None
+    op_model: str | None = None
+    tx: Any = None
+    uncertifiable: str = "refuse"
+
+    def given(self) -> bool:
+        """Returns: whether any hyperparameter was given (lr, weight_decay, betas or eps)."""
+        return any(x is not None for x in (self.lr, self.weight_decay, self.betas, self.eps))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ certified with `jaxguard.core.bound`: first one cell over ``[0, clip]`` per sign
 early accept), then the mixed linear-logarithmic partition, re-checked with 64, 256 and
 1024 linear cells.  Whatever is not certified escapes: its FP32 pair is stored exactly.
 
-This module is the API (`encode`, `encode_many`, `encode_v_only`, `decode`,
+This module is the API (`encode`, the one guarded encode entry, with its batch
+`encode_many` and its v-only mode ``mu="exact"`` = `encode_v_only`; `decode`,
 `decode_arrays`) and the joint search.  The pieces live beside it and are re-exported
 here: `config` (GuardConfig, GuardSpec, CODECS, DEFAULT_CODEC), `encoded` (Encoded,
 payload_bytes), `certify` (certify, certify_pc, fast_accept, classify, chunk sizes),
@@ -90,8 +91,10 @@ def _check_inputs(m, v, p):
     return shape
 
 
-def encode(m, v, p, config: GuardConfig, *, keep_decoded: bool = False) -> Encoded:
-    """Guarded encoding of one Adam moment pair (see the module's numerical contract).
+def encode(m, v, p, config: GuardConfig, *, keep_decoded: bool = False, mu: str = "coded") -> Encoded:
+    """Guarded encoding of one Adam moment pair (see the module's numerical contract): the
+    one guarded encode entry (`encode_many` is its batch; ``mu="exact"`` its v-only mode,
+    `encode_v_only`).
 
     Args:
       m, v: the parameter's Adam moments (float32, one shape).
@@ -102,13 +105,19 @@ def encode(m, v, p, config: GuardConfig, *, keep_decoded: bool = False) -> Encod
       keep_decoded: also keep the certified ``(m~, v~)`` as `Encoded.decoded` (8 bytes per
         coordinate until the encoding is dropped), which the container writer then hashes
         instead of decoding the entry again.
+      mu: ``"coded"`` (both moments coded) or ``"exact"``: `m` is kept exactly elsewhere
+        (a bfloat16 mu) and only `v` is coded and certified (`encode_v_only`).
 
     Returns:
       An `Encoded` (codes, block parameters, exact escapes, stats).
 
     Raises:
-      ConfigError: non-float32 or mismatched inputs.
+      ConfigError: non-float32 or mismatched inputs; another `mu`.
     """
+    if mu == "exact":
+        return encode_v_only(m, v, p, config, keep_decoded=keep_decoded)
+    if mu != "coded":
+        raise ConfigError(f"mu={mu!r}; use 'coded' (m and v coded) or 'exact' (m kept exactly, v coded)")
     return encode_many([(m, v, p, config)], keep_decoded=keep_decoded)[0]
 
 

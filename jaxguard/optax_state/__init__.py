@@ -20,9 +20,9 @@ from jaxguard.optax_state.paths import (INJECT_STATES, MU_DTYPES, NO_ADAM, AdamS
                                         dtype_name, find_adam_states, flat_by_dotted, key_str, moment_pairs)
 from jaxguard.optax_state.updates import (AGREE, EXACT_REASON, SitePlan, exact_reasons, plan_updates, platforms_of,
                                           site_config, stored_exactly, updates_by_pair)
-from jaxguard.optax_state.layout import CodedPair, StateLayout, lay_out, stored_like_leaf, warn_other_platform
+from jaxguard.optax_state.layout import StateLayout, lay_out, stored_like_leaf, warn_other_platform
 
 __all__ = ["INJECT_STATES", "MU_DTYPES", "NO_ADAM", "key_str", "dotted", "flat_by_dotted", "dtype_name", "AdamSite",
            "find_adam_states", "MomentPair", "moment_pairs", "platforms_of", "site_config", "AGREE", "EXACT_REASON",
-           "SitePlan", "plan_updates", "updates_by_pair", "exact_reasons", "stored_exactly", "CodedPair",
+           "SitePlan", "plan_updates", "updates_by_pair", "exact_reasons", "stored_exactly",
            "StateLayout", "lay_out", "warn_other_platform", "stored_like_leaf"]

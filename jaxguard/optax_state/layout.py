@@ -2,7 +2,7 @@
 writer shares), and how a stored leaf is matched to the tree a load restores into."""
 from __future__ import annotations
 
-__all__ = ["CodedPair", "StateLayout", "lay_out", "warn_other_platform", "stored_like_leaf"]
+__all__ = ["StateLayout", "lay_out", "warn_other_platform", "stored_like_leaf"]
 
 import warnings
 from typing import NamedTuple
@@ -10,47 +10,39 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxguard.core.config import GuardConfig, GuardSpec
+from jaxguard.core.config import GuardConfig, GuardSpec, UpdateRequest
 from jaxguard.core.opmodel import GPU_PLATFORMS, gpu_kernel, is_decoupled
 from jaxguard.errors import CheckpointError, JaxguardWarning
-from jaxguard.optax_state.paths import MomentPair, dtype_name, find_adam_states, flat_by_dotted
+from jaxguard.moments import MomentJob
+from jaxguard.optax_state.paths import dtype_name, find_adam_states, flat_by_dotted
 from jaxguard.optax_state.updates import exact_reasons, plan_updates, platforms_of
-
-
-class CodedPair(NamedTuple):
-    """A moment pair certified on save (`lay_out`), with its entry and guard config."""
-
-    site: int            # the index of its Adam site in `StateLayout.plans`
-    pair: MomentPair
-    config: GuardConfig
-    entry: str           # the moments entry's name
-    mu_mode: str         # "coded", or "raw-bfloat16" (mu stored raw under `raw_entry`, nu coded)
-    raw_entry: str       # the raw mu's entry name (used when mu_mode is "raw-bfloat16")
 
 
 class StateLayout(NamedTuple):
     """What every leaf of an optax state becomes in a checkpoint (`lay_out`)."""
 
     plans: list          # `SitePlan` per Adam site
-    coded: list          # `CodedPair`s, site by site in flattening order
+    coded: list          # a `jaxguard.moments.MomentJob` per certified pair (whole leaves), site by site
     leaves: list         # per state leaf: {"path", "kind" (mu / nu / raw), "entry", "dtype", "shape"[, "why"]}
     flat: dict           # {dotted path: leaf} of the state
     treedef: str         # the state's tree structure
 
 
-def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=None, **next_update) -> StateLayout:
+def lay_out(opt_state, params, *, spec: GuardSpec, update: UpdateRequest | None = None, prefix: str = "state",
+            sites=None, fixed=None) -> StateLayout:
     """The one walk of an optax state that every writer shares (the single-file save, the
     sharded save, the orbax handler, the jitted hook): the next update of each moment pair
-    (`plan_updates`), which pairs are certified under which entry, and every leaf's record.
-    No array's data is read.
+    (`plan_updates`), which pairs are certified under which entry (a `MomentJob` each, on
+    the whole leaves: the `optax_state.MomentPair` the walk found, now with its config,
+    entry and mu mode), and every leaf's record.  No array's data is read.
 
     Args:
       opt_state, params: the optax state and its params.
       spec: the save's `GuardSpec`.
+      update: the save's `UpdateRequest` (`plan_updates`).
       prefix: the entry-name prefix of the state's leaves.
       sites: the Adam sites (`find_adam_states`), when the caller found them on host views.
-      **next_update: `plan_updates`' keywords (lr, weight_decay, betas, eps, op_model, tx,
-        fixed, uncertifiable).
+      fixed: the next updates resolved already (`plan_updates`).
 
     Returns:
       A `StateLayout`.
@@ -59,7 +51,7 @@ def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=
       CheckpointError, UnsupportedOptimizerError, ConfigError: as `plan_updates`; two leaves
         with one dotted path.
     """
-    plans = plan_updates(opt_state, params, sites=sites, **next_update)
+    plans = plan_updates(opt_state, params, update=update, sites=sites, fixed=fixed)
     flat = flat_by_dotted(opt_state, "opt_state")
     exact = exact_reasons(plans)
     roles, coded = {}, []     # full dotted path -> (kind, entry name)
@@ -68,9 +60,11 @@ def lay_out(opt_state, params, *, spec: GuardSpec, prefix: str = "state", sites=
             if update.stores_exactly:
                 continue
             entry, raw_entry = f"{prefix}/moments/{pair.mu_path}", f"{prefix}/{pair.mu_path}"
-            mode = "coded" if pair.mu_dtype == "float32" else "raw-bfloat16"
-            coded.append(CodedPair(si, pair, GuardConfig.from_update(spec, update), entry, mode, raw_entry))
-            roles[pair.mu_path] = ("mu", entry) if mode == "coded" else ("raw", raw_entry)
+            mu = "coded" if pair.mu_dtype == "float32" else "exact"
+            coded.append(MomentJob(entry, pair.mu, pair.nu, pair.p, GuardConfig.from_update(spec, update),
+                                   {"param": pair.param}, mu=mu, param=pair.param, mu_path=pair.mu_path,
+                                   nu_path=pair.nu_path, raw_entry=raw_entry, site=si, shape=tuple(np.shape(pair.mu))))
+            roles[pair.mu_path] = ("mu", entry) if mu == "coded" else ("raw", raw_entry)
             roles[pair.nu_path] = ("nu", entry)
     leaves = []
     for d, leaf in flat.items():

@@ -191,7 +191,10 @@ def find_adam_states(opt_state) -> list[AdamSite]:
 
 
 class MomentPair(NamedTuple):
-    """The ``mu``/``nu`` leaves of one parameter in one Adam site, checked against it."""
+    """The ``mu``/``nu`` leaves of one parameter in one Adam site, checked against it: the
+    walk's record, before the pair's next update is known (`plan_updates` pairs it with a
+    `NextUpdate`; `lay_out` turns a certified one into the `jaxguard.moments.MomentJob`
+    every writer takes, with its config, entry and mu mode)."""
 
     param: str       # the param's dotted name (its path inside mu, nu and params)
     mu_path: str     # dotted path of mu's leaf in the whole optax state

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxguard.core.config import GuardConfig, GuardSpec, NextUpdate, is_interval, lr_bounds, save_spec
+from jaxguard.core.config import GuardConfig, GuardSpec, NextUpdate, UpdateRequest, is_interval, lr_bounds, save_spec
 from jaxguard.core.opmodel import is_decoupled, resolve_optax_op_model, validate_hparams
 from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning, UnsupportedOptimizerError
 from jaxguard.optax_state.paths import NO_ADAM, AdamSite, dotted, find_adam_states, flat_by_dotted, moment_pairs
@@ -216,31 +216,31 @@ class SitePlan(NamedTuple):
 EXACT_REASON = "the next update's learning rate is 0 (nothing to certify against): moments stored exactly"
 
 
-def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, op_model=None, tx=None,
-                 sites=None, fixed=None, uncertifiable="refuse") -> list:
+def plan_updates(opt_state, params, *, update: UpdateRequest | None = None, sites=None, fixed=None) -> list:
     """The next update of every moment pair of `opt_state` (the typed value each entry
     records: `jaxguard.core.config.NextUpdate`).
 
-    Without `tx` the hyperparameters are the arguments' (``lr`` required: numbers, optax
+    Without ``update.tx`` the hyperparameters are the request's (``lr`` required: numbers, optax
     schedules evaluated at each state's count, ``(lo, hi)`` intervals, or a pytree prefix
     of the params of those), ``inject_hyperparams`` values where the arguments leave them
     out, optax's defaults last; a `JaxguardWarning` says once that nothing was checked.
-    With `tx` they are read from the transformation (`jaxguard.optax_probe`): every
+    With ``update.tx`` they are read from the transformation (`jaxguard.optax_probe`): every
     leaf's learning rate (certified on ``lr (1 -+ optax_probe.LR_HALF_WIDTH)``) and weight
     decay, the betas and eps checked; a given value that disagrees with what `tx` does
     is refused, as is an update the op model does not reproduce.
 
     Args:
       opt_state, params: the state and the params it belongs to.
-      lr, weight_decay, betas, eps, op_model: as `jaxguard.save`.
-      tx: the optax transformation the state belongs to, or None.
-      sites: `find_adam_states` of `opt_state` (or of a host copy of it), if known.
-      fixed: the updates an earlier call resolved for this state (`updates_by_pair` of its
-        result: an orbax save resolves them before its host copy is encoded), or None.
-      uncertifiable: ``"refuse"`` (raise on moments the guarantee does not cover) or
-        ``"exact"`` (they go to the plans' ``uncovered``, stored exactly:
+      update: the `UpdateRequest` (None: an empty one): lr, weight_decay, betas, eps,
+        op_model as `jaxguard.save`; tx the optax transformation the state belongs to, or
+        None; uncertifiable ``"refuse"`` (raise on moments the guarantee does not cover)
+        or ``"exact"`` (they go to the plans' ``uncovered``, stored exactly:
         `jaxguard.uncovered`): dtypes outside float32 (bfloat16 mu aside), ``eps_root``,
         a `tx` update the op model does not reproduce.
+      sites: `find_adam_states` of `opt_state` (or of a host copy of it), if known.
+      fixed: the updates an earlier call resolved for this state (`updates_by_pair` of its
+        result: an orbax save resolves them before its host copy is encoded), or None;
+        the request's hyperparameters are then not read.
 
     Returns:
       A `SitePlan` per Adam site.
@@ -253,11 +253,14 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
       UnsupportedOptimizerError: ``eps_root != 0`` in the state; ``tx`` whose update is
         not the op model's (Nesterov, eps_root, other betas/eps, Adamax, ...).
     """
+    update = UpdateRequest() if update is None else update
+    lr, weight_decay, betas, eps, op_model, tx = (update.lr, update.weight_decay, update.betas, update.eps,
+                                                  update.op_model, update.tx)
     sites = find_adam_states(opt_state) if sites is None else sites
     if not sites:
         raise CheckpointError(NO_ADAM)
     pflat = flat_by_dotted(params, "params")
-    exact = uncovered_policy(uncertifiable) == "exact" or (fixed is not None and any(
+    exact = uncovered_policy(update.uncertifiable) == "exact" or (fixed is not None and any(
         isinstance(u, str) for u in fixed.values()))
     skipped = [[] for _ in sites]
     pairs_of = [moment_pairs(site, pflat, uncovered=skipped[si] if exact else None) for si, site in enumerate(sites)]
@@ -293,7 +296,7 @@ def plan_updates(opt_state, params, *, lr=None, weight_decay=None, betas=None, e
             if tx is not None:
                 try:
                     rate, wd, source = _from_tx(readings[pair.param], site, pair, given_lr, given_wd, count,
-                                                given=any(x is not None for x in (lr, weight_decay, betas, eps)))
+                                                given=update.given())
                 except UnsupportedOptimizerError:
                     if not exact:
                         raise

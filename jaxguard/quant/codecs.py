@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -57,7 +58,7 @@ from jaxguard.format.spec import dynamic_map as _dynamic_map
 __all__ = [
     "ALCode", "UF8Code", "D8Code",
     "al_encode", "al_decode", "uf8_encode", "uf8_decode", "d8_encode", "d8_decode",
-    "encode", "decode", "is_encoded", "CODE_NAMES", "al_error_bound",
+    "quantize", "dequantize", "encode", "decode", "is_encoded", "CODE_NAMES", "al_error_bound",
 ]
 
 _MIN_BLOCK, _MAX_BLOCK = 16, 1 << 16
@@ -319,8 +320,8 @@ def d8_decode(enc: D8Code) -> jax.Array:
 
 
 # ------------------------------------------------------------------ dispatch by name
-def encode(x, code: str, block_size: int = _codes.BLOCK, signed: bool = True):
-    """Encode ``x`` with a named code: fp32 (identity), bf16, al8, al16, uf8, d8.
+def quantize(x, code: str, block_size: int = _codes.BLOCK, signed: bool = True):
+    """Quantize ``x`` with a named training-time code: fp32 (identity), bf16, al8, al16, uf8, d8.
 
     Args:
       x: a floating tensor.
@@ -349,11 +350,11 @@ def encode(x, code: str, block_size: int = _codes.BLOCK, signed: bool = True):
     raise ConfigError(f"code={code!r} is unknown; use one of {', '.join(CODE_NAMES)}")
 
 
-def decode(enc, dtype=jnp.float32):
-    """Inverse of :func:`encode` (plain arrays are cast to ``dtype``).
+def dequantize(enc, dtype=jnp.float32):
+    """Inverse of :func:`quantize` (plain arrays are cast to ``dtype``).
 
     Args:
-      enc: an encoded form from `encode`, or a plain array.
+      enc: a quantized form from `quantize`, or a plain array.
       dtype: the dtype plain arrays are cast to (default float32); coded forms always
         decode to float32.
 
@@ -367,3 +368,31 @@ def decode(enc, dtype=jnp.float32):
     if isinstance(enc, D8Code):
         return d8_decode(enc)
     return jnp.asarray(enc).astype(dtype)
+
+
+def encode(x, code: str, block_size: int = _codes.BLOCK, signed: bool = True):
+    """Deprecated name of `quantize` (``jaxguard.quant.encode``); the guarded encode is
+    `jaxguard.encode`.
+
+    Args:
+      x, code, block_size, signed: as `quantize`.
+
+    Returns:
+      As `quantize`.
+    """
+    warnings.warn("jaxguard.quant.encode is now jaxguard.quant.quantize (jaxguard.encode is the guarded "
+                  "checkpoint encode)", DeprecationWarning, stacklevel=2)
+    return quantize(x, code, block_size, signed)
+
+
+def decode(enc, dtype=jnp.float32):
+    """Deprecated name of `dequantize` (``jaxguard.quant.decode``).
+
+    Args:
+      enc, dtype: as `dequantize`.
+
+    Returns:
+      As `dequantize`.
+    """
+    warnings.warn("jaxguard.quant.decode is now jaxguard.quant.dequantize", DeprecationWarning, stacklevel=2)
+    return dequantize(enc, dtype)

@@ -196,11 +196,11 @@ def _encode_leaf(x, code, block_size, field_signed):
         return x
     if code == "d8":
         return codecs.d8_encode(x, signed=field_signed, block_size=block_size)
-    return codecs.encode(x, code, block_size)
+    return codecs.quantize(x, code, block_size)
 
 
 def _decode_tree(qstate):
-    return jax.tree_util.tree_map(lambda e: codecs.decode(e) if codecs.is_encoded(e) else e,
+    return jax.tree_util.tree_map(lambda e: codecs.dequantize(e) if codecs.is_encoded(e) else e,
                                   qstate, is_leaf=codecs.is_encoded)
 
 

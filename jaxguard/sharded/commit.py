@@ -15,6 +15,7 @@ import time
 import jax
 
 from jaxguard import audit
+from jaxguard.core.config import GuardSpec, UpdateRequest
 from jaxguard.errors import CheckpointError
 from jaxguard.format import storage
 from jaxguard.format.manifest import (MANIFEST, SCHEMA, VERSION, check_coverage, check_files, file_name, index_name,
@@ -184,14 +185,15 @@ def remove_process_files(directory, process: int, save_id: str) -> None:
             pass
 
 
-def save(path, opt_state, params, *, spec, lr=None, weight_decay=None, betas=None, eps=None, include_params=False,
-         primary=0, op_model=None, tx=None, uncertifiable="refuse") -> dict:
+def save(path, opt_state, params, *, update: UpdateRequest | None, spec: GuardSpec, include_params=False,
+         primary=0) -> dict:
     """Sharded `jaxguard.save` (module docstring); every process calls it with the same `path`.
 
     Args:
       path: the checkpoint directory (the same on every process).
-      opt_state, params, lr, weight_decay, betas, eps, include_params, op_model, tx,
-        uncertifiable: as `jaxguard.save`.
+      opt_state, params, include_params: as `jaxguard.save`.
+      update: the save's `UpdateRequest` (`jaxguard.save` builds it from lr, weight_decay,
+        betas, eps, op_model, tx, uncertifiable).
       spec: the save's `GuardSpec` (`jaxguard.save` builds it from its keywords).
       primary: the process that writes host leaves and commits the manifest.
 
@@ -205,8 +207,7 @@ def save(path, opt_state, params, *, spec, lr=None, weight_decay=None, betas=Non
     """
     t0 = time.perf_counter()
     d = path_text(path)
-    plan = plan_state(opt_state, params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, spec=spec,
-                      op_model=op_model, tx=tx, uncertifiable=uncertifiable)
+    plan = plan_state(opt_state, params, update=update, spec=spec)
     prepare_directory(d, primary)
     try:
         local = plan_local(plan, opt_state, params, spec=spec, include_params=include_params, primary=primary)

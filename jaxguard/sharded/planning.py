@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxguard import audit, optax_state, writer
-from jaxguard.core.config import save_spec
+from jaxguard.core.config import UpdateRequest, save_spec
 from jaxguard.format import container, reader
 from jaxguard.format.manifest import file_name
 from jaxguard.optax_state import NO_ADAM, dtype_name, find_adam_states, flat_by_dotted
@@ -28,7 +28,7 @@ from jaxguard.sharded.processes import aligned, host_scalars, local_shards
 class StatePlan(NamedTuple):
     """What every leaf of an optax state becomes (`plan_state`); no array's data is read."""
     sites: list       # one meta dict per Adam site (its next update, its guard config, its count's path)
-    pairs: list       # the moment pairs certified per shard (`optax_state.CodedPair`)
+    pairs: list       # the moment pairs certified per shard (`jaxguard.moments.MomentJob`, whole leaves)
     leaves: list      # one record per state leaf: path, kind (mu / nu / raw), entry, dtype, shape[, why]
     treedef: str      # the state's tree structure
     flat: dict        # {dotted path: leaf} of the state
@@ -47,18 +47,18 @@ class LocalSave:
         return {k: self.common[k] for k in ("op_model", "tau", "clip", "codec")}
 
 
-def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps=None, spec=None, prefix="state",
-               op_model=None, tx=None, fixed=None, uncertifiable="refuse"):
+def plan_state(opt_state, params, *, update: UpdateRequest | None = None, spec=None, prefix="state", fixed=None):
     """(sites meta, moment pairs, leaves meta) of `opt_state`, from the walk every writer
     shares (`optax_state.lay_out`), without touching any array's data.
 
-    A moment pair is an `optax_state.CodedPair` (its `MomentPair`, GuardConfig, entry,
-    mu_mode, Adam site).  A pair whose next learning rate is 0 is no pair: its mu and nu
+    A moment pair is a `jaxguard.moments.MomentJob` on the whole leaves (its GuardConfig,
+    entry, mu mode, paths, Adam site).  A pair whose next learning rate is 0 is no pair: its mu and nu
     are raw leaves, stored exactly (their leaf records say why).
 
     Args:
-      opt_state, params, lr, weight_decay, betas, eps, op_model, tx, uncertifiable: as
-        `jaxguard.save`.
+      opt_state, params: as `jaxguard.save`.
+      update: the save's `UpdateRequest` (lr, weight_decay, betas, eps, op_model, tx,
+        uncertifiable as `jaxguard.save`).
       spec: the save's `GuardSpec` (`jaxguard.core.config.save_spec`).
       prefix: the entry-name prefix of the state's leaves.
       fixed: the next updates resolved already (`optax_state.plan_updates`).
@@ -75,9 +75,7 @@ def plan_state(opt_state, params, *, lr=None, weight_decay=None, betas=None, eps
     sites = find_adam_states(host_scalars(opt_state))
     if not sites:
         raise CheckpointError(NO_ADAM)
-    lay = optax_state.lay_out(opt_state, params, spec=spec, prefix=prefix, sites=sites, lr=lr,
-                              weight_decay=weight_decay, betas=betas, eps=eps, op_model=op_model, tx=tx, fixed=fixed,
-                              uncertifiable=uncertifiable)
+    lay = optax_state.lay_out(opt_state, params, spec=spec, update=update, prefix=prefix, sites=sites, fixed=fixed)
     sites_meta = [{**plan.meta(spec), "count_path": plan.site.leaf_path("count")} for plan in lay.plans]
     return StatePlan(sites_meta, lay.coded, lay.leaves, lay.treedef, lay.flat)
 
@@ -189,24 +187,21 @@ def encode_local(pairs, leaves, opt_state, params, *, include_params=False, prim
     oflat = flat_by_dotted(opt_state, "opt_state")
     items, coded = [], []     # float32 pairs after the bfloat16-mu ones (the order files have always had)
     done = set()
-    for c in pairs:
-        pair = c.pair
-        mu = oflat[pair.mu_path]
-        nu_s, p_s = aligned(oflat[pair.nu_path], mu), aligned(pair.p, mu)
+    for job in pairs:
+        mu = oflat[job.mu_path]
+        nu_s, p_s = aligned(oflat[job.nu_path], mu), aligned(job.p, mu)
         for dev, start, mdata in local_shards(mu, primary):
             if dev is None:
                 nd, pd = nu_s, p_s
             else:
                 nd, pd = nu_s[dev], p_s[dev]
             m, v, p = np.asarray(mdata), np.asarray(nd), np.asarray(pd)
-            if c.mu_mode == "coded":
-                coded.append((c.entry, start, writer.MomentJob(c.entry, m, v, p, c.config, {"param": pair.param})))
+            if job.mu == "coded":
+                coded.append((job.name, start, job.with_arrays(m, v, p)))
             else:
-                items.append((c.raw_entry, start, writer.Raw("", m, "bfloat16")))
-                m32 = np.asarray(jnp.asarray(m).astype(jnp.float32))
-                items.append((c.entry, start, writer.MomentJob(c.entry, m32, v, p, c.config, {"param": pair.param},
-                                                               mu="exact")))
-        done.update({pair.mu_path, pair.nu_path})
+                items.append((job.raw_entry, start, writer.Raw("", m, "bfloat16")))
+                items.append((job.name, start, job.with_arrays(np.asarray(jnp.asarray(m).astype(jnp.float32)), v, p)))
+        done.update({job.mu_path, job.nu_path})
     items += coded
     for leaf in leaves:
         if leaf["path"] in done:

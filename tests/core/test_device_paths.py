@@ -326,7 +326,7 @@ def test_device_route_keeps_escapes_exact_at_the_edges():
     for route in (True, False):
         recs = [writer.MomentJob(nm, encoder_view(m), encoder_view(v), encoder_view(p), cfg, {"param": nm})
                 for nm, m, v, p in jobs]
-        entries = list(writer.encode(recs, slab=2048, device_encode=route))   # "a" is over 2 slabs: in pieces
+        entries = list(writer.container_entries(recs, slab=2048, device_encode=route))   # "a" is over 2 slabs: in pieces
         assert [e.encoded.stats.get("route", "host") for e in entries] == ["device" if route else "host"] * 4
         data = container.build(entries, {"framework": "test"})
         header, payload = reader.parse(data)[:2]

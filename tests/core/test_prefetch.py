@@ -101,7 +101,7 @@ def test_codecs_choosing_codes_on_the_host_weigh_more_towards_a_second_thread():
 
 
 def test_slabs_encoded_on_several_threads_give_the_entries_of_one_thread(monkeypatch):
-    """writer.encode hands slabs on in order whatever the thread count (the suite's 2-core
+    """writer.container_entries hands slabs on in order whatever the thread count (the suite's 2-core
     machine runs one encode thread by default, so the threaded path is forced here)."""
     import numpy as np
     from jaxguard import writer
@@ -119,7 +119,7 @@ def test_slabs_encoded_on_several_threads_give_the_entries_of_one_thread(monkeyp
         monkeypatch.setenv("JAXGUARD_ENCODE_THREADS", threads)
         totals = writer.new_totals()
         out[threads] = ([(e.name, *(np.asarray(e.encoded.arrays[k]).tobytes() for k in sorted(e.encoded.arrays)))
-                         for e in writer.encode(jobs, totals, slab=2048)], totals)
+                         for e in writer.container_entries(jobs, totals, slab=2048)], totals)
     assert [e[0] for e in out["3"][0]] == [f"t{i}" for i in range(7)]
     assert out["1"] == out["3"]
 
@@ -139,7 +139,7 @@ def test_encode_shows_one_progress_bar_over_all_coordinates(capsys):
         jobs.append(writer.MomentJob(f"t{i}", m, v, rng.normal(0, .05, n).astype(np.float32),
                                      GuardConfig(lr=1e-3, step=3), {}))
     total = sum(j.size for j in jobs)
-    entries = list(writer.encode(jobs, writer.new_totals(), slab=2048, progress=True))
+    entries = list(writer.container_entries(jobs, writer.new_totals(), slab=2048, progress=True))
     assert [e.name for e in entries] == [j.name for j in jobs]
     err = capsys.readouterr().err
     starts = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("certify:") and " 0%" in line]
@@ -165,7 +165,7 @@ def test_callable_entry_info_is_evaluated_when_the_entry_is_produced():
                              rng.random(512).astype(np.float32) * 1e-6, rng.normal(0, .05, 512).astype(np.float32),
                              GuardConfig(lr=1e-3, step=5), {"param": f"p{i}", "param_sha256": digest(i)})
             for i in range(3)]
-    it = writer.encode(jobs)
+    it = writer.container_entries(jobs)
     assert calls == []                                # nothing is computed up front
     got = list(it)
     assert calls == [0, 1, 2]

@@ -74,8 +74,8 @@ def test_large_job_in_pieces_writes_the_same_container(tmp_path, monkeypatch, th
         return [writer.MomentJob("big", m.reshape(37005, 1), v.reshape(37005, 1), p.reshape(37005, 1),
                                  GuardConfig(lr=1e-3, step=100), {"param": "w"}),
                 container.Raw("r", np.arange(3))]
-    whole = list(writer.encode(recs(), slab=1 << 20))
-    pieced = list(writer.encode(recs(), slab=4096))
+    whole = list(writer.container_entries(recs(), slab=1 << 20))
+    pieced = list(writer.container_entries(recs(), slab=4096))
     assert whole[0].encoded.shape == pieced[0].encoded.shape == (37005, 1)
     for k in ("m_codes", "v_codes", "m_params", "v_params", "escape_index", "escape_m", "escape_v"):
         np.testing.assert_array_equal(np.asarray(pieced[0].encoded.arrays[k]), np.asarray(whole[0].encoded.arrays[k]))
@@ -92,7 +92,7 @@ def test_large_job_in_pieces_writes_the_same_container(tmp_path, monkeypatch, th
         heads.append(reader.parse((tmp_path / name).read_bytes())[0])
     for key in ("payload_sha256", "decoded_sha256"):
         assert heads[0][key] == heads[1][key], key
-    bad = list(writer.encode(recs(), slab=4096))  # a certified value off inside a later piece: refused
+    bad = list(writer.container_entries(recs(), slab=4096))  # a certified value off inside a later piece: refused
     part = bad[0].encoded.decoded[1].parts[4]
     part[3] = np.nextafter(part[3], np.float32(np.inf))
     with pytest.raises(container.ContainerError, match="coordinate 16387 .*nothing was written"):
@@ -100,7 +100,7 @@ def test_large_job_in_pieces_writes_the_same_container(tmp_path, monkeypatch, th
     calls = []                                  # each piece's inputs released once certified
     job = recs()[0]
     job = writer.MomentJob(job.name, job.m, job.v, job.p, job.config, job.info, source=(job.m, job.v, job.p))
-    list(writer.encode([job], slab=4096, release=calls.append))
+    list(writer.container_entries([job], slab=4096, release=calls.append))
     pieces = [c for c in calls if len(c) == 3 and all(isinstance(a, np.ndarray) and a.size <= 4096 for a in c)]
     assert len(pieces) == -(-n // 4096) and all(np.shares_memory(c[0], m) for c in pieces)
 
@@ -121,7 +121,7 @@ def test_pieces_of_a_cpu_jax_array_are_host_views():
     for kind, arrays in (("numpy", (m, v, p)), ("jax", (mj, vj, pj))):
         calls = []
         job = writer.MomentJob("big", *arrays, cfg, {"param": "w"}, source=arrays)
-        out[kind] = list(writer.encode([job], slab=4096, release=calls.append))[0].encoded
+        out[kind] = list(writer.container_entries([job], slab=4096, release=calls.append))[0].encoded
         pieces = [c for c in calls if len(c) == 3 and all(isinstance(a, np.ndarray) and a.size <= 4096 for a in c)]
         assert len(pieces) == -(-n // 4096), kind
         if kind == "jax":

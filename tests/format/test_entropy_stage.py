@@ -295,7 +295,7 @@ def test_section_set_is_checked_before_decoding():
 
 
 def test_pieces_join_their_frames_into_the_whole_tensors_bytes(monkeypatch):
-    """A tensor certified in pieces (writer.encode above PIECES_OVER slabs) takes its
+    """A tensor certified in pieces (writer.container_entries above PIECES_OVER slabs) takes its
     pieces' code frames as they are: the payload is byte for byte the one-piece one."""
     monkeypatch.setattr(zstd_streams, "FRAME", 4096)
     m, v, p = _moments(4096 * 5 + 77, seed=9)
@@ -308,8 +308,8 @@ def test_pieces_join_their_frames_into_the_whole_tensors_bytes(monkeypatch):
         calls.append(out is not None)
         return out
     monkeypatch.setattr(entropy, "join_sections", counted)
-    whole = container.build(list(writer.encode([writer.MomentJob("w", m, v, p, cfg)])), {})
-    pieces = container.build(list(writer.encode([writer.MomentJob("w", m, v, p, cfg)], slab=4096)), {})
+    whole = container.build(list(writer.container_entries([writer.MomentJob("w", m, v, p, cfg)])), {})
+    pieces = container.build(list(writer.container_entries([writer.MomentJob("w", m, v, p, cfg)], slab=4096)), {})
     assert calls == [True]
     (hw, pw), (hp, pp) = reader.parse(whole), reader.parse(pieces)   # headers differ in encode_seconds only
     assert bytes(pw) == bytes(pp) and hw["decoded_sha256"] == hp["decoded_sha256"]

@@ -20,6 +20,7 @@ import pytest
 
 import jaxguard as jg
 from jaxguard import sharded
+from jaxguard.core.config import UpdateRequest
 from jaxguard.format import storage
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -171,7 +172,7 @@ def test_an_older_save_does_not_replace_a_newer_commit(tmp_path, small):
     older = sharded.new_save_id()
     s = _save(d, states[1], sharded=True)   # started later, committed first
     p, st = states[2]
-    pairs = sharded.plan_state(st, p, lr=1e-3, weight_decay=1e-2)
+    pairs = sharded.plan_state(st, p, update=UpdateRequest(lr=1e-3, weight_decay=1e-2))
     items, totals, _ = sharded.encode_local(pairs[1], pairs[2], st, p)
     common = sharded.common_meta(pairs[0], pairs[2], pairs[3], tau=0.01, clip=0.2, codec=jg.DEFAULT_CODEC)
     with pytest.raises(jg.CheckpointError, match="started later") as e:

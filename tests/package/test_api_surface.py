@@ -78,3 +78,29 @@ def test_one_encode_v_only():
                      if isinstance(node, ast.FunctionDef) and node.name == "encode_v_only")
     assert defined == ["jaxguard/core/guard.py"], defined
     assert jaxguard.encode_v_only is guard.encode_v_only
+
+
+def test_one_guarded_encode_entry():
+    """`jaxguard.core.guard.encode` is the one guarded encode: the writer's record stream is
+    `writer.container_entries`, training quantization `quant.quantize` (its old name
+    `encode` a deprecated alias); v-only is the entry's ``mu="exact"`` mode, bit for bit
+    `encode_v_only`."""
+    import numpy as np
+    from jaxguard.core import guard
+    from jaxguard.errors import ConfigError
+    defined = {str(p.relative_to(ROOT)) for p in _sources() for node in ast.parse(p.read_text()).body
+               if isinstance(node, ast.FunctionDef) and node.name == "encode"}
+    # format/rans.py's entropy coder is renamed apart from this module
+    assert "jaxguard/core/guard.py" in defined and defined <= {"jaxguard/core/guard.py", "jaxguard/quant/codecs.py",
+                                                               "jaxguard/format/rans.py"}, defined
+    assert jaxguard.encode is guard.encode
+    rng = np.random.default_rng(0)
+    m = (rng.standard_normal(700) * 1e-3).astype(np.float32)
+    v = (m.astype(np.float64) ** 2 * 4 + 1e-8).astype(np.float32)
+    p = rng.standard_normal(700).astype(np.float32)
+    cfg = jaxguard.GuardConfig(lr=1e-3, step=10)
+    mode, sibling = guard.encode(m, v, p, cfg, mu="exact"), guard.encode_v_only(m, v, p, cfg)
+    assert mode.stats["coordinates"] == 700 and set(mode.arrays) == set(sibling.arrays)
+    assert all(np.array_equal(np.asarray(mode.arrays[k]), np.asarray(sibling.arrays[k])) for k in mode.arrays)
+    with pytest.raises(ConfigError, match="mu='raw'"):
+        guard.encode(m, v, p, cfg, mu="raw")

@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 from jaxguard.core import codes
 from jaxguard.errors import ConfigError, JaxguardError
 from jaxguard.quant import (ALCode, D8Code, UF8Code, al_decode, al_encode, al_error_bound,
-                            d8_decode, d8_encode, decode, encode, uf8_decode, uf8_encode)
+                            d8_decode, d8_encode, dequantize, quantize, uf8_decode, uf8_encode)
 
 DERANDOM = settings(derandomize=True, max_examples=25, deadline=None)
 # a few sizes only (each new shape compiles once): one element, a partial block, exact
@@ -230,18 +230,32 @@ def test_uf8_and_d8_types_and_dispatch():
     x = np.random.default_rng(0).normal(size=(30, 20)).astype(np.float32)
     for code, cls in (("al8", ALCode), ("al16", ALCode), ("uf8", UF8Code), ("d8", D8Code)):
         xx = np.abs(x) if code.startswith("al") else x
-        e = encode(xx, code)
+        e = quantize(xx, code)
         assert isinstance(e, cls) and e.codes.shape == x.shape
-        assert np.asarray(decode(e)).shape == x.shape
-    assert encode(x, "bf16").dtype == jnp.bfloat16
-    assert np.array_equal(np.asarray(decode(encode(x, "fp32"))), x)
+        assert np.asarray(dequantize(e)).shape == x.shape
+    assert quantize(x, "bf16").dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(dequantize(quantize(x, "fp32"))), x)
+
+
+def test_old_quant_names_warn_and_give_the_same_values():
+    """jaxguard.quant.encode/decode (the names before quantize/dequantize) still work, with
+    one DeprecationWarning each, and return what the new names return."""
+    from jaxguard import quant
+    x = np.random.default_rng(1).normal(size=(4, 256)).astype(np.float32)
+    with pytest.warns(DeprecationWarning, match="quant.quantize"):
+        old = quant.encode(x, "uf8")
+    new = quantize(x, "uf8")
+    assert np.array_equal(np.asarray(old.codes), np.asarray(new.codes))
+    with pytest.warns(DeprecationWarning, match="quant.dequantize"):
+        back = quant.decode(old)
+    assert np.array_equal(np.asarray(back), np.asarray(dequantize(new)))
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: al_encode(np.ones(4, np.float32), bits=4), "bits=4"),
     (lambda: al_encode(np.ones(4, np.float32), block_size=100), "block_size=100"),
     (lambda: al_encode(np.ones(4, np.int32)), "dtype int32"),
-    (lambda: encode(np.ones(4, np.float32), "fp8"), "code='fp8'"),
+    (lambda: quantize(np.ones(4, np.float32), "fp8"), "code='fp8'"),
 ], ids=["bits", "block", "dtype", "code"])
 def test_errors_are_one_line_jaxguard_errors(call, match):
     with pytest.raises(ConfigError, match=match) as ei:

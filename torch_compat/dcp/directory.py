@@ -27,7 +27,7 @@ from jaxguard.format import storage
 from jaxguard.errors import CheckpointError, JaxguardError, JaxguardWarning
 from torch_compat import state as _state
 from torch_compat.dcp_metadata import load_metadata
-from torch_compat.dcp.layout import MANIFEST_KEY, NOT_GUARDED, SHARD_PREFIX, _one_line, _optimizer_roots, manifest_of
+from torch_compat.dcp.layout import MANIFEST_KEY, NOT_GUARDED, SHARD_PREFIX, one_line, optimizer_roots, manifest_of
 from torch_compat.dcp.save_planner import GuardedSavePlanner
 from torch_compat.dcp.verified_read import read_verified
 from torch_compat.dcp.load_planner import GuardedFileSystemReader, GuardedLoadPlanner
@@ -98,7 +98,7 @@ def _unwrapped():
         first = next((e for e in inner if isinstance(e, JaxguardError)), inner[0] if inner else exc)
         if isinstance(first, JaxguardError):
             raise first from None
-        raise CheckpointError(f"torch.distributed.checkpoint failed: {_one_line(first)}") from None
+        raise CheckpointError(f"torch.distributed.checkpoint failed: {one_line(first)}") from None
 
 
 def _to_torch_checkpoint(state: dict) -> dict:
@@ -111,7 +111,7 @@ def _to_torch_checkpoint(state: dict) -> dict:
     Returns:
       The CKPT dict, or `state` unchanged when it holds no single top-level optimizer.
     """
-    roots = _optimizer_roots(state)
+    roots = optimizer_roots(state)
     top = [r for r in roots if len(r) == 1]
     if len(top) != 1:
         return state

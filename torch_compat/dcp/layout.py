@@ -2,7 +2,8 @@
 names, the moments guarded, and the small helpers both planners share."""
 from __future__ import annotations
 
-__all__ = ['FORMAT', 'MANIFEST_KEY', 'SHARD_PREFIX', 'MOMENTS', 'NOT_GUARDED', 'manifest_of']
+__all__ = ['FORMAT', 'MANIFEST_KEY', 'SHARD_PREFIX', 'MOMENTS', 'NOT_GUARDED', 'manifest_of', 'one_line',
+           'optimizer_roots', 'group_of', 'offsets_key', 'chunk_items', 'tensor_sha256']
 
 import hashlib
 
@@ -22,22 +23,25 @@ NOT_GUARDED = ("{path} is a plain DCP checkpoint (no jaxguard manifest); convert
 
 
 # ---------------------------------------------------------------- small helpers
-def _offsets_key(fqn, offsets) -> str:
+def offsets_key(fqn, offsets) -> str:
+    """The manifest's key of a DCP item: ``fqn``, or ``fqn@o0,o1,...`` for a shard at `offsets`."""
     return fqn if offsets is None else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
-def _tensor_sha256(t: torch.Tensor) -> str:
+def tensor_sha256(t: torch.Tensor) -> str:
+    """The SHA-256 hex digest of a tensor's bytes (on the CPU, contiguous)."""
     t = t.detach().cpu().contiguous()
     return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest() if t.numel() else \
         hashlib.sha256(b"").hexdigest()
 
 
-def _one_line(exc) -> str:
+def one_line(exc) -> str:
+    """The first line of an exception's message (its type's name if empty), at most 200 characters."""
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:200]
 
 
-def _optimizer_roots(nested) -> dict:
+def optimizer_roots(nested) -> dict:
     """{path tuple: optimizer state_dict} for every dict holding 'state' and 'param_groups'."""
     out = {}
 
@@ -53,7 +57,12 @@ def _optimizer_roots(nested) -> dict:
     return out
 
 
-def _group_of(osd, fqn, root):
+def group_of(osd, fqn, root):
+    """``(index, param group)`` of `osd` that lists `fqn` (`root`: the state_dict's path, for the error).
+
+    Raises:
+      CheckpointError: no group lists it.
+    """
     for gi, g in enumerate(osd["param_groups"]):
         if fqn in list(g.get("params", ())):
             return gi, g
@@ -61,7 +70,7 @@ def _group_of(osd, fqn, root):
                           "save the optimizer state_dict from get_state_dict(model, optimizer)")
 
 
-def _chunk_items(fqn, obj):
+def chunk_items(fqn, obj):
     """[(offsets, sizes, MetadataIndex)] of the local chunks DCP would write for `obj`."""
     return [(tuple(int(o) for o in it.tensor_data.chunk.offsets), tuple(int(s) for s in it.tensor_data.chunk.sizes),
              it.index) for it in _create_write_items(fqn, obj)]

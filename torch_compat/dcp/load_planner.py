@@ -28,7 +28,7 @@ except ImportError:   # torch 2.4: DTensor was public only as torch.distributed.
 from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning
 from torch_compat import state as _state
 from torch_compat.dcp_metadata import load_metadata
-from torch_compat.dcp.layout import _group_of, _offsets_key, _optimizer_roots, manifest_of
+from torch_compat.dcp.layout import group_of, offsets_key, optimizer_roots, manifest_of
 from torch_compat.dcp.verified_read import read_verified
 
 
@@ -297,7 +297,7 @@ class GuardedLoadPlanner(DefaultLoadPlanner):
             if ri.type == LoadItemType.BYTE_IO:
                 apply.append(("obj", ri.dest_index.fqn, objects[ri.storage_index.fqn]))
                 continue
-            src = narrow_tensor_by_index(tensors[_offsets_key(ri.storage_index.fqn, ri.storage_index.offset)],
+            src = narrow_tensor_by_index(tensors[offsets_key(ri.storage_index.fqn, ri.storage_index.offset)],
                                          ri.storage_offsets, ri.lengths)
             dst = self.transform_tensor(ri, self.lookup_tensor(ri.dest_index)).detach()
             if dst.size() != src.size():
@@ -362,14 +362,14 @@ def check_next_update(manifest, state_dict, *, where="the checkpoint", strict=Fa
     """
     if not manifest:
         return
-    roots = _optimizer_roots(state_dict)
+    roots = optimizer_roots(state_dict)
     for root, osd in roots.items():
         entries, members = [], [[] for _ in osd["param_groups"]]
         for e in manifest.get("moments", {}).values():
             if tuple(e.get("m_path") or ())[:-3] != root or not e.get("shards"):
                 continue
             try:
-                gi, _ = _group_of(osd, e["param"], root)
+                gi, _ = group_of(osd, e["param"], root)
             except CheckpointError:
                 continue
             members[gi].append(len(entries))

@@ -21,8 +21,8 @@ from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerError
 from jaxguard.core.config import save_spec
 from torch_compat import state as _state
-from torch_compat.dcp.layout import (FORMAT, MANIFEST_KEY, MOMENTS, SHARD_PREFIX, _chunk_items, _group_of,
-                                     _offsets_key, _optimizer_roots, _tensor_sha256)
+from torch_compat.dcp.layout import (FORMAT, MANIFEST_KEY, MOMENTS, SHARD_PREFIX, chunk_items, group_of,
+                                     offsets_key, optimizer_roots, tensor_sha256)
 
 
 # ---------------------------------------------------------------- save
@@ -121,7 +121,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 blobs[item.index.fqn] = hashlib.sha256(self._blob(item.index.fqn)).hexdigest()
             else:
                 obj = find_state_dict_object(self.state_dict, item.index)
-                tensors[_offsets_key(item.index.fqn, item.index.offset)] = _tensor_sha256(obj)
+                tensors[offsets_key(item.index.fqn, item.index.offset)] = tensor_sha256(obj)
         local.update(tensors=tensors, bytes=blobs, seconds=time.perf_counter() - t0)
         self.plan = dataclasses.replace(plan, planner_data={"mappings": plan.planner_data, "jaxguard": local})
         return self.plan
@@ -135,7 +135,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
 
     def _encode_local_shards(self) -> dict:
         self._blobs: dict = {}
-        roots = _optimizer_roots(self._nested)
+        roots = optimizer_roots(self._nested)
         refuse = self.uncertifiable == uncovered.REFUSE
         bad_groups = {}
         for root, osd in roots.items():
@@ -148,13 +148,13 @@ class GuardedSavePlanner(DefaultSavePlanner):
         for key, path in list(self.mappings.items()):
             if len(path) >= 3 and path[-1] in MOMENTS and path[-3] == "state" and tuple(path[:-3]) in roots:
                 pairs.setdefault((tuple(path[:-3]), path[-2]), {})[path[-1]] = key
-        # one MomentJob per local shard; a shard's sizes (the manifest's, not an entry field) ride beside it
-        jobs, shard_sizes, entries, exact = [], [], {}, {}
+        # one MomentJob per local shard, placed by its offsets and sizes (the entry stores the offsets only)
+        jobs, entries, exact = [], {}, {}
         for (root, fqn), keys in pairs.items():
             if set(keys) != set(MOMENTS):
                 raise CheckpointError(f"optimizer state {fqn!r} has {sorted(keys)} but not both exp_avg and exp_avg_sq")
             osd = roots[root]
-            gi, group = _group_of(osd, fqn, root)
+            gi, group = group_of(osd, fqn, root)
             u = bad_groups.get((root, gi)) or self._pair_uncovered(fqn, keys, root)
             if u is not None:     # uncertifiable="exact": the pair stays plain DCP tensors, stored exactly
                 if refuse:
@@ -174,7 +174,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
             if not (m.shape == v.shape == p.shape):
                 raise CheckpointError(f"parameter {fqn!r} has shape {tuple(p.shape)} but its moments "
                                       f"{tuple(m.shape)}; the model and optimizer do not match")
-            chunks = [_chunk_items(k, t) for k, t in ((m_key, m), (v_key, v), (p_key, p))]
+            chunks = [chunk_items(k, t) for k, t in ((m_key, m), (v_key, v), (p_key, p))]
             if not (len({tuple((o, s) for o, s, _ in c) for c in chunks}) == 1):
                 raise CheckpointError(f"the local shards of {fqn!r} and of its moments differ; shard the parameter "
                                       "and the optimizer state alike (FSDP2 does)")
@@ -187,14 +187,15 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 if math.prod(size) == 0:
                     continue
                 m, v, p = (_state.encoder_view(find_state_dict_object(self.state_dict, i)) for i in (mi, vi, pi))
-                jobs.append(writer.MomentJob(prefix, m, v, p, cfg, {"param": entry["param"], "offsets": list(off),
-                                                                    "global_shape": entry["shape"]}))
-                shard_sizes.append(size)
+                jobs.append(writer.MomentJob(prefix, m, v, p, cfg, {"param": fqn, "offsets": list(off),
+                                                                    "global_shape": entry["shape"]},
+                                             param=fqn, shape=tuple(entry["shape"]), offsets=tuple(off),
+                                             sizes=tuple(size)))
         moments = {prefix: {**entry, "shards": []} for prefix, entry in entries.items()}
         totals = {**writer.new_totals(), "container_bytes": 0}
-        for job, size, e in zip(jobs, shard_sizes, writer.encode(jobs, totals)):
-            prefix, cfg, off = job.name, job.config, tuple(job.info["offsets"])
-            key = _offsets_key(SHARD_PREFIX + prefix, off)
+        for job, e in zip(jobs, writer.container_entries(jobs, totals)):
+            prefix, cfg, off, size = job.name, job.config, job.offsets, job.sizes
+            key = offsets_key(SHARD_PREFIX + prefix, off)
             data = container.build([e], {"framework": "torch-dcp", "moment": prefix, "offsets": list(off)},
                                    extra_header={"op_model": cfg.op_model, "tau": cfg.tau, "clip": cfg.clip,
                                                  "codec": cfg.codec, "bound": cfg.bound, "partition": cfg.partition})
@@ -271,7 +272,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 if item.type == WriteItemType.BYTE_IO:
                     blobs[item.index.fqn] = loc["bytes"][item.index.fqn]
                 else:
-                    k = _offsets_key(item.index.fqn, item.index.offset)
+                    k = offsets_key(item.index.fqn, item.index.offset)
                     tensors[k] = loc["tensors"][k]
         for loc in locals_:
             for prefix, entry in loc["moments"].items():

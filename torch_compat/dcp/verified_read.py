@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from jaxguard.format import container, reader
 from jaxguard.errors import CheckpointError, ContainerError
-from torch_compat.dcp.layout import _offsets_key, _one_line, _tensor_sha256
+from torch_compat.dcp.layout import offsets_key, one_line, tensor_sha256
 
 
 # ---------------------------------------------------------------- load
@@ -42,7 +42,7 @@ class _Stager(LoadPlanner):
     def resolve_tensor(self, read_item):
         md = self.md[read_item.storage_index.fqn]
         buf = torch.empty(tuple(read_item.lengths), dtype=md.properties.dtype)
-        self.tensors[_offsets_key(read_item.storage_index.fqn, read_item.storage_index.offset)] = buf
+        self.tensors[offsets_key(read_item.storage_index.fqn, read_item.storage_index.offset)] = buf
         return buf
 
     def commit_tensor(self, read_item, tensor):
@@ -91,7 +91,7 @@ def read_verified(storage_reader, metadata, manifest, keys, *, describe=None):
         info = storage.get(item.storage_index)
         if info is None:
             raise CheckpointError(f"{base or 'the checkpoint'}: the metadata lists no storage for "
-                                  f"{_offsets_key(item.storage_index.fqn, item.storage_index.offset)!r}; the .metadata file is inconsistent")
+                                  f"{offsets_key(item.storage_index.fqn, item.storage_index.offset)!r}; the .metadata file is inconsistent")
         by_file.setdefault(getattr(info, "relative_path", "?"), []).append((item, info))
     stager = _Stager(md)
     shards = {}
@@ -112,13 +112,13 @@ def read_verified(storage_reader, metadata, manifest, keys, *, describe=None):
             storage_reader.read_data(LoadPlan([it for it, _ in pairs]), stager).wait()
         except Exception as exc:  # noqa: BLE001 - any reader failure is this file's fault
             raise CheckpointError(f"{path}: does not match .metadata (overwritten in place by a save that did not "
-                                  f"finish, or altered): {_one_line(exc)[:90]}") from None
+                                  f"finish, or altered): {one_line(exc)[:90]}") from None
         for item, _ in pairs:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.TENSOR:
-                k = _offsets_key(fqn, item.storage_index.offset)
+                k = offsets_key(fqn, item.storage_index.offset)
                 want = None if manifest is None else manifest["tensors"].get(k)
-                if manifest is not None and want != _tensor_sha256(stager.tensors[k]):
+                if manifest is not None and want != tensor_sha256(stager.tensors[k]):
                     raise CheckpointError(f"{path}: tensor {k!r} does not match the SHA-256 recorded at save; the "
                                           "file was altered or is corrupt")
                 continue
@@ -133,7 +133,7 @@ def read_verified(storage_reader, metadata, manifest, keys, *, describe=None):
                     tables = reader.read_tables(header, payload)
                     (m, v), = container.entries_by_name(header, payload, tables, verify_decoded=True).values()
                 except (reader.ReaderError, ContainerError, ValueError) as exc:
-                    raise CheckpointError(f"{path}: guarded shard {fqn!r} does not decode ({_one_line(exc)})") from None
+                    raise CheckpointError(f"{path}: guarded shard {fqn!r} does not decode ({one_line(exc)})") from None
                 if header.get("decoded_sha256") != s["decoded_sha256"]:
                     raise CheckpointError(f"{path}: guarded shard {fqn!r} decodes to moments whose SHA-256 differs "
                                           "from the one recorded at save")
@@ -146,5 +146,5 @@ def read_verified(storage_reader, metadata, manifest, keys, *, describe=None):
                 objects[fqn] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as exc:  # noqa: BLE001
                 raise CheckpointError(f"{path}: item {fqn!r} is not plain data and was refused without running it "
-                                      f"({_one_line(exc)})") from None
+                                      f"({one_line(exc)})") from None
     return stager.tensors, objects, shards

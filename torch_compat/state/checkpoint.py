@@ -13,7 +13,7 @@ from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerEr
 from jaxguard.uncovered import policy as uncovered_policy
 from torch_compat.state.tensors import torch, torch_version, writer
 from torch_compat.state.skeleton import from_skeleton, to_skeleton
-from torch_compat.state.records import _save_spec, state_records
+from torch_compat.state.records import lazy_save_spec, state_records
 from torch_compat.state.first_update import (certified_by_group, check_certified_weights, check_layout,
                                              check_next_update, warn_other_kernel, watch_first_step)
 
@@ -75,7 +75,7 @@ def compress_checkpoint(ckpt, *, spec=None, tau=None, clip=None, codec=None, pro
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec)
+    spec = lazy_save_spec(spec, tau=tau, clip=clip, codec=codec)
     records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr)
     extra["variant"] = variant = _variant_of(variant)
     data, summary = writer.to_bytes(records, meta, extra_header=extra, progress=progress, device_encode=device_encode)
@@ -105,7 +105,7 @@ def compress_checkpoint_to(path, ckpt, *, spec=None, tau=None, clip=None, codec=
     Raises:
       CheckpointError, UnsupportedOptimizerError: as `state_records`.
     """
-    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec)
+    spec = lazy_save_spec(spec, tau=tau, clip=clip, codec=codec)
     records, meta, extra = _checkpoint_records(ckpt, spec=spec, op_model=op_model, param_order=param_order, lr=lr,
                                                uncertifiable=uncertifiable)
     extra["variant"] = variant = _variant_of(variant)
@@ -241,7 +241,7 @@ def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: Guar
     Raises:
       UnsupportedOptimizerError, CheckpointError: as `save`.
     """
-    spec = _save_spec(spec, tau=tau, clip=clip, codec=codec)
+    spec = lazy_save_spec(spec, tau=tau, clip=clip, codec=codec)
     notes: dict = {}
     opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model, lr=lr, notes=notes, param_map="live",
                                     uncertifiable=uncertifiable)

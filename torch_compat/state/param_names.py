@@ -12,7 +12,7 @@ import numpy as np
 from jaxguard.format.torchzip import FileTensor
 from jaxguard.errors import CheckpointError
 from torch_compat.state.tensors import is_tensor, torch
-from torch_compat.state.skeleton import _tie_key
+from torch_compat.state.skeleton import tie_key
 
 
 NO_NAMES = ("the optimizer state_dict has no 'param_names'; build the optimizer from "
@@ -104,7 +104,7 @@ def _parameter_candidates(model_sd) -> list:
     for k, t in model_sd.items():
         if not (is_tensor(t) and t.is_floating_point()):
             continue
-        key = _tie_key(t)
+        key = tie_key(t)
         if key is not None and key in seen:
             continue
         seen.add(key)

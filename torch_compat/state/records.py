@@ -3,7 +3,7 @@ update it is certified for (`next_update`, `guard_config`), the rest stored exac
 from __future__ import annotations
 
 __all__ = ['next_update', 'guard_config', 'step_count', 'MappedSource', 'state_records', 'UNNAMED_WHY',
-           'writer_config', 'encoder_view']
+           'writer_config', 'encoder_view', 'lazy_save_spec']
 
 import functools
 
@@ -186,7 +186,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
       UnsupportedOptimizerError: not float32, not Adam/AdamW, an unsupported flag.
       ConfigError: a bad `lr`.
     """
-    spec = _save_spec(spec)
+    spec = lazy_save_spec(spec)
     exact_ok = uncovered_policy(uncertifiable) == "exact"
     if exact_ok and _not_adam_at_all(opt_sd):
         return _stored_whole(opt_sd, prefix, notes, group_uncovered(0, opt_sd["param_groups"][0]).why)
@@ -242,7 +242,7 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         jobs.append(writer.MomentJob(ename, encoder_view(m), encoder_view(v), encoder_view(p), cfg,
                                      {"param": name, "param_map": param_map,
                                       "param_sha256": functools.partial(param_digest, p)},
-                                     source=(m, v, p)))
+                                     source=(m, v, p), param=name))
         rest = {k: v for k, v in st.items() if k not in ("exp_avg", "exp_avg_sq")}
         sk = to_skeleton(rest, ename, raws)
         sk["__dict__"] += [["exp_avg", {"__moment__": ename, "which": "m"}],
@@ -303,7 +303,8 @@ def writer_config(spec, update):
     return GuardConfig.from_update(spec, update)
 
 
-def _save_spec(spec=None, **overrides):
+def lazy_save_spec(spec=None, **overrides):
+    """`jaxguard.core.config.save_spec`, imported when called (restore never loads JAX for it)."""
     from jaxguard.core.config import save_spec   # jax: only compress pays for it, not restore
     return save_spec(spec, **overrides)
 

@@ -1,7 +1,7 @@
 """A checkpoint's tree as a JSON skeleton plus raw arrays (nothing pickled), and back."""
 from __future__ import annotations
 
-__all__ = ['to_skeleton', 'from_skeleton']
+__all__ = ['to_skeleton', 'from_skeleton', 'tie_key']
 
 import argparse
 import math
@@ -11,10 +11,10 @@ import numpy as np
 from jaxguard.format import container, reader
 from jaxguard.format.torchzip import FileTensor
 from jaxguard.errors import CheckpointError
-from torch_compat.state.tensors import _writable, is_tensor, numpy_to_tensor, tensor_to_numpy, torch
+from torch_compat.state.tensors import writable_array, is_tensor, numpy_to_tensor, tensor_to_numpy, torch
 
 
-def _tie_key(t):
+def tie_key(t):
     """What makes two tensors the same stored values: one storage, offset, shape, strides
     and dtype (a tied weight under two state_dict keys); None for an empty tensor."""
     if t.numel() == 0:
@@ -48,7 +48,7 @@ def to_skeleton(obj, path, raws, tied=None):
     """
     tied = {} if tied is None else tied
     if is_tensor(obj):
-        key = _tie_key(obj)
+        key = tie_key(obj)
         if key is not None and key in tied:
             return {"__tensor__": tied[key]}
         arr, dt = tensor_to_numpy(obj)
@@ -103,7 +103,7 @@ def from_skeleton(sk, arrays, dtypes):
             return numpy_to_tensor(arrays[sk["__tensor__"]], dtypes[sk["__tensor__"]])
         if "__moment__" in sk:
             m, v = arrays[sk["__moment__"]]
-            return torch.from_numpy(_writable(m if sk["which"] == "m" else v))
+            return torch.from_numpy(writable_array(m if sk["which"] == "m" else v))
         if "__dict__" in sk:
             return {k: from_skeleton(v, arrays, dtypes) for k, v in sk["__dict__"]}
         if "__list__" in sk:

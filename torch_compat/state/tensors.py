@@ -3,7 +3,7 @@ before they are needed (`jaxguard compress` of a file read without torch never i
 from __future__ import annotations
 
 __all__ = ['is_tensor', 'dtype_name', 'torch_version', 'tensor_to_numpy', 'numpy_to_tensor', 'scalar_value',
-           'jax_platform_of', 'HostTensor']
+           'jax_platform_of', 'HostTensor', 'writable_array']
 
 import sys
 
@@ -95,7 +95,7 @@ def tensor_to_numpy(t: torch.Tensor):
     return arr, container.numpy_dtype_name(arr)
 
 
-def _writable(arr):
+def writable_array(arr):
     """`arr` itself when torch may share it (writable: e.g. read from a container into a
     bytearray, or freshly decoded), else a copy."""
     return arr if arr.flags.writeable else np.array(arr)
@@ -111,7 +111,7 @@ def numpy_to_tensor(arr, dtype_name):
     Returns:
       A CPU tensor with the same bits.
     """
-    arr = _writable(np.asarray(arr))
+    arr = writable_array(np.asarray(arr))
     if dtype_name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
