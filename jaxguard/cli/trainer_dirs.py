@@ -185,6 +185,7 @@ def _compress(a, print_summary) -> int:
         raise CheckpointError(f"{inp.path} is {inp.description} whose optimizer is compressed already "
                               f"({', '.join(_jg_files(inp))}); jaxguard restore writes the uncompressed one back")
     spec = guard_spec(a)
+    update = tstate.torch_update_request(lr=a.lr, op_model=a.op_model, uncertifiable=a.uncertifiable)
     weights = load_weights(inp.path)
     totals, written, notes, stored = audit.new_totals(), 0, {}, []
     with _staged(a.output) as stage:
@@ -192,9 +193,8 @@ def _compress(a, print_summary) -> int:
         for name in plain:
             sd = load_checkpoint(os.path.join(inp.path, name), trust=a.trust)
             try:
-                opt_sk, records = tstate.state_records(sd, weights, spec=spec, op_model=a.op_model, lr=a.lr, notes=notes,
-                                                       param_order=_param_order(a.param_order, inp, sd, weights),
-                                                       uncertifiable=a.uncertifiable)
+                opt_sk, records = tstate.state_records(sd, weights, spec=spec, update=update, notes=notes,
+                                                       param_order=_param_order(a.param_order, inp, sd, weights))
             except JaxguardError as exc:
                 hint = ("; for the Trainer's own optimizer, --param-order trainer asserts its order"
                         if inp.kind == "hf-checkpoint" and a.param_order is None and "param_names" in str(exc) else "")

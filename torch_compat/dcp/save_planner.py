@@ -80,9 +80,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
             raise ConfigError("GuardedSavePlanner does not support enable_plan_caching=True: every save records new hashes")
         super().__init__(**kwargs)
         self.spec = save_spec(spec, tau=tau, clip=clip, codec=codec)
-        self.op_model = op_model
-        self.lr = lr
-        self.uncertifiable = uncovered.policy(uncertifiable)
+        self.update = _state.torch_update_request(lr=lr, op_model=op_model, uncertifiable=uncovered.policy(uncertifiable))
         self.overwrite = overwrite
         s = self.spec
         self.tau, self.clip, self.codec, self.bound, self.partition = s.tau, s.clip, s.codec, s.bound, s.partition
@@ -136,7 +134,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
     def _encode_local_shards(self) -> dict:
         self._blobs: dict = {}
         roots = optimizer_roots(self._nested)
-        refuse = self.uncertifiable == uncovered.REFUSE
+        refuse = self.update.uncertifiable == uncovered.REFUSE
         bad_groups = {}
         for root, osd in roots.items():
             for gi, g in enumerate(osd["param_groups"]):
@@ -162,7 +160,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
                 exact[(root, fqn)] = u.why
                 continue
             step = _state.step_count(osd["state"][fqn], fqn)
-            update = _state.next_update(group, step, op_model=self.op_model, lr=self.lr,
+            update = _state.next_update(group, step, op_model=self.update.op_model, lr=self.update.lr,
                                         device_type=osd["state"][fqn]["exp_avg"].device.type)
             if update.stores_exactly:     # next lr 0: the pair stays plain DCP tensors, stored exactly
                 exact[(root, fqn)] = _state.EXACT_REASON
@@ -222,7 +220,7 @@ class GuardedSavePlanner(DefaultSavePlanner):
         self.summary = totals
         stored = sorted(({"param": ".".join(map(str, root + (fqn,))), "why": why} for (root, fqn), why in exact.items()),
                         key=lambda x: x["param"])
-        if self.uncertifiable == uncovered.EXACT:
+        if self.update.uncertifiable == uncovered.EXACT:
             uncovered.warn("GuardedSavePlanner", [s for s in stored if s["why"] != _state.EXACT_REASON],
                            of=sum(len(osd["state"]) for osd in roots.values()))
         return {"moments": moments, "totals": totals, "stored_exactly": stored}

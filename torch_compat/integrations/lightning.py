@@ -106,6 +106,7 @@ class GuardedCheckpointIO(CheckpointIO):
             raise CheckpointError("the Lightning checkpoint has no 'state_dict'; GuardedCheckpointIO needs the "
                                   "model weights (do not save with weights_only of the optimizer alone)")
         params = checkpoint["state_dict"]
+        update = tstate.torch_update_request(op_model=self.op_model, uncertifiable="exact")
         raws: list = []
         records: list = []
         top = []
@@ -118,7 +119,7 @@ class GuardedCheckpointIO(CheckpointIO):
             opts = []
             for i, sd in enumerate(value):
                 opt_sk, recs = tstate.state_records(sd, params, spec=self.spec, prefix=f"optimizer_states/{i}",
-                                                    op_model=self.op_model, notes=notes, uncertifiable="exact")
+                                                    update=update, notes=notes)
                 records += recs
                 opts.append(opt_sk)
                 total += len(sd.get("state", ()))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 __all__ = ['EXACT_REASON', 'tensor_to_numpy', 'to_skeleton', 'scalar_value', 'check_param_group',
            'check_optimizer_state', 'implementation_of', 'infer_param_names', 'with_param_names', 'param_index',
-           'op_model_of', 'next_update', 'guard_config', 'step_count', 'MappedSource', 'state_records',
+           'op_model_of', 'next_update', 'guard_config', 'step_count', 'MappedSource', 'state_records', 'torch_update_request',
            'writer_config', 'encoder_view', 'jax_platform_of', 'HostTensor', 'compress_checkpoint',
            'compress_checkpoint_to', 'restore_tree', 'save', 'snapshot', 'save_snapshot', 'load',
            'check_next_update', 'certified_by_group', 'warn_other_kernel', 'torch_step', 'audit', 'save_torch']
@@ -35,6 +35,7 @@ from torch_compat.state.coverage import (UNSUPPORTED_FLAGS, EXACT_REASON, Uncove
                                          op_model_of, group_uncovered, check_param_group,
                                          param_uncovered, check_optimizer_state)  # noqa: F401
 from torch_compat.state.records import (next_update, guard_config, step_count, MappedSource, state_records,
+                                        torch_update_request,
                                         UNNAMED_WHY, writer_config, encoder_view)  # noqa: F401
 from torch_compat.state.first_update import (HYPERPARAMETERS, check_next_update,
                                              watch_first_step, certified_by_group, warn_other_kernel,

@@ -13,7 +13,7 @@ from jaxguard.errors import CheckpointError, ConfigError, UnsupportedOptimizerEr
 from jaxguard.uncovered import policy as uncovered_policy
 from torch_compat.state.tensors import torch, torch_version, writer
 from torch_compat.state.skeleton import from_skeleton, to_skeleton
-from torch_compat.state.records import lazy_save_spec, state_records
+from torch_compat.state.records import lazy_save_spec, state_records, torch_update_request
 from torch_compat.state.first_update import (certified_by_group, check_certified_weights, check_layout,
                                              check_next_update, warn_other_kernel, watch_first_step)
 
@@ -31,8 +31,9 @@ def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None,
             raise CheckpointError(f"the checkpoint has no {key!r} key (keys: {', '.join(map(str, ckpt))}); save "
                                   "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()}")
     notes: dict = {}
-    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, op_model=op_model,
-                                    param_order=param_order, lr=lr, notes=notes, uncertifiable=uncertifiable)
+    update = torch_update_request(lr=lr, op_model=op_model, uncertifiable=uncertifiable)
+    opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, update=update,
+                                    param_order=param_order, notes=notes)
     top = []
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
@@ -243,8 +244,8 @@ def save_snapshot(path: str | os.PathLike, sd: dict, params: dict, *, spec: Guar
     """
     spec = lazy_save_spec(spec, tau=tau, clip=clip, codec=codec)
     notes: dict = {}
-    opt_sk, records = state_records(sd, params, spec=spec, op_model=op_model, lr=lr, notes=notes, param_map="live",
-                                    uncertifiable=uncertifiable)
+    update = torch_update_request(lr=lr, op_model=op_model, uncertifiable=uncertifiable)
+    opt_sk, records = state_records(sd, params, spec=spec, update=update, notes=notes, param_map="live")
     meta = {"framework": "torch", "tree": {"__dict__": [["optimizer", opt_sk]]}, "torch_version": torch.__version__,
             **notes}
     data, summary = writer.to_bytes(records, meta, extra_header={"tau": spec.tau, "clip": spec.clip,

@@ -3,7 +3,7 @@ update it is certified for (`next_update`, `guard_config`), the rest stored exac
 from __future__ import annotations
 
 __all__ = ['next_update', 'guard_config', 'step_count', 'MappedSource', 'state_records', 'UNNAMED_WHY',
-           'writer_config', 'encoder_view', 'lazy_save_spec']
+           'writer_config', 'encoder_view', 'lazy_save_spec', 'torch_update_request']
 
 import functools
 
@@ -148,8 +148,8 @@ class MappedSource:
                     self._madvise(b, e - b, self.MADV_DONTNEED)
 
 
-def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_model=None, param_order=None, lr=None,
-                  notes: dict | None = None, param_map: str | None = None, uncertifiable: str = "refuse"):
+def state_records(opt_sd, params: dict, *, spec=None, update=None, prefix="optimizer", param_order=None,
+                  notes: dict | None = None, param_map: str | None = None):
     """Validate `opt_sd` against `params` now; return (optimizer skeleton, write records).
 
     The records (`jaxguard.writer`) are a `MomentJob` per parameter (its ``exp_avg``,
@@ -163,18 +163,20 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
       opt_sd: the optimizer state_dict (with ``param_names``, or mapped: `param_index`).
       params: {name: tensor} of the live parameters.
       spec: the save's `GuardSpec` (None: the defaults).
+      update: the save's `jaxguard.core.config.UpdateRequest` (None: everything from the
+        param groups, ``uncertifiable="refuse"``; `torch_update_request`).  Of it torch
+        uses ``lr`` (the next step's learning rate instead of the groups': a number or
+        ``(lo, hi)`` for every group, or a list with one per param group), ``op_model``
+        (the kernel the run resumes on, `op_model_of`; None: the one torch runs where the
+        state lives, e.g. foreach for CUDA state saved with foreach=None) and
+        ``uncertifiable`` (``"refuse"``: raise on state the guard cannot certify;
+        ``"exact"``: store it exactly and say so in `notes`, `jaxguard.uncovered`; an
+        optimizer that is not Adam at all is stored whole).
       prefix: the entry-name prefix (``"optimizer"``).
-      op_model: the kernel the run resumes on (`op_model_of`; None: the one torch runs
-        where the state lives, e.g. foreach for CUDA state saved with foreach=None).
       param_order: an asserted parameter order (`infer_param_names`).
-      lr: the next step's learning rate instead of the groups' (`next_update`): a number
-        or ``(lo, hi)`` for every group, or a list with one per param group.
       notes: a dict that receives ``stored_exactly`` (a list of ``{"param", "why"}``)
         for the container's meta, when some moments are.
       param_map: how `params` was matched (a key of `PARAM_MAPS`; default from `opt_sd`).
-      uncertifiable: ``"refuse"`` (raise on state the guard cannot certify) or ``"exact"``
-        (store it exactly and say so in `notes`: `jaxguard.uncovered`; an optimizer that
-        is not Adam at all is stored whole).
 
     Returns:
       ``(optimizer skeleton, list of records)``.
@@ -184,10 +186,13 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
         not an optimizer state_dict (`check_optimizer_state`), no provable map of
         unnamed parameters, stale ``param_names``.
       UnsupportedOptimizerError: not float32, not Adam/AdamW, an unsupported flag.
-      ConfigError: a bad `lr`.
+      ConfigError: a bad `lr`; weight_decay, betas, eps or tx in `update` (torch reads
+        them from the param groups).
     """
     spec = lazy_save_spec(spec)
-    exact_ok = uncovered_policy(uncertifiable) == "exact"
+    update = torch_update_request(update)
+    lr, op_model = update.lr, update.op_model
+    exact_ok = uncovered_policy(update.uncertifiable) == "exact"
     if exact_ok and _not_adam_at_all(opt_sd):
         return _stored_whole(opt_sd, prefix, notes, group_uncovered(0, opt_sd["param_groups"][0]).why)
     if exact_ok and isinstance(opt_sd, dict) and isinstance(opt_sd.get("param_groups"), list):
@@ -253,6 +258,30 @@ def state_records(opt_sd, params: dict, *, spec=None, prefix="optimizer", op_mod
     if exact and notes is not None:
         notes.setdefault("stored_exactly", []).extend(exact)
     return opt_sk, jobs + raws
+
+
+def torch_update_request(update=None, **given):
+    """The `UpdateRequest` a torch save certifies for: `update`, or one made of `given`
+    (``lr``, ``op_model``, ``uncertifiable``: the keywords `torch_compat.save` and the
+    planners take).
+
+    Returns:
+      An `UpdateRequest` (the defaults when neither is given).
+
+    Raises:
+      ConfigError: both given; weight_decay, betas, eps or tx in it (torch reads the
+        update's hyperparameters from ``param_groups``: set them on the optimizer).
+    """
+    from jaxguard.core.config import UpdateRequest   # jax: only compress pays for it, not restore
+    if update is None:
+        update = UpdateRequest(**given)
+    elif given:
+        raise ConfigError(f"pass the next update either as update= or as {', '.join(sorted(given))}=, not both")
+    extra = [k for k in ("weight_decay", "betas", "eps", "tx") if getattr(update, k) is not None]
+    if extra:
+        raise ConfigError(f"a torch save reads {', '.join(extra)} from the optimizer's param_groups; set them there "
+                          "instead of on the UpdateRequest")
+    return update
 
 
 def _not_adam_at_all(opt_sd) -> bool:
