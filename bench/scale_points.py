@@ -37,7 +37,8 @@ def point(path):
         res = json.load(fh)
     w = res["whole_process"]
     s = w["summary"]
-    out = {"run": os.path.basename(path), "commit": res.get("commit"), "coordinates": s["coordinates"],
+    out = {"run": os.path.basename(path), "model": res.get("model"), "commit": res.get("commit"),
+           "coordinates": s["coordinates"],
            "source_bytes": s["source_bytes"], "container_bytes": s["container_bytes"],
            "payload_ratio": s["payload_ratio"], "escape_rate": s["escape_rate"], "repeats": res["repeats"],
            "machine": res["machine"]}
@@ -101,14 +102,14 @@ def write_md(points, fit, path):
     gib = 2.0 ** 30
     lines = ["# The cost from 16.5M to 774M coordinates (`python bench/scale_points.py`)", "",
              f"Machine: {points[0]['machine'].get('processor')}, {points[0]['machine'].get('cpus')} cores (shared; "
-             "each run took the machine alone). Whole processes, medians; the ratios are medians of side-by-side "
-             "pairs. plain = `torch.save(torch.load(src))`.", "",
+             "each run took the machine alone). Whole processes, medians of interleaved runs; the ratios are "
+             "ratios of those medians. plain = `torch.save(torch.load(src))`.", "",
              "| checkpoint | coordinates | source | container | payload / FP32 | plain | compress | x plain | "
              "restore | x plain | peak RSS compress / plain | restore / plain |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         r = p["ratios"]
-        lines.append(f"| {p['run']} | {p['coordinates']:,} | {p['source_bytes'] / gib:.2f} GiB | "
+        lines.append(f"| {p['model']} ({p['run']}, {p['repeats']} repeats) | {p['coordinates']:,} | {p['source_bytes'] / gib:.2f} GiB | "
                      f"{p['container_bytes'] / gib:.2f} GiB | {100 * p['payload_ratio']:.2f}% | "
                      f"{p['plain']['seconds']:.2f} s | {p['compress']['seconds']:.2f} s | **{r['compress_time']:.2f}x** | "
                      f"{p['restore']['seconds']:.2f} s | **{r['restore_time']:.2f}x** | {r['compress_rss']:.2f}x | "
@@ -118,6 +119,10 @@ def write_md(points, fit, path):
     for proc in PROCESSES:
         f = fit[proc]
         lines.append(f"| {proc} | {f['ns_per_coordinate']:.1f} ns a coordinate | {f['intercept_s']:.2f} s |")
+    lines += ["", "At the margin a coordinate costs the compress "
+              f"{fit['compress']['ns_per_coordinate'] / fit['plain']['ns_per_coordinate']:.2f}x and the restore "
+              f"{fit['restore']['ns_per_coordinate'] / fit['plain']['ns_per_coordinate']:.2f}x what it costs the "
+              "plain save (the slopes' ratios)."]
     lines += ["", "Commits: " + ", ".join(f"{p['run']} {str(p['commit'])[:7]}" for p in points), ""]
     with open(path, "w") as fh:
         fh.write("\n".join(lines))
