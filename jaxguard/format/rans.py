@@ -88,7 +88,7 @@ from jaxguard.format.rans_models import (COMPACT_RAW, LEVEL_WEIGHTS, lane_tables
 
 KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
 # `decode_streams_many` runs one lane loop per batch of buffers whose decode tables (2**P slots a
-# model and stream, 4-byte entries) sum to at most this: a container of many tensors with
+# model and stream, 8-byte entries) sum to at most this: a container of many tensors with
 # 2**15-slot models built 2.7 GB of tables at once (16.5M coordinates, 760 tensors).
 BATCH_SLOTS = 1 << 22
 
@@ -332,8 +332,9 @@ def _table_slots(part):
 def _decode_lanes(parts, names):
     """The lane loop over one or more parsed buffers (their lanes side by side; `names`:
     each one's name in errors): 256 x S steps of numpy operations across every lane; each
-    buffer reads its own words.  States and table entries are uint32: ``f * (x >> P) +
-    slot - c < 2**32`` for any state below 2**32, and a refill shifts a state below 2**16."""
+    buffer reads its own words.  States are uint32: ``f * (x >> P) + slot - c < 2**32`` for
+    any state below 2**32, and a refill shifts a state below 2**16; a slot's table entry is
+    one uint64 (symbol << 32 | (slot - c) << 16 | f), so a step gathers once per stream."""
     S = parts[0][0].shape[0]
     nbs = [p[0].shape[1] for p in parts]
     G = len(parts)
@@ -356,36 +357,36 @@ def _decode_lanes(parts, names):
         mask = (np.uint64(1) << p) - np.uint64(1)
         idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
         slot_base[idle], mask[idle] = 0, 0
-        # frequency (<= 2**15) and slot - start (< 2**15) of a slot in one uint32: one gather
-        fb = np.concatenate([t["slot_freq"] | (t["slot_bias"] << np.uint32(16)) for t in ts])
-        tabs.append((np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype), fb,
-                     slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
+        # frequency (<= 2**15) and slot - start (< 2**15) of a slot in the low uint32, its
+        # symbol (< 2**12) in the high one: one gather a step and stream
+        entry = np.concatenate([(t["slot_sym"].astype(np.uint64) << np.uint64(32))
+                                | (t["slot_freq"] | (t["slot_bias"] << np.uint32(16))) for t in ts])
+        tabs.append((entry, slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
     nl_all = x.size
     out = np.zeros((S, BLOCK, nl_all), sym_dtype)             # position-major: row writes
-    low, sh16, low_mask = np.uint32(STATE_LOW), np.uint32(16), np.uint32(0xFFFF)
+    low, sh16, low_mask, sh32 = np.uint32(STATE_LOW), np.uint32(16), np.uint32(0xFFFF), np.uint64(32)
     cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
     for i in range(cmax):
         act = None if i < cmin else counts > i      # a partial last block stops early: keep its state
         for st in range(S):
-            sym, fb, slot_base, mask, p = tabs[st]
-            si = slot_base + (x & mask)
-            out[st, i] = sym[si]
-            f = fb[si]
+            entry, slot_base, mask, p = tabs[st]
+            e = entry[slot_base + (x & mask)]
+            out[st, i] = e >> sh32
+            f = e.astype(np.uint32)
             xn = (f & low_mask) * (x >> p) + (f >> sh16)
             x = xn if act is None else np.where(act, xn, x)    # an idle lane stays >= L: reads nothing
             k = np.flatnonzero(x < low)
             if G == 1:
                 pos = ptr[0] + np.arange(k.size)
                 ptr[0] += k.size
-                over = pos >= wend[0]
+                short = ptr[:1] > wend[:1]
             else:                      # rank of each needing lane within its buffer
                 cut = np.searchsorted(k, bounds)
-                gk = group[k]
-                pos = np.arange(k.size) + (ptr - cut[:-1])[gk]
+                pos = np.arange(k.size) + (ptr - cut[:-1])[group[k]]
                 ptr += np.diff(cut)
-                over = pos >= wend[gk]
-            if over.any():
-                bad = int(group[k[np.flatnonzero(over)[0]]])
+                short = ptr > wend
+            if short.any():            # checked before any word is read past its buffer's end
+                bad = int(np.flatnonzero(short)[0])
                 raise RansError(f"{names[bad]}: the words end at position {i} of stream {st} (truncated buffer)")
             x[k] = (x[k] << sh16) | words[pos]
     out = np.ascontiguousarray(out.transpose(0, 2, 1))     # [S, lanes, 256], as returned
