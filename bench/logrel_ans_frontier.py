@@ -146,7 +146,7 @@ def plot(args):
         ax[k].set_xlabel(f"{what} time / log8-rel's (whole processes, medians)")
         ax[k].set_ylabel("payload, % of FP32")
         ax[k].set_xscale("log")
-    ax[0].set_title("x: zstd over the same codes (estimate)", fontsize=8)
+    ax[0].set_title("grey x: zstd over the same codes (payload estimated, drawn at the rANS point's time)", fontsize=8)
     fig.suptitle(f"logrel-ans frontier, {base['raw_fp32_bytes'] // 8:,} Adam coordinates (2-core shared box)")
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=110)
@@ -167,7 +167,7 @@ def plot(args):
                      f"{max(p['compress_rss']) / 2**20:.0f} | {100 * p['payload_ratio']:.3f} | {z} |")
     lines += ["", "Targets (issue 57): compress <= 4x and restore <= 1.2x log8-rel's, payload <= 21.5% of FP32.", ""]
     with open(args.out + ".md", "w") as fh:
-        fh.write("\n".join(lines) + (args.note or "") + "\n")
+        fh.write("\n".join(lines) + ("\n" + args.note if args.note else "") + "\n")
     print("\n".join(lines))
 
 
