@@ -490,7 +490,7 @@ def test_each_tensor_is_rans_encoded_once_per_save(monkeypatch):
         calls.append(len(items))
         return real(items, *a, **k)
 
-    monkeypatch.setattr(rans, "encode_many", counted)
+    monkeypatch.setattr(rans, "encode_streams_many", counted)
     data, s = torch_compat.compress_checkpoint(ck, tau=TAU, codec=ANS)
     header = reader.parse(data)[0]
     n_moments = sum(e["kind"] == "moments" for e in header["entries"])
