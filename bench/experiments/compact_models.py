@@ -72,8 +72,8 @@ def recode(streams):
         r["other"] += sum(t["size"].values()) - codes
         sym, bits = _sym(t)
         tails = np.frombuffer(t["m_params"], "<u2")
-        kind1 = len(rans.encode(sym, bits, t["n"], lane_tails=tails))
-        kind3 = len(rans.encode(sym, bits, t["n"], lane_tails=tails, compact_models=True))
+        kind1 = len(rans.encode_streams(sym, bits, t["n"], lane_tails=tails))
+        kind3 = len(rans.encode_streams(sym, bits, t["n"], lane_tails=tails, compact_models=True))
         r["before"] += min(kind1, codes)
         r["after"] += min(kind1, kind3, codes)
         if kind1 < codes:
@@ -107,7 +107,7 @@ def _stream_bits(hists):
         if not h.any():
             continue
         p, lv = rans.fit_compact_model(h, w, [p for p in rans.PROB_BITS if p >= w])
-        total += rans_models._cost_bits(h, rans.model_freqs(lv, p), p) + rans.compact_model_bits(lv, w)
+        total += rans_models.coded_bits(h, rans.model_freqs(lv, p), p) + rans.compact_model_bits(lv, w)
     return total
 
 
@@ -162,14 +162,14 @@ def speed(streams, reps=3):
         return min(ts), out
     res = {"tensors": len(aw), "symbols": int(sum(2 * t["n"] for t in aw))}
     for name, compact in (("kind1", False), ("kind3", True)):
-        te, bufs = best(lambda: [(rans.encode(*_sym(t), t["n"], compact_models=compact),) + _sym(t)[1:] + (t["n"],)
+        te, bufs = best(lambda: [(rans.encode_streams(*_sym(t), t["n"], compact_models=compact),) + _sym(t)[1:] + (t["n"],)
                                  for t in aw])
-        td, dec = best(lambda: rans.decode_many(bufs))
+        td, dec = best(lambda: rans.decode_streams_many(bufs))
         assert all((d == _sym(t)[0]).all() for d, t in zip(dec, aw))
         sym = np.concatenate([_sym(t)[0] for t in aw], axis=1)
         bits = np.concatenate([_sym(t)[1] for t in aw], axis=1)
-        one = rans.encode(sym, bits, 256 * sym.shape[1], compact_models=compact)
-        tb, d1 = best(lambda: rans.decode(one, bits, 256 * sym.shape[1]))
+        one = rans.encode_streams(sym, bits, 256 * sym.shape[1], compact_models=compact)
+        tb, d1 = best(lambda: rans.decode_streams(one, bits, 256 * sym.shape[1]))
         assert (d1 == sym).all()
         res[name] = {"encode_per_tensor_s": te, "decode_many_s": td, "decode_one_buffer_s": tb,
                      "decode_many_Msym_s": res["symbols"] / td / 1e6, "bytes": sum(len(b[0]) for b in bufs)}

@@ -89,8 +89,8 @@ def measure(streams):
         pk = t["size"]["m_codes"] + t["size"]["v_codes"]
         sym, bits = np.stack([t["mc"], t["vc"]]), np.stack([t["bm"], t["bv"]])
         models = rans.fit_models(sym, bits, t["n"])
-        joint = len(rans.encode(sym, bits, t["n"], models))
-        split = sum(min(len(rans.encode(sym[k], bits[k], t["n"])), t["size"][key])
+        joint = len(rans.encode_streams(sym, bits, t["n"], models))
+        split = sum(min(len(rans.encode_streams(sym[k], bits[k], t["n"])), t["size"][key])
                     for k, key in ((0, "m_codes"), (1, "v_codes")))
         r["packed_codes"] += pk
         r["joint_codes"] += min(joint, pk)
@@ -99,7 +99,7 @@ def measure(streams):
         if joint < pk:
             # the block's bfloat16 m-scale (m_params, 2 bytes) rides in the lane's initial state
             mp = np.frombuffer(t["m_params"], "<u2")
-            r["tail_saved"] += joint + t["size"]["m_params"] - len(rans.encode(sym, bits, t["n"], models, lane_tails=mp))
+            r["tail_saved"] += joint + t["size"]["m_params"] - len(rans.encode_streams(sym, bits, t["n"], models, lane_tails=mp))
             r["tensors_rans"] += 1
             r["model_bytes"] += len(rans.encode_models(models))
             r["state_bytes"] += 4 * bits.shape[1]
@@ -112,7 +112,7 @@ def measure(streams):
         shared = rans.fit_models(np.where(coded[None], sym, 0), bits, 256 * bits.shape[1])
         r["shared_model_bytes"] = len(rans.encode_models(shared))
         r["shared_codes"] = min(r["packed_codes"], r["shared_model_bytes"] + sum(
-            min(len(rans.encode(np.stack([t["mc"], t["vc"]]), np.stack([t["bm"], t["bv"]]), t["n"], shared,
+            min(len(rans.encode_streams(np.stack([t["mc"], t["vc"]]), np.stack([t["bm"], t["bv"]]), t["n"], shared,
                                 inline_models=False)), t["size"]["m_codes"] + t["size"]["v_codes"]) for t in aw))
     other = r["payload"] - r["packed_codes"]
     r["pct"] = {"logrel-aw": 100 * r["payload"] / r["fp32"],
@@ -191,21 +191,21 @@ def speed(streams, reps=3):
             out = fn()
             ts.append(time.perf_counter() - t0)
         return min(ts), out
-    te, buf = best(lambda: rans.encode(sym, bits, n))
-    td, dec = best(lambda: rans.decode(buf, bits, n))
+    te, buf = best(lambda: rans.encode_streams(sym, bits, n))
+    td, dec = best(lambda: rans.decode_streams(buf, bits, n))
     assert (dec == sym).all()
     pm = packed.pack(sym[0].reshape(-1), bits[0], n)
     pv = packed.pack(sym[1].reshape(-1), bits[1], n)
     tu, _ = best(lambda: (packed.unpack(pm, bits[0], n), packed.unpack(pv, bits[1], n)))
     tp, _ = best(lambda: (packed.pack(sym[0].reshape(-1), bits[0], n), packed.pack(sym[1].reshape(-1), bits[1], n)))
-    bufs = [(rans.encode(np.stack([t["mc"], t["vc"]]), np.stack([t["bm"], t["bv"]]), t["n"]),
+    bufs = [(rans.encode_streams(np.stack([t["mc"], t["vc"]]), np.stack([t["bm"], t["bv"]]), t["n"]),
              np.stack([t["bm"], t["bv"]]), t["n"]) for t in aw]
     tpt = 0.0                         # per-tensor calls (a reader decoding entry by entry)
     for it in bufs:
         t0 = time.perf_counter()
-        rans.decode(*it)
+        rans.decode_streams(*it)
         tpt += time.perf_counter() - t0
-    tmany, dm = best(lambda: rans.decode_many(bufs))      # every tensor's buffer in one lane loop
+    tmany, dm = best(lambda: rans.decode_streams_many(bufs))      # every tensor's buffer in one lane loop
     assert all((d == np.stack([t["mc"], t["vc"]])).all() for d, t in zip(dm, aw))
     return {"symbols": nsym, "lanes": int(sym.shape[1]),
             "rans_encode_Msym_s": nsym / te / 1e6, "rans_decode_Msym_s": nsym / td / 1e6,
@@ -300,10 +300,10 @@ def write_md(path, res):
     L += ["", f"## Speed (demo codes: {sp['symbols']:,} symbols in {sp['lanes']} lanes as one batch; best of 3; "
           "numpy, loaded 2-core machine)", "",
           "| | M symbols/s |", "|---|---|",
-          f"| rans.encode | {sp['rans_encode_Msym_s']:.1f} |", f"| rans.decode | {sp['rans_decode_Msym_s']:.1f} |",
+          f"| rans.encode_streams | {sp['rans_encode_Msym_s']:.1f} |", f"| rans.decode_streams | {sp['rans_decode_Msym_s']:.1f} |",
           f"| packed.pack | {sp['packed_pack_Msym_s']:.1f} |", f"| packed.unpack | {sp['packed_unpack_Msym_s']:.1f} |",
-          "", f"The demo's {sp['tensors']} per-tensor buffers: `rans.decode` one call each "
-          f"{sp['rans_decode_per_tensor_s']:.3f} s; `rans.decode_many` (one lane loop) {sp['rans_decode_many_s']:.3f} s; "
+          "", f"The demo's {sp['tensors']} per-tensor buffers: `rans.decode_streams` one call each "
+          f"{sp['rans_decode_per_tensor_s']:.3f} s; `rans.decode_streams_many` (one lane loop) {sp['rans_decode_many_s']:.3f} s; "
           f"one buffer of all lanes {sp['rans_decode_batched_s']:.3f} s; packed.unpack of the same codes "
           f"{sp['packed_unpack_s']:.4f} s.",
           "", f"Run took {res['seconds']:.0f} s.", ""]

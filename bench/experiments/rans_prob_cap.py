@@ -4,7 +4,7 @@ Every rANS model has 2**P slots (P in 8..15, chosen per model for the fewest cod
 the decoder builds a slot table for each.  This reads a logrel-ans container, decodes its
 ``mv_rans`` sections, re-encodes the same symbols with P capped (per model: no cap, log2 of
 its symbols + 1, 12) and reports the bytes, the encode time and the decode time
-(`rans.decode_many`, best of 3), checking the round trip.
+(`rans.decode_streams_many`, best of 3), checking the round trip.
 
     python bench/experiments/rans_prob_cap.py CONTAINER.jg [--out bench/experiments/results/rans_prob_cap.md]
 
@@ -40,7 +40,7 @@ def main():
         if isinstance(s, dict) and "mv_rans" in s:
             _, n = reader._shape_size(e)
             items.append(reader._rans_item(e["name"], s, payload, n, max(1, -(-n // reader.BLOCK))))
-    dec = rans.decode_many(items, "mv", lane_tails=True)
+    dec = rans.decode_streams_many(items, "mv", lane_tails=True)
     raw = 8 * sum(n for _, _, n in items)
     ps = np.array([p for b, ab, n in items for mods in rans._parse(b, ab, n, None, "x", True)[3]
                    for p, _ in mods.values()])
@@ -55,7 +55,7 @@ def main():
         rans.fit_compact_model = fit
         try:
             t = time.perf_counter()
-            bufs = rans.encode_many([(sym, ab, n, None, tails) for (_, ab, n), (sym, tails) in zip(items, dec)],
+            bufs = rans.encode_streams_many([(sym, ab, n, None, tails) for (_, ab, n), (sym, tails) in zip(items, dec)],
                                     compact_models=True, lane_tails=True)
             t_enc = time.perf_counter() - t
         finally:
@@ -64,7 +64,7 @@ def main():
         t_dec = []
         for _ in range(3):
             t = time.perf_counter()
-            out = rans.decode_many(new, "mv", lane_tails=True)
+            out = rans.decode_streams_many(new, "mv", lane_tails=True)
             t_dec.append(time.perf_counter() - t)
         same = all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(out, dec))
         slots = sum(1 << p for b in new for mods in rans._parse(*b, None, "x", True)[3] for p, _ in mods.values())

@@ -4,8 +4,8 @@ tree's, interleaved, medians of --repeats (a shared machine: compare the ratios)
     python bench/experiments/rans_speed.py CONTAINER.jg [--old-rev HEAD~1] [--repeats 5] [--tile 1]
 
 The old module is `git show REV:jaxguard/format/rans.py`, loaded from a temp file.  Encode:
-the old `rans.encode` per buffer (as the guard's payload stat and the writer each called
-it) vs this tree's `rans.encode_many` of all buffers (once).  Decode: `decode_many` of all
+the old `rans.encode_streams` per buffer (as the guard's payload stat and the writer each called
+it) vs this tree's `rans.encode_streams_many` of all buffers (once).  Decode: `decode_many` of all
 buffers, old vs new.  Both must give the same bytes / symbols (checked).  --tile k repeats
 the tensor set k times (a larger checkpoint of the same tensors).
 """
@@ -55,7 +55,7 @@ def main():
             n = int(np.prod(e["shape"], dtype=np.int64))
             items.append(reader._rans_item(e["name"], s, payload, n, max(1, -(-n // 256))))
     items = items * args.tile
-    dec = rans.decode_many(items, "mv", lane_tails=True)
+    dec = rans.decode_streams_many(items, "mv", lane_tails=True)
     enc_items = [(sym.astype(np.int64), bits, n, None, tails) for (sym, tails), (_, bits, n) in zip(dec, items)]
     coords = sum(n for _, _, n in items)
     print(f"{len(items)} buffers, {coords} coordinates, {sum(len(b) for b, _, _ in items)} bytes")
@@ -64,7 +64,7 @@ def main():
         return [old.encode(s, b, n, lane_tails=t, compact_models=True) for s, b, n, _, t in enc_items]
 
     def new_encode():
-        return rans.encode_many(enc_items, compact_models=True, lane_tails=True)
+        return rans.encode_streams_many(enc_items, compact_models=True, lane_tails=True)
 
     models = [rans.fit_models(s, b, n, compact=True) for s, b, n, _, _ in enc_items]
     fitted = [(s, b, n, m, t) for (s, b, n, _, t), m in zip(enc_items, models)]
@@ -73,7 +73,7 @@ def main():
         return [old.encode(s, b, n, m, lane_tails=t, compact_models=True) for s, b, n, m, t in fitted]
 
     def new_loop():
-        return rans.encode_many(fitted, compact_models=True, lane_tails=True)
+        return rans.encode_streams_many(fitted, compact_models=True, lane_tails=True)
 
     def fit():
         return [rans.fit_models(s, b, n, compact=True) for s, b, n, _, _ in enc_items]
@@ -82,7 +82,7 @@ def main():
         return old.decode_many(items, "mv", lane_tails=True)
 
     def new_decode():
-        return rans.decode_many(items, "mv", lane_tails=True)
+        return rans.decode_streams_many(items, "mv", lane_tails=True)
 
     a, b = old_encode(), new_encode()
     assert a == b == [bytes(x) for x, _, _ in items], "encoders disagree"

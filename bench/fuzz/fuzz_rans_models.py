@@ -7,7 +7,7 @@ a block wider than 8 bits; half the seeds) (smooth, gap-toothed,
 one-symbol and all-symbol histograms, partial last blocks, with and without lane tails).
 Each case either flips / overwrites 1-4 bytes of the model part (sometimes one byte of the
 rest), or replaces the whole model part with random bytes of a random length; then decodes
-with `rans.decode` and `rans.decode_many`.  Anything but RansError (one line) is a finding;
+with `rans.decode_streams` and `rans.decode_streams_many`.  Anything but RansError (one line) is a finding;
 so is a decode that disagrees between the two entry points.  Prints counts per outcome.
 """
 import collections
@@ -43,7 +43,7 @@ def seeds():
         coded = np.arange(256)[None] < np.minimum(256, n - 256 * np.arange(nb))[:, None]
         sym = np.where(coded[None], sym, 0).astype(np.uint8 if bits.max() <= 8 else np.uint16)
         tails = rng.integers(0, 1 << 16, nb) if k % 4 == 1 else None
-        buf = rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)
+        buf = rans.encode_streams(sym, bits, n, lane_tails=tails, compact_models=True)
         end = rans.decode_compact_models(buf, S, 1, max_width=rans.kind_max_width(buf[0]))[1]
         out.append((buf, bits, n, tails is not None, end, sym))
     return out
@@ -69,8 +69,8 @@ def main(argv):
         execs += 1
         t = time.perf_counter()
         try:
-            one = rans.decode(bytes(b), bits, n, lane_tails=tails)
-            many = rans.decode_many([(bytes(b), bits, n)], lane_tails=tails)[0]
+            one = rans.decode_streams(bytes(b), bits, n, lane_tails=tails)
+            many = rans.decode_streams_many([(bytes(b), bits, n)], lane_tails=tails)[0]
             got = one[0] if tails else one
             same = all(np.array_equal(x, y) for x, y in zip(one, many)) if tails else np.array_equal(one, many)
             k = "FINDING decode != decode_many" if not same else (

@@ -6,8 +6,8 @@ the numpy reader.
 Seeds, per codec: the odd-values checkpoint (sparse escape index, several entries) and a
 tensor with a third of its coordinates escaped (bitmask); for logrel-ans also a container
 of several larger tensors whose entries carry ``mv_rans`` sections (so the reader's
-container-level `rans.decode_many` pre-pass runs, and its per-entry fallback on error),
-and a single-entry one (the one-buffer `rans.decode` path); for both codecs a container of
+container-level `rans.decode_streams_many` pre-pass runs, and its per-entry fallback on error),
+and a single-entry one (the one-buffer `rans.decode_streams` path); for both codecs a container of
 two-population tensors whose blocks are 9..12 bits wide (packed fields of up to 12 bits; for
 logrel-ans an ``mv_rans`` of rANS kind 4, and the golden file of the older layout with
 ``m_low`` / ``v_low`` sections); for log8-rel-zstd the same two-population tensors, whose

@@ -466,7 +466,7 @@ def _plain_sections(arrays, n):
 
 def entry_sections_many(items, entropy=False):
     """`entry_sections` of many entries, their rANS buffers coded in one lane loop
-    (`jaxguard.format.rans.encode_many`): the same sections, byte for byte.
+    (`jaxguard.format.rans.encode_streams_many`): the same sections, byte for byte.
 
     Args:
       items: sequence of ``(arrays, n)`` as for `entry_sections`.
@@ -482,7 +482,7 @@ def entry_sections_many(items, entropy=False):
     coded = [k for k, (_, n) in enumerate(items) if entropy and n]
     # compact models only: the 4-bit-level form (kind 1) was never the smaller on the
     # 59 rANS tensors of bench/experiments/results/compact_models.md and cost a second encode
-    bufs = rans.encode_many([plain[k][3] + (items[k][1], None, plain[k][1]["m_params"]) for k in coded],
+    bufs = rans.encode_streams_many([plain[k][3] + (items[k][1], None, plain[k][1]["m_params"]) for k in coded],
                             compact_models=True, lane_tails=True)
     out = []
     mv = dict(zip(coded, bufs))

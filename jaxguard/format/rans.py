@@ -12,10 +12,10 @@ together, so decoding is a loop over the 256 positions (times the number of stre
 share the lanes) of numpy operations across all blocks, never a loop over coordinates.
 Several streams of the same blocks (e.g. the m and the v codes) may share the lanes: lane
 ``b`` codes position ``i`` of stream 0, then of stream 1, ..., then position ``i + 1``;
-sharing halves the per-lane state cost (4 bytes per lane, not per stream).  `decode_many`
-runs the same loop over the lanes of many buffers at once (every tensor of a container),
-and `encode_many` likewise encodes many buffers in one loop, each to the bytes `encode`
-gives it.
+sharing halves the per-lane state cost (4 bytes per lane, not per stream).
+`decode_streams_many` runs the same loop over the lanes of many buffers at once (every
+tensor of a container), and `encode_streams_many` likewise encodes many buffers in one
+loop, each to the bytes `encode_streams` gives it.
 
 Byte layout of an encoded buffer (all integers little-endian)::
 
@@ -47,7 +47,7 @@ in the buffer: the caller stores them (logrel-aw's ``widths`` section).
 
 Numerical contract
 ------------------
-Integer arithmetic only (uint32 / uint64 numpy, no floats on the decode path): ``decode(encode(s))``
+Integer arithmetic only (uint32 / uint64 numpy, no floats on the decode path): ``decode_streams(encode(s))``
 returns ``s`` exactly, for every stream, width, model and size, on every platform.  The
 decoder checks, and raises `RansError` (a `JaxguardError`, so also a ValueError; one line) instead of returning
 wrong symbols or reading out of range: the kind byte; every model byte (width 0..8, 0..12 in kind 4,
@@ -72,29 +72,29 @@ __all__ = ["KIND_COMPACT", "KIND_COMPACT_WIDE", "TAILS_FLAG", "MAX_WIDTH", "NARR
            "PROB_BITS", "BATCH_SLOTS", "RansError", "kind_max_width", "LEVEL_WEIGHTS", "model_freqs",
            "quantize_levels", "fit_models", "encode_models", "COMPACT_RAW", "compact_model_bits",
            "encode_compact_models", "compact_models_bound", "decode_compact_models", "fit_compact_model",
-           "encode", "encode_many", "encoded_size", "symbol_cost_bits", "decode_models", "decode",
-           "decode_many"]
+           "encode_streams", "encode_streams_many", "encoded_size", "symbol_cost_bits", "decode_models", "decode_streams",
+           "decode_streams_many"]
 
 import numpy as np
 
 from jaxguard.format.rans_fit import fit_compact_model, fit_models
 from jaxguard.format.rans_format import (BLOCK, KIND_COMPACT, KIND_COMPACT_WIDE, MAX_PROB_BITS, MAX_WIDTH, NARROW_WIDTH,
-                                         PROB_BITS, STATE_LOW, TAILS_FLAG, RansError, _blocked, _shapes,
+                                         PROB_BITS, STATE_LOW, TAILS_FLAG, RansError, blocked_symbols, stream_shapes,
                                          kind_max_width)
-from jaxguard.format.rans_models import (COMPACT_RAW, LEVEL_WEIGHTS, _lane_tables, compact_model_bits,
+from jaxguard.format.rans_models import (COMPACT_RAW, LEVEL_WEIGHTS, lane_tables, compact_model_bits,
                                          compact_models_bound, decode_compact_models, decode_models,
                                          encode_compact_models, encode_models, model_freqs, quantize_levels,
                                          symbol_cost_bits)
 
 KIND_INLINE, KIND_EXTERNAL = 1, 2   # first byte: models in the buffer, or given to the decoder
-# `decode_many` runs one lane loop per batch of buffers whose decode tables (2**P slots a
-# model and stream, 4-byte entries) sum to at most this: a container of many tensors with
+# `decode_streams_many` runs one lane loop per batch of buffers whose decode tables (2**P slots a
+# model and stream, 8-byte entries) sum to at most this: a container of many tensors with
 # 2**15-slot models built 2.7 GB of tables at once (16.5M coordinates, 760 tensors).
 BATCH_SLOTS = 1 << 22
 
 
 # ---------------------------------------------------------------- encode
-def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True, lane_tails=None,
+def encode_streams(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True, lane_tails=None,
            compact_models=False) -> bytes:
     """Code streams of blocked symbols -> one rANS buffer (layout: module docstring).
 
@@ -110,7 +110,7 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
         no models, the decoder is given them (e.g. one table shared by many tensors).
       lane_tails: optional [nb] ints 0..65535 stored in the lanes' initial states (nearly
         free: the output grows by at most one bit per lane, i.e. now and then a word);
-        `decode` with ``lane_tails=True`` returns them.
+        `decode_streams` with ``lane_tails=True`` returns them.
       compact_models: store the models in the kind-3 layout (`encode_compact_models`,
         kind byte 3; models fitted here with ``fit_models(..., compact=True)``) instead
         of 4 bits per symbol (kind 1); with ``inline_models=False`` it only changes
@@ -122,17 +122,17 @@ def encode(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models
     Raises:
       RansError: shapes, widths or symbols that do not fit, or a symbol its model lacks.
     """
-    return encode_many([(symbols, alphabet_bits, n, models, lane_tails)], prob_bits, inline_models,
+    return encode_streams_many([(symbols, alphabet_bits, n, models, lane_tails)], prob_bits, inline_models,
                        compact_models=compact_models, lane_tails=lane_tails is not None)[0]
 
 
 def _prepare(symbols, alphabet_bits, n, models, prob_bits, inline_models, lane_tails, compact_models, what):
     """Check one buffer's inputs and fit its models -> (s [S, nb, 256], bits, counts, models, tails)."""
-    bits, counts, single = _shapes(alphabet_bits, n)
+    bits, counts, single = stream_shapes(alphabet_bits, n)
     if not (compact_models and inline_models) and int(bits.max(initial=0)) > NARROW_WIDTH:
         raise RansError(f"{what}alphabet width {int(bits.max())} needs the compact inline models (kind "
                         f"{KIND_COMPACT_WIDE}); pass compact_models=True, inline_models=True, or widths <= {NARROW_WIDTH}")
-    s, _ = _blocked(symbols, bits, counts, single)
+    s, _ = blocked_symbols(symbols, bits, counts, single)
     models = fit_models(s if not single else s[0], bits if not single else bits[0], n, prob_bits,
                         compact=compact_models) if models is None else models
     S, nb = bits.shape
@@ -150,23 +150,23 @@ def _prepare(symbols, alphabet_bits, n, models, prob_bits, inline_models, lane_t
     return s, bits, counts, models, tails
 
 
-def encode_many(items, prob_bits=None, inline_models=True, compact_models=False, lane_tails=False):
+def encode_streams_many(items, prob_bits=None, inline_models=True, compact_models=False, lane_tails=False):
     """Several buffers (e.g. every tensor of a slab) encoded in ONE lane loop: each buffer's
-    bytes are exactly `encode`'s for it (the lanes are independent; each buffer keeps its
+    bytes are exactly `encode_streams`'s for it (the lanes are independent; each buffer keeps its
     own models and words), in 256 x S numpy steps over all lanes instead of per buffer.
 
     Args:
       items: sequence of ``(symbols, alphabet_bits, n)``, ``(..., models)`` or
-        ``(..., models, lane_tails)``, all with the same number of streams; as for `encode`
+        ``(..., models, lane_tails)``, all with the same number of streams; as for `encode_streams`
         (models None: fitted per buffer).
-      prob_bits, inline_models, compact_models: as for `encode`, for every buffer.
+      prob_bits, inline_models, compact_models: as for `encode_streams`, for every buffer.
       lane_tails: True if every item carries its lane tails (item[4]), else none does.
 
     Returns:
       list of bytes, one per item.
 
     Raises:
-      RansError: as `encode` (``what[k]:`` names the k-th buffer when there are several),
+      RansError: as `encode_streams` (``what[k]:`` names the k-th buffer when there are several),
         or a different number of streams.
     """
     items = list(items)
@@ -188,7 +188,7 @@ def encode_many(items, prob_bits=None, inline_models=True, compact_models=False,
     counts = np.concatenate([p[2] for p in parts])
     tabs = []
     for st in range(S):                # per stream, one symbol table over every buffer's models
-        ts = [_lane_tables([p[3][st]], p[1][st:st + 1], slots=False)[0] for p in parts]
+        ts = [lane_tables([p[3][st]], p[1][st:st + 1], slots=False)[0] for p in parts]
         sb = np.cumsum([0] + [t["freq"].size for t in ts[:-1]]).astype(np.uint64)
         base = np.concatenate([t["sym_base"] + sb[g] for g, t in enumerate(ts)])
         # a last entry (frequency 1) for the positions past n, which are never coded
@@ -263,23 +263,23 @@ def encode_many(items, prob_bits=None, inline_models=True, compact_models=False,
 
 def encoded_size(symbols, alphabet_bits, n, models=None, prob_bits=None, inline_models=True,
                  compact_models=False) -> int:
-    """Exact bytes `encode` returns (it encodes: ~10 M symbols/s).
+    """Exact bytes `encode_streams` returns (it encodes: ~10 M symbols/s).
 
     Args:
-      symbols, alphabet_bits, n, models, prob_bits, inline_models, compact_models: as `encode`.
+      symbols, alphabet_bits, n, models, prob_bits, inline_models, compact_models: as `encode_streams`.
 
     Returns:
-      The length in bytes of ``encode(...)``'s buffer.
+      The length in bytes of ``encode_streams(...)``'s buffer.
 
     Raises:
-      RansError: as `encode`.
+      RansError: as `encode_streams`.
     """
-    return len(encode(symbols, alphabet_bits, n, models, prob_bits, inline_models, compact_models=compact_models))
+    return len(encode_streams(symbols, alphabet_bits, n, models, prob_bits, inline_models, compact_models=compact_models))
 
 
 def _parse(buf, alphabet_bits, n, models, what, lane_tails):
     """Check one buffer's head and sizes -> (bits [S, nb], counts, single, models, states, words)."""
-    bits, counts, single = _shapes(alphabet_bits, n)
+    bits, counts, single = stream_shapes(alphabet_bits, n)
     S, nb = bits.shape
     b = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else np.asarray(buf, np.uint8).reshape(-1)
     kind = int(b[0]) if b.size else None
@@ -325,15 +325,16 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
 
 
 def _table_slots(part):
-    """Slots of one parsed buffer's decode tables, the largest stream's (`_lane_tables`)."""
+    """Slots of one parsed buffer's decode tables, the largest stream's (`lane_tables`)."""
     return max((sum(1 << p for p, _ in mods.values()) for mods in part[3]), default=0)
 
 
 def _decode_lanes(parts, names):
     """The lane loop over one or more parsed buffers (their lanes side by side; `names`:
     each one's name in errors): 256 x S steps of numpy operations across every lane; each
-    buffer reads its own words.  States and table entries are uint32: ``f * (x >> P) +
-    slot - c < 2**32`` for any state below 2**32, and a refill shifts a state below 2**16."""
+    buffer reads its own words.  States are uint32: ``f * (x >> P) + slot - c < 2**32`` for
+    any state below 2**32, and a refill shifts a state below 2**16; a slot's table entry is
+    one uint64 (symbol << 32 | (slot - c) << 16 | f), so a step gathers once per stream."""
     S = parts[0][0].shape[0]
     nbs = [p[0].shape[1] for p in parts]
     G = len(parts)
@@ -347,7 +348,7 @@ def _decode_lanes(parts, names):
     bounds = np.concatenate([first, [x.size]])                  # lane range of each buffer
     tabs = []
     sym_dtype = np.uint16 if max(int(p[0].max(initial=0)) for p in parts) > NARROW_WIDTH else np.uint8
-    lane_tabs = [_lane_tables(p[3], p[0]) for p in parts]
+    lane_tabs = [lane_tables(p[3], p[0]) for p in parts]
     for st in range(S):                # one table per stream over all buffers' models
         ts = [t[st] for t in lane_tabs]
         lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
@@ -356,36 +357,36 @@ def _decode_lanes(parts, names):
         mask = (np.uint64(1) << p) - np.uint64(1)
         idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
         slot_base[idle], mask[idle] = 0, 0
-        # frequency (<= 2**15) and slot - start (< 2**15) of a slot in one uint32: one gather
-        fb = np.concatenate([t["slot_freq"] | (t["slot_bias"] << np.uint32(16)) for t in ts])
-        tabs.append((np.concatenate([t["slot_sym"] for t in ts]).astype(sym_dtype), fb,
-                     slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
+        # frequency (<= 2**15) and slot - start (< 2**15) of a slot in the low uint32, its
+        # symbol (< 2**12) in the high one: one gather a step and stream
+        entry = np.concatenate([(t["slot_sym"].astype(np.uint64) << np.uint64(32))
+                                | (t["slot_freq"] | (t["slot_bias"] << np.uint32(16))) for t in ts])
+        tabs.append((entry, slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
     nl_all = x.size
     out = np.zeros((S, BLOCK, nl_all), sym_dtype)             # position-major: row writes
-    low, sh16, low_mask = np.uint32(STATE_LOW), np.uint32(16), np.uint32(0xFFFF)
+    low, sh16, low_mask, sh32 = np.uint32(STATE_LOW), np.uint32(16), np.uint32(0xFFFF), np.uint64(32)
     cmin, cmax = (int(counts.min()), int(counts.max())) if nl_all else (0, 0)
     for i in range(cmax):
         act = None if i < cmin else counts > i      # a partial last block stops early: keep its state
         for st in range(S):
-            sym, fb, slot_base, mask, p = tabs[st]
-            si = slot_base + (x & mask)
-            out[st, i] = sym[si]
-            f = fb[si]
+            entry, slot_base, mask, p = tabs[st]
+            e = entry[slot_base + (x & mask)]
+            out[st, i] = e >> sh32
+            f = e.astype(np.uint32)
             xn = (f & low_mask) * (x >> p) + (f >> sh16)
             x = xn if act is None else np.where(act, xn, x)    # an idle lane stays >= L: reads nothing
             k = np.flatnonzero(x < low)
             if G == 1:
                 pos = ptr[0] + np.arange(k.size)
                 ptr[0] += k.size
-                over = pos >= wend[0]
+                short = ptr[:1] > wend[:1]
             else:                      # rank of each needing lane within its buffer
                 cut = np.searchsorted(k, bounds)
-                gk = group[k]
-                pos = np.arange(k.size) + (ptr - cut[:-1])[gk]
+                pos = np.arange(k.size) + (ptr - cut[:-1])[group[k]]
                 ptr += np.diff(cut)
-                over = pos >= wend[gk]
-            if over.any():
-                bad = int(group[k[np.flatnonzero(over)[0]]])
+                short = ptr > wend
+            if short.any():            # checked before any word is read past its buffer's end
+                bad = int(np.flatnonzero(short)[0])
                 raise RansError(f"{names[bad]}: the words end at position {i} of stream {st} (truncated buffer)")
             x[k] = (x[k] << sh16) | words[pos]
     out = np.ascontiguousarray(out.transpose(0, 2, 1))     # [S, lanes, 256], as returned
@@ -412,12 +413,12 @@ def _finish(parts, out, x, ptr, wend, first, names, lane_tails):
     return res
 
 
-def decode(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
-    """One rANS buffer -> the blocked symbols `encode` was given (exactly).
+def decode_streams(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
+    """One rANS buffer -> the blocked symbols `encode_streams` was given (exactly).
 
     Args:
       buf: bytes-like (or uint8 array).
-      alphabet_bits: [nb] (or [streams, nb]) widths, as passed to `encode` (stored
+      alphabet_bits: [nb] (or [streams, nb]) widths, as passed to `encode_streams` (stored
         elsewhere: the buffer does not repeat them).
       n: symbols per stream.
       models: required for a buffer written with ``inline_models=False`` (refused otherwise).
@@ -436,22 +437,22 @@ def decode(buf, alphabet_bits, n, models=None, what="rans", lane_tails=False):
     return _finish(parts, *_decode_lanes(parts, [what]), [what], lane_tails)[0]
 
 
-def decode_many(items, what="rans", lane_tails=False):
+def decode_streams_many(items, what="rans", lane_tails=False):
     """Several buffers (e.g. every tensor of a container) decoded in few lane loops: 256 x S
     numpy steps per batch of buffers whose decode tables fit `BATCH_SLOTS`, instead of per
     buffer, which is what makes small tensors cheap (and the batches bound the tables).
 
     Args:
       items: sequence of (buf, alphabet_bits, n) or (buf, alphabet_bits, n, models), all
-        with the same number of streams; models as in `decode`.
+        with the same number of streams; models as in `decode_streams`.
       what: name used in error messages (``what[k]`` names the k-th buffer).
-      lane_tails: as in `decode`, for every buffer.
+      lane_tails: as in `decode_streams`, for every buffer.
 
     Returns:
-      list of what `decode` returns for each item.
+      list of what `decode_streams` returns for each item.
 
     Raises:
-      RansError: as `decode`, naming the buffer; or a different number of streams.
+      RansError: as `decode_streams`, naming the buffer; or a different number of streams.
     """
     parts = []
     for k, it in enumerate(items):

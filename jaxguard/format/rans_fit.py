@@ -13,8 +13,8 @@ __all__ = ["fit_models", "fit_compact_model"]
 
 import numpy as np
 
-from jaxguard.format.rans_format import PROB_BITS, _blocked, _shapes
-from jaxguard.format.rans_models import _W, _cost_bits, _eg_bits, model_freqs, quantize_levels
+from jaxguard.format.rans_format import PROB_BITS, blocked_symbols, stream_shapes
+from jaxguard.format.rans_models import LEVEL_WEIGHT_ARRAY, coded_bits, exp_golomb_bits, model_freqs, quantize_levels
 
 
 def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
@@ -36,8 +36,8 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
     Raises:
       RansError: shapes or symbols that do not match the widths.
     """
-    bits, counts, single = _shapes(alphabet_bits, n)
-    s, coded = _blocked(symbols, bits, counts, single)
+    bits, counts, single = stream_shapes(alphabet_bits, n)
+    s, coded = blocked_symbols(symbols, bits, counts, single)
     models = []
     for st in range(bits.shape[0]):
         mods = {}
@@ -52,7 +52,7 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
             for p in cands:
                 for shift in range(4):
                     lv = quantize_levels(hist, shift)
-                    cost = _cost_bits(hist, model_freqs(lv, p), p)
+                    cost = coded_bits(hist, model_freqs(lv, p), p)
                     if best is None or cost < best[0]:
                         best = (cost, p, lv)
             mods[w] = (best[1], best[2])
@@ -81,10 +81,10 @@ def fit_compact_model(hist, width, cands):
 # the bytes (a tie or a `<` between two floats picks the model), so each score is computed
 # as the plain formulas of tests/format/test_rans.py's `_fit_compact_reference` compute it: the
 # same float64 terms added in the same order (exact levels: one row at a time, pairwise, as
-# `_cost_bits`; knot candidates: term after term in symbol order, as numpy sums the
+# `coded_bits`; knot candidates: term after term in symbol order, as numpy sums the
 # Fortran-order rows ``f[:, mask]`` gives).  What candidates share (segments, per-level
 # frequencies, the levels a knot move leaves alone) is computed once.
-_EG_DELTA_BITS = _eg_bits(np.arange(-15, 16))      # Exp-Golomb bits of a level delta, index delta + 15
+_EG_DELTA_BITS = exp_golomb_bits(np.arange(-15, 16))      # Exp-Golomb bits of a level delta, index delta + 15
 
 
 def _mode_segments(size, last_mode):
@@ -143,7 +143,7 @@ def _exact_form_bits(levels, width, segments):
 
 
 def _model_costs(hist, levels, prob_bits):
-    """`_cost_bits` of each level row under `model_freqs` at its P (the same floats).
+    """`coded_bits` of each level row under `model_freqs` at its P (the same floats).
 
     Args:
       hist: [A] int64 counts.
@@ -162,11 +162,11 @@ def _model_costs(hist, levels, prob_bits):
     bad = np.flatnonzero((k == 0) | (k > M))
     if bad.size:
         model_freqs(levels[bad[0]], int(p[bad[0]]))
-    w = _W[levels]
+    w = LEVEL_WEIGHT_ARRAY[levels]
     f = np.where(levels > 0, 1 + w * (M - k)[:, None] // w.sum(1)[:, None], 0)
     f[np.arange(levels.shape[0]), np.argmax(levels, axis=1)] += M - f.sum(1)
     nz = hist > 0
-    # C order: each row a pairwise sum, as `_cost_bits` sums its one row
+    # C order: each row a pairwise sum, as `coded_bits` sums its one row
     return np.ascontiguousarray(hist[nz] * (p[:, None] - np.log2(f[:, nz]))).sum(1)
 
 
@@ -207,7 +207,7 @@ def _level_freqs(per_level, size, prob_bits):
     """[B, 16] a symbol's frequency under `model_freqs` by its level, from each row's
     number of symbols per level [B, 16] (all ``size`` symbols present)."""
     M = 1 << prob_bits
-    return 1 + _W * (M - size) // (per_level @ _W)[:, None]
+    return 1 + LEVEL_WEIGHT_ARRAY * (M - size) // (per_level @ LEVEL_WEIGHT_ARRAY)[:, None]
 
 
 def _level_costs(levels, counts, prob_bits):

@@ -8,7 +8,7 @@ Integer arithmetic only: the shapes here are counts of coded positions per lane.
 from __future__ import annotations
 
 __all__ = ["BLOCK", "KIND_COMPACT", "KIND_COMPACT_WIDE", "TAILS_FLAG", "STATE_LOW", "MAX_WIDTH", "NARROW_WIDTH",
-           "MAX_PROB_BITS", "PROB_BITS", "RansError", "kind_max_width"]
+           "MAX_PROB_BITS", "PROB_BITS", "RansError", "kind_max_width", "stream_shapes", "blocked_symbols"]
 
 import numpy as np
 
@@ -59,8 +59,20 @@ def kind_max_width(kind):
     return MAX_WIDTH if (int(kind) & ~TAILS_FLAG) == KIND_COMPACT_WIDE else NARROW_WIDTH
 
 
-def _shapes(alphabet_bits, n, max_width=MAX_WIDTH):
-    """alphabet_bits [nb] or [S, nb] -> (bits [S, nb] int64, counts [nb], single-stream?)."""
+def stream_shapes(alphabet_bits, n, max_width=MAX_WIDTH):
+    """Check the widths of one buffer's streams against its symbol count.
+
+    Args:
+      alphabet_bits: [nb] (one stream) or [S, nb] widths 0..max_width.
+      n: symbols per stream; nb must be ceil(n / 256) (0 or 1 block for n = 0).
+      max_width: the widest alphabet allowed.
+
+    Returns:
+      (bits [S, nb] int64, counts [nb] coded positions per block, single: True for [nb]).
+
+    Raises:
+      RansError: a shape, n or width that does not fit.
+    """
     bits = np.asarray(alphabet_bits)
     single = bits.ndim == 1
     bits = np.atleast_2d(bits).astype(np.int64)
@@ -79,7 +91,19 @@ def _shapes(alphabet_bits, n, max_width=MAX_WIDTH):
     return bits, counts, single
 
 
-def _blocked(symbols, bits, counts, single):
+def blocked_symbols(symbols, bits, counts, single):
+    """Check blocked symbols against their widths (`stream_shapes`'s outputs).
+
+    Args:
+      symbols: [nb, 256] (single) or [S, nb, 256] ints.
+      bits, counts, single: from `stream_shapes`.
+
+    Returns:
+      (symbols [S, nb, 256] int64 with the positions past n set to 0, coded [nb, 256] bool).
+
+    Raises:
+      RansError: a shape that does not match, or a coded symbol that does not fit its width.
+    """
     s = np.asarray(symbols)
     s = s[None] if single else s
     S, nb = bits.shape

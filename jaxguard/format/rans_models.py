@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __all__ = ["LEVEL_WEIGHTS", "model_freqs", "quantize_levels", "encode_models", "decode_models", "symbol_cost_bits",
            "COMPACT_RAW", "compact_model_bits", "encode_compact_models", "compact_models_bound",
-           "decode_compact_models"]
+           "decode_compact_models", "LEVEL_WEIGHT_ARRAY", "coded_bits", "lane_tables", "exp_golomb_bits"]
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from jaxguard.format.rans_format import MAX_PROB_BITS, MAX_WIDTH, NARROW_WIDTH, 
 LEVEL_WEIGHTS = (0, 1, 2, 3, 5, 8, 13, 23, 38, 64, 108, 181, 304, 512, 861, 1448)
 
 
-_W = np.array(LEVEL_WEIGHTS, np.int64)
+LEVEL_WEIGHT_ARRAY = np.array(LEVEL_WEIGHTS, np.int64)   # LEVEL_WEIGHTS indexable by a level array
 
 
 def model_freqs(levels, prob_bits):
@@ -51,13 +51,24 @@ def model_freqs(levels, prob_bits):
     k = int((lv > 0).sum())
     if k == 0 or k > M:
         raise RansError(f"a model with {k} present symbols cannot fill 2**{prob_bits} slots (need 1..2**P)")
-    w = _W[lv]
+    w = LEVEL_WEIGHT_ARRAY[lv]
     f = np.where(lv > 0, 1 + w * (M - k) // int(w.sum()), 0)
     f[int(np.argmax(lv))] += M - int(f.sum())
     return f
 
 
-def _cost_bits(hist, freqs, prob_bits):
+def coded_bits(hist, freqs, prob_bits):
+    """Bits the coder spends on symbols of these counts under these frequencies (float64;
+    it only chooses between models).
+
+    Args:
+      hist: [A] symbol counts.
+      freqs: [A] frequencies summing to 2**prob_bits (> 0 where hist is).
+      prob_bits: P.
+
+    Returns:
+      float: sum over present symbols of count * (P - log2 freq).
+    """
     nz = hist > 0
     return float((hist[nz] * (prob_bits - np.log2(freqs[nz]))).sum())
 
@@ -172,10 +183,20 @@ def symbol_cost_bits(models):
     return out
 
 
-def _lane_tables(models, bits, slots=True):
-    """Flat per-stream tables: freq/start by (model base + symbol) and, with `slots` (the
-    decoder's), slot -> symbol, frequency and slot - start by (slot base + slot), uint32
-    (2**P entries a model: the encoder needs none of them)."""
+def lane_tables(models, bits, slots=True):
+    """The coder's flat per-stream tables of one buffer's models.
+
+    Args:
+      models: per stream, a dict width -> (P, levels).
+      bits: [S, nb] widths of the lanes.
+      slots: also build the decoder's slot tables (2**P entries a model: the encoder
+        needs none of them).
+
+    Returns:
+      per stream a dict of uint64 arrays: ``freq``, ``start`` by (model base + symbol),
+      per lane ``sym_base``, ``slot_base``, ``p``; with `slots`, uint32 ``slot_sym``,
+      ``slot_freq``, ``slot_bias`` (slot - start) by (slot base + slot).
+    """
     tabs = []
     for st, mods in enumerate(models):
         freq, start, slot_sym, slot_freq, slot_bias, sym_base, slot_base, pb = [], [], [], [], [], {}, {}, {}
@@ -242,8 +263,15 @@ def _interpolate(pos, knot_levels):
     return la + ((lb - la) * (s - pa) * 2 + (pb - pa)) // (2 * (pb - pa))
 
 
-def _eg_bits(delta):
-    """Bits of each signed delta's Exp-Golomb-0 code of its zigzag (0, -1, 1, -2, ...)."""
+def exp_golomb_bits(delta):
+    """Bits of each signed delta's Exp-Golomb-0 code of its zigzag (0, -1, 1, -2, ...).
+
+    Args:
+      delta: int array of level deltas.
+
+    Returns:
+      int64 array of code lengths, same shape.
+    """
     z = np.where(np.asarray(delta) >= 0, 2 * np.asarray(delta), -2 * np.asarray(delta) - 1) + 1
     return 2 * np.floor(np.log2(z)).astype(np.int64) + 1
 
@@ -259,7 +287,7 @@ def _compact_form(levels, width):
         pos = _knot_positions(lo, hi, mode)
         kl = lv[pos]
         if (_interpolate(pos, kl) == lv[lo:hi + 1]).all():
-            bits = head + 4 + int(_eg_bits(np.diff(kl)).sum())
+            bits = head + 4 + int(exp_golomb_bits(np.diff(kl)).sum())
             if bits < best[0]:
                 best = (bits, lo, hi, mode, kl)
         if pos.size <= 2:

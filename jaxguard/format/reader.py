@@ -457,7 +457,7 @@ def _rans_top(buf):
 
 def _rans_item(name, s, payload, n, nb):
     """(buffer, alphabet widths [2, nb], n) of an entry's ``mv_rans`` section, for
-    `rans.decode_many`."""
+    `rans.decode_streams_many`."""
     bm, bv = _entry_widths(name, s, payload, n, nb)
     b, e = s["mv_rans"]
     buf = np.frombuffer(payload[b:e], np.uint8)
@@ -465,7 +465,7 @@ def _rans_item(name, s, payload, n, nb):
 
 
 def decode_rans_entries(entries, payload):
-    """Decode the ``mv_rans`` sections of many entries in one `rans.decode_many` lane loop.
+    """Decode the ``mv_rans`` sections of many entries in one `rans.decode_streams_many` lane loop.
 
     Args:
       entries: moments entries of a header checked by `parse` (others are skipped).
@@ -486,7 +486,7 @@ def decode_rans_entries(entries, payload):
                 where.append(k)
         if len(items) < 2:
             return {}
-        return dict(zip(where, rans.decode_many(items, "mv_rans", lane_tails=True)))
+        return dict(zip(where, rans.decode_streams_many(items, "mv_rans", lane_tails=True)))
     except (ReaderError, packed.PackError, rans.RansError):
         return {}
 
@@ -515,7 +515,7 @@ def _read_packed(name, s, payload, n, nb, rans_symbols=None):
     lm = (1 << (bm - 1)) - 1
     if "mv_rans" in s:
         if rans_symbols is None:
-            rans_symbols = rans.decode(*_rans_item(name, s, payload, n, nb), what=f"{name}.mv_rans", lane_tails=True)
+            rans_symbols = rans.decode_streams(*_rans_item(name, s, payload, n, nb), what=f"{name}.mv_rans", lane_tails=True)
         (mc, vq), tails = rans_symbols
         b, e = s["mv_rans"]
         top = _rans_top(payload[b:e])

@@ -280,7 +280,7 @@ def _all_max_m_code_buffer(data, name):
     nb = bm.size
     qm = np.repeat(((1 << bm) - 1)[:, None], 256, axis=1)
     qv = np.zeros((nb, 256), np.int64)
-    return rans.encode(np.stack([qm, qv]), np.stack([bm, bv]), n, lane_tails=np.full(nb, 0x3F80))
+    return rans.encode_streams(np.stack([qm, qv]), np.stack([bm, bv]), n, lane_tails=np.full(nb, 0x3F80))
 
 
 CORRUPT = {
@@ -316,12 +316,12 @@ def test_lane_tails_carry_the_m_scales_and_the_hash_covers_them():
     SHA-256 refuses the file."""
     data = _two_entry_container()
     buf, (bm, bv), n = _mv(data, "a")
-    (sym, tails) = rans.decode(buf, np.stack([bm, bv]), n, lane_tails=True)
+    (sym, tails) = rans.decode_streams(buf, np.stack([bm, bv]), n, lane_tails=True)
     hdr, pay = reader.parse(data)
     e = next(x for x in hdr["entries"] if x["name"] == "a")
     m, _ = reader.read_moments(e, pay, {})
     assert tails.dtype == np.uint16 and tails.size == bm.size
-    mod = rans.encode(sym.astype(np.int64), np.stack([bm, bv]), n, lane_tails=tails ^ np.uint16(1))
+    mod = rans.encode_streams(sym.astype(np.int64), np.stack([bm, bv]), n, lane_tails=tails ^ np.uint16(1))
     bad = _replace_section(data, "a", "mv_rans", mod)
     with pytest.raises(reader.ReaderError, match="decoded moments SHA-256 mismatch"):
         reader.verify_bytes(bad)
@@ -483,14 +483,14 @@ def test_each_tensor_is_rans_encoded_once_per_save(monkeypatch):
     encode), and the payload is byte for byte the one of an unwatched save."""
     ck, _ = _trained()
     calls = []
-    real = rans.encode_many
+    real = rans.encode_streams_many
 
     def counted(items, *a, **k):
         items = list(items)
         calls.append(len(items))
         return real(items, *a, **k)
 
-    monkeypatch.setattr(rans, "encode_many", counted)
+    monkeypatch.setattr(rans, "encode_streams_many", counted)
     data, s = torch_compat.compress_checkpoint(ck, tau=TAU, codec=ANS)
     header = reader.parse(data)[0]
     n_moments = sum(e["kind"] == "moments" for e in header["entries"])

@@ -41,8 +41,8 @@ def test_round_trip(kind, n, streams):
     sym = _case(rng, n, bits, kind)
     if streams == 1:
         sym, bits = sym[0], bits[0]
-    buf = rans.encode(sym, bits, n)
-    out = rans.decode(buf, bits, n)
+    buf = rans.encode_streams(sym, bits, n)
+    out = rans.decode_streams(buf, bits, n)
     assert out.dtype == np.uint8 and out.shape == sym.shape
     np.testing.assert_array_equal(out, sym)
     assert rans.encoded_size(sym, bits, n) == len(buf)
@@ -54,8 +54,8 @@ def test_every_width(width):
     n = 256 * 3 + 5
     bits = np.full(4, width)
     sym = _case(rng, n, bits, "uniform")
-    buf = rans.encode(sym, bits, n)
-    np.testing.assert_array_equal(rans.decode(buf, bits, n), sym)
+    buf = rans.encode_streams(sym, bits, n)
+    np.testing.assert_array_equal(rans.decode_streams(buf, bits, n), sym)
     if width == 0:   # one symbol of probability 1 costs nothing: lane states only
         assert len(buf) == 1 + 1 + 2 + 4 * 4
 
@@ -67,7 +67,7 @@ def test_compresses_to_near_entropy():
     sym = np.clip(rng.normal(128, 6, size=(200, 256)).round(), 0, 255).astype(np.uint8)
     p = np.bincount(sym.ravel()) / sym.size
     entropy = -(p[p > 0] * np.log2(p[p > 0])).sum() * n / 8
-    size = len(rans.encode(sym, bits, n))
+    size = len(rans.encode_streams(sym, bits, n))
     assert entropy < size < 1.01 * entropy + 4 * 200 + 200, (size, entropy)
 
 
@@ -77,10 +77,10 @@ def test_shared_lanes_and_external_models():
     bits = np.stack([np.full(5, 7), np.array([4, 5, 6, 7, 8])])
     sym = _case(rng, n, bits, "skewed")
     models = rans.fit_models(sym, bits, n)
-    inline = rans.encode(sym, bits, n, models)
-    ext = rans.encode(sym, bits, n, models, inline_models=False)
+    inline = rans.encode_streams(sym, bits, n, models)
+    ext = rans.encode_streams(sym, bits, n, models, inline_models=False)
     assert len(inline) == len(ext) + len(rans.encode_models(models))
-    np.testing.assert_array_equal(rans.decode(ext, bits, n, models=models), sym)
+    np.testing.assert_array_equal(rans.decode_streams(ext, bits, n, models=models), sym)
     got, end = rans.decode_models(rans.encode_models(models), 2)
     assert end == len(rans.encode_models(models))
     for a, b in zip(got, models):
@@ -88,7 +88,7 @@ def test_shared_lanes_and_external_models():
         for w in a:
             assert a[w][0] == b[w][0] and (a[w][1] == b[w][1]).all()
     # two streams in one lane pay one state per block, not two
-    split = len(rans.encode(sym[0], bits[0], n)) + len(rans.encode(sym[1], bits[1], n))
+    split = len(rans.encode_streams(sym[0], bits[0], n)) + len(rans.encode_streams(sym[1], bits[1], n))
     assert len(inline) < split
 
 
@@ -96,9 +96,9 @@ def test_byte_layout_hand_checked():
     # width 1, P = 1, levels (15, 15): f = (1, 1), c = (0, 1).  Encoding 1, 0, 1 backwards
     # from x = 2**16: x -> 2x + s each step (no renormalization) = 524293 = 0x00080005.
     models = [{1: (1, np.array([15, 15]))}]
-    buf = rans.encode(np.array([[1, 0, 1] + [0] * 253]), np.array([1]), 3, models)
+    buf = rans.encode_streams(np.array([[1, 0, 1] + [0] * 253]), np.array([1]), 3, models)
     assert buf == bytes([0x01, 0x01, 0x11, 0xFF, 0x05, 0x00, 0x08, 0x00])
-    np.testing.assert_array_equal(rans.decode(buf, np.array([1]), 3)[0, :3], [1, 0, 1])
+    np.testing.assert_array_equal(rans.decode_streams(buf, np.array([1]), 3)[0, :3], [1, 0, 1])
 
 
 @given(st.lists(st.integers(0, 255), min_size=1, max_size=256), st.integers(8, 15))
@@ -122,8 +122,8 @@ def test_round_trip_property(n, seed, streams, geo):
     bits = rng.integers(0, 9, size=(streams, nb))
     sym = (rng.geometric(geo, size=(streams, nb, 256)) - 1) % (1 << bits)[..., None]
     sym = np.where(_coded(n, nb), sym, 0).astype(np.uint8)
-    buf = rans.encode(sym, bits, n)
-    np.testing.assert_array_equal(rans.decode(buf, bits, n), sym)
+    buf = rans.encode_streams(sym, bits, n)
+    np.testing.assert_array_equal(rans.decode_streams(buf, bits, n), sym)
 
 
 # ---------------------------------------------------------------- golden vectors
@@ -135,10 +135,10 @@ def test_golden_v1_decodes_identically():
     for k, name in enumerate(names):
         n, sym, bits, buf = int(g[f"n_{k}"]), g[f"symbols_{k}"], g[f"bits_{k}"], g[f"buf_{k}"].tobytes()
         models = ext_models if name == "external" else None
-        np.testing.assert_array_equal(rans.decode(buf, bits, n, models=models), sym, err_msg=name)
+        np.testing.assert_array_equal(rans.decode_streams(buf, bits, n, models=models), sym, err_msg=name)
         # the coder (given the stored models) still writes the same bytes
         stored = models if models is not None else rans.decode_models(buf, bits.shape[0], 1)[0]
-        assert rans.encode(sym, bits, n, stored, inline_models=models is None) == buf, name
+        assert rans.encode_streams(sym, bits, n, stored, inline_models=models is None) == buf, name
 
 
 # ---------------------------------------------------------------- corrupt input
@@ -147,14 +147,14 @@ def _sample():
     n = 256 * 3 + 40
     bits = np.stack([np.array([8, 6, 7, 5]), np.array([7, 7, 4, 8])])
     sym = _case(rng, n, bits, "skewed")
-    return sym, bits, n, rans.encode(sym, bits, n)
+    return sym, bits, n, rans.encode_streams(sym, bits, n)
 
 
 def test_every_truncation_is_refused():
     sym, bits, n, buf = _sample()
     for cut in range(len(buf)):
         with pytest.raises(rans.RansError):
-            rans.decode(buf[:cut], bits, n)
+            rans.decode_streams(buf[:cut], bits, n)
 
 
 def test_bit_flips_are_refused_or_harmless():
@@ -165,7 +165,7 @@ def test_bit_flips_are_refused_or_harmless():
         bad = bytearray(buf)
         bad[pos] ^= 1 << int(rng.integers(8))
         try:
-            out = rans.decode(bytes(bad), bits, n)
+            out = rans.decode_streams(bytes(bad), bits, n)
         except rans.RansError as exc:
             assert "\n" not in str(exc)
             refused += 1
@@ -186,28 +186,28 @@ def test_bit_flips_are_refused_or_harmless():
 def test_malformed_buffers(mutate, match):
     sym, bits, n, buf = _sample()
     with pytest.raises(rans.RansError, match=match):
-        rans.decode(mutate(buf), bits, n)
+        rans.decode_streams(mutate(buf), bits, n)
 
 
 def test_wrong_arguments():
     sym, bits, n, buf = _sample()
     with pytest.raises(rans.RansError, match="cannot hold"):
-        rans.decode(buf, bits, n + 256)
+        rans.decode_streams(buf, bits, n + 256)
     with pytest.raises(rans.RansError):
-        rans.decode(buf, bits[:, ::-1], n)            # other widths: missing model or a broken lane
+        rans.decode_streams(buf, bits[:, ::-1], n)            # other widths: missing model or a broken lane
     with pytest.raises(rans.RansError, match="do not pass models"):
-        rans.decode(buf, bits, n, models=rans.fit_models(sym, bits, n))
-    ext = rans.encode(sym, bits, n, inline_models=False)
+        rans.decode_streams(buf, bits, n, models=rans.fit_models(sym, bits, n))
+    ext = rans.encode_streams(sym, bits, n, inline_models=False)
     with pytest.raises(rans.RansError, match="pass the shared models"):
-        rans.decode(ext, bits, n)
+        rans.decode_streams(ext, bits, n)
     with pytest.raises(rans.RansError, match="does not fit"):
-        rans.encode(np.full((4, 256), 200), np.full(4, 7), n)
+        rans.encode_streams(np.full((4, 256), 200), np.full(4, 7), n)
     with pytest.raises(rans.RansError, match="needs the compact inline models"):
-        rans.encode(np.zeros((4, 256)), np.full(4, 9), n)             # kind 1 models stop at 8 bits
+        rans.encode_streams(np.zeros((4, 256)), np.full(4, 9), n)             # kind 1 models stop at 8 bits
     with pytest.raises(rans.RansError, match="outside 0..12"):
-        rans.encode(np.zeros((4, 256)), np.full(4, 13), n, compact_models=True)
+        rans.encode_streams(np.zeros((4, 256)), np.full(4, 13), n, compact_models=True)
     with pytest.raises(rans.RansError, match="frequency 0"):
-        rans.encode(sym, bits, n, rans.fit_models(np.zeros_like(sym), bits, n))
+        rans.encode_streams(sym, bits, n, rans.fit_models(np.zeros_like(sym), bits, n))
     assert issubclass(rans.RansError, ValueError)
 
 
@@ -217,7 +217,7 @@ def test_lane_states_checked():
     bad = bytearray(buf)
     bad[models_end:models_end + 4] = (5).to_bytes(4, "little")
     with pytest.raises(rans.RansError, match="below 2\\*\\*16"):
-        rans.decode(bytes(bad), bits, n)
+        rans.decode_streams(bytes(bad), bits, n)
 
 
 def test_sizes_checked_before_allocating():
@@ -225,24 +225,24 @@ def test_sizes_checked_before_allocating():
     big = 1 << 24                                  # 65,536 lanes claimed, 4 in the buffer
     wide = np.tile(bits, (1, big // 256 // bits.shape[1]))
     with pytest.raises(rans.RansError, match="cannot hold 65536 lane states"):
-        rans.decode(buf, wide, big)
+        rans.decode_streams(buf, wide, big)
 
 
 def test_lane_tails_ride_free():
     sym, bits, n, buf = _sample()
     models = rans.decode_models(buf, 2, 1)[0]
     tails = np.array([0, 1, 0xBEEF, 0xFFFF])
-    tb = rans.encode(sym, bits, n, models, lane_tails=tails)
+    tb = rans.encode_streams(sym, bits, n, models, lane_tails=tails)
     assert len(buf) <= len(tb) <= len(buf) + 2 * tails.size     # 64 bits stored for at most 4 more
-    out, got = rans.decode(tb, bits, n, lane_tails=True)
+    out, got = rans.decode_streams(tb, bits, n, lane_tails=True)
     np.testing.assert_array_equal(out, sym)
     np.testing.assert_array_equal(got, tails)
     with pytest.raises(rans.RansError, match="pass lane_tails=True"):
-        rans.decode(tb, bits, n)
+        rans.decode_streams(tb, bits, n)
     with pytest.raises(rans.RansError, match="pass lane_tails=False"):
-        rans.decode(buf, bits, n, lane_tails=True)
+        rans.decode_streams(buf, bits, n, lane_tails=True)
     with pytest.raises(rans.RansError, match="0..65535"):
-        rans.encode(sym, bits, n, lane_tails=[0, 1, 2, 1 << 16])
+        rans.encode_streams(sym, bits, n, lane_tails=[0, 1, 2, 1 << 16])
 
 
 def test_decode_many_is_decode_per_buffer():
@@ -254,20 +254,20 @@ def test_decode_many_is_decode_per_buffer():
         sym = _case(rng, n, bits, "skewed")
         if k == 2:       # one buffer with external models
             models = rans.fit_models(sym, bits, n)
-            items.append((rans.encode(sym, bits, n, models, inline_models=False), bits, n, models))
+            items.append((rans.encode_streams(sym, bits, n, models, inline_models=False), bits, n, models))
         else:
-            items.append((rans.encode(sym, bits, n), bits, n))
+            items.append((rans.encode_streams(sym, bits, n), bits, n))
         want.append(sym)
-    got = rans.decode_many(items)
+    got = rans.decode_streams_many(items)
     for g, w, it in zip(got, want, items):
         np.testing.assert_array_equal(g, w)
-        np.testing.assert_array_equal(rans.decode(*it[:3], models=it[3] if len(it) > 3 else None), w)
+        np.testing.assert_array_equal(rans.decode_streams(*it[:3], models=it[3] if len(it) > 3 else None), w)
     bad = list(items)
     bad[1] = (bad[1][0][:-2],) + bad[1][1:]          # truncate the second buffer only
     with pytest.raises(rans.RansError, match=r"rans\[1\]"):
-        rans.decode_many(bad)
-    assert rans.decode_many([]) == []
-    tail_empty = rans.decode_many(items[:2] + [items[3]])          # an empty tensor last
+        rans.decode_streams_many(bad)
+    assert rans.decode_streams_many([]) == []
+    tail_empty = rans.decode_streams_many(items[:2] + [items[3]])          # an empty tensor last
     np.testing.assert_array_equal(tail_empty[2], want[3])
 
 
@@ -283,11 +283,11 @@ def test_decode_many_in_batches_is_one_loop(monkeypatch, batch_slots):
         bits = rng.integers(0, 9, size=(2, nb))
         sym = _case(rng, n, bits, "skewed")
         tails = rng.integers(0, 1 << 16, nb)
-        items.append((rans.encode(sym, bits, n, lane_tails=tails, compact_models=True), bits, n))
+        items.append((rans.encode_streams(sym, bits, n, lane_tails=tails, compact_models=True), bits, n))
         want.append((sym, tails))
-    whole = rans.decode_many(items, lane_tails=True)
+    whole = rans.decode_streams_many(items, lane_tails=True)
     monkeypatch.setattr(rans, "BATCH_SLOTS", batch_slots)
-    batched = rans.decode_many(items, lane_tails=True)
+    batched = rans.decode_streams_many(items, lane_tails=True)
     for (s1, t1), (s2, t2), (sym, tails) in zip(whole, batched, want):
         np.testing.assert_array_equal(s1, sym)
         np.testing.assert_array_equal(s2, sym)
@@ -296,7 +296,7 @@ def test_decode_many_in_batches_is_one_loop(monkeypatch, batch_slots):
     bad = list(items)
     bad[4] = (bad[4][0][:-2],) + bad[4][1:]
     with pytest.raises(rans.RansError, match=r"rans\[4\]"):
-        rans.decode_many(bad, "rans", lane_tails=True)
+        rans.decode_streams_many(bad, "rans", lane_tails=True)
 
 
 # ---------------------------------------------------------------- compact models (kind 3)
@@ -310,9 +310,9 @@ def test_compact_round_trip_every_width(width, kind):
     n = 256 * 3 + 5
     bits = np.stack([np.full(4, width), np.full(4, max(width - 1, 0))])
     sym = _case(rng, n, bits, kind)
-    buf = rans.encode(sym, bits, n, compact_models=True)
+    buf = rans.encode_streams(sym, bits, n, compact_models=True)
     assert buf[0] == rans.KIND_COMPACT
-    np.testing.assert_array_equal(rans.decode(buf, bits, n), sym)
+    np.testing.assert_array_equal(rans.decode_streams(buf, bits, n), sym)
     assert rans.encoded_size(sym, bits, n, compact_models=True) == len(buf)
 
 
@@ -325,8 +325,8 @@ def test_compact_round_trip_all_symbols_and_one_symbol(n):
         one = np.full((2, nb, 256), (1 << w) - 1)                             # the last symbol only
         for sym in (every, one):
             sym = np.where(_coded(n, nb)[None], sym, 0).astype(np.uint8)
-            buf = rans.encode(sym, bits, n, compact_models=True)
-            np.testing.assert_array_equal(rans.decode(buf, bits, n), sym)
+            buf = rans.encode_streams(sym, bits, n, compact_models=True)
+            np.testing.assert_array_equal(rans.decode_streams(buf, bits, n), sym)
 
 
 def test_compact_byte_layout_hand_checked():
@@ -334,9 +334,9 @@ def test_compact_byte_layout_hand_checked():
     # mode 0 (4), first knot 15 (4), delta 0 as Exp-Golomb '1' (1), one padding bit:
     # 0x11, 0x21, 0x7C; then the same lane state as kind 1.
     models = [{1: (1, np.array([15, 15]))}]
-    buf = rans.encode(np.array([[1, 0, 1] + [0] * 253]), np.array([1]), 3, models, compact_models=True)
+    buf = rans.encode_streams(np.array([[1, 0, 1] + [0] * 253]), np.array([1]), 3, models, compact_models=True)
     assert buf == bytes([0x03, 0x11, 0x21, 0x7C, 0x05, 0x00, 0x08, 0x00])
-    np.testing.assert_array_equal(rans.decode(buf, np.array([1]), 3)[0, :3], [1, 0, 1])
+    np.testing.assert_array_equal(rans.decode_streams(buf, np.array([1]), 3)[0, :3], [1, 0, 1])
 
 
 @pytest.mark.parametrize("compact_fit", [False, True])
@@ -369,27 +369,27 @@ def test_compact_models_are_much_smaller_on_a_small_smooth_tensor():
     sym = np.stack([np.clip(np.round(rng.laplace(127, 40, (nb, 256))), 0, 254),
                     np.clip(np.round(rng.normal(64, 20, (nb, 256))), 1, 127)]).astype(np.uint8)
     sym = np.where(_coded(n, nb)[None], sym, 0)
-    kind1 = rans.encode(sym, bits, n)
-    kind3 = rans.encode(sym, bits, n, compact_models=True)
+    kind1 = rans.encode_streams(sym, bits, n)
+    kind3 = rans.encode_streams(sym, bits, n, compact_models=True)
     m1 = len(rans.encode_models(rans.fit_models(sym, bits, n)))
     m3 = len(rans.encode_compact_models(rans.fit_models(sym, bits, n, compact=True)))
     assert m3 * 3 < m1, (m3, m1)
     assert len(kind3) < len(kind1) - 100, (len(kind3), len(kind1))
     packed_bytes = int(((np.minimum(256, n - 256 * np.arange(nb)) * bits).sum(1) + 7).sum() // 8)
     assert len(kind3) < packed_bytes < len(kind1), (len(kind3), packed_bytes, len(kind1))
-    np.testing.assert_array_equal(rans.decode(kind3, bits, n), sym)
+    np.testing.assert_array_equal(rans.decode_streams(kind3, bits, n), sym)
 
 
 def _compact_sample():
     sym, bits, n, _ = _sample()
-    return sym, bits, n, rans.encode(sym, bits, n, compact_models=True)
+    return sym, bits, n, rans.encode_streams(sym, bits, n, compact_models=True)
 
 
 def test_compact_every_truncation_is_refused():
     sym, bits, n, buf = _compact_sample()
     for cut in range(len(buf)):
         with pytest.raises(rans.RansError):
-            rans.decode(buf[:cut], bits, n)
+            rans.decode_streams(buf[:cut], bits, n)
 
 
 def test_compact_bit_flips_are_refused_or_harmless():
@@ -408,7 +408,7 @@ def test_compact_bit_flips_are_refused_or_harmless():
         bad = bytearray(buf)
         bad[pos] ^= 1 << bit
         try:
-            out = rans.decode(bytes(bad), bits, n)
+            out = rans.decode_streams(bytes(bad), bits, n)
         except rans.RansError as exc:
             assert "\n" not in str(exc)
             refused += 1
@@ -568,9 +568,9 @@ def test_compact_padding_and_kind_checked():
     sym, bits, n, buf = _compact_sample()
     models = rans.decode_compact_models(buf, 2, 1)[0]
     with pytest.raises(rans.RansError, match="do not pass models"):
-        rans.decode(buf, bits, n, models=models)
+        rans.decode_streams(buf, bits, n, models=models)
     with pytest.raises(rans.RansError, match="kind byte"):
-        rans.decode(bytes([0x05]) + buf[1:], bits, n)
+        rans.decode_streams(bytes([0x05]) + buf[1:], bits, n)
 
 
 def _wide_sample(seed=3):
@@ -587,15 +587,15 @@ def test_wide_alphabets_round_trip_in_kind_4():
     sym, bits, n = _wide_sample()
     coded = np.arange(256)[None] < np.array([256] * 4 + [n - 1024])[:, None]
     tails = np.array([1, 2, 3, 0xFFFF, 0])
-    buf = rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)
+    buf = rans.encode_streams(sym, bits, n, lane_tails=tails, compact_models=True)
     assert buf[0] == rans.KIND_COMPACT_WIDE | rans.TAILS_FLAG
-    out, got = rans.decode(buf, bits, n, lane_tails=True)
+    out, got = rans.decode_streams(buf, bits, n, lane_tails=True)
     assert out.dtype == np.uint16 and (out[:, coded] == sym[:, coded]).all() and (got == tails).all()
     assert (out[:, ~coded] == 0).all()
-    narrow = rans.encode(sym % 256, np.minimum(bits, 8), n, compact_models=True)
+    narrow = rans.encode_streams(sym % 256, np.minimum(bits, 8), n, compact_models=True)
     assert narrow[0] == rans.KIND_COMPACT
-    plain = rans.encode(sym, bits, n, compact_models=True)
-    (o1, o2) = rans.decode_many([(narrow, np.minimum(bits, 8), n), (plain, bits, n)])
+    plain = rans.encode_streams(sym, bits, n, compact_models=True)
+    (o1, o2) = rans.decode_streams_many([(narrow, np.minimum(bits, 8), n), (plain, bits, n)])
     assert (o1[:, coded] == (sym % 256)[:, coded]).all() and (o2[:, coded] == sym[:, coded]).all()
     # models of a 12-bit alphabet cost bits, not 2 KB each (kind 1 would store 4 bits per symbol)
     models_end = rans.decode_compact_models(buf, 2, 1, max_width=rans.MAX_WIDTH)[1]
@@ -604,24 +604,24 @@ def test_wide_alphabets_round_trip_in_kind_4():
 
 def test_wide_alphabets_refused_outside_kind_4():
     sym, bits, n = _wide_sample()
-    buf = bytearray(rans.encode(sym, bits, n, compact_models=True))
+    buf = bytearray(rans.encode_streams(sym, bits, n, compact_models=True))
     assert buf[0] == rans.KIND_COMPACT_WIDE
     buf[0] = rans.KIND_COMPACT                         # same models, but kind 3 stops at 8 bits
     with pytest.raises(rans.RansError, match="at most 8 bits|width must be 0..8"):
-        rans.decode(bytes(buf), bits, n)
+        rans.decode_streams(bytes(buf), bits, n)
     with pytest.raises(rans.RansError, match="outside 0..12"):
-        rans.decode(bytes(buf), np.full_like(bits, 13), n)
+        rans.decode_streams(bytes(buf), np.full_like(bits, 13), n)
 
 
 def test_compact_lane_tails_and_decode_many():
     sym, bits, n, buf = _compact_sample()
     tails = np.array([7, 0, 0xFFFF, 0x3F80])
-    tb = rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)
+    tb = rans.encode_streams(sym, bits, n, lane_tails=tails, compact_models=True)
     assert tb[0] == rans.KIND_COMPACT | rans.TAILS_FLAG
-    (out, got), = rans.decode_many([(tb, bits, n)], lane_tails=True)
+    (out, got), = rans.decode_streams_many([(tb, bits, n)], lane_tails=True)
     np.testing.assert_array_equal(out, sym)
     np.testing.assert_array_equal(got, tails)
-    many = rans.decode_many([(buf, bits, n), (rans.encode(sym, bits, n), bits, n)])     # kinds 3 and 1 together
+    many = rans.decode_streams_many([(buf, bits, n), (rans.encode_streams(sym, bits, n), bits, n)])     # kinds 3 and 1 together
     for m in many:
         np.testing.assert_array_equal(m, sym)
 
@@ -634,13 +634,13 @@ def test_golden_v2_compact_decodes_identically():
         n, sym, bits, buf = int(g[f"n_{k}"]), g[f"symbols_{k}"], g[f"bits_{k}"], g[f"buf_{k}"].tobytes()
         tails = buf[0] & rans.TAILS_FLAG
         assert buf[0] & 0x0F == rans.KIND_COMPACT, name
-        out = rans.decode(buf, bits, n, lane_tails=bool(tails))
+        out = rans.decode_streams(buf, bits, n, lane_tails=bool(tails))
         if tails:
             out, t = out
             np.testing.assert_array_equal(t, g[f"tails_{k}"], err_msg=name)
         np.testing.assert_array_equal(out, sym, err_msg=name)
         stored = rans.decode_compact_models(buf, bits.shape[0], 1)[0]
-        again = rans.encode(sym, bits, n, stored, compact_models=True,
+        again = rans.encode_streams(sym, bits, n, stored, compact_models=True,
                             lane_tails=g[f"tails_{k}"] if tails else None)
         assert again == buf, name
 
@@ -653,16 +653,16 @@ def test_encode_many_gives_each_buffer_the_bytes_of_encode_and_names_the_bad_one
         bits = rng.integers(4, 13, size=(2, nb))
         sym = np.where(_coded(n, nb), (rng.geometric(0.2, size=bits.shape + (256,)) - 1) % (1 << bits)[..., None], 0)
         items.append((sym, bits, n, None, rng.integers(0, 1 << 16, nb)))
-    many = rans.encode_many(items, compact_models=True, lane_tails=True)
-    assert many == [rans.encode(s, b, n, lane_tails=t, compact_models=True) for s, b, n, _, t in items]
-    got = rans.decode_many([(buf, b, n) for buf, (_, b, n, _, _) in zip(many, items)], lane_tails=True)
+    many = rans.encode_streams_many(items, compact_models=True, lane_tails=True)
+    assert many == [rans.encode_streams(s, b, n, lane_tails=t, compact_models=True) for s, b, n, _, t in items]
+    got = rans.decode_streams_many([(buf, b, n) for buf, (_, b, n, _, _) in zip(many, items)], lane_tails=True)
     for (sym, tails), (s, _, _, _, t) in zip(got, items):
         assert (sym == s).all() and (tails == t).all()
     bad = list(items)
     s, b, n, _, t = bad[3]
     bad[3] = (s, b, n, rans.fit_models(np.zeros_like(s), b, n, compact=True), t)
     with pytest.raises(rans.RansError, match=r"^rans\[3\]: stream 0: a symbol has frequency 0"):
-        rans.encode_many(bad, compact_models=True, lane_tails=True)
+        rans.encode_streams_many(bad, compact_models=True, lane_tails=True)
 
 
 # ---------------------------------------------------------------- the compact fit against its plain formulas

@@ -33,14 +33,14 @@ def cases():
         sym = (rng.geometric(0.15, size=(S, nb, 256)) - 1) % (1 << bits)[:, :, None]
         coded = np.arange(256)[None] < np.minimum(256, n - 256 * np.arange(nb))[:, None]
         sym = np.where(coded[None], sym, 0).astype(np.uint8)
-        out.append((name, n, sym, bits.astype(np.uint8), rans.encode(sym, bits, n)))
+        out.append((name, n, sym, bits.astype(np.uint8), rans.encode_streams(sym, bits, n)))
     # shared (external) models: fitted on one set, used for another of the same widths
     n, nb = 256 * 3, 3
     bits = np.array([[6, 7, 6], [5, 5, 8]])
     a = ((rng.geometric(0.1, size=(2, nb, 256)) - 1) % (1 << bits)[:, :, None]).astype(np.uint8)
     cover = np.broadcast_to(np.arange(256), a.shape) % (1 << bits)[:, :, None]    # every symbol present
     models = rans.fit_models(cover, bits, n)
-    out.append(("external", n, a, bits.astype(np.uint8), rans.encode(a, bits, n, models, inline_models=False)))
+    out.append(("external", n, a, bits.astype(np.uint8), rans.encode_streams(a, bits, n, models, inline_models=False)))
     return out, rans.encode_models(models)
 
 

@@ -42,7 +42,7 @@ def cases():
         sym = np.where(coded[None], sym.astype(np.int64) % (1 << bits)[:, :, None], 0).astype(np.uint8)
         tails = rng.integers(0, 1 << 16, size=nb) if name == "tails" else None
         out.append((name, n, sym, bits.astype(np.uint8), tails,
-                    rans.encode(sym, bits, n, lane_tails=tails, compact_models=True)))
+                    rans.encode_streams(sym, bits, n, lane_tails=tails, compact_models=True)))
     return out
 
 
@@ -52,8 +52,8 @@ def main():
     cs = cases()
     arrays = {"names": np.array([c[0] for c in cs])}
     for k, (name, n, sym, bits, tails, buf) in enumerate(cs):
-        np.testing.assert_array_equal(rans.decode(buf, bits, n, lane_tails=tails is not None)[0]
-                                      if tails is not None else rans.decode(buf, bits, n), sym)
+        np.testing.assert_array_equal(rans.decode_streams(buf, bits, n, lane_tails=tails is not None)[0]
+                                      if tails is not None else rans.decode_streams(buf, bits, n), sym)
         arrays.update({f"n_{k}": np.array(n), f"symbols_{k}": sym, f"bits_{k}": bits,
                        f"buf_{k}": np.frombuffer(buf, np.uint8),
                        f"tails_{k}": np.asarray(tails if tails is not None else [], np.uint16)})

@@ -64,5 +64,5 @@ def test_format_errors_stay_catchable_as_today():
         reader.parse(b"not a container")
     assert isinstance(exc.value, ContainerError) and "\n" not in str(exc.value)
     with pytest.raises(JaxguardError):
-        rans.decode(b"\xff" * 3, [8], 4)
+        rans.decode_streams(b"\xff" * 3, [8], 4)
     assert issubclass(packed.PackError, JaxguardError)
