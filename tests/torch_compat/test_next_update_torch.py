@@ -313,3 +313,27 @@ def test_dcp_load_compares_the_installed_groups_with_the_certified_update(tmp_pa
                                                  "lr=0.0005"):
             dcp.load(target, checkpoint_id=str(tmp_path / name), planner=GuardedLoadPlanner(str(tmp_path / name)),
                      no_dist=True)
+
+
+# ---------------------------------------------------------------- the request value below the edge
+def test_state_records_takes_the_next_update_as_one_request_and_refuses_what_torch_reads_itself():
+    """Below `torch_compat.save` the next update travels as one `UpdateRequest`: its lr
+    replaces the groups' (recorded as given), and weight decay, betas, eps or tx, which
+    torch reads from ``param_groups``, are refused in one line instead of ignored."""
+    from jaxguard.core.config import UpdateRequest
+    from jaxguard.errors import ConfigError
+    from torch_compat import state as tstate
+    model, opt = trained(named=True, steps=3)
+    sd, params = opt.state_dict(), dict(model.named_parameters())
+    _, records = tstate.state_records(sd, params, update=UpdateRequest(lr=5e-4))
+    configs = {r.config for r in records if hasattr(r, "config")}
+    assert configs and {c.lr for c in configs} == {5e-4} and {c.source for c in configs} == {"param_groups+given"}
+    assert {c.weight_decay for c in configs} == {0.1}                      # from the group, not the request
+    _, records = tstate.state_records(sd, params)                          # no request: the groups' own
+    assert {r.config.lr for r in records if hasattr(r, "config")} == {LR}
+    for field, value in (("weight_decay", 0.0), ("betas", (0.9, 0.99)), ("eps", 1e-6)):
+        with pytest.raises(ConfigError, match=f"reads {field} from the optimizer's param_groups") as exc:
+            tstate.state_records(sd, params, update=UpdateRequest(**{field: value}))
+        assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="either as update= or as lr="):
+        tstate.torch_update_request(UpdateRequest(), lr=1e-3)
