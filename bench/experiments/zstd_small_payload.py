@@ -13,7 +13,7 @@ and its decoded bytes (bench/.cache/zstd_small_payload.pkl, gitignored).
 ``analyse`` measures, on those decoded bytes, the payload each transform would store
 (every zstd figure is a real zstd frame, decoded back and compared; entropies are floors,
 not stored sizes).  Dictionaries and static models are trained on half of a model's seeds
-and measured on the other half (held out), and the other way round; one dictionary line is
+and measured on the other half (held out), and with the halves swapped; one dictionary line is
 trained on the other two models.  The transformer (two seeds) is the control.
 """
 from __future__ import annotations
@@ -347,8 +347,8 @@ def analyse(cache: Path, out: Path):
         lines.append(f"| {p} | " + " | ".join(part_cell(per.get(m)) for m in MODELS) + " |")
     lines += ["", "## Transforms (lossless; the codes, parameters and escapes unchanged)", "",
               f"Payload % of FP32: mean (min-max) and checkpoints at or under {TARGET}%. Shipped dictionaries and "
-              "static models are trained on half of the seeds of a model and measured on the other half (and the "
-              "other way round): the figures are held out. Every zstd figure is a real frame decoded back; the "
+              "static models are trained on half of the seeds of a model and measured on the other half (and with the "
+              "halves swapped): the figures are held out. Every zstd figure is a real frame decoded back; the "
               "floors are entropies, not stored sizes.", "",
               "| transform | " + " | ".join(MODELS) + " |", "|---|" + "---:|" * len(MODELS)]
     for t, per in table.items():
