@@ -23,7 +23,9 @@ steps), each trained seven ways from the same initial state on the same batches:
   guard's, to tell "this training amplifies any perturbation" from "the guard's error is
   too large";
 * ``perturbed moments resume``: the exact state with m and v scaled by random relative
-  errors about the size log8-rel's codes make (`PERTURB_REL`), on every coordinate.
+  errors about the size log8-rel's codes make (`PERTURB_REL`), on every coordinate;
+* ``one 1-ulp nudge``: the 1-ulp perturbation once, at the first resume, then no resume:
+  how far this training carries a single perturbation of the last bit.
 
 At every resume the state that comes back and the exact state each take the next step on
 the same batch: the largest difference per coordinate in units of ``tau * lr`` (what the
@@ -54,7 +56,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import lm_runs  # noqa: E402
 
 MODES = ("no resume", "plain resume", "guarded resume", "unguarded 8-bit resume", "other batch order",
-         "1-ulp parameter resume", "perturbed moments resume")
+         "1-ulp parameter resume", "perturbed moments resume", "one 1-ulp nudge")
 RESUMING = ("plain resume", "guarded resume", "unguarded 8-bit resume", "1-ulp parameter resume",
             "perturbed moments resume")
 EVAL_EVERY = 100
@@ -78,7 +80,7 @@ def _perturbed(run, mode):
     """`run`'s exact state, perturbed as `mode` says (the 1-ulp and perturbed-moments controls);
     a generator seeded by the step, so every run of a mode draws the same perturbations."""
     rng = np.random.default_rng([7, run.step])
-    parts = ("p",) if mode == "1-ulp parameter resume" else ("m", "v")
+    parts = ("m", "v") if mode == "perturbed moments resume" else ("p",)
     if run.kind == "torch":
         import torch
         ck = run.checkpoint()
@@ -103,7 +105,7 @@ def _perturbed(run, mode):
 def _restored(run, mode, codec, tmp):
     """What `mode`'s checkpoint of `run`'s state gives back: a torch checkpoint dict, or
     optax's ``(params, opt_state)``; and the save's summary (None for the controls)."""
-    if mode in ("1-ulp parameter resume", "perturbed moments resume"):
+    if mode in ("1-ulp parameter resume", "perturbed moments resume", "one 1-ulp nudge"):
         return _perturbed(run, mode), None
     if run.kind == "torch":
         import torch
@@ -195,7 +197,8 @@ def train(kind, mode, steps, every, codec, log=print):
             train_loss.append(run.train_step())
             if run.step % EVAL_EVERY == 0:
                 eval_loss[run.step] = run.eval_loss()
-            if mode in RESUMING and run.step % every == 0 and run.step < steps:
+            if (mode in RESUMING and run.step % every == 0 and run.step < steps) or \
+                    (mode == "one 1-ulp nudge" and run.step == every):
                 per_resume.append(_resume(run, mode, codec, tmp))
                 resume_s += per_resume[-1]["seconds"]
                 resumes += 1
