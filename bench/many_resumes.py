@@ -19,9 +19,9 @@ steps), each trained seven ways from the same initial state on the same batches:
   map, absmax per 256-block, no guard): what an 8-bit checkpoint without the certificate does;
 * ``other batch order``: no resume, another data seed: the drift the run has anyway;
 * ``1-ulp parameter resume``: at every resume the exact state with each parameter moved one
-  ulp up or down (at random): a perturbation about a thousand times smaller than the
-  guard's, to tell "this training amplifies any perturbation" from "the guard's error is
-  too large";
+  ulp up or down (at random): the last bit only (the next update then differs about a
+  tenth as much as after a guarded resume on torch, a hundredth on optax), to tell "this
+  training amplifies any perturbation" from "the guard's error is too large";
 * ``perturbed moments resume``: the exact state with m and v scaled by random relative
   errors about the size log8-rel's codes make (`PERTURB_REL`), on every coordinate;
 * ``one 1-ulp nudge``: the 1-ulp perturbation once, at the first resume, then no resume:
