@@ -6,7 +6,7 @@ that never stopped?
                                  [--kinds torch,optax] [--modes "guarded resume,plain resume"]
 
 The two models of bench/lm_runs.py (torch AdamW and optax adamw, warmup + cosine, 2,000
-steps), each trained five ways from the same initial state on the same batches:
+steps), each trained seven ways from the same initial state on the same batches:
 
 * ``no resume``: the reference (the long run of bench/long_run.py);
 * ``plain resume``: every `--every` steps the whole state goes through ``torch.save`` /
@@ -17,11 +17,24 @@ steps), each trained five ways from the same initial state on the same batches:
   and ``jaxguard.load``); the parameters are stored exactly, as jaxguard stores them;
 * ``unguarded 8-bit resume``: the same with ``block8-unguarded`` (bitsandbytes' dynamic 8-bit
   map, absmax per 256-block, no guard): what an 8-bit checkpoint without the certificate does;
-* ``other batch order``: no resume, another data seed: the drift the run has anyway.
+* ``other batch order``: no resume, another data seed: the drift the run has anyway;
+* ``1-ulp parameter resume``: at every resume the exact state with each parameter moved one
+  ulp up or down (at random): the last bit only (the next update then differs about a
+  tenth as much as after a guarded resume on torch, a hundredth on optax), to tell "this
+  training amplifies any perturbation" from "the guard's error is too large";
+* ``perturbed moments resume``: the exact state with m and v scaled by random relative
+  errors about the size log8-rel's codes make (`PERTURB_REL`), on every coordinate;
+* ``one 1-ulp nudge``: the 1-ulp perturbation once, at the first resume, then no resume:
+  how far this training carries a single perturbation of the last bit.
+
+At every resume the state that comes back and the exact state each take the next step on
+the same batch: the largest difference per coordinate in units of ``tau * lr`` (what the
+guard certifies <= 1 for gradients ``|g| <= C``) and its L2 norm against the update's.
 
 Reported per run against the reference: the largest |eval loss difference| over the evals
 every 100 steps, the final eval loss difference, the largest train loss over the run, and
-the parameter distance at the end (L2, and relative to the reference's norm).  Each finished
+the parameter distance at the end (L2; relative to the reference's norm; RMS per coordinate),
+the first-update figures above, and the saves' escapes and payload over the run.  Each finished
 run is cached in ``<cache>/many_resumes.jsonl``.  Writes JSON, Markdown and a PNG.
 """
 from __future__ import annotations
@@ -42,12 +55,58 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import lm_runs  # noqa: E402
 
-MODES = ("no resume", "plain resume", "guarded resume", "unguarded 8-bit resume", "other batch order")
+MODES = ("no resume", "plain resume", "guarded resume", "unguarded 8-bit resume", "other batch order",
+         "1-ulp parameter resume", "perturbed moments resume", "one 1-ulp nudge")
+RESUMING = ("plain resume", "guarded resume", "unguarded 8-bit resume", "1-ulp parameter resume",
+            "perturbed moments resume")
 EVAL_EVERY = 100
+# "perturbed moments resume": the exact state with m and v each multiplied by (1 + u * REL),
+# u uniform in [-1, 1] per coordinate: a relative error of the size log8-rel's codes make
+# (m to about 1%, v to about 2%, whose square root halves it), without the guard's choice of
+# which coordinates may carry it.
+PERTURB_REL = {"m": 0.01, "v": 0.02}
 
 
-def _resume(run, mode, codec, tmp):
-    """Send `run`'s state through `mode`'s checkpoint and load what comes back."""
+def _nudge(x, rng, what):
+    """`x` (float32 numpy) perturbed as `what` says: "p" one ulp up or down per coordinate,
+    "m"/"v" by a relative ``PERTURB_REL[what]`` (see PERTURB_REL)."""
+    x = np.asarray(x, np.float32)
+    if what == "p":
+        return np.nextafter(x, np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(np.float32))
+    return (x * (1 + PERTURB_REL[what] * rng.uniform(-1, 1, x.shape))).astype(np.float32)
+
+
+def _perturbed(run, mode):
+    """`run`'s exact state, perturbed as `mode` says (the 1-ulp and perturbed-moments controls);
+    a generator seeded by the step, so every run of a mode draws the same perturbations."""
+    rng = np.random.default_rng([7, run.step])
+    parts = ("m", "v") if mode == "perturbed moments resume" else ("p",)
+    if run.kind == "torch":
+        import torch
+        ck = run.checkpoint()
+        if "p" in parts:
+            ck["model"] = {k: torch.from_numpy(_nudge(t.numpy(), rng, "p")) for k, t in ck["model"].items()}
+        for st in ck["optimizer"]["state"].values():
+            for key, what in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+                if what in parts:
+                    st[key] = torch.from_numpy(_nudge(st[key].numpy(), rng, what))
+        return ck
+    jax = run.jax
+    params, state = run.params, run.state
+    if "p" in parts:
+        params = jax.tree_util.tree_map(lambda x: run.jnp.asarray(_nudge(x, rng, "p")), params)
+    adam = state[0]
+    if "m" in parts:
+        adam = adam._replace(mu=jax.tree_util.tree_map(lambda x: run.jnp.asarray(_nudge(x, rng, "m")), adam.mu),
+                             nu=jax.tree_util.tree_map(lambda x: run.jnp.asarray(_nudge(x, rng, "v")), adam.nu))
+    return params, (adam,) + tuple(state[1:])
+
+
+def _restored(run, mode, codec, tmp):
+    """What `mode`'s checkpoint of `run`'s state gives back: a torch checkpoint dict, or
+    optax's ``(params, opt_state)``; and the save's summary (None for the controls)."""
+    if mode in ("1-ulp parameter resume", "perturbed moments resume", "one 1-ulp nudge"):
+        return _perturbed(run, mode), None
     if run.kind == "torch":
         import torch
         ck = run.checkpoint()
@@ -55,47 +114,97 @@ def _resume(run, mode, codec, tmp):
             buf = io.BytesIO()
             torch.save(ck, buf)
             buf.seek(0)
-            run.load(torch.load(buf, weights_only=False))
-            return
+            return torch.load(buf, weights_only=False), None
         import torch_compat
         from jaxguard.format.container import atomic_write
-        data, _ = torch_compat.compress_checkpoint(ck, codec=codec if mode == "guarded resume" else "block8-unguarded")
+        data, summary = torch_compat.compress_checkpoint(
+            ck, codec=codec if mode == "guarded resume" else "block8-unguarded")
         path = os.path.join(tmp, "ckpt.jg")
         atomic_write(path, data)
-        restored, _ = torch_compat.restore_tree(path)
-        run.load(restored)
-        return
+        return torch_compat.restore_tree(path)[0], summary
     if mode == "plain resume":
         path = os.path.join(tmp, "state.npz")
         run.save_fp32(path)
+        params, state, step = run.params, run.state, run.step
         run.load_fp32(path)
-        return
+        out = (run.params, run.state)
+        run.params, run.state, run.step = params, state, step
+        return out, None
     import jaxguard as jg
     path = os.path.join(tmp, "state.jg")
-    jg.save(path, run.state, run.params, lr=run.schedule, weight_decay=lm_runs.WEIGHT_DECAY,
-            codec=codec if mode == "guarded resume" else "block8-unguarded")
-    run.state = jg.load(path, like=run.state)
+    summary = jg.save(path, run.state, run.params, lr=run.schedule, weight_decay=lm_runs.WEIGHT_DECAY,
+                      codec=codec if mode == "guarded resume" else "block8-unguarded")
+    return (run.params, jg.load(path, like=run.state)), summary
+
+
+def _load(run, restored):
+    """Continue `run` from `restored` (a copy: torch's load may alias what it is given)."""
+    if run.kind == "torch":
+        import copy
+        run.load(copy.deepcopy(restored))
+    else:
+        run.params, run.state = restored
+
+
+def _first_update_error(run, restored, exact):
+    """The next update from `restored` against the one from the `exact` state (same batch):
+    (largest |difference| / (tau * lr), L2 of the difference, L2 of the exact update).
+    tau is jaxguard's default, lr the next update's."""
+    from jaxguard.core.config import GuardSpec
+    step = run.step
+    lr = lm_runs.lr_at(step + 1) if run.kind == "torch" else float(run.schedule(step))
+    starts, ends = [], []
+    for state in (exact, restored):
+        _load(run, state)
+        starts.append(run.params_flat().astype(np.float64))
+        run.train_step()
+        ends.append(run.params_flat().astype(np.float64))
+        run.step = step
+    diff = np.abs(ends[1] - ends[0])
+    return float(diff.max() / (GuardSpec().tau * lr)), float(np.linalg.norm(diff)), float(np.linalg.norm(ends[0] - starts[0]))
+
+
+def _exact(run):
+    return run.checkpoint() if run.kind == "torch" else (run.params, run.state)
+
+
+def _resume(run, mode, codec, tmp):
+    """Send `run`'s state through `mode`'s checkpoint and continue from what comes back.
+
+    Returns ``{"step", "first_update_over_tau_lr", "first_update_diff_l2", "update_l2"[,
+    "escape_rate", "payload_ratio"]}``: the next update from the restored state against the
+    exact state's (measured by stepping both on the next batch), and what the save reported."""
+    exact = _exact(run)
+    t = time.perf_counter()
+    restored, summary = _restored(run, mode, codec, tmp)
+    seconds = time.perf_counter() - t
+    over, diff_l2, upd_l2 = _first_update_error(run, restored, exact)
+    _load(run, restored)
+    rec = {"step": run.step, "first_update_over_tau_lr": over, "first_update_diff_l2": diff_l2, "update_l2": upd_l2,
+           "seconds": seconds}
+    if summary:
+        rec.update(escape_rate=summary["escape_rate"], payload_ratio=summary["payload_ratio"])
+    return rec
 
 
 def train(kind, mode, steps, every, codec, log=print):
     """One run of `kind` in `mode`; returns its losses and final parameters."""
     run = lm_runs.RUNS[kind](0, data_seed=1 if mode == "other batch order" else None)
-    train_loss, eval_loss, resumes, resume_s = [], {}, 0, 0.0
+    train_loss, eval_loss, resumes, resume_s, per_resume = [], {}, 0, 0.0, []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         while run.step < steps:
             train_loss.append(run.train_step())
             if run.step % EVAL_EVERY == 0:
                 eval_loss[run.step] = run.eval_loss()
-            if mode in ("plain resume", "guarded resume", "unguarded 8-bit resume") and run.step % every == 0 \
-                    and run.step < steps:
-                t = time.perf_counter()
-                _resume(run, mode, codec, tmp)
-                resume_s += time.perf_counter() - t
+            if (mode in RESUMING and run.step % every == 0 and run.step < steps) or \
+                    (mode == "one 1-ulp nudge" and run.step == every):
+                per_resume.append(_resume(run, mode, codec, tmp))
+                resume_s += per_resume[-1]["seconds"]
                 resumes += 1
     log(f"{kind} {mode}: {time.perf_counter() - t0:.0f} s, {resumes} resumes, final eval {eval_loss[steps]:.4f}")
     return {"kind": kind, "mode": mode, "train_loss": train_loss, "eval_loss": eval_loss, "resumes": resumes,
-            "resume_seconds": resume_s, "params": run.params_flat()}
+            "resume_seconds": resume_s, "per_resume": per_resume, "params": run.params_flat()}
 
 
 def compare(ref, other):
@@ -104,21 +213,38 @@ def compare(ref, other):
     dist = float(np.linalg.norm(other["params"].astype(np.float64) - ref["params"]))
     return {"max_eval_loss_diff": max(d), "final_eval_loss_diff": other["eval_loss"][steps[-1]] - ref["eval_loss"][steps[-1]],
             "final_eval_loss": other["eval_loss"][steps[-1]], "max_train_loss": max(other["train_loss"]),
-            "max_train_loss_after_warmup": max(other["train_loss"][lm_runs.WARMUP:]),
+            "max_train_loss_after_warmup": max(other["train_loss"][lm_runs.WARMUP:], default=float("nan")),
             "param_distance": dist, "param_distance_rel": dist / float(np.linalg.norm(ref["params"].astype(np.float64))),
-            "resumes": other["resumes"], "resume_seconds": other["resume_seconds"]}
+            "param_rms": dist / np.sqrt(ref["params"].size),
+            "resumes": other["resumes"], "resume_seconds": other["resume_seconds"], **_per_resume_summary(other)}
+
+
+def _per_resume_summary(run):
+    """The first update after each resume against the exact state's, and the saves' escapes
+    and payload, over the run (absent for a run without resumes, or cached before they were
+    measured)."""
+    per = run.get("per_resume") or []
+    if not per:
+        return {}
+    out = {"max_first_update_over_tau_lr": max(r["first_update_over_tau_lr"] for r in per),
+           "median_first_update_rel_l2": float(np.median([r["first_update_diff_l2"] / r["update_l2"] for r in per]))}
+    if "escape_rate" in per[0]:
+        out.update(escape_rate_range=[min(r["escape_rate"] for r in per), max(r["escape_rate"] for r in per)],
+                   payload_ratio_range=[min(r["payload_ratio"] for r in per), max(r["payload_ratio"] for r in per)])
+    return out
 
 
 def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, kind in zip(axes, ("torch", "optax")):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, kind in enumerate(("torch", "optax")):
         curves = res["curves"].get(kind, {})
         ref = curves.get("no resume")
         if not ref:
             continue
+        ax = axes[0, col]
         for mode in MODES[1:]:
             c = curves.get(mode)
             if c:
@@ -128,8 +254,17 @@ def plot(res, path):
         ax.set_xlabel("training step")
         ax.set_ylabel("|eval loss - no-resume eval loss|")
         ax.set_title(f"{kind} ({res['every']}-step resumes)")
+        ax.legend(fontsize=7)
+        ax = axes[1, col]
+        for mode, per in res.get("first_updates", {}).get(kind, {}).items():
+            ax.plot([s for s, _ in per], [max(o, 1e-6) for _, o in per], marker=".", lw=0.8, label=mode)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        ax.set_xlabel("training step of the resume")
+        ax.set_ylabel("first update after it: max |diff| / (tau lr)")
+        ax.legend(fontsize=7)
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -146,19 +281,34 @@ def write_md(res, path):
              "+ cosine 1e-3 -> 1e-4 over 2,000 steps; a shorter --steps runs the first steps of that schedule). Every run starts from the same initial state and sees the same "
              "batches (but `other batch order`); eval loss on 8 held-out batches every 100 steps; distances against "
              "the run that never stopped.", "",
+             "Parameter distance: the L2 norm of (parameters - the reference's) over all coordinates; relative: "
+             "divided by the reference's L2 norm; RMS: divided by the square root of the coordinate count. "
+             "First update after a resume: the run's state after the checkpoint and the exact state each take "
+             "the next step on the same batch; the largest per-coordinate difference over all resumes in units "
+             "of tau * lr (jaxguard's default tau, the next update's lr: the guard certifies <= 1 for |g| <= C), "
+             "and the median over resumes of its L2 norm over the exact update's.", "",
              "| model | run | resumes | max abs eval loss diff | final eval loss diff | max train loss after warmup | "
-             "parameter distance (L2) | relative | seconds in resumes |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "parameter distance (L2) | relative | RMS | x below other batch order | first update: max / (tau lr) | "
+             "first update: L2 / update L2 | escapes | payload | seconds in saves + loads |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    pct = lambda r: f"{100 * r[0]:.3f}-{100 * r[1]:.3f}%" if r else ""  # noqa: E731
     for kind in ("torch", "optax"):
+        order = res["comparisons"].get(f"{kind}/other batch order")
         for mode in MODES[1:]:
             c = res["comparisons"].get(f"{kind}/{mode}")
             if c:
+                below = f"{order['param_distance'] / c['param_distance']:.1f}" if order and c["param_distance"] else ""
+                first = (f"{c['max_first_update_over_tau_lr']:.3g} | {c['median_first_update_rel_l2']:.2e}"
+                         if "max_first_update_over_tau_lr" in c else " | ")
                 lines.append(f"| {kind} | {mode} | {c['resumes']} | {c['max_eval_loss_diff']:.2e} | "
                              f"{c['final_eval_loss_diff']:+.2e} | {c['max_train_loss_after_warmup']:.3f} | "
-                             f"{c['param_distance']:.3e} | {c['param_distance_rel']:.2e} | {c['resume_seconds']:.0f} |")
+                             f"{c['param_distance']:.3e} | {c['param_distance_rel']:.2e} | {c['param_rms']:.2e} | "
+                             f"{below} | {first} | {pct(c.get('escape_rate_range'))} | "
+                             f"{pct(c.get('payload_ratio_range'))} | {c['resume_seconds']:.0f} |")
         ref = res["reference"].get(kind)
         if ref:
             lines.append(f"| {kind} | no resume (reference) | 0 | 0 | eval {ref['final_eval_loss']:.4f} | "
-                         f"{ref['max_train_loss_after_warmup']:.3f} | 0 | 0 | 0 |")
+                         f"{ref['max_train_loss_after_warmup']:.3f} | 0 | 0 | 0 | | | | | | 0 |")
     if res.get("not_run"):
         lines += ["", "Not run (not in `--modes` and not in the cache): " + ", ".join(res["not_run"]) + "."]
     carried = res.get("carried") or {}
@@ -186,6 +336,7 @@ def carry_over(res, previous_json):
         res["carried"][kind] = prev.get("carried", {}).get(kind, prev["commit"])
         res["reference"][kind] = prev["reference"][kind]
         res["curves"][kind] = prev["curves"][kind]
+        res["first_updates"][kind] = prev.get("first_updates", {}).get(kind, {})
         res["comparisons"].update({k: v for k, v in prev["comparisons"].items() if k.startswith(kind + "/")})
 
 
@@ -220,7 +371,7 @@ def main(argv=None):
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"--modes: unknown run(s) {unknown}; choose from {list(MODES)}")
-    comparisons, reference, curves, missing = {}, {}, {}, []
+    comparisons, reference, curves, first_updates, missing = {}, {}, {}, {}, []
     for kind in kinds:
         runs = {}
         for mode in MODES:
@@ -231,7 +382,7 @@ def main(argv=None):
                 r = train(kind, mode, steps[kind], a.every, codec)
                 rec = {"kind": kind, "mode": mode, "every": a.every, "steps": steps[kind], "codec": key[-1],
                        "train_loss": r["train_loss"], "eval_loss": {str(k): v for k, v in r["eval_loss"].items()},
-                       "resumes": r["resumes"], "resume_seconds": r["resume_seconds"],
+                       "resumes": r["resumes"], "resume_seconds": r["resume_seconds"], "per_resume": r["per_resume"],
                        "params_npy": os.path.join(a.cache, f"many_resumes-{kind}-{steps[kind]}-{mode.replace(' ', '_')}-{key[-1]}.npy")}
                 np.save(rec["params_npy"], r["params"])
                 with open(jsonl, "a") as fh:
@@ -241,6 +392,9 @@ def main(argv=None):
             runs[mode] = {**rec, "eval_loss": {int(k): v for k, v in rec["eval_loss"].items()},
                           "params": np.load(rec["params_npy"])}
             curves.setdefault(kind, {})[mode] = {str(k): v for k, v in rec["eval_loss"].items()}
+            if rec.get("per_resume") and mode != "plain resume":
+                first_updates.setdefault(kind, {})[mode] = [(r["step"], r["first_update_over_tau_lr"])
+                                                            for r in rec["per_resume"]]
         if "no resume" not in runs:
             print(f"{kind}: {sorted(runs)} cached; the result is written once the run that never stops is")
             return
@@ -252,7 +406,7 @@ def main(argv=None):
                 comparisons[f"{kind}/{mode}"] = compare(ref, runs[mode])
     res = {**lm_runs.run_context(a.machine), "every": a.every, "steps": {k: steps[k] for k in kinds}, "codec": codec,
            "comparisons": comparisons, "reference": reference,
-           "curves": curves, "notes": a.notes, "carried": {}, "not_run": missing}
+           "curves": curves, "first_updates": first_updates, "notes": a.notes, "carried": {}, "not_run": missing}
     carry_over(res, a.out + ".json")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
