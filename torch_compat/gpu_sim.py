@@ -3,7 +3,7 @@
 Nothing here ran on a GPU: the op sequences are read from torch's CUDA sources and
 XLA:GPU's lowering (docs/gpu.md says what is measured and what is not).  Each kernel's
 sequence is written once, as a function of an arithmetic object (the pattern of
-`torch_compat.replay_kernel._adam_ops`), and `simulate_step` evaluates it in numpy float32
+`torch_compat.replay_kernel.adam_ops`), and `simulate_step` evaluates it in numpy float32
 (IEEE, no flush to zero) with two kinds of freedom the real kernels leave open:
 
 * ``fma``: nvcc contracts ``a*b + c`` into an FMA by default (``--fmad=true``) and XLA

@@ -59,8 +59,8 @@ from torch_compat.variant import (
     sqrt_table_for,
 )
 from torch_compat.float32 import fma_float32_numpy, sqrt_float32_numpy
-from torch_compat.replay_kernel import (AdamScalars, _adam_ops, _jax, _pad_to_bucket, adam_scalars,  # noqa: F401
-                                        fma_float32_jax, replay_flat)
+from torch_compat.replay_kernel import (AdamScalars, adam_ops, adam_scalars, fma_float32_jax,  # noqa: F401
+                                        pad_to_bucket, replay_flat)
 
 __all__ = [
     "AdamVariant",
@@ -142,7 +142,7 @@ class _NumpyArithmetic:
 def _numpy_ops(p, g, m, v, scalars: AdamScalars, variant: AdamVariant, *, decoupled, has_weight_decay):
     arithmetic = _NumpyArithmetic(sqrt_table_for(variant), bool(scalars.lerp_weight < 0.5))
     with np.errstate(all="ignore"):
-        return _adam_ops(arithmetic, p, g, m, v, scalars, variant, decoupled=decoupled,
+        return adam_ops(arithmetic, p, g, m, v, scalars, variant, decoupled=decoupled,
                          has_weight_decay=has_weight_decay)
 
 
@@ -240,7 +240,7 @@ def adam_step(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_deca
     flat = [np.ascontiguousarray(x).reshape(-1) for x in (p, g, m, v)]
     if size == 0:
         return tuple(np.empty(shape, np.float32) for _ in range(3))
-    padded = [_pad_to_bucket(x) for x in flat]
+    padded = [pad_to_bucket(x) for x in flat]
     *outputs, needs_numpy = replay_flat(*padded, scalars, body, decoupled=decoupled,
                                          has_weight_decay=weight_decay != 0)
     outputs = [np.array(x[:size]) for x in outputs]  # writable; jax buffers are read-only
@@ -275,7 +275,7 @@ def count_numpy_fallback(p, g, m, v, *, step, lr, betas=(0.9, 0.999), eps=1e-8, 
     p, g, m, v = _as_float32_arrays(p, g, m, v)
     variant = variant or detect_variant()
     scalars = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
-    flat = [_pad_to_bucket(np.ascontiguousarray(x).reshape(-1)) for x in (p, g, m, v)]
+    flat = [pad_to_bucket(np.ascontiguousarray(x).reshape(-1)) for x in (p, g, m, v)]
     *_, needs_numpy = replay_flat(*flat, scalars, variant, decoupled=decoupled, has_weight_decay=weight_decay != 0)
     return int(np.count_nonzero(np.asarray(needs_numpy)))
 
@@ -287,7 +287,8 @@ TORCH_FLAGS = {"single": dict(foreach=False, fused=False), "foreach": dict(forea
 
 @functools.lru_cache(maxsize=16)
 def _textbook_kernel(decoupled: bool):
-    jax, jnp, _ = _jax()
+    import jax
+    import jax.numpy as jnp
 
     def step_fn(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2):
         if decoupled:

@@ -1,10 +1,10 @@
 """The jitted JAX kernel of the replay: torch's Adam op sequence (`adam_scalars`,
-``_adam_ops``) over an arithmetic that emulates each float32 op bit for bit on the CPU
+`adam_ops`) over an arithmetic that emulates each float32 op bit for bit on the CPU
 (`replay_flat`), coordinates outside the emulation's exact range left to numpy."""
 from __future__ import annotations
 
 __all__ = ['LOW_EXPONENT', 'HIGH_EXPONENT', 'VELTKAMP_SPLITTER', 'AdamScalars', 'adam_scalars', 'fma_float32_jax',
-           'replay_flat']
+           'adam_ops', 'pad_to_bucket', 'replay_flat']
 
 import functools
 import math
@@ -78,7 +78,28 @@ def adam_scalars(*, step, lr, betas, eps, weight_decay, decoupled, implementatio
     ))
 
 
-def _adam_ops(ar, p, g, m, v, s: AdamScalars, variant: AdamVariant, *, decoupled: bool, has_weight_decay: bool):
+def adam_ops(ar, p, g, m, v, s: AdamScalars, variant: AdamVariant, *, decoupled: bool, has_weight_decay: bool):
+    """torch's Adam/AdamW step as its float32 op sequence, over an arithmetic: the one
+    sequence the jitted kernel (`replay_flat`) and the numpy model both run.
+
+    Numerical contract
+    ------------------
+    Each ``ar`` call is one torch float32 op (``add``, ``sub``, ``mul``, ``div``, ``neg``,
+    ``fma``, ``sqrt``) in torch's order, with the fusions `variant` records; the result is
+    bit for bit torch's wherever ``ar`` rounds each op as float32 does.
+
+    Args:
+      ar: the arithmetic (its ops, and ``lerp_weight_below_half``: which form torch's
+        ``lerp`` takes).
+      p, g, m, v: the parameter, gradient and moments (float32, as ``ar`` holds them).
+      s: the step's float32 scalars (`adam_scalars`).
+      variant: the op variant (which ops torch fuses into an FMA).
+      decoupled: AdamW's decoupled weight decay (else Adam's L2 term).
+      has_weight_decay: weight decay is nonzero.
+
+    Returns:
+      ``(p_new, m_new, v_new)``.
+    """
     if has_weight_decay and decoupled:
         p = ar.mul(p, s.decay_factor)
     if has_weight_decay and not decoupled:
@@ -236,7 +257,7 @@ def _compiled_kernel(variant: AdamVariant, use_below: bool, use_above: bool, dec
         arithmetic = _JaxArithmetic(per_element_zero, sqrt_below if use_below else None,
                                     sqrt_above if use_above else None, lerp_weight_below_half)
         named = AdamScalars(*(scalars[i] for i in range(len(AdamScalars._fields))))
-        p_new, m_new, v_new = _adam_ops(arithmetic, p, g, m, v, named, variant, decoupled=decoupled,
+        p_new, m_new, v_new = adam_ops(arithmetic, p, g, m, v, named, variant, decoupled=decoupled,
                                         has_weight_decay=has_weight_decay)
         needs_numpy = v < 0
         for x in (p, g, m, v, *arithmetic.tracked):
@@ -316,6 +337,15 @@ def _bucket_length(n: int) -> int:
     return -(-n // quantum) * quantum
 
 
-def _pad_to_bucket(x: np.ndarray) -> np.ndarray:
+def pad_to_bucket(x: np.ndarray) -> np.ndarray:
+    """`x` zero-padded to its bucket length, so the jitted kernel compiles one program per
+    bucket rather than per size.
+
+    Args:
+      x: a flat float32 array.
+
+    Returns:
+      `x` itself when its size is a bucket length, else a padded copy.
+    """
     # zero padding is inert: p = g = m = v = 0 stays 0 and never needs the numpy model
     return np.pad(x, (0, _bucket_length(x.size) - x.size)) if x.size != _bucket_length(x.size) else x

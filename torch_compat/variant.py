@@ -24,7 +24,7 @@ etc. hand calibrate the replay it checks candidates with).
 from __future__ import annotations
 
 __all__ = ["SQRT_TABLE_SIZE", "ReplayVariantWarning", "AdamVariant", "SqrtTable", "require_torch",
-           "environment_fingerprint", "cache_dir", "float32_from_bits", "torch_sqrt", "binade_name",
+           "environment_fingerprint", "cpu_description", "cache_dir", "float32_from_bits", "torch_sqrt", "binade_name",
            "EDGE_BINADES", "measure_sqrt_table", "torch_sqrt_table", "ieee_sqrt_table", "sqrt_table_for",
            "calibration_rng", "IMPLEMENTATIONS", "VECTOR_WIDTHS", "FusedAdamVariant", "check_implementation",
            "ReplayFunctions"]
@@ -157,7 +157,13 @@ def require_torch():
     return torch
 
 
-def _cpu_description() -> str:
+def cpu_description() -> str:
+    """The CPU a measured variant was measured on, without importing torch: vendor, model
+    name and a hash of the feature flags (``/proc/cpuinfo``), else what `platform` says.
+
+    Returns:
+      One line, e.g. ``"GenuineIntel | Intel(R) Xeon(R) ... | flags-sha256:0123abcd..."``.
+    """
     try:
         text = Path("/proc/cpuinfo").read_text()
         model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
@@ -195,7 +201,7 @@ def environment_fingerprint() -> dict:
         "torch": torch.__version__,
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl": _mkl_version(),
-        "cpu": _cpu_description(),
+        "cpu": cpu_description(),
         "env": {k: os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")},
     }
 

@@ -142,7 +142,7 @@ def fast_key() -> str | None:
     files = _torch_files()
     if not files:
         return None
-    return _key_of({"torch": version, "files": files, "cpu": variant_types._cpu_description(),
+    return _key_of({"torch": version, "files": files, "cpu": variant_types.cpu_description(),
                     "env": {k: os.environ.get(k, "") for k in KERNEL_VARIABLES}})
 
 

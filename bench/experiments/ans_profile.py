@@ -37,7 +37,7 @@ STAGES = (("rate pass (rate.optimize)", "jaxguard.core.rate", ("optimize",)),
           ("entry sections (packed.entry_sections / _many)", "jaxguard.format.packed",
            ("entry_sections", "entry_sections_many")),
           ("container write (container._write)", "jaxguard.format.container", ("_write",)),
-          ("reader check (container._decoded_moments)", "jaxguard.format.container", ("_decoded_moments",)),
+          ("reader check (container.decoded_moments)", "jaxguard.format.container", ("decoded_moments",)),
           ("guard (guard._encode_group)", "jaxguard.core.guard", ("_encode_group",)))
 
 

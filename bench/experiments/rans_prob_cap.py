@@ -38,7 +38,7 @@ def main():
     for e in header["entries"]:
         s = e.get("sections") if e.get("kind") == "moments" else None
         if isinstance(s, dict) and "mv_rans" in s:
-            _, n = reader._shape_size(e)
+            _, n = reader.shape_size(e)
             items.append(reader._rans_item(e["name"], s, payload, n, max(1, -(-n // reader.BLOCK))))
     dec = rans.decode_streams_many(items, "mv", lane_tails=True)
     raw = 8 * sum(n for _, _, n in items)

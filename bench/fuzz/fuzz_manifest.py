@@ -41,18 +41,11 @@ CORPUS = os.path.join(ROOT, "tests", "fuzz_corpus", "sharded_manifest")
 
 
 def seed_state():
-    """(tx, params, state): the small adamw state of the seed (also rebuilt by the replay test)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    params = {"w": jnp.linspace(-1, 1, 8 * 16, dtype=jnp.float32).reshape(8, 16), "b": jnp.zeros(16)}
-    tx = optax.adamw(1e-3, weight_decay=1e-2)
-    st = tx.init(params)
-    for i in range(3):
-        g = jax.tree_util.tree_map(lambda p, i=i: jnp.cos(p * (i + 2.0)) * 0.05, params)
-        u, st = tx.update(g, st, params)
-        params = optax.apply_updates(params, u)
-    return tx, params, st
+    """(tx, params, state): the small adamw state of the seed (the tests' builder,
+    tests/optax_states.py; the replay test rebuilds its structure)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from optax_states import trained_adamw
+    return trained_adamw((8, 16), steps=3)
 
 
 def make_seed(out):

@@ -9,13 +9,13 @@ bits exactly (NaN payloads and signed zeros included).
 """
 from __future__ import annotations
 
-__all__ = ["SAMPLE_EVERY", "SAMPLE_BATCH"]
+__all__ = ["SAMPLE_EVERY", "SAMPLE_BATCH", "SampleCheck", "decoded_moments"]
 
 import numpy as np
 
 from jaxguard.errors import ContainerError
 from jaxguard.format import entropy, reader, spec
-from jaxguard.format.entries import Pieces, _take
+from jaxguard.format.entries import Pieces, values_at
 
 
 # the writer's agreement check decodes every SAMPLE_EVERY-th block (and each entry's
@@ -26,13 +26,30 @@ SAMPLE_EVERY = 64
 SAMPLE_BATCH = 1 << 12     # sampled blocks decoded per reader call (entries batched per codec)
 
 
-def _decoded_moments(entry, body, tables, certified, n, sample):
+def decoded_moments(entry, body, tables, certified, n, sample):
     """The (m~, v~) the decoded hash records for one moments entry as written.
 
     With the guard's certified values at hand (`Encoded.decoded`) those are hashed, so the
     hash records what was certified; the numpy reader reads the entry as written and a
-    sample of its blocks goes to `sample` (a `_SampleCheck`), which decodes it and compares
-    bit for bit.  Without them (another writer) the reader decodes the whole entry."""
+    sample of its blocks goes to `sample` (a `SampleCheck`), which decodes it and compares
+    bit for bit.  Without them (another writer) the reader decodes the whole entry.
+
+    Args:
+      entry: the entry's header record as written (``name``, ``codec``, ``sections``, ...).
+      body: the entry's payload sections (a uint8 array; offsets as in ``entry``).
+      tables: the stored tables the container carries (name -> float32 array).
+      certified: the guard's certified ``(m, v)`` (arrays or `Pieces`), a jitted encode's
+        certified sample (a dict), or None.
+      n: the entry's coordinate count.
+      sample: the `SampleCheck` that collects the sampled blocks.
+
+    Returns:
+      ``(m, v)``: the values the decoded hash records.
+
+    Raises:
+      ContainerError: the reader refuses the entry, or its decode disagrees with a
+        certified sample, or the certified values have the wrong dtype or size.
+    """
     name = entry["name"]
     try:
         if certified is None or isinstance(certified, dict):
@@ -76,7 +93,7 @@ def _check_sampled(name, m, v, certified):
                              "nothing was written")
 
 
-class _SampleCheck:
+class SampleCheck:
     """Sampled blocks of many entries, decoded by the numpy reader a batch at a time (per
     codec: the reader decodes block by block) and compared with the certified values."""
 
@@ -84,6 +101,19 @@ class _SampleCheck:
         self.tables, self.pending, self.blocks = tables, {}, {}
 
     def add(self, name, codec, codes, m, v, n):
+        """Queue an entry's sampled blocks (every `SAMPLE_EVERY`-th, and the last); a codec's
+        batch is checked once it holds `SAMPLE_BATCH` blocks.
+
+        Args:
+          name: the entry's name (for the error).
+          codec: its codec name.
+          codes: its codes as the reader reads them (``m_codes``, ``v_codes``, params, escapes).
+          m, v: its certified values (arrays or `Pieces`).
+          n: its coordinate count (at least 1).
+
+        Raises:
+          ContainerError: a checked batch's decode disagrees with the certified values.
+        """
         nb = -(-n // spec.BLOCK)
         blocks = np.arange(0, nb, SAMPLE_EVERY)
         if blocks[-1] != nb - 1:
@@ -99,13 +129,21 @@ class _SampleCheck:
         else:
             k, pairs = esc[:0], codes["escape_pairs"][:0]
         item = (name, pos, pos < n, codes["m_codes"][at], codes["v_codes"][at], codes["m_params"][blocks],
-                codes["v_params"][blocks], k, pairs, _take(m, at), _take(v, at))
+                codes["v_params"][blocks], k, pairs, values_at(m, at), values_at(v, at))
         self.pending.setdefault(codec, []).append(item)
         self.blocks[codec] = self.blocks.get(codec, 0) + blocks.size
         if self.blocks[codec] >= SAMPLE_BATCH:
             self.flush(codec)
 
     def flush(self, codec=None):
+        """Check the queued blocks now.
+
+        Args:
+          codec: only this codec's queue; None: every queue.
+
+        Raises:
+          ContainerError: a decode disagrees with the certified values.
+        """
         for c in [codec] if codec is not None else list(self.pending):
             items = self.pending.pop(c, [])
             self.blocks[c] = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __all__ = ["Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name", "build", "write_stream",
            "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "BEHIND_FROM", "SAMPLE_EVERY", "atomic_write",
-           "atomic_write_with", "read", "entries_by_name", "KEPT_SECTIONS", "kept_sections"]
+           "atomic_write_with", "read", "entries_by_name", "KEPT_SECTIONS", "kept_sections", "InThread"]
 
 import functools
 import hashlib
@@ -26,10 +26,10 @@ import threading
 import numpy as np
 
 from jaxguard.format import reader, storage
-from jaxguard.format.agreement import SAMPLE_EVERY, _decoded_moments, _SampleCheck
-from jaxguard.format.entries import SCHEMA, Moments, Pieces, Raw, _parts, checked_entry, numpy_dtype_name
-from jaxguard.format.sections import (KEPT_SECTIONS, _add_tables, _aw_sections, _codec_spec, _le_bytes, _Sections,
-                                      _zstd_sections, kept_sections)
+from jaxguard.format.agreement import SAMPLE_EVERY, SampleCheck, decoded_moments
+from jaxguard.format.entries import SCHEMA, Moments, Pieces, Raw, checked_entry, flat_parts, numpy_dtype_name
+from jaxguard.format.sections import (KEPT_SECTIONS, Sections, add_tables, aw_sections, codec_spec, kept_sections,
+                                      le_bytes, zstd_sections)
 from jaxguard.errors import ContainerError
 
 
@@ -121,7 +121,7 @@ class PayloadSink:
         """
         b = self.pos
         if memoryview(data).nbytes >= HASH_BESIDE_FROM:   # the two release the GIL: one core each
-            hashing = _InThread(functools.partial(self.sha.update, data), "jaxguard-hash")
+            hashing = InThread(functools.partial(self.sha.update, data), "jaxguard-hash")
             try:
                 self.fh.write(data)
             finally:
@@ -141,7 +141,7 @@ class PayloadSink:
         Returns:
           ``[start, end]``, its byte range in the payload.
         """
-        return self.write(_le_bytes(arr))
+        return self.write(le_bytes(arr))
 
 
 COPY_CHUNK = 1 << 24
@@ -160,14 +160,14 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
     header_entries = []
     tables, table_arrays = {}, {}
     decoded = _BehindHash()
-    sample = _SampleCheck(table_arrays)
-    reused = [np.empty(0, np.uint8)]   # every moments entry's sections (`_Sections.body`)
+    sample = SampleCheck(table_arrays)
+    reused = [np.empty(0, np.uint8)]   # every moments entry's sections (`Sections.body`)
     # a list is scanned first so that the tables lead the payload (the layout `build`
     # always wrote); a stream adds them before its first entry that uses them
     if isinstance(entries, (list, tuple)):
         for e in map(checked_entry, entries):
             if isinstance(e, Moments):
-                _add_tables(pay, tables, table_arrays, _codec_spec(e.encoded.codec, e.name).tables)
+                add_tables(pay, tables, table_arrays, codec_spec(e.encoded.codec, e.name).tables)
     for i, e in enumerate(map(checked_entry, entries)):
         if in_place is not None and not in_place.active and pay.pos >= max(IN_PLACE_AFTER, in_place.next_try):
             in_place.start(pay, header_entries, meta, seen=i)
@@ -181,13 +181,13 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
         enc, info = e.encoded, e.info
         a = enc.arrays
         n = enc.n
-        cs = _codec_spec(enc.codec, name)
-        _add_tables(pay, tables, table_arrays, cs.tables)
-        local = _Sections(reused)     # this entry's sections, decoded by the reader before they are written
+        cs = codec_spec(enc.codec, name)
+        add_tables(pay, tables, table_arrays, cs.tables)
+        local = Sections(reused)      # this entry's sections, decoded by the reader before they are written
         if cs.layout in ("packed", "ans"):
-            sections = _aw_sections(local, enc, rans_coded=cs.layout == "ans")
+            sections = aw_sections(local, enc, rans_coded=cs.layout == "ans")
         elif cs.layout == "zstd":
-            sections = _zstd_sections(local, enc)
+            sections = zstd_sections(local, enc)
         else:
             mask = np.zeros(n, bool)
             mask[a["escape_index"]] = True
@@ -201,11 +201,11 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
         entry = {"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
                  "sections": sections, "config": info, "stats": _jsonable(enc.stats)}
         body = local.body()
-        m, v = _decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
+        m, v = decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
         # m~ then v~, hashed while the next entries are written: a copy where the reader's
         # decode is a view of `body`, which the next entry overwrites
         decoded.update([part.copy() if np.may_share_memory(part, body) else part
-                        for part in (np.ascontiguousarray(x, "<f4") for x in (*_parts(m), *_parts(v)))])
+                        for part in (np.ascontiguousarray(x, "<f4") for x in (*flat_parts(m), *flat_parts(v)))])
         del m, v
         b0 = pay.write(body)[0]
         del body
@@ -231,7 +231,7 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
 BEHIND_FROM = 1 << 20   # bytes of an entry's decoded values hashed in a thread of their own
 
 
-class _InThread(threading.Thread):
+class InThread(threading.Thread):
     """``fn()`` started in a daemon thread; `join` waits for it and raises what it raised."""
 
     def __init__(self, fn, name):
@@ -240,12 +240,21 @@ class _InThread(threading.Thread):
         self.start()
 
     def run(self):
+        """Call ``fn()``, keeping what it raises for `join`."""
         try:
             self.fn()
         except BaseException as exc:  # noqa: BLE001 - raised by join, in the caller's thread
             self.error = exc
 
     def join(self, timeout=None):
+        """Wait for ``fn()``.
+
+        Args:
+          timeout: seconds to wait at most (None: until it returns).
+
+        Raises:
+          BaseException: what ``fn()`` raised, in the caller's thread.
+        """
         super().join(timeout)
         if self.error is not None:
             raise self.error
@@ -275,7 +284,7 @@ class _BehindHash:
         if sum(memoryview(a).nbytes for a in arrays) < BEHIND_FROM:   # a thread costs more than it saves
             self._hash(arrays)
         else:
-            self.thread = _InThread(functools.partial(self._hash, arrays), "jaxguard-hash")
+            self.thread = InThread(functools.partial(self._hash, arrays), "jaxguard-hash")
 
     def finish(self):
         """Returns: the hashlib object, once every update is in."""
@@ -340,7 +349,7 @@ class _InPlace:
         _pwrite_full(self.fd, head, 0)
         # the disk takes the header and payload while their SHA-256 is read back: the
         # caller's fsync after the trailer then has 32 bytes left (GPT-2: 0.23-0.30 s less)
-        early = _InThread(functools.partial(os.fsync, self.fd), "jaxguard-fsync")
+        early = InThread(functools.partial(os.fsync, self.fd), "jaxguard-fsync")
         try:
             trailer = hashlib.sha256(head)
             _hash_range(self.fd, len(head), payload_bytes, trailer)

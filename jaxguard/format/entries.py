@@ -8,7 +8,7 @@ Nothing here computes: entries carry the encoder's arrays and certified values u
 """
 from __future__ import annotations
 
-__all__ = ["SCHEMA", "Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name"]
+__all__ = ["SCHEMA", "Raw", "Pieces", "Moments", "flat_parts", "values_at", "checked_entry", "numpy_dtype_name"]
 
 from typing import Any, NamedTuple
 
@@ -80,12 +80,28 @@ class Pieces:
         return out
 
 
-def _parts(x):
-    """The consecutive flat pieces of certified values (a `Pieces`, or one array)."""
+def flat_parts(x):
+    """The consecutive flat pieces of certified values, in order.
+
+    Args:
+      x: a `Pieces` or one array.
+
+    Returns:
+      A list of 1-D arrays (``x.parts``, or ``[x]`` flattened).
+    """
     return x.parts if isinstance(x, Pieces) else [np.asarray(x).reshape(-1)]
 
 
-def _take(x, idx):
+def values_at(x, idx):
+    """The certified values at flat positions, from pieces or one array.
+
+    Args:
+      x: a `Pieces` or a flat array.
+      idx: an int array of positions in ``[0, len(x))``.
+
+    Returns:
+      ``np.asarray(x)[idx]``, without joining a `Pieces`.
+    """
     return x.take(idx) if isinstance(x, Pieces) else x[idx]
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxguard.format import packed, zstd_streams
 from jaxguard.format.spec import BLOCK
-from jaxguard.format.zstd_streams import (FRAME, LEVEL, MAX_STREAM, StreamError, _bytes_view, _stream_frames,
+from jaxguard.format.zstd_streams import (FRAME, LEVEL, MAX_STREAM, StreamError, bytes_view,
                                           compress_frames, decode_frame, decode_stream, encode_stream, frame_lengths,
                                           from_planes, join_frames, stream_frames, to_planes)
 
@@ -229,7 +229,7 @@ def read_entry(name: str, sections: dict, payload, n: int, lazy: bool = False) -
     Raises:
       StreamError, packed.PackError: a malformed section (one line naming it).
     """
-    pay = _bytes_view(payload)
+    pay = bytes_view(payload)
     (bm, em), (bv, ev) = sections["m_codes"], sections["v_codes"]
     if lazy:
         low_m = FramedCodes(pay[bm:em], n, True, f"{name}.m_codes")
@@ -253,8 +253,8 @@ class FramedCodes:
     """
 
     def __init__(self, stream, n: int, signed: bool, what: str):
-        self.stream, self.n, self.signed, self.what = _bytes_view(stream), n, signed, what
-        _, self.frames = _stream_frames(self.stream, what, n)
+        self.stream, self.n, self.signed, self.what = bytes_view(stream), n, signed, what
+        _, self.frames = stream_frames(self.stream, what, n)
         self.dtype = np.dtype(np.int8 if signed else np.uint8)
         self.size = n
         self.wide = None
@@ -387,7 +387,7 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
       low_m, low_v: the low bytes of the m and v codes: decoded (uint8, n each) or still
         framed (`FramedCodes`, decoded later by the caller's pool).
     """
-    pay = _bytes_view(payload)
+    pay = bytes_view(payload)
     nb = max(1, -(-n // BLOCK))
 
     def sec(key):

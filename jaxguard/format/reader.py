@@ -21,7 +21,7 @@ from __future__ import annotations
 
 __all__ = ["MAGIC", "VERSION", "PREFIX", "TRAILER", "BLOCK", "DTYPES", "ReaderError", "DECODERS", "decoder",
            "decode_codes", "parse", "parse_deferred", "read_tables", "read_raw", "read_moments", "read_codes",
-           "decode_rans_entries", "skeleton_ref", "decoded_digest", "verify_bytes", "verify_file", "main"]
+           "decode_rans_entries", "check_layout", "shape_size", "skeleton_ref", "decoded_digest", "verify_bytes", "verify_file", "main"]
 
 import hashlib
 import json
@@ -135,7 +135,7 @@ def parse(data: bytes):
         raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
         raise ReaderError("payload SHA-256 mismatch")
-    _check_layout(header, len(payload))
+    check_layout(header, len(payload))
     return header, payload
 
 
@@ -199,7 +199,7 @@ def parse_deferred(data):
             raise ReaderError("header has no 'entries' list")
         if header.get("payload_bytes") != len(payload):
             raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
-        _check_layout(header, len(payload))
+        check_layout(header, len(payload))
     except ReaderError:
         whole.join()
         pay.join()
@@ -263,7 +263,17 @@ def _tables(header):
     return tables
 
 
-def _check_layout(header, payload_len):
+def check_layout(header, payload_len):
+    """Check that the header's tables and sections tile the payload exactly: every range
+    inside it, no hole, no overlap, no trailing byte.
+
+    Args:
+      header: the parsed JSON header (untrusted: its ranges are checked before any is read).
+      payload_len: the payload's length in bytes.
+
+    Raises:
+      ReaderError: a range out of the payload, a hole, an overlap or trailing bytes.
+    """
     ranges = []
     for name, rng in _tables(header).items():
         ranges.append(tuple(_range(payload_len, rng, f"table {name}")))
@@ -293,7 +303,19 @@ def _array(payload, rng, dtype, count, what):
 MAX_ELEMENTS = 1 << 40
 
 
-def _shape_size(entry):
+def shape_size(entry):
+    """An entry's declared shape and element count, checked.
+
+    Args:
+      entry: the entry's header record (untrusted).
+
+    Returns:
+      ``(shape, n)``: the shape (a list of ints) and the product of its dimensions.
+
+    Raises:
+      ReaderError: a shape that is not a list of at most 32 non-negative ints, or more
+        elements than the reader accepts (`MAX_ELEMENTS`).
+    """
     shape = entry.get("shape")
     if (not isinstance(shape, list) or len(shape) > 32
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in shape)):
@@ -336,7 +358,7 @@ def read_raw(entry, payload):
     Raises:
       ReaderError: an unsupported dtype, a bad shape or byte range.
     """
-    shape, n = _shape_size(entry)
+    shape, n = shape_size(entry)
     dt = DTYPES.get(entry.get("dtype"))
     if dt is None:
         raise ReaderError(f"entry {entry.get('name')!r} has unsupported dtype {entry.get('dtype')!r}")
@@ -359,7 +381,7 @@ def read_moments(entry, payload, tables, rans_symbols=None):
     Raises:
       ReaderError: anything in the entry that does not match the format.
     """
-    shape, n = _shape_size(entry)
+    shape, n = shape_size(entry)
     codes = read_codes(entry, payload, tables, rans_symbols)
     m, v = decode_codes(entry["codec"], n, codes["m_codes"], codes["v_codes"], codes["m_params"],
                         codes["v_params"], tables)
@@ -396,7 +418,7 @@ def read_codes(entry, payload, tables, rans_symbols=None, lazy=False):
     Raises:
       ReaderError: anything in the entry that does not match the format.
     """
-    _, n = _shape_size(entry)
+    _, n = shape_size(entry)
     cs = codec_spec(entry)
     missing = [t for t in cs.tables if t not in tables]
     if missing:
@@ -481,7 +503,7 @@ def decode_rans_entries(entries, payload):
         for k, entry in enumerate(entries):
             s = entry.get("sections") if entry.get("kind") == "moments" else None
             if isinstance(s, dict) and "mv_rans" in s and codec_spec(entry).layout == "ans":
-                _, n = _shape_size(entry)
+                _, n = shape_size(entry)
                 items.append(_rans_item(entry["name"], s, payload, n, max(1, -(-n // BLOCK))))
                 where.append(k)
         if len(items) < 2:

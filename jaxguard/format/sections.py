@@ -10,7 +10,8 @@ lossless packing of `jaxguard.format.entropy` / `jaxguard.format.packed`.
 """
 from __future__ import annotations
 
-__all__ = ["KEPT_SECTIONS", "kept_sections"]
+__all__ = ["KEPT_SECTIONS", "kept_sections", "le_bytes", "Sections", "codec_spec", "add_tables", "zstd_sections",
+           "aw_sections"]
 
 import numpy as np
 
@@ -18,15 +19,19 @@ from jaxguard.errors import ContainerError
 from jaxguard.format import entropy, packed, rans, spec
 
 
-def _le_bytes(arr) -> np.ndarray:
-    """`arr`'s bytes as a flat uint8 array: little-endian, C order, any dtype (bfloat16 too)."""
+def le_bytes(arr) -> np.ndarray:
+    """`arr`'s bytes as a flat uint8 array: little-endian, C order, any dtype (bfloat16 too).
+
+    Args:
+      arr: a numpy array (or anything `np.ascontiguousarray` takes).
+    """
     arr = np.ascontiguousarray(arr)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
 
 
-class _Sections:
+class Sections:
     """One entry's sections, laid out back to back in a buffer the writer reuses from
     entry to entry (`body`).
 
@@ -48,7 +53,7 @@ class _Sections:
         Returns:
           ``[start, end]``, its byte range in the entry.
         """
-        flat = _le_bytes(arr)
+        flat = le_bytes(arr)
         b = self.size
         self.parts.append(flat)
         self.size += flat.size
@@ -67,15 +72,31 @@ class _Sections:
         return out
 
 
-def _codec_spec(codec, name):
+def codec_spec(codec, name):
+    """The registry's spec of an entry's codec (`jaxguard.format.spec.get`).
+
+    Args:
+      codec: the codec name.
+      name: the entry's name (for the error).
+
+    Raises:
+      ContainerError: a codec the registry does not know, naming the entry.
+    """
     try:
         return spec.get(codec)
     except spec.UnknownCodecError as exc:
         raise ContainerError(f"entry {name!r}: {exc}") from None
 
 
-def _add_tables(pay, tables, table_arrays, names):
-    """Append the stored tables `names` not yet in the payload (in the registry's order)."""
+def add_tables(pay, tables, table_arrays, names):
+    """Append the stored tables `names` not yet in the payload (in the registry's order).
+
+    Args:
+      pay: the payload (a `Sections` or the writer's sink: anything with ``add(array)``).
+      tables: table name -> byte range in the payload, updated.
+      table_arrays: table name -> float32 array, updated.
+      names: the tables an entry's codec needs.
+    """
     for t in names:
         if t not in tables:
             table_arrays[t] = np.asarray(spec.TABLES[t](), np.float32)
@@ -99,8 +120,19 @@ def kept_sections(enc):
     return None
 
 
-def _zstd_sections(pay, enc) -> dict:
-    """Sections of a log8-rel-zstd entry (`entropy.entry_sections`, or those kept on the encoding)."""
+def zstd_sections(pay, enc) -> dict:
+    """Sections of a log8-rel-zstd entry (`entropy.entry_sections`, or those kept on the encoding).
+
+    Args:
+      pay: the entry's `Sections`.
+      enc: its `Encoded`.
+
+    Returns:
+      Section name -> byte range in the entry.
+
+    Raises:
+      ContainerError: arrays the packing refuses.
+    """
     arrays = kept_sections(enc)
     try:
         arrays = arrays if arrays is not None else entropy.entry_sections(enc.arrays, enc.n)
@@ -109,11 +141,23 @@ def _zstd_sections(pay, enc) -> dict:
     return {k: pay.add(a) for k, a in arrays.items()}
 
 
-def _aw_sections(pay, enc, rans_coded=False) -> dict:
+def aw_sections(pay, enc, rans_coded=False) -> dict:
     """Sections of a logrel-aw / logrel-ans entry (`packed.entry_sections`), appended to `pay`
     in the order the first release wrote them (the escape positions first).  An encoding
     whose sections the guard already built from these very arrays (logrel-ans: the payload
-    stat) is not encoded again."""
+    stat) is not encoded again.
+
+    Args:
+      pay: the entry's `Sections`.
+      enc: its `Encoded`.
+      rans_coded: rANS-code the code streams (logrel-ans).
+
+    Returns:
+      Section name -> byte range in the entry.
+
+    Raises:
+      ContainerError: arrays the packing or the rANS coder refuses.
+    """
     arrays = kept_sections(enc)
     try:
         arrays = arrays if arrays is not None else packed.entry_sections(enc.arrays, enc.n, entropy=rans_coded)

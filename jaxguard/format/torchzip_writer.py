@@ -274,14 +274,14 @@ class _Decoder(threading.Thread):
         j, size = k, 0
         while j < len(entries) and (j == k or size < RANS_WINDOW):
             if entries[j].get("kind") == "moments":
-                size += reader._shape_size(entries[j])[1]
+                size += reader.shape_size(entries[j])[1]
             j += 1
         pre.update({k + i: sym for i, sym in reader.decode_rans_entries(entries[k:j], self.payload).items()})
         return j
 
     def _submit(self, pool, k, e, pre):
         """(entry, futures, finish) of one entry's decode tasks."""
-        _, n = reader._shape_size(e)
+        _, n = reader.shape_size(e)
         if n <= CHUNK:
             fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.pop(k, None))
             return e, [fut], lambda: fut.result()
@@ -317,11 +317,11 @@ class _Decoder(threading.Thread):
                         if k >= upto:
                             upto = self._rans_window(entries, k, pre)
                         pending.append(self._submit(pool, k, e, pre))
-                        ahead += reader._shape_size(e)[1]
+                        ahead += reader.shape_size(e)[1]
                     if self.stop.is_set():
                         return
                     e, _, finish = pending.popleft()
-                    ahead -= reader._shape_size(e)[1]
+                    ahead -= reader.shape_size(e)[1]
                     m, v = finish()
                     m, v = np.ascontiguousarray(m, "<f4"), np.ascontiguousarray(v, "<f4")
                     big = m.nbytes >= CRC_BESIDE_FROM   # CRC-32s beside the hash (a task costs more than a small CRC)

@@ -16,7 +16,7 @@ a frame stored as is is those bytes), and byte planes only regroup a value's byt
 from __future__ import annotations
 
 __all__ = ["FRAME", "LEVEL", "MAX_STREAM", "StreamError", "frame_lengths", "compress_frames", "join_frames",
-           "encode_stream", "stream_frames", "decode_frame", "decode_stream", "to_planes", "from_planes"]
+           "encode_stream", "bytes_view", "stream_frames", "decode_frame", "decode_stream", "to_planes", "from_planes"]
 
 import threading
 
@@ -176,8 +176,12 @@ def _as_bytes(data) -> np.ndarray:
     return np.frombuffer(data, np.uint8)
 
 
-def _bytes_view(buf) -> memoryview:
-    """`buf` (bytes, a memoryview of the payload, a uint8 array) as a flat byte memoryview."""
+def bytes_view(buf) -> memoryview:
+    """`buf` as a flat byte memoryview (no copy).
+
+    Args:
+      buf: bytes, a memoryview of the payload, a uint8 array.
+    """
     mv = memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
@@ -199,7 +203,7 @@ def stream_frames(buf, what: str, expected=None, limit: int = MAX_STREAM):
       StreamError: a malformed header, a length other than `expected`, frame sizes that do
         not tile the stream, or a frame stored larger than it decodes.
     """
-    return _stream_frames(_bytes_view(buf), what, expected, limit)
+    return _stream_frames(bytes_view(buf), what, expected, limit)
 
 
 def _stream_frames(mv, what, expected=None, limit=MAX_STREAM):
@@ -272,7 +276,7 @@ def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
       StreamError: a zstd frame that does not take exactly `stored` bytes, declares
         another content size, or that zstd refuses.
     """
-    frame = _bytes_view(buf)[start:start + stored]
+    frame = bytes_view(buf)[start:start + stored]
     if stored == decoded:
         return frame
     end, content = _zstd_frame_end(frame, what)
@@ -303,7 +307,7 @@ def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STRE
     Raises:
       StreamError: as `stream_frames` and `decode_frame`.
     """
-    mv = _bytes_view(buf)
+    mv = bytes_view(buf)
     decoded, frames = _stream_frames(mv, what, expected, limit)
     if len(frames) == 1 and out is None:
         start, stored, d = frames[0]

@@ -77,7 +77,7 @@ class ShardReader:
             raise ContainerError(f"{self.dir}: shard {rec['name']!r} has a header with non-string fields; the "
                                  "manifest is corrupt")
         try:
-            reader._check_layout({"entries": [h]}, len(data))   # the header is untrusted: ranges first
+            reader.check_layout({"entries": [h]}, len(data))   # the header is untrusted: ranges first
             if h["kind"] == "raw":
                 out = reader.read_raw(h, memoryview(data))
             else:

@@ -12,18 +12,12 @@ import pytest
 
 import jaxguard as jg
 from jaxguard import sharded
+from optax_states import trained_adamw
 
 
 @pytest.fixture(scope="module")
 def trained():
-    params = {"w": jnp.linspace(-1, 1, 1200, dtype=jnp.float32).reshape(40, 30), "b": jnp.zeros(30)}
-    tx = optax.adamw(1e-3, weight_decay=1e-2)
-    st = tx.init(params)
-    for i in range(4):
-        g = jax.tree_util.tree_map(lambda p, i=i: jnp.cos(p * (i + 2.0)) * 0.05, params)
-        u, st = tx.update(g, st, params)
-        params = optax.apply_updates(params, u)
-    return tx, params, st
+    return trained_adamw((40, 30), steps=4)
 
 
 def test_one_shard_per_leaf_decodes_like_the_single_file(tmp_path, trained):

@@ -63,13 +63,20 @@ def test_unguarded_block8_violates(trained, tmp_path):
     assert a["violations"] > 0
 
 
-def test_optimizer_save_load_round_trip(tmp_path):
+def _stepped_adamw(steps):
+    """A ``Linear(30, 20)`` and its AdamW (lr 1e-3, weight decay 0.01) after `steps` steps
+    on random batches (torch's global generator)."""
     model = torch.nn.Linear(30, 20)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(5):
+    for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(8, 30)).pow(2).mean().backward()
         opt.step()
+    return model, opt
+
+
+def test_optimizer_save_load_round_trip(tmp_path):
+    model, opt = _stepped_adamw(5)
     s = torch_compat.save(tmp_path / "o.jg", opt)
     assert s["coordinates"] == 620
     opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -86,12 +93,7 @@ def test_load_checks_the_weights_the_state_was_certified_against(tmp_path):
     import warnings
     from jaxguard.errors import CheckpointError, ConfigError, JaxguardWarning
     torch.manual_seed(0)
-    model = torch.nn.Linear(30, 20)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(8, 30)).pow(2).mean().backward()
-        opt.step()
+    model, opt = _stepped_adamw(3)
     torch_compat.save(tmp_path / "o.jg", opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error", JaxguardWarning)

@@ -208,8 +208,8 @@ class GuardedTrainer(Trainer):
             if job is None:
                 publish()
             else:
-                from jaxguard.format.container import _InThread
-                self._jaxguard_thread = _InThread(publish_in_background, "jaxguard-hf-save")
+                from jaxguard.format.container import InThread
+                self._jaxguard_thread = InThread(publish_in_background, "jaxguard-hf-save")
         self.accelerator.wait_for_everyone()
 
     def _rotate_guarded_checkpoints(self, run_dir):
