@@ -247,8 +247,8 @@ CRAFTED_RAISES = {"missing_section_key": KeyError, "unhashable_codec": TypeError
 CRAFTED_REASON = {
     "missing_section_key": "reader.read_moments: entry['sections']['escape_pairs'] KeyError (keys not validated)",
     "unhashable_codec": "reader.read_moments: `codec not in CODE_DTYPES` raises TypeError for a list codec",
-    "shape_beyond_int64": "reader._shape_size: np.prod raises OverflowError for dims >= 2**63",
-    "tables_not_a_dict": "reader._check_layout: (header['tables'] or {}).items() AttributeError for a list",
+    "shape_beyond_int64": "reader.shape_size: np.prod raises OverflowError for dims >= 2**63",
+    "tables_not_a_dict": "reader.check_layout: (header['tables'] or {}).items() AttributeError for a list",
     "moments_without_name": "reader.read_moments: entry['name'] KeyError",
     "json_int_over_4300_digits": "reader.parse catches only JSONDecodeError; int > 4300 digits raises plain ValueError",
     "json_nesting_100000": "reader.parse: json.loads raises RecursionError on deeply nested header JSON",
