@@ -169,9 +169,13 @@ def test_cli_restore_corrupt_exit2_no_output(built, tmp_path):
 
 
 def _reseal(header, payload):
+    """The container with `header`, its trailer recomputed with the hash the header names."""
+    name = reader.header_hash(header)
     hb = json.dumps(header, separators=(",", ":")).encode()
-    body = PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hb)) + hb + payload
-    return body + hashlib.sha256(body).digest()
+    body = PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(name), len(hb)) + hb + payload
+    trailer = reader.hasher(name)
+    trailer.update(body)
+    return body + trailer.digest()
 
 
 def _split(data):
