@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-import jaxguard.core.guard as G
 import jaxguard.format.container as C
 from jaxguard.errors import ContainerError
 from jaxguard.format import reader
@@ -18,7 +17,7 @@ from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "golden", "containers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "golden"))
-from make_container_golden import inputs  # noqa: E402
+from make_container_golden import golden_entries, inputs  # noqa: E402
 
 HASHES = ("sha256", "blake3")
 OLD_GOLDEN = ("log8", "log8-rel", "bf16", "block8", "block8-unguarded", "logrel-aw", "logrel-ans", "torch-adam",
@@ -29,11 +28,7 @@ ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirna
 
 @pytest.fixture(scope="module")
 def entries():
-    m, v, p = inputs()
-    cfg = G.GuardConfig(lr=1e-3, step=100, codec="log8-rel")
-    enc = G.encode(m, v, p, cfg)
-    return [C.Moments("layer/w", enc, {"config": cfg.to_json()}), C.Raw("layer/w.param", p, None),
-            C.Raw("step", np.asarray(100, np.int64), None)]
+    return golden_entries("log8-rel", *inputs())
 
 
 @pytest.fixture(scope="module")

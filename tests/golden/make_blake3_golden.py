@@ -17,10 +17,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import jaxguard.core.guard as G  # noqa: E402
 import jaxguard.format.container as C  # noqa: E402
 import jaxguard.format.reader as R  # noqa: E402
-from make_container_golden import HERE, inputs  # noqa: E402
+from make_container_golden import HERE, golden_entries, inputs  # noqa: E402
 
 CODECS = ("log8-rel", "log8-rel-zstd", "logrel-ans")
 EXPECTED = os.path.join(HERE, "blake3.expected.npz")
@@ -32,12 +31,7 @@ def main():
     m, v, p = inputs()
     expected = {}
     for codec in CODECS:
-        cfg = G.GuardConfig(lr=1e-3, step=100, codec=codec)
-        enc = G.encode(m, v, p, cfg)
-        entries = [C.Moments("layer/w", enc, {"config": cfg.to_json()}),
-                   C.Raw("layer/w.param", p, None),
-                   C.Raw("step", np.asarray(100, np.int64), None)]
-        data = C.build(entries, {"source": "golden", "codec": codec}, integrity_hash="blake3")
+        data = C.build(golden_entries(codec, m, v, p), {"source": "golden", "codec": codec}, integrity_hash="blake3")
         path = os.path.join(HERE, f"blake3-{codec}.jaxguard")
         C.atomic_write(path, data)
         info = R.verify_file(path)
