@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __all__ = ["Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name", "build", "write_stream",
            "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "BEHIND_FROM", "SAMPLE_EVERY", "atomic_write",
-           "atomic_write_with", "read", "entries_by_name", "KEPT_SECTIONS", "kept_sections"]
+           "atomic_write_with", "read", "entries_by_name", "seal", "KEPT_SECTIONS", "kept_sections"]
 
 import functools
 import io
@@ -442,6 +442,35 @@ def _jsonable(x):
         x = float(x)
         return x if np.isfinite(x) else str(x)
     return x
+
+
+def seal(header: dict, payload, *, payload_digest: bool = False) -> bytes:
+    """The container of a `header` and `payload` as they are: the prefix with the flags of the
+    integrity hash the header names (``hash``; SHA-256 when absent), the header as compact
+    JSON, the payload, the trailer with that hash.  For rewriting a file's header (tests,
+    the fuzzer, a migration).
+
+    Args:
+      header: a container header (its ``decoded_sha256`` is kept as given).
+      payload: the payload bytes.
+      payload_digest: also set ``payload_bytes`` and ``payload_sha256`` from `payload`.
+
+    Returns:
+      The whole container.
+
+    Raises:
+      ReaderError: the header names an unknown hash.
+    """
+    name = reader.header_hash(header)
+    if payload_digest:
+        digest = reader.hasher(name)
+        digest.update(payload)
+        header = dict(header, payload_bytes=len(payload), payload_sha256=digest.hexdigest())
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    trailer = reader.hasher(name)
+    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(name), len(hb)) + hb + bytes(payload)
+    trailer.update(body)
+    return body + trailer.digest()
 
 
 def atomic_write(path, data: bytes) -> None:

@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from jaxguard.format import reader  # noqa: E402
+from jaxguard.format import container, reader  # noqa: E402
 from jaxguard.format.reader import PREFIX, TRAILER, ReaderError  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parents[1]   # tests/
@@ -169,13 +169,7 @@ def test_cli_restore_corrupt_exit2_no_output(built, tmp_path):
 
 
 def _reseal(header, payload):
-    """The container with `header`, its trailer recomputed with the hash the header names."""
-    name = reader.header_hash(header)
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    body = PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(name), len(hb)) + hb + payload
-    trailer = reader.hasher(name)
-    trailer.update(body)
-    return body + trailer.digest()
+    return container.seal(header, payload)
 
 
 def _split(data):
