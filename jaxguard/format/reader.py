@@ -142,7 +142,7 @@ def _prefix_hash(flags) -> str:
 
 def _check_header_hash(header, name) -> None:
     if header_hash(header) != name:
-        raise ReaderError(f"the header declares integrity hash {str(header.get('hash'))[:40]!r} but the prefix "
+        raise ReaderError(f"the header declares integrity hash {str(header_hash(header))[:40]!r} but the prefix "
                           f"{name!r}; the file is inconsistent")
 
 
