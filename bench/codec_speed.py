@@ -199,10 +199,13 @@ def whole_process(src, work, repeats, env, codec="log8-rel", cold=True, before=N
         res["compress_before"], res["restore_before"] = [], []   # run from that directory: `python -m` puts the cwd first
         env0 = {**env, "PYTHONPATH": before + os.pathsep + os.environ.get("PYTHONPATH", "")}
         out0 = os.path.join(work, "c0.jg")
-        if not restore_only:
-            runs.append(("compress_before", [py, "-m", "jaxguard", "compress", src, "-o", out0, "--json", "--codec",
-                                             codec], env0, before))
-        runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out, "-o", os.path.join(work, "back0.pt")],
+        compress0 = [py, "-m", "jaxguard", "compress", src, "-o", out0, "--json", "--codec", codec]
+        if restore_only:
+            run_child(compress0, env0, before)
+        else:
+            runs.append(("compress_before", compress0, env0, before))
+        # the before's own file: a reader older than the file's integrity hash refuses it
+        runs.append(("restore_before", [py, "-m", "jaxguard", "restore", out0, "-o", os.path.join(work, "back0.pt")],
                      env0, before))
     if also:   # another codec's compress and restore of the same checkpoint, interleaved (e.g. log8-rel)
         out_a = os.path.join(work, "c_also.jg")
@@ -275,13 +278,14 @@ def _json_summary(text):
 
 
 def _hashes(container):
-    """(payload_sha256, decoded_sha256) of a container's header."""
+    """(payload SHA-256, decoded-moments SHA-256) of a container, computed here whatever
+    integrity hash the file carries (a file sealed with BLAKE3 and one sealed with SHA-256
+    of the same entries give the same pair)."""
+    import hashlib
     from jaxguard.format import reader
     with open(container, "rb") as fh:
-        head = fh.read(reader.PREFIX.size)
-        hlen = reader.PREFIX.unpack(head)[3]
-        header = json.loads(fh.read(hlen))
-    return header["payload_sha256"], header["decoded_sha256"]
+        header, payload = reader.parse(fh.read())
+    return hashlib.sha256(payload).hexdigest(), reader.decoded_digest(header, payload, "sha256")
 
 
 def tiled(base, r):

@@ -3,15 +3,17 @@
     nice -n 19 python bench/fuzz/fuzz_reader.py --seconds 600 [--seed 0] [--corpus tests/fuzz_corpus]
 
 Starts from valid containers (a small torch Linear model + Adam state with NaN/Inf/negative
-moments, codecs log8, block8, bf16 and logrel-aw) and applies, at random:
+moments, codecs log8, block8, bf16 and logrel-aw; each written with BLAKE3, the integrity
+hash of new files, and resealed with SHA-256, the older files' hash) and applies, at random:
 
 * raw mutations: bit flips, byte insert/delete/overwrite, truncation, appends (these stop
-  at the trailing SHA-256 almost always);
-* *consistent* mutations that recompute the trailing SHA-256 and, where the header is
-  edited, `payload_sha256` too, so they reach the header, layout and decode checks:
-  header JSON value edits (ints, huge ints, negatives, bools, lists, dicts, strings, null,
-  NaN, deep nesting), key deletion/insertion, raw header-text edits, payload byte edits,
-  prefix field edits (version, flags, header length).
+  at the trailing digest almost always);
+* *consistent* mutations that recompute the trailing digest (with the hash the prefix's
+  flags name, SHA-256 for an unknown id) and, where the header is edited, `payload_sha256`
+  too, so they reach the header, layout and decode checks: header JSON value edits (ints,
+  huge ints, negatives, bools, lists, dicts, strings, null, NaN, deep nesting; the ``hash``
+  field too), key deletion/insertion, raw header-text edits, payload byte edits, prefix
+  field edits (version, flags: unknown bits and hash ids, header length).
 
 Any exception other than `ReaderError` is a finding.  Findings and a few inputs per
 distinct rejection message are written to the corpus directory; tests/format/test_reliability.py
@@ -44,29 +46,48 @@ def make_seeds():
     for codec in ("log8", "block8", "bf16", "logrel-aw"):
         data, _ = torch_compat.compress_checkpoint(odd_values_checkpoint(), codec=codec)
         reader.verify_bytes(data)
-        seeds.append(data)
+        seeds += [data, rehash(data, "sha256")]
+        reader.verify_bytes(seeds[-1])
     return seeds
+
+
+def rehash(data, name):
+    """A valid container `data` resealed with the integrity hash `name`: prefix flags,
+    header ``hash``, both header digests and the trailer."""
+    header, payload = reader.parse(data)
+    header = {k: v for k, v in header.items() if k != "hash"}
+    if name != "sha256":
+        header["hash"] = name
+    header["decoded_sha256"] = reader.decoded_digest(header, payload, name)
+    return reseal(header, bytes(payload), flags=reader.hash_flags(name))
 
 
 # ---------------------------------------------------------------- container surgery
 def split(data):
-    _, _, _, hlen = PREFIX.unpack_from(data, 0)
+    _, _, flags, hlen = PREFIX.unpack_from(data, 0)
     hb = data[PREFIX.size:PREFIX.size + hlen]
     payload = data[PREFIX.size + hlen:len(data) - TRAILER]
-    return json.loads(hb), payload
+    return json.loads(hb), payload, flags
+
+
+def _digest(name, data):
+    h = reader.hasher(reader.HASHES.get(name, "sha256") if isinstance(name, int) else name)
+    h.update(data)
+    return h
 
 
 def assemble(header_bytes, payload, *, version=1, flags=0, hlen=None):
+    """A container whose trailer is the digest of the hash `flags` names (SHA-256 for an unknown id)."""
     body = PREFIX.pack(reader.MAGIC, version, flags, len(header_bytes) if hlen is None else hlen) + header_bytes + payload
-    return body + hashlib.sha256(body).digest()
+    return body + _digest(flags, body).digest()
 
 
-def reseal(header, payload, *, fix_payload_hash=True):
+def reseal(header, payload, *, fix_payload_hash=True, flags=0):
     header = dict(header) if isinstance(header, dict) else header
     if fix_payload_hash and isinstance(header, dict):
         header["payload_bytes"] = len(payload)
-        header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
-    return assemble(json.dumps(header, separators=(",", ":")).encode(), payload)
+        header["payload_sha256"] = _digest(flags, payload).hexdigest()
+    return assemble(json.dumps(header, separators=(",", ":")).encode(), payload, flags=flags)
 
 
 def weird_value(rng):
@@ -122,7 +143,7 @@ def mutate_header(header, rng):
             parent[rng.choice(["x", "codec", "kind", "shape", "sections", "name", "offsets", "dtype"])] = weird_value(rng)
         elif op == 5:
             parent[key] = rng.choice(["log8", "bf16", "block8", "block8-unguarded", "raw", "moments",
-                                      "float32", "bfloat16", "bool", "int8", "float64", "nope"])
+                                      "float32", "bfloat16", "bool", "int8", "float64", "nope", "sha256", "blake3"])
         elif op == 6 and isinstance(cur, dict) and cur:
             # swap two section ranges, or move a range
             ks = list(cur)
@@ -154,9 +175,9 @@ def mutate(seed, rng):
         else:
             data += os.urandom(rng.choice((1, 32, 100)))
         return "insdel", bytes(data)
-    header, payload = split(seed)
+    header, payload, flags = split(seed)
     if r < 0.70:  # structured header edit, resealed
-        return "header", reseal(mutate_header(header, rng), payload, fix_payload_hash=rng.random() < 0.9)
+        return "header", reseal(mutate_header(header, rng), payload, fix_payload_hash=rng.random() < 0.9, flags=flags)
     if r < 0.78:  # raw header-text edit, resealed
         hb = bytearray(json.dumps(header, separators=(",", ":")).encode())
         for _ in range(rng.choice((1, 2, 4))):
@@ -168,7 +189,7 @@ def mutate(seed, rng):
                 del hb[i]
             else:
                 hb[i:i] = bytes([rng.choice(b'{}[]",:019-e\\')])
-        return "htext", assemble(bytes(hb), payload)
+        return "htext", assemble(bytes(hb), payload, flags=flags)
     if r < 0.82:  # deep nesting / huge numbers in the header text
         op = rng.randrange(3)
         if op == 0:
@@ -180,22 +201,25 @@ def mutate(seed, rng):
             h = dict(header)
             h["payload_bytes"] = 10 ** rng.choice((3, 30))
             hb = json.dumps(h).encode().replace(str(h["payload_bytes"]).encode(), b"1" * 5000)
-        return "hjson", assemble(hb, payload)
+        return "hjson", assemble(hb, payload, flags=flags)
     if r < 0.92:  # payload byte edits, payload hash (and file hash) recomputed
         p = bytearray(payload)
         for _ in range(rng.choice((1, 1, 4, 32))):
             i = rng.randrange(len(p))
             p[i] = rng.randrange(256)
         h = dict(header)
-        return "payload", reseal(h, bytes(p))
+        return "payload", reseal(h, bytes(p), flags=flags)
     # prefix edits with a valid trailer
     hb = json.dumps(header, separators=(",", ":")).encode()
-    op = rng.randrange(3)
+    op = rng.randrange(4)
     if op == 0:
-        return "prefix", assemble(hb, payload, version=rng.choice((0, 2, 2**32 - 1)))
+        return "prefix", assemble(hb, payload, version=rng.choice((0, 2, 2**32 - 1)), flags=flags)
     if op == 1:
         return "prefix", assemble(hb, payload, flags=1 << rng.randrange(32))
-    return "prefix", assemble(hb, payload, hlen=rng.choice((0, 1, len(hb) - 1, len(hb) + 1, 2**40, 2**64 - 1)))
+    if op == 2:   # another or an unknown hash id, the trailer made with the hash it names
+        return "prefix", assemble(hb, payload, flags=rng.choice((0, 1, 2, 3, 0xFF)))
+    return "prefix", assemble(hb, payload, hlen=rng.choice((0, 1, len(hb) - 1, len(hb) + 1, 2**40, 2**64 - 1)),
+                              flags=flags)
 
 
 def main(argv=None):

@@ -278,7 +278,7 @@ def _cmd_verify(a):
         print(f"FAILED {_named(a)}: {exc}")
         return 1
     header, _ = reader.parse(data)
-    print(f"ok {_named(a)}: file and payload SHA-256 match, payload_sha256 {header['payload_sha256']}, "
+    print(f"ok {_named(a)}: file and payload {reader.hash_label(res['hash'])} match, payload_sha256 {header['payload_sha256']}, "
           f"decoded_sha256 {res['decoded_sha256']} reproduced by the numpy reader")
     return 0
 

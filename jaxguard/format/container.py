@@ -1,7 +1,8 @@
 """Container v1 writer, and loading on top of the numpy-only reader.
 
-Layout (docs/format.md): ``JAXGUARD`` magic, u32 version, u32 flags, u64 header length,
-JSON header, payload, SHA-256 of everything before it.  Writes are atomic: a temporary
+Layout (docs/format.md): ``JAXGUARD`` magic, u32 version, u32 flags (the integrity hash's
+id), u64 header length, JSON header, payload, the integrity hash of everything before it
+(BLAKE3 in new files, `reader.NEW_FILE_HASH`; SHA-256 in files written before).  Writes are atomic: a temporary
 file in the target directory, fsync, rename, fsync of the directory.
 
 Which sections an entry gets (its layout) and which stored tables it needs come from the
@@ -12,10 +13,9 @@ from __future__ import annotations
 
 __all__ = ["Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name", "build", "write_stream",
            "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "BEHIND_FROM", "SAMPLE_EVERY", "atomic_write",
-           "atomic_write_with", "read", "entries_by_name", "KEPT_SECTIONS", "kept_sections", "InThread"]
+           "atomic_write_with", "read", "entries_by_name", "seal", "KEPT_SECTIONS", "kept_sections", "InThread"]
 
 import functools
-import hashlib
 import io
 import json
 import mmap
@@ -33,16 +33,18 @@ from jaxguard.format.sections import (KEPT_SECTIONS, Sections, add_tables, aw_se
 from jaxguard.errors import ContainerError
 
 
-def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
+def build(entries, meta: dict, *, extra_header: dict | None = None, integrity_hash: str = reader.NEW_FILE_HASH) -> bytes:
     """The bytes of a container holding `entries`, in memory.
 
     Args:
       entries: a list of `Raw` (stored as is) and `Moments` (a guarded moment pair) entries.
       meta: a JSON-able dict stored as the header's ``meta``.
       extra_header: more top-level header fields (e.g. the op model, the replay variant).
+      integrity_hash: the file's integrity hash, `reader.HASHES` (``"sha256"`` writes the
+        files jaxguard wrote before BLAKE3, which every reader verifies).
 
     Returns:
-      The whole container (prefix, header, payload, trailing SHA-256).
+      The whole container (prefix, header, payload, trailing digest).
 
     Raises:
       ContainerError: a dtype that cannot be stored, an entry the numpy reader refuses as
@@ -50,17 +52,17 @@ def build(entries, meta: dict, *, extra_header: dict | None = None) -> bytes:
         sampled blocks disagrees with.
     """
     out, scratch = io.BytesIO(), io.BytesIO()
-    _write(out, scratch, entries, meta, extra_header)
+    _write(out, scratch, entries, meta, extra_header, integrity_hash=integrity_hash)
     return out.getvalue()
 
 
 def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
-                 expected_entries: int | None = None) -> int:
+                 expected_entries: int | None = None, integrity_hash: str = reader.NEW_FILE_HASH) -> int:
     """Write a container to `path` atomically from an *iterable* of entries (as for
     `build`), consuming them one at a time: each entry's sections go to a scratch file in
     the target directory (the temporary directory for an fsspec URL) as soon as it is
     produced, so memory holds one entry, not the payload.  The header (offsets, both
-    SHA-256) is written first and the scratch payload copied after it; a large local
+    digests) is written first and the scratch payload copied after it; a large local
     container (payload over `IN_PLACE_AFTER` bytes, `expected_entries` known) moves to the
     output file once, with room left for the header, and the rest of its payload is
     written there directly (`_InPlace`): one write of the payload instead of two.
@@ -68,7 +70,7 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
     Args:
       path: a local path (its directory must exist) or an fsspec URL.
       entries: an iterable of entries as for `build`.
-      meta, extra_header: as for `build`.
+      meta, extra_header, integrity_hash: as for `build`.
       expected_entries: how many entries `entries` yields (None: ``len(entries)`` for a
         list, else unknown and the payload goes through the scratch file).
 
@@ -89,13 +91,14 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
         expected_entries = len(entries)
     with tempfile.TemporaryFile(prefix=prefix, suffix=".payload", dir=directory) as scratch:
         atomic_write_with(path, lambda fh: size.append(_write(fh, scratch, entries, meta, extra_header,
-                                                              expected_entries=expected_entries)))
+                                                              expected_entries=expected_entries,
+                                                              integrity_hash=integrity_hash)))
     return size[0]
 
 
 # A write of at least this many bytes is hashed in a thread while it is written.  A GPT-2
 # compress writes its 498 MB of parameters after the last moments, with nothing left to run
-# beside it: 0.73 s with the SHA-256 after each write (2-core AMD EPYC).
+# beside it: 0.73 s with a SHA-256 after each write (2-core AMD EPYC).
 HASH_BESIDE_FROM = 1 << 22
 
 
@@ -105,10 +108,11 @@ class PayloadSink:
 
     Args:
       fh: the binary file object the payload goes to.
+      integrity_hash: the hash of the payload's digest (`reader.HASHES`).
     """
 
-    def __init__(self, fh):
-        self.fh, self.pos, self.sha = fh, 0, hashlib.sha256()
+    def __init__(self, fh, integrity_hash=reader.NEW_FILE_HASH):
+        self.fh, self.pos, self.sha = fh, 0, reader.hasher(integrity_hash)
 
     def write(self, data) -> list:
         """Append `data`.
@@ -154,12 +158,14 @@ COPY_CHUNK = 1 << 24
 IN_PLACE_AFTER = 1 << 25
 
 
-def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) -> int:
-    pay = PayloadSink(scratch)
+def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
+           integrity_hash=reader.NEW_FILE_HASH) -> int:
+    flags = reader.hash_flags(integrity_hash)
+    pay = PayloadSink(scratch, integrity_hash)
     in_place = _InPlace.possible(out, scratch, expected_entries)
     header_entries = []
     tables, table_arrays = {}, {}
-    decoded = _BehindHash()
+    decoded = _BehindHash(integrity_hash)
     sample = SampleCheck(table_arrays)
     reused = [np.empty(0, np.uint8)]   # every moments entry's sections (`Sections.body`)
     # a list is scanned first so that the tables lead the payload (the layout `build`
@@ -213,14 +219,15 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None) 
         header_entries.append(entry)
     sample.flush()
     decoded = decoded.finish()
-    header = {"schema": SCHEMA, "version": reader.VERSION, **(extra_header or {}), "meta": meta,
+    named = {} if integrity_hash == "sha256" else {"hash": integrity_hash}   # SHA-256 files: as before, byte for byte
+    header = {"schema": SCHEMA, "version": reader.VERSION, **named, **(extra_header or {}), "meta": meta,
               "tables": tables, "entries": header_entries, "payload_bytes": pay.pos,
               "payload_sha256": pay.sha.hexdigest(), "decoded_sha256": decoded.hexdigest()}
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     if in_place is not None and in_place.active:
-        return in_place.finish(hbytes, pay.pos)
-    trailer = hashlib.sha256()
-    head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
+        return in_place.finish(hbytes, pay.pos, integrity_hash)
+    trailer = reader.hasher(integrity_hash)
+    head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, flags, len(hbytes)) + hbytes
     out.write(head)
     trailer.update(head)
     _copy_scratch(scratch, out, trailer)
@@ -261,13 +268,13 @@ class InThread(threading.Thread):
 
 
 class _BehindHash:
-    """A SHA-256 fed in a thread of its own, one entry behind the writer: the decoded hash
+    """A digest (`reader.hasher`) fed in a thread of its own, one entry behind the writer: the decoded hash
     (8 bytes a coordinate, the writer's largest) runs while the entry's payload is hashed
     and written.  `update` waits for the previous entry's arrays first, so at most one
-    entry's arrays are held; `finish` waits and returns the hashlib object."""
+    entry's arrays are held; `finish` waits and returns the hash object."""
 
-    def __init__(self):
-        self.sha, self.thread = hashlib.sha256(), None
+    def __init__(self, integrity_hash):
+        self.sha, self.thread = reader.hasher(integrity_hash), None
 
     def _wait(self):
         if self.thread is not None:
@@ -287,7 +294,7 @@ class _BehindHash:
             self.thread = InThread(functools.partial(self._hash, arrays), "jaxguard-hash")
 
     def finish(self):
-        """Returns: the hashlib object, once every update is in."""
+        """Returns: the hash object, once every update is in."""
         self._wait()
         return self.sha
 
@@ -337,7 +344,7 @@ class _InPlace:
         self.scratch.truncate(0)
         pay.fh, self.room, self.active = self.out, room, True
 
-    def finish(self, hbytes, payload_bytes):
+    def finish(self, hbytes, payload_bytes, integrity_hash):
         """Write the header and the trailer around the payload in place; returns the file's size."""
         start = reader.PREFIX.size + self.room
         self.out.flush()
@@ -345,13 +352,14 @@ class _InPlace:
             _move_forward(self.fd, start, payload_bytes, len(hbytes) - self.room)
         else:
             hbytes = hbytes + b" " * (self.room - len(hbytes))
-        head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hbytes)) + hbytes
+        head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(integrity_hash), len(hbytes)) + hbytes
         _pwrite_full(self.fd, head, 0)
         # the disk takes the header and payload while their SHA-256 is read back: the
         # caller's fsync after the trailer then has 32 bytes left (GPT-2: 0.23-0.30 s less)
         early = InThread(functools.partial(os.fsync, self.fd), "jaxguard-fsync")
         try:
-            trailer = hashlib.sha256(head)
+            trailer = reader.hasher(integrity_hash)     # one thread: the encode threads still run beside it
+            trailer.update(head)
             _hash_range(self.fd, len(head), payload_bytes, trailer)
         finally:
             early.join()
@@ -445,6 +453,35 @@ def _jsonable(x):
     return x
 
 
+def seal(header: dict, payload, *, payload_digest: bool = False) -> bytes:
+    """The container of a `header` and `payload` as they are: the prefix with the flags of the
+    integrity hash the header names (``hash``; SHA-256 when absent), the header as compact
+    JSON, the payload, the trailer with that hash.  For rewriting a file's header (tests,
+    the fuzzer, a migration).
+
+    Args:
+      header: a container header (its ``decoded_sha256`` is kept as given).
+      payload: the payload bytes.
+      payload_digest: also set ``payload_bytes`` and ``payload_sha256`` from `payload`.
+
+    Returns:
+      The whole container.
+
+    Raises:
+      ReaderError: the header names an unknown hash.
+    """
+    name = reader.header_hash(header)
+    if payload_digest:
+        digest = reader.hasher(name)
+        digest.update(payload)
+        header = dict(header, payload_bytes=len(payload), payload_sha256=digest.hexdigest())
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    trailer = reader.hasher(name)
+    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(name), len(hb)) + hb + bytes(payload)
+    trailer.update(body)
+    return body + trailer.digest()
+
+
 def atomic_write(path, data: bytes) -> None:
     """Write `data` to `path` so that a crash leaves either the old file or the new one
     (`jaxguard.format.storage.atomic_write`: local paths and fsspec URLs).
@@ -479,7 +516,7 @@ def read(path, *, verify_decoded: bool = True):
 
     Args:
       path: the container.
-      verify_decoded: also decode every moments entry and check the decoded-moments SHA-256.
+      verify_decoded: also decode every moments entry and check the decoded-moments digest.
 
     Returns:
       (header dict, payload memoryview, tables dict).
@@ -492,7 +529,7 @@ def read(path, *, verify_decoded: bool = True):
     try:
         header, payload = reader.parse(data)
         if verify_decoded and reader.decoded_digest(header, payload) != header.get("decoded_sha256"):
-            raise reader.ReaderError("decoded moments SHA-256 mismatch")
+            raise reader.ReaderError(reader.decoded_mismatch(header))
         tables = reader.read_tables(header, payload)
     except reader.ReaderError as exc:
         raise ContainerError(f"{path}: {exc}") from None
@@ -502,8 +539,8 @@ def read(path, *, verify_decoded: bool = True):
 def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) -> dict:
     """{name: ndarray} for raw entries and {name: (m~, v~)} for moments entries.
 
-    With `verify_decoded`, the decoded moments are hashed as they are decoded and checked
-    against the header's ``decoded_sha256`` (one decode instead of two).
+    With `verify_decoded`, the decoded moments are hashed (with the file's integrity hash) as
+    they are decoded and checked against the header's ``decoded_sha256`` (one decode instead of two).
 
     Args:
       header, payload, tables: as `read` returns them.
@@ -516,8 +553,8 @@ def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) ->
       ContainerError: an entry the reader refuses, or a decoded-hash mismatch.
     """
     out = {}
-    digest = hashlib.sha256()
     try:
+        digest = reader.hasher(reader.header_hash(header))
         pre = reader.decode_rans_entries(header["entries"], payload)   # every rANS section in one lane loop
         for k, e in enumerate(header["entries"]):
             if e["kind"] == "raw":
@@ -526,10 +563,10 @@ def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) ->
                 m, v = reader.read_moments(e, payload, tables, pre.get(k))
                 out[e["name"]] = (m, v)
                 if verify_decoded:
-                    digest.update(np.ascontiguousarray(m, "<f4").tobytes())
-                    digest.update(np.ascontiguousarray(v, "<f4").tobytes())
+                    digest.update(np.ascontiguousarray(m, "<f4"))
+                    digest.update(np.ascontiguousarray(v, "<f4"))
     except reader.ReaderError as exc:
         raise ContainerError(str(exc)) from None
     if verify_decoded and digest.hexdigest() != header.get("decoded_sha256"):
-        raise ContainerError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
+        raise ContainerError(reader.decoded_mismatch(header))
     return out

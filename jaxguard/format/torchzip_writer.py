@@ -28,7 +28,6 @@ from __future__ import annotations
 
 __all__ = ["AHEAD_BYTES", "CHUNK", "SUB", "WINDOW", "RANS_WINDOW", "CRC_BESIDE_FROM", "restore"]
 
-import hashlib
 import os
 import pickle
 import queue
@@ -262,7 +261,7 @@ class _Decoder(threading.Thread):
         self.q = queue.Queue()
         self.queued, self.room = 0, threading.Condition()    # bytes in `q`, and its wait
         self.stop = threading.Event()
-        self.digest = hashlib.sha256()
+        self.digest = reader.hasher(reader.header_hash(header))
         self.stash = {}
         self.buffers = _Buffers()
 
@@ -594,7 +593,7 @@ def restore(path, output) -> bool:
                 zf.close()
             wait()
             if digest != header.get("decoded_sha256"):
-                raise ContainerError("decoded moments SHA-256 mismatch: the decoder disagrees with the writer")
+                raise ContainerError(reader.decoded_mismatch(header))
         except Exception as exc:
             dec.stop.set()
             wait_named(wait, path)      # a damaged file is named by its checksum first

@@ -5,7 +5,6 @@ container and for a checkpoint with every pass-through kind; a damaged file leav
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -20,7 +19,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 import torch_compat
 from jaxguard import cli
 from jaxguard.format import torchzip_writer
-from jaxguard.format import reader
+from jaxguard.format import container
 from jaxguard.format.reader import PREFIX, TRAILER
 
 HERE = pathlib.Path(__file__).resolve().parents[1]   # tests/
@@ -75,9 +74,7 @@ def check_fast(container, tmp_path):
 
 
 def _reseal(header, payload):
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    body = PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hb)) + hb + payload
-    return body + hashlib.sha256(body).digest()
+    return container.seal(header, payload)
 
 
 def _split(data):
@@ -193,5 +190,5 @@ def test_decoded_hash_mismatch_refused(odd, tmp_path, capsys):
     p = tmp_path / "dec.jg"
     p.write_bytes(_reseal(header, payload))
     assert cli.main(["restore", str(p), "-o", str(tmp_path / "out.pt")]) == 2
-    assert "decoded moments SHA-256 mismatch" in capsys.readouterr().err
+    assert "decoded moments BLAKE3 mismatch" in capsys.readouterr().err
     assert os.listdir(tmp_path) == ["dec.jg"]

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torc
 
 import torch_compat
 from jaxguard.format import torchzip_writer
-from jaxguard.format import reader
+from jaxguard.format import container
 from jaxguard.format.reader import PREFIX, TRAILER
 
 
@@ -62,9 +62,7 @@ def _reordered(src, dst):
     state = dict(opt)["state"]["__dict__"]
     state.reverse()
     state.append(["again", state[-1][1]])
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    body = PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hb)) + hb + payload
-    dst.write_bytes(body + hashlib.sha256(body).digest())
+    dst.write_bytes(container.seal(header, payload))
     return dst
 
 

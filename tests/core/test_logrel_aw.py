@@ -1,8 +1,6 @@
 """logrel-aw: golden vectors (JAX = numpy = torch), packing, container round trip through the
 numpy reader, the real-torch audit, and corrupted new sections rejected in one line."""
 import functools
-import hashlib
-import json
 import os
 
 import numpy as np
@@ -173,10 +171,7 @@ def test_sparse_and_mask_escape_sections_both_decode():
 
 # ---------------------------------------------------------------- corrupted sections
 def _reseal(header, payload):
-    header = dict(header, payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest())
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hb)) + hb + payload
-    return body + hashlib.sha256(body).digest()
+    return container.seal(header, payload, payload_digest=True)
 
 
 def _edit(data, section, fn):

@@ -74,18 +74,18 @@ def test_disagreement_outside_the_sample_fails_verify_and_restore(tmp_path, caps
     i = 5 * spec.BLOCK + 7                      # block 5 is not in the writer's sample
     out = tmp_path / "c.jg"
     container.write_stream(out, [container.Moments("x", _tampered(enc, i), info)], {"framework": "none"})
-    with pytest.raises(reader.ReaderError, match="decoded moments SHA-256 mismatch"):
+    with pytest.raises(reader.ReaderError, match="decoded moments BLAKE3 mismatch"):
         reader.verify_file(out)
-    with pytest.raises(ContainerError, match="decoded moments SHA-256 mismatch"):
+    with pytest.raises(ContainerError, match="decoded moments BLAKE3 mismatch"):
         container.read(out)
     header, payload, tables = container.read(out, verify_decoded=False)
-    with pytest.raises(ContainerError, match="decoded moments SHA-256 mismatch"):
+    with pytest.raises(ContainerError, match="decoded moments BLAKE3 mismatch"):
         container.entries_by_name(header, payload, tables, verify_decoded=True)
     capsys.readouterr()
     assert cli_main(["verify", str(out)]) != 0
     got = capsys.readouterr()
     lines = [ln for ln in (got.out + got.err).splitlines() if ln.strip()]
-    assert len(lines) == 1 and "decoded moments SHA-256 mismatch" in lines[0], lines
+    assert len(lines) == 1 and "decoded moments BLAKE3 mismatch" in lines[0], lines
     # the untampered values verify
     good = tmp_path / "good.jg"
     container.write_stream(good, [container.Moments("x", enc, info)], {"framework": "none"})

@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from jaxguard.format import reader  # noqa: E402
+from jaxguard.format import container, reader  # noqa: E402
 from jaxguard.format.reader import PREFIX, TRAILER, ReaderError  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parents[1]   # tests/
@@ -169,9 +169,7 @@ def test_cli_restore_corrupt_exit2_no_output(built, tmp_path):
 
 
 def _reseal(header, payload):
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    body = PREFIX.pack(reader.MAGIC, reader.VERSION, 0, len(hb)) + hb + payload
-    return body + hashlib.sha256(body).digest()
+    return container.seal(header, payload)
 
 
 def _split(data):

@@ -32,16 +32,21 @@ def inputs():
     return m, v, p
 
 
+def golden_entries(codec, m, v, p):
+    """The entries of a codec's golden container: layer/w certified, its parameter, the step."""
+    cfg = G.GuardConfig(lr=1e-3, step=100, codec=codec)
+    enc = G.encode(m, v, p, cfg)
+    return [C.Moments("layer/w", enc, {"config": cfg.to_json()}),
+            C.Raw("layer/w.param", p, None),
+            C.Raw("step", np.asarray(100, np.int64), None)]
+
+
 def main():
     os.makedirs(HERE, exist_ok=True)
     m, v, p = inputs()
     expected = {}
     for codec in CODECS:
-        cfg = G.GuardConfig(lr=1e-3, step=100, codec=codec)
-        enc = G.encode(m, v, p, cfg)
-        entries = [C.Moments("layer/w", enc, {"config": cfg.to_json()}),
-                   C.Raw("layer/w.param", p, None),
-                   C.Raw("step", np.asarray(100, np.int64), None)]
+        entries = golden_entries(codec, m, v, p)
         data = C.build(entries, {"source": "golden", "codec": codec})
         path = os.path.join(HERE, f"{codec}.jaxguard")
         C.atomic_write(path, data)
