@@ -124,13 +124,21 @@ class MomentJob:
         return "coded" if self.mu == "coded" else "raw-bfloat16"
 
     def with_arrays(self, m, v, p, **changes) -> "MomentJob":
-        """Returns: this job with the arrays `m`, `v`, `p` (a shard's, a host copy's) and
-        `changes` to other fields."""
+        """Returns: this job with other arrays and fields.
+
+        Args:
+          m, v, p: the arrays (a shard's, a host copy's).
+          **changes: other fields to replace.
+        """
         return dataclasses.replace(self, m=m, v=v, p=p, **changes)
 
     def static(self, row: int, config: GuardConfig | None = None) -> MomentStatic:
-        """Returns: the hashable `MomentStatic` of this job with certificate row `row`
-        (`config`: the config the row certifies, default `config`)."""
+        """Returns: the hashable `MomentStatic` of this job (no arrays: a jit cache key).
+
+        Args:
+          row: its row of certificate constants.
+          config: the config the row certifies (default the job's `config`).
+        """
         cfg = self.config if config is None else config
         shape = tuple(self.shape) if self.shape is not None else tuple(np.shape(self.m))
         return MomentStatic(self.name, self.mu_path, self.nu_path, self.param, row, cfg.spec, shape, self.mesh,

@@ -110,12 +110,19 @@ class _Blake3:
 
 
 def hash_label(name) -> str:
-    """How messages name an integrity hash (``SHA-256``, ``BLAKE3``)."""
+    """How messages name an integrity hash (``SHA-256``, ``BLAKE3``).
+
+    Args:
+      name: a key of `HASHES`.
+    """
     return _LABELS.get(name, str(name)[:40]) if isinstance(name, str) else str(name)[:40]
 
 
 def hash_flags(name) -> int:
     """The prefix flags of a container whose integrity hash is `name`.
+
+    Args:
+      name: a key of `HASHES`.
 
     Raises:
       ReaderError: an unknown name.
@@ -127,7 +134,11 @@ def hash_flags(name) -> int:
 
 
 def header_hash(header) -> str:
-    """The integrity hash a parsed header declares (``sha256`` when it names none)."""
+    """The integrity hash a parsed header declares (``sha256`` when it names none).
+
+    Args:
+      header: the container's parsed JSON header.
+    """
     return header.get("hash", "sha256")
 
 
@@ -722,7 +733,11 @@ def decoded_digest(header, payload, hash_name=None):
 
 
 def decoded_mismatch(header) -> str:
-    """The message of a decoded-moments digest that differs from the header's."""
+    """The message of a decoded-moments digest that differs from the header's.
+
+    Args:
+      header: the container's parsed JSON header (it names the hash).
+    """
     return f"decoded moments {hash_label(header_hash(header))} mismatch: the decoder disagrees with the writer"
 
 

@@ -24,25 +24,42 @@ NOT_GUARDED = ("{path} is a plain DCP checkpoint (no jaxguard manifest); convert
 
 # ---------------------------------------------------------------- small helpers
 def offsets_key(fqn, offsets) -> str:
-    """The manifest's key of a DCP item: ``fqn``, or ``fqn@o0,o1,...`` for a shard at `offsets`."""
+    """The manifest's key of a DCP item: ``fqn``, or ``fqn@o0,o1,...`` for a shard at `offsets`.
+
+    Args:
+      fqn: the item's fully qualified name.
+      offsets: the shard's offsets (empty or None for a whole tensor).
+    """
     return fqn if offsets is None else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    """The SHA-256 hex digest of a tensor's bytes (on the CPU, contiguous)."""
+    """The SHA-256 hex digest of a tensor's bytes (on the CPU, contiguous).
+
+    Args:
+      t: the tensor.
+    """
     t = t.detach().cpu().contiguous()
     return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest() if t.numel() else \
         hashlib.sha256(b"").hexdigest()
 
 
 def one_line(exc) -> str:
-    """The first line of an exception's message (its type's name if empty), at most 200 characters."""
+    """The first line of an exception's message (its type's name if empty), at most 200 characters.
+
+    Args:
+      exc: the exception.
+    """
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:200]
 
 
 def optimizer_roots(nested) -> dict:
-    """{path tuple: optimizer state_dict} for every dict holding 'state' and 'param_groups'."""
+    """{path tuple: optimizer state_dict} for every dict holding 'state' and 'param_groups'.
+
+    Args:
+      nested: the nested state_dict DCP saves or loads.
+    """
     out = {}
 
     def walk(obj, path):
@@ -58,7 +75,12 @@ def optimizer_roots(nested) -> dict:
 
 
 def group_of(osd, fqn, root):
-    """``(index, param group)`` of `osd` that lists `fqn` (`root`: the state_dict's path, for the error).
+    """``(index, param group)`` of `osd` that lists `fqn`.
+
+    Args:
+      osd: an optimizer state_dict (`optimizer_roots`).
+      fqn: the parameter's fully qualified name.
+      root: the state_dict's path, for the error.
 
     Raises:
       CheckpointError: no group lists it.
@@ -71,7 +93,12 @@ def group_of(osd, fqn, root):
 
 
 def chunk_items(fqn, obj):
-    """[(offsets, sizes, MetadataIndex)] of the local chunks DCP would write for `obj`."""
+    """[(offsets, sizes, MetadataIndex)] of the local chunks DCP would write for `obj`.
+
+    Args:
+      fqn: the item's fully qualified name.
+      obj: its value (a tensor or a DTensor).
+    """
     return [(tuple(int(o) for o in it.tensor_data.chunk.offsets), tuple(int(s) for s in it.tensor_data.chunk.sizes),
              it.index) for it in _create_write_items(fqn, obj)]
 

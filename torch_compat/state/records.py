@@ -261,9 +261,12 @@ def state_records(opt_sd, params: dict, *, spec=None, update=None, prefix="optim
 
 
 def torch_update_request(update=None, **given):
-    """The `UpdateRequest` a torch save certifies for: `update`, or one made of `given`
-    (``lr``, ``op_model``, ``uncertifiable``: the keywords `torch_compat.save` and the
-    planners take).
+    """The `UpdateRequest` a torch save certifies for.
+
+    Args:
+      update: an `UpdateRequest`, or None.
+      **given: ``lr``, ``op_model``, ``uncertifiable``: the keywords `torch_compat.save`
+        and the planners take, made into one when `update` is None.
 
     Returns:
       An `UpdateRequest` (the defaults when neither is given).
@@ -333,7 +336,12 @@ def writer_config(spec, update):
 
 
 def lazy_save_spec(spec=None, **overrides):
-    """`jaxguard.core.config.save_spec`, imported when called (restore never loads JAX for it)."""
+    """`jaxguard.core.config.save_spec`, imported when called (restore never loads JAX for it).
+
+    Args:
+      spec: the save's `GuardSpec` (None: the defaults).
+      **overrides: tau, clip, codec given beside it.
+    """
     from jaxguard.core.config import save_spec   # jax: only compress pays for it, not restore
     return save_spec(spec, **overrides)
 

@@ -16,7 +16,11 @@ from torch_compat.state.tensors import writable_array, is_tensor, numpy_to_tenso
 
 def tie_key(t):
     """What makes two tensors the same stored values: one storage, offset, shape, strides
-    and dtype (a tied weight under two state_dict keys); None for an empty tensor."""
+    and dtype (a tied weight under two state_dict keys); None for an empty tensor.
+
+    Args:
+      t: a tensor.
+    """
     if t.numel() == 0:
         return None
     if isinstance(t, FileTensor):

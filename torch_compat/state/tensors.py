@@ -97,7 +97,11 @@ def tensor_to_numpy(t: torch.Tensor):
 
 def writable_array(arr):
     """`arr` itself when torch may share it (writable: e.g. read from a container into a
-    bytearray, or freshly decoded), else a copy."""
+    bytearray, or freshly decoded), else a copy.
+
+    Args:
+      arr: a numpy array.
+    """
     return arr if arr.flags.writeable else np.array(arr)
 
 
