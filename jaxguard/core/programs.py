@@ -31,6 +31,9 @@ call is exactly ``fn(*args, **static)``.
 """
 from __future__ import annotations
 
+__all__ = ["CACHE_ENV", "DEFAULT_MB", "SUFFIX", "MAGIC", "STALE_TMP_SECONDS", "cache_bytes", "cache_root", "enable",
+           "enabled", "counts", "prune", "call", "Prepared", "prepare", "wrap_entry", "unwrap_entry"]
+
 import concurrent.futures
 import functools
 import hashlib
