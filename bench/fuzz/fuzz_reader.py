@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 
-from jaxguard.format import reader
+from jaxguard.format import integrity, reader
 from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
 
 
@@ -59,7 +59,7 @@ def rehash(data, name):
     if name != "sha256":
         header["hash"] = name
     header["decoded_sha256"] = reader.decoded_digest(header, payload, name)
-    return reseal(header, bytes(payload), flags=reader.hash_flags(name))
+    return reseal(header, bytes(payload), flags=integrity.hash_flags(name))
 
 
 # ---------------------------------------------------------------- container surgery
@@ -71,7 +71,7 @@ def split(data):
 
 
 def _digest(name, data):
-    h = reader.hasher(reader.HASHES.get(name, "sha256") if isinstance(name, int) else name)
+    h = integrity.hasher(integrity.HASHES.get(name, "sha256") if isinstance(name, int) else name)
     h.update(data)
     return h
 

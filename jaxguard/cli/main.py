@@ -270,7 +270,7 @@ def _print_info(info, as_json):
 
 def _cmd_verify(a):
     """``jaxguard verify OUT``: both SHA-256 and the decoded-moments hash, numpy reader only."""
-    from jaxguard.format import reader, storage
+    from jaxguard.format import integrity, reader, storage
     try:
         data = storage.read_bytes(a.container)
         res = reader.verify_bytes(data)
@@ -278,7 +278,7 @@ def _cmd_verify(a):
         print(f"FAILED {_named(a)}: {exc}")
         return 1
     header, _ = reader.parse(data)
-    print(f"ok {_named(a)}: file and payload {reader.hash_label(res['hash'])} match, payload_sha256 {header['payload_sha256']}, "
+    print(f"ok {_named(a)}: file and payload {integrity.hash_label(res['hash'])} match, payload_sha256 {header['payload_sha256']}, "
           f"decoded_sha256 {res['decoded_sha256']} reproduced by the numpy reader")
     return 0
 

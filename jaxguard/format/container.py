@@ -2,7 +2,7 @@
 
 Layout (docs/format.md): ``JAXGUARD`` magic, u32 version, u32 flags (the integrity hash's
 id), u64 header length, JSON header, payload, the integrity hash of everything before it
-(BLAKE3 in new files, `reader.NEW_FILE_HASH`; SHA-256 in files written before).  Writes are atomic: a temporary
+(BLAKE3 in new files, `integrity.NEW_FILE_HASH`; SHA-256 in files written before).  Writes are atomic: a temporary
 file in the target directory, fsync, rename, fsync of the directory.
 
 Which sections an entry gets (its layout) and which stored tables it needs come from the
@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from jaxguard.format import reader, storage
+from jaxguard.format import integrity, reader, storage
 from jaxguard.format.agreement import SAMPLE_EVERY, SampleCheck, decoded_moments
 from jaxguard.format.entries import SCHEMA, Moments, Pieces, Raw, checked_entry, flat_parts, numpy_dtype_name
 from jaxguard.format.sections import (KEPT_SECTIONS, Sections, add_tables, aw_sections, codec_spec, kept_sections,
@@ -33,14 +33,14 @@ from jaxguard.format.sections import (KEPT_SECTIONS, Sections, add_tables, aw_se
 from jaxguard.errors import ContainerError
 
 
-def build(entries, meta: dict, *, extra_header: dict | None = None, integrity_hash: str = reader.NEW_FILE_HASH) -> bytes:
+def build(entries, meta: dict, *, extra_header: dict | None = None, integrity_hash: str = integrity.NEW_FILE_HASH) -> bytes:
     """The bytes of a container holding `entries`, in memory.
 
     Args:
       entries: a list of `Raw` (stored as is) and `Moments` (a guarded moment pair) entries.
       meta: a JSON-able dict stored as the header's ``meta``.
       extra_header: more top-level header fields (e.g. the op model, the replay variant).
-      integrity_hash: the file's integrity hash, `reader.HASHES` (``"sha256"`` writes the
+      integrity_hash: the file's integrity hash, `integrity.HASHES` (``"sha256"`` writes the
         files jaxguard wrote before BLAKE3, which every reader verifies).
 
     Returns:
@@ -57,7 +57,7 @@ def build(entries, meta: dict, *, extra_header: dict | None = None, integrity_ha
 
 
 def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
-                 expected_entries: int | None = None, integrity_hash: str = reader.NEW_FILE_HASH) -> int:
+                 expected_entries: int | None = None, integrity_hash: str = integrity.NEW_FILE_HASH) -> int:
     """Write a container to `path` atomically from an *iterable* of entries (as for
     `build`), consuming them one at a time: each entry's sections go to a scratch file in
     the target directory (the temporary directory for an fsspec URL) as soon as it is
@@ -108,11 +108,11 @@ class PayloadSink:
 
     Args:
       fh: the binary file object the payload goes to.
-      integrity_hash: the hash of the payload's digest (`reader.HASHES`).
+      integrity_hash: the hash of the payload's digest (`integrity.HASHES`).
     """
 
-    def __init__(self, fh, integrity_hash=reader.NEW_FILE_HASH):
-        self.fh, self.pos, self.sha = fh, 0, reader.hasher(integrity_hash)
+    def __init__(self, fh, integrity_hash=integrity.NEW_FILE_HASH):
+        self.fh, self.pos, self.sha = fh, 0, integrity.hasher(integrity_hash)
 
     def write(self, data) -> list:
         """Append `data`.
@@ -159,8 +159,8 @@ IN_PLACE_AFTER = 1 << 25
 
 
 def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
-           integrity_hash=reader.NEW_FILE_HASH) -> int:
-    flags = reader.hash_flags(integrity_hash)
+           integrity_hash=integrity.NEW_FILE_HASH) -> int:
+    flags = integrity.hash_flags(integrity_hash)
     pay = PayloadSink(scratch, integrity_hash)
     in_place = _InPlace.possible(out, scratch, expected_entries)
     header_entries = []
@@ -226,7 +226,7 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
     if in_place is not None and in_place.active:
         return in_place.finish(hbytes, pay.pos, integrity_hash)
-    trailer = reader.hasher(integrity_hash)
+    trailer = integrity.hasher(integrity_hash)
     head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, flags, len(hbytes)) + hbytes
     out.write(head)
     trailer.update(head)
@@ -268,13 +268,13 @@ class InThread(threading.Thread):
 
 
 class _BehindHash:
-    """A digest (`reader.hasher`) fed in a thread of its own, one entry behind the writer: the decoded hash
+    """A digest (`integrity.hasher`) fed in a thread of its own, one entry behind the writer: the decoded hash
     (8 bytes a coordinate, the writer's largest) runs while the entry's payload is hashed
     and written.  `update` waits for the previous entry's arrays first, so at most one
     entry's arrays are held; `finish` waits and returns the hash object."""
 
     def __init__(self, integrity_hash):
-        self.sha, self.thread = reader.hasher(integrity_hash), None
+        self.sha, self.thread = integrity.hasher(integrity_hash), None
 
     def _wait(self):
         if self.thread is not None:
@@ -352,13 +352,13 @@ class _InPlace:
             _move_forward(self.fd, start, payload_bytes, len(hbytes) - self.room)
         else:
             hbytes = hbytes + b" " * (self.room - len(hbytes))
-        head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(integrity_hash), len(hbytes)) + hbytes
+        head = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, integrity.hash_flags(integrity_hash), len(hbytes)) + hbytes
         _pwrite_full(self.fd, head, 0)
         # the disk takes the header and payload while their SHA-256 is read back: the
         # caller's fsync after the trailer then has 32 bytes left (GPT-2: 0.23-0.30 s less)
         early = InThread(functools.partial(os.fsync, self.fd), "jaxguard-fsync")
         try:
-            trailer = reader.hasher(integrity_hash)     # one thread: the encode threads still run beside it
+            trailer = integrity.hasher(integrity_hash)     # one thread: the encode threads still run beside it
             trailer.update(head)
             _hash_range(self.fd, len(head), payload_bytes, trailer)
         finally:
@@ -470,14 +470,14 @@ def seal(header: dict, payload, *, payload_digest: bool = False) -> bytes:
     Raises:
       ReaderError: the header names an unknown hash.
     """
-    name = reader.header_hash(header)
+    name = integrity.header_hash(header)
     if payload_digest:
-        digest = reader.hasher(name)
+        digest = integrity.hasher(name)
         digest.update(payload)
         header = dict(header, payload_bytes=len(payload), payload_sha256=digest.hexdigest())
     hb = json.dumps(header, separators=(",", ":")).encode()
-    trailer = reader.hasher(name)
-    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, reader.hash_flags(name), len(hb)) + hb + bytes(payload)
+    trailer = integrity.hasher(name)
+    body = reader.PREFIX.pack(reader.MAGIC, reader.VERSION, integrity.hash_flags(name), len(hb)) + hb + bytes(payload)
     trailer.update(body)
     return body + trailer.digest()
 
@@ -529,7 +529,7 @@ def read(path, *, verify_decoded: bool = True):
     try:
         header, payload = reader.parse(data)
         if verify_decoded and reader.decoded_digest(header, payload) != header.get("decoded_sha256"):
-            raise reader.ReaderError(reader.decoded_mismatch(header))
+            raise reader.ReaderError(integrity.decoded_mismatch(header))
         tables = reader.read_tables(header, payload)
     except reader.ReaderError as exc:
         raise ContainerError(f"{path}: {exc}") from None
@@ -554,7 +554,7 @@ def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) ->
     """
     out = {}
     try:
-        digest = reader.hasher(reader.header_hash(header))
+        digest = integrity.hasher(integrity.header_hash(header))
         pre = reader.decode_rans_entries(header["entries"], payload)   # every rANS section in one lane loop
         for k, e in enumerate(header["entries"]):
             if e["kind"] == "raw":
@@ -568,5 +568,5 @@ def entries_by_name(header, payload, tables, *, verify_decoded: bool = False) ->
     except reader.ReaderError as exc:
         raise ContainerError(str(exc)) from None
     if verify_decoded and digest.hexdigest() != header.get("decoded_sha256"):
-        raise ContainerError(reader.decoded_mismatch(header))
+        raise ContainerError(integrity.decoded_mismatch(header))
     return out

@@ -19,21 +19,22 @@ the numpy decode (`jaxguard.format.decoders`' `DECODERS`, keyed by the registry'
 """
 from __future__ import annotations
 
-__all__ = ["MAGIC", "VERSION", "PREFIX", "TRAILER", "BLOCK", "DTYPES", "HASHES", "NEW_FILE_HASH", "ReaderError",
-           "DECODERS", "decoder", "hasher", "hash_flags", "header_hash", "hash_label", "decoded_mismatch",
+__all__ = ["MAGIC", "VERSION", "PREFIX", "TRAILER", "BLOCK", "DTYPES", "ReaderError", "DECODERS", "decoder",
            "decode_codes", "parse", "parse_deferred", "read_tables", "read_raw", "read_moments", "read_codes",
            "decode_rans_entries", "check_layout", "shape_size", "skeleton_ref", "decoded_digest", "verify_bytes", "verify_file", "main"]
 
-import hashlib
 import json
 import struct
 import sys
 
 import numpy as np
 
-from jaxguard.errors import CheckpointError, ContainerError
+from jaxguard.errors import CheckpointError
 from jaxguard.format import entropy, packed, rans, spec
 from jaxguard.format.decoders import DECODERS
+from jaxguard.format.integrity import (HASHES, check_header_hash, decoded_mismatch, hash_label, hasher, header_hash,
+                                       prefix_hash)
+from jaxguard.format.spec import ReaderError
 
 MAGIC = b"JAXGUARD"
 VERSION = 1
@@ -44,117 +45,6 @@ BLOCK = spec.BLOCK
 
 DTYPES = {"float32": "<f4", "float64": "<f8", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
           "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "bool": "?"}
-
-
-class ReaderError(ContainerError):
-    """The file is not a valid jaxguard container (message says what failed)."""
-
-
-# ---------------------------------------------------------------- integrity hashes
-# The prefix's flags carry the id of the file's integrity hash in their low byte, so that the
-# trailer is verified before any header field is read; the header repeats it as ``hash``
-# (absent: SHA-256, every file written before BLAKE3).  The same function makes the trailer,
-# ``payload_sha256`` and ``decoded_sha256`` (the keys keep their names: tools read them).
-HASHES = {0: "sha256", 1: "blake3"}
-NEW_FILE_HASH = "blake3"
-HASH_FLAG_BITS = 0xFF
-_LABELS = {"sha256": "SHA-256", "blake3": "BLAKE3"}
-
-
-def hasher(name, *, all_cores=False):
-    """A new hash object (``update``, ``digest``, ``hexdigest``, 32-byte digests) of an
-    integrity hash.
-
-    Numerical contract: ``sha256`` is hashlib's (FIPS 180-4), ``blake3`` the `blake3`
-    package's default 32-byte BLAKE3 (the digest does not depend on its threads; both
-    release the GIL on large inputs).
-
-    Args:
-      name: ``"sha256"`` or ``"blake3"`` (`HASHES`).
-      all_cores: BLAKE3 hashes each large update on every core (for a hash nothing else
-        runs beside: 5.5 GB/s on 2 cores against 3.2 on one); SHA-256 has one thread.
-
-    Returns:
-      The hash object.
-
-    Raises:
-      ReaderError: an unknown name, or BLAKE3 without the `blake3` package installed.
-    """
-    if name == "sha256":
-        return hashlib.sha256()
-    if name == "blake3":
-        try:
-            import blake3
-        except ImportError:
-            raise ReaderError("this container's integrity hash is BLAKE3 and the `blake3` package is not "
-                              "installed; pip install blake3") from None
-        return _Blake3(blake3.blake3(max_threads=blake3.blake3.AUTO if all_cores else 1))
-    raise ReaderError(f"unknown integrity hash {str(name)[:40]!r}; this reader knows {', '.join(HASHES.values())}")
-
-
-class _Blake3:
-    """A `blake3.blake3` that takes any C-contiguous buffer, as hashlib does (it takes bytes only)."""
-
-    def __init__(self, h):
-        self.h = h
-
-    def update(self, data):
-        view = memoryview(data)
-        self.h.update(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
-
-    def digest(self):
-        return self.h.digest()
-
-    def hexdigest(self):
-        return self.h.hexdigest()
-
-
-def hash_label(name) -> str:
-    """How messages name an integrity hash (``SHA-256``, ``BLAKE3``).
-
-    Args:
-      name: a key of `HASHES`.
-    """
-    return _LABELS.get(name, str(name)[:40]) if isinstance(name, str) else str(name)[:40]
-
-
-def hash_flags(name) -> int:
-    """The prefix flags of a container whose integrity hash is `name`.
-
-    Args:
-      name: a key of `HASHES`.
-
-    Raises:
-      ReaderError: an unknown name.
-    """
-    for k, known in HASHES.items():
-        if known == name:
-            return k
-    raise ReaderError(f"unknown integrity hash {str(name)[:40]!r}; this reader knows {', '.join(HASHES.values())}")
-
-
-def header_hash(header) -> str:
-    """The integrity hash a parsed header declares (``sha256`` when it names none).
-
-    Args:
-      header: the container's parsed JSON header.
-    """
-    return header.get("hash", "sha256")
-
-
-def _prefix_hash(flags) -> str:
-    if flags & ~HASH_FLAG_BITS:
-        raise ReaderError(f"unknown flags {flags:#x} in the container prefix")
-    if flags not in HASHES:
-        raise ReaderError(f"the container's integrity hash id {flags} is unknown to this reader "
-                          f"(it knows {', '.join(f'{k} {v}' for k, v in HASHES.items())}); upgrade jaxguard to read it")
-    return HASHES[flags]
-
-
-def _check_header_hash(header, name) -> None:
-    if header_hash(header) != name:
-        raise ReaderError(f"the header declares integrity hash {str(header_hash(header))[:40]!r} but the prefix "
-                          f"{name!r}; the file is inconsistent")
 
 
 def decoder(codec):
@@ -225,7 +115,7 @@ def parse(data: bytes):
         raise ReaderError("not a jaxguard container (bad magic); pass a file written by jaxguard")
     if version != VERSION:
         raise ReaderError(f"container format version {version} is not supported by this reader (supports {VERSION})")
-    name = _prefix_hash(flags)
+    name = prefix_hash(flags)
     view = memoryview(data)   # slices of a view do not copy the file
     trailer = hasher(name, all_cores=True)
     trailer.update(view[:-TRAILER])
@@ -239,7 +129,7 @@ def parse(data: bytes):
         raise ReaderError(f"header is not valid JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
         raise ReaderError("header has no 'entries' list")
-    _check_header_hash(header, name)
+    check_header_hash(header, name)
     payload = memoryview(data)[PREFIX.size + hlen:len(data) - TRAILER]
     if header.get("payload_bytes") != len(payload):
         raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
@@ -313,7 +203,7 @@ def parse_deferred(data):
             raise ReaderError(f"header is not valid JSON: {str(exc)[:120]}") from None
         if not isinstance(header, dict) or not isinstance(header.get("entries"), list):
             raise ReaderError("header has no 'entries' list")
-        _check_header_hash(header, name)
+        check_header_hash(header, name)
         if header.get("payload_bytes") != len(payload):
             raise ReaderError(f"payload is {len(payload)} bytes but the header declares {header.get('payload_bytes')}")
         check_layout(header, len(payload))
@@ -730,15 +620,6 @@ def decoded_digest(header, payload, hash_name=None):
             h.update(np.ascontiguousarray(m, "<f4"))
             h.update(np.ascontiguousarray(v, "<f4"))
     return h.hexdigest()
-
-
-def decoded_mismatch(header) -> str:
-    """The message of a decoded-moments digest that differs from the header's.
-
-    Args:
-      header: the container's parsed JSON header (it names the hash).
-    """
-    return f"decoded moments {hash_label(header_hash(header))} mismatch: the decoder disagrees with the writer"
 
 
 def verify_bytes(data: bytes) -> dict:

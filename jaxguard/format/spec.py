@@ -29,7 +29,7 @@ it in its payload and the reader decodes with the stored copy.
 """
 from __future__ import annotations
 
-__all__ = ["BLOCK", "TABLE_SIZE", "FIXED_SECTIONS", "PACKED_SECTIONS", "ESCAPE_FORMS", "LAYOUTS",
+__all__ = ["ReaderError", "BLOCK", "TABLE_SIZE", "FIXED_SECTIONS", "PACKED_SECTIONS", "ESCAPE_FORMS", "LAYOUTS",
            "UnknownCodecError", "CodecSpec", "CODECS", "register", "unregister", "DEFAULT_CODEC",
            "DEFAULT_TAU", "DEFAULT_CLIP", "DEFAULT_BOUND", "DEFAULT_PARTITION", "get", "codec_ids",
            "decode_ids", "entry_certified", "dynamic_map", "TABLES"]
@@ -38,7 +38,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxguard.errors import ConfigError
+from jaxguard.errors import ConfigError, ContainerError
 
 BLOCK = 256
 """Coordinates per block: every codec's block parameters cover this many coordinates."""
@@ -68,6 +68,10 @@ LAYOUTS = {
     "zstd": tuple(ZSTD_SECTIONS + wide for wide in ZSTD_WIDE),
 }
 """The section-name sets a moments entry of each layout may have (docs/format.md)."""
+
+
+class ReaderError(ContainerError):
+    """The file is not a valid jaxguard container (message says what failed)."""
 
 
 class UnknownCodecError(ConfigError, KeyError):

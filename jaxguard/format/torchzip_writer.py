@@ -40,7 +40,7 @@ import zlib
 import numpy as np
 
 from jaxguard.errors import CheckpointError, ContainerError
-from jaxguard.format import reader
+from jaxguard.format import integrity, reader
 from jaxguard.format.torchzip import STORAGES, Unsupported
 
 ALIGN = 64
@@ -261,7 +261,7 @@ class _Decoder(threading.Thread):
         self.q = queue.Queue()
         self.queued, self.room = 0, threading.Condition()    # bytes in `q`, and its wait
         self.stop = threading.Event()
-        self.digest = reader.hasher(reader.header_hash(header))
+        self.digest = integrity.hasher(integrity.header_hash(header))
         self.stash = {}
         self.buffers = _Buffers()
 
@@ -593,7 +593,7 @@ def restore(path, output) -> bool:
                 zf.close()
             wait()
             if digest != header.get("decoded_sha256"):
-                raise ContainerError(reader.decoded_mismatch(header))
+                raise ContainerError(integrity.decoded_mismatch(header))
         except Exception as exc:
             dec.stop.set()
             wait_named(wait, path)      # a damaged file is named by its checksum first

@@ -12,7 +12,7 @@ import pytest
 
 import jaxguard.format.container as C
 from jaxguard.errors import ContainerError
-from jaxguard.format import reader
+from jaxguard.format import integrity, reader
 from jaxguard.format.reader import PREFIX, TRAILER, ReaderError
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "golden", "containers")
@@ -37,7 +37,7 @@ def files(entries):
 
 
 def _digest(name, data):
-    h = reader.hasher(name)
+    h = integrity.hasher(name)
     h.update(data)
     return h
 
@@ -49,7 +49,7 @@ def _reseal(data, *, header=None, payload=None, flags=None, fix_payload=False):
     flags = old_flags if flags is None else flags
     header = json.loads(data[PREFIX.size:PREFIX.size + hlen]) if header is None else header
     payload = bytes(data[PREFIX.size + hlen:len(data) - TRAILER]) if payload is None else payload
-    name = reader.HASHES.get(flags, "sha256")
+    name = integrity.HASHES.get(flags, "sha256")
     if fix_payload:
         header["payload_sha256"] = _digest(name, payload).hexdigest()
     hb = json.dumps(header, separators=(",", ":")).encode()
@@ -69,7 +69,7 @@ def _refused(data, match):
     with pytest.raises(ReaderError, match=match):
         wait()
         if reader.decoded_digest(header, payload) != header["decoded_sha256"]:
-            raise ReaderError(reader.decoded_mismatch(header))
+            raise ReaderError(integrity.decoded_mismatch(header))
 
 
 def test_new_files_use_blake3_and_say_so(entries):
@@ -105,7 +105,7 @@ def test_both_kinds_hold_the_same_payload_and_decoded_values(files):
 def test_a_flipped_byte_is_caught_in_trailer_header_and_payload(files, name):
     data = files[name]
     _, _, _, hlen = PREFIX.unpack_from(data, 0)
-    label = reader.hash_label(name)
+    label = integrity.hash_label(name)
     for at in (len(data) - 1, len(data) - TRAILER, PREFIX.size + 3, PREFIX.size + hlen + 5, 12):   # 12: the flags
         bad = bytearray(data)
         bad[at] ^= 0x04
@@ -217,7 +217,7 @@ def test_streamed_in_place_writes_seal_with_the_hash_they_name(entries, tmp_path
     C.write_stream(str(path), [entries[1], entries[2], entries[0]], {"x": 1}, integrity_hash=name)
     data = path.read_bytes()
     assert reader.verify_bytes(data)["hash"] == name
-    assert PREFIX.unpack_from(data, 0)[2] == reader.hash_flags(name)
+    assert PREFIX.unpack_from(data, 0)[2] == integrity.hash_flags(name)
 
 
 def test_an_unknown_hash_name_is_refused_before_anything_is_written(entries, tmp_path):
