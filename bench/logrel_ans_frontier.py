@@ -61,7 +61,7 @@ def zstd_estimate(container):
             continue
         b, e = s["mv_rans"]
         rans_bytes += e - b
-        n = reader._shape_size(entry)[1]
+        n = reader.shape_size(entry)[1]
         if k in symbols:
             (codes, tails) = symbols[k]
         else:
