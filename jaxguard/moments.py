@@ -67,8 +67,9 @@ class MomentJob:
     Attributes:
       name: the container entry name (a DCP shard: its moment's prefix).
       m, v, p: float32 arrays of one shape (numpy, or anything `np.asarray` takes
-        without copying: a CPU tensor's ``.numpy()``, a host JAX array); with
-        ``mu="exact"`` `m` may be the bfloat16 leaf (the writer widens it, exactly).
+        without copying: a CPU tensor's ``.numpy()``, a host JAX array).  A job from
+        `optax_state.lay_out` with ``mu="exact"`` holds the bfloat16 leaf as `m`; the adapter
+        widens it to float32 (exactly) before it hands the job to the writer.
         None where a walk has not read them.
       config: the next update's `GuardConfig`.
       info: the adapter's entry fields stored beside the config (``param``: the
