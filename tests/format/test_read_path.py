@@ -1,0 +1,105 @@
+"""The restore's read path of log8-rel-zstd entries: its shortcuts decode exactly what the
+general code does and refuse exactly what it refuses.
+
+* `zstd_streams.decode_stream` reads a stream of at most one frame without building frame
+  lists (`_one_frame`); any stream it does not take is left to `_stream_frames`, which names
+  the fault.  Checked against `_stream_frames` on valid streams and on every one-byte
+  mutation and truncation of them.
+* `decoders._log_decode_bitwise` (blocks wider than 8 bits) tabulates the powers; checked
+  bit for bit against powering each code alone, on adversarial block parameters."""
+import numpy as np
+import pytest
+
+from jaxguard.format import decoders, zstd_streams
+
+
+def _powered_alone(qb, lo, r, n, bits):
+    """`lo * r**(q-1)`, each code powered bit by bit from the lowest (0 for q == 0)."""
+    k = qb.astype(np.int64) - 1
+    p = r.astype(np.float32)[:, None]
+    val = np.broadcast_to(lo.astype(np.float32)[:, None], qb.shape).copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j in range(bits):
+            bit = ((k >> j) & 1) == 1
+            val = np.where(bit, val * p, val).astype(np.float32)
+            p = (p * p).astype(np.float32)
+    val[qb == 0] = 0.0
+    return val.reshape(-1)[:n]
+
+
+SPECIALS = np.array([0.0, 1e-45, 1e-40, 1.1754944e-38, 3.4028235e38, np.inf, -np.inf, np.nan, -0.0, 1.0, 0.5,
+                     1.0000001, 0.99999994, -2.0], np.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_wide_blocks_decode_as_each_code_powered_alone(seed, monkeypatch):
+    rng = np.random.default_rng(seed)
+    if seed % 2:      # tables built a few rows at a time
+        monkeypatch.setattr(decoders, "TABLE_CELLS", 5000)
+    for trial in range(30):
+        nb, bits = int(rng.integers(1, 30)), int(rng.integers(8, 13))
+        qb = rng.integers(0, 1 << bits, size=(nb, 256)).astype(np.uint16)
+        qb[0, :4] = (0, 1, (1 << bits) - 1, 1 << (bits - 1))
+        lo = rng.choice(SPECIALS, nb) if trial % 3 == 0 else (10 ** rng.uniform(-30, 30, nb)).astype(np.float32)
+        r = rng.choice(SPECIALS, nb) if trial % 2 == 0 else (1 + 10 ** rng.uniform(-7, 0, nb)).astype(np.float32)
+        n = nb * 256 - int(rng.integers(0, 256))
+        got = decoders._log_decode_bitwise(qb, lo, r, n, bits)
+        want = _powered_alone(qb, lo, r, n, bits)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (seed, trial)
+
+
+def _streams():
+    rng = np.random.default_rng(0)
+    out = [zstd_streams.encode_stream(b"")]
+    for n in (1, 5, 64, 65, 127, 128, 300, 16384, 20000):
+        out.append(zstd_streams.encode_stream(rng.integers(100, 104, n).astype(np.uint8)))   # zstd frames
+        out.append(zstd_streams.encode_stream(rng.integers(0, 256, n).astype(np.uint8)))     # stored as is
+    return out
+
+
+def _general(buf, expected=None, limit=zstd_streams.MAX_STREAM):
+    """decode_stream through the general path only (`_stream_frames` + `decode_frame`)."""
+    mv = zstd_streams.bytes_view(buf)
+    try:
+        decoded, frames = zstd_streams._stream_frames(mv, "s", expected, limit)
+        out = np.empty(decoded, np.uint8)
+        pos = 0
+        for start, stored, d in frames:
+            out[pos:pos + d] = np.frombuffer(zstd_streams.decode_frame(mv, start, stored, d, "s"), np.uint8)
+            pos += d
+        return out
+    except zstd_streams.StreamError as exc:
+        return str(exc)
+
+
+def _fast(buf, expected=None, limit=zstd_streams.MAX_STREAM):
+    try:
+        return np.array(zstd_streams.decode_stream(buf, "s", expected, limit=limit))
+    except zstd_streams.StreamError as exc:
+        return str(exc)
+
+
+def _same(a, b):
+    return a == b if isinstance(a, str) or isinstance(b, str) else np.array_equal(a, b)
+
+
+def test_single_frame_streams_decode_and_refuse_as_the_general_path():
+    for good in _streams():
+        good = bytes(good)
+        n = _general(good)
+        cases = [good[:k] for k in range(len(good))] + [good + b"\0"]
+        for i in range(min(len(good), 12)):
+            for v in (0x00, 0x01, 0x7F, 0x80, 0xFF, good[i] ^ 0x40):
+                cases.append(good[:i] + bytes([v]) + good[i + 1:])
+        for buf in cases:
+            for expected, limit in ((None, zstd_streams.MAX_STREAM), (len(n), zstd_streams.MAX_STREAM),
+                                    ((len(n), len(n) + 1), zstd_streams.MAX_STREAM), (None, max(0, len(n) - 1))):
+                assert _same(_fast(buf, expected, limit), _general(buf, expected, limit)), (buf[:8], expected, limit)
+
+
+def test_a_stream_of_one_frame_takes_the_short_path():
+    for good in _streams():
+        mv = zstd_streams.bytes_view(bytes(good))
+        decoded, frames = zstd_streams._stream_frames(mv, "s")
+        one = zstd_streams._one_frame(mv, None, zstd_streams.MAX_STREAM)
+        assert one == (frames[0] if frames else (1, 0, 0))
