@@ -73,15 +73,16 @@ def log_decode(q, lo, r, n, bits=8):
     return table.reshape(-1)[_table_index(qb)].reshape(-1)[:n]
 
 
-def _log_table(lo, r):
-    """[nb, 257] float32: column q holds ``lo * r**(q-1)`` formed as `log_decode` forms it."""
+def _log_table(lo, r, bits=8):
+    """[nb, 1 + 2**bits] float32: column q holds ``lo * r**(q-1)`` formed as `log_decode` forms
+    it (column 0: 0)."""
     nb = lo.shape[0]
-    table = np.empty((nb, 257), np.float32)       # column q holds the value of code q
+    table = np.empty((nb, 1 + (1 << bits)), np.float32)       # column q holds the value of code q
     table[:, 0] = 0.0
     table[:, 1] = lo.astype(np.float32)
     p = r.astype(np.float32)[:, None]
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        for j in range(8):
+        for j in range(bits):
             w = 1 << j
             np.multiply(table[:, 1:1 + w], p, out=table[:, 1 + w:1 + 2 * w])
             p = (p * p).astype(np.float32)
@@ -96,17 +97,24 @@ def _table_index(qb):
     return np.add(qb, (np.arange(nb, dtype=itype) * 257)[:, None], dtype=itype)
 
 
+TABLE_CELLS = 1 << 21    # float32 cells of the wide blocks' tables built at once (8 MiB)
+
+
 def _log_decode_bitwise(qb, lo, r, n, bits):
+    """`log_decode` of [rows, 256] codes up to `bits` wide: the low `bits` bits of ``q - 1``
+    powered from the lowest (0 for q == 0).  Tabulated as `_log_table` does for 8 bits (column
+    ``1 + k`` holds ``lo`` times ``r**(2**j)`` for each set bit j of k, in increasing j: the
+    roundings of powering each code alone), a few rows at a time."""
+    cols = 1 + (1 << bits)
     k = qb.astype(np.int64) - 1
-    p = r.astype(np.float32)[:, None]
-    val = np.broadcast_to(lo.astype(np.float32)[:, None], qb.shape).copy()
-    with np.errstate(over="ignore", invalid="ignore"):
-        for j in range(bits):
-            bit = ((k >> j) & 1) == 1
-            val = np.where(bit, val * p, val).astype(np.float32)
-            p = (p * p).astype(np.float32)
-    val[qb == 0] = 0.0
-    return val.reshape(-1)[:n]
+    idx = np.where(qb == 0, 0, (k & ((1 << bits) - 1)) + 1)
+    out = np.empty(qb.shape, np.float32)
+    step = max(1, TABLE_CELLS // cols)
+    for s in range(0, qb.shape[0], step):
+        table = _log_table(lo[s:s + step], r[s:s + step], bits)
+        at = idx[s:s + step] + (np.arange(table.shape[0], dtype=np.int64) * cols)[:, None]
+        out[s:s + step] = table.reshape(-1)[at]
+    return out.reshape(-1)[:n]
 
 
 def bf16_decode(q):
