@@ -395,11 +395,11 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         return pay[b:e]
 
     vals = from_planes(decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))).reshape(-1, nb)
-    vp = np.empty((nb, 4), np.float32)
-    vp[:, 0], vp[:, 1] = vals[1], vals[2]
+    vp = np.empty((nb, 4), np.float32)         # lo, r, wlo, rr: one copy of the columns stored
     if vals.shape[0] == 5:
-        vp[:, 2], vp[:, 3] = vals[3], vals[4]
+        vp[:] = vals[1:].T
     else:
+        vp[:, :2] = vals[1:3].T
         with np.errstate(invalid="ignore"):
             np.sqrt(vals[1:3].T, out=vp[:, 2:4])
     codes = {"m_params": vals[0].reshape(nb, 1).copy(), "v_params": vp}
