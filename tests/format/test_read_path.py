@@ -2,11 +2,11 @@
 general code does and refuse exactly what it refuses.
 
 * `zstd_streams.decode_stream` reads a stream of at most one frame without building frame
-  lists (`_one_frame`); any stream it does not take is left to `_stream_frames`, which names
-  the fault.  Checked against `_stream_frames` on valid streams and on every one-byte
-  mutation and truncation of them.
-* `decoders._log_decode_bitwise` (blocks wider than 8 bits) tabulates the powers; checked
-  bit for bit against powering each code alone, on adversarial block parameters."""
+  lists; any stream it does not take is left to the general parser, which names the fault.
+  Checked against `stream_frames` + `decode_frame` on valid streams and on one-byte
+  mutations and truncations of them.
+* `decoders.log_decode` of blocks wider than 8 bits tabulates the powers; checked bit for
+  bit against powering each code alone, on adversarial block parameters."""
 import numpy as np
 import pytest
 
@@ -40,10 +40,11 @@ def test_wide_blocks_decode_as_each_code_powered_alone(seed, monkeypatch):
         nb, bits = int(rng.integers(1, 30)), int(rng.integers(8, 13))
         qb = rng.integers(0, 1 << bits, size=(nb, 256)).astype(np.uint16)
         qb[0, :4] = (0, 1, (1 << bits) - 1, 1 << (bits - 1))
+        qb[:, 5] = (1 << bits) - 1          # every block wider than 8 bits
         lo = rng.choice(SPECIALS, nb) if trial % 3 == 0 else (10 ** rng.uniform(-30, 30, nb)).astype(np.float32)
         r = rng.choice(SPECIALS, nb) if trial % 2 == 0 else (1 + 10 ** rng.uniform(-7, 0, nb)).astype(np.float32)
         n = nb * 256 - int(rng.integers(0, 256))
-        got = decoders._log_decode_bitwise(qb, lo, r, n, bits)
+        got = decoders.log_decode(qb.reshape(-1)[:n], lo, r, n, bits=max(bits, 9))
         want = _powered_alone(qb, lo, r, n, bits)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (seed, trial)
 
@@ -61,7 +62,7 @@ def _general(buf, expected=None, limit=zstd_streams.MAX_STREAM):
     """decode_stream through the general path only (`_stream_frames` + `decode_frame`)."""
     mv = zstd_streams.bytes_view(buf)
     try:
-        decoded, frames = zstd_streams._stream_frames(mv, "s", expected, limit)
+        decoded, frames = zstd_streams.stream_frames(mv, "s", expected, limit)
         out = np.empty(decoded, np.uint8)
         pos = 0
         for start, stored, d in frames:
@@ -95,11 +96,3 @@ def test_single_frame_streams_decode_and_refuse_as_the_general_path():
             for expected, limit in ((None, zstd_streams.MAX_STREAM), (len(n), zstd_streams.MAX_STREAM),
                                     ((len(n), len(n) + 1), zstd_streams.MAX_STREAM), (None, max(0, len(n) - 1))):
                 assert _same(_fast(buf, expected, limit), _general(buf, expected, limit)), (buf[:8], expected, limit)
-
-
-def test_a_stream_of_one_frame_takes_the_short_path():
-    for good in _streams():
-        mv = zstd_streams.bytes_view(bytes(good))
-        decoded, frames = zstd_streams._stream_frames(mv, "s")
-        one = zstd_streams._one_frame(mv, None, zstd_streams.MAX_STREAM)
-        assert one == (frames[0] if frames else (1, 0, 0))
