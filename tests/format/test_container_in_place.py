@@ -165,3 +165,40 @@ def test_a_failed_write_beside_its_hash_raises_and_leaves_no_thread(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         sink.add(np.arange(1000, dtype=np.float32))
     assert threading.active_count() == before and sink.pos == 0
+
+
+def test_handing_the_payload_to_the_disk_as_it_is_written_writes_the_same_file(tmp_path, monkeypatch):
+    """`container.WRITEBACK_EVERY`: the in-place payload goes to the disk as it is written
+    (`sync_file_range` in a thread).  Handed on after every write (1) or never (2**60), the
+    file is byte for byte the same, and the reader's checks pass."""
+    entries = _entries(seed=7)
+    monkeypatch.setattr(container, "WRITEBACK_EVERY", 1 << 60)
+    never = _write(tmp_path / "never.jg", entries, monkeypatch, 0, len(entries))[0]
+    monkeypatch.setattr(container, "WRITEBACK_EVERY", 1)
+    handed = _write(tmp_path / "handed.jg", entries, monkeypatch, 0, len(entries))[0]
+    assert handed == never
+    container.read(str(tmp_path / "handed.jg"))
+
+
+def test_a_failure_while_the_payload_goes_to_the_disk_leaves_no_thread(tmp_path, monkeypatch):
+    """A write that fails while hand-offs to the disk run leaves the target as it was, no
+    temporary file, and no writeback thread once its last hand-off returned."""
+    import threading
+    target = tmp_path / "c.jg"
+    target.write_bytes(b"previous")
+    entries = _entries(seed=3)
+
+    def failing():
+        yield from entries
+        raise ContainerError("stop here")
+
+    monkeypatch.setattr(container, "IN_PLACE_AFTER", 0)
+    monkeypatch.setattr(container, "WRITEBACK_EVERY", 1)
+    with pytest.raises(ContainerError, match="stop here"):
+        container.write_stream(target, failing(), {}, expected_entries=len(entries))
+    for t in threading.enumerate():
+        if t.name == "jaxguard-writeback":
+            t.join(10)
+    assert not [t for t in threading.enumerate() if t.name == "jaxguard-writeback"]
+    assert target.read_bytes() == b"previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.jg"]
