@@ -78,7 +78,12 @@ def test_small_containers_are_written_as_before(tmp_path, monkeypatch):
     assert json.loads(a[reader.PREFIX.size:reader.PREFIX.size + reader.PREFIX.unpack_from(a, 0)[3]])
 
 
-def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+@pytest.mark.parametrize("writeback", (1 << 60, 1))   # and with the payload handed to the disk after every write
+def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypatch, writeback):
+    """No output, no temporary file, the earlier file as it was, and no writeback thread
+    left once its last hand-off returned (`container.WRITEBACK_EVERY`)."""
+    import threading
+    monkeypatch.setattr(container, "WRITEBACK_EVERY", writeback)
     target = tmp_path / "c.jg"
     target.write_bytes(b"previous")
     entries = _entries(seed=3)
@@ -92,6 +97,10 @@ def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypa
         container.write_stream(target, failing(), {}, expected_entries=len(entries))
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["c.jg"]
+    for t in threading.enumerate():
+        if t.name == "jaxguard-writeback":
+            t.join(10)
+    assert not [t for t in threading.enumerate() if t.name == "jaxguard-writeback"]
 
 
 @pytest.mark.parametrize("after", (0, 1 << 60))   # in place, and the scratch route
@@ -179,26 +188,3 @@ def test_handing_the_payload_to_the_disk_as_it_is_written_writes_the_same_file(t
     assert handed == never
     container.read(str(tmp_path / "handed.jg"))
 
-
-def test_a_failure_while_the_payload_goes_to_the_disk_leaves_no_thread(tmp_path, monkeypatch):
-    """A write that fails while hand-offs to the disk run leaves the target as it was, no
-    temporary file, and no writeback thread once its last hand-off returned."""
-    import threading
-    target = tmp_path / "c.jg"
-    target.write_bytes(b"previous")
-    entries = _entries(seed=3)
-
-    def failing():
-        yield from entries
-        raise ContainerError("stop here")
-
-    monkeypatch.setattr(container, "IN_PLACE_AFTER", 0)
-    monkeypatch.setattr(container, "WRITEBACK_EVERY", 1)
-    with pytest.raises(ContainerError, match="stop here"):
-        container.write_stream(target, failing(), {}, expected_entries=len(entries))
-    for t in threading.enumerate():
-        if t.name == "jaxguard-writeback":
-            t.join(10)
-    assert not [t for t in threading.enumerate() if t.name == "jaxguard-writeback"]
-    assert target.read_bytes() == b"previous"
-    assert [p.name for p in tmp_path.iterdir()] == ["c.jg"]
