@@ -26,3 +26,37 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 _cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxguard", "xla")
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# Under xdist (.ci/run: -n 2) every worker's first guarded save compiled the same guard
+# programs at once (15 of them, ~25 s on two busy cores): the controller compiles them once,
+# before any worker starts, into the program cache the workers and their subprocesses load
+# from (a warm cache: ~1 s of loads).  A test about the cache itself points it elsewhere.
+_PREFILL_LR = 1e-3
+
+
+def _prefill_program_cache():
+    import tempfile
+
+    import jax.numpy as jnp
+    import optax
+
+    import jaxguard
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 48, dtype=jnp.float32).reshape(64, 48), "b": jnp.zeros(48)}
+    tx = optax.adamw(_PREFILL_LR, weight_decay=1e-2)
+    state = tx.init(params)
+    grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 1e-3), params)
+    for _ in range(3):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    with tempfile.TemporaryDirectory() as d:
+        jaxguard.save(os.path.join(d, "prefill.jg"), state, params, lr=_PREFILL_LR, weight_decay=1e-2, tx=tx)
+
+
+def pytest_configure(config):
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not workers or workers == "0":
+        return
+    from jaxguard.core import programs
+    if programs.enabled():
+        _prefill_program_cache()
