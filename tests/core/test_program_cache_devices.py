@@ -17,8 +17,8 @@ from jaxguard.core import programs
 
 _PROBE = r"""
 import hashlib, json, os, pickle, sys
-ndev, directory = int(sys.argv[1]), sys.argv[2]
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ndev}").strip()
+ndev, directory, other = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+os.environ["XLA_FLAGS"] = " ".join(other + [f"--xla_force_host_platform_device_count={ndev}"])
 import jax, numpy as np
 from jax.experimental import serialize_executable
 from jaxguard.core import bound as B, programs
@@ -54,10 +54,10 @@ print(json.dumps(out))
 """
 
 
-def _probe(ndev, directory):
+def _probe(ndev, directory, *other_flags):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    res = subprocess.run([sys.executable, "-c", _PROBE, str(ndev), str(directory)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", _PROBE, str(ndev), str(directory), *other_flags], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -76,12 +76,11 @@ def test_processes_with_other_device_counts_share_one_single_device_program(tmp_
     assert many["sharded"] == many["sharded_direct"]   # (XLA's partitioned program: its own bits)
 
 
-def test_the_key_leaves_out_the_device_count_only():
-    """The control: every other flag stays in the key, in its order (the last of a repeated
-    flag is the one XLA takes)."""
-    keyed = programs._keyed_xla_flags
-    assert keyed("--xla_force_host_platform_device_count=4") == ""
-    assert keyed("--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=8 --xla_cpu_enable_fast_math=true") \
-        == "--xla_cpu_max_isa=AVX2 --xla_cpu_enable_fast_math=true"
-    assert keyed("--xla_cpu_max_isa=AVX2 --xla_cpu_max_isa=SSE4_2") == "--xla_cpu_max_isa=AVX2 --xla_cpu_max_isa=SSE4_2"
-    assert keyed("--xla_force_host_platform_device_count_x=2") == "--xla_force_host_platform_device_count_x=2"
+def test_another_flag_beside_the_device_count_still_keys_its_own_program(tmp_path):
+    """The control: only the device count is left out; a process whose other XLA flags
+    differ compiles and stores its own program."""
+    d = tmp_path / "programs"
+    assert _probe(1, d)["compiled"] == 1
+    c = _probe(4, d, "--xla_cpu_enable_fast_math=false")
+    assert (c["compiled"], c["loaded"]) == (1, 0) and c["cached"] == c["direct"]
+    assert len(c["stored_devices"]) == 2
