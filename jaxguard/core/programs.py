@@ -21,8 +21,10 @@ A stored executable is XLA's compilation of ``jax.jit(fn)`` lowered for these ar
 shapes and dtypes on this backend, so it computes what ``fn`` computes, bit for bit
 (tests/core/test_programs.py).  Its key names the kernel, the argument tree, shapes, dtypes and
 static arguments, the backend, the jax/jaxlib versions, a hash of every source file of
-`jaxguard.core` (a changed bound never reuses a stale program), and this CPU's model,
-feature flags and ``XLA_FLAGS`` (XLA compiles for the host's instruction set and options).
+`jaxguard.core` (a changed bound never reuses a stale program), this CPU's model,
+feature flags and ``XLA_FLAGS`` (XLA compiles for the host's instruction set and options;
+the host device count alone is left out), and the one device the program is lowered for
+and loaded onto (tests/core/test_program_cache_devices.py).
 A file is used only if it is this user's, writable by no one else (it holds a pickle), its
 SHA-256 matches its contents and the key written inside it is the one looked up; anything
 else (a damaged, truncated, foreign or renamed entry) is ignored and replaced, as is one
@@ -209,12 +211,31 @@ def _code_tag() -> str:
     return h.hexdigest()
 
 
+# XLA_FLAGS that change nothing XLA emits for a program: how many host devices the process
+# has (every stored program is lowered for one device, `_program_device`, whatever that
+# count; jax leaves the flag out of its own compilation cache's key too).  With it in the
+# key, each rank of the multi-process tests compiled every guard program again.
+_FLAGS_NOT_IN_KEY = ("--xla_force_host_platform_device_count",)
+
+
+def _keyed_xla_flags(flags: str) -> str:
+    """``XLA_FLAGS`` less `_FLAGS_NOT_IN_KEY`, the others in their order (a repeated flag's
+    last value is the one XLA takes)."""
+    return " ".join(f for f in flags.split() if f.split("=", 1)[0] not in _FLAGS_NOT_IN_KEY)
+
+
+def _program_device():
+    """The one device a stored program is lowered for and loaded onto: jax's default
+    (``jax_default_device``, else this process's first local device)."""
+    import jax
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):
+        return jax.local_devices(backend=dev)[0]
+    return dev or jax.local_devices()[0]
+
+
 @functools.lru_cache(maxsize=1)
-def _host_tag() -> str:
-    """This CPU's model and feature flags, and ``XLA_FLAGS``: a compiled CPU executable is
-    only reused on a host with the same instruction set (a home directory shared by other
-    machines) and by a process compiling with the same XLA options (``--xla_cpu_max_isa``,
-    ``--xla_cpu_enable_fast_math``: the executable is what they made of the program)."""
+def _cpu_and_flags() -> str:
     info = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
@@ -222,7 +243,18 @@ def _host_tag() -> str:
         info = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("vendor_id", "model name", "flags"))
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.processor()}|{info}|{os.environ.get('XLA_FLAGS', '')}".encode()).hexdigest()[:16]
+    return f"{platform.processor()}|{info}|{_keyed_xla_flags(os.environ.get('XLA_FLAGS', ''))}"
+
+
+def _host_tag() -> str:
+    """This CPU's model and feature flags, ``XLA_FLAGS`` (`_keyed_xla_flags`) and the device
+    the program runs on (`_program_device`): a compiled CPU executable is only reused on a
+    host with the same instruction set (a home directory shared by other machines), by a
+    process compiling with the same XLA options (``--xla_cpu_max_isa``,
+    ``--xla_cpu_enable_fast_math``: the executable is what they made of the program), and
+    on the device it names (a rank whose first device is another stores its own)."""
+    device = _program_device()
+    return hashlib.sha256(f"{_cpu_and_flags()}|{device.platform}:{device.id}".encode()).hexdigest()[:16]
 
 
 def _fast_key(fn, args, static):
@@ -468,7 +500,8 @@ def _load_executable(path, ident):
 
         from jax.experimental import serialize_executable
         payload, in_tree, out_tree = pickle.loads(body)
-        loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                           execution_devices=[_program_device()])
     except Exception:  # noqa: BLE001 - a damaged or foreign executable is rebuilt, never trusted
         return None
     _used(path)

@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat
+from jaxguard.core import programs
 from jaxguard.format import torchzip
 from jaxguard.format import reader
 from torch_compat import variant_cache
@@ -187,6 +188,9 @@ def test_fast_key_follows_the_kernel_variables(monkeypatch):
 
 def test_compress_process_does_not_import_torch_once_the_variant_is_cached(odd, tmp_path):
     env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    os.makedirs(programs.cache_root(), exist_ok=True)    # a fresh variant cache, the suite's warm programs
+    (tmp_path / "cache" / "jaxguard").mkdir(parents=True)
+    (tmp_path / "cache" / "jaxguard" / "programs").symlink_to(programs.cache_root(), target_is_directory=True)
     code = ("import sys; from jaxguard.cli import main; rc = main(['compress', sys.argv[1], '-o', sys.argv[2], "
             "'--json']); print(rc, 'torch' in sys.modules)")
     runs = []
