@@ -113,7 +113,6 @@ class PayloadSink:
 
     def __init__(self, fh, integrity_hash=integrity.NEW_FILE_HASH):
         self.fh, self.pos, self.sha = fh, 0, integrity.hasher(integrity_hash)
-        self.after_write = None   # called with `pos` after each write (`_InPlace`: the disk's writeback)
 
     def write(self, data) -> list:
         """Append `data`.
@@ -135,8 +134,6 @@ class PayloadSink:
             self.fh.write(data)
             self.sha.update(data)
         self.pos += len(data)
-        if self.after_write is not None:
-            self.after_write(self.pos)
         return [b, self.pos]
 
     def add(self, arr) -> list:
@@ -159,11 +156,6 @@ COPY_CHUNK = 1 << 24
 # copied nearly all of it (0.64 s); from 32 MiB it copies 0.04 s, and the header's room
 # (646 KB for a 216 KB header) is 0.08% of the 773 MB file.
 IN_PLACE_AFTER = 1 << 25
-# A payload written in place is handed to the disk every this many bytes (`_start_writeback`),
-# while the encoder still runs: the fsync before the rename then waits for the last ones only.
-# A GPT-2 compress (738 MB container) spent 1.4 s in that fsync, after the last entry, when
-# the whole file was still dirty in the page cache.
-WRITEBACK_EVERY = 1 << 26
 
 
 def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
@@ -322,13 +314,12 @@ class _InPlace:
     allows trailing whitespace, so readers are unchanged), or, if it outgrew the room,
     the payload is moved forward by the difference in the file.  The trailer's SHA-256 is
     then read back from the page cache: one write of the payload and two reads, where the
-    scratch route wrote it twice.  The payload goes to the disk as it is written
-    (`_start_writeback`, every `WRITEBACK_EVERY` bytes), not all in the fsync at the end.  Declined (the scratch route kept) when the room would
+    scratch route wrote it twice.  Declined (the scratch route kept) when the room would
     exceed 1/16 of the payload so far (tried again when it doubled)."""
 
     def __init__(self, out, scratch, expected, fd):
         self.out, self.scratch, self.expected, self.fd = out, scratch, expected, fd
-        self.active, self.room, self.next_try, self.handed, self.writeback = False, 0, 0, 0, None
+        self.active, self.room, self.next_try = False, 0, 0
 
     @classmethod
     def possible(cls, out, scratch, expected):
@@ -357,32 +348,11 @@ class _InPlace:
         _copy_scratch(self.scratch, self.out)
         self.scratch.truncate(0)
         pay.fh, self.room, self.active = self.out, room, True
-        self.handed = reader.PREFIX.size + room     # the file's bytes before this are the header's
-        pay.after_write = self.written
-
-    def written(self, payload_bytes) -> None:
-        """The payload has `payload_bytes`: hand what was written since the last call
-        `WRITEBACK_EVERY` bytes ago to the disk, without waiting for it."""
-        end = reader.PREFIX.size + self.room + payload_bytes
-        if end - self.handed >= WRITEBACK_EVERY:
-            self.out.flush()
-            self.close_writeback()   # the kernel blocks the call while the disk is busy: not in the writer
-            self.writeback = InThread(functools.partial(_start_writeback, self.fd, self.handed, end - self.handed),
-                                      "jaxguard-writeback")
-            self.handed = end
-
-    def close_writeback(self) -> None:
-        """Wait for the last hand-off to the disk (`written`).  A write that fails leaves at
-        most one running: the range's hint reaches the disk or an error, nothing else."""
-        if self.writeback is not None:
-            writeback, self.writeback = self.writeback, None
-            writeback.join()
 
     def finish(self, hbytes, payload_bytes, integrity_hash):
         """Write the header and the trailer around the payload in place; returns the file's size."""
         start = reader.PREFIX.size + self.room
         self.out.flush()
-        self.close_writeback()
         if len(hbytes) > self.room:     # the header outgrew its room: move the payload forward
             _move_forward(self.fd, start, payload_bytes, len(hbytes) - self.room)
         else:
@@ -401,34 +371,6 @@ class _InPlace:
         self.out.seek(len(head) + payload_bytes)
         self.out.write(trailer.digest())
         return len(head) + payload_bytes + reader.TRAILER
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range = []     # libc's sync_file_range once looked up (None: not on this system)
-
-
-def _start_writeback(fd, start: int, length: int) -> None:
-    """Ask the kernel to start writing bytes ``[start, start + length)`` of `fd` to the disk
-    now, without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: no data is
-    changed, and no durability is promised: the fsync before the rename still gives that).
-    Elsewhere, or on any error, nothing happens.
-
-    Args:
-      fd: a file descriptor open for writing.
-      start, length: the byte range.
-    """
-    if not _sync_file_range:
-        fn = None
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.sync_file_range
-            fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-        except (OSError, AttributeError):   # not glibc/Linux
-            fn = None
-        _sync_file_range.append(fn)
-    if _sync_file_range[0] is not None:
-        _sync_file_range[0](fd, start, length, _SYNC_FILE_RANGE_WRITE)    # an error only leaves it to the fsync
 
 
 def _hash_range(fd, start, length, sha) -> None:

@@ -78,12 +78,7 @@ def test_small_containers_are_written_as_before(tmp_path, monkeypatch):
     assert json.loads(a[reader.PREFIX.size:reader.PREFIX.size + reader.PREFIX.unpack_from(a, 0)[3]])
 
 
-@pytest.mark.parametrize("writeback", (1 << 60, 1))   # and with the payload handed to the disk after every write
-def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypatch, writeback):
-    """No output, no temporary file, the earlier file as it was, and no writeback thread
-    left once its last hand-off returned (`container.WRITEBACK_EVERY`)."""
-    import threading
-    monkeypatch.setattr(container, "WRITEBACK_EVERY", writeback)
+def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypatch):
     target = tmp_path / "c.jg"
     target.write_bytes(b"previous")
     entries = _entries(seed=3)
@@ -97,10 +92,6 @@ def test_a_failure_after_the_move_leaves_the_target_as_it_was(tmp_path, monkeypa
         container.write_stream(target, failing(), {}, expected_entries=len(entries))
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["c.jg"]
-    for t in threading.enumerate():
-        if t.name == "jaxguard-writeback":
-            t.join(10)
-    assert not [t for t in threading.enumerate() if t.name == "jaxguard-writeback"]
 
 
 @pytest.mark.parametrize("after", (0, 1 << 60))   # in place, and the scratch route
@@ -174,17 +165,3 @@ def test_a_failed_write_beside_its_hash_raises_and_leaves_no_thread(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         sink.add(np.arange(1000, dtype=np.float32))
     assert threading.active_count() == before and sink.pos == 0
-
-
-def test_handing_the_payload_to_the_disk_as_it_is_written_writes_the_same_file(tmp_path, monkeypatch):
-    """`container.WRITEBACK_EVERY`: the in-place payload goes to the disk as it is written
-    (`sync_file_range` in a thread).  Handed on after every write (1) or never (2**60), the
-    file is byte for byte the same, and the reader's checks pass."""
-    entries = _entries(seed=7)
-    monkeypatch.setattr(container, "WRITEBACK_EVERY", 1 << 60)
-    never = _write(tmp_path / "never.jg", entries, monkeypatch, 0, len(entries))[0]
-    monkeypatch.setattr(container, "WRITEBACK_EVERY", 1)
-    handed = _write(tmp_path / "handed.jg", entries, monkeypatch, 0, len(entries))[0]
-    assert handed == never
-    container.read(str(tmp_path / "handed.jg"))
-
