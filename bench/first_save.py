@@ -123,7 +123,9 @@ def one_run(tree, state, home, work, profile=False):
     env.pop("JAXGUARD_PROGRAM_CACHE_MB", None)
     if profile:
         env["PYTHONPROFILEIMPORTTIME"] = "1"
-    wall, peak, out, err = run_child([sys.executable, "-c", PROBE, state, work], env)
+    # in the scratch directory: ``python -c`` puts its working directory first on sys.path, and
+    # run from a checkout every probe imported that checkout's jaxguard, whatever PYTHONPATH said
+    wall, peak, out, err = run_child([sys.executable, "-c", PROBE, state, work], env, cwd=work)
     res = json.loads(out.strip().splitlines()[-1])
     res.update(wall_s=wall, peak_rss=peak)
     if profile:

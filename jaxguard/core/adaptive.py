@@ -266,22 +266,24 @@ WIDEN_ROWS = 64    # blocks proposed per call (padded): one compiled program for
 NARROW_WIDTHS = int(packed.join_widths(8, 8))
 
 
-def widen_calls(K):
+def widen_calls(K, coordinates=None):
     """The ``(fn, args, static)`` of every program `widen_escaping_blocks` may run for a group
     with constants `K` (`programs.prepare`): made ready at a state's first save, so a later
     save whose blocks first escape enough to be widened compiles nothing.
 
     Args:
       K: the group's constants, a `bound.StepRow` of [G] arrays (as `certify.fast_accept`).
+      coordinates: the group's padded coordinates (None: any): the widened blocks'
+        candidates are among them (`certify.fast_accept_calls`).
 
     Returns:
       A list of ``(fn, args, static)``: `propose_wide` on `WIDEN_ROWS` blocks and the
-      closed-form tier at both of its call sizes.
+      closed-form tier at each call size the group may use.
     """
     from jaxguard.core.certify import fast_accept_calls
     x = np.zeros((WIDEN_ROWS, codes.BLOCK), np.float32)
     flags = np.zeros((WIDEN_ROWS, codes.BLOCK), bool)
-    return [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})] + fast_accept_calls(K)
+    return [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})] + fast_accept_calls(K, coordinates)
 
 
 def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, certify_at,

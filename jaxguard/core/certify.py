@@ -200,16 +200,21 @@ def fast_accept(K, gidx, m, v, mt, vt, pabs, clip, valid=None):
     return out
 
 
-def fast_accept_calls(K):
-    """The ``(fn, args, static)`` of `fast_accept`'s program at both of its call sizes
+def fast_accept_calls(K, coordinates=None):
+    """The ``(fn, args, static)`` of `fast_accept`'s program at each call size it may use
     (`programs.prepare`).
 
     Args:
       K: the group's constants, a `bound.StepRow` of [G] arrays.
+      coordinates: the most coordinates a call of `fast_accept` will get (None: any).
+        Below `FAST_CHUNK` it only ever runs at `FAST_MIN_CHUNK`, and the larger program
+        is left out (a 4,096-coordinate state compiled it at its first save, 1-3 s of a
+        core, for calls it can never make).
     """
     K = _bound.as_step_row(K, -1).as_float32(jnp)
     calls = []
-    for size in (FAST_MIN_CHUNK, FAST_CHUNK):
+    big = coordinates is None or coordinates >= FAST_CHUNK
+    for size in (FAST_MIN_CHUNK, FAST_CHUNK) if big else (FAST_MIN_CHUNK,):
         z, g = np.zeros(size, np.float32), np.zeros(size, np.int32)
         calls.append((_fastbound.batch_fast_accept, (K, g, z, z, z, z, z, z), {}))
     return calls

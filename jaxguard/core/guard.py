@@ -311,8 +311,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             # the tiers' programs compile on other threads while this one runs the proposal
             prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False)
             if widen is not None:   # a later save whose blocks escape more compiles nothing
-                widening = _programs.prepare(lambda: _adaptive.widen_calls(K), key=("widen", K.keep.shape[0]),
-                                             wait=False)
+                widening = _programs.prepare(lambda: _adaptive.widen_calls(K, npad),
+                                             key=("widen", K.keep.shape[0], npad >= FAST_CHUNK), wait=False)
             if bound == "shared" and partition == "mixed":
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -376,3 +377,35 @@ def test_two_processes_fill_one_cache_and_later_saves_compile_nothing(tmp_path):
     for f in files:
         raw = (home / "jaxguard" / "programs" / version / f).read_bytes()
         assert programs.unwrap_entry(raw, f[:-len(programs.SUFFIX)]) is not None
+
+
+def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch):
+    """The widening's closed form runs at `FAST_CHUNK` coordinates a call only for a group of
+    that many: a 4,096-coordinate state's first save prepares (compiles, stores) it at the
+    small size alone, a group that large at both, and the container is the direct call's."""
+    from jaxguard.core import adaptive, certify, guard
+
+    K, _ = _rows(3)
+    sizes = lambda calls: sorted(args[1].shape[0] for fn, args, _s in calls if fn is fastbound.batch_fast_accept)  # noqa: E731
+    assert sizes(adaptive.widen_calls(K, 4096)) == [certify.FAST_MIN_CHUNK]
+    assert sizes(adaptive.widen_calls(K, certify.FAST_CHUNK)) == sizes(adaptive.widen_calls(K)) == [
+        certify.FAST_MIN_CHUNK, certify.FAST_CHUNK]
+
+    rng = np.random.default_rng(3)
+    m = (rng.standard_normal(4096) * 1e-3).astype(np.float32)
+    v, p = (m * m * np.float32(1.5)).astype(np.float32), rng.standard_normal(4096).astype(np.float32)
+    cfg = GuardConfig(lr=1e-3, step=3, weight_decay=1e-2, op_model="optax-adamw")
+    traced, kernel = [], fastbound.batch_fast_accept
+
+    @jax.jit
+    def seen(K, gidx, *rest):   # the closed form, its sizes noted as each is traced (compiled)
+        traced.append(gidx.shape[0])
+        return kernel(K, gidx, *rest)
+    monkeypatch.setattr(fastbound, "batch_fast_accept", seen)
+    cached = guard.encode(m, v, p, cfg)
+    assert traced == [certify.FAST_MIN_CHUNK], traced
+    monkeypatch.undo()
+    programs.enable(None)
+    direct = guard.encode(m, v, p, cfg)
+    for k in direct.arrays:
+        np.testing.assert_array_equal(_bits(cached.arrays[k]), _bits(direct.arrays[k]))
