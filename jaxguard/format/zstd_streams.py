@@ -265,64 +265,6 @@ def _zstd_frame_end(frame, what):
     return pos + (4 if checksum else 0), content
 
 
-def _short_varint(mv, pos, size):
-    """(value, next position) of a varint of at most 3 bytes at `pos`, or None (longer, or
-    past the end): the header varints of a stream of up to one `FRAME` (2**20 < 2**21)."""
-    if pos >= size:
-        return None
-    b = mv[pos]
-    if b < 0x80:
-        return b, pos + 1
-    if pos + 1 >= size:
-        return None
-    c = mv[pos + 1]
-    if c < 0x80:
-        return (b & 0x7F) | (c << 7), pos + 2
-    if pos + 2 >= size or mv[pos + 2] >= 0x80:
-        return None
-    return (b & 0x7F) | ((c & 0x7F) << 7) | (mv[pos + 2] << 14), pos + 3
-
-
-def _one_frame(mv, expected, limit):
-    """``(start, stored, decoded)`` of a stream holding at most one frame whose header passes
-    every check of `_stream_frames` (``(1, 0, 0)`` for an empty stream), else None: the
-    caller then runs `_stream_frames`, which names the fault.  No Python lists: an entry's
-    streams are read a few microseconds apiece."""
-    size = len(mv)
-    head = _short_varint(mv, 0, size)
-    if head is None:
-        return None
-    decoded, pos = head
-    if ((expected is not None and decoded != expected and (isinstance(expected, int) or decoded not in expected))
-            or decoded > FRAME or decoded > limit):
-        return None
-    if not decoded:
-        return (1, 0, 0) if size == 1 else None
-    head = _short_varint(mv, pos, size)
-    if head is None:
-        return None
-    stored, pos = head
-    if not 0 < stored <= decoded or pos + stored != size:
-        return None
-    return pos, stored, decoded
-
-
-def _decode_checked(frame, decoded, what):
-    """A zstd frame (a flat byte memoryview) decoded to exactly `decoded` bytes: it must end
-    where its bytes end and declare that content size (`decode_frame`)."""
-    end, content = _zstd_frame_end(frame, what)
-    if end != len(frame) or content != decoded:
-        raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {len(frame)} bytes "
-                          f"for {decoded}")
-    try:
-        out = _decompressor().decompress(frame, max_output_size=decoded)
-    except _zstd().ZstdError as exc:
-        raise StreamError(f"{what}: zstd refuses a frame ({str(exc)[:80]})") from None
-    if len(out) != decoded:
-        raise StreamError(f"{what}: a zstd frame decodes to {len(out)} bytes, not {decoded}")
-    return out
-
-
 def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
     """One frame's decoded bytes (a bytes-like object of `decoded` bytes).
 
@@ -337,7 +279,17 @@ def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
     frame = bytes_view(buf)[start:start + stored]
     if stored == decoded:
         return frame
-    return _decode_checked(frame, decoded, what)
+    end, content = _zstd_frame_end(frame, what)
+    if end != stored or content != decoded:
+        raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {stored} bytes "
+                          f"for {decoded}")
+    try:
+        out = _decompressor().decompress(frame, max_output_size=decoded)
+    except _zstd().ZstdError as exc:
+        raise StreamError(f"{what}: zstd refuses a frame ({str(exc)[:80]})") from None
+    if len(out) != decoded:
+        raise StreamError(f"{what}: a zstd frame decodes to {len(out)} bytes, not {decoded}")
+    return out
 
 
 def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STREAM) -> np.ndarray:
@@ -356,13 +308,6 @@ def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STRE
       StreamError: as `stream_frames` and `decode_frame`.
     """
     mv = bytes_view(buf)
-    if out is None:
-        one = _one_frame(mv, expected, limit)
-        if one is not None:               # the common stream: one frame (or none), checked as below
-            start, stored, d = one
-            if stored == d:
-                return np.frombuffer(mv, np.uint8, d, start) if d else np.empty(0, np.uint8)
-            return np.frombuffer(_decode_checked(mv[start:start + stored], d, what), np.uint8)
     decoded, frames = _stream_frames(mv, what, expected, limit)
     if len(frames) == 1 and out is None:
         start, stored, d = frames[0]

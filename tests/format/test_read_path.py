@@ -1,10 +1,9 @@
-"""The restore's read path of log8-rel-zstd entries: its shortcuts decode exactly what the
-general code does and refuse exactly what it refuses.
+"""The restore's read path of log8-rel-zstd entries decodes exactly what the general code
+does and refuses exactly what it refuses.
 
-* `zstd_streams.decode_stream` reads a stream of at most one frame without building frame
-  lists; any stream it does not take is left to the general parser, which names the fault.
-  Checked against `stream_frames` + `decode_frame` on valid streams and on one-byte
-  mutations and truncations of them.
+* `zstd_streams.decode_stream` (a stream of one frame is returned without a copy) against
+  `stream_frames` + `decode_frame` on valid streams and on one-byte mutations and
+  truncations of them.
 * `decoders.log_decode` of blocks wider than 8 bits tabulates the powers; checked bit for
   bit against powering each code alone, on adversarial block parameters."""
 import numpy as np
