@@ -205,7 +205,7 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
                 "escape_mask": local.add(np.packbits(mask, bitorder="little")), "escape_pairs": local.add(pairs),
             }
         entry = {"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
-                 "sections": sections, "config": info, "stats": _jsonable(enc.stats)}
+                 "sections": sections, "config": info, "stats": _recorded_stats(enc.stats)}
         body = local.body()
         m, v = decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
         # m~ then v~, hashed while the next entries are written: a copy where the reader's
@@ -443,6 +443,12 @@ def _move_forward(fd, start, length, by):
         pos -= n
         _pread_full(fd, buf[:n], pos)
         _pwrite_full(fd, buf[:n], pos + by)
+
+
+def _recorded_stats(stats):
+    """An entry's stats as its header records them: what was saved, not how long it took
+    (two saves of one state write the same bytes; the caller's summary keeps the time)."""
+    return _jsonable({k: v for k, v in stats.items() if k != "encode_seconds"})
 
 
 def _jsonable(x):
