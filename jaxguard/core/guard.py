@@ -606,10 +606,16 @@ def _constant(n: int, dtype, value) -> np.ndarray:
     row index and the common clip of a group), built once a shape and bit pattern: filling
     fresh ones cost each slab a pass over 9 bytes a coordinate."""
     dtype = np.dtype(dtype)
-    return _constant_of(n, dtype.str, np.asarray(value, dtype).tobytes())
+    make = _constant_of if n <= CONSTANT_KEPT else _constant_of.__wrapped__   # a large one is not kept
+    return make(n, dtype.str, np.asarray(value, dtype).tobytes())
 
 
-@functools.lru_cache(maxsize=8)
+# `_constant`'s arrays are kept up to this many coordinates (a 1M slab's mask, row index and
+# clip: 9 MB; a few group sizes each); a 2**28-coordinate piece's are built afresh.
+CONSTANT_KEPT = 1 << 21
+
+
+@functools.lru_cache(maxsize=32)
 def _constant_of(n: int, dtype: str, bits: bytes) -> np.ndarray:
     out = aligned_zeros(n, dtype)
     out.fill(np.frombuffer(bits, dtype)[0])

@@ -67,3 +67,9 @@ def test_constant_is_shared_and_read_only():
     assert not b.flags.writeable and b.ctypes.data % guard.ALIGN == 0
     with pytest.raises(ValueError):
         b[0] = 1
+
+
+def test_a_large_constant_is_not_kept():
+    n = guard.CONSTANT_KEPT + codes.BLOCK
+    a = guard._constant(n, np.int32, 0)
+    assert guard._constant(n, np.int32, 0) is not a and not a.flags.writeable and not a.any()
