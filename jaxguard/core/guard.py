@@ -233,15 +233,14 @@ def _group_constants(items, gidx, ph):
                         np.int32)
     rows = [rows[int(i)] for i in np.unique(item_row, return_index=True)[1]]
     if len(rows) == 1:
-        K, kidx = _bound.stack_rows(rows), np.zeros_like(gidx)
+        K, kidx = _bound.stack_rows(rows), _constant(gidx.shape[0], np.int32, 0)
     else:
         K = _bound.stack_rows(rows + rows[:1] * (_bucket(max(16, len(rows))) - len(rows)))  # few compiled shapes
         kidx = item_row[gidx]
     pabs = np.abs(ph)
     clips = np.array([cfg.clip for *_, cfg in items], np.float32)
     if (clips == clips[0]).all():
-        clip = aligned_zeros(gidx.shape[0], np.float32)
-        clip.fill(clips[0])
+        clip = _constant(gidx.shape[0], np.float32, clips[0])
     else:
         clip = clips[gidx]
     wd_rows = np.array([c.weight_decay if c.coupled_decay else 0.0 for c in consts], np.float32)
@@ -262,22 +261,27 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     offs = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
     nblk = _bucket(int(offs[-1])) if offs[-1] <= PROPOSE_CHUNK else -(-int(offs[-1]) // PROPOSE_CHUNK) * PROPOSE_CHUNK
     npad = nblk * codes.BLOCK
-    mh, vh, ph = (aligned_zeros(npad, np.float32) for _ in range(3))
-    in_tensor = aligned_zeros(npad, bool)
-    gidx = np.zeros(npad, np.int32)
-    for i, ((m, v, p, _), n) in enumerate(zip(items, ns)):
-        b = int(offs[i]) * codes.BLOCK
-        mh[b:b + n] = np.asarray(m, np.float32).reshape(-1)
-        vh[b:b + n] = np.asarray(v, np.float32).reshape(-1)
-        ph[b:b + n] = np.asarray(p, np.float32).reshape(-1)
-        in_tensor[b:b + n] = True
-        gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
+    entry = _codecs.get(propose_codec)
+    staged = _staged_views(items, npad) if entry.choose is None else None
+    if staged is not None:   # one tensor filling its blocks exactly (a large tensor's piece): no copies
+        mh, vh, ph = staged
+        in_tensor, gidx = _constant(npad, bool, True), _constant(npad, np.int32, 0)
+    else:
+        mh, vh, ph = (aligned_zeros(npad, np.float32) for _ in range(3))
+        in_tensor = aligned_zeros(npad, bool)
+        gidx = np.zeros(npad, np.int32)
+        for i, ((m, v, p, _), n) in enumerate(zip(items, ns)):
+            b = int(offs[i]) * codes.BLOCK
+            mh[b:b + n] = np.asarray(m, np.float32).reshape(-1)
+            vh[b:b + n] = np.asarray(v, np.float32).reshape(-1)
+            ph[b:b + n] = np.asarray(p, np.float32).reshape(-1)
+            in_tensor[b:b + n] = True
+            gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     mf, vf = mh, vh
     widths = fast = K = None
     prepared = widening = _programs.Prepared()
     # log8-rel-zstd: blocks that escape much are proposed again with wider codes
     widen = _codecs.get(codec).widen if certified and not any(cfg.joint for *_, cfg in items) else None
-    entry = _codecs.get(propose_codec)
     if entry.choose is not None:
         valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
                        _programs.call(_device_masks, mh, vh, ph, in_tensor))
@@ -317,7 +321,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
             *(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)), propose_codec, tier)
-    level_of = np.full(npad, -1, np.int8)
+    level_of = None
     if not certified:
         escape = in_tensor & ~exact & ~ok
     else:
@@ -327,12 +331,18 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         if bound == "shared" and partition == "mixed":   # closed-form tier (the ablations keep their own)
             if fast is None:
                 fast = cand_mask & fast_accept(K, kidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
-            level_of[fast] = FAST_TIER
+            # FAST_TIER where fast, else -1, in one pass (a boolean-mask store took 3 ms a 1M slab)
+            level_of = np.multiply(fast.view(np.int8), np.int8(FAST_TIER + 1))
+            level_of -= np.int8(1)
             cand_mask &= ~fast
+        else:
+            level_of = np.full(npad, -1, np.int8)
         cand = np.flatnonzero(cand_mask)
         level_of[cand] = certify_pc(K, kidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
                                     fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
+    if level_of is None:
+        level_of = np.full(npad, -1, np.int8)
     prepared.wait()
     widening.wait()
     mq, vq = mq.reshape(-1), vq.reshape(-1)
@@ -573,6 +583,44 @@ def aligned_zeros(n: int, dtype) -> np.ndarray:
     raw = np.zeros(n * dtype.itemsize + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start:start + n * dtype.itemsize].view(dtype)
+
+
+def _staged_views(items, npad):
+    """``(m, v, p)`` of a one-tensor group as flat float32 views, where the tensor fills
+    its `npad` coordinates exactly and each view is contiguous and `ALIGN`-ed (what jax
+    hands to a program without a copy), else None: the group is copied into padded
+    buffers.  The views are only read (the guard writes into copies of its inputs)."""
+    if len(items) != 1:
+        return None
+    flat = []
+    for x in items[0][:3]:
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.size != npad or not x.flags.c_contiguous \
+                or x.ctypes.data % ALIGN:
+            return None
+        flat.append(x.reshape(-1))
+    return tuple(flat)
+
+
+def _constant(n: int, dtype, value) -> np.ndarray:
+    """A read-only `ALIGN`-ed array of `n` copies of `value` (the all-True mask, the zero
+    row index and the common clip of a group), built once a shape and bit pattern: filling
+    fresh ones cost each slab a pass over 9 bytes a coordinate."""
+    dtype = np.dtype(dtype)
+    make = _constant_of if n <= CONSTANT_KEPT else _constant_of.__wrapped__   # a large one is not kept
+    return make(n, dtype.str, np.asarray(value, dtype).tobytes())
+
+
+# `_constant`'s arrays are kept up to this many coordinates (a 1M slab's mask, row index and
+# clip: 9 MB; a few group sizes each); a 2**28-coordinate piece's are built afresh.
+CONSTANT_KEPT = 1 << 21
+
+
+@functools.lru_cache(maxsize=32)
+def _constant_of(n: int, dtype: str, bits: bytes) -> np.ndarray:
+    out = aligned_zeros(n, dtype)
+    out.fill(np.frombuffer(bits, dtype)[0])
+    out.setflags(write=False)
+    return out
 
 
 def _bucket(nb: int) -> int:
