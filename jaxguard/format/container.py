@@ -363,7 +363,7 @@ class _InPlace:
         # caller's fsync after the trailer then has 32 bytes left (GPT-2: 0.23-0.30 s less)
         early = InThread(functools.partial(os.fsync, self.fd), "jaxguard-fsync")
         try:
-            trailer = integrity.hasher(integrity_hash)     # one thread: the encode threads still run beside it
+            trailer = integrity.hasher(integrity_hash, all_cores=True)   # the encode is done: every core reads it
             trailer.update(head)
             _hash_range(self.fd, len(head), payload_bytes, trailer)
         finally:
