@@ -3,10 +3,9 @@ saved, never how long it took, so a checkpoint can be hashed, deduplicated and c
 byte for byte (``cmp``, content-addressed stores, a CI cache)."""
 import jax.numpy as jnp
 import optax
-import torch
+import pytest
 
 import jaxguard
-import torch_compat
 
 
 def _optax_state():
@@ -33,6 +32,8 @@ def test_two_optax_saves_of_one_state_are_byte_identical(tmp_path):
 
 
 def test_two_torch_saves_of_one_optimizer_are_byte_identical(tmp_path):
+    torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+    import torch_compat
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
