@@ -278,12 +278,18 @@ class _Decoder(threading.Thread):
         pre.update({k + i: sym for i, sym in reader.decode_rans_entries(entries[k:j], self.payload).items()})
         return j
 
+    def _submit_group(self, pool, group):
+        """(entry, futures, finish) of each entry of `group` (``[(entry, rANS symbols)]``,
+        small entries in header order), decoded one after the other in one task: a task per
+        tiny entry cost more in hand-offs than its decode."""
+        def decode_all():
+            return [reader.read_moments(e, self.payload, self.tables, sym) for e, sym in group]
+        fut = pool.submit(decode_all)
+        return [(e, [fut], lambda i=i: fut.result()[i]) for i, (e, _) in enumerate(group)]
+
     def _submit(self, pool, k, e, pre):
-        """(entry, futures, finish) of one entry's decode tasks."""
+        """(entry, futures, finish) of one large entry's decode tasks (`CHUNK` coordinates each)."""
         _, n = reader.shape_size(e)
-        if n <= CHUNK:
-            fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.pop(k, None))
-            return e, [fut], lambda: fut.result()
         codes = reader.read_codes(e, self.payload, self.tables, pre.pop(k, None), lazy=True)
         cs_id = e["codec"]
         m, v = self.buffers.take(e["name"], n)
@@ -311,12 +317,26 @@ class _Decoder(threading.Thread):
                     ThreadPoolExecutor(1, thread_name_prefix="jaxguard-restore-crc") as crcs:
                 pending, ahead = deque(), 0
                 while todo or pending:
+                    group, grouped = [], 0    # small entries, up to `CHUNK` coordinates a task
                     while todo and (not pending or ahead < WINDOW) and not self.stop.is_set():
                         k, e = todo.popleft()
                         if k >= upto:
                             upto = self._rans_window(entries, k, pre)
-                        pending.append(self._submit(pool, k, e, pre))
-                        ahead += reader.shape_size(e)[1]
+                        n = reader.shape_size(e)[1]
+                        if n <= CHUNK:
+                            group.append((e, pre.pop(k, None)))
+                            grouped += n
+                            if grouped >= CHUNK:
+                                pending.extend(self._submit_group(pool, group))
+                                group, grouped = [], 0
+                        else:
+                            if group:
+                                pending.extend(self._submit_group(pool, group))
+                                group, grouped = [], 0
+                            pending.append(self._submit(pool, k, e, pre))
+                        ahead += n
+                    if group:
+                        pending.extend(self._submit_group(pool, group))
                     if self.stop.is_set():
                         return
                     e, _, finish = pending.popleft()
