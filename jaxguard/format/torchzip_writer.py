@@ -250,7 +250,8 @@ class _Buffers:
 
 class _Decoder(threading.Thread):
     """Decodes every moments entry in header order on a pool of `workers` threads (large
-    entries split into block ranges, small ones whole), hashing the decoded moments in
+    entries split into block ranges, small ones several to a task, up to `CHUNK`
+    coordinates), hashing the decoded moments in
     header order as the writer's ``decoded_sha256`` was computed; entries are handed to
     the writer in that order, at most about `WINDOW` coordinates ahead of it."""
 
