@@ -199,8 +199,7 @@ class _Pickle:
 # ---------------------------------------------------------------- the decoder thread
 CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks)
 GROUP = 1 << 16    # entries of up to this many coordinates are decoded several to a task (up to
-                   # `CHUNK` a task); GPT-2's 590K-coordinate entries grouped too were decoded one
-                   # after the other: its restore 7.19 s against 6.44 s
+                   # `CHUNK` a task): the hand-offs of a task per tiny entry cost more than its decode
 SUB = 1 << 16      # coordinates decoded at once inside a task: cache-sized temporaries, reused by malloc
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
 RANS_WINDOW = 1 << 22   # coordinates whose rANS sections are decoded in one lane loop
