@@ -26,7 +26,7 @@ The pickle is protocol 2 with only the globals torch's ``weights_only`` loader a
 """
 from __future__ import annotations
 
-__all__ = ["AHEAD_BYTES", "CHUNK", "SUB", "WINDOW", "RANS_WINDOW", "CRC_BESIDE_FROM", "restore"]
+__all__ = ["AHEAD_BYTES", "CHUNK", "GROUP", "SUB", "WINDOW", "RANS_WINDOW", "CRC_BESIDE_FROM", "restore"]
 
 import os
 import pickle
@@ -198,6 +198,8 @@ class _Pickle:
 
 # ---------------------------------------------------------------- the decoder thread
 CHUNK = 1 << 20    # coordinates of one decode task (a whole number of blocks)
+GROUP = 1 << 16    # entries of up to this many coordinates are decoded several to a task (up to
+                   # `CHUNK` a task): the hand-offs of a task per tiny entry cost more than its decode
 SUB = 1 << 16      # coordinates decoded at once inside a task: cache-sized temporaries, reused by malloc
 WINDOW = 1 << 23   # coordinates decoded ahead of the writer (bounds the memory held)
 RANS_WINDOW = 1 << 22   # coordinates whose rANS sections are decoded in one lane loop
@@ -250,8 +252,9 @@ class _Buffers:
 
 class _Decoder(threading.Thread):
     """Decodes every moments entry in header order on a pool of `workers` threads (large
-    entries split into block ranges, small ones whole), hashing the decoded moments in
-    header order as the writer's ``decoded_sha256`` was computed; entries are handed to
+    entries split into block ranges, small ones, up to `GROUP` coordinates, several to a
+    task), hashing the decoded moments in header order as the writer's ``decoded_sha256``
+    was computed; entries are handed to
     the writer in that order, at most about `WINDOW` coordinates ahead of it."""
 
     def __init__(self, header, payload, tables, workers=None):
@@ -278,8 +281,18 @@ class _Decoder(threading.Thread):
         pre.update({k + i: sym for i, sym in reader.decode_rans_entries(entries[k:j], self.payload).items()})
         return j
 
+    def _submit_group(self, pool, group):
+        """(entry, futures, finish) of each entry of `group` (``[(entry, rANS symbols)]``,
+        small entries in header order), decoded one after the other in one task: a task per
+        tiny entry cost more in hand-offs than its decode."""
+        def decode_all():
+            return [reader.read_moments(e, self.payload, self.tables, sym) for e, sym in group]
+        fut = pool.submit(decode_all)
+        return [(e, [fut], lambda i=i: fut.result()[i]) for i, (e, _) in enumerate(group)]
+
     def _submit(self, pool, k, e, pre):
-        """(entry, futures, finish) of one entry's decode tasks."""
+        """(entry, futures, finish) of one entry's decode tasks (one task up to `CHUNK`
+        coordinates, else a task per `CHUNK` coordinates)."""
         _, n = reader.shape_size(e)
         if n <= CHUNK:
             fut = pool.submit(reader.read_moments, e, self.payload, self.tables, pre.pop(k, None))
@@ -311,12 +324,26 @@ class _Decoder(threading.Thread):
                     ThreadPoolExecutor(1, thread_name_prefix="jaxguard-restore-crc") as crcs:
                 pending, ahead = deque(), 0
                 while todo or pending:
+                    group, grouped = [], 0    # entries up to `GROUP` coordinates, `CHUNK` a task
                     while todo and (not pending or ahead < WINDOW) and not self.stop.is_set():
                         k, e = todo.popleft()
                         if k >= upto:
                             upto = self._rans_window(entries, k, pre)
-                        pending.append(self._submit(pool, k, e, pre))
-                        ahead += reader.shape_size(e)[1]
+                        n = reader.shape_size(e)[1]
+                        if n <= min(GROUP, CHUNK):
+                            group.append((e, pre.pop(k, None)))
+                            grouped += n
+                            if grouped >= CHUNK:
+                                pending.extend(self._submit_group(pool, group))
+                                group, grouped = [], 0
+                        else:
+                            if group:
+                                pending.extend(self._submit_group(pool, group))
+                                group, grouped = [], 0
+                            pending.append(self._submit(pool, k, e, pre))
+                        ahead += n
+                    if group:
+                        pending.extend(self._submit_group(pool, group))
                     if self.stop.is_set():
                         return
                     e, _, finish = pending.popleft()

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 
 import numpy as np
 import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
 
 import torch_compat
+from jaxguard import cli
 from jaxguard.format import torchzip_writer
 from jaxguard.format import container
 from jaxguard.format.reader import PREFIX, TRAILER
@@ -36,17 +39,24 @@ def digests(obj, path=""):
     return out
 
 
-@pytest.fixture(scope="module")
-def ckpt_file(tmp_path_factory):
-    """A real Adam checkpoint: 16 parameters, 8 of them (1,600 coordinates) over CHUNK=512."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(40, 40) for _ in range(8)])
+def _adam_container(seed, layers, width, codec=None):
+    """A real Adam checkpoint of `layers` Linear(width, width) after 3 steps, compressed."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.Adam(model.named_parameters(), lr=1e-3)
     for _ in range(3):
         opt.zero_grad()
-        model(torch.randn(8, 40)).square().sum().backward()
+        model(torch.randn(8, width)).square().sum().backward()
         opt.step()
-    data, _ = torch_compat.compress_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    data, _ = torch_compat.compress_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                               codec=codec)
+    return data
+
+
+@pytest.fixture(scope="module")
+def ckpt_file(tmp_path_factory):
+    """A real Adam checkpoint: 16 parameters, 8 of them (1,600 coordinates) over CHUNK=512."""
+    data = _adam_container(0, 8, 40)
     p = tmp_path_factory.mktemp("speed") / "c.jg"
     p.write_bytes(data)
     return p
@@ -124,3 +134,27 @@ def test_restored_zip_reads_back_with_zip64_records(ckpt_file, tmp_path, monkeyp
     with zipfile.ZipFile(out) as zf:
         assert zf.testzip() is None
     assert digests(torch.load(out, weights_only=True)) == _reference(ckpt_file, tmp_path)
+
+
+def test_damaged_frame_inside_a_grouped_task_named_and_nothing_written(tmp_path, capsys):
+    """Small log8-rel-zstd entries are decoded several to a pool task: a zstd frame of the
+    middle entry with a reserved header bit set (the file's checksums resealed over it) is
+    refused in one line naming that entry's section, and no output is left."""
+    from jaxguard.format import zstd_streams
+    data = _adam_container(2, 5, 30, codec="log8-rel-zstd")
+    h = PREFIX.unpack_from(data, 0)[3]
+    header, payload = json.loads(data[PREFIX.size:PREFIX.size + h]), bytearray(data[PREFIX.size + h:len(data) - TRAILER])
+    moments = [e for e in header["entries"] if e["kind"] == "moments"]
+    assert len(moments) == 10 and sum(math.prod(e["shape"]) for e in moments) <= torchzip_writer.GROUP
+    target = next(e for e in moments[3:] if any(stored < d for _, stored, d in zstd_streams.stream_frames(
+        payload[slice(*e["sections"]["m_codes"])], "m")[1]))
+    b, _ = target["sections"]["m_codes"]
+    start = next(a for a, stored, d in zstd_streams.stream_frames(payload[slice(*target["sections"]["m_codes"])], "m")[1]
+                 if stored < d)
+    payload[b + start] |= 0x08                       # the frame header's reserved bit
+    src = tmp_path / "bad.jg"
+    src.write_bytes(container.seal(header, bytes(payload), payload_digest=True))
+    assert cli.main(["restore", str(src), "-o", str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{target['name']}.m_codes" in err[0] and "reserved bit" in err[0], err
+    assert os.listdir(tmp_path) == ["bad.jg"]
