@@ -32,15 +32,10 @@ def test_two_optax_saves_of_one_state_are_byte_identical(tmp_path):
 
 
 def test_two_torch_saves_of_one_optimizer_are_byte_identical(tmp_path):
-    torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
+    pytest.importorskip("torch", reason="needs torch (pip install -e '.[torch]')")
     import torch_compat
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(16, 64)).pow(2).mean().backward()
-        opt.step()
+    from helpers import adam_run
+    _, opt = adam_run((64, 32, 4), steps=3, batch=16)
     paths = [tmp_path / f"opt{i}.jg" for i in range(2)]
     for p in paths:
         torch_compat.save(str(p), opt)
