@@ -321,9 +321,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
             *(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)), propose_codec, tier)
-    level_of = None
     if not certified:
         escape = in_tensor & ~exact & ~ok
+        level_of = np.full(npad, -1, np.int8)
     else:
         if K is None:
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
@@ -341,8 +341,6 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         level_of[cand] = certify_pc(K, kidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
                                     fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
-    if level_of is None:
-        level_of = np.full(npad, -1, np.int8)
     prepared.wait()
     widening.wait()
     mq, vq = mq.reshape(-1), vq.reshape(-1)
