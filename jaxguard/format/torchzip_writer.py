@@ -330,16 +330,14 @@ class _Decoder(threading.Thread):
                         if k >= upto:
                             upto = self._rans_window(entries, k, pre)
                         n = reader.shape_size(e)[1]
-                        if n <= min(GROUP, CHUNK):
+                        small = n <= min(GROUP, CHUNK)
+                        if small:
                             group.append((e, pre.pop(k, None)))
                             grouped += n
-                            if grouped >= CHUNK:
-                                pending.extend(self._submit_group(pool, group))
-                                group, grouped = [], 0
-                        else:
-                            if group:
-                                pending.extend(self._submit_group(pool, group))
-                                group, grouped = [], 0
+                        if group and (grouped >= CHUNK or not small):   # a full group, or a large entry next
+                            pending.extend(self._submit_group(pool, group))
+                            group, grouped = [], 0
+                        if not small:
                             pending.append(self._submit(pool, k, e, pre))
                         ahead += n
                     if group:
