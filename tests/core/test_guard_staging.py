@@ -31,9 +31,7 @@ def _aligned(x):
 
 def _misaligned(x):
     raw = np.zeros(x.size + 1, x.dtype)
-    out = raw[1:] if raw.ctypes.data % guard.ALIGN == 0 else raw[:-1]
-    if out.ctypes.data % guard.ALIGN == 0:
-        out = raw[1:]
+    out = raw[1:] if raw.ctypes.data % guard.ALIGN == 0 else raw[:-1]   # either way off ALIGN
     out[:] = x
     return out
 

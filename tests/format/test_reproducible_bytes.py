@@ -13,14 +13,10 @@ def _optax_state():
     tx = optax.adamw(1e-3, weight_decay=1e-2)
     state = tx.init(params)
     for step in range(3):
-        grads = jax_tree_sin(params, step)
+        grads = {k: jnp.sin(v * (step + 1)) * 0.1 for k, v in params.items()}
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     return tx, state, params
-
-
-def jax_tree_sin(params, step):
-    return {k: jnp.sin(v * (step + 1)) * 0.1 for k, v in params.items()}
 
 
 def test_two_optax_saves_of_one_state_are_byte_identical(tmp_path):
