@@ -146,12 +146,12 @@ def test_damaged_frame_inside_a_grouped_task_named_and_nothing_written(tmp_path,
     header, payload = json.loads(data[PREFIX.size:PREFIX.size + h]), bytearray(data[PREFIX.size + h:len(data) - TRAILER])
     moments = [e for e in header["entries"] if e["kind"] == "moments"]
     assert len(moments) == 10 and sum(math.prod(e["shape"]) for e in moments) <= torchzip_writer.GROUP
-    target = next(e for e in moments[3:] if any(stored < d for _, stored, d in zstd_streams.stream_frames(
-        payload[slice(*e["sections"]["m_codes"])], "m")[1]))
-    b, _ = target["sections"]["m_codes"]
-    start = next(a for a, stored, d in zstd_streams.stream_frames(payload[slice(*target["sections"]["m_codes"])], "m")[1]
-                 if stored < d)
-    payload[b + start] |= 0x08                       # the frame header's reserved bit
+
+    def first_compressed_frame(e):   # where the first zstd-compressed frame of e's m codes starts
+        frames = zstd_streams.stream_frames(payload[slice(*e["sections"]["m_codes"])], "m")[1]
+        return next((a for a, stored, d in frames if stored < d), None)
+    target, start = next((e, a) for e in moments[3:] for a in [first_compressed_frame(e)] if a is not None)
+    payload[target["sections"]["m_codes"][0] + start] |= 0x08    # the frame header's reserved bit
     src = tmp_path / "bad.jg"
     src.write_bytes(container.seal(header, bytes(payload), payload_digest=True))
     assert cli.main(["restore", str(src), "-o", str(tmp_path / "out.pt")]) == 2
