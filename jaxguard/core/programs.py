@@ -58,6 +58,11 @@ _counts = {"loaded": 0, "compiled": 0}   # this process's programs, by where the
 # and each loaded its own copy of the executable (6 of 45 loads of a GPT-2 compress, 0.5 s CPU)
 _loading: dict = {}
 _loading_lock = threading.Lock()
+# kernels `prepare` queued that no thread has started, in queue order: a thread about to
+# wait for a kernel another thread is making makes queued ones from the tail meanwhile (the
+# pool takes them from the head), so a cold save's two cores both compile (on a small
+# state the guard's thread sat idle for 3 s while one pool thread compiled its stages in turn)
+_queued: dict = {}
 
 
 def cache_bytes() -> int | None:
@@ -286,7 +291,7 @@ def call(fn, *args, **static):
     if prog is None:
         if not on and key not in _loading:   # not being prepared: jax's own dispatch
             return fn(*args, **static)
-        prog = _program(fn, key, leaves, tree, static)
+        prog = _program(fn, key, leaves, tree, static, helping=True)
     return prog(*leaves)
 
 
@@ -294,12 +299,16 @@ class Prepared:
     """The kernels `prepare` is making ready on other threads: `wait` before returning
     from the work that asked for them (no compilation outlives it)."""
 
-    def __init__(self, pool=None, futures=()):
-        self._pool, self._futures = pool, list(futures)
+    def __init__(self, pool=None, futures=(), items=()):
+        self._pool, self._futures, self._items = pool, list(futures), list(items)
 
     def wait(self) -> None:
-        """Block until every kernel is ready; re-raise nothing (a kernel that failed to
-        compile is compiled again, or fails, where it is called)."""
+        """Block until every kernel is ready, making those no thread has started on this
+        one; re-raise nothing (a kernel that failed to compile is compiled again, or fails,
+        where it is called)."""
+        for item in reversed(self._items):
+            if _claim(item[1]):
+                _make(item)
         for fut in self._futures:
             fut.exception()
         if self._pool is not None:
@@ -339,16 +348,18 @@ def prepare(calls, *, key=None, wait=True) -> Prepared:
         if fkey in seen or fkey in _state["programs"]:
             continue
         seen.add(fkey)
-        with _loading_lock:
-            _loading.setdefault(fkey, threading.Lock())
-        todo.append((fn, fkey, leaves, tree, static))
-
-    def ready(item):
-        fn, fkey, leaves, tree, static = item
-        _program(fn, fkey, leaves, tree, static, run=not on)
-
+        todo.append((fn, fkey, leaves, tree, static, not on))
     if not todo:
         return Prepared()
+    with _loading_lock:
+        for item in todo:
+            _loading.setdefault(item[1], threading.Lock())
+            _queued.setdefault(item[1], item)
+
+    def ready(item):   # a kernel another thread started (or made) is skipped: the next one starts
+        if _claim(item[1]):
+            _make(item)
+
     # one thread a core, the caller's (which goes on compiling what it needs first) counted
     workers = min(len(todo), max(1, _cores() - (0 if wait else 1)))
     if wait and workers == 1:
@@ -356,7 +367,7 @@ def prepare(calls, *, key=None, wait=True) -> Prepared:
             ready(item)
         return Prepared()
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-compile")
-    handle = Prepared(pool, [pool.submit(ready, item) for item in todo])
+    handle = Prepared(pool, [pool.submit(ready, item) for item in todo], todo)
     if wait:
         handle.wait()
     return handle
@@ -369,12 +380,32 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _program(fn, key, leaves, tree, static, run=False):
+def _claim(key) -> bool:
+    """Take a queued kernel off the queue: True for the one thread that is to make it."""
+    with _loading_lock:
+        return _queued.pop(key, None) is not None
+
+
+def _make(item) -> None:
+    fn, key, leaves, tree, static, run = item
+    _program(fn, key, leaves, tree, static, run=run)
+
+
+def _program(fn, key, leaves, tree, static, run=False, helping=False):
     """The callable of the flat leaves for `key`, kept for this process: loaded, or
     compiled and stored, while the cache is on; else (or where the cache cannot serve this
-    kernel) `fn` itself, run once on the leaves when `run` (jax compiles it then)."""
+    kernel) `fn` itself, run once on the leaves when `run` (jax compiles it then).
+    `helping`: while another thread makes `key`, make queued kernels (`_queued`) first."""
     with _loading_lock:
         lock = _loading.setdefault(key, threading.Lock())
+        _queued.pop(key, None)   # started here: no other thread starts it from the queue
+    if helping:
+        while lock.locked():
+            with _loading_lock:
+                item = _queued.popitem()[1] if _queued else None
+            if item is None:
+                break
+            _make(item)
     with lock:
         prog = _state["programs"].get(key)
         if prog is None:

@@ -409,3 +409,48 @@ def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch
     direct = guard.encode(m, v, p, cfg)
     for k in direct.arrays:
         np.testing.assert_array_equal(_bits(cached.arrays[k]), _bits(direct.arrays[k]))
+
+
+def _traced_kernels(k, release_at, gate, traced):
+    """`k` jitted kernels; each notes (its index, the thread) when traced, which is when it
+    compiles; kernel 0 waits at trace time for `gate`, which kernel `release_at` sets."""
+    import threading
+
+    def kernel(i):
+        def f(x):
+            traced.append((i, threading.current_thread().name))
+            if i == 0:
+                assert gate.wait(60), "the kernels queued behind kernel 0 were not made meanwhile"
+            if i == release_at:
+                gate.set()
+            return x * (i + 1)
+        f.__name__ = f.__qualname__ = f"kernel_{i}"   # the cache keys a kernel by its name
+        return jax.jit(f)
+    return [kernel(i) for i in range(k)]
+
+
+@pytest.mark.parametrize("how", ["wait", "call"])
+def test_a_thread_that_would_wait_makes_the_queued_kernels_meanwhile(cache_dir, monkeypatch, how):
+    """While the pool's one thread makes the first kernel, the thread that waits for it
+    (`Prepared.wait`, or a `call` of that kernel) makes the kernels no thread has started,
+    from the last back, each once; before, it waited while the pool made them in turn
+    (kernel 0 here only finishes once kernel 1 is made, so the old order never finishes)."""
+    import threading
+
+    monkeypatch.setattr(programs, "_cores", lambda: 2)   # one pool thread beside the caller
+    gate, traced = threading.Event(), []
+    kernels = _traced_kernels(4, 1, gate, traced)
+    x = np.arange(4, dtype=np.float32)
+    handle = programs.prepare([(f, (x,), {}) for f in kernels], wait=False)
+    if how == "call":
+        while not traced:   # the pool thread has started kernel 0
+            threading.Event().wait(0.01)
+        np.testing.assert_array_equal(np.asarray(programs.call(kernels[0], x)), x)
+    handle.wait()
+    me = threading.current_thread().name
+    assert sorted(i for i, _ in traced) == [0, 1, 2, 3], traced            # each made once
+    assert [i for i, t in traced if t == me] == [3, 2, 1], traced          # the tail, by the waiting thread
+    assert [t for i, t in traced if i == 0][0].startswith("jaxguard-compile"), traced
+    for i, f in enumerate(kernels):   # and ready: called again, nothing is traced
+        np.testing.assert_array_equal(np.asarray(programs.call(f, x)), x * (i + 1))
+    assert len(traced) == 4
