@@ -35,12 +35,15 @@ def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None,
     opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, update=update,
                                     param_order=param_order, notes=notes)
     top = []
+    raws: list = []     # the model's parameters and the other keys, stored exactly
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
-        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records, tied)])
+        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), raws, tied)])
     meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch_version(), **notes}
     extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound, "partition": spec.partition}
-    return records, meta, extra
+    # the raws lead the file: written while the moments after them are encoded (GPT-2: 498 MB
+    # of parameters, which took 1.3 s after the last moments with one core idle)
+    return raws + records, meta, extra
 
 
 def _variant_of(variant):
