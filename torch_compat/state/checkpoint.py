@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None, uncertifiable="refuse"):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
-    the first moments entry (`jaxguard.writer`)."""
+    the first moments entry (`jaxguard.writer`).  The records of the keys other than
+    ``optimizer`` (the model's tensors, stored exactly) come first, the optimizer's after."""
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"the checkpoint is a {type(ckpt).__name__}; expected a dict with 'model' and 'optimizer' keys")
     for key in ("model", "optimizer"):
