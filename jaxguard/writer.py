@@ -493,15 +493,17 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
     known = isinstance(records, (list, tuple))
     # a list holds its raw arrays anyway: raws queue at no cost, and the encode goes on behind
     # them while they are written (a torch checkpoint's parameters lead its records)
-    entries = prefetched(container_entries(records, totals, progress=progress, release=release, slab=slab,
-                                release_raws=release is None, device_encode=device_encode), raws_held=known)
-    if release is not None:
-        entries = _release_written_raws(entries, release, sources)
+    stream = prefetched(container_entries(records, totals, progress=progress, release=release, slab=slab,
+                               release_raws=release is None, device_encode=device_encode), raws_held=known)
+    entries = stream if release is None else _release_written_raws(stream, release, sources)
     # one entry per record: a large container's payload is then written in place
     expected = len(records) if known else None
     moments = sum(isinstance(r, (MomentJob, Moments)) for r in records) if known else None
-    size = container.write_stream(path, header.watch(entries), meta, extra_header=header, expected_entries=expected,
-                                  expected_moments=moments)
+    try:
+        size = container.write_stream(path, header.watch(entries), meta, extra_header=header,
+                                      expected_entries=expected, expected_moments=moments)
+    finally:   # a failed write stops the encode behind it (else it ran on until its queue was full)
+        stream.close()
     return _timed_summary(totals, size, t0, raw_state_bytes)
 
 
@@ -544,7 +546,8 @@ def prefetched(entries: Iterable, ahead: int = AHEAD, *, raws_held: bool = False
         the consumer writes the raws.
 
     Returns:
-      An iterator of the same entries, in order.
+      An iterator of the same entries, in order; closing it (or a consumer that stops
+      early) stops the producer and closes `entries`, once the entry it is producing is done.
 
     Raises:
       Whatever iterating `entries` raised, once the entries before it were consumed.
@@ -557,18 +560,24 @@ def prefetched(entries: Iterable, ahead: int = AHEAD, *, raws_held: bool = False
             return int(e.encoded.n)
         return 0 if raws_held else int(np.size(e.array))
 
+    source = iter(entries)
+
     def produce():
+        stopped = False
         try:
-            for e in entries:
+            for e in source:
                 c = cost(e)
                 with cond:
                     while box["queue"] and box["held"] + c > ahead and not box["stop"]:
                         cond.wait()
-                    if box["stop"]:
-                        return
+                    stopped = box["stop"]
+                    if stopped:
+                        break
                     box["queue"].append((e, c))
                     box["held"] += c
                     cond.notify_all()
+            if stopped and hasattr(source, "close"):
+                source.close()      # the encode's own threads (`container_entries`' slabs) stop here too
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             with cond:
                 box["error"] = exc

@@ -195,3 +195,40 @@ def test_the_encode_goes_on_behind_raws_the_writer_has_not_taken():
         assert next(it).name == "r0"
         assert passed.wait(2 if held else 0.3) is held
         assert [e.name for e in it] == ["r1", "r2", "r3", "after"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (skipped where mounting is not allowed)."""
+    import subprocess
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:80]})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_while_the_model_is_written_raises_one_line_and_leaves_the_old_file(small_tmpfs):
+    """The model's 2 MiB of parameters, written first while the moments are encoded, do not
+    fit the disk: one line naming the error, the file that was there kept, no temporary
+    file and no encode thread left behind."""
+    import threading
+    import torch
+    import torch_compat
+    from jaxguard.errors import ContainerError
+    rng = np.random.default_rng(0)
+    model = torch.nn.Linear(1024, 512)
+    opt = torch.optim.Adam(model.named_parameters(), lr=W.LR, foreach=False)
+    for p in model.parameters():
+        m, v = W._moments(rng, tuple(p.shape), 5)
+        opt.state[p] = {"step": torch.tensor(5.0), "exp_avg": torch.from_numpy(m), "exp_avg_sq": torch.from_numpy(v)}
+    target = small_tmpfs / "c.jg"
+    target.write_bytes(b"the previous checkpoint")
+    with pytest.raises(ContainerError) as info:
+        torch_compat.state.compress_checkpoint_to(target, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert "No space left" in str(info.value) and "\n" not in str(info.value)
+    assert [p.name for p in small_tmpfs.iterdir()] == ["c.jg"]
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxguard-")]
