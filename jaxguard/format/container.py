@@ -12,8 +12,9 @@ only the standard library, numpy, `jaxguard.errors` and `jaxguard.format`.
 from __future__ import annotations
 
 __all__ = ["Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name", "build", "write_stream",
-           "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "ENTRY_GUESS", "BEHIND_FROM", "SAMPLE_EVERY", "atomic_write",
-           "atomic_write_with", "read", "entries_by_name", "seal", "KEPT_SECTIONS", "kept_sections", "InThread"]
+           "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "ENTRY_GUESS", "BEHIND_FROM", "SAMPLE_EVERY",
+           "atomic_write", "atomic_write_with", "read", "entries_by_name", "seal", "KEPT_SECTIONS", "kept_sections",
+           "InThread"]
 
 import functools
 import io
@@ -219,18 +220,19 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None, 
         entry = {"name": name, "kind": "moments", "codec": enc.codec, "shape": list(enc.shape),
                  "sections": sections, "config": info, "stats": _recorded_stats(enc.stats)}
         body = local.body()
-        header_entries.append(entry)
         m, v = decoded_moments(entry, body, table_arrays, getattr(enc, "decoded", None), n, sample)
         # m~ then v~, hashed while the next entries are written: a copy where the reader's
         # decode is a view of `body`, which the next entry overwrites
         decoded.update([part.copy() if np.may_share_memory(part, body) else part
                         for part in (np.ascontiguousarray(x, "<f4") for x in (*flat_parts(m), *flat_parts(v)))])
         del m, v
+        b0 = pay.pos       # where the body goes: the entry is complete before it is written
+        entry["sections"] = {k: [b0 + r[0], b0 + r[1]] for k, r in sections.items()}
+        header_entries.append(entry)
         if in_place is not None:
             in_place.maybe_start(pay, header_entries, meta, len(body))
-        b0 = pay.write(body)[0]
+        pay.write(body)
         del body
-        entry["sections"] = {k: [b0 + r[0], b0 + r[1]] for k, r in sections.items()}
     sample.flush()
     decoded = decoded.finish()
     named = {} if integrity_hash == "sha256" else {"hash": integrity_hash}   # SHA-256 files: as before, byte for byte
