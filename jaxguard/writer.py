@@ -490,13 +490,20 @@ def to_file(path, records: Iterable, meta: dict, *, extra_header: dict | None = 
         # its slab is encoded or its raw entry written
         sources = [r.source for r in records if isinstance(r, MomentJob) and r.source is not None]
         release(sources + [r.array for r in records if isinstance(r, Raw)])
-    entries = prefetched(container_entries(records, totals, progress=progress, release=release, slab=slab,
-                                release_raws=release is None, device_encode=device_encode))
-    if release is not None:
-        entries = _release_written_raws(entries, release, sources)
+    known = isinstance(records, (list, tuple))
+    # a list holds its raw arrays anyway: raws queue at no cost, and the encode goes on behind
+    # them while they are written (a torch checkpoint's parameters lead its records)
+    stream = prefetched(container_entries(records, totals, progress=progress, release=release, slab=slab,
+                               release_raws=release is None, device_encode=device_encode), raws_held=known)
+    entries = stream if release is None else _release_written_raws(stream, release, sources)
     # one entry per record: a large container's payload is then written in place
-    expected = len(records) if isinstance(records, (list, tuple)) else None
-    size = container.write_stream(path, header.watch(entries), meta, extra_header=header, expected_entries=expected)
+    expected = len(records) if known else None
+    moments = sum(isinstance(r, (MomentJob, Moments)) for r in records) if known else None
+    try:
+        size = container.write_stream(path, header.watch(entries), meta, extra_header=header,
+                                      expected_entries=expected, expected_moments=moments)
+    finally:   # a failed write stops the encode behind it (else it ran on until its queue was full)
+        stream.close()
     return _timed_summary(totals, size, t0, raw_state_bytes)
 
 
@@ -523,7 +530,7 @@ def _release_written_raws(entries: Iterable, release: Callable, sources=()) -> I
                 release(sources)
 
 
-def prefetched(entries: Iterable, ahead: int = AHEAD) -> Iterator:
+def prefetched(entries: Iterable, ahead: int = AHEAD, *, raws_held: bool = False) -> Iterator:
     """Iterate `entries` produced in a background thread, at most about `ahead` coordinates
     ahead of the consumer, so that encoding (XLA, numpy) and writing (SHA-256, file I/O;
     both release the GIL) overlap.  An exception in the producer is raised in the consumer;
@@ -533,9 +540,14 @@ def prefetched(entries: Iterable, ahead: int = AHEAD) -> Iterator:
       entries: an iterable of container entries (`Raw`, `Moments`).
       ahead: how many coordinates (moments) or elements (raw arrays) may wait in the queue;
         one entry always may, whatever its size.
+      raws_held: raw entries cost nothing against `ahead` (their arrays are held by the
+        caller anyway, e.g. a list of records over a memory-mapped checkpoint): the
+        producer then queues the raws at once and encodes the moments after them while
+        the consumer writes the raws.
 
     Returns:
-      An iterator of the same entries, in order.
+      An iterator of the same entries, in order; closing it (or a consumer that stops
+      early) stops the producer and closes `entries`, once the entry it is producing is done.
 
     Raises:
       Whatever iterating `entries` raised, once the entries before it were consumed.
@@ -544,20 +556,28 @@ def prefetched(entries: Iterable, ahead: int = AHEAD) -> Iterator:
     box = {"queue": collections.deque(), "held": 0, "done": False, "error": None, "stop": False}
 
     def cost(e):
-        return int(e.encoded.n) if isinstance(e, Moments) else int(np.size(e.array))
+        if isinstance(e, Moments):
+            return int(e.encoded.n)
+        return 0 if raws_held else int(np.size(e.array))
+
+    source = iter(entries)
 
     def produce():
+        stopped = False
         try:
-            for e in entries:
+            for e in source:
                 c = cost(e)
                 with cond:
                     while box["queue"] and box["held"] + c > ahead and not box["stop"]:
                         cond.wait()
-                    if box["stop"]:
-                        return
+                    stopped = box["stop"]
+                    if stopped:
+                        break
                     box["queue"].append((e, c))
                     box["held"] += c
                     cond.notify_all()
+            if stopped and hasattr(source, "close"):
+                source.close()      # the encode's own threads (`container_entries`' slabs) stop here too
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             with cond:
                 box["error"] = exc

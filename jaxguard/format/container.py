@@ -12,8 +12,9 @@ only the standard library, numpy, `jaxguard.errors` and `jaxguard.format`.
 from __future__ import annotations
 
 __all__ = ["Raw", "Pieces", "Moments", "checked_entry", "numpy_dtype_name", "build", "write_stream",
-           "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "BEHIND_FROM", "SAMPLE_EVERY", "atomic_write",
-           "atomic_write_with", "read", "entries_by_name", "seal", "KEPT_SECTIONS", "kept_sections", "InThread"]
+           "HASH_BESIDE_FROM", "PayloadSink", "IN_PLACE_AFTER", "ENTRY_GUESS", "BEHIND_FROM", "SAMPLE_EVERY",
+           "atomic_write", "atomic_write_with", "read", "entries_by_name", "seal", "KEPT_SECTIONS", "kept_sections",
+           "InThread"]
 
 import functools
 import io
@@ -57,7 +58,8 @@ def build(entries, meta: dict, *, extra_header: dict | None = None, integrity_ha
 
 
 def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
-                 expected_entries: int | None = None, integrity_hash: str = integrity.NEW_FILE_HASH) -> int:
+                 expected_entries: int | None = None, expected_moments: int | None = None,
+                 integrity_hash: str = integrity.NEW_FILE_HASH) -> int:
     """Write a container to `path` atomically from an *iterable* of entries (as for
     `build`), consuming them one at a time: each entry's sections go to a scratch file in
     the target directory (the temporary directory for an fsspec URL) as soon as it is
@@ -73,6 +75,9 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
       meta, extra_header, integrity_hash: as for `build`.
       expected_entries: how many entries `entries` yields (None: ``len(entries)`` for a
         list, else unknown and the payload goes through the scratch file).
+      expected_moments: how many of them are moments entries (None: unknown); the room
+        left for the header then counts each kind at its own size, so a stream that
+        starts with raw entries (small headers) leaves room for the moments after them.
 
     Returns:
       The size of the written file in bytes.
@@ -89,9 +94,11 @@ def write_stream(path, entries, meta: dict, *, extra_header: dict | None = None,
     prefix = "." + os.path.basename(os.fspath(path)) + "."
     if expected_entries is None and isinstance(entries, (list, tuple)):
         expected_entries = len(entries)
+        expected_moments = sum(isinstance(e, Moments) for e in entries)
     with tempfile.TemporaryFile(prefix=prefix, suffix=".payload", dir=directory) as scratch:
         atomic_write_with(path, lambda fh: size.append(_write(fh, scratch, entries, meta, extra_header,
                                                               expected_entries=expected_entries,
+                                                              expected_moments=expected_moments,
                                                               integrity_hash=integrity_hash)))
     return size[0]
 
@@ -156,13 +163,17 @@ COPY_CHUNK = 1 << 24
 # copied nearly all of it (0.64 s); from 32 MiB it copies 0.04 s, and the header's room
 # (646 KB for a 216 KB header) is 0.08% of the 773 MB file.
 IN_PLACE_AFTER = 1 << 25
+# The header bytes an entry of a kind not seen yet is counted at, where the count of each
+# kind is known (GPT-2, log8-rel-zstd: a moments entry 879-997 bytes, a raw entry 107-134):
+# a stream led by its raw entries leaves room for the moments after them.
+ENTRY_GUESS = {"raw": 256, "moments": 2048}
 
 
-def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
+def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None, expected_moments=None,
            integrity_hash=integrity.NEW_FILE_HASH) -> int:
     integrity.hash_flags(integrity_hash)     # an unknown hash is refused before anything is written
     pay = PayloadSink(scratch, integrity_hash)
-    in_place = _InPlace.possible(out, scratch, expected_entries)
+    in_place = _InPlace.possible(out, scratch, expected_entries, expected_moments)
     header_entries = []
     tables, table_arrays = {}, {}
     decoded = _BehindHash(integrity_hash)
@@ -174,15 +185,17 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
         for e in map(checked_entry, entries):
             if isinstance(e, Moments):
                 add_tables(pay, tables, table_arrays, codec_spec(e.encoded.codec, e.name).tables)
-    for i, e in enumerate(map(checked_entry, entries)):
-        if in_place is not None and not in_place.active and pay.pos >= max(IN_PLACE_AFTER, in_place.next_try):
-            in_place.start(pay, header_entries, meta, seen=i)
+    for e in map(checked_entry, entries):
         name = e.name
         if isinstance(e, Raw):
             arr = np.asarray(e.array)
             dtype = e.dtype or numpy_dtype_name(arr)
-            header_entries.append({"name": name, "kind": "raw", "dtype": dtype, "shape": list(arr.shape),
-                                   "offsets": pay.add(arr)})
+            entry = {"name": name, "kind": "raw", "dtype": dtype, "shape": list(arr.shape),
+                     "offsets": [pay.pos, pay.pos + arr.nbytes]}
+            header_entries.append(entry)
+            if in_place is not None:
+                in_place.maybe_start(pay, header_entries, meta, arr.nbytes)
+            entry["offsets"] = pay.add(arr)
             continue
         enc, info = e.encoded, e.info
         a = enc.arrays
@@ -213,10 +226,13 @@ def _write(out, scratch, entries, meta, extra_header, *, expected_entries=None,
         decoded.update([part.copy() if np.may_share_memory(part, body) else part
                         for part in (np.ascontiguousarray(x, "<f4") for x in (*flat_parts(m), *flat_parts(v)))])
         del m, v
-        b0 = pay.write(body)[0]
-        del body
+        b0 = pay.pos       # where the body goes: the entry is complete before it is written
         entry["sections"] = {k: [b0 + r[0], b0 + r[1]] for k, r in sections.items()}
         header_entries.append(entry)
+        if in_place is not None:
+            in_place.maybe_start(pay, header_entries, meta, len(body))
+        pay.write(body)
+        del body
     sample.flush()
     decoded = decoded.finish()
     named = {} if integrity_hash == "sha256" else {"hash": integrity_hash}   # SHA-256 files: as before, byte for byte
@@ -308,21 +324,26 @@ class _InPlace:
     """The payload of a large streamed container written into the output file itself.
 
     Once the payload passes `IN_PLACE_AFTER`, what the scratch file holds is copied to
-    the output at ``PREFIX + room`` and the rest of the payload is written there directly.
+    the output at ``PREFIX + room`` and the rest of the payload is written there directly
+    (the check runs before each entry's payload is written: an entry that crosses the
+    mark goes to the output, not through the scratch file).
     ``room`` is the header's estimated size (what is known of it, and the entries still to
-    come at 1.5 times the mean size so far); the header is padded to it with spaces (JSON
+    come at 1.5 times the mean size so far, of their kind where the moments' count is
+    known: a moments entry's header is ~8 times a raw entry's; `ENTRY_GUESS` for a kind
+    not seen yet); the header is padded to it with spaces (JSON
     allows trailing whitespace, so readers are unchanged), or, if it outgrew the room,
     the payload is moved forward by the difference in the file.  The trailer's SHA-256 is
     then read back from the page cache: one write of the payload and two reads, where the
     scratch route wrote it twice.  Declined (the scratch route kept) when the room would
     exceed 1/16 of the payload so far (tried again when it doubled)."""
 
-    def __init__(self, out, scratch, expected, fd):
+    def __init__(self, out, scratch, expected, fd, expected_moments=None):
         self.out, self.scratch, self.expected, self.fd = out, scratch, expected, fd
+        self.expected_moments = expected_moments
         self.active, self.room, self.next_try = False, 0, 0
 
     @classmethod
-    def possible(cls, out, scratch, expected):
+    def possible(cls, out, scratch, expected, expected_moments=None):
         if expected is None or scratch is None or not hasattr(os, "preadv"):
             return None
         try:
@@ -331,17 +352,37 @@ class _InPlace:
                 return None
         except (AttributeError, OSError, io.UnsupportedOperation):   # in memory (build, fsspec URLs)
             return None
-        return cls(out, scratch, expected, fd)
+        return cls(out, scratch, expected, fd, expected_moments)
 
-    def start(self, pay, header_entries, meta, seen) -> None:
-        """Move the payload to the output and write there from now on, unless the room
-        is too large for the payload so far (then tried again once the payload doubled)."""
-        done = len(json.dumps(header_entries, separators=(",", ":"), allow_nan=False))
+    def maybe_start(self, pay, header_entries, meta, upcoming) -> None:
+        """`start` if the payload, with the `upcoming` bytes of the last of `header_entries`
+        about to be written, reaches `IN_PLACE_AFTER` (or the next try's size)."""
+        if not self.active and pay.pos + upcoming >= max(IN_PLACE_AFTER, self.next_try):
+            self.start(pay, header_entries, meta, upcoming)
+
+    def _room(self, header_entries, meta) -> int:
+        """The header's estimated size, given `header_entries` so far."""
+        sizes = {"raw": [], "moments": []}
+        for e in header_entries:
+            sizes[e["kind"]].append(len(json.dumps(e, separators=(",", ":"), allow_nan=False)) + 1)
+        done = sum(map(sum, sizes.values()))
         known = done + len(json.dumps(meta, separators=(",", ":"), allow_nan=False)) + 4096
-        remaining = max(int(self.expected) - seen, 0)
-        room = known + int(1.5 * remaining * done / max(seen, 1)) + 4096
-        if 16 * room > pay.pos:
-            self.next_try = 2 * max(pay.pos, 1)
+        seen = len(header_entries)
+        if self.expected_moments is None:      # one mean for every entry to come
+            rest = max(int(self.expected) - seen, 0) * done / max(seen, 1)
+        else:
+            left = {"moments": int(self.expected_moments), "raw": int(self.expected) - int(self.expected_moments)}
+            rest = sum(max(left[k] - len(v), 0) * (sum(v) / len(v) if v else ENTRY_GUESS[k])
+                       for k, v in sizes.items())
+        return known + int(1.5 * rest) + 4096
+
+    def start(self, pay, header_entries, meta, upcoming=0) -> None:
+        """Move the payload to the output and write there from now on, unless the room
+        is too large for the payload so far and the `upcoming` bytes (then tried again
+        once it doubled)."""
+        room = self._room(header_entries, meta)
+        if 16 * room > pay.pos + upcoming:
+            self.next_try = 2 * max(pay.pos + upcoming, 1)
             return
         self.scratch.flush()
         self.out.seek(reader.PREFIX.size + room)

@@ -149,3 +149,86 @@ def test_bfloat16_mu_path_refuses_too(tmp_path, tampered):
     u, st = tx.update({"w": jnp.sin(params["w"]) * 0.1}, st, params)
     _refused(lambda: jg.save(str(tmp_path / "bf16.jg"), st, params, lr=1e-3))
     assert not (tmp_path / "bf16.jg").exists()
+
+
+def test_torch_compress_writes_the_model_first_and_reads_back_equal(tmp_path):
+    """A torch checkpoint's compress: the model's tensors lead the header and the payload
+    (written while the moments after them are encoded), the optimizer's entries follow,
+    header order = payload order, and the file restores to the checkpoint's values."""
+    import torch
+    import torch_compat
+    from jaxguard.format import reader
+    model, opt = W.torch_state()
+    path = tmp_path / "c.jg"
+    torch_compat.state.compress_checkpoint_to(path, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    header, payload = reader.parse(path.read_bytes())
+    names = [e["name"] for e in header["entries"]]
+    lead = len(model.state_dict())
+    assert names[:lead] == [f"model/{k}" for k in model.state_dict()]
+    assert all(n.startswith("optimizer/") for n in names[lead:])
+    assert [e["kind"] for e in header["entries"]].index("moments") == lead
+    starts = [e["offsets"][0] if e["kind"] == "raw" else min(r[0] for r in e["sections"].values())
+              for e in header["entries"]]
+    assert starts == sorted(starts)
+    restored, _ = torch_compat.restore_tree(path)
+    for k, t in model.state_dict().items():
+        assert torch.equal(restored["model"][k], t), k
+
+
+def test_the_encode_goes_on_behind_raws_the_writer_has_not_taken():
+    """`prefetched(raws_held=True)`: raw entries cost nothing against `ahead`, so the
+    producer passes every raw and goes on to the entries after them while the consumer
+    still holds the first; counted (the default), it waits for the consumer."""
+    import threading
+    from jaxguard.format import container
+    from jaxguard.writer import prefetched
+
+    def entries(passed):
+        for i in range(4):
+            yield container.Raw(f"r{i}", np.zeros(1000, np.float32))
+        passed.set()
+        yield container.Raw("after", np.zeros(1, np.float32))
+
+    for held in (True, False):
+        passed = threading.Event()
+        it = prefetched(entries(passed), ahead=10, raws_held=held)
+        assert next(it).name == "r0"
+        assert passed.wait(2 if held else 0.3) is held
+        assert [e.name for e in it] == ["r1", "r2", "r3", "after"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (skipped where mounting is not allowed)."""
+    import subprocess
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:80]})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_while_the_model_is_written_raises_one_line_and_leaves_the_old_file(small_tmpfs):
+    """The model's 2 MiB of parameters, written first while the moments are encoded, do not
+    fit the disk: one line naming the error, the file that was there kept, no temporary
+    file and no encode thread left behind."""
+    import threading
+    import torch
+    import torch_compat
+    from jaxguard.errors import ContainerError
+    rng = np.random.default_rng(0)
+    model = torch.nn.Linear(1024, 512)
+    opt = torch.optim.Adam(model.named_parameters(), lr=W.LR, foreach=False)
+    for p in model.parameters():
+        m, v = W._moments(rng, tuple(p.shape), 5)
+        opt.state[p] = {"step": torch.tensor(5.0), "exp_avg": torch.from_numpy(m), "exp_avg_sq": torch.from_numpy(v)}
+    target = small_tmpfs / "c.jg"
+    target.write_bytes(b"the previous checkpoint")
+    with pytest.raises(ContainerError) as info:
+        torch_compat.state.compress_checkpoint_to(target, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert "No space left" in str(info.value) and "\n" not in str(info.value)
+    assert [p.name for p in small_tmpfs.iterdir()] == ["c.jg"]
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxguard-")]

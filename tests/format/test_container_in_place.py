@@ -165,3 +165,55 @@ def test_a_failed_write_beside_its_hash_raises_and_leaves_no_thread(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         sink.add(np.arange(1000, dtype=np.float32))
     assert threading.active_count() == before and sink.pos == 0
+
+
+def _raws_first(seed):
+    """`_entries` with a large raw entry ahead of all the others and every raw before the
+    moments: the order of a torch checkpoint's compress (its parameters lead)."""
+    entries = _entries(seed=seed, pairs=40, raws=40, n=3000)
+    big = container.Raw("big", np.random.default_rng(seed).standard_normal(1 << 20).astype(np.float32))
+    return ([big] + [e for e in entries if isinstance(e, container.Raw)]
+            + [e for e in entries if isinstance(e, container.Moments)])
+
+
+def _write_watched(path, entries, monkeypatch, expected_moments):
+    """write_stream in place from the first byte on; -> (file bytes, scratch bytes copied to
+    the output, payload moves)."""
+    copied, moves = [], []
+    copy, move = container._copy_scratch, container._move_forward
+
+    def counted_copy(scratch, out, sha=None):
+        copied.append(scratch.seek(0, 2))
+        return copy(scratch, out, sha)
+
+    def counted_move(*args):
+        moves.append(args)
+        return move(*args)
+    monkeypatch.setattr(container, "_copy_scratch", counted_copy)
+    monkeypatch.setattr(container, "_move_forward", counted_move)
+    monkeypatch.setattr(container, "IN_PLACE_AFTER", 0)
+    container.write_stream(path, iter(entries), {"tree": "t"}, extra_header={"op_model": "torch-adam"},
+                           expected_entries=len(entries), expected_moments=expected_moments)
+    return path.read_bytes(), copied, moves
+
+
+def test_a_stream_led_by_raws_leaves_room_for_the_moments_after_them(tmp_path, monkeypatch):
+    """Raw entries first (a header entry of ~100 bytes each), moments after (~600-1000):
+    told how many moments come, the writer leaves them room and the header fits (padded,
+    not moved); the first entry, which crosses the mark, goes straight to the output
+    (nothing through the scratch file).  Counted at the raws' mean size alone, the room is
+    too small and the whole payload is moved forward (what the count avoids)."""
+    entries = _raws_first(seed=6)
+    moments = sum(isinstance(e, container.Moments) for e in entries)
+    scratch = _write(tmp_path / "scratch.jg", entries, monkeypatch, 1 << 60, None)
+    data, copied, moves = _write_watched(tmp_path / "led.jg", entries, monkeypatch, moments)
+    header, payload = reader.parse(data)
+    hlen = reader.PREFIX.unpack_from(data, 0)[3]
+    assert (header, bytes(payload)) == (scratch[1], scratch[2])
+    assert not moves and copied == [0]
+    assert hlen > scratch[3] and hlen - scratch[3] < len(payload) / 16
+    assert set(data[reader.PREFIX.size + scratch[3]:reader.PREFIX.size + hlen]) == {ord(" ")}
+    container.read(str(tmp_path / "led.jg"))       # decoded hash verified
+
+    unknown, _, moves = _write_watched(tmp_path / "unknown.jg", entries, monkeypatch, None)
+    assert len(moves) == 1 and unknown == scratch[0]     # moved forward: the scratch route's bytes

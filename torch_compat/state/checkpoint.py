@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None, uncertifiable="refuse"):
     """(records, meta, extra header) of a CKPT dict; the header's guard fields come from
-    the first moments entry (`jaxguard.writer`)."""
+    the first moments entry (`jaxguard.writer`).  The records of the keys other than
+    ``optimizer`` (the model's tensors, stored exactly) come first, the optimizer's after."""
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"the checkpoint is a {type(ckpt).__name__}; expected a dict with 'model' and 'optimizer' keys")
     for key in ("model", "optimizer"):
@@ -35,12 +36,15 @@ def _checkpoint_records(ckpt, *, spec, op_model=None, param_order=None, lr=None,
     opt_sk, records = state_records(ckpt["optimizer"], ckpt["model"], spec=spec, update=update,
                                     param_order=param_order, notes=notes)
     top = []
+    raws: list = []     # the model's parameters and the other keys, stored exactly
     tied: dict = {}     # one table for the whole checkpoint: a tie may cross top-level keys
     for k, v in ckpt.items():
-        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), records, tied)])
+        top.append([k, opt_sk if k == "optimizer" else to_skeleton(v, str(k), raws, tied)])
     meta = {"framework": "torch", "tree": {"__dict__": top}, "torch_version": torch_version(), **notes}
     extra = {"tau": spec.tau, "clip": spec.clip, "codec": spec.codec, "bound": spec.bound, "partition": spec.partition}
-    return records, meta, extra
+    # the raws lead the file: written while the moments after them are encoded (GPT-2: 498 MB
+    # of parameters, which took 1.3 s after the last moments with one core idle)
+    return raws + records, meta, extra
 
 
 def _variant_of(variant):
