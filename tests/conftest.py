@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # JAXGUARD_BLOCK_IMPORTS=torch,lightning makes those top-level packages (and their
 # submodules) unimportable in this process, before any test module is collected, and in
 # the Python subprocesses the tests start (tests/blocking.py): the suite's "runs without
@@ -80,3 +82,24 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.path), here).replace(os.sep, "/")
         return rank.get(rel, len(rank))
     items.sort(key=order)   # stable: the rest, and each file's tests, in collection order
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)`` mounts a tmpfs of `size` (e.g. ``"256k"``) and returns its path: a
+    real full disk for the fault tests; the test is skipped where mounting is not allowed."""
+    import subprocess
+    mounted = []
+
+    def mount(size):
+        mnt = tmp_path / f"disk{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:80]})")
+        mounted.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
