@@ -65,6 +65,9 @@ def private_uses(source):
 TOLERATED = {
     # JAX's private jit-cache counter on a jaxguard jitted function (no public equivalent)
     "test_config.py": ["jit_encode.encode_jitted._cache_size"],
+    # the in-place writer's two copy paths, counted to show a raws-first stream copies and
+    # moves nothing (a write's copies have no public measure)
+    "test_container_in_place.py": ["container._copy_scratch", "container._move_forward"],
 }
 
 
