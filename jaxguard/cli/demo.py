@@ -93,6 +93,7 @@ def run_demo(steps=None, as_json=False, seed=0, full=False):
                          "payload_ratio": s["payload_ratio"], "max_gap_lr": a["max_gap_lr"],
                          "violations": a["violations"], "reader_ok": ok})
     total = time.perf_counter() - t0
+    programs.settle()   # the programs the first save made ready for later ones are counted too
     made = programs.counts()
     if as_json:
         print(json.dumps({"rows": rows, "seconds": total, "train_seconds": t_train, "steps": steps,

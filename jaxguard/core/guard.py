@@ -279,7 +279,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     mf, vf = mh, vh
     widths = fast = K = None
-    prepared = widening = _programs.Prepared()
+    prepared = _programs.Prepared()
     # log8-rel-zstd: blocks that escape much are proposed again with wider codes
     widen = _codecs.get(codec).widen if certified and not any(cfg.joint for *_, cfg in items) else None
     if entry.choose is not None:
@@ -314,9 +314,6 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
             # the tiers' programs compile on other threads while this one runs the proposal
             prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False)
-            if widen is not None:   # a later save whose blocks escape more compiles nothing
-                widening = _programs.prepare(lambda: _adaptive.widen_calls(K, npad),
-                                             key=("widen", K.keep.shape[0], npad >= FAST_CHUNK), wait=False)
             if bound == "shared" and partition == "mixed":
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
@@ -342,7 +339,11 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                                     fast=False)
         escape = in_tensor & ~exact & (level_of < 0)
     prepared.wait()
-    widening.wait()
+    if widen is not None and K is not None and entry.choose is None:
+        # a later save whose blocks escape more compiles nothing; this one returns before
+        # they are ready (a small state seldom widens: 3 of a cold save's 15 programs)
+        _programs.prepare(lambda: _adaptive.widen_calls(K, npad), key=("widen", K.keep.shape[0], npad >= FAST_CHUNK),
+                          background=True)
     mq, vq = mq.reshape(-1), vq.reshape(-1)
     if widen is not None:
         mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths = widen(

@@ -34,7 +34,7 @@ call is exactly ``fn(*args, **static)``.
 from __future__ import annotations
 
 __all__ = ["CACHE_ENV", "DEFAULT_MB", "SUFFIX", "MAGIC", "STALE_TMP_SECONDS", "cache_bytes", "cache_root", "enable",
-           "enabled", "counts", "prune", "call", "Prepared", "prepare", "wrap_entry", "unwrap_entry"]
+           "enabled", "counts", "prune", "call", "Prepared", "prepare", "settle", "wrap_entry", "unwrap_entry"]
 
 import concurrent.futures
 import functools
@@ -63,6 +63,11 @@ _loading_lock = threading.Lock()
 # pool takes them from the head), so a cold save's two cores both compile (on a small
 # state the guard's thread sat idle for 3 s while one pool thread compiled its stages in turn)
 _queued: dict = {}
+# preparations left to finish after the work that started them returned (`prepare(...,
+# background=True)`), until `settle`; their keys: a waiting thread does not make these meanwhile
+_background: list = []
+_background_lock = threading.Lock()
+_later: set = set()
 
 
 def cache_bytes() -> int | None:
@@ -316,7 +321,7 @@ class Prepared:
             self._pool = None
 
 
-def prepare(calls, *, key=None, wait=True) -> Prepared:
+def prepare(calls, *, key=None, wait=True, background=False) -> Prepared:
     """Make every ``(fn, args, static)`` of `calls` ready to run: loaded from the cache, or
     compiled (and stored) on a thread each, as many at once as this process has cores,
     the caller's thread counted when it goes on (XLA compiles outside the interpreter lock).  A later `call` with the same kernel, shapes and
@@ -333,6 +338,11 @@ def prepare(calls, *, key=None, wait=True) -> Prepared:
       wait: False: return while the threads work (call `Prepared.wait` before the work
         that asked for them ends); the calling thread goes on (e.g. with the kernels it
         needs first, which it compiles itself).
+      background: kernels the caller may never run (made ready for a later call): one
+        thread makes them while the caller returns and goes on; no `Prepared.wait` is
+        needed (`settle` waits for every such thread, and the interpreter does at exit).
+        A `call` of one of them meanwhile makes it, or waits for it, as any; a thread
+        waiting for another kernel does not make them.
 
     Returns:
       A `Prepared`.
@@ -360,6 +370,15 @@ def prepare(calls, *, key=None, wait=True) -> Prepared:
         if _claim(item[1]):
             _make(item)
 
+    if background:
+        with _loading_lock:
+            _later.update(item[1] for item in todo)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxguard-compile")
+        handle = Prepared(pool, [pool.submit(ready, item) for item in todo], ())
+        with _background_lock:
+            _background.append(handle)
+        pool.shutdown(wait=False)   # its thread ends after the last kernel
+        return handle
     # one thread a core, the caller's (which goes on compiling what it needs first) counted
     workers = min(len(todo), max(1, _cores() - (0 if wait else 1)))
     if wait and workers == 1:
@@ -371,6 +390,19 @@ def prepare(calls, *, key=None, wait=True) -> Prepared:
     if wait:
         handle.wait()
     return handle
+
+
+def settle() -> None:
+    """Wait until every kernel made ready in the background (`prepare(...,
+    background=True)`: those a first save makes ready for later saves) is ready, e.g.
+    before ``os.fork`` or before timing a later call.  Returns at once when none is pending."""
+    while True:
+        with _background_lock:
+            if not _background:
+                return
+            handle = _background.pop(0)
+        for fut in handle._futures:
+            fut.exception()
 
 
 def _cores() -> int:
@@ -402,7 +434,7 @@ def _program(fn, key, leaves, tree, static, run=False, helping=False):
     if helping:
         while lock.locked():
             with _loading_lock:
-                item = _queued.popitem()[1] if _queued else None
+                item = next((_queued.pop(k) for k in reversed(_queued) if k not in _later), None)
             if item is None:
                 break
             _make(item)

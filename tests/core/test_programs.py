@@ -328,6 +328,7 @@ for i, (m, v, p) in enumerate([quiet] + [adversarial(s, n=n) for s in (7, 8)]):
     path = os.path.join(sys.argv[1], f"s{i}.jg")
     before = len(compiles)
     jg.save(path, st, params, lr=1e-3)
+    programs.settle()   # the kernels this save made ready for later ones, in the background
     per_save.append(len(compiles) - before)
     with open(path, "rb") as fh:   # the container less its entries' encode timings (wall time)
         header, payload = reader.parse(fh.read())
@@ -403,6 +404,7 @@ def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch
         return kernel(K, gidx, *rest)
     monkeypatch.setattr(fastbound, "batch_fast_accept", seen)
     cached = guard.encode(m, v, p, cfg)
+    programs.settle()
     assert traced == [certify.FAST_MIN_CHUNK], traced
     monkeypatch.undo()
     programs.enable(None)
@@ -454,3 +456,34 @@ def test_a_thread_that_would_wait_makes_the_queued_kernels_meanwhile(cache_dir, 
     for i, f in enumerate(kernels):   # and ready: called again, nothing is traced
         np.testing.assert_array_equal(np.asarray(programs.call(f, x)), x * (i + 1))
     assert len(traced) == 4
+
+
+def test_kernels_made_ready_in_the_background_are_not_made_by_a_waiting_thread(cache_dir, monkeypatch):
+    """`prepare(..., background=True)` returns while its thread makes the kernels (kernel 0
+    here is held at trace time until the test lets it go); a thread that waits for a kernel
+    another thread makes does not take the queued background ones on meanwhile (they are
+    for later saves); `settle` returns once all are ready, and a later `call` traces nothing."""
+    import threading
+
+    monkeypatch.setattr(programs, "_cores", lambda: 2)   # one pool thread beside the caller
+    gate, traced, gate_a, traced_a = threading.Event(), [], threading.Event(), []
+    kernels = _traced_kernels(3, -1, gate, traced)
+    x = np.arange(4, dtype=np.float32)
+    programs.prepare([(f, (x,), {}) for f in kernels], background=True)   # returns: kernel 0 is held
+    (needed,) = _traced_kernels(1, -1, gate_a, traced_a)
+    y = np.arange(5, dtype=np.float32)
+    handle = programs.prepare([(needed, (y,), {})], wait=False)
+    while not (traced and traced_a):
+        threading.Event().wait(0.01)
+    threading.Timer(0.5, gate_a.set).start()
+    np.testing.assert_array_equal(np.asarray(programs.call(needed, y)), y)   # waits for the pool thread
+    handle.wait()
+    assert [i for i, _ in traced] == [0], traced   # kernels 1 and 2 wait for their own thread
+    gate.set()
+    programs.settle()
+    assert [i for i, _ in traced] == [0, 1, 2], traced
+    assert all(t.startswith("jaxguard-compile") for _, t in traced), traced
+    for i, f in enumerate(kernels):
+        np.testing.assert_array_equal(np.asarray(programs.call(f, x)), x * (i + 1))
+    assert len(traced) == 3 and len(traced_a) == 1
+    programs.settle()   # nothing pending: returns at once
