@@ -395,7 +395,7 @@ def prepare(calls, *, key=None, wait=True, background=False) -> Prepared:
 def settle() -> None:
     """Wait until every kernel made ready in the background (`prepare(...,
     background=True)`: those a first save makes ready for later saves) is ready, e.g.
-    before ``os.fork`` or before timing a later call.  Returns at once when none is pending."""
+    before timing a later call (``os.fork`` calls it first).  Returns at once when none is pending."""
     while True:
         with _background_lock:
             if not _background:
@@ -403,6 +403,10 @@ def settle() -> None:
             handle = _background.pop(0)
         for fut in handle._futures:
             fut.exception()
+
+
+if hasattr(os, "register_at_fork"):   # a child never inherits a program half made (its locks held)
+    os.register_at_fork(before=settle)
 
 
 def _cores() -> int:

@@ -487,3 +487,25 @@ def test_kernels_made_ready_in_the_background_are_not_made_by_a_waiting_thread(c
         np.testing.assert_array_equal(np.asarray(programs.call(f, x)), x * (i + 1))
     assert len(traced) == 3 and len(traced_a) == 1
     programs.settle()   # nothing pending: returns at once
+
+
+def test_a_fork_waits_for_the_kernels_made_ready_in_the_background(cache_dir):
+    """`os.fork` settles first: the child never holds a copy of a kernel half made (its
+    per-kernel lock taken by a thread the child does not have)."""
+    import threading
+    import warnings
+
+    gate, traced = threading.Event(), []
+    kernels = _traced_kernels(2, -1, gate, traced)
+    x = np.arange(4, dtype=np.float32)
+    programs.prepare([(f, (x,), {}) for f in kernels], background=True)
+    while not traced:
+        threading.Event().wait(0.01)
+    threading.Timer(0.3, gate.set).start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # jax's own warning about forking a threaded process
+        pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert [i for i, _ in traced] == [0, 1], traced   # both were made before the fork returned
