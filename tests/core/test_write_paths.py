@@ -219,4 +219,6 @@ def test_a_full_disk_while_the_model_is_written_raises_one_line_and_leaves_the_o
     assert "No space left" in str(info.value) and "\n" not in str(info.value)
     assert [p.name for p in small_tmpfs.iterdir()] == ["c.jg"]
     assert target.read_bytes() == b"the previous checkpoint"
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxguard-")]
+    # no encode or write thread is left (a program compiling for later saves may be)
+    assert not [t.name for t in threading.enumerate()
+                if t.name.startswith("jaxguard-") and not t.name.startswith("jaxguard-compile")]
