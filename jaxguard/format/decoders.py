@@ -176,7 +176,11 @@ def _decode_log8_rel(n, mq, vq, mp, vp, tables):
     v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx].reshape(qb.shape)
     del idx
     if wide.size:
-        bits = packed.MAX_WIDTH
+        # powers up to the widest code present: a table's column 1 + k holds the same
+        # roundings at any width (`_log_decode_bitwise`), and every k = q - 1 is below
+        # 2**bits, so the mask keeps it whole; codes past MAX_WIDTH bits keep its mask
+        top = int(qb[wide].max())
+        bits = packed.MAX_WIDTH if top > 1 << packed.MAX_WIDTH else (top - 1).bit_length()
         k = wide.size * BLOCK
         w[wide] = _log_decode_bitwise(np.maximum(qb[wide], 1), vp[wide, 2], vp[wide, 3], k, bits).reshape(-1, BLOCK)
         v[wide] = _log_decode_bitwise(qb[wide], vp[wide, 0], vp[wide, 1], k, bits).reshape(-1, BLOCK)

@@ -315,7 +315,7 @@ class FramedCodes:
 def _m_codes(low_m, what):
     """int8 m codes from the low bytes of 8-bit blocks' fields (``q + 127``; 255 refused)."""
     mq = (low_m - np.uint8(127)).view(np.int8)
-    if (mq == -128).any():
+    if mq.size and mq.min() == -128:
         i = int(np.argmax(mq == -128))
         raise StreamError(f"{what}: coordinate {i} of the range has m field 255, outside 0..254")
     return mq
@@ -340,6 +340,14 @@ class _WideBlocks:
     def join(self, low, where, signed, what):
         """Codes (int16 m / uint16 v) from the low bytes `low` of coordinates `where`: a
         range ``(a, b)`` or an int array of positions."""
+        if isinstance(where, tuple) and self.none_in(*where) and not (signed and low.size and low.max() == 255):
+            # a range of 8-bit blocks only (a stream none of whose blocks is wider): the
+            # fields themselves, m's less 127 (a field 255 is named below)
+            if not signed:
+                return low.astype(np.uint16)
+            q = low.astype(np.int16)
+            q -= np.int16(127)
+            return q
         if isinstance(where, tuple):
             a, b = where
             r0 = a // BLOCK
@@ -399,9 +407,13 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
     if vals.shape[0] == 5:
         vp[:] = vals[1:].T
     else:
-        vp[:, :2] = vals[1:3].T
-        with np.errstate(invalid="ignore"):
-            np.sqrt(vals[1:3].T, out=vp[:, 2:4])
+        lo_r = vp[:, :2]
+        lo_r[...] = vals[1:3].T
+        if lo_r.min() >= 0:                    # no negative or NaN parameter: no invalid square root to silence
+            np.sqrt(lo_r, out=vp[:, 2:4])
+        else:
+            with np.errstate(invalid="ignore"):
+                np.sqrt(lo_r, out=vp[:, 2:4])
     codes = {"m_params": vals[0].reshape(nb, 1).copy(), "v_params": vp}
     if "widths" in sections:
         w = decode_stream(sec("widths"), f"{name}.widths", nb)
@@ -433,7 +445,7 @@ def _high_bytes(name, sections, sec, key, widths, n):
     """The checked ``m_high`` / ``v_high`` bytes of an entry with widths (one per coordinate
     of the blocks wider than 8 bits, in order; none when no block of the stream is)."""
     rows = np.flatnonzero(widths > NARROW)
-    count = _row_coords(rows, n).size
+    count = _row_coords(rows, n).size if rows.size else 0
     if count == 0:
         if key in sections:
             raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")
