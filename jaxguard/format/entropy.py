@@ -402,19 +402,24 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         b, e = sections[key]
         return pay[b:e]
 
-    vals = from_planes(decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))).reshape(-1, nb)
-    vp = np.empty((nb, 4), np.float32)         # lo, r, wlo, rr: one copy of the columns stored
-    if vals.shape[0] == 5:
-        vp[:] = vals[1:].T
+    # the float32 columns straight from their byte planes (`from_planes`): byte i of column
+    # c's value of block b is plane byte [i, c, b]
+    planes = decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb)).reshape(4, -1, nb)
+    mp = np.empty((nb, 1), "<f4")
+    mp.view(np.uint8)[...] = planes[:, 0].T
+    vp = np.empty((nb, 4), "<f4")              # lo, r, wlo, rr: one copy of the columns stored
+    by_byte = vp.view(np.uint8).reshape(nb, 4, 4)
+    if planes.shape[1] == 5:
+        by_byte[...] = planes[:, 1:].transpose(2, 1, 0)
     else:
+        by_byte[:, :2] = planes[:, 1:].transpose(2, 1, 0)
         lo_r = vp[:, :2]
-        lo_r[...] = vals[1:3].T
         if lo_r.min() >= 0:                    # no negative or NaN parameter: no invalid square root to silence
             np.sqrt(lo_r, out=vp[:, 2:4])
         else:
             with np.errstate(invalid="ignore"):
                 np.sqrt(lo_r, out=vp[:, 2:4])
-    codes = {"m_params": vals[0].reshape(nb, 1).copy(), "v_params": vp}
+    codes = {"m_params": mp, "v_params": vp}
     if "widths" in sections:
         w = decode_stream(sec("widths"), f"{name}.widths", nb)
         bm, bv = _check_widths(w, f"{name}.widths")
@@ -435,8 +440,12 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         codes["m_codes"], codes["v_codes"] = low_m, low_v
     else:
         codes["m_codes"], codes["v_codes"] = _m_codes(low_m, f"{name}.m_codes"), low_v
-    gaps = decode_stream(sec("escape_index"), f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
-    idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
+    b, e = sections["escape_index"]
+    if e - b == 1 and pay[b] == 0:            # the empty stream: no escape
+        idx = np.zeros(0, np.int64)
+    else:
+        gaps = decode_stream(pay[b:e], f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
+        idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
     pairs = sec("escape_pairs")
     if len(pairs) != 8 * idx.size:
         raise StreamError(f"{name}.escape_pairs: {len(pairs)} bytes where {idx.size} x 8 are needed")
