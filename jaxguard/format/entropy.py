@@ -315,7 +315,7 @@ class FramedCodes:
 def _m_codes(low_m, what):
     """int8 m codes from the low bytes of 8-bit blocks' fields (``q + 127``; 255 refused)."""
     mq = (low_m - np.uint8(127)).view(np.int8)
-    if (mq == -128).any():
+    if mq.size and mq.min() == -128:
         i = int(np.argmax(mq == -128))
         raise StreamError(f"{what}: coordinate {i} of the range has m field 255, outside 0..254")
     return mq
@@ -340,6 +340,14 @@ class _WideBlocks:
     def join(self, low, where, signed, what):
         """Codes (int16 m / uint16 v) from the low bytes `low` of coordinates `where`: a
         range ``(a, b)`` or an int array of positions."""
+        if isinstance(where, tuple) and self.none_in(*where) and not (signed and low.size and low.max() == 255):
+            # a range of 8-bit blocks only (a stream none of whose blocks is wider): the
+            # fields themselves, m's less 127 (a field 255 is named below)
+            if not signed:
+                return low.astype(np.uint16)
+            q = low.astype(np.int16)
+            q -= np.int16(127)
+            return q
         if isinstance(where, tuple):
             a, b = where
             r0 = a // BLOCK
@@ -394,15 +402,24 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         b, e = sections[key]
         return pay[b:e]
 
-    vals = from_planes(decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb))).reshape(-1, nb)
-    vp = np.empty((nb, 4), np.float32)         # lo, r, wlo, rr: one copy of the columns stored
-    if vals.shape[0] == 5:
-        vp[:] = vals[1:].T
+    # the float32 columns straight from their byte planes (`from_planes`): byte i of column
+    # c's value of block b is plane byte [i, c, b]
+    planes = decode_stream(sec("params"), f"{name}.params", (12 * nb, 20 * nb)).reshape(4, -1, nb)
+    mp = np.empty((nb, 1), "<f4")
+    mp.view(np.uint8)[...] = planes[:, 0].T
+    vp = np.empty((nb, 4), "<f4")              # lo, r, wlo, rr: one copy of the columns stored
+    by_byte = vp.view(np.uint8).reshape(nb, 4, 4)
+    if planes.shape[1] == 5:
+        by_byte[...] = planes[:, 1:].transpose(2, 1, 0)
     else:
-        vp[:, :2] = vals[1:3].T
-        with np.errstate(invalid="ignore"):
-            np.sqrt(vals[1:3].T, out=vp[:, 2:4])
-    codes = {"m_params": vals[0].reshape(nb, 1).copy(), "v_params": vp}
+        by_byte[:, :2] = planes[:, 1:].transpose(2, 1, 0)
+        lo_r = vp[:, :2]
+        if lo_r.min() >= 0:                    # no negative or NaN parameter: no invalid square root to silence
+            np.sqrt(lo_r, out=vp[:, 2:4])
+        else:
+            with np.errstate(invalid="ignore"):
+                np.sqrt(lo_r, out=vp[:, 2:4])
+    codes = {"m_params": mp, "v_params": vp}
     if "widths" in sections:
         w = decode_stream(sec("widths"), f"{name}.widths", nb)
         bm, bv = _check_widths(w, f"{name}.widths")
@@ -413,14 +430,22 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
             high = _high_bytes(name, sections, sec, f"{key}_high", widths, n)
             if isinstance(low, FramedCodes):
                 codes[f"{key}_codes"] = low.widened(widths, high)
+            elif not high.size and not (signed and low.size and low.max() == 255):
+                # no block of this stream is wider: its fields widened as they are (m's less 127;
+                # a field 255 is named by the join below)
+                codes[f"{key}_codes"] = (low.astype(np.int16) - np.int16(127)) if signed else low.astype(np.uint16)
             else:
                 codes[f"{key}_codes"] = _WideBlocks(widths, high, n).join(low, (0, n), signed, f"{name}.m_codes")
     elif isinstance(low_m, FramedCodes):
         codes["m_codes"], codes["v_codes"] = low_m, low_v
     else:
         codes["m_codes"], codes["v_codes"] = _m_codes(low_m, f"{name}.m_codes"), low_v
-    gaps = decode_stream(sec("escape_index"), f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
-    idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
+    b, e = sections["escape_index"]
+    if e - b == 1 and pay[b] == 0:            # the empty stream: no escape
+        idx = np.zeros(0, np.int64)
+    else:
+        gaps = decode_stream(pay[b:e], f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
+        idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
     pairs = sec("escape_pairs")
     if len(pairs) != 8 * idx.size:
         raise StreamError(f"{name}.escape_pairs: {len(pairs)} bytes where {idx.size} x 8 are needed")
@@ -433,7 +458,7 @@ def _high_bytes(name, sections, sec, key, widths, n):
     """The checked ``m_high`` / ``v_high`` bytes of an entry with widths (one per coordinate
     of the blocks wider than 8 bits, in order; none when no block of the stream is)."""
     rows = np.flatnonzero(widths > NARROW)
-    count = _row_coords(rows, n).size
+    count = _row_coords(rows, n).size if rows.size else 0
     if count == 0:
         if key in sections:
             raise StreamError(f"{name}.{key}: present but no block's {key[0]} width is above {NARROW}; remove it")

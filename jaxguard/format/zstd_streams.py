@@ -102,6 +102,7 @@ def _decompressor():
         zs = _zstd()
         d = zs.ZstdDecompressor(format=zs.FORMAT_ZSTD1_MAGICLESS)
         _LOCAL.d = d
+        _LOCAL.error = zs.ZstdError
     return d
 
 
@@ -265,6 +266,33 @@ def _zstd_frame_end(frame, what):
     return pos + (4 if checksum else 0), content
 
 
+def _zstd_exact(frame, decoded):
+    """The `decoded` bytes of the zstd frame `frame` (a flat byte memoryview), or None
+    where `decode_frame`'s checks are needed to name a fault: a frame header with a
+    reserved bit, a dictionary or no content size, a content size other than `decoded`
+    (read before zstd allocates it), a frame zstd refuses or that leaves bytes unused.
+    Whatever this accepts, the block-by-block parse (`_zstd_frame_end`) accepts too, with
+    the same bytes: zstd walks the same block headers, and ``allow_extra_data=False``
+    refuses a frame that ends before `frame` does."""
+    fhd = frame[0]
+    if fhd & 0x0B:                           # the reserved bit, a dictionary id
+        return None
+    single = fhd & 0x20
+    size = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    pos = 1 if single else 2
+    if not size or pos + size > len(frame):
+        return None
+    content = int.from_bytes(frame[pos:pos + size], "little") + (256 if size == 2 else 0)
+    if content != decoded:
+        return None
+    d = _decompressor()
+    try:
+        out = d.decompress(frame, max_output_size=decoded, allow_extra_data=False)
+    except _LOCAL.error:
+        return None
+    return out if len(out) == decoded else None
+
+
 def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
     """One frame's decoded bytes (a bytes-like object of `decoded` bytes).
 
@@ -279,7 +307,15 @@ def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
     frame = bytes_view(buf)[start:start + stored]
     if stored == decoded:
         return frame
+    out = _zstd_exact(frame, decoded) if stored else None
+    return out if out is not None else _decode_frame_checked(frame, decoded, what)
+
+
+def _decode_frame_checked(frame, decoded, what):
+    """`decode_frame` of a zstd frame by its parsed header and block headers first: the
+    fault named (`_zstd_exact` refused it), or its bytes."""
     end, content = _zstd_frame_end(frame, what)
+    stored = len(frame)
     if end != stored or content != decoded:
         raise StreamError(f"{what}: a zstd frame of {end} bytes decoding to {content} is stored in {stored} bytes "
                           f"for {decoded}")
@@ -290,6 +326,52 @@ def decode_frame(buf, start: int, stored: int, decoded: int, what: str):
     if len(out) != decoded:
         raise StreamError(f"{what}: a zstd frame decodes to {len(out)} bytes, not {decoded}")
     return out
+
+
+def _one_frame(mv, expected, limit):
+    """`decode_stream` of a stream of at most one frame (most sections of a small entry),
+    its header read inline; None where anything is other than a valid stream of one frame
+    (the general path then decodes it or names the fault, as it would have)."""
+    n = len(mv)
+    try:
+        x = mv[0]
+        if x < 0x80:
+            d, pos = x, 1
+        else:
+            y = mv[1]
+            if y < 0x80:
+                d, pos = (x & 0x7F) | (y << 7), 2
+            else:
+                z = mv[2]
+                if z >= 0x80:
+                    return None
+                d, pos = (x & 0x7F) | ((y & 0x7F) << 7) | (z << 14), 3
+        if expected is not None and d != expected and (isinstance(expected, int) or d not in expected):
+            return None
+        if d > FRAME or d > limit:
+            return None
+        if d == 0:
+            return np.empty(0, np.uint8) if pos == n else None
+        x = mv[pos]
+        if x < 0x80:
+            s, pos = x, pos + 1
+        else:
+            y = mv[pos + 1]
+            if y < 0x80:
+                s, pos = (x & 0x7F) | (y << 7), pos + 2
+            else:
+                z = mv[pos + 2]
+                if z >= 0x80:
+                    return None
+                s, pos = (x & 0x7F) | ((y & 0x7F) << 7) | (z << 14), pos + 3
+    except IndexError:
+        return None
+    if s > d or s == 0 or pos + s != n:
+        return None
+    if s == d:                               # stored as is: a view of the payload
+        return np.frombuffer(mv, np.uint8, d, pos)
+    out = _zstd_exact(mv[pos:], d)
+    return None if out is None else np.frombuffer(out, np.uint8)
 
 
 def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STREAM) -> np.ndarray:
@@ -308,6 +390,10 @@ def decode_stream(buf, what: str, expected=None, out=None, limit: int = MAX_STRE
       StreamError: as `stream_frames` and `decode_frame`.
     """
     mv = bytes_view(buf)
+    if out is None:
+        one = _one_frame(mv, expected, limit)
+        if one is not None:
+            return one
     decoded, frames = _stream_frames(mv, what, expected, limit)
     if len(frames) == 1 and out is None:
         start, stored, d = frames[0]
