@@ -68,6 +68,8 @@ TOLERATED = {
     # the in-place writer's two copy paths, counted to show a raws-first stream copies and
     # moves nothing (a write's copies have no public measure)
     "test_container_in_place.py": ["container._copy_scratch", "container._move_forward"],
+    # the reference a zstd frame's fast check is fuzzed against: every block header parsed
+    "test_read_path.py": ["zstd_streams._decode_frame_checked"],
 }
 
 
