@@ -365,29 +365,27 @@ def prepare(calls, *, key=None, wait=True, background=False) -> Prepared:
         for item in todo:
             _loading.setdefault(item[1], threading.Lock())
             _queued.setdefault(item[1], item)
+        if background:   # queued and marked at once: no waiting thread takes one on between
+            _later.update(item[1] for item in todo)
 
     def ready(item):   # a kernel another thread started (or made) is skipped: the next one starts
         if _claim(item[1]):
             _make(item)
 
-    if background:
-        with _loading_lock:
-            _later.update(item[1] for item in todo)
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxguard-compile")
-        handle = Prepared(pool, [pool.submit(ready, item) for item in todo], ())
-        with _background_lock:
-            _background.append(handle)
-        pool.shutdown(wait=False)   # its thread ends after the last kernel
-        return handle
-    # one thread a core, the caller's (which goes on compiling what it needs first) counted
-    workers = min(len(todo), max(1, _cores() - (0 if wait else 1)))
-    if wait and workers == 1:
+    # one thread a core, the caller's (which goes on compiling what it needs first) counted;
+    # in the background one thread, and the caller makes none of them
+    workers = 1 if background else min(len(todo), max(1, _cores() - (0 if wait else 1)))
+    if wait and workers == 1 and not background:
         for item in todo:
             ready(item)
         return Prepared()
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxguard-compile")
-    handle = Prepared(pool, [pool.submit(ready, item) for item in todo], todo)
-    if wait:
+    handle = Prepared(pool, [pool.submit(ready, item) for item in todo], () if background else todo)
+    if background:
+        with _background_lock:
+            _background.append(handle)
+        pool.shutdown(wait=False)   # its thread ends after the last kernel
+    elif wait:
         handle.wait()
     return handle
 
@@ -401,8 +399,7 @@ def settle() -> None:
             if not _background:
                 return
             handle = _background.pop(0)
-        for fut in handle._futures:
-            fut.exception()
+        handle.wait()
 
 
 if hasattr(os, "register_at_fork"):   # a child never inherits a program half made (its locks held)
