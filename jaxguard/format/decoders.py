@@ -167,41 +167,38 @@ def _decode_log8_rel(n, mq, vq, mp, vp, tables):
     # formula, more powers).  Blocks whose codes fit 8 bits are tabulated as above, the others
     # powered bit by bit (`log_decode`'s split: the same bits at any width); m~ as above
     qb = _blocks(vq, n)
+    nb = qb.shape[0]
     wide = np.flatnonzero(qb.max(axis=1) > 256)
-    if wide.size:
-        top = int(qb[wide].max())
-        bits = (top - 1).bit_length()
-        nb = qb.shape[0]
-        if top <= 1 << packed.MAX_WIDTH and 2 * nb * (1 + (1 << bits)) <= TABLE_CELLS:
-            # a small entry: w's and v's tables of every block as rows of one table as wide as
-            # its widest code (an 8-bit table's columns are its first 257: the same roundings)
-            t = _log_table(np.concatenate([vp[:, 2], vp[:, 0]]), np.concatenate([vp[:, 3], vp[:, 1]]), bits)
-            cols = t.shape[1]
-            t[:nb, 0] = t[:nb, 1]
-            flat = t.reshape(-1)
-            idx = np.add(qb, (np.arange(nb, dtype=np.int32) * cols)[:, None], dtype=np.int32)
-            w = flat[idx]
-            idx += nb * cols
-            v = flat[idx]
-            m = _blocks(mq, n).astype(np.float32)
-            m *= mp[:, 0].astype(np.float32)[:, None]
-            m *= w
-            return m.reshape(-1)[:n], v.reshape(-1)[:n]
-    idx = _table_index(np.minimum(qb, 256) if wide.size else qb)   # codes <= 256 index the table as they are
-    tw = _log_table(vp[:, 2], vp[:, 3])
-    tw[:, 0] = tw[:, 1]
-    w = tw.reshape(-1)[idx].reshape(qb.shape)
-    del tw
-    v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx].reshape(qb.shape)
-    del idx
-    if wide.size:
-        # powers up to the widest code present: a table's column 1 + k holds the same
-        # roundings at any width (`_log_decode_bitwise`), and every k = q - 1 is below
-        # 2**bits, so the mask keeps it whole; codes past MAX_WIDTH bits keep its mask
-        bits = packed.MAX_WIDTH if top > 1 << packed.MAX_WIDTH else bits
-        k = wide.size * BLOCK
-        w[wide] = _log_decode_bitwise(np.maximum(qb[wide], 1), vp[wide, 2], vp[wide, 3], k, bits).reshape(-1, BLOCK)
-        v[wide] = _log_decode_bitwise(qb[wide], vp[wide, 0], vp[wide, 1], k, bits).reshape(-1, BLOCK)
+    top = int(qb[wide].max()) if wide.size else 256
+    bits = (top - 1).bit_length()
+    if wide.size and top <= 1 << packed.MAX_WIDTH and 2 * nb * (1 + (1 << bits)) <= TABLE_CELLS:
+        # a small entry: w's and v's tables of every block as rows of one table as wide as
+        # its widest code (an 8-bit table's columns are its first 257: the same roundings)
+        t = _log_table(np.concatenate([vp[:, 2], vp[:, 0]]), np.concatenate([vp[:, 3], vp[:, 1]]), bits)
+        cols = t.shape[1]
+        t[:nb, 0] = t[:nb, 1]
+        flat = t.reshape(-1)
+        idx = np.add(qb, (np.arange(nb, dtype=np.int32) * cols)[:, None], dtype=np.int32)
+        w = flat[idx]
+        idx += nb * cols
+        v = flat[idx]
+    else:
+        idx = _table_index(np.minimum(qb, 256) if wide.size else qb)   # codes <= 256 index the table as they are
+        tw = _log_table(vp[:, 2], vp[:, 3])
+        tw[:, 0] = tw[:, 1]
+        w = tw.reshape(-1)[idx].reshape(qb.shape)
+        del tw
+        v = _log_table(vp[:, 0], vp[:, 1]).reshape(-1)[idx].reshape(qb.shape)
+        del idx
+        if wide.size:
+            # powers up to the widest code present: a table's column 1 + k holds the same
+            # roundings at any width (`_log_decode_bitwise`), and every k = q - 1 is below
+            # 2**bits, so the mask keeps it whole; codes past MAX_WIDTH bits keep its mask
+            bits = packed.MAX_WIDTH if top > 1 << packed.MAX_WIDTH else bits
+            k = wide.size * BLOCK
+            w[wide] = _log_decode_bitwise(np.maximum(qb[wide], 1), vp[wide, 2], vp[wide, 3], k,
+                                          bits).reshape(-1, BLOCK)
+            v[wide] = _log_decode_bitwise(qb[wide], vp[wide, 0], vp[wide, 1], k, bits).reshape(-1, BLOCK)
     m = _blocks(mq, n).astype(np.float32)
     m *= mp[:, 0].astype(np.float32)[:, None]
     m *= w
