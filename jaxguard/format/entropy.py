@@ -430,10 +430,6 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
             high = _high_bytes(name, sections, sec, f"{key}_high", widths, n)
             if isinstance(low, FramedCodes):
                 codes[f"{key}_codes"] = low.widened(widths, high)
-            elif not high.size and not (signed and low.size and low.max() == 255):
-                # no block of this stream is wider: its fields widened as they are (m's less 127;
-                # a field 255 is named by the join below)
-                codes[f"{key}_codes"] = (low.astype(np.int16) - np.int16(127)) if signed else low.astype(np.uint16)
             else:
                 codes[f"{key}_codes"] = _WideBlocks(widths, high, n).join(low, (0, n), signed, f"{name}.m_codes")
     elif isinstance(low_m, FramedCodes):
