@@ -328,42 +328,41 @@ def _decode_frame_checked(frame, decoded, what):
     return out
 
 
+def _short_varint(mv, pos):
+    """The varint of at most 3 bytes (below 2**21: a frame's lengths) at `pos` and the
+    position after it; None where it is longer.  Raises IndexError past the end."""
+    x = mv[pos]
+    if x < 0x80:
+        return x, pos + 1
+    y = mv[pos + 1]
+    if y < 0x80:
+        return (x & 0x7F) | (y << 7), pos + 2
+    z = mv[pos + 2]
+    if z >= 0x80:
+        return None
+    return (x & 0x7F) | ((y & 0x7F) << 7) | (z << 14), pos + 3
+
+
 def _one_frame(mv, expected, limit):
     """`decode_stream` of a stream of at most one frame (most sections of a small entry),
     its header read inline; None where anything is other than a valid stream of one frame
     (the general path then decodes it or names the fault, as it would have)."""
     n = len(mv)
     try:
-        x = mv[0]
-        if x < 0x80:
-            d, pos = x, 1
-        else:
-            y = mv[1]
-            if y < 0x80:
-                d, pos = (x & 0x7F) | (y << 7), 2
-            else:
-                z = mv[2]
-                if z >= 0x80:
-                    return None
-                d, pos = (x & 0x7F) | ((y & 0x7F) << 7) | (z << 14), 3
+        head = _short_varint(mv, 0)
+        if head is None:
+            return None
+        d, pos = head
         if expected is not None and d != expected and (isinstance(expected, int) or d not in expected):
             return None
         if d > FRAME or d > limit:
             return None
         if d == 0:
             return np.empty(0, np.uint8) if pos == n else None
-        x = mv[pos]
-        if x < 0x80:
-            s, pos = x, pos + 1
-        else:
-            y = mv[pos + 1]
-            if y < 0x80:
-                s, pos = (x & 0x7F) | (y << 7), pos + 2
-            else:
-                z = mv[pos + 2]
-                if z >= 0x80:
-                    return None
-                s, pos = (x & 0x7F) | ((y & 0x7F) << 7) | (z << 14), pos + 3
+        head = _short_varint(mv, pos)
+        if head is None:
+            return None
+        s, pos = head
     except IndexError:
         return None
     if s > d or s == 0 or pos + s != n:
