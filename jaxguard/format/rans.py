@@ -81,7 +81,7 @@ from jaxguard.format.rans_fit import fit_compact_model, fit_models
 from jaxguard.format.rans_format import (BLOCK, KIND_COMPACT, KIND_COMPACT_WIDE, MAX_PROB_BITS, MAX_WIDTH, NARROW_WIDTH,
                                          PROB_BITS, STATE_LOW, TAILS_FLAG, RansError, blocked_symbols, stream_shapes,
                                          kind_max_width)
-from jaxguard.format.rans_models import (COMPACT_RAW, LEVEL_WEIGHTS, lane_tables, compact_model_bits,
+from jaxguard.format.rans_models import (COMPACT_RAW, LEVEL_WEIGHTS, lane_tables, slot_table, compact_model_bits,
                                          compact_models_bound, decode_compact_models, decode_models,
                                          encode_compact_models, encode_models, model_freqs, quantize_levels,
                                          symbol_cost_bits)
@@ -188,7 +188,7 @@ def encode_streams_many(items, prob_bits=None, inline_models=True, compact_model
     counts = np.concatenate([p[2] for p in parts])
     tabs = []
     for st in range(S):                # per stream, one symbol table over every buffer's models
-        ts = [lane_tables([p[3][st]], p[1][st:st + 1], slots=False)[0] for p in parts]
+        ts = [lane_tables([p[3][st]], p[1][st:st + 1])[0] for p in parts]
         sb = np.cumsum([0] + [t["freq"].size for t in ts[:-1]]).astype(np.uint64)
         base = np.concatenate([t["sym_base"] + sb[g] for g, t in enumerate(ts)])
         # a last entry (frequency 1) for the positions past n, which are never coded
@@ -316,7 +316,7 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
         raise RansError(f"{what}: {b.size - pos} bytes after the models cannot hold {nb} lane states and whole "
                         f"16-bit words")
     x = b[pos:pos + 4 * nb].view("<u4").astype(np.uint32)
-    words = b[pos + 4 * nb:].view("<u2").astype(np.uint32)
+    words = b[pos + 4 * nb:].view("<u2").astype(np.uint16)
     if (x < STATE_LOW).any():
         raise RansError(f"{what}: lane {int(np.flatnonzero(x < STATE_LOW)[0])} starts in state below 2**16")
     if words.size > S * int(counts.sum()):
@@ -325,7 +325,7 @@ def _parse(buf, alphabet_bits, n, models, what, lane_tails):
 
 
 def _table_slots(part):
-    """Slots of one parsed buffer's decode tables, the largest stream's (`lane_tables`)."""
+    """Slots of one parsed buffer's decode tables, the largest stream's (`slot_table`)."""
     return max((sum(1 << p for p, _ in mods.values()) for mods in part[3]), default=0)
 
 
@@ -341,27 +341,13 @@ def _decode_lanes(parts, names):
     group = np.repeat(np.arange(G), nbs)
     counts = np.concatenate([p[1] for p in parts])
     x = np.concatenate([p[4] for p in parts]).astype(np.uint32)
-    words = (np.concatenate([p[5] for p in parts]) if G > 1 else parts[0][5]).astype(np.uint32)
+    words = np.concatenate([p[5] for p in parts]) if G > 1 else parts[0][5]
     wend = np.cumsum([p[5].size for p in parts])
     ptr = np.concatenate([[0], wend[:-1]]).astype(np.int64)     # next word of each buffer
     first = np.concatenate([[0], np.cumsum(nbs)[:-1]]).astype(np.int64)
     bounds = np.concatenate([first, [x.size]])                  # lane range of each buffer
-    tabs = []
     sym_dtype = np.uint16 if max(int(p[0].max(initial=0)) for p in parts) > NARROW_WIDTH else np.uint8
-    lane_tabs = [lane_tables(p[3], p[0]) for p in parts]
-    for st in range(S):                # one table per stream over all buffers' models
-        ts = [t[st] for t in lane_tabs]
-        lb = np.cumsum([0] + [t["slot_sym"].size for t in ts[:-1]]).astype(np.uint64)
-        slot_base = np.concatenate([t["slot_base"] + lb[g] for g, t in enumerate(ts)])
-        p = np.concatenate([t["p"] for t in ts])
-        mask = (np.uint64(1) << p) - np.uint64(1)
-        idle = counts == 0             # an empty tensor's lane (no model): point it at slot 0
-        slot_base[idle], mask[idle] = 0, 0
-        # frequency (<= 2**15) and slot - start (< 2**15) of a slot in the low uint32, its
-        # symbol (< 2**12) in the high one: one gather a step and stream
-        entry = np.concatenate([(t["slot_sym"].astype(np.uint64) << np.uint64(32))
-                                | (t["slot_freq"] | (t["slot_bias"] << np.uint32(16))) for t in ts])
-        tabs.append((entry, slot_base.astype(np.int64), mask.astype(np.uint32), p.astype(np.uint32)))
+    tabs = [slot_table([p[3][st] for p in parts], [p[0][st] for p in parts], counts) for st in range(S)]
     nl_all = x.size
     out = np.zeros((S, BLOCK, nl_all), sym_dtype)             # position-major: row writes
     low, sh16, low_mask, sh32 = np.uint32(STATE_LOW), np.uint32(16), np.uint32(0xFFFF), np.uint64(32)

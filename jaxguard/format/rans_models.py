@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __all__ = ["LEVEL_WEIGHTS", "model_freqs", "quantize_levels", "encode_models", "decode_models", "symbol_cost_bits",
            "COMPACT_RAW", "compact_model_bits", "encode_compact_models", "compact_models_bound",
-           "decode_compact_models", "LEVEL_WEIGHT_ARRAY", "coded_bits", "lane_tables", "exp_golomb_bits"]
+           "decode_compact_models", "LEVEL_WEIGHT_ARRAY", "coded_bits", "lane_tables", "slot_table", "exp_golomb_bits"]
 
 import numpy as np
 
@@ -183,51 +183,82 @@ def symbol_cost_bits(models):
     return out
 
 
-def lane_tables(models, bits, slots=True):
-    """The coder's flat per-stream tables of one buffer's models.
+def lane_tables(models, bits):
+    """The encoder's flat per-stream tables of one buffer's models.
 
     Args:
       models: per stream, a dict width -> (P, levels).
       bits: [S, nb] widths of the lanes.
-      slots: also build the decoder's slot tables (2**P entries a model: the encoder
-        needs none of them).
 
     Returns:
       per stream a dict of uint64 arrays: ``freq``, ``start`` by (model base + symbol),
-      per lane ``sym_base``, ``slot_base``, ``p``; with `slots`, uint32 ``slot_sym``,
-      ``slot_freq``, ``slot_bias`` (slot - start) by (slot base + slot).
+      per lane ``sym_base`` and ``p``.
     """
     tabs = []
     for st, mods in enumerate(models):
-        freq, start, slot_sym, slot_freq, slot_bias, sym_base, slot_base, pb = [], [], [], [], [], {}, {}, {}
-        nsym = nslot = 0
+        freq, start, sym_base, pb = [], [], {}, {}
+        nsym = 0
         for w in sorted(mods):
             p, lv = mods[w]
             f = model_freqs(lv, p)
-            sym_base[w], slot_base[w], pb[w] = nsym, nslot, p
+            sym_base[w], pb[w] = nsym, p
             freq.append(f)
             start.append(np.concatenate([[0], np.cumsum(f)[:-1]]))
-            if slots:
-                slot_sym.append(np.repeat(np.arange(f.size, dtype=np.uint32), f))
-                slot_freq.append(np.repeat(f.astype(np.uint32), f))
-                slot_bias.append(np.arange(1 << p, dtype=np.uint32) - np.repeat(start[-1].astype(np.uint32), f))
             nsym += f.size
-            nslot += 1 << p
-        cat = (lambda a, dt=np.uint64: np.concatenate(a).astype(dt, copy=False)) if freq else \
-            (lambda a, dt=np.uint64: np.zeros(0, dt))
-        b = np.asarray(bits[st], np.int64)
-
-        def lane(d, b=b):              # per-width value -> per-lane array (0 for a width without model)
-            lut = np.zeros(max(int(b.max(initial=0)), max(d, default=0)) + 1, np.uint64)
-            lut[list(d)] = list(d.values())
-            return lut[b]
-        tab = {"freq": cat(freq), "start": cat(start), "sym_base": lane(sym_base), "slot_base": lane(slot_base),
-               "p": lane(pb)}
-        if slots:
-            tab.update(slot_sym=cat(slot_sym, np.uint32), slot_freq=cat(slot_freq, np.uint32),
-                       slot_bias=cat(slot_bias, np.uint32))
-        tabs.append(tab)
+        cat = (lambda a: np.concatenate(a).astype(np.uint64, copy=False)) if freq else (lambda a: np.zeros(0, np.uint64))
+        tabs.append({"freq": cat(freq), "start": cat(start), "sym_base": _per_lane(sym_base, bits[st]),
+                     "p": _per_lane(pb, bits[st])})
     return tabs
+
+
+def _per_lane(by_width, b):
+    """A per-width value -> the per-lane uint64 array (0 for a width without a model)."""
+    b = np.asarray(b, np.int64)
+    lut = np.zeros(max(int(b.max(initial=0)), max(by_width, default=0)) + 1, np.uint64)
+    lut[list(by_width)] = list(by_width.values())
+    return lut[b]
+
+
+def slot_table(models, bits, counts):
+    """One stream's decoder table over the lanes of several buffers side by side.
+
+    Args:
+      models: per buffer, the stream's dict width -> (P, levels).
+      bits: per buffer, the stream's [nb] lane widths.
+      counts: [total lanes] symbols each lane codes (a lane coding none reads slot 0).
+
+    Returns:
+      ``(entry, slot_base, mask, p)``: ``entry`` uint64 by (model base + slot), one a slot
+      of every model: ``symbol << 32 | (slot - start) << 16 | frequency`` (symbol < 2**12,
+      slot - start < 2**15, frequency <= 2**15); per lane its model's base (int64), its
+      ``2**P - 1`` and P (uint32).
+    """
+    base_vals, freqs, lane_base, lane_p = [], [], [], []
+    nslot = 0
+    for mods, b in zip(models, bits):
+        slot_base, pb = {}, {}
+        for w in sorted(mods):
+            p, lv = mods[w]
+            f = model_freqs(lv, p)
+            slot_base[w], pb[w] = nslot, p
+            # entry of slot t (this model's global slot) of symbol s: (s << 32) + f_s + (t - start_s) << 16,
+            # i.e. a per-symbol value repeated over its slots plus t << 16
+            first = nslot + np.cumsum(f) - f
+            base_vals.append((np.arange(f.size, dtype=np.int64) << 32) + f - (first << 16))
+            freqs.append(f)
+            nslot += 1 << p
+        lane_base.append(_per_lane(slot_base, b))
+        lane_p.append(_per_lane(pb, b))
+    entry = np.arange(nslot, dtype=np.int64)
+    entry <<= 16
+    if base_vals:
+        entry += np.repeat(np.concatenate(base_vals), np.concatenate(freqs))
+    slot_base = np.concatenate(lane_base).astype(np.int64)
+    p = np.concatenate(lane_p).astype(np.uint32)
+    mask = (np.uint32(1) << p) - np.uint32(1)
+    idle = np.asarray(counts) == 0
+    slot_base[idle], mask[idle] = 0, 0
+    return entry.view(np.uint64), slot_base, mask, p
 
 
 # ---------------------------------------------------------------- compact models (kind 3)
