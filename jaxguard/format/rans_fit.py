@@ -1,6 +1,12 @@
 """Fitting the models of an rANS buffer (`jaxguard.format.rans`): per stream and width, the
 levels and total ``2**P`` of fewest coded bits, kind 1 or compact (kind 3/4).  Numpy only.
 
+A compact model's total is the smallest ``2**P`` whose coded bits are within
+`P_SLACK_BITS` plus `P_SLACK_PER_SYMBOL` per coded symbol of the fewest (`choose_prob_bits`):
+the decoder builds a table of ``2**P`` slots per model, and past a model's best few bits a
+larger P buys almost nothing while its table can outgrow the symbols it decodes (a 2**15-slot
+table for a tensor of a thousand coordinates).
+
 Numerical contract
 ------------------
 The fit only chooses a model; whatever it chooses, the coder is exact (integer
@@ -9,12 +15,31 @@ inputs choose the same model, and so write the same bytes, on every platform.
 """
 from __future__ import annotations
 
-__all__ = ["fit_models", "fit_compact_model"]
+__all__ = ["fit_models", "fit_compact_model", "choose_prob_bits", "P_SLACK_BITS", "P_SLACK_PER_SYMBOL"]
 
 import numpy as np
 
 from jaxguard.format.rans_format import PROB_BITS, blocked_symbols, stream_shapes
 from jaxguard.format.rans_models import LEVEL_WEIGHT_ARRAY, coded_bits, exp_golomb_bits, model_freqs, quantize_levels
+
+P_SLACK_BITS = 64           # bits a compact model may spend over its fewest for a smaller P
+P_SLACK_PER_SYMBOL = 3e-3   # and bits per symbol it codes (0.04% of an 8-bit code)
+
+
+def choose_prob_bits(cost, symbols):
+    """The P a compact model is written with: the smallest whose coded bits are within
+    ``P_SLACK_BITS + P_SLACK_PER_SYMBOL * symbols`` of the fewest.
+
+    Args:
+      cost: dict P -> coded bits of the model's symbols at that P (float64, computed in a
+        fixed order, so every platform chooses alike).
+      symbols: how many symbols the model codes.
+
+    Returns:
+      int P.
+    """
+    limit = min(cost.values()) + P_SLACK_BITS + P_SLACK_PER_SYMBOL * float(symbols)
+    return min(p for p, c in cost.items() if c <= limit)
 
 
 def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
@@ -61,14 +86,14 @@ def fit_models(symbols, alphabet_bits, n, prob_bits=None, compact=False):
 
 
 def fit_compact_model(hist, width, cands):
-    """(P, levels) of fewest model + coded bits (kind 3) for one histogram: the exact levels
+    """(P, levels) for one histogram: the levels of fewest model + coded bits (kind 3), the exact levels
     (as kind 1 fits them), or smooth ones (knots every 2**j symbols on the window means,
     then single knots moved by one level, steepest first, while that pays).
 
     Args:
       hist: [2**width] counts, at least one > 0.
       width: the alphabet width.
-      cands: the P to try (the largest scores the levels).
+      cands: the P to try (the largest scores the levels; `choose_prob_bits` picks P).
 
     Returns:
       (P, levels [2**width] int64).
@@ -422,4 +447,4 @@ def _fit_compact_levels(hist, width, cands):
     lv = np.zeros(1 << width, np.int64)
     lv[lo:hi + 1] = best[1]
     cost = dict(zip(cands, _model_costs(hist, np.tile(lv, (len(cands), 1)), np.array(cands)).tolist()))
-    return min(cost, key=cost.get), lv
+    return choose_prob_bits(cost, int(hist.sum())), lv

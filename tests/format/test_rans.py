@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxguard.format import rans
+from jaxguard.format import rans, rans_fit
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "rans_v1.npz"
 
@@ -724,8 +724,8 @@ def _coded_bits_rows_reference(hist, levels, prob_bits):
 
 
 def _fit_compact_reference(hist, width, cands):
-    """`rans.fit_compact_model` as it was before commit 35952bd (plain formulas, one candidate set a call):
-    the fast fit must return exactly its (P, levels)."""
+    """`rans.fit_compact_model` as it was before commit 35952bd (plain formulas, one candidate set a call),
+    P by the rule `rans_fit.choose_prob_bits` states: the fast fit must return exactly its (P, levels)."""
     hist = np.asarray(hist, np.int64)
     nz = np.flatnonzero(hist)
     lo, hi = int(nz[0]), int(nz[-1])
@@ -770,7 +770,8 @@ def _fit_compact_reference(hist, width, cands):
     lv = np.zeros(1 << width, np.int64)
     lv[lo:hi + 1] = best[1]
     cost = {p: _cost_bits(hist, rans.model_freqs(lv, p), p) for p in cands}
-    return min(cost, key=cost.get), lv
+    limit = min(cost.values()) + rans_fit.P_SLACK_BITS + rans_fit.P_SLACK_PER_SYMBOL * float(hist.sum())
+    return min(p for p in cands if cost[p] <= limit), lv
 
 
 def _fit_histograms():
@@ -829,6 +830,27 @@ def test_compact_fit_is_exactly_the_plain_formulas():
         got = rans.fit_compact_model(hist, width, cands)
         assert got[0] == want[0], (width, cands, hist.nonzero())
         assert got[1].dtype == want[1].dtype and np.array_equal(got[1], want[1]), (width, cands, hist.nonzero())
+
+
+@pytest.mark.parametrize("count", [300, 5_000, 200_000])
+def test_a_model_takes_the_smallest_table_within_the_slack(count):
+    """`rans_fit.choose_prob_bits`: the decoder builds 2**P slots a model, so a compact model
+    takes the smallest P whose coded bits are within the stated slack of the fewest (a
+    model of a few hundred symbols no longer gets 2**15 slots), and decodes exactly."""
+    rng = np.random.default_rng(count)
+    nb = -(-count // rans.BLOCK)
+    sym = np.minimum(rng.geometric(0.05, (nb, rans.BLOCK)) - 1, 255).astype(np.uint8)
+    widths = np.full(nb, 8)
+    (models,) = rans.fit_models(sym, widths, count, compact=True)
+    P, lv = models[8]
+    hist = np.bincount(sym.reshape(-1)[:count], minlength=256)
+    cost = {p: _cost_bits(hist, rans.model_freqs(lv, p), p) for p in rans.PROB_BITS if p >= 8}
+    limit = min(cost.values()) + rans_fit.P_SLACK_BITS + rans_fit.P_SLACK_PER_SYMBOL * count
+    assert cost[P] <= limit and all(cost[p] > limit for p in cost if p < P)
+    if count <= 5_000:
+        assert P < max(cost)           # fewest bits alone would take the largest table here
+    buf = rans.encode_streams(sym, widths, count, compact_models=True)
+    assert np.array_equal(rans.decode_streams(buf, widths, count).reshape(-1)[:count], sym.reshape(-1)[:count])
 
 
 @given(st.integers(0, 10), st.integers(0, 2**32 - 1), st.sampled_from([0.02, 0.2, 0.6]))
