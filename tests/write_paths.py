@@ -3,7 +3,9 @@ moments are drawn with numpy), and the payload / decoded SHA-256 of what each wr
 (computed here, so files sealed with BLAKE3 record the same values as the SHA-256 files before).
 
 `python tests/write_paths.py OUT.json` records them (tests/golden/write_paths.json was
-recorded with the main before the one write path, commit 4f96cda);
+recorded with the main before the one write path, commit 4f96cda; the logrel-ans payloads
+again when the rANS fit began taking the smallest table within its slack, their decoded
+hashes unchanged);
 tests/core/test_write_paths.py checks that today's writers produce the same files and that
 each refuses certified values the reader does not decode to.
 """
