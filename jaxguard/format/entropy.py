@@ -436,12 +436,8 @@ def assemble(name, sections, payload, n, low_m, low_v) -> dict:
         codes["m_codes"], codes["v_codes"] = low_m, low_v
     else:
         codes["m_codes"], codes["v_codes"] = _m_codes(low_m, f"{name}.m_codes"), low_v
-    b, e = sections["escape_index"]
-    if e - b == 1 and pay[b] == 0:            # the empty stream: no escape
-        idx = np.zeros(0, np.int64)
-    else:
-        gaps = decode_stream(pay[b:e], f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
-        idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
+    gaps = decode_stream(sec("escape_index"), f"{name}.escape_index", limit=packed.MAX_VARINT_BYTES * n)
+    idx = packed.varint_decode(gaps, n, f"{name}.escape_index") if len(gaps) else np.zeros(0, np.int64)
     pairs = sec("escape_pairs")
     if len(pairs) != 8 * idx.size:
         raise StreamError(f"{name}.escape_pairs: {len(pairs)} bytes where {idx.size} x 8 are needed")
