@@ -64,7 +64,8 @@ _loading_lock = threading.Lock()
 # state the guard's thread sat idle for 3 s while one pool thread compiled its stages in turn)
 _queued: dict = {}
 # preparations left to finish after the work that started them returned (`prepare(...,
-# background=True)`), until `settle`; their keys: a waiting thread does not make these meanwhile
+# background=True)`), until `settle`; `_later`: the keys of theirs still queued, which a
+# waiting thread does not make meanwhile
 _background: list = []
 _background_lock = threading.Lock()
 _later: set = set()
@@ -416,6 +417,7 @@ def _cores() -> int:
 def _claim(key) -> bool:
     """Take a queued kernel off the queue: True for the one thread that is to make it."""
     with _loading_lock:
+        _later.discard(key)
         return _queued.pop(key, None) is not None
 
 
@@ -432,6 +434,7 @@ def _program(fn, key, leaves, tree, static, run=False, helping=False):
     with _loading_lock:
         lock = _loading.setdefault(key, threading.Lock())
         _queued.pop(key, None)   # started here: no other thread starts it from the queue
+        _later.discard(key)
     if helping:
         while lock.locked():
             with _loading_lock:
