@@ -20,13 +20,17 @@ certificates only: the stats count those).  With ``--tier staged_propose`` "with
 proposal as the guard does (three programs) and "without" as one program; rows: 0.  With
 ``--tier cells_ladder`` "with" runs the cells tier on the 8-cell ladder, then the 28 cells on
 what it refused (as shipped), and "without" on the 28 cells alone; rows: what the ladder
-certified.
+certified.  With ``--tier speed_tiers`` "with" runs every group on the full ladder (as a group
+above `certify.SPEED_TIERS_ABOVE` coordinates is) and "without" on a small group's ladder (no
+closed form, no cells tier, the adaptive tier's 28 cells only), whatever its size; rows: what
+the speed tiers certified (final certificates).
 
     python bench/experiments/fast_cells_escapes.py --out bench/experiments/results/fast_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier signed_cells --out bench/experiments/results/signed_cells_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier fixed_levels --out bench/experiments/results/fixed_levels_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier staged_propose --out bench/experiments/results/staged_propose_escapes.md
     python bench/experiments/fast_cells_escapes.py --tier cells_ladder --out bench/experiments/results/cells_ladder_escapes.md
+    python bench/experiments/fast_cells_escapes.py --tier speed_tiers --out bench/experiments/results/speed_tiers_escapes.md
 """
 from __future__ import annotations
 
@@ -109,20 +113,22 @@ def main():
     ap.add_argument("--seeds", type=int, default=4, help="the first N of the reproduction's seeds per model")
     ap.add_argument("--codecs", default="log8-rel,log8,block8,logrel-aw,logrel-ans")
     ap.add_argument("--tier", default="fast_cells",
-                    choices=("fast_cells", "signed_cells", "fixed_levels", "staged_propose", "cells_ladder"),
+                    choices=("fast_cells", "signed_cells", "fixed_levels", "staged_propose", "cells_ladder", "speed_tiers"),
                     help="the tier switched off: the closed form on the cells, the signed cells tier, (fixed_levels) "
                          "the skip of levels 0-2 after the adaptive tier, (staged_propose) log8-rel's staged proposal, "
-                         "or (cells_ladder) the cells tier's 8-cell ladder before its 28 cells")
+                         "(cells_ladder) the cells tier's 8-cell ladder before its 28 cells, or (speed_tiers) every "
+                         "tier a small group skips")
     args = ap.parse_args()
     import dataclasses
 
     import reproduce
-    from jaxguard.core import certify, codecs, fastbound
+    from jaxguard.core import certify, codecs, fastbound, guard
 
     levels = args.tier == "fixed_levels"
     staged = args.tier == "staged_propose"
     ladder = args.tier == "cells_ladder"
-    kernel = "batch_fast_cells_pc" if levels or staged or ladder else f"batch_{args.tier}_pc"
+    speed = args.tier == "speed_tiers"
+    kernel = "batch_fast_cells_pc" if levels or staged or ladder or speed else f"batch_{args.tier}_pc"
     real = getattr(fastbound, kernel)
     shipped_first = certify.TIERED_FIRST_LEVEL
     rows = []
@@ -138,6 +144,8 @@ def main():
                         on, off = contextlib.nullcontext(), swapped(codecs, "TABLE", {
                             **codecs.TABLE, "log8-rel": dataclasses.replace(codecs.TABLE["log8-rel"],
                                                                             propose_stages=None)})
+                    elif speed:
+                        on, off = swapped(guard, "SPEED_TIERS_ABOVE", -1), swapped(guard, "SPEED_TIERS_ABOVE", 1 << 62)
                     elif levels:
                         on, off = contextlib.nullcontext(), swapped(certify, "TIERED_FIRST_LEVEL", 0)
                     elif ladder:
@@ -153,6 +161,8 @@ def main():
                         without, t_without = _encode(items)
                     if levels:
                         count[0] = sum(sum(e.stats["certified_by_level"][:shipped_first]) for e in without)
+                    if speed:
+                        count[0] = sum(e.stats["certified_fast"] + e.stats["certified_fast_cells"] for e in with_tier)
                     esc = [sum(e.stats["escapes"] for e in x) for x in (with_tier, without)]
                     cells = count[0]
                     same = _digest(with_tier) == _digest(without)
@@ -163,7 +173,8 @@ def main():
     title = {"fast_cells": "The closed-form cells tier", "signed_cells": "The signed cells tier",
              "fixed_levels": "Fixed levels 0-2 skipped after the adaptive tier",
              "staged_propose": "log8-rel's proposal in three programs",
-             "cells_ladder": "The cells tier's 8-cell ladder before its 28 cells"}[args.tier]
+             "cells_ladder": "The cells tier's 8-cell ladder before its 28 cells",
+             "speed_tiers": "A small group's ladder (no closed form, no cells tier, 28 adaptive cells)"}[args.tier]
     flag = "" if args.tier == "fast_cells" else f" --tier {args.tier}"
     lines = [f"# {title} and the escapes", "",
              f"`python bench/experiments/fast_cells_escapes.py{flag}` (this file's command): every guarded codec on the "
@@ -172,11 +183,13 @@ def main():
                 "with log8-rel's proposal in three programs (as shipped) and in one. " if staged else
                 "with the cells tier on the 8-cell ladder then the 28 cells (as shipped) and on the 28 cells alone. "
                 if ladder else
+                "on the full ladder and on a small group's ladder, every group whatever its size. " if speed else
                 "with the tier and with it switched off (its kernel answering +inf). ")
              + "`same arrays`: the SHA-256 of every "
              "encoded array (codes, block parameters, escape indices and values) agrees.", "",
              "| model | seed | fraction | codec | coordinates | "
              + ("rows levels 0-2 certified when walked (final certificate)" if levels else
+                "rows the speed tiers certified (final certificate)" if speed else
                 "rows the tier certified (every call)") + " | escapes with | "
              "escapes without | payload bytes with / without | same arrays | encode s with / without (first uses compile) |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]

@@ -266,7 +266,7 @@ WIDEN_ROWS = 64    # blocks proposed per call (padded): one compiled program for
 NARROW_WIDTHS = int(packed.join_widths(8, 8))
 
 
-def widen_calls(K, coordinates=None):
+def widen_calls(K, coordinates=None, closed_form=True):
     """The ``(fn, args, static)`` of every program `widen_escaping_blocks` may run for a group
     with constants `K` (`programs.prepare`): made ready at a state's first save, so a later
     save whose blocks first escape enough to be widened compiles nothing.
@@ -275,15 +275,18 @@ def widen_calls(K, coordinates=None):
       K: the group's constants, a `bound.StepRow` of [G] arrays (as `certify.fast_accept`).
       coordinates: the group's padded coordinates (None: any): the widened blocks'
         candidates are among them (`certify.fast_accept_calls`).
+      closed_form: the group certifies with the closed-form tier (not a small group's
+        ladder, `certify.SPEED_TIERS_ABOVE`).
 
     Returns:
-      A list of ``(fn, args, static)``: `propose_wide` on `WIDEN_ROWS` blocks and the
-      closed-form tier at each call size the group may use.
+      A list of ``(fn, args, static)``: `propose_wide` on `WIDEN_ROWS` blocks and, with
+      `closed_form`, the closed-form tier at each call size the group may use.
     """
     from jaxguard.core.certify import fast_accept_calls
     x = np.zeros((WIDEN_ROWS, codes.BLOCK), np.float32)
     flags = np.zeros((WIDEN_ROWS, codes.BLOCK), bool)
-    return [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})] + fast_accept_calls(K, coordinates)
+    wide = [(propose_wide, (x, x, flags, flags, np.int32(8), np.int32(8)), {})]
+    return wide + fast_accept_calls(K, coordinates) if closed_form else wide
 
 
 def widen_escaping_blocks(mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, certify_at,

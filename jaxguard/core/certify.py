@@ -162,6 +162,16 @@ SIGNED_MARGIN = 1.01
 # SHA-256 are unchanged (levels 3-4 certify those 11 too), and so are 120 of 120
 # reproduction encodings (bench/experiments/results/fixed_levels_escapes.md).
 TIERED_FIRST_LEVEL = 3
+# A group of at most this many coordinates certifies without the speed tiers (the closed
+# form, the closed form on its own cells, the adaptive tier's 8- and 20-cell partitions):
+# straight to the 28-cell adaptive partition, then the dense reject and the fixed levels.
+# Those tiers make a large group fast (certifying most rows for a fraction of the cells);
+# on a small one their five programs cost more to compile and load than they save (a cold
+# first save of a 4,096-coordinate state 4.4-5.2 -> 2.0-2.3 s, a warm one 0.31 -> 0.15 s;
+# above ~130K coordinates, warm, the full ladder is faster; bench/experiments/results/
+# small_group_ladder.md).  Refusing is always sound: a tier skipped can only leave a row to
+# the next, and on the states measured none escaped for it.
+SPEED_TIERS_ABOVE = 1 << 16
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
 FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the rate pass's last moves)
 
@@ -277,11 +287,11 @@ LEVEL_ROWS = 1 << 6                       # the fixed levels after the adaptive 
 ABLATION_ROWS = {"probes": 1 << 16, 0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 
 
-def stages(bound, partition, adaptive=True, max_level=None, reject_first=False) -> tuple:
+def stages(bound, partition, adaptive=True, max_level=None, reject_first=False, speed_tiers=True) -> tuple:
     """The stages `certify_pc` runs after the closed form, in order (its docstring).
 
     Args:
-      bound, partition, adaptive, max_level, reject_first: as `certify_pc`.
+      bound, partition, adaptive, max_level, reject_first, speed_tiers: as `certify_pc`.
 
     Returns:
       A tuple of `Stage`.
@@ -292,12 +302,13 @@ def stages(bound, partition, adaptive=True, max_level=None, reject_first=False) 
         out.append(Stage(_bound.batch_lower_pc, PROBE_ROWS if tiered else ABLATION_ROWS["probes"],
                          (("points", _bound.PROBE_POINTS),)))
     if tiered:
-        out += [Stage(_fastbound.batch_fast_cells_pc, rows, (("gammas", g),), FAST_CELLS_TIER)
-                for g, rows in zip(_fastbound.FAST_CELLS_PARTITIONS, CELLS_ROWS)]
+        if speed_tiers:
+            out += [Stage(_fastbound.batch_fast_cells_pc, rows, (("gammas", g),), FAST_CELLS_TIER)
+                    for g, rows in zip(_fastbound.FAST_CELLS_PARTITIONS, CELLS_ROWS)]
         if max_level == -1:
             out.append(Stage(_fastbound.batch_signed_cells_pc, SIGNED_ROWS, (), SIGNED_CELLS_TIER, signed=True))
         out += [Stage(_bound.batch_bound_adaptive_pc, ADAPTIVE_ROWS, (("gammas", g),), ADAPTIVE_TIER)
-                for g in _bound.ADAPTIVE_PARTITIONS]
+                for g in (_bound.ADAPTIVE_PARTITIONS if speed_tiers else _bound.ADAPTIVE_PARTITIONS[-1:])]
         if max_level != -1:   # a denser reject: only the few left walk the fixed levels
             out.append(Stage(_bound.batch_lower_pc, DENSE_REJECT_ROWS, (("points", _bound.DENSE_PROBE_POINTS),)))
     last = len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))
@@ -318,7 +329,7 @@ def stage_calls(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings)
 
     Args:
       K, gidx, m, v, mt, vt, pabs, clip, bound, partition: as `certify_pc` (at least one row).
-      **settings: `stages`'s other arguments (adaptive, max_level, reject_first).
+      **settings: `stages`'s other arguments (adaptive, max_level, reject_first, speed_tiers).
 
     Returns:
       A list of ``(kernel, args, static)``.
@@ -341,7 +352,7 @@ def prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, *, wait=
       K, gidx, m, v, mt, vt, pabs, clip, bound, partition: as `certify_pc` (values unused
         but for the stored programs' round-trip check; no rows: nothing to do).
       wait: False: compile on other threads while the caller goes on (`programs.prepare`).
-      **settings: `stages`'s other arguments (adaptive, max_level, reject_first).
+      **settings: `stages`'s other arguments (adaptive, max_level, reject_first, speed_tiers).
 
     Returns:
       A `programs.Prepared` (wait on it before the work that asked for it ends).
@@ -353,7 +364,7 @@ def prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, *, wait=
 
 
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
-               max_level=None, adaptive=True, reject_first=False):
+               max_level=None, adaptive=True, reject_first=False, speed_tiers=True):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
     of [G] arrays, `bound.stack_rows`).
 
@@ -391,6 +402,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       reject_first: reject at `bound.PROBE_POINTS` before the adaptive tier too, for
         candidates most of which are refused (the rate pass's moves: there the probes
         cost less than the three partitions that each refused row would walk).
+      speed_tiers: False: no closed form, no cells tier and only the adaptive tier's
+        finest partition (`SPEED_TIERS_ABOVE`: a small group's ladder, fewer programs).
 
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
@@ -399,13 +412,13 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
-    settings = dict(adaptive=adaptive, max_level=max_level, reject_first=reject_first)
+    settings = dict(adaptive=adaptive, max_level=max_level, reject_first=reject_first, speed_tiers=speed_tiers)
     prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings)
     if idx.size == 0:
         return level_of
     K = _bound.as_step_row(K, -1).as_float32(np)
     m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
-    if fast and bound == "shared" and partition == "mixed":
+    if fast and speed_tiers and bound == "shared" and partition == "mixed":
         ok = fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)

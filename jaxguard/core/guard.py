@@ -43,8 +43,9 @@ from jaxguard.core import codes
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import floatbits as _fbits
 from jaxguard.core import programs as _programs
-from jaxguard.core.certify import (ADAPTIVE_TIER, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, block_stats_valid, certify,  # noqa: F401
-                                   certify_pc, classify, device_classify, device_masks, fast_accept, prepare_stages, v_positive)
+from jaxguard.core.certify import (ADAPTIVE_TIER, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, SPEED_TIERS_ABOVE,  # noqa: F401
+                                   block_stats_valid, certify, certify_pc, classify, device_classify, device_masks,
+                                   fast_accept, prepare_stages, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
@@ -279,6 +280,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             gidx[b:b + int(nbs[i]) * codes.BLOCK] = i
     mf, vf = mh, vh
     widths = fast = K = None
+    # a small group certifies on the cell tiers alone: fewer programs (certify.SPEED_TIERS_ABOVE)
+    speed = int(sum(ns)) > SPEED_TIERS_ABOVE
     prepared = _programs.Prepared()
     # log8-rel-zstd: blocks that escape much are proposed again with wider codes
     widen = _codecs.get(codec).widen if certified and not any(cfg.joint for *_, cfg in items) else None
@@ -296,9 +299,10 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 return np.zeros(idx.shape[0], np.int8)
             if at_idx:
                 return certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx], np.arange(idx.size),
-                                  bound, partition, max_level=max_level, reject_first=reject_first)
+                                  bound, partition, max_level=max_level, reject_first=reject_first,
+                                  speed_tiers=speed)
             return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level,
-                              reject_first=reject_first)
+                              reject_first=reject_first, speed_tiers=speed)
 
         def classified(a, b, idx=None):
             if idx is not None:   # a, b at idx: the host classifier (the same booleans), no pass over the group
@@ -313,8 +317,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         if certified:
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
             # the tiers' programs compile on other threads while this one runs the proposal
-            prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False)
-            if bound == "shared" and partition == "mixed":
+            prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False,
+                                      speed_tiers=speed)
+            if speed and bound == "shared" and partition == "mixed":
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
             *(x.reshape(-1, codes.BLOCK) for x in (mh, vh, ph, in_tensor)), propose_codec, tier)
@@ -325,7 +330,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         if K is None:
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
         cand_mask = in_tensor & ~exact & ok
-        if bound == "shared" and partition == "mixed":   # closed-form tier (the ablations keep their own)
+        if speed and bound == "shared" and partition == "mixed":   # closed-form tier (the ablations keep their own)
             if fast is None:
                 fast = cand_mask & fast_accept(K, kidx, mh, vh, mt, vt, pabs, clip, valid=cand_mask)
             # FAST_TIER where fast, else -1, in one pass (a boolean-mask store took 3 ms a 1M slab)
@@ -336,20 +341,20 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             level_of = np.full(npad, -1, np.int8)
         cand = np.flatnonzero(cand_mask)
         level_of[cand] = certify_pc(K, kidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
-                                    fast=False)
+                                    fast=False, speed_tiers=speed)
         escape = in_tensor & ~exact & (level_of < 0)
     prepared.wait()
     if widen is not None and K is not None and entry.choose is None:
         # a later save whose blocks escape more compiles nothing; this one returns before
         # they are ready (a small state seldom widens: 3 of a cold save's 15 programs)
-        _programs.prepare(lambda: _adaptive.widen_calls(K, npad), key=("widen", K.keep.shape[0], npad >= FAST_CHUNK),
-                          background=True)
+        _programs.prepare(lambda: _adaptive.widen_calls(K, npad, closed_form=speed),
+                          key=("widen", K.keep.shape[0], npad >= FAST_CHUNK, speed), background=True)
     mq, vq = mq.reshape(-1), vq.reshape(-1)
     if widen is not None:
         mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths = widen(
             mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of,
             lambda idx, a, b: certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx],
-                                         np.arange(idx.size), bound, partition))
+                                         np.arange(idx.size), bound, partition, fast=speed, speed_tiers=speed))
     rescued = np.zeros(npad, bool)
     if certified and any(cfg.joint for *_, cfg in items):
         joint_on = np.zeros(npad, bool)

@@ -145,9 +145,11 @@ def test_enclosure_audit_checks_the_cells_tier():
     assert nr["fast_cells"]["cell_failures"] > 0
 
 
-def test_early_checkpoint_uses_the_cells_tier_and_the_real_torch_audit_holds(tmp_path):
+def test_early_checkpoint_uses_the_cells_tier_and_the_real_torch_audit_holds(tmp_path, monkeypatch):
     """A model three AdamW steps in (where the closed form leaves the most): the cells tier
     certifies coordinates, and the real torch.optim.AdamW audit finds none over tau."""
+    from jaxguard.core import guard as guard_module
+    monkeypatch.setattr(guard_module, "SPEED_TIERS_ABOVE", 0)   # the full ladder, as a larger group's
     from helpers import byte_transformer_round_trip
     summary, stats, res = byte_transformer_round_trip(tmp_path, seed=1, steps=3, lr=1e-3, weight_decay=0.01)
     cells = sum(s["certified_fast_cells"] for s in stats)

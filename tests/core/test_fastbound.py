@@ -140,13 +140,35 @@ def test_decayed_parameter_term():
     assert b_big[0] >= b_small[0] + 2 * bound.U * 3 * 1e4 * 0.99
 
 
-def test_real_torch_audit_on_trained_checkpoint(tmp_path):
+def test_real_torch_audit_on_trained_checkpoint(tmp_path, monkeypatch):
     """A small trained model: the closed form takes most coordinates, and the real
     torch.optim.Adam audit finds no coordinate over tau."""
+    monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)   # the full ladder, as a larger group's
     from helpers import byte_transformer_round_trip
     summary, stats, res = byte_transformer_round_trip(tmp_path, seed=0, steps=15, lr=3e-3, weight_decay=0.1)
     assert sum(s["certified_fast"] for s in stats) > 0.5 * summary["coordinates"]
     assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01
+
+
+def test_a_small_groups_ladder_certifies_what_the_full_one_does(tmp_path, monkeypatch):
+    """A model of fewer than `certify.SPEED_TIERS_ABOVE` coordinates certifies without the
+    speed tiers (none of its coordinates is the closed form's or the cells tier's), the real
+    torch.optim.AdamW audit finds none over tau, and the full ladder keeps the same codes."""
+    from helpers import byte_transformer_round_trip
+    from jaxguard.format import reader
+    small, stats, res = byte_transformer_round_trip(tmp_path, seed=2, steps=5, lr=1e-3, weight_decay=0.01)
+    assert small["coordinates"] <= guard.SPEED_TIERS_ABOVE
+    assert sum(s["certified_fast"] + s["certified_fast_cells"] for s in stats) == 0
+    assert sum(s["certified_adaptive"] for s in stats) > 0.5 * small["coordinates"]
+    assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01
+    small_header, small_payload = reader.parse((tmp_path / "c.jg").read_bytes())
+    monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)
+    full, stats, _ = byte_transformer_round_trip(tmp_path, seed=2, steps=5, lr=1e-3, weight_decay=0.01)
+    assert sum(s["certified_fast"] for s in stats) > 0
+    full_header, full_payload = reader.parse((tmp_path / "c.jg").read_bytes())
+    assert full["escapes"] == small["escapes"]
+    assert full_header["decoded_sha256"] == small_header["decoded_sha256"]
+    assert bytes(full_payload) == bytes(small_payload)
 
 
 def test_stream_writer_matches_build(tmp_path):

@@ -382,8 +382,10 @@ def test_two_processes_fill_one_cache_and_later_saves_compile_nothing(tmp_path):
 
 def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch):
     """The widening's closed form runs at `FAST_CHUNK` coordinates a call only for a group of
-    that many: a 4,096-coordinate state's first save prepares (compiles, stores) it at the
-    small size alone, a group that large at both, and the container is the direct call's."""
+    that many: a 4,096-coordinate group on the full ladder prepares (compiles, stores) it at
+    the small size alone, a group that large at both, and the container is the direct
+    call's.  On a small group's ladder (`certify.SPEED_TIERS_ABOVE`) the closed form never
+    runs, and the first save prepares it at no size."""
     from jaxguard.core import adaptive, certify, guard
 
     K, _ = _rows(3)
@@ -391,6 +393,7 @@ def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch
     assert sizes(adaptive.widen_calls(K, 4096)) == [certify.FAST_MIN_CHUNK]
     assert sizes(adaptive.widen_calls(K, certify.FAST_CHUNK)) == sizes(adaptive.widen_calls(K)) == [
         certify.FAST_MIN_CHUNK, certify.FAST_CHUNK]
+    assert sizes(adaptive.widen_calls(K, 4096, closed_form=False)) == []
 
     rng = np.random.default_rng(3)
     m = (rng.standard_normal(4096) * 1e-3).astype(np.float32)
@@ -403,6 +406,10 @@ def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch
         traced.append(gidx.shape[0])
         return kernel(K, gidx, *rest)
     monkeypatch.setattr(fastbound, "batch_fast_accept", seen)
+    small = guard.encode(m, v, p, cfg)
+    programs.settle()
+    assert traced == [], traced
+    monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)   # the full ladder, as a larger group's
     cached = guard.encode(m, v, p, cfg)
     programs.settle()
     assert traced == [certify.FAST_MIN_CHUNK], traced
@@ -411,6 +418,7 @@ def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch
     direct = guard.encode(m, v, p, cfg)
     for k in direct.arrays:
         np.testing.assert_array_equal(_bits(cached.arrays[k]), _bits(direct.arrays[k]))
+        np.testing.assert_array_equal(_bits(small.arrays[k]), _bits(direct.arrays[k]))
 
 
 def _traced_kernels(k, release_at, gate, traced):
