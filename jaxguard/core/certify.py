@@ -166,11 +166,11 @@ TIERED_FIRST_LEVEL = 3
 # form, the closed form on its own cells, the adaptive tier's 8- and 20-cell partitions):
 # straight to the 28-cell adaptive partition, then the dense reject and the fixed levels.
 # Those tiers make a large group fast (certifying most rows for a fraction of the cells);
-# on a small one their five programs cost more to compile and load than they save (a cold
-# first save of a 4,096-coordinate state 4.4-5.2 -> 2.0-2.3 s, a warm one 0.31 -> 0.15 s;
-# above ~130K coordinates, warm, the full ladder is faster; bench/experiments/results/
-# small_group_ladder.md).  Refusing is always sound: a tier skipped can only leave a row to
-# the next, and on the states measured none escaped for it.
+# on a small one their five programs cost more to compile and load than they save (the first
+# save of a fresh process, 4,096 coordinates: cold 4.78 -> 2.20 s, warm 0.44 -> 0.34 s; at
+# 131,072 warm 0.43 against 0.52 s: bench/experiments/results/small_group_ladder.md).
+# Refusing is always sound: a tier skipped can only leave a row to the next, and on the
+# states measured none escaped for it (bench/experiments/results/speed_tiers_escapes.md).
 SPEED_TIERS_ABOVE = 1 << 16
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
 FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the rate pass's last moves)
