@@ -1,16 +1,21 @@
-"""Where a small group's ladder (`certify.SPEED_TIERS_ABOVE`) pays: the first `jaxguard.save`
-of a fresh process, cold (an empty program cache) and warm (the cache one untimed process of
-the same ladder and size filled), for optax states of several sizes, each group on the full
-ladder and on a small group's ladder, whatever its size.
+"""Where a small group's ladder (`certify.SPEED_TIERS_ABOVE`) pays: the first save of a fresh
+process, cold (an empty program cache) and warm (the cache one untimed process of the same
+ladder and state filled), and a whole `jaxguard compress`, each group on one ladder whatever
+its size.
 
-    python bench/experiments/small_group_ladder.py [--sizes 4096,65536,262144,1048576] [--repeats 2]
-        [--out bench/experiments/results/small_group_ladder.md]
+    python bench/experiments/small_group_ladder.py [--sizes 4096,65536,131072,262144] [--repeats 2]
+        [--compress CKPT ...] [--out bench/experiments/results/small_group_ladder.md]
 
-The state: ``{"w": linspace(-1, 1, N)}`` after 3 ``optax.adamw`` steps (the README's example
-at N = 4,096), one group.  Each run is a fresh ``python`` with its own ``XDG_CACHE_HOME``;
-the save is timed inside the process after the state's set-up (lazy imports included), with
-the process's CPU time over the same span.  Runs interleave the two ladders.  Time it on a
-box held alone.
+Ladders: ``full`` (every tier), ``small`` (no closed form, no cells tiers, no 8- and 20-cell
+adaptive partitions: the 28-cell partition, the dense reject and the fixed levels).
+States: ``{"w": linspace(-1, 1, N)}`` after 3 ``optax.adamw`` steps, saved with
+``jaxguard.save(..., tx=tx)`` (the README's example at N = 4,096), and bench/first_save.py's
+torch state (a 1,001,500-coordinate MLP 3 ``torch.optim.AdamW`` steps in,
+``torch_compat.save``); one group each.  Each run is a fresh ``python`` with its own
+``XDG_CACHE_HOME``; the save is timed inside the process after the state's set-up (lazy imports
+included), with the process's CPU time over the same span.  ``--compress``: ``jaxguard
+compress CKPT`` in a fresh process per ladder (warm cache), the encode seconds it reports and
+the process's wall time, interleaved.  Time it on a box held alone.
 """
 from __future__ import annotations
 
@@ -22,73 +27,128 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+LADDERS = ("full", "small")
 
-PROBE = r"""
+SETUP = r"""
 import json, os, sys, time
-ladder, n = sys.argv[1], int(sys.argv[2])
-import jaxguard as jg
+ladder = sys.argv[1]
 from jaxguard.core import guard
 guard.SPEED_TIERS_ABOVE = -1 if ladder == "full" else 1 << 62
-import jax, jax.numpy as jnp, optax
-params = {"w": jnp.linspace(-1.0, 1.0, n)}
-tx = optax.adamw(1e-3, weight_decay=1e-2)
-state = tx.init(params)
-for step in range(3):
-    grads = {"w": jnp.sin(params["w"] * (step + 1)) * 0.1}
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-jax.block_until_ready(state)
+"""
+
+PROBE = SETUP + r"""
+state_kind, out = sys.argv[2], sys.argv[3]
+if state_kind == "torch":
+    import torch, torch_compat
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 500), torch.nn.ReLU(), torch.nn.Linear(500, 1000))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in torch.randn(3, 32, 1000):
+        opt.zero_grad(), model(batch).pow(2).mean().backward(), opt.step()
+    save = lambda: torch_compat.save(out, opt)
+else:
+    import jaxguard as jg
+    import jax, jax.numpy as jnp, optax
+    params = {"w": jnp.linspace(-1.0, 1.0, int(state_kind))}
+    tx = optax.adamw(1e-3, weight_decay=1e-2)
+    state = tx.init(params)
+    for step in range(3):
+        grads = {"w": jnp.sin(params["w"] * (step + 1)) * 0.1}
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    jax.block_until_ready(state)
+    save = lambda: jg.save(out, state, params, tx=tx)
 t, c = time.perf_counter(), time.process_time()
-info = jg.save(sys.argv[3], state, params, tx=tx)
-print(json.dumps({"save": time.perf_counter() - t, "cpu": time.process_time() - c, "escapes": info["escapes"],
-                  "payload": info["payload_bytes"]}))
+info = save()
+info = info if isinstance(info, dict) else {}
+print(json.dumps({"save": time.perf_counter() - t, "cpu": time.process_time() - c,
+                  "escapes": info.get("escapes"), "payload": info.get("payload_bytes")}))
+"""
+
+COMPRESS = SETUP + r"""
+import contextlib, io
+from jaxguard.cli.main import main
+buf = io.StringIO()
+t = time.perf_counter()
+with contextlib.redirect_stdout(buf):
+    main(["compress", sys.argv[2], "-o", sys.argv[3], "--json"])
+r = json.loads(buf.getvalue()[buf.getvalue().index("{"):])
+print(json.dumps({"wall": time.perf_counter() - t, "encode": r["encode_seconds"], "escapes": r["escapes"],
+                  "payload": r["payload_bytes"]}))
 """
 
 
-def run(ladder, n, cache, out):
+def run(code, args, cache):
     env = dict(os.environ, XDG_CACHE_HOME=cache, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", PROBE, ladder, str(n), out], env=env, capture_output=True, text=True,
-                       check=True)
+    p = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="4096,65536,262144,1048576")
+    ap.add_argument("--sizes", default="4096,65536,131072,262144")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--compress", nargs="*", default=[])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    sizes = [int(x) for x in a.sizes.split(",")]
-    res = {}
+    states = [s for s in a.sizes.split(",") if s] + ["torch"]
+    res, comp = {}, {}
     with tempfile.TemporaryDirectory() as work:
-        warm = {lad: os.path.join(work, f"warm-{lad}") for lad in ("full", "small")}
-        for n in sizes:
-            for lad in ("full", "small"):
-                run(lad, n, warm[lad], os.path.join(work, "w.jg"))   # fills that ladder's cache for size n
+        warm = {lad: os.path.join(work, f"warm-{lad}") for lad in LADDERS}
+        out = os.path.join(work, "o.jg")
+        for st in states:
+            for lad in LADDERS:
+                run(PROBE, [lad, st, out], warm[lad])   # fills that ladder's cache for this state
+        for ck in a.compress:
+            for lad in LADDERS:
+                run(COMPRESS, [lad, ck, out], warm[lad])
         for rep in range(a.repeats):
-            for n in sizes:
-                for lad in ("full", "small"):
-                    cold = os.path.join(work, f"cold-{rep}-{n}-{lad}")
-                    for kind, cache in (("cold", cold), ("warm", warm[lad])):
-                        r = run(lad, n, cache, os.path.join(work, "o.jg"))
-                        res.setdefault((n, lad, kind), []).append(r)
-                        print(n, lad, kind, r, flush=True)
-    lines = ["# A small group's ladder against the full one: the first save of a fresh process", "",
-             "`python bench/experiments/small_group_ladder.py` (this file's command; "
-             f"{a.repeats} interleaved runs, medians): the first `jaxguard.save` of an optax adamw state of N "
-             "coordinates (one group), every group on the full ladder or on a small group's ladder "
-             "(`certify.SPEED_TIERS_ABOVE`). Seconds of the call, then the process's CPU seconds over it.", "",
-             "| N | cold, full | cold, small | warm, full | warm, small | escapes full / small | payload bytes full / small |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    med = lambda n, lad, kind, k: statistics.median(r[k] for r in res[(n, lad, kind)])  # noqa: E731
-    for n in sizes:
-        cells = [f"{med(n, lad, kind, 'save'):.2f} s ({med(n, lad, kind, 'cpu'):.2f})"
-                 for kind in ("cold", "warm") for lad in ("full", "small")]
-        esc = [res[(n, lad, "warm")][0]["escapes"] for lad in ("full", "small")]
-        pay = [res[(n, lad, "warm")][0]["payload"] for lad in ("full", "small")]
-        lines.append(f"| {n:,} | " + " | ".join(cells) + f" | {esc[0]:,} / {esc[1]:,} | {pay[0]:,} / {pay[1]:,} |")
+            for st in states:
+                for lad in LADDERS:
+                    for kind, cache in (("cold", os.path.join(work, f"cold-{rep}-{st}-{lad}")), ("warm", warm[lad])):
+                        r = run(PROBE, [lad, st, out], cache)
+                        res.setdefault((st, lad, kind), []).append(r)
+                        print(st, lad, kind, r, flush=True)
+            for ck in a.compress:
+                for lad in LADDERS:
+                    os.sync()
+                    r = run(COMPRESS, [lad, ck, out], warm[lad])
+                    comp.setdefault((ck, lad), []).append(r)
+                    print(ck, lad, r, flush=True)
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    lines = ["# A small group's ladder against the full one", "",
+             f"`python bench/experiments/small_group_ladder.py --sizes {a.sizes} --repeats {a.repeats}"
+             + (" --compress CKPT" * len(a.compress)) + "` (this file's command; interleaved runs, medians; "
+             f"{time.strftime('%Y-%m-%d')}). Ladders: full (every tier); small (no closed form, no cells tiers, "
+             "no 8- and 20-cell adaptive partitions: what a group of at most `certify.SPEED_TIERS_ABOVE` "
+             "coordinates runs), forced on every group whatever its size.", "",
+             "## The first save of a fresh process", "",
+             "Seconds of the call (the process's CPU seconds over it). optax: a linspace state of N coordinates "
+             "3 adamw steps in, `jaxguard.save(..., tx=tx)`; torch: 1,001,500 coordinates 3 AdamW steps in, "
+             "`torch_compat.save`.", "",
+             "| state | " + " | ".join(f"cold, {lad}" for lad in LADDERS) + " | "
+             + " | ".join(f"warm, {lad}" for lad in LADDERS) + " | escapes (each ladder) |",
+             "|---|" + "---:|" * (2 * len(LADDERS) + 1)]
+    for st in states:
+        cells = [f"{med(res[(st, lad, kind)], 'save'):.2f} s ({med(res[(st, lad, kind)], 'cpu'):.2f})"
+                 for kind in ("cold", "warm") for lad in LADDERS]
+        esc = " / ".join(str(res[(st, lad, "warm")][0]["escapes"]) for lad in LADDERS)
+        name = "torch 1M AdamW" if st == "torch" else f"optax {int(st):,}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {esc} |")
+    if comp:
+        lines += ["", "## A whole compress (warm program cache)", "",
+                  "| checkpoint | " + " | ".join(f"encode s, {lad}" for lad in LADDERS) + " | "
+                  + " | ".join(f"process s, {lad}" for lad in LADDERS) + " | escapes | payload bytes |",
+                  "|---|" + "---:|" * (2 * len(LADDERS) + 2)]
+        for ck in a.compress:
+            rows = [comp[(ck, lad)] for lad in LADDERS]
+            lines.append(f"| {os.path.basename(ck)} | " + " | ".join(f"{med(r, 'encode'):.2f}" for r in rows) + " | "
+                         + " | ".join(f"{med(r, 'wall'):.2f}" for r in rows) + " | "
+                         + " / ".join(f"{r[0]['escapes']:,}" for r in rows) + " | "
+                         + " / ".join(f"{r[0]['payload']:,}" for r in rows) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -167,8 +167,9 @@ TIERED_FIRST_LEVEL = 3
 # straight to the 28-cell adaptive partition, then the dense reject and the fixed levels.
 # Those tiers make a large group fast (certifying most rows for a fraction of the cells);
 # on a small one their five programs cost more to compile and load than they save (the first
-# save of a fresh process, 4,096 coordinates: cold 4.78 -> 2.20 s, warm 0.44 -> 0.34 s; at
-# 131,072 warm 0.43 against 0.52 s: bench/experiments/results/small_group_ladder.md).
+# save of a fresh process, 4,096 coordinates: cold 4.60 -> 2.33 s, warm 0.46 -> 0.38 s; at
+# 131,072 warm 0.44 against 0.49 s, at 1M 0.45 against 1.46 s; a 16.5M compress 1.72 s
+# of encode against 17.0 s: bench/experiments/results/small_group_ladder.md).
 # Refusing is always sound: a tier skipped can only leave a row to the next, and on the
 # states measured none escaped for it (bench/experiments/results/speed_tiers_escapes.md).
 SPEED_TIERS_ABOVE = 1 << 16
