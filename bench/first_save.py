@@ -39,11 +39,33 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from codec_speed import run_child  # noqa: E402
+
+# The two states, as code a probe runs (COORDINATES: the optax state's size; the README's is 4,096).
+OPTAX_STATE = r"""
+import jax, jax.numpy as jnp, optax
+params = {"w": jnp.linspace(-1.0, 1.0, COORDINATES)}
+tx = optax.adamw(1e-3, weight_decay=1e-2)
+state = tx.init(params)
+for step in range(3):
+    grads = {"w": jnp.sin(params["w"] * (step + 1)) * 0.1}
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+jax.block_until_ready(state)
+"""
+TORCH_STATE = r"""
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1000, 500), torch.nn.ReLU(), torch.nn.Linear(500, 1000))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for batch in torch.randn(3, 32, 1000):   # three steps
+    opt.zero_grad(), model(batch).pow(2).mean().backward(), opt.step()
+"""
 
 PROBE = r"""
 import json, os, sys, time
@@ -67,23 +89,10 @@ class timed:   # jax's own tracing/lowering/compilation spans, on a monotonic cl
             n, sec = events.get(self.event, (0, 0.0))
             events[self.event] = (n + 1, sec + time.perf_counter() - self.t)
 if state_kind == "optax":
-    import jax.numpy as jnp, optax
-    params = {"w": jnp.linspace(-1.0, 1.0, 4096)}
-    tx = optax.adamw(1e-3, weight_decay=1e-2)
-    state = tx.init(params)
-    for step in range(3):
-        grads = {"w": jnp.sin(params["w"] * (step + 1)) * 0.1}
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-    jax.block_until_ready(state)
+""" + textwrap.indent(OPTAX_STATE.replace("COORDINATES", "4096"), "    ") + r"""
     save = lambda path: jg.save(path, state, params, lr=1e-3, weight_decay=1e-2)
 else:
-    import torch
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1000, 500), torch.nn.ReLU(), torch.nn.Linear(500, 1000))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in torch.randn(3, 32, 1000):   # three steps
-        opt.zero_grad(), model(batch).pow(2).mean().backward(), opt.step()
+""" + textwrap.indent(TORCH_STATE, "    ") + r"""
     save = lambda path: torch_compat.save(path, opt)
 loads = [0, 0.0]
 try:   # count the stored programs a process loads (a tree without the cache has none)

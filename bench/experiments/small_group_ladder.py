@@ -27,9 +27,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from first_save import OPTAX_STATE, TORCH_STATE  # noqa: E402   (the states bench/first_save.py saves)
 LADDERS = ("full", "small")
 
 SETUP = r"""
@@ -42,24 +45,12 @@ guard.SPEED_TIERS_ABOVE = -1 if ladder == "full" else 1 << 62
 PROBE = SETUP + r"""
 state_kind, out = sys.argv[2], sys.argv[3]
 if state_kind == "torch":
-    import torch, torch_compat
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1000, 500), torch.nn.ReLU(), torch.nn.Linear(500, 1000))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for batch in torch.randn(3, 32, 1000):
-        opt.zero_grad(), model(batch).pow(2).mean().backward(), opt.step()
+    import torch_compat
+""" + textwrap.indent(TORCH_STATE, "    ") + r"""
     save = lambda: torch_compat.save(out, opt)
 else:
     import jaxguard as jg
-    import jax, jax.numpy as jnp, optax
-    params = {"w": jnp.linspace(-1.0, 1.0, int(state_kind))}
-    tx = optax.adamw(1e-3, weight_decay=1e-2)
-    state = tx.init(params)
-    for step in range(3):
-        grads = {"w": jnp.sin(params["w"] * (step + 1)) * 0.1}
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-    jax.block_until_ready(state)
+""" + textwrap.indent(OPTAX_STATE.replace("COORDINATES", "int(state_kind)"), "    ") + r"""
     save = lambda: jg.save(out, state, params, tx=tx)
 t, c = time.perf_counter(), time.process_time()
 info = save()
