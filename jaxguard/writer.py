@@ -251,19 +251,24 @@ def _host_piece(x, start: int, step: int) -> np.ndarray:
 
 
 def _encode_piece(job: MomentJob, start: int, step: int, progress: bool = False, release: Callable | None = None,
-                  on_device: bool = False, force: bool = False):
+                  on_device: bool = False, force: bool = False, state_coordinates: int | None = None):
     """One whole-block piece ``[start, start + step)`` of a large `MomentJob`, certified on
     its own (blocks and coordinates are certified independently, so `guard.join_pieces`
     of a job's pieces gives the codes, escapes and certified values of one piece;
     tests/core/test_writer_release.py checks the join).  The piece's inputs go to `release`
     once certified (a memory-mapped checkpoint's pages).  With `on_device` the piece is a
-    slice of the device arrays, encoded there."""
+    slice of the device arrays, encoded there.  `state_coordinates`: as `guard.encode_many`
+    (the job's own by default)."""
+    if state_coordinates is None:
+        state_coordinates = job.size
     if on_device:
         from jaxguard.core import device_encode
         m, v, p = (x.reshape(-1)[start:start + step] for x in (job.m, job.v, job.p))
-        return device_encode.encode_many([(m, v, p, job.config)], sample_every=container.SAMPLE_EVERY, force=force)[0]
+        return device_encode.encode_many([(m, v, p, job.config)], sample_every=container.SAMPLE_EVERY, force=force,
+                                         state_coordinates=state_coordinates)[0]
     part = tuple(_host_piece(x, start, step) for x in (job.m, job.v, job.p))
-    enc = _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True)[0]
+    enc = _guard.encode_many([(*part, job.config)], progress=progress, keep_decoded=True,
+                             state_coordinates=state_coordinates)[0]
     if release is not None and job.source is not None:
         release(list(part))
     return enc
@@ -313,6 +318,8 @@ def container_entries(records: Iterable, totals: dict | None = None, *, slab: in
     bar = _progress_bar(records) if progress else None
     known = isinstance(records, (list, tuple))
     threads = encode_threads(encode_work(records) if known else None)
+    # the guard's ladder is the whole state's (`certify.CELLS_TIERS_ABOVE`), not a slab's
+    state = sum(r.size for r in records if isinstance(r, MomentJob)) if known else _guard.UNKNOWN_STATE
 
     def add(stats):
         if totals is not None:   # the guard's stats (other keys of `totals` are the caller's)
@@ -323,9 +330,9 @@ def container_entries(records: Iterable, totals: dict | None = None, *, slab: in
         if on_device:
             from jaxguard.core import device_encode as _device
             return _device.encode_many([(j.m, j.v, j.p, j.config) for j in part], sample_every=container.SAMPLE_EVERY,
-                                       force=setting is True)
+                                       force=setting is True, state_coordinates=state)
         return _guard.encode_many([(np.asarray(j.m), np.asarray(j.v), np.asarray(j.p), j.config) for j in part],
-                                  keep_decoded=True)
+                                  keep_decoded=True, state_coordinates=state)
 
     def tasks(parts, on_device):
         # (part, piece start or None, last piece of the part, work): a large job's pieces
@@ -335,7 +342,7 @@ def container_entries(records: Iterable, totals: dict | None = None, *, slab: in
                 starts, step = _piece_starts(part[0], slab)
                 for s in starts:
                     yield part, s, s == starts[-1], functools.partial(
-                        _encode_piece, part[0], s, step, False, release, on_device, setting is True)
+                        _encode_piece, part[0], s, step, False, release, on_device, setting is True, state)
             else:
                 yield part, None, True, functools.partial(encode_slab, part, on_device)
 

@@ -1,13 +1,14 @@
-"""Where a small group's ladder (`certify.SPEED_TIERS_ABOVE`) pays: the first save of a fresh
-process, cold (an empty program cache) and warm (the cache one untimed process of the same
-ladder and state filled), and a whole `jaxguard compress`, each group on one ladder whatever
-its size.
+"""Where the smaller ladders pay (`certify.SPEED_TIERS_ABOVE` for a group,
+`certify.CELLS_TIERS_ABOVE` for a state): the first save of a fresh process, cold (an empty
+program cache) and warm (the cache one untimed process of the same ladder and state filled),
+and a whole `jaxguard compress`, each group on one ladder whatever its size.
 
-    python bench/experiments/small_group_ladder.py [--sizes 4096,65536,131072,262144] [--repeats 2]
+    python bench/experiments/small_group_ladder.py [--sizes 4096,65536,131072,262144,1048576] [--repeats 2]
         [--compress CKPT ...] [--out bench/experiments/results/small_group_ladder.md]
 
-Ladders: ``full`` (every tier), ``small`` (no closed form, no cells tiers, no 8- and 20-cell
-adaptive partitions: the 28-cell partition, the dense reject and the fixed levels).
+Ladders: ``full`` (every tier), ``no-cells`` (the closed form, then the 28-cell adaptive
+partition: a state of at most `certify.CELLS_TIERS_ABOVE` coordinates), ``small`` (no closed
+form either: a group of at most `certify.SPEED_TIERS_ABOVE`).
 States: ``{"w": linspace(-1, 1, N)}`` after 3 ``optax.adamw`` steps, saved with
 ``jaxguard.save(..., tx=tx)`` (the README's example at N = 4,096), and bench/first_save.py's
 torch state (a 1,001,500-coordinate MLP 3 ``torch.optim.AdamW`` steps in,
@@ -33,13 +34,14 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from first_save import OPTAX_STATE, TORCH_STATE  # noqa: E402   (the states bench/first_save.py saves)
-LADDERS = ("full", "small")
+LADDERS = ("full", "no-cells", "small")
 
 SETUP = r"""
 import json, os, sys, time
 ladder = sys.argv[1]
 from jaxguard.core import guard
-guard.SPEED_TIERS_ABOVE = -1 if ladder == "full" else 1 << 62
+guard.SPEED_TIERS_ABOVE = 1 << 62 if ladder == "small" else -1
+guard.CELLS_TIERS_ABOVE = -1 if ladder == "full" else 1 << 62
 """
 
 PROBE = SETUP + r"""
@@ -110,12 +112,13 @@ def main():
                     comp.setdefault((ck, lad), []).append(r)
                     print(ck, lad, r, flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    lines = ["# A small group's ladder against the full one", "",
+    lines = ["# The smaller ladders against the full one", "",
              f"`python bench/experiments/small_group_ladder.py --sizes {a.sizes} --repeats {a.repeats}"
              + (" --compress CKPT" * len(a.compress)) + "` (this file's command; interleaved runs, medians; "
-             f"{time.strftime('%Y-%m-%d')}). Ladders: full (every tier); small (no closed form, no cells tiers, "
-             "no 8- and 20-cell adaptive partitions: what a group of at most `certify.SPEED_TIERS_ABOVE` "
-             "coordinates runs), forced on every group whatever its size.", "",
+             f"{time.strftime('%Y-%m-%d')}). Ladders: full (every tier); no-cells (the closed form, then the "
+             "28-cell adaptive partition: what a state of at most `certify.CELLS_TIERS_ABOVE` coordinates runs); "
+             "small (no closed form either: a group of at most `certify.SPEED_TIERS_ABOVE`), forced on every "
+             "group whatever its size.", "",
              "## The first save of a fresh process", "",
              "Seconds of the call (the process's CPU seconds over it). optax: a linspace state of N coordinates "
              "3 adamw steps in, `jaxguard.save(..., tx=tx)`; torch: 1,001,500 coordinates 3 AdamW steps in, "

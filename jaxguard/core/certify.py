@@ -167,12 +167,22 @@ TIERED_FIRST_LEVEL = 3
 # straight to the 28-cell adaptive partition, then the dense reject and the fixed levels.
 # Those tiers make a large group fast (certifying most rows for a fraction of the cells);
 # on a small one their five programs cost more to compile and load than they save (the first
-# save of a fresh process, 4,096 coordinates: cold 4.60 -> 2.33 s, warm 0.46 -> 0.38 s; at
-# 131,072 warm 0.44 against 0.49 s, at 1M 0.45 against 1.46 s; a 16.5M compress 1.72 s
-# of encode against 17.0 s: bench/experiments/results/small_group_ladder.md).
+# save of a fresh process, 4,096 coordinates: cold 5.18 -> 2.23 s, warm 0.53 -> 0.34 s; every
+# group forced onto it, 262,144 coordinates warm 0.65 s against 0.44, 1M 1.44 against 0.46, a
+# 16.5M compress 18.1 s against 2.2: bench/experiments/results/small_group_ladder.md).
 # Refusing is always sound: a tier skipped can only leave a row to the next, and on the
 # states measured none escaped for it (bench/experiments/results/speed_tiers_escapes.md).
 SPEED_TIERS_ABOVE = 1 << 16
+# A state of at most this many coordinates (every moment pair a save certifies, as the writer
+# counts them) certifies without the cells tiers and the adaptive tier's 8- and 20-cell
+# partitions: the closed form, then the 28-cell partition.  Decided for the whole state, not
+# the group: the writer certifies in slabs of ~1M coordinates, and over a large state the
+# cells tiers repay their programs many times (GPT-2 small 3 steps in: a compress 6.90 s with
+# them, 12.67 s without).  Over a 1M-coordinate torch AdamW state 3 steps in they do not: its
+# first save cold 4.65 -> 2.50 s, warm 0.48 -> 0.24 s without them; a 16.5M state 60 steps in
+# compresses in 2.05 s without them against 2.20 s (bench/experiments/results/
+# small_group_ladder.md).  4M leaves a margin for states the closed form leaves more of.
+CELLS_TIERS_ABOVE = 1 << 22
 FAST_CHUNK = 1 << 18     # coordinates per call of the closed-form tier
 FAST_MIN_CHUNK = 1 << 12  # its smallest call (a handful of candidates, e.g. the rate pass's last moves)
 
@@ -288,11 +298,11 @@ LEVEL_ROWS = 1 << 6                       # the fixed levels after the adaptive 
 ABLATION_ROWS = {"probes": 1 << 16, 0: 1 << 16, 1: 1 << 13, 2: 1 << 12, 3: 1 << 11, 4: 1 << 10}
 
 
-def stages(bound, partition, adaptive=True, max_level=None, reject_first=False, speed_tiers=True) -> tuple:
+def stages(bound, partition, adaptive=True, max_level=None, reject_first=False, cells_tiers=True) -> tuple:
     """The stages `certify_pc` runs after the closed form, in order (its docstring).
 
     Args:
-      bound, partition, adaptive, max_level, reject_first, speed_tiers: as `certify_pc`.
+      bound, partition, adaptive, max_level, reject_first, cells_tiers: as `certify_pc`.
 
     Returns:
       A tuple of `Stage`.
@@ -303,13 +313,13 @@ def stages(bound, partition, adaptive=True, max_level=None, reject_first=False, 
         out.append(Stage(_bound.batch_lower_pc, PROBE_ROWS if tiered else ABLATION_ROWS["probes"],
                          (("points", _bound.PROBE_POINTS),)))
     if tiered:
-        if speed_tiers:
+        if cells_tiers:
             out += [Stage(_fastbound.batch_fast_cells_pc, rows, (("gammas", g),), FAST_CELLS_TIER)
                     for g, rows in zip(_fastbound.FAST_CELLS_PARTITIONS, CELLS_ROWS)]
         if max_level == -1:
             out.append(Stage(_fastbound.batch_signed_cells_pc, SIGNED_ROWS, (), SIGNED_CELLS_TIER, signed=True))
         out += [Stage(_bound.batch_bound_adaptive_pc, ADAPTIVE_ROWS, (("gammas", g),), ADAPTIVE_TIER)
-                for g in (_bound.ADAPTIVE_PARTITIONS if speed_tiers else _bound.ADAPTIVE_PARTITIONS[-1:])]
+                for g in (_bound.ADAPTIVE_PARTITIONS if cells_tiers else _bound.ADAPTIVE_PARTITIONS[-1:])]
         if max_level != -1:   # a denser reject: only the few left walk the fixed levels
             out.append(Stage(_bound.batch_lower_pc, DENSE_REJECT_ROWS, (("points", _bound.DENSE_PROBE_POINTS),)))
     last = len(_bound.LEVELS) if max_level is None else min(max_level + 1, len(_bound.LEVELS))
@@ -330,7 +340,7 @@ def stage_calls(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings)
 
     Args:
       K, gidx, m, v, mt, vt, pabs, clip, bound, partition: as `certify_pc` (at least one row).
-      **settings: `stages`'s other arguments (adaptive, max_level, reject_first, speed_tiers).
+      **settings: `stages`'s other arguments (adaptive, max_level, reject_first, cells_tiers).
 
     Returns:
       A list of ``(kernel, args, static)``.
@@ -353,7 +363,7 @@ def prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, *, wait=
       K, gidx, m, v, mt, vt, pabs, clip, bound, partition: as `certify_pc` (values unused
         but for the stored programs' round-trip check; no rows: nothing to do).
       wait: False: compile on other threads while the caller goes on (`programs.prepare`).
-      **settings: `stages`'s other arguments (adaptive, max_level, reject_first, speed_tiers).
+      **settings: `stages`'s other arguments (adaptive, max_level, reject_first, cells_tiers).
 
     Returns:
       A `programs.Prepared` (wait on it before the work that asked for it ends).
@@ -365,7 +375,7 @@ def prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, *, wait=
 
 
 def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progress=False, fast=True,
-               max_level=None, adaptive=True, reject_first=False, speed_tiers=True):
+               max_level=None, adaptive=True, reject_first=False, cells_tiers=True):
     """Certify with per-coordinate constants: row ``gidx[i]`` of ``K`` (a `bound.StepRow`
     of [G] arrays, `bound.stack_rows`).
 
@@ -403,8 +413,8 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       reject_first: reject at `bound.PROBE_POINTS` before the adaptive tier too, for
         candidates most of which are refused (the rate pass's moves: there the probes
         cost less than the three partitions that each refused row would walk).
-      speed_tiers: False: no closed form, no cells tier and only the adaptive tier's
-        finest partition (`SPEED_TIERS_ABOVE`: a small group's ladder, fewer programs).
+      cells_tiers: False: no cells tiers and only the adaptive tier's finest partition
+        (`CELLS_TIERS_ABOVE`, `SPEED_TIERS_ABOVE`: fewer programs).
 
     Returns:
       int8 array over `idx`: the refinement level (0..4) that certified it, `FAST_TIER`
@@ -413,13 +423,13 @@ def certify_pc(K, gidx, m, v, mt, vt, pabs, clip, idx, bound, partition, progres
       `ADAPTIVE_TIER` for the adaptive tier, or -1 (escape).
     """
     level_of = np.full(idx.shape[0], -1, np.int8)
-    settings = dict(adaptive=adaptive, max_level=max_level, reject_first=reject_first, speed_tiers=speed_tiers)
+    settings = dict(adaptive=adaptive, max_level=max_level, reject_first=reject_first, cells_tiers=cells_tiers)
     prepare_stages(K, gidx, m, v, mt, vt, pabs, clip, bound, partition, **settings)
     if idx.size == 0:
         return level_of
     K = _bound.as_step_row(K, -1).as_float32(np)
     m, v, mt, vt, pabs, clip = (np.asarray(x, np.float32) for x in (m, v, mt, vt, pabs, clip))
-    if fast and speed_tiers and bound == "shared" and partition == "mixed":
+    if fast and bound == "shared" and partition == "mixed":
         ok = fast_accept(K, gidx[idx], m[idx], v[idx], mt[idx], vt[idx], pabs[idx], clip[idx])
         level_of[ok] = FAST_TIER
         rest = np.flatnonzero(~ok)

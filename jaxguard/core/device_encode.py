@@ -237,7 +237,7 @@ def _run_group(items, every):
     return out
 
 
-def encode_many(items, *, sample_every: int, force: bool = False) -> list:
+def encode_many(items, *, sample_every: int, force: bool = False, state_coordinates: int | None = None) -> list:
     """Guarded encodings of `[(m, v, p, config), ...]` on the arrays' devices.
 
     Items are grouped by device, `GuardSpec` and step constants (``config.step_row()``);
@@ -250,6 +250,7 @@ def encode_many(items, *, sample_every: int, force: bool = False) -> list:
         (`jaxguard.format.container.SAMPLE_EVERY`): the certified values at those blocks
         come back as each `Encoded.decoded` (a dict of ``positions``, ``m``, ``v``).
       force: as `supports` (encode CPU arrays here too).
+      state_coordinates: as `guard.encode_many`, for the items it encodes.
 
     Returns:
       A list of `Encoded`, one per item, in order.
@@ -275,6 +276,6 @@ def encode_many(items, *, sample_every: int, force: bool = False) -> list:
     if host:
         host.sort()
         hosted = [tuple(np.asarray(x) for x in items[i][:3]) + (items[i][3],) for i in host]
-        for i, e in zip(host, _guard.encode_many(hosted, keep_decoded=True)):
+        for i, e in zip(host, _guard.encode_many(hosted, keep_decoded=True, state_coordinates=state_coordinates)):
             out[i] = e
     return out

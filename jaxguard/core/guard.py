@@ -43,9 +43,9 @@ from jaxguard.core import codes
 from jaxguard.core import fastbound as _fastbound
 from jaxguard.core import floatbits as _fbits
 from jaxguard.core import programs as _programs
-from jaxguard.core.certify import (ADAPTIVE_TIER, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER, SPEED_TIERS_ABOVE,  # noqa: F401
-                                   block_stats_valid, certify, certify_pc, classify, device_classify, device_masks,
-                                   fast_accept, prepare_stages, v_positive)
+from jaxguard.core.certify import (ADAPTIVE_TIER, CELLS_TIERS_ABOVE, FAST_CELLS_TIER, FAST_CHUNK, FAST_TIER,  # noqa: F401
+                                   SPEED_TIERS_ABOVE, block_stats_valid, certify, certify_pc, classify, device_classify,
+                                   device_masks, fast_accept, prepare_stages, v_positive)
 from jaxguard.core.config import BOUNDS, CODECS, DEFAULT_CODEC, PARTITIONS, GuardConfig, GuardSpec  # noqa: F401
 from jaxguard.core.encoded import ArrayPytree, Encoded, payload_bytes  # noqa: F401
 from jaxguard.errors import ConfigError
@@ -122,7 +122,8 @@ def encode(m, v, p, config: GuardConfig, *, keep_decoded: bool = False, mu: str 
     return encode_many([(m, v, p, config)], keep_decoded=keep_decoded)[0]
 
 
-def encode_many(items, *, progress: bool = False, keep_decoded: bool = False) -> list:
+def encode_many(items, *, progress: bool = False, keep_decoded: bool = False,
+                state_coordinates: int | None = None) -> list:
     """Guarded encoding of many moment pairs [(m, v, p, config), ...] in one pass.
 
     All tensors sharing a codec, bound and partition are laid side by side (each padded
@@ -133,6 +134,10 @@ def encode_many(items, *, progress: bool = False, keep_decoded: bool = False) ->
       items: an iterable of ``(m, v, p, config)`` as for `encode`.
       progress: show a tqdm bar while certifying.
       keep_decoded: as for `encode` (`jaxguard compress` streams each slab to the writer).
+      state_coordinates: the coordinates of every moment pair of the state these items are
+        part of (the writer's count, `UNKNOWN_STATE` when it streams): a state of at most
+        `certify.CELLS_TIERS_ABOVE` certifies without the cells tiers.  Default: the
+        items' own.
 
     Returns:
       A list of `Encoded`, one per item, in order.
@@ -143,15 +148,17 @@ def encode_many(items, *, progress: bool = False, keep_decoded: bool = False) ->
     items = list(items)
     shapes = [_check_inputs(m, v, p) for m, v, p, _ in items]
     if any(int(np.prod(s, dtype=np.int64)) > MAX_PIECE for s in shapes):
-        return _encode_in_pieces(items, shapes, progress, keep_decoded)
+        return _encode_in_pieces(items, shapes, progress, keep_decoded, state_coordinates)
     groups: dict = {}
     for i, (_, _, _, cfg) in enumerate(items):
         s = cfg.spec
         groups.setdefault((s.codec, s.bound, s.partition, s.certify), []).append(i)
     out = [None] * len(items)
+    if state_coordinates is None:
+        state_coordinates = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
     for (codec, bound, partition, certified), idxs in groups.items():
         encs = _encode_group([items[i] for i in idxs], [shapes[i] for i in idxs], codec, bound, partition, progress,
-                             certified=certified, keep_decoded=keep_decoded)
+                             certified=certified, keep_decoded=keep_decoded, state_coordinates=state_coordinates)
         for i, e in zip(idxs, encs):
             out[i] = e
     return out
@@ -161,9 +168,11 @@ def encode_many(items, *, progress: bool = False, keep_decoded: bool = False) ->
 # so blocks never straddle pieces) and reassembled with 64-bit escape indices: the
 # chunked path for tensors of 2**31 elements or more.
 MAX_PIECE = 1 << 28
+# `encode_many`'s state size where the caller cannot count it (a streamed save): every tier runs.
+UNKNOWN_STATE = 1 << 62
 
 
-def _encode_in_pieces(items, shapes, progress, keep_decoded):
+def _encode_in_pieces(items, shapes, progress, keep_decoded, state_coordinates):
     flat, owner = [], []
     for i, ((m, v, p, cfg), shape) in enumerate(zip(items, shapes)):
         n = int(np.prod(shape, dtype=np.int64))
@@ -175,7 +184,8 @@ def _encode_in_pieces(items, shapes, progress, keep_decoded):
     out: list = [[] for _ in items]
     for (i, start), piece in zip(owner, flat):
         # one piece at a time: the point is never to hold 2**31 coordinates of work at once
-        out[i].append((start, encode_many([piece], progress=progress, keep_decoded=keep_decoded)[0]))
+        out[i].append((start, encode_many([piece], progress=progress, keep_decoded=keep_decoded,
+                                          state_coordinates=state_coordinates)[0]))
     return [join_pieces(pieces, shape) for pieces, shape in zip(out, shapes)]
 
 
@@ -252,7 +262,8 @@ def _group_constants(items, gidx, ph):
     return K, kidx, pabs, clip.astype(np.float32, copy=False)
 
 
-def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False):
+def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False,
+                  state_coordinates=None):
     """Encode tensors sharing one `GuardSpec` side by side; `codec` is the entry id
     (``block8-unguarded`` decodes as block8)."""
     t0 = time.perf_counter()
@@ -285,6 +296,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     # without the cells tier: 1 escape more in 1 of 24 logrel-ans encodings forced onto it,
     # bench/experiments/results/speed_tiers_escapes.md; its encode is seconds anyway)
     speed = int(sum(ns)) > SPEED_TIERS_ABOVE or entry.choose is not None
+    # and a state of at most certify.CELLS_TIERS_ABOVE coordinates skips the cells tiers
+    cells = speed and (entry.choose is not None or state_coordinates is None
+                       or state_coordinates > CELLS_TIERS_ABOVE)
     prepared = _programs.Prepared()
     # log8-rel-zstd: blocks that escape much are proposed again with wider codes
     widen = _codecs.get(codec).widen if certified and not any(cfg.joint for *_, cfg in items) else None
@@ -303,9 +317,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             if at_idx:
                 return certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx], np.arange(idx.size),
                                   bound, partition, max_level=max_level, reject_first=reject_first,
-                                  speed_tiers=speed)
+                                  fast=speed, cells_tiers=cells)
             return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level,
-                              reject_first=reject_first, speed_tiers=speed)
+                              reject_first=reject_first, fast=speed, cells_tiers=cells)
 
         def classified(a, b, idx=None):
             if idx is not None:   # a, b at idx: the host classifier (the same booleans), no pass over the group
@@ -321,7 +335,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             K, kidx, pabs, clip = _group_constants(items, gidx, ph)
             # the tiers' programs compile on other threads while this one runs the proposal
             prepared = prepare_stages(K, kidx, mh, vh, mh, vh, pabs, clip, bound, partition, wait=False,
-                                      speed_tiers=speed)
+                                      cells_tiers=cells)
             if speed and bound == "shared" and partition == "mixed":
                 tier = (K, kidx, clip)
         mq, vq, mp, vp, mt, vt, exact, ok, fast = _propose_chunked(
@@ -344,7 +358,7 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
             level_of = np.full(npad, -1, np.int8)
         cand = np.flatnonzero(cand_mask)
         level_of[cand] = certify_pc(K, kidx, mf, vf, mt, vt, pabs, clip, cand, bound, partition, progress,
-                                    fast=False, speed_tiers=speed)
+                                    fast=False, cells_tiers=cells)
         escape = in_tensor & ~exact & (level_of < 0)
     prepared.wait()
     if widen is not None and K is not None and entry.choose is None:
@@ -357,7 +371,8 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
         mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of, widths = widen(
             mh, vh, ph, in_tensor, mq, vq, mp, vp, mt, vt, exact, ok, escape, level_of,
             lambda idx, a, b: certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx],
-                                         np.arange(idx.size), bound, partition, speed_tiers=speed))
+                                         np.arange(idx.size), bound, partition, fast=speed,
+                                         cells_tiers=cells))
     rescued = np.zeros(npad, bool)
     if certified and any(cfg.joint for *_, cfg in items):
         joint_on = np.zeros(npad, bool)

@@ -145,15 +145,16 @@ def test_enclosure_audit_checks_the_cells_tier():
     assert nr["fast_cells"]["cell_failures"] > 0
 
 
-def test_a_small_groups_ladder_is_the_full_one_without_the_speed_tiers():
-    """A small group's stages (`certify.SPEED_TIERS_ABOVE`) are the full ladder's less the
-    cells tiers and the 8- and 20-cell adaptive partitions, in the same order; the fixed
-    levels and the rejects stay (the rate pass's setting too)."""
+def test_a_smaller_ladder_is_the_full_one_without_the_cells_tiers():
+    """Without the cells tiers (a small group, `certify.SPEED_TIERS_ABOVE`, or a small state,
+    `certify.CELLS_TIERS_ABOVE`) the stages are the full ladder's less the cells tiers and
+    the 8- and 20-cell adaptive partitions, in the same order; the fixed levels and the
+    rejects stay (the rate pass's setting too)."""
     from jaxguard.core import certify
     coarse = set(bound.ADAPTIVE_PARTITIONS[:-1])
     for settings in ({}, {"max_level": -1, "reject_first": True}):
         full = certify.stages("shared", "mixed", **settings)
-        small = certify.stages("shared", "mixed", speed_tiers=False, **settings)
+        small = certify.stages("shared", "mixed", cells_tiers=False, **settings)
         kept = [st for st in full if st.kernel is not fastbound.batch_fast_cells_pc
                 and dict(st.static).get("gammas") not in coarse]
         assert list(small) == kept and len(kept) == len(full) - 4
@@ -163,6 +164,7 @@ def test_early_checkpoint_uses_the_cells_tier_and_the_real_torch_audit_holds(tmp
     """A model three AdamW steps in (where the closed form leaves the most): the cells tier
     certifies coordinates, and the real torch.optim.AdamW audit finds none over tau."""
     monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)   # the full ladder, as a larger group's
+    monkeypatch.setattr(guard, "CELLS_TIERS_ABOVE", 0)
     from helpers import byte_transformer_round_trip
     summary, stats, res = byte_transformer_round_trip(tmp_path, seed=1, steps=3, lr=1e-3, weight_decay=0.01)
     cells = sum(s["certified_fast_cells"] for s in stats)

@@ -144,6 +144,7 @@ def test_real_torch_audit_on_trained_checkpoint(tmp_path, monkeypatch):
     """A small trained model: the closed form takes most coordinates, and the real
     torch.optim.Adam audit finds no coordinate over tau."""
     monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)   # the full ladder, as a larger group's
+    monkeypatch.setattr(guard, "CELLS_TIERS_ABOVE", 0)
     from helpers import byte_transformer_round_trip
     summary, stats, res = byte_transformer_round_trip(tmp_path, seed=0, steps=15, lr=3e-3, weight_decay=0.1)
     assert sum(s["certified_fast"] for s in stats) > 0.5 * summary["coordinates"]
@@ -163,12 +164,56 @@ def test_a_small_groups_ladder_certifies_what_the_full_one_does(tmp_path, monkey
     assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01
     small_header, small_payload = reader.parse((tmp_path / "c.jg").read_bytes())
     monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)
+    monkeypatch.setattr(guard, "CELLS_TIERS_ABOVE", 0)
     full, stats, _ = byte_transformer_round_trip(tmp_path, seed=2, steps=5, lr=1e-3, weight_decay=0.01)
     assert sum(s["certified_fast"] for s in stats) > 0
     full_header, full_payload = reader.parse((tmp_path / "c.jg").read_bytes())
     assert full["escapes"] == small["escapes"]
     assert full_header["decoded_sha256"] == small_header["decoded_sha256"]
     assert bytes(full_payload) == bytes(small_payload)
+
+
+def test_the_cells_tiers_follow_the_whole_state_not_a_slab(tmp_path, monkeypatch):
+    """A state of at most `certify.CELLS_TIERS_ABOVE` coordinates skips the cells tiers (the
+    closed form still runs on its groups above `certify.SPEED_TIERS_ABOVE`), the real torch
+    audit holds, and the full ladder keeps the same codes.  The writer decides for the whole
+    state: with the threshold below the state and slabs below the threshold, every slab runs
+    the cells tiers."""
+    import torch_compat
+    from torch_compat import models
+    from jaxguard import writer
+    from jaxguard.format import reader
+    torch.manual_seed(3)
+    model = models.ByteTransformer(d=64, layers=2, heads=2, ctx=64)
+    sample = models.text_batches(3)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    for _ in range(3):   # early: the closed form leaves the most
+        opt.zero_grad()
+        models.loss_fn(model, sample(True)).backward()
+        opt.step()
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    def compress(name):
+        out = tmp_path / name
+        summary = torch_compat.state.compress_checkpoint_to(out, ckpt)
+        header, payload = reader.parse(out.read_bytes())
+        stats = [e["stats"] for e in header["entries"] if e["kind"] == "moments"]
+        return summary, stats, header["decoded_sha256"], bytes(payload), out
+
+    small, stats, decoded, payload, out = compress("state.jg")
+    assert guard.SPEED_TIERS_ABOVE < small["coordinates"] <= guard.CELLS_TIERS_ABOVE
+    assert sum(s["certified_fast"] for s in stats) > 0
+    assert sum(s["certified_fast_cells"] for s in stats) == 0
+    restored, _ = torch_compat.restore_tree(out)
+    res = torch_compat.audit(ckpt, restored)
+    assert res["violations"] == 0 and res["max_gap_lr"] <= 0.01
+    monkeypatch.setattr(guard, "CELLS_TIERS_ABOVE", small["coordinates"] - 1)
+    # slabs above the small group's limit and below the state's threshold, the state above it
+    monkeypatch.setattr(writer, "SLAB", guard.SPEED_TIERS_ABOVE + 4096)
+    assert small["coordinates"] > writer.SLAB
+    full, stats, full_decoded, full_payload, _ = compress("full.jg")
+    assert sum(s["certified_fast_cells"] for s in stats) > 0
+    assert (full["escapes"], full_decoded, full_payload) == (small["escapes"], decoded, payload)
 
 
 def test_stream_writer_matches_build(tmp_path):

@@ -410,6 +410,7 @@ def test_a_small_state_prepares_no_program_it_cannot_call(cache_dir, monkeypatch
     programs.settle()
     assert traced == [], traced
     monkeypatch.setattr(guard, "SPEED_TIERS_ABOVE", 0)   # the full ladder, as a larger group's
+    monkeypatch.setattr(guard, "CELLS_TIERS_ABOVE", 0)
     cached = guard.encode(m, v, p, cfg)
     programs.settle()
     assert traced == [certify.FAST_MIN_CHUNK], traced
