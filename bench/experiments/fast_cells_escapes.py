@@ -21,7 +21,7 @@ proposal as the guard does (three programs) and "without" as one program; rows: 
 ``--tier cells_ladder`` "with" runs the cells tier on the 8-cell ladder, then the 28 cells on
 what it refused (as shipped), and "without" on the 28 cells alone; rows: what the ladder
 certified.  With ``--tier speed_tiers`` "with" runs every group on the full ladder (as a group
-above `certify.SPEED_TIERS_ABOVE` coordinates is) and "without" on a small group's ladder (no
+of a state above `certify.CELLS_TIERS_ABOVE` is) and "without" on a small group's ladder (no
 closed form, no cells tier, the adaptive tier's 28 cells only), whatever its size; rows: what
 the speed tiers certified (final certificates).
 
@@ -69,6 +69,15 @@ def swapped(obj, name, value):
         yield
     finally:
         setattr(obj, name, real)
+
+
+@contextlib.contextmanager
+def swapped_all(obj, values):
+    """Every ``obj.name`` of `values` is ``values[name]`` inside the block."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(swapped(obj, name, value))
+        yield
 
 
 def counting(kernel, counter):
@@ -145,7 +154,8 @@ def main():
                             **codecs.TABLE, "log8-rel": dataclasses.replace(codecs.TABLE["log8-rel"],
                                                                             propose_stages=None)})
                     elif speed:
-                        on, off = swapped(guard, "SPEED_TIERS_ABOVE", -1), swapped(guard, "SPEED_TIERS_ABOVE", 1 << 62)
+                        on = swapped_all(guard, {"SPEED_TIERS_ABOVE": -1, "CELLS_TIERS_ABOVE": -1})
+                        off = swapped(guard, "SPEED_TIERS_ABOVE", 1 << 62)
                     elif levels:
                         on, off = contextlib.nullcontext(), swapped(certify, "TIERED_FIRST_LEVEL", 0)
                     elif ladder:
