@@ -171,9 +171,10 @@ TIERED_FIRST_LEVEL = 3
 # group forced onto it, 262,144 coordinates warm 0.65 s against 0.44, 1M 1.44 against 0.46, a
 # 16.5M compress 18.1 s against 2.2: bench/experiments/results/small_group_ladder.md).
 # Refusing is always sound: a tier skipped can only leave a row to the next; forced onto this
-# ladder, the 96 reproduction encodings of the codecs it applies to kept every code
-# (bench/experiments/results/speed_tiers_escapes.md; logrel-ans, which keeps every tier, moved
-# 1 escape in 24).
+# ladder, the 72 reproduction encodings of log8-rel, log8 and block8 kept every code
+# (bench/experiments/results/speed_tiers_escapes.md; logrel-ans, which keeps every tier as
+# logrel-aw does, moved 1 escape in 24), and the default's compress of 16.5M and 124M
+# coordinates every escape and payload byte (small_group_ladder.md).
 SPEED_TIERS_ABOVE = 1 << 16
 # A state of at most this many coordinates (every moment pair a save certifies, as the writer
 # counts them) certifies without the cells tiers and the adaptive tier's 8- and 20-cell
