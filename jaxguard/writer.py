@@ -200,11 +200,18 @@ def _encode_bf16_m_job(m, v, p, config: GuardConfig) -> _guard.Encoded:
     return enc
 
 
-def _progress_bar(records):
-    """One tqdm bar over the coordinates `container_entries` certifies (stderr; its total when
-    `records` is a list or tuple)."""
+def _coordinates(records) -> int | None:
+    """The coordinates of `records`' coded `MomentJob`s: the state `container_entries`
+    certifies, when `records` is a list or tuple (else None: a stream)."""
+    if not isinstance(records, (list, tuple)):
+        return None
+    return sum(r.size for r in records if isinstance(r, MomentJob))
+
+
+def _progress_bar(total: int | None):
+    """One tqdm bar over the coordinates `container_entries` certifies (stderr; `total`:
+    `_coordinates`)."""
     from tqdm import tqdm
-    total = sum(r.size for r in records if isinstance(r, MomentJob)) if isinstance(records, (list, tuple)) else None
     return tqdm(total=total, desc="certify", unit="coord", unit_scale=True, leave=False, mininterval=0.5)
 
 
@@ -315,11 +322,12 @@ def container_entries(records: Iterable, totals: dict | None = None, *, slab: in
     setting = device_encode_setting(device_encode)
     pending: list = []
     kind = {"device": False}
-    bar = _progress_bar(records) if progress else None
-    known = isinstance(records, (list, tuple))
+    counted = _coordinates(records)
+    bar = _progress_bar(counted) if progress else None
+    known = counted is not None
     threads = encode_threads(encode_work(records) if known else None)
     # the guard's ladder is the whole state's (`certify.CELLS_TIERS_ABOVE`), not a slab's
-    state = sum(r.size for r in records if isinstance(r, MomentJob)) if known else _guard.UNKNOWN_STATE
+    state = _guard.UNKNOWN_STATE if counted is None else counted
 
     def add(stats):
         if totals is not None:   # the guard's stats (other keys of `totals` are the caller's)

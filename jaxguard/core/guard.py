@@ -262,10 +262,10 @@ def _group_constants(items, gidx, ph):
     return K, kidx, pabs, clip.astype(np.float32, copy=False)
 
 
-def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False,
-                  state_coordinates=None):
+def _encode_group(items, shapes, codec, bound, partition, progress=False, certified=True, keep_decoded=False, *,
+                  state_coordinates):
     """Encode tensors sharing one `GuardSpec` side by side; `codec` is the entry id
-    (``block8-unguarded`` decodes as block8)."""
+    (``block8-unguarded`` decodes as block8); `state_coordinates` as `encode_many`'s."""
     t0 = time.perf_counter()
     propose_codec = GuardSpec(codec=codec).decode_codec
     ns = [int(np.prod(s, dtype=np.int64)) for s in shapes]
@@ -295,14 +295,14 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
     # not where the codes are chosen on the host (the rate pass's signed gate sees other rows
     # without the cells tier: 1 escape more in 1 of 24 logrel-ans encodings forced onto it,
     # bench/experiments/results/speed_tiers_escapes.md; its encode is seconds anyway)
-    speed = int(sum(ns)) > SPEED_TIERS_ABOVE or entry.choose is not None
+    host_chosen = entry.choose is not None
+    speed = host_chosen or int(sum(ns)) > SPEED_TIERS_ABOVE
     # and a state of at most certify.CELLS_TIERS_ABOVE coordinates skips the cells tiers
-    cells = speed and (entry.choose is not None or state_coordinates is None
-                       or state_coordinates > CELLS_TIERS_ABOVE)
+    cells = host_chosen or (speed and state_coordinates > CELLS_TIERS_ABOVE)
     prepared = _programs.Prepared()
     # log8-rel-zstd: blocks that escape much are proposed again with wider codes
     widen = _codecs.get(codec).widen if certified and not any(cfg.joint for *_, cfg in items) else None
-    if entry.choose is not None:
+    if host_chosen:
         valid, vpos = (np.asarray(x).reshape(-1, codes.BLOCK) for x in
                        _programs.call(_device_masks, mh, vh, ph, in_tensor))
         # codes chosen on the host (logrel-aw: per-block widths on certified escapes); the
@@ -316,10 +316,9 @@ def _encode_group(items, shapes, codec, bound, partition, progress=False, certif
                 return np.zeros(idx.shape[0], np.int8)
             if at_idx:
                 return certify_pc(K, kidx[idx], mf[idx], vf[idx], a, b, pabs[idx], clip[idx], np.arange(idx.size),
-                                  bound, partition, max_level=max_level, reject_first=reject_first,
-                                  fast=speed, cells_tiers=cells)
+                                  bound, partition, max_level=max_level, reject_first=reject_first)
             return certify_pc(K, kidx, mf, vf, a, b, pabs, clip, idx, bound, partition, max_level=max_level,
-                              reject_first=reject_first, fast=speed, cells_tiers=cells)
+                              reject_first=reject_first)
 
         def classified(a, b, idx=None):
             if idx is not None:   # a, b at idx: the host classifier (the same booleans), no pass over the group
